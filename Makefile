@@ -1,0 +1,40 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-test
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench clean help
+
+help:
+	@echo "make demo   - create .venv, install, run the main job"
+	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
+	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
+
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "edge-agent needs Python 3.11 (MXNet 1.9.1 needs numpy<1.24)"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade --quiet pip setuptools wheel
+
+# Reinstall when the project metadata or the native kernel sources change.
+$(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*.c kernels/*.h)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/edge-agent probe
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check . || true
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

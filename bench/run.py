@@ -1,0 +1,82 @@
+"""`make bench`: run every bench/bench_*.py and rewrite BENCHMARKS.md.
+
+Each benchmark module defines `run(quick: bool = False) -> str` returning a Markdown
+section (its own `## Heading`, the figures, and how they were measured). Benchmarks compare
+side by side in one run, as ratios, median of repetitions: the machine is shared and noisy.
+Usage: python -m bench.run [--quick] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine_description() -> str:
+    cpu = "unknown CPU"
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu == "unknown CPU":
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if f in flags)
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 1048576:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (
+        f"{cpu} ({os.cpu_count()} cores{mem}; {isa or 'no AVX2'}), "
+        f"{platform.system()} {platform.machine()}, Python {platform.python_version()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    parser.add_argument("--only", nargs="*", help="bench module names, e.g. bench_codec")
+    parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    names = sorted(p.stem for p in (ROOT / "bench").glob("bench_*.py"))
+    if args.only:
+        names = [n for n in names if n in args.only]
+    command = "make bench" if not (args.quick or args.only) else "python -m bench.run " + " ".join(sys.argv[1:])
+    sections = []
+    failed = 0
+    for name in names:
+        print(f"[bench] {name} ...", flush=True)
+        start = time.perf_counter()
+        try:
+            module = importlib.import_module(f"bench.{name}")
+            sections.append(module.run(quick=args.quick).rstrip() + "\n")
+        except Exception:  # one broken benchmark must not hide the others' figures
+            failed += 1
+            sections.append(f"## {name}\n\nFAILED:\n\n```\n{traceback.format_exc()}```\n")
+        print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
+    header = (
+        "# Benchmarks\n\n"
+        f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.\n\n"
+        f"Machine: {machine_description()}.\n\n"
+        "The machine is shared and noisy: figures are ratios measured side by side in one run, "
+        "medians of repetitions.\n\n"
+    )
+    Path(args.output).write_text(header + "\n".join(sections))
+    print(f"[bench] wrote {args.output}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

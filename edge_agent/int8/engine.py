@@ -1,0 +1,57 @@
+"""The int8 engine interface: every way of running the frozen backbone in int8.
+
+An engine says whether it can run here (and why not), and prepares a model into a runner.
+Engines are discovered by a fixed preference list, each probed with its errors caught and
+reported (tinygrad's `DEV=` pattern); `EDGE_AGENT_INT8_BACKEND=<name>` forces one.
+
+Runners take the batch in the bundle's input layout (float32, NCHW as MXNet uses, already
+normalised) and return float32 features (N, ...). Engines that execute the project's own
+int8 model also expose `run_int8` on NHWC int8 input so agreement can be checked in int8
+units against the reference.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ENV_FORCE_BACKEND = "EDGE_AGENT_INT8_BACKEND"
+
+
+@dataclass
+class Availability:
+    available: bool
+    reason: str = ""  # why not, or what was found ("tflite-runtime 2.14.0, XNNPACK")
+    detail: dict[str, Any] = field(default_factory=dict)  # e.g. {"variant": "avx2"}
+
+
+class Runner(abc.ABC):
+    """A model prepared on one engine."""
+
+    @abc.abstractmethod
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        """float32 batch in the bundle's input layout -> float32 features."""
+
+    def run_int8(self, batch_nhwc: np.ndarray) -> np.ndarray:
+        """int8 NHWC batch -> int8 output, for engines that run the project's int8 model."""
+        raise NotImplementedError(f"{type(self).__name__} has no int8 entry point")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release native resources."""
+
+
+class Int8Engine(abc.ABC):
+    """One int8 execution engine (tflite, edgetpu, mxnet-onednn, native, reference)."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def availability(self, probe: dict[str, Any] | None = None) -> Availability:
+        """Can this engine run here? `probe` is the hardware probe's JSON report."""
+
+    @abc.abstractmethod
+    def prepare(self, model: Any, *, threads: int | None = None) -> Runner:
+        """Prepare a model bundle (edge_agent.int8.bundle.Bundle) for running."""
