@@ -8,6 +8,7 @@ with its length and sha256 and `read_checked` refuses anything that does not mat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -52,10 +53,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int =
         os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     fsync_dir(target.parent)
 
