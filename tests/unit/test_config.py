@@ -1,0 +1,80 @@
+"""agent.toml: merged over the board profile, validated with file:line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_agent.config import load_config, render_config
+from edge_agent.errors import EXIT_CONFIG, ConfigError
+
+BOARDS = Path(__file__).resolve().parents[1] / "fixtures" / "boards"
+KEY = "MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE="
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def _rendered(tmp_path: Path, **kw: object) -> str:
+    args = dict(device_id="pi-farm-07", fleet="farms", broker_host="127.0.0.1", broker_port=1883,
+                coordinator_public_key=KEY, state_dir=tmp_path / "state",
+                sysfs_root=str(BOARDS / "raspberry-pi-4"))
+    args.update(kw)
+    return render_config(**args)  # type: ignore[arg-type]
+
+
+def test_rendered_config_loads_and_merges_over_the_matched_profile(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, _rendered(tmp_path)))
+    assert config.device_id == "pi-farm-07" and config.fleet == "farms"
+    assert config.profile is not None and config.profile.name == "raspberry-pi-4"
+    assert config.get("power", "idle_w") == 2.7  # from the profile
+    assert config.get("budget", "energy_wh") == 3.0  # the profile's own budget
+    assert config.get("broker", "max_message_bytes") == 128 * 1024  # agent default
+    assert config.key_file == tmp_path / "state" / "device.key"
+
+
+def test_agent_toml_overrides_profile_budget(tmp_path: Path) -> None:
+    text = _rendered(tmp_path) + "\n[budget]\nenergy_wh = 0.5\n"
+    config = load_config(_write(tmp_path, text))
+    assert config.get("budget", "energy_wh") == 0.5
+    assert config.get("budget", "battery_floor_pct") == 30.0  # still from base
+
+
+def test_named_profile_instead_of_auto(tmp_path: Path) -> None:
+    text = _rendered(tmp_path, profile="raspberry-pi-zero-2w")
+    assert load_config(_write(tmp_path, text)).get("power", "idle_w") == 0.6
+    with pytest.raises(ConfigError, match=r"agent.toml:\d+: device.profile: no profile named 'pi-9'"):
+        load_config(_write(tmp_path, _rendered(tmp_path, profile="pi-9")))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (('id = "pi-farm-07"', 'id = "pi/farm#7"'), r":5: device.id: use letters"),
+    (("port = 1883", "port = 70000"), r":\d+: broker.port: 70000 is above the maximum"),
+    (("port = 1883", 'port = "1883"'), r":\d+: broker.port: must be an integer, got str"),
+    (("tls = false", "tls = 1"), r":\d+: broker.tls: must be a boolean"),
+    (("[policy]", "[polcy]"), r":\d+: polcy: unknown table"),
+    (("min_battery_pct = 40", "min_battery_pct = 140"), r"policy.min_battery_pct: 140 is above"),
+])
+def test_bad_values_are_reported_with_file_and_line(tmp_path: Path, edit: tuple[str, str], message: str) -> None:
+    text = _rendered(tmp_path).replace(*edit, 1)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(_write(tmp_path, text))
+    assert info.value.exit_code == EXIT_CONFIG
+    assert str(info.value).startswith(str(tmp_path / "agent.toml"))
+
+
+def test_missing_required_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"coordinator.public_key is required"):
+        load_config(_write(tmp_path, '[device]\nid = "a"\n[broker]\nhost = "h"\n'))
+    with pytest.raises(ConfigError, match=r":1: cannot read"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"TOML syntax"):
+        load_config(_write(tmp_path, "[device\n"))
+    client_cert_without_key = _rendered(tmp_path, tls=True).replace(
+        '# cert_file = "/etc/edge-agent/device.pem"', 'cert_file = "/etc/edge-agent/device.pem"')
+    with pytest.raises(ConfigError, match=r"cert_file and key_file go together"):
+        load_config(_write(tmp_path, client_cert_without_key))
