@@ -1,0 +1,150 @@
+"""The fine-tune job lifecycle: an enum, ONE transition table, and a crash-safe store.
+
+Every transition is persisted before the step it starts (Mender's rule), so a daemon that
+restarts after a brown-out knows exactly where each job was. Each state also counts how
+often it was entered: a job that re-enters TRAINING again and again is most likely what
+is browning the device out, so past a limit it fails instead of looping forever.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from ..atomic import CorruptFileError, read_checked, write_checked
+from ..errors import InputError
+
+
+class JobState(StrEnum):
+    ACCEPTED = "accepted"
+    WAITING_FOR_POWER = "waiting-for-power"
+    PREPARING = "preparing"
+    TRAINING = "training"
+    PAUSED = "paused"
+    UPLOADING = "uploading"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+
+
+S = JobState
+# The one table that says which step may follow which. Anything else is a bug, not a state.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    S.ACCEPTED: frozenset({S.WAITING_FOR_POWER, S.PREPARING, S.CANCELLED, S.FAILED}),
+    S.WAITING_FOR_POWER: frozenset({S.PREPARING, S.CANCELLED, S.FAILED}),
+    S.PREPARING: frozenset({S.TRAINING, S.WAITING_FOR_POWER, S.CANCELLED, S.FAILED}),
+    S.TRAINING: frozenset({S.PAUSED, S.UPLOADING, S.CANCELLED, S.FAILED}),
+    S.PAUSED: frozenset({S.TRAINING, S.CANCELLED, S.FAILED}),
+    S.UPLOADING: frozenset({S.DONE, S.CANCELLED, S.FAILED}),
+    S.DONE: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+# States re-entered on every restart; past this many entries the job fails.
+MAX_REENTRIES = 6
+_REENTRANT = (S.PREPARING, S.TRAINING)
+MAX_JOB_BYTES = 256 * 1024
+MAX_HISTORY = 200
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Job:
+    job_id: str
+    round: int
+    model: str  # "name@version"
+    params: dict[str, Any] = field(default_factory=dict)  # budget, epochs, ... from the command
+    state: JobState = JobState.ACCEPTED
+    reason: str = ""  # why it is in this state (pause reason, failure message, stop reason)
+    entries: dict[str, int] = field(default_factory=dict)
+    history: list[tuple[float, str, str]] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    result: dict[str, Any] = field(default_factory=dict)  # the fine-tune report once trained
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Job:
+        try:
+            job = cls(
+                job_id=str(data["job_id"]), round=int(data["round"]), model=str(data["model"]),
+                params=dict(data.get("params", {})), state=JobState(data["state"]),
+                reason=str(data.get("reason", "")),
+                entries={str(k): int(v) for k, v in data.get("entries", {}).items()},
+                history=[(float(t), str(s), str(r)) for t, s, r in data.get("history", [])],
+                created=float(data.get("created", 0.0)), result=dict(data.get("result", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"job record is malformed: {exc}") from exc
+        return job
+
+
+def transition(job: Job, new: JobState, reason: str = "", *, now: float | None = None) -> Job:
+    """Apply one step of the table (pure: the caller persists)."""
+    if new not in TRANSITIONS[job.state]:
+        raise IllegalTransition(f"job {job.job_id}: {job.state.value} -> {new.value} is not allowed")
+    job.entries[new.value] = job.entries.get(new.value, 0) + 1
+    job.state = new
+    job.reason = reason
+    job.history.append((time.time() if now is None else now, new.value, reason[:500]))
+    del job.history[:-MAX_HISTORY]
+    return job
+
+
+class JobStore:
+    """One checksummed file per job under `<state_dir>/jobs/`; corrupt files are quarantined."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.quarantined: list[str] = []
+
+    def _path(self, job_id: str) -> Path:
+        if not job_id or "/" in job_id or job_id.startswith("."):
+            raise InputError(f"unsafe job id {job_id!r}")
+        return self.directory / f"{job_id}.job"
+
+    def save(self, job: Job) -> None:
+        write_checked(self._path(job.job_id), json.dumps(job.to_json(), sort_keys=True).encode())
+
+    def advance(self, job: Job, new: JobState, reason: str = "") -> Job:
+        """Transition and persist before returning, so the next step starts from disk truth.
+        A job re-entering PREPARING/TRAINING too often (a reboot loop) fails instead."""
+        transition(job, new, reason)
+        if new in _REENTRANT and job.entries[new.value] > MAX_REENTRIES:
+            transition(job, JobState.FAILED,
+                       f"entered {new.value} {job.entries[new.value]} times: likely a brown-out "
+                       "reboot loop; giving up")
+        self.save(job)
+        return job
+
+    def load(self, job_id: str) -> Job:
+        return Job.from_json(json.loads(read_checked(self._path(job_id), MAX_JOB_BYTES)))
+
+    def all(self) -> list[Job]:
+        """Every readable job; unreadable ones are renamed *.corrupt and listed in quarantined."""
+        jobs = []
+        for path in sorted(self.directory.glob("*.job")):
+            try:
+                jobs.append(Job.from_json(json.loads(read_checked(path, MAX_JOB_BYTES))))
+            except (CorruptFileError, InputError, ValueError, OSError) as exc:
+                path.rename(path.with_suffix(".corrupt"))
+                self.quarantined.append(f"{path.name}: {exc}")
+        return sorted(jobs, key=lambda j: j.created)
+
+    def active(self) -> list[Job]:
+        return [job for job in self.all() if not job.state.terminal]
