@@ -1,0 +1,202 @@
+"""Message kinds, rejection reasons, body schemas, size and validity limits."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+from ..errors import InputError
+
+PROTOCOL_VERSION = 1
+BINARY_MAGIC = b"EFB1"
+MAX_CONTROL_BYTES = 16 * 1024
+MAX_BINARY_BYTES = 128 * 1024  # AWS IoT Core's message cap
+MAX_BINARY_HEADER = 2048
+MAX_BUNDLE_BYTES = 1 << 30
+MAX_SEQ = (1 << 53) - 1  # exact in JSON/doubles everywhere
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_DAY = 86400
+
+
+def unb64(text: str) -> bytes:
+    """Strict base64 decode; b"" for anything invalid."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+
+
+class Kind(StrEnum):
+    HELLO = "hello"
+    STATE = "state"
+    CMD = "cmd"
+    ACK = "ack"
+    PROGRESS = "progress"
+    REFUSAL = "refusal"
+    UPDATE_CHUNK = "update_chunk"
+    MANIFEST = "manifest"
+    MODEL_CHUNK = "model_chunk"
+
+
+class Reason(StrEnum):
+    UNKNOWN_TOPIC = "unknown_topic"
+    OVERSIZED = "oversized"
+    MALFORMED = "malformed"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    WRONG_KIND = "wrong_kind"
+    BAD_SCHEMA = "bad_schema"
+    UNKNOWN_KEY = "unknown_key"
+    WRONG_SIGNER = "wrong_signer"
+    BAD_SIGNATURE = "bad_signature"
+    NOT_YET_VALID = "not_yet_valid"
+    EXPIRED = "expired"
+    TTL_TOO_LONG = "ttl_too_long"
+    REPLAYED = "replayed"
+
+    @property
+    def retryable(self) -> bool:
+        """Might a resend succeed later (key enrolled, clock fixed)? Default for update acks."""
+        return self in _RETRYABLE
+
+
+_RETRYABLE = {Reason.UNKNOWN_KEY, Reason.WRONG_SIGNER, Reason.BAD_SIGNATURE, Reason.NOT_YET_VALID,
+              Reason.EXPIRED, Reason.REPLAYED}
+
+
+# ---- schemas: field -> (check, required); a check raises ValueError with a short why ----
+def _id(v: Any) -> None:
+    if not (isinstance(v, str) and ID_RE.fullmatch(v)):
+        raise ValueError("must be 1-64 of [A-Za-z0-9._-], not starting with . _ -")
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"must be an integer in {lo}..{hi}")
+    return check
+
+
+def _num(lo: float, hi: float) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and lo <= v <= hi):
+            raise ValueError(f"must be a number in {lo}..{hi}")
+    return check
+
+
+def _text(n: int) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not isinstance(v, str) or len(v) > n:
+            raise ValueError(f"must be a string of at most {n} characters")
+    return check
+
+
+def _enum(*values: str) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if v not in values:
+            raise ValueError(f"must be one of {', '.join(values)}")
+    return check
+
+
+def _hex64(v: Any) -> None:
+    if not (isinstance(v, str) and _HEX64.fullmatch(v)):
+        raise ValueError("must be 64 lower-case hex digits (sha256)")
+
+
+def _bool(v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false")
+
+
+def _b64key(v: Any) -> None:
+    if not (isinstance(v, str) and len(v) == 44 and len(unb64(v)) == 32):
+        raise ValueError("must be a base64 32-byte Ed25519 public key")
+
+
+def _flat(v: Any) -> None:
+    """A small flat mapping of id -> scalar (command parameters, metrics, metadata)."""
+    if not isinstance(v, dict) or len(v) > 64:
+        raise ValueError("must be an object of at most 64 entries")
+    for key, item in v.items():
+        _id(key)
+        if isinstance(item, str):
+            _text(256)(item)
+        elif not isinstance(item, bool | int) and not (isinstance(item, float) and math.isfinite(item)):
+            raise ValueError(f"entry {key!r} must be a string, finite number or boolean")
+
+
+_ROUND = _int(0, (1 << 32) - 1)
+_INDEX, _COUNT = _int(0, 0xFFFE), _int(1, 0xFFFF)
+_SIZE = _int(0, MAX_BINARY_BYTES)
+Schema = dict[str, tuple[Callable[[Any], None], bool]]
+SCHEMAS: dict[Kind, Schema] = {
+    Kind.HELLO: {"public_key": (_b64key, True), "agent": (_text(64), False), "info": (_flat, False)},
+    Kind.STATE: {"status": (_enum("online", "offline", "idle", "busy"), True), "agent": (_text(64), False),
+                 "job": (_id, False), "detail": (_text(256), False)},
+    Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping"), True),
+               "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
+               "sha256": (_hex64, False), "params": (_flat, False)},
+    Kind.ACK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
+               "status": (_enum("accepted", "duplicate", "rejected"), True), "reason": (_id, False),
+               "detail": (_text(512), False), "retry": (_bool, False)},
+    Kind.PROGRESS: {"phase": (_id, True), "job": (_id, False), "round": (_ROUND, False), "cmd_id": (_id, False),
+                    "pct": (_num(0, 100), False), "detail": (_text(512), False), "metrics": (_flat, False)},
+    Kind.REFUSAL: {"reason": (_id, True), "detail": (_text(512), True), "ref_topic": (_text(256), False),
+                   "ref_kind": (_id, False), "ref_seq": (_int(0, MAX_SEQ), False), "ref_sha256": (_hex64, False),
+                   "ref_cmd_id": (_id, False)},
+    Kind.MANIFEST: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
+                    "size": (_int(1, MAX_BUNDLE_BYTES), True), "chunks": (_COUNT, True),
+                    "chunk_size": (_int(1, MAX_BINARY_BYTES), True), "meta": (_flat, False)},
+    Kind.UPDATE_CHUNK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
+                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
+    Kind.MODEL_CHUNK: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
+                       "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
+}
+BINARY_KINDS = frozenset({Kind.UPDATE_CHUNK, Kind.MODEL_CHUNK})
+WINDOWED_KINDS = frozenset({Kind.CMD, Kind.ACK, Kind.PROGRESS, Kind.REFUSAL})
+MAX_TTL: dict[Kind, int] = {Kind.HELLO: 365 * _DAY, Kind.STATE: 30 * _DAY, Kind.MANIFEST: 365 * _DAY,
+                            Kind.MODEL_CHUNK: 365 * _DAY, Kind.UPDATE_CHUNK: _DAY, Kind.CMD: _DAY,
+                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY}
+
+
+def check_envelope(env: dict[str, Any]) -> None:
+    """Validate the envelope's own fields (not the body); raises ValueError naming the field."""
+    for name, check in (("from", _id), ("seq", _int(1, MAX_SEQ)), ("iat", _int(0, 1 << 40)),
+                        ("exp", _int(0, 1 << 40))):
+        try:
+            check(env[name])
+        except ValueError as exc:
+            raise ValueError(f"envelope.{name} {exc}") from None
+
+
+def check_body(kind: Kind, body: Any) -> None:
+    """Validate a message body against its kind's schema; raises ValueError naming the field."""
+    if not isinstance(body, dict):
+        raise ValueError("body must be an object")
+    schema = SCHEMAS[kind]
+    for name in body:
+        if name not in schema:
+            raise ValueError(f"{kind}: unknown field {str(name)[:64]!r}")
+    for name, (check, required) in schema.items():
+        if name not in body:
+            if required:
+                raise ValueError(f"{kind}: missing field {name!r}")
+            continue
+        try:
+            check(body[name])
+        except ValueError as exc:
+            raise ValueError(f"{kind}.{name} {exc}") from None
+
+
+def validate_id(value: str, what: str = "id") -> str:
+    """Check a topic-safe id (device, job, model, fleet); returns it, raises InputError."""
+    try:
+        _id(value)
+    except ValueError as exc:
+        raise InputError(f"{what} {str(value)[:80]!r} {exc}") from None
+    return value
