@@ -1,0 +1,226 @@
+"""`edge-coordinator`: the fleet-side command line.
+
+Command groups register themselves like the agent's plugins: each entry of `_GROUPS` is a
+function adding one subcommand group to the parser, so the fleet commands (enrol, train,
+publish...) slot in next to `model` without touching the others. Handlers return an exit
+code; an EdgeAgentError becomes one clear line on stderr and its documented exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, EdgeAgentError, InputError
+
+EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
+
+CREATE_HELP = """\
+Build a model bundle from a trained network: the frozen backbone (input -> SPLIT) as fp32
+ONNX and as int8 TFLite (post-training quantisation on the calibration data), the head
+(SPLIT -> output) as MXNet symbol + params, the calibration samples, and a manifest with
+every file's sha256. The bundle is written to a temp directory, verified, then renamed,
+so a failure never leaves a half-written bundle.
+
+Sources (one of):
+  --onnx FILE                    an ONNX model (opset as exported by MXNet or PyTorch)
+  --mxnet PREFIX                 an exported Gluon HybridBlock: PREFIX-symbol.json and
+                                 PREFIX-0000.params (what HybridBlock.export(PREFIX) writes)
+
+Calibration (--calib): an .npz holding an (N, C, H, W) float array named x, data or images
+(already normalised), or a folder of .npy arrays (normalised) and/or images (.png/.jpg:
+raw pixels, resized and normalised with --scale/--mean/--std).
+"""
+
+CREATE_EPILOG = """\
+examples:
+  edge-coordinator model create --onnx digits.onnx --split features_gap_fwd \\
+      --calib calib.npz --labels 0,1,2,3,4,5,6,7,8,9 --name digits --version 1 \\
+      --scale 0.0625 --output models/digits-1 --archive models/digits-1.tar.gz
+  edge-coordinator model create --mxnet exported/net --split features_gap_fwd \\
+      --calib images/ --labels labels.txt --name birds --version 2 --parent-version 1 \\
+      --scale 0.00392157 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225 --output birds-2
+  edge-coordinator model inspect models/digits-1.tar.gz
+"""
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        dims = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(f"expected C,H,W (three positive integers), got {text!r}")
+    return dims  # type: ignore[return-value]
+
+
+def _labels(value: str) -> list[str]:
+    """A file with one label per line, or a comma-separated list."""
+    path = Path(value)
+    if path.is_file():
+        from ..atomic import read_limited
+
+        try:
+            text = read_limited(path, 4 << 20).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{path}: labels file is not UTF-8 text") from None
+        labels = [line.strip() for line in text.splitlines() if line.strip()]
+    else:
+        labels = [v.strip() for v in value.split(",") if v.strip()]
+    if not labels:
+        raise InputError(f"--labels {value!r}: no labels")
+    return labels
+
+
+def _cmd_model_create(args: argparse.Namespace) -> int:
+    from ..int8.bundle import create_bundle, pack_bundle
+
+    if args.mxnet:
+        import warnings
+
+        import mxnet as mx
+
+        prefix = args.mxnet
+        symbol, params = Path(f"{prefix}-symbol.json"), Path(f"{prefix}-0000.params")
+        for path in (symbol, params):
+            if not path.is_file():
+                raise InputError(f"--mxnet {prefix}: {path} not found (HybridBlock.export writes both files)")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                source: Any = mx.gluon.SymbolBlock.imports(str(symbol), [args.input_name], str(params))
+        except Exception as exc:  # MXNetError / JSON errors from a corrupt export
+            raise InputError(f"--mxnet {prefix}: cannot load the exported block: {str(exc).strip()[:300]}") from None
+        if args.input_shape is None:
+            raise InputError("--mxnet needs --input-shape C,H,W")
+    else:
+        source = Path(args.onnx)
+    bundle = create_bundle(
+        source, args.output, calibration=args.calib, labels=_labels(args.labels), name=args.name,
+        version=args.version, split=args.split, input_shape=args.input_shape, scale=args.scale,
+        mean=args.mean or (), std=args.std or (), parent_version=args.parent_version,
+        method=args.method, edgetpu_model=args.edgetpu_model, overwrite=args.overwrite)
+    print(f"bundle {bundle.path}: {bundle.manifest.name} {bundle.manifest.version} "
+          f"(sha256 {bundle.sha256[:16]}...), split at {bundle.manifest.split_tensor!r}, "
+          f"features {tuple(bundle.manifest.feature_shape)}")
+    if args.archive:
+        archive = pack_bundle(bundle.path, args.archive)
+        print(f"archive {archive} ({archive.stat().st_size} bytes)")
+    return EXIT_OK
+
+
+def _cmd_model_inspect(args: argparse.Namespace) -> int:
+    from ..int8.bundle import load_bundle, unpack_bundle
+
+    with tempfile.TemporaryDirectory(prefix="edge-coordinator-inspect-") as tmp:
+        path = Path(args.bundle)
+        bundle = unpack_bundle(path, Path(tmp) / "bundle") if path.is_file() else load_bundle(path)
+        manifest = bundle.manifest.to_json()
+    if args.json:
+        print(json.dumps({"sha256": bundle.sha256, "verified": True, "manifest": manifest}, indent=2))
+        return EXIT_OK
+    m = bundle.manifest
+    spec = m.input
+    lines = [
+        f"bundle:    {args.bundle} (sha256 {bundle.sha256}; every file verified)",
+        f"model:     {m.name} {m.version}" + (f" (parent {m.parent_version})" if m.parent_version else ""),
+        f"created:   {m.created or '?'} from {m.source or '?'}",
+        f"input:     {spec.name} {spec.layout} {'x'.join(map(str, spec.shape))} {spec.dtype}; "
+        f"x = (raw * {spec.scale:g} - mean {list(spec.mean)}) / std {list(spec.std)}",
+        f"split:     {m.split_tensor!r} (node {m.split_node or '-'}) -> features {tuple(m.feature_shape)}",
+        f"labels:    {len(m.labels)}: {', '.join(m.labels[:12])}{' ...' if len(m.labels) > 12 else ''}",
+        "files:",
+    ]
+    lines += [f"  {name:<30} {entry.size:>10} B  sha256 {entry.sha256[:16]}..."
+              for name, entry in sorted(m.files.items())]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def add_model_commands(sub: Any) -> None:
+    model = sub.add_parser("model", help="create and inspect model bundles",
+                           description="Model bundles: what devices download, verify and fine-tune.")
+    msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    create = msub.add_parser("create", help="build a bundle (and its archive) from an ONNX or MXNet model",
+                             description=CREATE_HELP, epilog=CREATE_EPILOG,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = create.add_mutually_exclusive_group(required=True)
+    src.add_argument("--onnx", metavar="FILE", help="ONNX model file")
+    src.add_argument("--mxnet", metavar="PREFIX", help="exported Gluon block: PREFIX-symbol.json + PREFIX-0000.params")
+    create.add_argument("--split", metavar="NODE",
+                        help="node (or tensor) where the frozen backbone ends and the head begins")
+    create.add_argument("--calib", required=True, metavar="PATH", help="calibration .npz or folder (see above)")
+    create.add_argument("--labels", required=True, metavar="FILE|A,B,...",
+                        help="class labels: a file with one per line, or a comma-separated list")
+    create.add_argument("--name", required=True, help="model name ([A-Za-z0-9._+-], up to 64)")
+    create.add_argument("--version", required=True, help="this bundle's version")
+    create.add_argument("--parent-version", default=None, help="the version this one was derived from")
+    create.add_argument("--input-shape", type=_shape, default=None, metavar="C,H,W",
+                        help="input shape (required for --mxnet; checked against the ONNX input otherwise)")
+    create.add_argument("--input-name", default="data", help="the MXNet symbol's input name (default: data)")
+    create.add_argument("--scale", type=float, default=1.0, help="raw pixel multiplier before mean/std (e.g. 1/255)")
+    create.add_argument("--mean", type=_floats, default=None, metavar="M[,M,M]", help="per-channel mean")
+    create.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std")
+    create.add_argument("--method", choices=("minmax", "percentile", "entropy"), default=None,
+                        help="activation range calibration (default: the quantiser's, min/max)")
+    create.add_argument("--edgetpu-model", metavar="FILE", default=None,
+                        help="the int8 model compiled by edgetpu_compiler, for Coral devices")
+    create.add_argument("--output", required=True, metavar="DIR", help="bundle directory to create")
+    create.add_argument("--archive", metavar="FILE", default=None, help="also write the single-file .tar.gz")
+    create.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
+    create.set_defaults(func=_cmd_model_create)
+    inspect = msub.add_parser("inspect", help="verify a bundle (directory or archive) and print its manifest",
+                              description="Verify every file's sha256 and print the manifest. Exit 65 if "
+                                          "anything does not verify.")
+    inspect.add_argument("bundle", metavar="BUNDLE", help="bundle directory or .tar.gz archive")
+    inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    inspect.set_defaults(func=_cmd_model_inspect)
+
+
+# Subcommand groups, in help order. The fleet issue appends its own adders here.
+_GROUPS: list[Callable[[Any], None]] = [add_model_commands]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge-coordinator",
+        description="Drive a fleet of edge-agent devices: build and publish model bundles, "
+                    "trigger fine-tune rounds, aggregate their updates.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"edge-coordinator {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _GROUPS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except EdgeAgentError as exc:
+        print(f"edge-coordinator: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

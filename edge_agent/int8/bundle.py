@@ -1,0 +1,726 @@
+"""Model bundles: the unit a coordinator publishes and a device verifies, activates and runs.
+
+A bundle is a flat directory (and, for transfer, a single tar.gz archive of it):
+
+    manifest.json           name, version, parent version, input spec, labels, split point,
+                            sha256 + size of every other file, format version
+    backbone.onnx           the frozen backbone in fp32 (input -> split tensor)
+    backbone_int8.tflite    the same backbone quantised to int8 by the project's own writer
+    head-symbol.json        the trainable head as an MXNet symbol (split tensor -> outputs)
+    head.params             the head's MXNet parameters (arg:/aux: ndarray file)
+    calibration.npz         normalised NCHW float32 samples ("x"): calibration for engines
+                            that quantise on the device (mxnet-onednn) and the check batch
+                            for agreement
+    backbone_int8_edgetpu.tflite   optional: the int8 model compiled by edgetpu_compiler
+
+Everything read from a bundle is untrusted: sizes are checked before reading, the manifest
+is validated field by field, and every file's sha256 is verified before use -- and again on
+the exact bytes handed out by `Bundle.read`, so a file swapped after loading is still caught.
+Bundles are only ever created or unpacked into a temp directory that is fsynced and renamed
+into place, so a crash never leaves a half-written bundle under the final name.
+
+Creating a bundle (`create_bundle`) needs MXNet and onnx, imported inside it; loading,
+verifying and packing do not (the idle daemon imports this module).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import atomic_write_bytes, fsync_dir, read_limited
+from ..errors import InputError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BACKBONE_ONNX = "backbone.onnx"
+BACKBONE_INT8 = "backbone_int8.tflite"
+BACKBONE_EDGETPU = "backbone_int8_edgetpu.tflite"
+HEAD_SYMBOL = "head-symbol.json"
+HEAD_PARAMS = "head.params"
+CALIBRATION = "calibration.npz"
+REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBRATION)
+OPTIONAL_FILES = (BACKBONE_EDGETPU,)
+
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_FILE_BYTES = 256 << 20  # a MobileNetV2 1.0 fp32 ONNX is ~14 MB; leave ample room
+MAX_ARCHIVE_BYTES = 512 << 20
+MAX_CALIBRATION_SAMPLES = 1024
+MAX_CALIBRATION_BYTES = 32 << 20  # stored samples; 224x224 RGB float32 -> 53 samples
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class BundleError(InputError):
+    """A bundle (directory, archive or manifest) is malformed, incomplete or tampered with."""
+
+
+class ManifestError(BundleError):
+    """manifest.json is not valid JSON or misses / mistypes a field."""
+
+
+class HashMismatchError(BundleError):
+    """A bundle file's sha256 or size differs from the manifest."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What the backbone eats: x = (raw * scale - mean[c]) / std[c], laid out NCHW."""
+
+    shape: tuple[int, int, int]  # (C, H, W), batch dimension excluded
+    name: str = "data"
+    layout: str = "NCHW"
+    dtype: str = "float32"
+    scale: float = 1.0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+    def normalise(self, raw: np.ndarray) -> np.ndarray:
+        """Raw NCHW pixels -> the normalised float32 input the backbone expects."""
+        c = self.shape[0]
+        mean = np.asarray(self.mean or (0.0,) * c, np.float32).reshape(1, c, 1, 1)
+        std = np.asarray(self.std or (1.0,) * c, np.float32).reshape(1, c, 1, 1)
+        return ((raw.astype(np.float32) * np.float32(self.scale)) - mean) / std
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.shape[0]
+        return {
+            "name": self.name, "layout": self.layout, "dtype": self.dtype,
+            "shape": list(self.shape),
+            "normalisation": {
+                "scale": self.scale,
+                "mean": list(self.mean or (0.0,) * c),
+                "std": list(self.std or (1.0,) * c),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass
+class Manifest:
+    name: str
+    version: str
+    input: InputSpec
+    labels: list[str]
+    split_tensor: str  # the ONNX tensor where the backbone ends and the head begins
+    feature_shape: tuple[int, ...]  # backbone output per sample, e.g. (32, 1, 1)
+    files: dict[str, FileEntry]
+    parent_version: str | None = None
+    split_node: str = ""  # the ONNX node producing split_tensor ("" when it has no name)
+    created: str = ""
+    source: str = ""  # "gluon" or "onnx:<file name>"
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. quantisation method
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "name": self.name,
+            "version": self.version,
+            "parent_version": self.parent_version,
+            "created": self.created,
+            "source": self.source,
+            "input": self.input.to_json(),
+            "labels": list(self.labels),
+            "split": {"tensor": self.split_tensor, "node": self.split_node,
+                      "feature_shape": list(self.feature_shape)},
+            "files": {k: asdict(v) for k, v in sorted(self.files.items())},
+            "extra": self.extra,
+        }
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, obj: Any, *, where: str = MANIFEST) -> Manifest:
+        return _parse_manifest(obj, where)
+
+
+# ---------------------------------------------------------------- manifest validation
+
+
+def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise ManifestError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    # bool is an int subclass: never accept it where a number is expected
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise ManifestError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {value!r:.80}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join("null" if k is type(None) else k.__name__ for k in _as_tuple(kind))
+
+
+def _ints(value: Any, where: str, *, length: int | None = None, limit: int = 1 << 16) -> tuple[int, ...]:
+    if (not isinstance(value, list) or (length is not None and len(value) != length) or len(value) > 8
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= limit for v in value)):
+        want = f"{length} " if length else ""
+        raise ManifestError(f"{where}: must be a list of {want}positive integers (<= {limit}), got {value!r:.80}")
+    return tuple(value)
+
+
+def _floats(value: Any, where: str, length: int, *, positive: bool = False) -> tuple[float, ...]:
+    ok = isinstance(value, list) and len(value) == length and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v) and (v > 0 or not positive)
+        for v in value)
+    if not ok:
+        sign = "positive " if positive else ""
+        raise ManifestError(f"{where}: must be a list of {length} finite {sign}numbers, got {value!r:.80}")
+    return tuple(float(v) for v in value)
+
+
+def _parse_manifest(obj: Any, where: str) -> Manifest:
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where}: must be a JSON object, got {type(obj).__name__}")
+    fmt = _field(obj, "format_version", int, where)
+    if fmt != FORMAT_VERSION:
+        raise ManifestError(f"{where}: format_version {fmt} is not supported (this agent reads {FORMAT_VERSION})")
+    name = _field(obj, "name", str, where)
+    version = _field(obj, "version", str, where)
+    for key, value in (("name", name), ("version", version)):
+        if not _NAME_RE.match(value):
+            raise ManifestError(f"{where}: field {key!r}: {value!r:.80} is not 1-64 of [A-Za-z0-9._+-]")
+    parent = _field(obj, "parent_version", (str, type(None)), where)
+    inp = _field(obj, "input", dict, where)
+    shape = _ints(_field(inp, "shape", list, f"{where}: input"), f"{where}: input.shape", length=3, limit=8192)
+    if _field(inp, "layout", str, f"{where}: input") != "NCHW":
+        raise ManifestError(f"{where}: input.layout must be 'NCHW', got {inp['layout']!r:.40}")
+    if _field(inp, "dtype", str, f"{where}: input") != "float32":
+        raise ManifestError(f"{where}: input.dtype must be 'float32', got {inp['dtype']!r:.40}")
+    norm = _field(inp, "normalisation", dict, f"{where}: input")
+    scale = _field(norm, "scale", (int, float), f"{where}: input.normalisation")
+    if not (np.isfinite(scale) and scale > 0):
+        raise ManifestError(f"{where}: input.normalisation.scale must be a positive number, got {scale!r}")
+    spec = InputSpec(
+        shape=shape,  # type: ignore[arg-type]
+        name=_field(inp, "name", str, f"{where}: input"),
+        scale=float(scale),
+        mean=_floats(_field(norm, "mean", list, f"{where}: input.normalisation"),
+                     f"{where}: input.normalisation.mean", shape[0]),
+        std=_floats(_field(norm, "std", list, f"{where}: input.normalisation"),
+                    f"{where}: input.normalisation.std", shape[0], positive=True),
+    )
+    labels = _field(obj, "labels", list, where)
+    if not labels or len(labels) > 100_000 or not all(isinstance(v, str) and len(v) <= 256 for v in labels):
+        raise ManifestError(f"{where}: labels must be a non-empty list of strings (<= 256 chars each)")
+    split = _field(obj, "split", dict, where)
+    files_obj = _field(obj, "files", dict, where)
+    files: dict[str, FileEntry] = {}
+    for fname, entry in files_obj.items():
+        if fname not in REQUIRED_FILES + OPTIONAL_FILES:
+            raise ManifestError(f"{where}: files: unexpected file name {fname!r:.80}")
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{where}: files.{fname}: must be an object with sha256 and size")
+        digest = _field(entry, "sha256", str, f"{where}: files.{fname}")
+        size = _field(entry, "size", int, f"{where}: files.{fname}")
+        if not _HEX64_RE.match(digest):
+            raise ManifestError(f"{where}: files.{fname}.sha256 is not 64 lowercase hex digits")
+        if not 0 <= size <= MAX_FILE_BYTES:
+            raise ManifestError(f"{where}: files.{fname}.size {size} is outside 0..{MAX_FILE_BYTES}")
+        files[fname] = FileEntry(digest, size)
+    missing = [f for f in REQUIRED_FILES if f not in files]
+    if missing:
+        raise ManifestError(f"{where}: files: missing entries for {', '.join(missing)}")
+    extra = obj.get("extra", {})
+    if not isinstance(extra, dict):
+        raise ManifestError(f"{where}: field 'extra' must be an object")
+    return Manifest(
+        name=name, version=version, parent_version=parent, input=spec, labels=list(labels),
+        split_tensor=_field(split, "tensor", str, f"{where}: split"),
+        split_node=_field(split, "node", str, f"{where}: split"),
+        feature_shape=_ints(_field(split, "feature_shape", list, f"{where}: split"),
+                            f"{where}: split.feature_shape", limit=1 << 20),
+        files=files, created=str(obj.get("created", "")), source=str(obj.get("source", "")),
+        format_version=fmt, extra=extra,
+    )
+
+
+# ---------------------------------------------------------------- loading
+
+
+@dataclass
+class Bundle:
+    """A verified bundle on disk. `sha256` (of manifest.json) identifies it: the manifest
+    pins every other file's hash, so it changes whenever any byte of the bundle does."""
+
+    path: Path
+    manifest: Manifest
+    sha256: str
+
+    def has(self, fname: str) -> bool:
+        return fname in self.manifest.files
+
+    def read(self, fname: str) -> bytes:
+        """The bytes of one bundle file, verified against the manifest on these very bytes."""
+        entry = self.manifest.files.get(fname)
+        if entry is None:
+            raise BundleError(f"{self.path}: bundle has no file {fname!r}")
+        where = self.path / fname
+        try:
+            data = read_limited(where, max(entry.size, 0))
+        except FileNotFoundError:
+            raise BundleError(f"{where}: missing (listed in {MANIFEST})") from None
+        except InputError as exc:  # larger than the manifest says
+            raise HashMismatchError(f"{where}: size differs from {MANIFEST} ({exc})") from None
+        if len(data) != entry.size:
+            raise HashMismatchError(f"{where}: {len(data)} bytes, {MANIFEST} says {entry.size} (truncated?)")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != entry.sha256:
+            raise HashMismatchError(f"{where}: sha256 {digest[:16]}... does not match {MANIFEST} ({entry.sha256[:16]}...)")
+        return data
+
+    def tflite_bytes(self) -> bytes:
+        return self.read(BACKBONE_INT8)
+
+    def onnx_bytes(self) -> bytes:
+        return self.read(BACKBONE_ONNX)
+
+    def calibration(self) -> np.ndarray:
+        """The stored normalised NCHW float32 samples (validated again: shape and finiteness)."""
+        return _load_npz_array(self.read(CALIBRATION), self.manifest.input, where=str(self.path / CALIBRATION),
+                               max_bytes=2 * MAX_CALIBRATION_BYTES)
+
+    def qgraph(self) -> Any:
+        """The int8 backbone as a QGraph (parsed from the verified .tflite)."""
+        from .tflite_reader import read_tflite
+
+        return read_tflite(self.tflite_bytes())
+
+    def head_block(self) -> Any:
+        """The head as an MXNet Gluon SymbolBlock (imports MXNet)."""
+        import warnings
+
+        import mxnet as mx
+
+        sym = mx.sym.load_json(self.read(HEAD_SYMBOL).decode("utf-8"))
+        params = mx.nd.load_frombuffer(self.read(HEAD_PARAMS))
+        with warnings.catch_warnings():  # "Cannot decide type": the input's dtype comes at run time
+            warnings.simplefilter("ignore", UserWarning)
+            block = mx.gluon.SymbolBlock(sym, mx.sym.var(self.manifest.split_tensor))
+        own = block.collect_params()
+        for key, value in params.items():
+            name = key.split(":", 1)[-1]
+            if name in own:
+                own[name]._load_init(value, mx.cpu())  # noqa: SLF001 - SymbolBlock has no public setter by name
+        return block
+
+
+def load_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Open a bundle directory, validate its manifest and verify every file's sha256."""
+    root = Path(path)
+    if not root.is_dir():
+        raise BundleError(f"{root}: not a bundle directory")
+    try:
+        raw = read_limited(root / MANIFEST, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise BundleError(f"{root}: no {MANIFEST}") from None
+    where = str(root / MANIFEST)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+    bundle = Bundle(root, _parse_manifest(obj, where), hashlib.sha256(raw).hexdigest())
+    for fname in bundle.manifest.files:
+        bundle.read(fname)
+    bundle.calibration()  # shape and finiteness, not only the hash
+    return bundle
+
+
+def _load_npz_array(data: bytes, spec: InputSpec, *, where: str, key: str | None = "x",
+                    max_bytes: int = MAX_FILE_BYTES) -> np.ndarray:
+    """One float array from NPZ bytes (no pickles), checked against the input spec. The
+    members' declared sizes bound what zipfile will inflate, so they are checked first."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            total = sum(i.file_size for i in zf.infolist())
+            if total > max_bytes:
+                raise InputError(f"{where}: {total} bytes uncompressed, over the limit of {max_bytes}")
+        npz = np.load(io.BytesIO(data), allow_pickle=False)
+        names = list(npz.files)
+        if key is None:
+            key = next((k for k in ("x", "data", "images") if k in names), names[0] if len(names) == 1 else None)
+            if key is None:
+                raise InputError(f"{where}: several arrays ({', '.join(names)[:120]}) and none is named x, data or images")
+        if key not in names:
+            raise InputError(f"{where}: no array {key!r} (has {', '.join(names)[:120]})")
+        array = npz[key]
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise InputError(f"{where}: not a readable NPZ file ({exc})") from None
+    return check_calibration(array, spec, where=f"{where}[{key!r}]")
+
+
+def check_calibration(array: np.ndarray, spec: InputSpec, *, where: str) -> np.ndarray:
+    """Validate calibration samples: (N, C, H, W) as the input spec says, float, all finite."""
+    want = (spec.shape[0], spec.shape[1], spec.shape[2])
+    if array.ndim != 4 or tuple(array.shape[1:]) != want or array.shape[0] == 0:
+        raise InputError(f"{where}: shape {tuple(array.shape)}, expected (N, {', '.join(map(str, want))}) "
+                         f"in {spec.layout} with N >= 1")
+    if array.dtype.kind not in "fiu":
+        raise InputError(f"{where}: dtype {array.dtype} is not numeric")
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    bad = ~np.isfinite(array)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"{where}: {int(bad.sum())} non-finite values (NaN/inf), first at index {index}")
+    return array
+
+
+# ---------------------------------------------------------------- atomic directories
+
+
+def _check_dest(dest: Path, overwrite: bool) -> None:
+    """Fail before any work when `dest` exists (checked again at the rename)."""
+    if not overwrite and (dest.exists() or dest.is_symlink()):
+        raise BundleError(f"{dest}: already exists (pass overwrite to replace it)")
+
+
+def _tmp_dir_for(dest: Path) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the bundle is read by the service user too
+    return tmp
+
+
+def _commit_dir(tmp: Path, dest: Path, *, overwrite: bool) -> None:
+    """Rename a fully written (and fsynced) temp directory to `dest`."""
+    fsync_dir(tmp)
+    _check_dest(dest, overwrite)
+    if dest.exists() or dest.is_symlink():
+        # A directory cannot be renamed over a non-empty one: move the old aside first. A crash
+        # between the two renames leaves no `dest` but a complete `.old` next to it.
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        fsync_dir(dest.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dest)
+    fsync_dir(dest.parent)
+
+
+def write_bundle_dir(dest: Path, files: dict[str, bytes], manifest: Manifest, *, overwrite: bool = False) -> Bundle:
+    """Write `files` and the manifest (hashes filled in here) atomically as directory `dest`."""
+    manifest.files = {n: FileEntry(hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()}
+    tmp = _tmp_dir_for(dest)
+    try:
+        for fname, data in files.items():
+            atomic_write_bytes(tmp / fname, data)
+        atomic_write_bytes(tmp / MANIFEST, manifest.to_bytes())
+        load_bundle(tmp)  # verify what is on disk before it gets the final name
+        _commit_dir(tmp, dest, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return load_bundle(dest)
+
+
+# ---------------------------------------------------------------- single-file archive
+
+
+def pack_bundle(bundle_dir: str | os.PathLike[str], archive: str | os.PathLike[str]) -> Path:
+    """Verify a bundle and write it as one reproducible tar.gz (atomically)."""
+    bundle = load_bundle(bundle_dir)
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for fname in [MANIFEST, *sorted(bundle.manifest.files)]:
+            data = read_limited(bundle.path / MANIFEST, MAX_MANIFEST_BYTES) if fname == MANIFEST else bundle.read(fname)
+            info = tarfile.TarInfo(fname)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    atomic_write_bytes(archive, buf.getvalue())
+    return Path(archive)
+
+
+def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str], *,
+                  overwrite: bool = False, max_bytes: int = MAX_ARCHIVE_BYTES) -> Bundle:
+    """Extract an archive made by `pack_bundle` into `dest`, verified before it appears there.
+
+    Only flat regular files with known names, each once, are accepted (no paths, links or
+    devices), with sizes limited before anything is read."""
+    src, target = Path(archive), Path(dest)
+    size = src.stat().st_size
+    if size > max_bytes:
+        raise BundleError(f"{src}: {size} bytes is over the archive limit of {max_bytes}")
+    allowed = {MANIFEST, *REQUIRED_FILES, *OPTIONAL_FILES}
+    _check_dest(target, overwrite)
+    tmp = _tmp_dir_for(target)
+    try:
+        total = 0
+        try:
+            with tarfile.open(src, mode="r:*") as tar:
+                for member in tar:  # known names, each once: at most len(allowed) members
+                    where = f"{src}: member {member.name!r:.80}"
+                    if not member.isreg():
+                        raise BundleError(f"{where}: not a regular file (links and devices are refused)")
+                    if "/" in member.name or "\\" in member.name or member.name not in allowed:
+                        raise BundleError(f"{where}: unexpected name (paths and unknown files are refused)")
+                    if (tmp / member.name).exists():
+                        raise BundleError(f"{where}: appears twice")
+                    total += member.size
+                    if member.size > MAX_FILE_BYTES or total > max_bytes:
+                        raise BundleError(f"{where}: too large ({member.size} bytes; {total} in total)")
+                    handle = tar.extractfile(member)
+                    data = handle.read(member.size + 1) if handle else b""
+                    if len(data) != member.size:
+                        raise BundleError(f"{where}: truncated ({len(data)} of {member.size} bytes)")
+                    atomic_write_bytes(tmp / member.name, data)
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise BundleError(f"{src}: not a readable bundle archive ({exc})") from None
+        load_bundle(tmp)
+        _commit_dir(tmp, target, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return load_bundle(target)
+
+
+# ---------------------------------------------------------------- creation (MXNet + onnx)
+
+
+def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpec, *,
+                     max_files: int = 10_000) -> np.ndarray:
+    """Calibration samples as normalised NCHW float32, validated against `spec`.
+
+    `source` is an array (already normalised), an .npz (array "x", "data" or "images", or
+    its only array: already normalised NCHW), or a folder of .npy arrays (normalised, one
+    CHW sample or an NCHW batch each) and/or images (.png/.jpg/.bmp/.pgm: raw pixels,
+    resized to the input size and normalised with the input spec; needs Pillow)."""
+    if isinstance(source, np.ndarray):
+        return check_calibration(source, spec, where="calibration array")
+    path = Path(source)
+    if path.is_file():
+        return _load_npz_array(read_limited(path, MAX_FILE_BYTES), spec, where=str(path), key=None)
+    if not path.is_dir():
+        raise InputError(f"{path}: calibration data not found (need an .npz file or a folder)")
+    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if len(files) > max_files:
+        raise InputError(f"{path}: {len(files)} files, over the limit of {max_files}")
+    batches: list[np.ndarray] = []
+    for item in files:
+        suffix = item.suffix.lower()
+        if suffix == ".npy":
+            try:
+                array = np.load(io.BytesIO(read_limited(item, MAX_FILE_BYTES)), allow_pickle=False)
+            except ValueError as exc:
+                raise InputError(f"{item}: not a readable .npy array ({exc})") from None
+            batches.append(check_calibration(array[None] if array.ndim == 3 else array, spec, where=str(item)))
+        elif suffix in (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".ppm"):
+            batches.append(_load_image(item, spec))
+    if not batches:
+        raise InputError(f"{path}: no .npy or image files")
+    return np.concatenate(batches, axis=0)
+
+
+def _load_image(path: Path, spec: InputSpec) -> np.ndarray:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise InputError(f"{path}: reading images needs Pillow (pip install Pillow), or give .npy/.npz") from None
+    channels, height, width = spec.shape
+    if channels not in (1, 3):
+        raise InputError(f"{path}: images can only feed 1- or 3-channel inputs, this model has {channels}")
+    try:
+        with Image.open(io.BytesIO(read_limited(path, 64 << 20))) as img:
+            if img.width * img.height > 64_000_000:  # decompression bomb guard
+                raise InputError(f"{path}: {img.width}x{img.height} image is too large")
+            pixels = np.asarray(img.convert("L" if channels == 1 else "RGB").resize((width, height)))
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InputError(f"{path}: not a readable image ({exc})") from None
+    chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    return check_calibration(spec.normalise(chw[None]), spec, where=str(path))
+
+
+def _resolve_split(model: Any, split: str | None, default: str | None, where: str) -> tuple[str, str]:
+    """Split node or tensor name -> (tensor, node name)."""
+    from .onnx_import import node_name
+
+    nodes = list(model.graph.node)
+    wanted = split or default
+    if not wanted:
+        raise InputError(f"{where}: name the split node between backbone and head "
+                         f"(e.g. one of: {', '.join(node_name(n) for n in nodes[-6:])})")
+    for node in nodes:
+        if node_name(node) == wanted or wanted in node.output:
+            tensor = wanted if wanted in node.output else node.output[0]
+            if tensor in {o.name for o in model.graph.output}:
+                raise InputError(f"{where}: split {wanted!r} is the model's output: the head would be empty")
+            return tensor, node.name
+    names = [node_name(n) for n in nodes]
+    raise InputError(f"{where}: unknown split node {wanted!r}; nodes are: {', '.join(names)[:600]}")
+
+
+def _mxnet_compatible(model: Any) -> Any:
+    """MXNet's ONNX importer only sees initializers that are also graph inputs (old IR)."""
+    from onnx import helper
+
+    listed = {i.name for i in model.graph.input}
+    for init in model.graph.initializer:
+        if init.name not in listed:
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return model
+
+
+def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx."""
+    import contextlib
+
+    from mxnet.contrib import onnx as onnx_mxnet
+
+    from .onnx_import import load_onnx
+
+    model = _mxnet_compatible(load_onnx(model_bytes))  # size limit, parse and onnx.checker first
+    # the importer prints deprecation notices on stdout; keep CLI output clean
+    with contextlib.redirect_stdout(io.StringIO()):
+        return onnx_mxnet.import_model(io.BytesIO(model.SerializeToString()))
+
+
+def _gluon_split(block: Any, input_name: str) -> str | None:
+    """The ONNX tensor ending `block.features` (the project's backbone/head convention):
+    MXNet's exporter names each node's output tensor after the MXNet node."""
+    features = getattr(block, "features", None)
+    if features is None:
+        return None
+    import mxnet as mx
+
+    return features(mx.sym.var(input_name)).name
+
+
+def _source_model(source: Any, input_shape: tuple[int, int, int] | None) -> tuple[Any, str, str, str | None]:
+    """(onnx model, where for errors, origin for the manifest, default split)."""
+    from .onnx_import import load_onnx
+
+    if isinstance(source, bytes | bytearray):
+        return load_onnx(bytes(source)), "onnx model", "onnx", None
+    if isinstance(source, str | os.PathLike):
+        return load_onnx(source), os.fspath(source), f"onnx:{Path(source).name}", None
+    from .onnx_export import export_onnx
+
+    if input_shape is None:
+        raise InputError("input_shape (C, H, W) is needed to export a Gluon block")
+    model = load_onnx(export_onnx(source, (1, *input_shape)))
+    return model, f"gluon {type(source).__name__}", "gluon", _gluon_split(source, model.graph.input[0].name)
+
+
+def create_bundle(
+    source: Any,
+    dest: str | os.PathLike[str],
+    *,
+    calibration: str | os.PathLike[str] | np.ndarray,
+    labels: list[str],
+    name: str,
+    version: str,
+    split: str | None = None,
+    input_shape: tuple[int, int, int] | None = None,
+    scale: float = 1.0,
+    mean: tuple[float, ...] = (),
+    std: tuple[float, ...] = (),
+    parent_version: str | None = None,
+    method: str | None = None,
+    edgetpu_model: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> Bundle:
+    """Build a bundle from a Gluon HybridBlock or an ONNX model (path or bytes).
+
+    The model is cut at `split` (a node or tensor name; for a Gluon net with `.features`
+    the default is the output of `.features`): the backbone becomes backbone.onnx and, after
+    post-training quantisation on `calibration` (see `load_calibration`), backbone_int8.tflite;
+    the head becomes an MXNet symbol + params. Inputs are validated before any work; the
+    bundle is written to a temp directory, verified, then renamed to `dest`.
+    """
+    import datetime
+
+    from onnx import utils as onnx_utils
+
+    from .graph import UnsupportedOpError
+    from .onnx_import import import_onnx
+    from .quantize import quantize_graph
+    from .reference import GraphError
+    from .tflite_reader import read_tflite
+    from .tflite_writer import write_tflite
+
+    _check_dest(Path(dest), overwrite)
+    model, where, origin, default_split = _source_model(source, input_shape)
+    tensor, node = _resolve_split(model, split, default_split, where)
+    try:
+        float_graph = import_onnx(model, split=tensor)
+    except UnsupportedOpError as exc:  # a ValueError: make it the user's input error
+        raise BundleError(f"{where}: backbone up to {tensor!r}: {exc}") from None
+    shape = tuple(int(v) for v in float_graph.input_shape[1:])
+    if input_shape is not None and tuple(input_shape) != shape:
+        raise InputError(f"{where}: input shape is {shape}, not the {tuple(input_shape)} given")
+    spec = InputSpec(shape=shape, name=float_graph.input, scale=float(scale),  # type: ignore[arg-type]
+                     mean=tuple(mean) or (0.0,) * shape[0], std=tuple(std) or (1.0,) * shape[0])
+    manifest = Manifest(
+        name=name, version=version, input=spec, labels=list(labels), split_tensor=tensor,
+        split_node=node, feature_shape=tuple(int(v) for v in float_graph.output_shape[1:]),
+        files={f: FileEntry("0" * 64, 0) for f in REQUIRED_FILES}, parent_version=parent_version,
+        source=origin, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    _parse_manifest(manifest.to_json(), "bundle arguments")  # name, version, labels, mean/std: fail early
+    calib = load_calibration(calibration, spec)
+    try:
+        qgraph = quantize_graph(float_graph, calib, **({"method": method} if method else {}))
+        tflite = write_tflite(qgraph)
+        read_tflite(tflite)  # the reader's checks are what every device will run
+    except (UnsupportedOpError, GraphError) as exc:
+        raise BundleError(f"{where}: cannot quantise the backbone: {exc}") from None
+    extractor = onnx_utils.Extractor(model)
+    head = extractor.extract_model([tensor], [o.name for o in model.graph.output])
+    head_sym, head_args, head_aux = onnx_to_mxnet(head.SerializeToString())
+    # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
+    # and a check batch, small enough for a Pi's memory.
+    keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
+    rng = np.random.default_rng(0)
+    stored = calib if len(calib) <= keep else calib[np.sort(rng.choice(len(calib), keep, replace=False))]
+    npz = io.BytesIO()
+    np.savez_compressed(npz, x=stored)
+    files = {
+        BACKBONE_ONNX: extractor.extract_model([float_graph.input], [tensor]).SerializeToString(),
+        BACKBONE_INT8: tflite,
+        HEAD_SYMBOL: head_sym.tojson().encode(),
+        HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in head_args.items()}
+                                    | {f"aux:{k}": v for k, v in head_aux.items()}),
+        CALIBRATION: npz.getvalue(),
+    }
+    if edgetpu_model is not None:
+        files[BACKBONE_EDGETPU] = read_limited(edgetpu_model, MAX_FILE_BYTES)
+        if files[BACKBONE_EDGETPU][4:8] != b"TFL3":
+            raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
+    manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
+    return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
+
+
+def _ndarray_bytes(params: dict[str, Any]) -> bytes:
+    """MXNet's ndarray file format, via a private temp file (mx.nd.save needs a path)."""
+    import mxnet as mx
+
+    with tempfile.TemporaryDirectory(prefix="edge-agent-head-") as tmp:
+        target = Path(tmp) / HEAD_PARAMS
+        mx.nd.save(str(target), params)
+        return target.read_bytes()

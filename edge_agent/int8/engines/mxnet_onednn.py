@@ -1,0 +1,94 @@
+"""MXNet's own int8 path: the fp32 ONNX backbone quantised on the device by
+mxnet.contrib.quantization.quantize_net and run by oneDNN (MKLDNN in MXNet 1.x).
+
+It calibrates its own activation ranges (min/max over the bundle's calibration samples), so
+its int8 scales differ from the bundle's .tflite: agreement with the reference is checked in
+float, not in int8 units (see selection.py). MXNet is imported only in availability() and
+prepare(), never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import io
+import logging
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ..engine import Availability, Int8Engine, Runner
+from ._common import EngineError, check_batch, thread_count
+
+_log = logging.getLogger(__name__)
+CALIB_BATCH = 32
+
+
+class MxnetRunner(Runner):
+    def __init__(self, block: Any, mx: Any, input_shape: tuple[int, ...]) -> None:
+        self._block, self._mx, self._shape = block, mx, tuple(input_shape)
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        x = check_batch(batch, self._shape, "mxnet-onednn")
+        return self._block(self._mx.nd.array(x, dtype="float32")).asnumpy().astype(np.float32, copy=False)
+
+
+class MxnetOnednnEngine(Int8Engine):
+    name = "mxnet-onednn"
+
+    def availability(self, probe: dict[str, Any] | None = None) -> Availability:
+        if importlib.util.find_spec("mxnet") is None:
+            return Availability(False, "mxnet is not installed")
+        try:
+            import mxnet as mx
+
+            features = mx.runtime.Features()
+        except Exception as exc:  # a broken libmxnet must not break engine discovery
+            return Availability(False, f"mxnet does not import: {type(exc).__name__}: {str(exc)[:200]}")
+        flag = next((f for f in ("ONEDNN", "MKLDNN") if f in features), None)
+        if flag is None or not features.is_enabled(flag):
+            return Availability(False, f"mxnet {mx.__version__} is built without oneDNN (MKLDNN)")
+        return Availability(True, f"mxnet {mx.__version__} with oneDNN ({flag}), own calibration",
+                            {"version": mx.__version__})
+
+    def prepare(self, model: Any, *, threads: int | None = None) -> Runner:
+        import mxnet as mx
+        from mxnet.contrib.quantization import quantize_net
+
+        from ..bundle import onnx_to_mxnet
+
+        os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")  # no "backend MKLDNN is activated" lines
+        mx.base.check_call(mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(thread_count(threads))))  # noqa: SLF001
+        spec = model.manifest.input
+        try:
+            sym, args, auxs = onnx_to_mxnet(model.onnx_bytes())
+        except Exception as exc:  # the importer raises bare KeyError/AttributeError per op
+            raise EngineError(f"{model.path}: mxnet.contrib.onnx cannot import backbone.onnx: "
+                              f"{type(exc).__name__}: {exc}") from None
+        with warnings.catch_warnings():  # "Cannot decide type": the input's dtype comes at run time
+            warnings.simplefilter("ignore", UserWarning)
+            block = mx.gluon.SymbolBlock(sym, mx.sym.var(spec.name))
+        params = block.collect_params()
+        for name, value in {**args, **auxs}.items():
+            if name in params:
+                params[name]._load_init(value, mx.cpu())  # noqa: SLF001 - no public by-name setter
+        calib = model.calibration()
+        batch = min(CALIB_BATCH, len(calib))
+        calib = calib[: len(calib) // batch * batch]  # whole batches: the iterator would pad
+        data = mx.io.NDArrayIter(data={spec.name: calib}, batch_size=batch)
+        # quantize_net logs through the root logger and warns about its own deprecation
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            try:
+                qnet = quantize_net(block, quantized_dtype="auto", quantize_mode="full",
+                                    calib_mode="naive", calib_data=data,
+                                    num_calib_examples=len(calib), ctx=mx.cpu())
+            except Exception as exc:  # MXNetError from an op oneDNN cannot quantise
+                raise EngineError(f"{model.path}: quantize_net failed: {type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[0][:300]}") from None
+        qnet.hybridize(static_alloc=True, static_shape=True)
+        _log.debug("mxnet-onednn: quantised %s on %d samples", model.manifest.name, len(calib))
+        return MxnetRunner(qnet, mx, spec.shape)

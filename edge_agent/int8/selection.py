@@ -1,0 +1,423 @@
+"""Engine selection: which int8 engine runs this model's backbone on this device.
+
+Candidates come from the board profile's preference list (default: every registered engine)
+and are filtered by availability on the probe report. Each available one is prepared on the
+actual bundle and checked against the numpy reference on a check batch (the bundle's first
+calibration samples, at the batch size training uses); then all are timed side by side at
+that batch size (interleaved rounds, median). The fastest *correct* engine wins.
+
+Correct means:
+- engines that run the bundle's own .tflite (`run_int8` works): every output within 1 int8
+  unit of the reference;
+- engines with their own calibration (mxnet-onednn: different int8 scales, so int8 units
+  are not comparable): float features within FLOAT_TOLERANCE_STEPS of the reference's
+  output quantisation step (max |a - b| / output_scale);
+- and for both, the head's top-1 equal to the reference's on every check sample that is not
+  a near-tie (a sample whose top-1 margin a deviation as large as the engine's could flip:
+  see Oracle.decided; on a trained model that is nearly every sample).
+
+FLOAT_TOLERANCE_STEPS is derived from measurements of mxnet-onednn against the reference:
+two independent 8-bit calibrations of the same backbone differ by up to 4-5 output steps on
+the digits CNN and 1.3-2.1 on MobileNetV2 (0.35@96, 0.5@128); 12 leaves ~2.5x headroom. It
+is looser than the int8 check by nature (different scales), so an engine off by a few steps
+passes it; layout, weight or scale bugs are off by tens to hundreds of steps, and the top-1
+check backs it up.
+
+The decision and its timings are cached in the state directory per (model sha256, hardware
+fingerprint, edge-agent version) -- plus batch size, threads and the candidate list, which
+also change the answer. `EDGE_AGENT_INT8_BACKEND=<name>` forces one engine (checked and
+timed, never cached). MXNet is imported only when an engine or the head needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..atomic import atomic_write_json, read_limited
+from ..errors import EXIT_UNAVAILABLE, ConfigError, EdgeAgentError, InputError
+from . import engines as registry
+from .engine import ENV_FORCE_BACKEND, Int8Engine, Runner
+from .engines._common import thread_count
+
+_log = logging.getLogger(__name__)
+
+INT8_TOLERANCE_UNITS = 1
+FLOAT_TOLERANCE_STEPS = 12.0
+CACHE_DIR = "int8-selection"
+CACHE_FORMAT = 1
+MAX_CACHE_BYTES = 256 * 1024
+
+
+class EngineUnavailableError(EdgeAgentError):
+    """No engine (or not the forced one) can run this model here."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+@dataclass
+class Candidate:
+    """One engine's row in the decision: availability, agreement, timing."""
+
+    name: str
+    available: bool
+    reason: str  # what was found, or why not
+    agreement: str = ""  # "int8" (units) | "float" (output steps) | ""
+    max_diff: float | None = None  # in int8 units or in output quantisation steps
+    tolerance: float | None = None
+    top1_match: float | None = None  # fraction of decided samples with the reference's top-1
+    top1_checked: int | None = None  # decided samples (near-ties excluded, see Oracle.decided)
+    correct: bool | None = None
+    latency_ms: float | None = None  # median per batch
+    images_per_s: float | None = None
+    chosen: bool = False
+    error: str = ""  # prepare/run failure
+
+
+@dataclass
+class Selection:
+    chosen: str | None
+    candidates: list[Candidate]
+    key: dict[str, Any]
+    batch_size: int
+    cached: bool = False
+    forced: bool = False
+    created: str = ""
+    cache_file: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def candidate(self, name: str) -> Candidate | None:
+        return next((c for c in self.candidates if c.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": CACHE_FORMAT, "chosen": self.chosen, "key": self.key,
+                "batch_size": self.batch_size, "created": self.created,
+                "candidates": [asdict(c) for c in self.candidates]}
+
+
+# ---------------------------------------------------------------- hardware identity
+
+
+def default_probe() -> dict[str, Any]:
+    """This device's hardware probe report (edge_agent.hardware.probe: files only, fast)."""
+    from ..hardware.probe import probe
+
+    return probe()
+
+
+def hardware_fingerprint(report: Mapping[str, Any]) -> str:
+    """What makes engine timings comparable (board, CPU, int8 features, accelerators)."""
+    from ..hardware.probe import hardware_fingerprint as fingerprint
+
+    return str(fingerprint(dict(report)))
+
+
+# ---------------------------------------------------------------- checking and timing
+
+
+def check_batch_for(bundle: Any, batch_size: int) -> np.ndarray:
+    """The bundle's first calibration samples, repeated up to `batch_size`."""
+    calib = bundle.calibration()
+    reps = -(-batch_size // len(calib))
+    return np.ascontiguousarray(np.concatenate([calib] * reps)[:batch_size])
+
+
+def time_side_by_side(runners: Mapping[str, Runner], x: np.ndarray, *, repeats: int) -> dict[str, float]:
+    """Median seconds per `run(x)` for each runner, after one untimed warm-up run each.
+
+    Rounds are interleaved (every runner once per round) so that load drifting on a shared
+    machine affects all engines alike, as DESIGN.md asks of every comparison."""
+    for runner in runners.values():
+        runner.run(x)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(max(1, repeats)):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            runner.run(x)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _row(rows: list[Candidate], name: str) -> Candidate | None:
+    return next((c for c in rows if c.name == name), None)
+
+
+class Oracle:
+    """The reference's answers on the check batch, and the head that turns features into
+    logits for the top-1 check (MXNet, loaded on first use)."""
+
+    def __init__(self, bundle: Any, x: np.ndarray, *,
+                 logits: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        from .engines.reference import QGraphRunner
+        from .quant_math import quantize
+
+        self.runner = QGraphRunner(bundle.qgraph())
+        graph = self.runner.graph
+        tin, tout = graph.tensor(graph.inputs[0]), graph.tensor(graph.outputs[0])
+        self.x = x
+        self.q = quantize(x.transpose(0, 2, 3, 1), float(tin.scale[0]), int(tin.zero_point[0])) \
+            if self.runner.int8_io else None
+        self.out_scale = float(tout.scale[0]) if tout.scale is not None else 1.0
+        self.int8 = self.runner.run_int8(self.q) if self.q is not None else None
+        self.float = self.runner.run(x)
+        self._logits = logits or _head_logits(bundle)
+        self.ref_logits = self._logits(self.float)
+        self.top1 = self.ref_logits.argmax(axis=1)
+
+    def decided(self, steps: float) -> np.ndarray:
+        """Samples whose top-1 cannot flip when every feature moves by `steps` output steps.
+
+        The head's sensitivity is measured, not assumed: the reference's features are moved
+        by +-steps (four random sign patterns) and a sample is a near-tie when its top-1
+        margin is under twice the largest logit change seen."""
+        rng = np.random.default_rng(0)
+        worst = np.zeros(len(self.float))
+        for _ in range(4):
+            delta = rng.choice(np.array([-1.0, 1.0], np.float32), size=self.float.shape) * (steps * self.out_scale)
+            moved = self._logits((self.float + delta).astype(np.float32))
+            worst = np.maximum(worst, np.abs(moved - self.ref_logits).max(axis=1))
+        top2 = np.sort(self.ref_logits, axis=1)[:, -2:] if self.ref_logits.shape[1] > 1 else None
+        if top2 is None:
+            return np.ones(len(self.float), bool)
+        return (top2[:, 1] - top2[:, 0]) > 2.0 * worst
+
+    def check(self, runner: Runner, cand: Candidate) -> None:
+        """Fill the candidate's agreement fields."""
+        out_int8 = None
+        if self.q is not None:
+            try:
+                out_int8 = runner.run_int8(self.q)
+            except NotImplementedError:
+                out_int8 = None
+        features = runner.run(self.x)
+        if features.shape != self.float.shape:
+            raise EdgeAgentError(f"output shape {features.shape}, reference {self.float.shape}")
+        if out_int8 is not None:
+            cand.agreement, cand.tolerance = "int8", float(INT8_TOLERANCE_UNITS)
+            cand.max_diff = float(np.max(np.abs(out_int8.astype(np.int32) - self.int8.astype(np.int32))))
+        else:
+            cand.agreement, cand.tolerance = "float", FLOAT_TOLERANCE_STEPS
+            cand.max_diff = float(np.max(np.abs(features - self.float)) / self.out_scale)
+        mask = self.decided(max(cand.max_diff, 1.0))
+        same = self._logits(features).argmax(axis=1) == self.top1
+        cand.top1_checked = int(mask.sum())
+        cand.top1_match = float(same[mask].mean()) if mask.any() else 1.0
+        cand.correct = bool(cand.max_diff <= cand.tolerance and cand.top1_match == 1.0)
+
+
+def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
+    head = None
+
+    def logits(features: np.ndarray) -> np.ndarray:
+        nonlocal head
+        import mxnet as mx
+
+        if head is None:
+            head = bundle.head_block()
+        return head(mx.nd.array(features)).asnumpy().reshape(len(features), -1)
+
+    return logits
+
+
+# ---------------------------------------------------------------- selection
+
+
+def _load_engines(names: list[str]) -> list[tuple[str, Int8Engine | None]]:
+    out: list[tuple[str, Int8Engine | None]] = []
+    for name in names:
+        try:
+            out.append((name, registry.load_engine(name)))
+        except KeyError:
+            out.append((name, None))
+    return out
+
+
+def availability_report(preference: list[str] | None = None, probe: dict[str, Any] | None = None,
+                        *, engines: list[tuple[str, Int8Engine | None]] | None = None) -> list[Candidate]:
+    """Every candidate's availability (or why not), errors caught: nothing is prepared."""
+    rows = []
+    for name, engine in engines if engines is not None else _load_engines(registry.candidates(preference)):
+        if engine is None:
+            rows.append(Candidate(name, False, f"unknown engine (known: {', '.join(registry.engine_names())})"))
+            continue
+        try:
+            avail = engine.availability(probe)
+            rows.append(Candidate(name, bool(avail.available), avail.reason))
+        except Exception as exc:  # a probing engine must never take the others down
+            rows.append(Candidate(name, False, f"availability check failed: {type(exc).__name__}: {exc}"))
+    return rows
+
+
+def cache_key(bundle: Any, fingerprint: str, *, batch_size: int, threads: int | None,
+              preference: list[str]) -> dict[str, Any]:
+    return {"model_sha256": bundle.sha256, "hardware": fingerprint, "edge_agent": __version__,
+            "batch_size": batch_size, "threads": threads, "candidates": list(preference)}
+
+
+def _cache_path(state_dir: str | os.PathLike[str], key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return Path(state_dir) / CACHE_DIR / f"{digest}.json"
+
+
+def load_cached(path: Path, key: dict[str, Any]) -> Selection | None:
+    """A cached decision for exactly this key, or None (absent, corrupt or stale)."""
+    try:
+        obj = json.loads(read_limited(path, MAX_CACHE_BYTES))
+        if obj.get("format") != CACHE_FORMAT or obj.get("key") != key:
+            return None
+        cands = [Candidate(**c) for c in obj["candidates"]]
+        chosen = obj["chosen"]
+        if chosen not in {c.name for c in cands if c.correct}:
+            return None
+        return Selection(chosen, cands, key, int(obj["batch_size"]), cached=True,
+                         created=str(obj.get("created", "")), cache_file=str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, InputError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        _log.warning("ignoring unreadable int8 selection cache %s: %s", path, exc)
+        return None
+
+
+def select_engine(
+    bundle: Any,
+    *,
+    probe: dict[str, Any] | None = None,
+    preference: list[str] | None = None,
+    batch_size: int = 32,
+    threads: int | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+    repeats: int = 5,
+    use_cache: bool = True,
+    env: Mapping[str, str] | None = None,
+    logits: Callable[[np.ndarray], np.ndarray] | None = None,
+    engines: list[tuple[str, Int8Engine | None]] | None = None,
+    keep_runner: bool = False,
+) -> tuple[Selection, Runner | None]:
+    """Choose the engine for `bundle` here; returns the decision and (with `keep_runner`)
+    the chosen engine's prepared runner. Raises EngineUnavailableError if nothing is correct,
+    ConfigError for an unknown forced engine. `engines` replaces the registry (tests)."""
+    env = os.environ if env is None else env
+    threads = thread_count(threads)  # None and "all cores" are the same decision
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    probe = default_probe() if probe is None else probe
+    names = [n for n, _ in engines] if engines is not None else registry.candidates(preference)
+    loaded = engines if engines is not None else _load_engines(names)
+    forced = env.get(ENV_FORCE_BACKEND, "").strip() or None
+    if forced and forced not in {n for n, e in loaded if e is not None}:
+        known = [n for n, e in loaded if e is not None] if engines is not None else registry.engine_names()
+        if forced not in known:
+            raise ConfigError(f"{ENV_FORCE_BACKEND}={forced}: unknown engine; known: {', '.join(known)}")
+        loaded = [*loaded, (forced, registry.load_engine(forced))]  # forced but outside the profile
+    key = cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=threads,
+                    preference=[n for n, _ in loaded])
+    path = _cache_path(state_dir, key) if state_dir is not None else None
+    by_name = dict(loaded)
+    if not forced and use_cache and path is not None:
+        cached = load_cached(path, key)
+        engine = by_name.get(cached.chosen) if cached else None
+        if cached and engine is not None and _still_available(engine, probe):
+            try:
+                return cached, (engine.prepare(bundle, threads=threads) if keep_runner else None)
+            except Exception as exc:  # it worked when cached; re-select rather than fail
+                _log.warning("cached int8 engine %s failed to prepare (%s); selecting again", cached.chosen, exc)
+    rows = availability_report(probe=probe, engines=loaded)
+    x = check_batch_for(bundle, batch_size)
+    oracle = Oracle(bundle, x, logits=logits)
+    runners: dict[str, Runner] = {}
+    for row in rows:
+        if not row.available or (forced and row.name != forced):
+            if forced and row.name != forced and row.available:
+                row.reason += f" (not tried: {ENV_FORCE_BACKEND}={forced})"
+            continue
+        engine = by_name[row.name]
+        assert engine is not None
+        try:
+            runner = engine.prepare(bundle, threads=threads)
+            runners[row.name] = runner
+            oracle.check(runner, row)
+        except Exception as exc:  # one failing engine is a row in the table, not a crash
+            row.error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            row.correct = False
+    try:
+        seconds = time_side_by_side({n: r for n, r in runners.items()
+                                     if (c := _row(rows, n)) is not None and not c.error}, x, repeats=repeats)
+    except Exception as exc:  # a runner that checked fine but fails when timed
+        raise EngineUnavailableError(f"timing the int8 engines failed: {type(exc).__name__}: {exc}") from exc
+    for name, sec in seconds.items():
+        row = _row(rows, name)
+        assert row is not None
+        row.latency_ms, row.images_per_s = sec * 1000.0, batch_size / sec
+    selection = Selection(None, rows, key, batch_size, forced=bool(forced),
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if forced:
+        row = selection.candidate(forced)
+        if row is None or forced not in runners or row.error:
+            why = (row.error or row.reason) if row else "not loaded"
+            raise EngineUnavailableError(f"{ENV_FORCE_BACKEND}={forced}: engine cannot run this model: {why}")
+        if not row.correct:
+            selection.notes.append(f"forced engine {forced} disagrees with the reference; used anyway")
+        selection.chosen = forced
+    else:
+        correct = [c for c in rows if c.correct and c.latency_ms is not None]
+        if not correct:
+            raise EngineUnavailableError("no int8 engine is both available and correct here: " + "; ".join(
+                f"{c.name}: {c.error or c.reason}" for c in rows))
+        selection.chosen = min(correct, key=lambda c: c.latency_ms or 0.0).name
+    for row in rows:
+        row.chosen = row.name == selection.chosen
+    if not forced and path is not None:
+        atomic_write_json(path, selection.to_json())
+        selection.cache_file = str(path)
+    keep = runners.pop(selection.chosen) if keep_runner and selection.chosen else None
+    for runner in runners.values():
+        runner.close()
+    return selection, keep
+
+
+def _still_available(engine: Int8Engine, probe: dict[str, Any]) -> bool:
+    try:
+        return bool(engine.availability(probe).available)
+    except Exception:  # treat a failing probe as "gone": re-select
+        return False
+
+
+def profile_settings(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The matched board profile's int8 backends, int8 threads and training batch size
+    (empty when no profile matched or the profiles cannot be loaded)."""
+    name = (report.get("profile") or {}).get("name")
+    if not name:
+        return {}
+    try:
+        from ..hardware.profiles import load_profiles
+
+        profile = load_profiles().profiles.get(name)
+    except Exception as exc:  # a broken profile directory must not stop selection
+        _log.warning("cannot load board profiles: %s", exc)
+        return {}
+    if profile is None:
+        return {}
+    found = {"profile": name, "backends": profile.get("int8", "backends"),
+             "threads": profile.get("int8", "threads"), "batch_size": profile.get("training", "batch_size")}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def cached_selection(bundle: Any, *, probe: dict[str, Any], preference: list[str] | None = None,
+                     batch_size: int = 32, threads: int | None = None,
+                     state_dir: str | os.PathLike[str]) -> Selection | None:
+    """The cached decision for this bundle and device, without preparing anything."""
+    names = registry.candidates(preference)
+    key = cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=thread_count(threads),
+                    preference=names)
+    return load_cached(_cache_path(state_dir, key), key)

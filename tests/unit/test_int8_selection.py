@@ -1,0 +1,219 @@
+"""Engine selection: agreement with the reference, fastest correct wins, the cache, the
+forced override, and the fallback when an engine is missing.
+
+Fake engines are Int8Engine subclasses (the project's own interface) wrapping the real
+reference runner, so agreement is checked against real int8 outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from edge_agent import models
+from edge_agent.errors import EXIT_UNAVAILABLE, ConfigError
+from edge_agent.int8 import bundle as B
+from edge_agent.int8 import selection as sel
+from edge_agent.int8.engine import ENV_FORCE_BACKEND, Availability, Int8Engine, Runner
+from edge_agent.int8.engines.edgetpu import EdgeTpuEngine
+from edge_agent.int8.engines.reference import QGraphRunner, ReferenceEngine
+
+PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}}, "accelerators": [],
+         "board": {"model": "test board"}}
+LABELS = [str(i) for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    x_train, y_train, _, _ = models.load_digits_split()
+    net = models.digits_cnn()
+    models.fit_classifier(net, x_train, y_train, epochs=3)
+    root = tmp_path_factory.mktemp("selection")
+    kwargs = dict(calibration=x_train[:64], labels=LABELS, name="digits", input_shape=(1, 8, 8), scale=1 / 16)
+    return (B.create_bundle(net, root / "v1", version="1", **kwargs),
+            B.create_bundle(net, root / "v2", version="2", **kwargs))
+
+
+@pytest.fixture(scope="module")
+def bundle(made):
+    return made[0]
+
+
+class Shifted(QGraphRunner):
+    """The reference's int8 output moved by `shift` units, after `delay` seconds."""
+
+    def __init__(self, graph, shift: int, delay: float) -> None:
+        super().__init__(graph)
+        self.shift, self.delay = shift, delay
+
+    def _invoke(self, x):
+        time.sleep(self.delay)
+        y = super()._invoke(x).astype(np.int16) + self.shift
+        return np.clip(y, -128, 127).astype(np.int8)
+
+
+class FakeEngine(Int8Engine):
+    def __init__(self, name: str, *, shift: int = 0, delay: float = 0.0, available: bool = True,
+                 fail: str = "") -> None:
+        self.name, self.shift, self.delay, self.available, self.fail = name, shift, delay, available, fail
+        self.prepared = 0
+
+    def availability(self, probe=None) -> Availability:
+        return Availability(self.available, "fake" if self.available else "fake: switched off")
+
+    def prepare(self, model, *, threads=None) -> Runner:
+        self.prepared += 1
+        if self.fail:
+            raise RuntimeError(self.fail)
+        return Shifted(model.qgraph(), self.shift, self.delay)
+
+
+def _select(bundle, engines, tmp_path, **kw):
+    kw.setdefault("probe", PROBE)
+    kw.setdefault("env", {})
+    return sel.select_engine(bundle, engines=engines, state_dir=tmp_path, repeats=2, batch_size=16, **kw)[0]
+
+
+def test_the_fastest_correct_engine_wins(bundle, tmp_path):
+    fast_wrong = FakeEngine("fast-wrong", shift=3)
+    slow_right = FakeEngine("slow-right", shift=1, delay=0.02)
+    fast_right = FakeEngine("fast-right", delay=0.0)
+    broken = FakeEngine("broken", fail="no such device")
+    off = FakeEngine("off", available=False)
+    selection = _select(bundle, [(e.name, e) for e in (fast_wrong, slow_right, fast_right, broken, off)], tmp_path)
+    rows = {c.name: c for c in selection.candidates}
+    assert selection.chosen == "fast-right" and rows["fast-right"].chosen
+    assert rows["fast-wrong"].agreement == "int8" and rows["fast-wrong"].max_diff == 3 and not rows["fast-wrong"].correct
+    assert rows["slow-right"].max_diff == 1 and rows["slow-right"].correct
+    assert rows["slow-right"].latency_ms > rows["fast-right"].latency_ms
+    assert rows["broken"].error == "RuntimeError: no such device" and rows["broken"].correct is False
+    assert not rows["off"].available and rows["off"].latency_ms is None and off.prepared == 0
+    assert rows["fast-right"].top1_match == 1.0 and rows["fast-right"].top1_checked > 0
+
+
+def test_a_wrong_fast_engine_never_wins_even_alone_with_a_slow_reference(bundle, tmp_path):
+    selection = _select(bundle, [("fast-wrong", FakeEngine("fast-wrong", shift=-5)),
+                                 ("reference", ReferenceEngine())], tmp_path)
+    assert selection.chosen == "reference"
+
+
+def test_nothing_correct_is_an_unavailable_error(bundle, tmp_path):
+    with pytest.raises(sel.EngineUnavailableError, match="no int8 engine.*wrong: fake") as info:
+        _select(bundle, [("wrong", FakeEngine("wrong", shift=9)), ("off", FakeEngine("off", available=False))],
+                tmp_path)
+    assert info.value.exit_code == EXIT_UNAVAILABLE
+
+
+def test_the_cache_is_reused_and_invalidated(made, tmp_path, monkeypatch):
+    v1, v2 = made
+    engine = FakeEngine("fake")
+    engines = [("fake", engine), ("reference", ReferenceEngine())]
+    first = _select(v1, engines, tmp_path)
+    assert not first.cached and engine.prepared == 1
+    cache_file = tmp_path / sel.CACHE_DIR
+    assert len(list(cache_file.iterdir())) == 1
+    again = _select(v1, engines, tmp_path)
+    assert again.cached and again.chosen == first.chosen and engine.prepared == 1  # nothing re-measured
+    assert again.candidate(first.chosen).latency_ms == first.candidate(first.chosen).latency_ms
+    # another model, other hardware, another version, another batch size: each re-selects
+    _select(v2, engines, tmp_path)
+    assert engine.prepared == 2
+    _select(v1, engines, tmp_path, probe={**PROBE, "cpu": {**PROBE["cpu"], "int8_features": {"avx2": True, "avx512_vnni": True}}})
+    assert engine.prepared == 3
+    monkeypatch.setattr(sel, "__version__", "99.0")
+    _select(v1, engines, tmp_path)
+    assert engine.prepared == 4
+    monkeypatch.undo()
+    sel.select_engine(v1, engines=engines, state_dir=tmp_path, repeats=2, batch_size=8, probe=PROBE, env={})
+    assert engine.prepared == 5
+    assert len(list(cache_file.iterdir())) == 5
+    assert _select(v1, engines, tmp_path).cached and engine.prepared == 5
+
+
+def test_a_corrupt_or_stale_cache_entry_is_measured_again(bundle, tmp_path):
+    engine = FakeEngine("fake")
+    engines = [("fake", engine), ("reference", ReferenceEngine())]
+    _select(bundle, engines, tmp_path)
+    (path,) = (tmp_path / sel.CACHE_DIR).iterdir()
+    path.write_bytes(b"\0" * 100)  # zero-filled by a power cut
+    assert not _select(bundle, engines, tmp_path).cached and engine.prepared == 2
+    obj = json.loads(path.read_text())  # rewritten whole
+    obj["chosen"] = "fast-but-wrong"
+    path.write_text(json.dumps(obj))
+    assert not _select(bundle, engines, tmp_path).cached and engine.prepared == 3
+
+
+def test_a_cached_engine_that_disappeared_is_replaced(bundle, tmp_path):
+    fake = FakeEngine("fake")
+    _select(bundle, [("fake", fake), ("reference", FakeEngine("reference", delay=0.05))], tmp_path)
+    assert _select(bundle, [("fake", fake), ("reference", ReferenceEngine())], tmp_path).chosen == "fake"
+    fake.available = False  # e.g. its library was uninstalled
+    selection = _select(bundle, [("fake", fake), ("reference", ReferenceEngine())], tmp_path)
+    assert not selection.cached and selection.chosen == "reference"
+
+
+def test_forced_engine_is_used_checked_and_never_cached(bundle, tmp_path):
+    fast = FakeEngine("fast")
+    engines = [("fast", fast), ("reference", ReferenceEngine())]
+    selection = _select(bundle, engines, tmp_path, env={ENV_FORCE_BACKEND: "reference"})
+    assert selection.forced and selection.chosen == "reference" and fast.prepared == 0
+    assert "not tried" in selection.candidate("fast").reason
+    assert selection.candidate("reference").correct and not (tmp_path / sel.CACHE_DIR).exists()
+    wrong = _select(bundle, [("wrong", FakeEngine("wrong", shift=4))], tmp_path,
+                    env={ENV_FORCE_BACKEND: "wrong"})
+    assert wrong.chosen == "wrong" and "disagrees" in wrong.notes[0]
+
+
+def test_forced_engine_unknown_or_unavailable(bundle, tmp_path):
+    engines = [("reference", ReferenceEngine())]
+    with pytest.raises(ConfigError, match=f"{ENV_FORCE_BACKEND}=cuda: unknown engine; known: reference"):
+        _select(bundle, engines, tmp_path, env={ENV_FORCE_BACKEND: "cuda"})
+    with pytest.raises(sel.EngineUnavailableError, match="edgetpu.*no Coral Edge TPU found"):
+        _select(bundle, [*engines, ("edgetpu", EdgeTpuEngine())], tmp_path, env={ENV_FORCE_BACKEND: "edgetpu"})
+
+
+def test_real_registry_falls_back_from_edgetpu_and_checks_every_engine(bundle, tmp_path):
+    coral = {**PROBE, "accelerators": [{"kind": "coral-usb", "runtime_loads": False}]}
+    selection, runner = sel.select_engine(bundle, probe=coral, preference=["edgetpu", "tflite", "mxnet-onednn",
+                                                                          "reference", "npu9000"],
+                                          state_dir=tmp_path, repeats=2, batch_size=16, env={},
+                                          keep_runner=True)
+    rows = {c.name: c for c in selection.candidates}
+    assert not rows["edgetpu"].available and "libedgetpu.so.1 does not load" in rows["edgetpu"].reason
+    assert not rows["npu9000"].available and "unknown engine" in rows["npu9000"].reason
+    assert rows["tflite"].agreement == "int8" and rows["tflite"].max_diff <= 1 and rows["tflite"].correct
+    assert rows["mxnet-onednn"].agreement == "float" and rows["mxnet-onednn"].correct
+    assert rows["reference"].max_diff == 0
+    assert selection.chosen in ("tflite", "mxnet-onednn", "reference")
+    assert runner.run(bundle.calibration()[:4]).shape == (4, 32, 1, 1)
+
+
+def test_near_ties_are_left_out_of_the_top1_check(bundle):
+    """A head whose classes 0 and 1 tie on every sample: a one-unit wobble may flip them."""
+    def logits(features):
+        flat = features.reshape(len(features), -1)
+        return np.stack([flat.sum(1), flat.sum(1) + 1e-6, flat.sum(1) - 100.0], axis=1)
+
+    oracle = sel.Oracle(bundle, sel.check_batch_for(bundle, 8), logits=logits)
+    assert not oracle.decided(1.0).any()
+
+    def clear(features):  # a margin of 1000 logits: nothing is a near-tie
+        flat = features.reshape(len(features), -1)
+        return np.stack([flat.sum(1) + 1000.0, flat.sum(1)], axis=1)
+
+    assert sel.Oracle(bundle, sel.check_batch_for(bundle, 8), logits=clear).decided(1.0).all()
+
+
+def test_check_batch_repeats_calibration_up_to_the_batch_size(bundle):
+    x = sel.check_batch_for(bundle, 150)
+    calib = bundle.calibration()
+    assert x.shape == (150, 1, 8, 8)
+    np.testing.assert_array_equal(x[64:128], calib)
+
+
+def test_fingerprint_follows_what_decides_engine_choice():
+    base = sel.hardware_fingerprint(PROBE)
+    assert base == sel.hardware_fingerprint(json.loads(json.dumps(PROBE)))
+    assert base != sel.hardware_fingerprint({**PROBE, "accelerators": [{"kind": "coral-usb"}]})
