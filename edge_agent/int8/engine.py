@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy only for annotations: the CLI and idle daemon must not load it
+    import numpy as np
 
 ENV_FORCE_BACKEND = "EDGE_AGENT_INT8_BACKEND"
 
