@@ -1,0 +1,109 @@
+"""Prometheus metrics of the coordinator, on a private registry and a loopback HTTP port.
+
+    edge_coordinator_devices_online                   gauge
+    edge_coordinator_rounds_total{status}             counter (aggregated, failed, cancelled)
+    edge_coordinator_updates_total{status}            counter (accepted = stored, rejected)
+    edge_coordinator_update_bytes_received_total      counter (bytes on the wire)
+    edge_coordinator_update_fp32_bytes_total          counter (what the same deltas weigh dense)
+    edge_coordinator_update_compression_ratio         histogram (fp32 bytes / wire bytes)
+    edge_coordinator_energy_wh_total                  counter (energy devices reported spending)
+
+A private `CollectorRegistry` (never the global one) so that several coordinators, or
+tests, in one process do not collide, and importing this module registers nothing. The
+HTTP endpoint binds 127.0.0.1 unless told otherwise: expose it through a reverse proxy or
+an explicit `--metrics-addr`, not by accident. Counters restart at zero with the process;
+Prometheus' rate() handles that.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+RATIO_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, math.inf)
+ROUND_STATUSES = ("aggregated", "failed", "cancelled")
+UPDATE_STATUSES = ("accepted", "rejected")
+
+
+@dataclass
+class MetricsServer:
+    """A running metrics endpoint; `close()` stops it."""
+
+    address: str
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class CoordinatorMetrics:
+    def __init__(self, *, namespace: str = "edge_coordinator", registry: CollectorRegistry | None = None) -> None:
+        if not namespace.replace("_", "").isalnum() or not namespace[0].isalpha():
+            raise ValueError(f"namespace must be [A-Za-z][A-Za-z0-9_]*, got {namespace!r}")
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        common: dict[str, Any] = {"namespace": namespace, "registry": self.registry}
+        self.devices_online = Gauge("devices_online", "Approved and unapproved devices heard from recently", **common)
+        self.rounds = Counter("rounds", "Rounds finished, by final status", ["status"], **common)
+        self.updates = Counter("updates", "Updates received, by status at receipt", ["status"], **common)
+        self.bytes_received = Counter("update_bytes_received", "Update payload bytes received", **common)
+        self.fp32_bytes = Counter("update_fp32_bytes", "Dense float32 size of the received updates", **common)
+        self.compression_ratio = Histogram("update_compression_ratio", "fp32 bytes / wire bytes per update",
+                                           buckets=RATIO_BUCKETS, **common)
+        self.energy_wh = Counter("energy_wh", "Energy devices reported spending on fine-tuning (Wh)", **common)
+        for status in ROUND_STATUSES:  # exported at 0 from the start, so rate() works at once
+            self.rounds.labels(status=status)
+        for status in UPDATE_STATUSES:
+            self.updates.labels(status=status)
+
+    def set_devices_online(self, count: int) -> None:
+        if count < 0:
+            raise ValueError(f"devices online cannot be negative ({count})")
+        self.devices_online.set(count)
+
+    def round_finished(self, status: str) -> None:
+        if status not in ROUND_STATUSES:
+            raise ValueError(f"round status must be one of {ROUND_STATUSES}, got {status!r}")
+        self.rounds.labels(status=status).inc()
+
+    def observe_update(self, *, wire_bytes: int, fp32_bytes: int, energy_wh: float | None = None,
+                       status: str = "accepted") -> None:
+        """Count one stored update (its bytes, compression ratio and reported energy)."""
+        if status not in UPDATE_STATUSES:
+            raise ValueError(f"update status must be one of {UPDATE_STATUSES}, got {status!r}")
+        if wire_bytes < 0 or fp32_bytes < 0:
+            raise ValueError("byte counts cannot be negative")
+        self.updates.labels(status=status).inc()
+        self.bytes_received.inc(wire_bytes)
+        self.fp32_bytes.inc(fp32_bytes)
+        if wire_bytes > 0 and fp32_bytes > 0:
+            self.compression_ratio.observe(fp32_bytes / wire_bytes)
+        if energy_wh is not None and math.isfinite(energy_wh) and energy_wh > 0:
+            self.energy_wh.inc(energy_wh)
+
+    def serve(self, *, port: int, address: str = "127.0.0.1") -> MetricsServer:
+        """Serve /metrics on `address`:`port` (0: any free port) in a daemon thread."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an integer in 0..65535, got {port!r}")
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise ValueError(f"address must be an IP address (e.g. 127.0.0.1), got {address!r}") from None
+        started = start_http_server(port, addr=address, registry=self.registry)
+        if started is None:  # prometheus-client < 0.20 returns nothing: no way to stop it
+            raise RuntimeError("prometheus-client >= 0.20 is needed (start_http_server must return the server)")
+        server, thread = started
+        return MetricsServer(address, int(server.server_address[1]), server, thread)

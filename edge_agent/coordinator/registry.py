@@ -1,0 +1,549 @@
+"""The coordinator's registry: devices, jobs, rounds, received updates, model versions.
+
+One SQLite file (`<state_dir>/registry.sqlite3`, WAL, foreign keys on, synchronous=FULL;
+schema and migrations in schema.py, record types and validators in records.py) plus
+crash-safe array files next to it:
+
+    <state_dir>/updates/<job>/r<round>/<device>.<sha256[:16]>.npz   decoded deltas
+    <state_dir>/models/<name>/<version>/head.<sha256[:16]>.npz      head parameters
+
+Array files are written with `atomic.write_checked` (temp + fsync + rename, framed with
+their sha256) *before* the row that names them is committed, so a committed row always
+points at a complete file; a crash in between leaves at most an orphan file.
+
+Every write is one `BEGIN IMMEDIATE` transaction, so a restarted coordinator (or the CLI in
+another process) reads exactly what was committed. WAL lets `edge-coordinator status` read
+while `serve` writes. The state machines live in ONE place each: `JOB_TRANSITIONS`,
+`ROUND_TRANSITIONS`, `PARTICIPANT_TRANSITIONS`, checked inside the writing transaction.
+
+API for the transport side (all thread-safe; one Registry per process):
+    enrol_device / set_approved / set_tags / record_state / approved_keys   (hello, state)
+    has_update(job, device, round)            -> UpdateReceiver(is_known=...)
+    add_update(...) -> "inserted" | "duplicate" | "round_not_open" | "not_participant"
+The round logic (rounds.RoundEngine) drives jobs, rounds and participants; the CLI reads
+list_devices / list_jobs / list_rounds / list_updates / list_models.
+
+Every string from a device or a user is validated (`ID_RE` for ids and tags, printable
+and bounded for board/engine text, flat bounded JSON for state) before it reaches SQL, and
+every statement is parameterised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import read_checked, write_checked
+from ..errors import ConfigError
+from .records import (
+    JOB_TRANSITIONS,
+    PARTICIPANT_TRANSITIONS,
+    ROUND_TRANSITIONS,
+    Device,
+    IllegalTransition,
+    Job,
+    JobStatus,
+    ModelVersion,
+    NotFound,
+    Participant,
+    ParticipantStatus,
+    RoundRecord,
+    RoundState,
+    UpdateRecord,
+    UpdateStatus,
+    check_flat,
+    check_id,
+    check_public_key,
+    check_tags,
+    check_text,
+    check_time,
+    dump_arrays,
+    load_arrays,
+)
+from .schema import MIGRATIONS
+
+DB_NAME = "registry.sqlite3"
+MAX_ARRAY_FILE_BYTES = 1 << 30
+__all__ = ["DB_NAME", "MIGRATIONS", "Registry"]
+
+
+class Registry:
+    """The SQLite registry under `state_dir`. Thread-safe (one lock around one connection)."""
+
+    def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
+                 busy_timeout_s: float = 10.0) -> None:
+        if not callable(clock):
+            raise TypeError("clock must be a callable returning seconds")
+        if not 0 < busy_timeout_s <= 600:
+            raise ValueError(f"busy_timeout_s must be in (0, 600], got {busy_timeout_s}")
+        self.state_dir = Path(state_dir).resolve()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.state_dir / DB_NAME
+        self._clock = clock
+        self._lock = threading.RLock()
+        # isolation_level=None: no implicit transactions; every write is an explicit BEGIN IMMEDIATE.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=busy_timeout_s)
+        self._db.row_factory = sqlite3.Row
+        try:
+            for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL"):
+                self._db.execute(f"PRAGMA {pragma}")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:  # not a database, or corrupt beyond SQLite's recovery
+            self._db.close()
+            raise ConfigError(f"{self.path}: not a usable registry database ({exc})") from None
+        except BaseException:
+            self._db.close()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _tx(self, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute(f"BEGIN {mode}")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self) -> Any:
+        return self._tx("DEFERRED")  # a consistent snapshot across several SELECTs
+
+    def _now(self, now: float | None) -> float:
+        return check_time(self._clock() if now is None else now, "now")
+
+    @property
+    def schema_version(self) -> int:
+        with self._read() as db:
+            return int(db.execute("SELECT version FROM schema_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                db.execute("INSERT INTO schema_version (version) VALUES (0)")
+            version = 0 if row is None else int(row[0])
+            if version > len(MIGRATIONS):
+                raise ConfigError(f"{self.path}: schema version {version} is newer than this coordinator "
+                                  f"understands ({len(MIGRATIONS)}); upgrade edge-agent")
+            for statements in MIGRATIONS[version:]:
+                for sql in statements:
+                    db.execute(sql)
+            db.execute("UPDATE schema_version SET version = ?", (len(MIGRATIONS),))
+
+    def _rel(self, path: Path) -> str:
+        return path.relative_to(self.state_dir).as_posix()
+
+    def _abs(self, rel: str) -> Path:
+        path = (self.state_dir / rel).resolve()
+        if not path.is_relative_to(self.state_dir):  # a tampered row must not reach outside
+            raise ConfigError(f"{self.path}: stored path {rel!r} leaves the state directory")
+        return path
+
+    # ------------------------------------------------------------------ devices
+    def enrol_device(self, *, device_id: str, public_key: str, fleet: str, board: str = "",
+                     profile: str = "", engine: str = "", tags: Sequence[str] | None = None,
+                     approved: bool = False, now: float | None = None) -> Device:
+        """Register a device from its (self-signed) hello, or refresh its board/engine info.
+        The id must be the key's fingerprint. Re-enrolling keeps approval and tags."""
+        check_public_key(device_id, public_key)
+        check_id(fleet, "fleet")
+        board, profile, engine = (check_text(v, w) for v, w in ((board, "board"), (profile, "profile"),
+                                                                 (engine, "engine")))
+        tag_json = None if tags is None else json.dumps(check_tags(tags))
+        when = self._now(now)
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM devices WHERE id = ?", (device_id,)).fetchone():
+                db.execute("UPDATE devices SET fleet = ?, board = ?, profile = ?, engine = ?, "
+                           "tags = COALESCE(?, tags) WHERE id = ?",
+                           (fleet, board, profile, engine, tag_json, device_id))
+            else:
+                db.execute("INSERT INTO devices (id, fleet, public_key, enrolled_at, approved, tags, board, "
+                           "profile, engine) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (device_id, fleet, public_key, when, int(bool(approved)), tag_json or "[]",
+                            board, profile, engine))
+            return self._device(db, device_id)
+
+    def set_approved(self, device_id: str, approved: bool = True) -> Device:
+        with self._tx() as db:
+            self._device(db, device_id)
+            db.execute("UPDATE devices SET approved = ? WHERE id = ?", (int(bool(approved)), device_id))
+            return self._device(db, device_id)
+
+    def set_tags(self, device_id: str, tags: Sequence[str]) -> Device:
+        tag_json = json.dumps(check_tags(tags))
+        with self._tx() as db:
+            self._device(db, device_id)
+            db.execute("UPDATE devices SET tags = ? WHERE id = ?", (tag_json, device_id))
+            return self._device(db, device_id)
+
+    def record_state(self, device_id: str, *, online: bool, state: Mapping[str, Any] | None = None,
+                     now: float | None = None) -> Device:
+        """A device was heard from (or its last will said offline). `state` keys are merged
+        into the stored state (battery_pct, on_power, energy_wh, status, ...)."""
+        new = check_flat(dict(state or {}), "device state")
+        when = self._now(now)
+        with self._tx() as db:
+            merged = check_flat({**self._device(db, device_id).state, **new}, "device state")
+            db.execute("UPDATE devices SET online = ?, state = ?, last_seen = ? WHERE id = ?",
+                       (int(bool(online)), json.dumps(merged, sort_keys=True), when, device_id))
+            return self._device(db, device_id)
+
+    def get_device(self, device_id: str) -> Device:
+        with self._read() as db:
+            return self._device(db, device_id)
+
+    def list_devices(self, *, fleet: str | None = None) -> list[Device]:
+        with self._read() as db:
+            rows = db.execute("SELECT * FROM devices WHERE ? IS NULL OR fleet = ? ORDER BY id", (fleet, fleet))
+            return [Device.from_row(r) for r in rows]
+
+    def approved_keys(self) -> dict[str, str]:
+        """device id -> base64 public key of every approved device (for the TrustStore)."""
+        with self._read() as db:
+            return {r["id"]: r["public_key"] for r in db.execute("SELECT id, public_key FROM devices WHERE approved = 1")}
+
+    def _device(self, db: sqlite3.Connection, device_id: str) -> Device:
+        check_id(device_id, "device id")
+        row = db.execute("SELECT * FROM devices WHERE id = ?", (device_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"device {device_id!r} is not enrolled")
+        return Device.from_row(row)
+
+    # ------------------------------------------------------------------ model versions
+    def write_head(self, name: str, version: str, head: Mapping[str, np.ndarray]) -> tuple[str, str]:
+        """Write head parameters crash-safe; returns (path relative to state_dir, sha256).
+        The file name carries the digest, so a registered version's file is never replaced."""
+        check_id(name, "model name")
+        check_id(version, "model version")
+        data = dump_arrays(head)
+        sha = hashlib.sha256(data).hexdigest()
+        path = self.state_dir / "models" / name / version / f"head.{sha[:16]}.npz"
+        write_checked(path, data)
+        return self._rel(path), sha
+
+    def add_model_version(self, *, name: str, version: str, head: Mapping[str, np.ndarray],
+                          parent: str | None = None, bundle_path: str | None = None, head_only: bool = False,
+                          metrics: Mapping[str, Any] | None = None, now: float | None = None) -> ModelVersion:
+        """Register a model version (a base bundle's head, or a published one). The head's
+        arrays are stored as numpy; `bundle_path` names the bundle that holds the backbone."""
+        rel, sha = self.write_head(name, version, head)
+        mv = ModelVersion(name=name, version=version, parent=parent, created_at=self._now(now),
+                          bundle_path=bundle_path, head_path=rel, head_sha256=sha, head_only=head_only,
+                          metrics=check_flat(dict(metrics or {}), "metrics"))
+        with self._tx() as db:
+            return self._insert_model(db, mv)
+
+    def _insert_model(self, db: sqlite3.Connection, mv: ModelVersion) -> ModelVersion:
+        if mv.parent is not None:
+            check_id(mv.parent, "parent version")
+        if mv.bundle_path is not None:
+            check_text(mv.bundle_path, "bundle path", limit=4096)
+        old = db.execute("SELECT * FROM model_versions WHERE name = ? AND version = ?", (mv.name, mv.version)).fetchone()
+        if old is not None:
+            if old["head_sha256"] == mv.head_sha256:  # re-aggregation after a crash: same result
+                return ModelVersion.from_row(old)
+            raise IllegalTransition(f"model {mv.name} version {mv.version} already exists with other parameters")
+        try:
+            db.execute("INSERT INTO model_versions (name, version, parent, created_at, bundle_path, head_path, "
+                       "head_sha256, head_only, metrics, job_id, round) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (mv.name, mv.version, mv.parent, mv.created_at, mv.bundle_path, mv.head_path,
+                        mv.head_sha256, int(mv.head_only), json.dumps(mv.metrics, sort_keys=True), mv.job_id, mv.round))
+        except sqlite3.IntegrityError:
+            raise NotFound(f"model {mv.name}: parent version {mv.parent!r} is not registered") from None
+        return mv
+
+    def get_model(self, name: str, version: str) -> ModelVersion:
+        with self._read() as db:
+            return self._model(db, name, version)
+
+    def _model(self, db: sqlite3.Connection, name: str, version: str) -> ModelVersion:
+        check_id(name, "model name")
+        check_id(version, "model version")
+        row = db.execute("SELECT * FROM model_versions WHERE name = ? AND version = ?", (name, version)).fetchone()
+        if row is None:
+            raise NotFound(f"model {name} version {version} is not registered")
+        return ModelVersion.from_row(row)
+
+    def list_models(self, name: str | None = None) -> list[ModelVersion]:
+        with self._read() as db:
+            rows = db.execute("SELECT * FROM model_versions WHERE ? IS NULL OR name = ? ORDER BY name, created_at, "
+                              "version", (name, name))
+            return [ModelVersion.from_row(r) for r in rows]
+
+    def load_head(self, mv: ModelVersion) -> dict[str, np.ndarray]:
+        """The version's head parameters (integrity-checked)."""
+        return load_arrays(read_checked(self._abs(mv.head_path), MAX_ARRAY_FILE_BYTES), where=mv.head_path)
+
+    # ------------------------------------------------------------------ jobs
+    def create_job(self, *, job_id: str, model_name: str, model_version: str, selector: str, rounds: int,
+                   min_devices: int, deadline_s: float, params: Mapping[str, Any] | None = None,
+                   now: float | None = None) -> Job:
+        job = Job(id=job_id, model_name=model_name, model_version=model_version, selector=selector,
+                  params=dict(params or {}), rounds=rounds, min_devices=min_devices, deadline_s=deadline_s,
+                  status=JobStatus.PENDING, reason="", created_at=self._now(now), updated_at=self._now(now))
+        job.validate()
+        with self._tx() as db:
+            self._model(db, model_name, model_version)
+            if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
+                raise IllegalTransition(f"job {job_id!r} already exists")
+            db.execute("INSERT INTO jobs (id, model_name, model_version, selector, params, rounds, min_devices, "
+                       "deadline_s, status, reason, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (job.id, job.model_name, job.model_version, job.selector, json.dumps(job.params, sort_keys=True),
+                        job.rounds, job.min_devices, job.deadline_s, job.status.value, "", job.created_at,
+                        job.updated_at))
+        return job
+
+    def get_job(self, job_id: str) -> Job:
+        with self._read() as db:
+            return self._job(db, job_id)
+
+    def _job(self, db: sqlite3.Connection, job_id: str) -> Job:
+        check_id(job_id, "job id")
+        row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"job {job_id!r} does not exist")
+        return Job.from_row(row)
+
+    def list_jobs(self, *, status: Sequence[JobStatus] | None = None) -> list[Job]:
+        wanted = [JobStatus(s).value for s in status] if status is not None else []
+        where = f"WHERE status IN ({', '.join('?' * len(wanted))})" if status is not None else ""
+        with self._read() as db:
+            return [Job.from_row(r) for r in db.execute(f"SELECT * FROM jobs {where} ORDER BY created_at, id", wanted)]
+
+    def set_job_status(self, job_id: str, status: JobStatus, reason: str = "", *,
+                       now: float | None = None) -> Job:
+        when = self._now(now)
+        with self._tx() as db:
+            self._set_job(db, job_id, status, reason, when)
+            return self._job(db, job_id)
+
+    def _set_job(self, db: sqlite3.Connection, job_id: str, status: JobStatus, reason: str, now: float) -> None:
+        job = self._job(db, job_id)
+        if status != job.status and status not in JOB_TRANSITIONS[job.status]:
+            raise IllegalTransition(f"job {job_id}: cannot go from {job.status} to {status}")
+        db.execute("UPDATE jobs SET status = ?, reason = ?, updated_at = ? WHERE id = ?",
+                   (status.value, check_text(reason, "reason", limit=1024), now, job_id))
+
+    def set_job_waiting(self, job_id: str, *, since: float | None, reason: str = "") -> Job:
+        """Record that the job waits for eligible devices since `since` (None: not waiting)."""
+        with self._tx() as db:
+            self._job(db, job_id)
+            db.execute("UPDATE jobs SET waiting_since = ?, reason = ? WHERE id = ?",
+                       (since, check_text(reason, "reason", limit=1024), job_id))
+            return self._job(db, job_id)
+
+    # ------------------------------------------------------------------ rounds and participants
+    def open_round(self, *, job_id: str, number: int, base_version: str, devices: Sequence[str],
+                   deadline_at: float, now: float | None = None) -> RoundRecord:
+        """Record a new round and its selected devices (status SELECTED) in one transaction."""
+        when = self._now(now)
+        check_time(deadline_at, "deadline")
+        with self._tx() as db:
+            job = self._job(db, job_id)
+            self._model(db, job.model_name, base_version)
+            if db.execute("SELECT 1 FROM rounds WHERE job_id = ? AND number = ?", (job_id, number)).fetchone():
+                raise IllegalTransition(f"job {job_id}: round {number} already exists")
+            db.execute("INSERT INTO rounds (job_id, number, state, base_version, started_at, deadline_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", (job_id, number, RoundState.OPEN.value, base_version, when,
+                                                     deadline_at))
+            for device_id in dict.fromkeys(devices):
+                self._device(db, device_id)
+                db.execute("INSERT INTO participants (job_id, round, device_id, status) VALUES (?, ?, ?, ?)",
+                           (job_id, number, device_id, ParticipantStatus.SELECTED.value))
+            db.execute("UPDATE jobs SET waiting_since = NULL, reason = '', updated_at = ? WHERE id = ?", (when, job_id))
+            return self._round(db, job_id, number)
+
+    def get_round(self, job_id: str, number: int) -> RoundRecord:
+        with self._read() as db:
+            return self._round(db, job_id, number)
+
+    def _round(self, db: sqlite3.Connection, job_id: str, number: int) -> RoundRecord:
+        row = db.execute("SELECT * FROM rounds WHERE job_id = ? AND number = ?", (job_id, number)).fetchone()
+        if row is None:
+            raise NotFound(f"job {job_id!r} has no round {number}")
+        parts = db.execute("SELECT * FROM participants WHERE job_id = ? AND round = ? ORDER BY device_id",
+                           (job_id, number))
+        return RoundRecord.from_row(row, [Participant.from_row(p) for p in parts])
+
+    def list_rounds(self, job_id: str) -> list[RoundRecord]:
+        with self._read() as db:
+            numbers = [r[0] for r in db.execute("SELECT number FROM rounds WHERE job_id = ? ORDER BY number",
+                                                (job_id,))]
+            return [self._round(db, job_id, n) for n in numbers]
+
+    def active_rounds(self) -> list[RoundRecord]:
+        """Rounds in OPEN or CLOSING state, over all jobs (what a restarted coordinator resumes)."""
+        with self._read() as db:
+            keys = db.execute("SELECT job_id, number FROM rounds WHERE state IN (?, ?) ORDER BY started_at",
+                              (RoundState.OPEN.value, RoundState.CLOSING.value)).fetchall()
+            return [self._round(db, k[0], k[1]) for k in keys]
+
+    def set_participant(self, job_id: str, number: int, device_id: str, status: ParticipantStatus,
+                        reason: str = "", *, now: float | None = None) -> Participant:
+        """Move one participant along PARTICIPANT_TRANSITIONS (dispatched, dropped...)."""
+        when = self._now(now)
+        with self._tx() as db:
+            rnd = self._round(db, job_id, number)
+            if rnd.state is not RoundState.OPEN:
+                raise IllegalTransition(f"job {job_id} round {number} is {rnd.state}, not open")
+            self._move_participant(db, rnd, device_id, status, reason, when)
+            return self._round(db, job_id, number).participants[device_id]
+
+    def _move_participant(self, db: sqlite3.Connection, rnd: RoundRecord, device_id: str,
+                          status: ParticipantStatus, reason: str, now: float) -> None:
+        part = rnd.participants.get(device_id)
+        if part is None:
+            raise NotFound(f"device {device_id!r} is not in job {rnd.job_id} round {rnd.number}")
+        if status not in PARTICIPANT_TRANSITIONS[part.status]:
+            raise IllegalTransition(f"device {device_id} in round {rnd.number}: cannot go from {part.status} "
+                                    f"to {status}")
+        db.execute("UPDATE participants SET status = ?, reason = ?, dispatched_at = CASE WHEN ? THEN ? ELSE "
+                   "dispatched_at END WHERE job_id = ? AND round = ? AND device_id = ?",
+                   (status.value, check_text(reason, "reason", limit=512), status is ParticipantStatus.DISPATCHED,
+                    now, rnd.job_id, rnd.number, device_id))
+
+    def _set_round(self, db: sqlite3.Connection, rnd: RoundRecord, state: RoundState, *, reason: str = "",
+                   ended_at: float | None = None, version: str | None = None) -> None:
+        if state not in ROUND_TRANSITIONS[rnd.state]:
+            raise IllegalTransition(f"job {rnd.job_id} round {rnd.number}: cannot go from {rnd.state} to {state}")
+        db.execute("UPDATE rounds SET state = ?, reason = ?, ended_at = ?, aggregated_version = ? "
+                   "WHERE job_id = ? AND number = ?", (state.value, check_text(reason, "reason", limit=1024),
+                                                       ended_at, version, rnd.job_id, rnd.number))
+
+    def begin_closing(self, job_id: str, number: int, *, dropout_reason: str = "no_update",
+                      now: float | None = None) -> RoundRecord:
+        """OPEN -> CLOSING: from here no update is accepted; every participant that has not
+        reported becomes a dropout (DROPPED with `dropout_reason`)."""
+        when = self._now(now)
+        with self._tx() as db:
+            rnd = self._round(db, job_id, number)
+            for part in rnd.participants.values():
+                if part.status in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
+                    why = dropout_reason if part.status is ParticipantStatus.DISPATCHED else "not_dispatched"
+                    self._move_participant(db, rnd, part.device_id, ParticipantStatus.DROPPED, why, when)
+            self._set_round(db, rnd, RoundState.CLOSING)
+            return self._round(db, job_id, number)
+
+    def finish_round(self, job_id: str, number: int, *, state: RoundState, reason: str = "",
+                     verdicts: Mapping[str, tuple[UpdateStatus, str]] | None = None,
+                     new_version: ModelVersion | None = None, job_status: JobStatus | None = None,
+                     job_reason: str = "", now: float | None = None) -> RoundRecord:
+        """End a round in ONE transaction: the screening verdicts of its updates (device ->
+        (status, reason)), the new model version (its head already written by `write_head`),
+        the round's final state, and optionally the job's next status."""
+        when = self._now(now)
+        with self._tx() as db:
+            rnd = self._round(db, job_id, number)
+            for device_id, (status, why) in (verdicts or {}).items():
+                cur = db.execute("UPDATE updates SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND "
+                                 "device_id = ?", (UpdateStatus(status).value, check_text(why, "reason", limit=512),
+                                                   job_id, number, device_id))
+                if cur.rowcount != 1:
+                    raise NotFound(f"no update from {device_id!r} in job {job_id} round {number}")
+            if new_version is not None:
+                self._insert_model(db, new_version)
+            self._set_round(db, rnd, state, reason=reason, ended_at=when,
+                            version=new_version.version if new_version else None)
+            if job_status is not None:
+                self._set_job(db, job_id, job_status, job_reason, when)
+            return self._round(db, job_id, number)
+
+    # ------------------------------------------------------------------ updates
+    def add_update(self, *, job_id: str, device_id: str, round: int, num_samples: int, wire_bytes: int,
+                   fp32_bytes: int, sha256: str, deltas: Mapping[str, np.ndarray] | None,
+                   status: UpdateStatus = UpdateStatus.PENDING, reason: str = "", energy_wh: float | None = None,
+                   metrics: Mapping[str, Any] | None = None, now: float | None = None) -> str:
+        """Store one received update. Returns "inserted"; "duplicate" if (job, device, round)
+        is already stored (the first one is kept untouched); "round_not_open" /
+        "not_participant" if a PENDING update arrives for a round or device that cannot
+        take it (nothing is stored then). The participant becomes REPORTED."""
+        rec = UpdateRecord(job_id=job_id, device_id=device_id, round=round, num_samples=num_samples,
+                           wire_bytes=wire_bytes, fp32_bytes=fp32_bytes, sha256=sha256,
+                           received_at=self._now(now), status=UpdateStatus(status),
+                           reason=check_text(reason, "reason", limit=512), delta_path=None, energy_wh=energy_wh,
+                           metrics=check_flat(dict(metrics or {}), "metrics"))
+        rec.validate()
+        with self._tx() as db:
+            if self._has_update(db, job_id, device_id, round):
+                return "duplicate"
+            rnd = self._round(db, job_id, round)
+            part = rnd.participants.get(device_id)
+            if rec.status is UpdateStatus.PENDING:
+                if rnd.state is not RoundState.OPEN:
+                    return "round_not_open"
+                if part is None or part.status not in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
+                    return "not_participant"
+            path = None
+            if deltas is not None:  # the file first: a committed row always names a complete file
+                path = self.state_dir / "updates" / job_id / f"r{round}" / f"{device_id}.{sha256[:16]}.npz"
+                write_checked(path, dump_arrays(deltas))
+            try:
+                db.execute("INSERT INTO updates (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, "
+                           "sha256, received_at, status, reason, delta_path, energy_wh, metrics) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, sha256, rec.received_at,
+                            rec.status.value, rec.reason, path and self._rel(path), energy_wh,
+                            json.dumps(rec.metrics, sort_keys=True)))
+                if part is not None and part.status in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
+                    self._move_participant(db, rnd, device_id, ParticipantStatus.REPORTED, rec.status.value,
+                                           rec.received_at)
+            except BaseException:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+                raise
+            return "inserted"
+
+    def has_update(self, job_id: str, device_id: str, round: int) -> bool:
+        with self._read() as db:
+            return self._has_update(db, job_id, device_id, round)
+
+    @staticmethod
+    def _has_update(db: sqlite3.Connection, job_id: str, device_id: str, round: int) -> bool:
+        return db.execute("SELECT 1 FROM updates WHERE job_id = ? AND device_id = ? AND round = ?",
+                          (job_id, device_id, round)).fetchone() is not None
+
+    def list_updates(self, job_id: str, round: int | None = None,
+                     status: UpdateStatus | None = None) -> list[UpdateRecord]:
+        with self._read() as db:
+            rows = db.execute("SELECT * FROM updates WHERE job_id = ? AND (? IS NULL OR round = ?) AND "
+                              "(? IS NULL OR status = ?) ORDER BY round, device_id",
+                              (job_id, round, round, status and status.value, status and status.value))
+            return [UpdateRecord.from_row(r) for r in rows]
+
+    def load_delta(self, rec: UpdateRecord) -> dict[str, np.ndarray]:
+        """The stored dense delta of an update (integrity-checked; CorruptFileError if not)."""
+        if rec.delta_path is None:
+            raise NotFound(f"update from {rec.device_id} in job {rec.job_id} round {rec.round} has no stored delta")
+        return load_arrays(read_checked(self._abs(rec.delta_path), MAX_ARRAY_FILE_BYTES), where=rec.delta_path)
+
+    def totals(self, job_id: str | None = None) -> dict[str, float]:
+        """Bytes on the wire, fp32 bytes, energy and counts of stored updates (one job or all)."""
+        with self._read() as db:
+            row = db.execute("SELECT COUNT(*), COALESCE(SUM(wire_bytes), 0), COALESCE(SUM(fp32_bytes), 0), "
+                             "COALESCE(SUM(energy_wh), 0), COALESCE(SUM(status = 'accepted'), 0) FROM updates "
+                             "WHERE ? IS NULL OR job_id = ?", (job_id, job_id)).fetchone()
+        return {"updates": row[0], "wire_bytes": row[1], "fp32_bytes": row[2], "energy_wh": float(row[3]),
+                "accepted": row[4]}

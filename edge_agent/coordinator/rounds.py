@@ -1,0 +1,507 @@
+"""Round orchestration as a transport-free state machine over the registry.
+
+`RoundEngine` decides; the MQTT layer only carries messages. Everything it decides is
+committed to the registry before it returns, so a coordinator killed at any point resumes
+from the registry with `tick()` (a CLOSING round is re-aggregated from the stored deltas).
+
+How the transport side drives it (one thread or several: the engine serialises calls):
+
+    engine = RoundEngine(registry=Registry(state_dir=d), policy=RoundPolicy(), metrics=m)
+    job = engine.start_job(model_name="digits", model_version="1", selector="tag:farm",
+                           rounds=5, min_devices=3, deadline_s=900, budget_wh=2.0)
+    every few seconds:
+        result = engine.tick()                # closes due rounds, opens next ones
+        for plan in engine.pending_dispatches():      # also after a restart
+            for device in plan.devices:               # send a signed `finetune` cmd
+                ok = publish(cmd(plan, device))
+                engine.record_dispatch(plan.job_id, plan.round, device, ok=ok)
+        for plan in result.cancelled: send `cancel` to plan.devices
+        for outcome in result.closed: publish outcome.new_version (head only) if any
+        result.failed: {job: why} for jobs that cannot go on (logged; the others continue)
+    on a hello:           registry.enrol_device(device_id=..., public_key=..., fleet=..., board=...)
+    on a state/progress:  registry.record_state(device, online=status != "offline",
+                              state={"status", "job", "battery_pct", "on_power", "energy_wh"})
+    on a device refusal:  engine.record_dropout(job, round, device, "refused:battery_low")
+    on a complete upload: receipt = engine.receive_update(payload, sender=device,
+                                                          num_samples=n, energy_wh=e)
+                          ack(receipt.status, receipt.reason, receipt.detail)
+    UpdateReceiver(is_known=lambda k: registry.has_update(k.job, k.device, k.round))
+
+Selection (`select_devices`) and aggregation (`aggregate.py`) are pure functions; the
+engine is the thin class around them. Time comes from the injectable `clock`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..atomic import CorruptFileError
+from ..errors import InputError
+from ..updates.codec import decode_tensors
+from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, UpdateError
+from ..updates.wire import unpack_update
+from .aggregate import (
+    apply_delta,
+    check_tensor_table,
+    fedavg,
+    non_finite,
+    screen_updates,
+    trimmed_mean,
+)
+from .records import (
+    MAX_SAMPLES,
+    IllegalTransition,
+    Job,
+    JobStatus,
+    ModelVersion,
+    NotFound,
+    ParticipantStatus,
+    RoundRecord,
+    RoundState,
+    UpdateStatus,
+    check_id,
+    check_text,
+)
+from .registry import Registry
+from .selection import sample_devices, select_devices
+
+if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
+    from .metrics import CoordinatorMetrics
+
+AGGREGATORS = ("fedavg", "trimmed_mean")
+_LIVE = (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundPolicy:
+    """Fleet-wide defaults; a job's params may override aggregator, trim_fraction, norm_k,
+    min_battery_pct and devices_per_round."""
+
+    online_within_s: float = 300.0  # "online" = online flag and heard from within this
+    min_battery_pct: float = 30.0  # unless on external power
+    allow_unknown_power: bool = True  # devices reporting no battery at all (mains-powered)
+    aggregator: str = "fedavg"
+    trim_fraction: float = 0.2
+    norm_k: float = 3.5
+    norm_min_updates: int = 3
+    max_wait_s: float | None = None  # wait for enough eligible devices; None: the job's deadline
+    max_update_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        check_options(self.aggregator, self.trim_fraction, self.norm_k, self.min_battery_pct)
+        if not (math.isfinite(self.online_within_s) and self.online_within_s > 0):
+            raise ValueError(f"online_within_s must be > 0, got {self.online_within_s}")
+        if self.norm_min_updates < 1 or not 0 < self.max_update_bytes <= 1 << 30:
+            raise ValueError("norm_min_updates must be >= 1 and max_update_bytes in (0, 1 GiB]")
+        if self.max_wait_s is not None and not (math.isfinite(self.max_wait_s) and self.max_wait_s >= 0):
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+
+
+def check_options(aggregator: Any, trim_fraction: Any, norm_k: Any, min_battery_pct: Any) -> None:
+    if aggregator not in AGGREGATORS:
+        raise InputError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
+    for name, value, lo, hi in (("trim_fraction", trim_fraction, 0.0, 0.49), ("norm_k", norm_k, 0.1, 1e6),
+                                ("min_battery_pct", min_battery_pct, 0.0, 100.0)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            raise InputError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+
+
+# ---------------------------------------------------------------- results
+@dataclass(frozen=True)
+class RoundPlan:
+    """A round's dispatch: send a signed `finetune` command to each of `devices`."""
+
+    job_id: str
+    round: int
+    model_name: str
+    model_version: str  # the version devices train from (fetch it first if they lack it)
+    deadline_at: float
+    devices: tuple[str, ...]
+    params: dict[str, Any] = field(default_factory=dict)  # job params (budget_wh, epochs...)
+
+    @property
+    def cmd_id(self) -> str:
+        return f"{self.job_id}-r{self.round}"
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    job_id: str
+    round: int
+    state: RoundState
+    reason: str
+    new_version: ModelVersion | None
+    accepted: tuple[str, ...]
+    rejected: dict[str, str]  # device -> reason (at receipt or at screening)
+    dropouts: dict[str, str]  # device -> reason: failures are data
+    job_status: JobStatus
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What to ack: status "accepted" (stored; screened at close), "duplicate" or "rejected"
+    with an id-like `reason` (ack schema) and a human `detail`."""
+
+    status: str
+    reason: str = ""
+    detail: str = ""
+
+
+@dataclass
+class TickResult:
+    opened: list[RoundPlan] = field(default_factory=list)
+    closed: list[RoundOutcome] = field(default_factory=list)
+    cancelled: list[RoundPlan] = field(default_factory=list)  # tell these devices to stop
+    failed: dict[str, str] = field(default_factory=dict)  # job id -> why it failed in this tick
+
+
+# ---------------------------------------------------------------- the engine
+class RoundEngine:
+    def __init__(self, *, registry: Registry, policy: RoundPolicy | None = None,
+                 clock: Callable[[], float] = time.time, metrics: CoordinatorMetrics | None = None) -> None:
+        if not isinstance(registry, Registry):
+            raise TypeError("registry must be a Registry")
+        if not callable(clock):
+            raise TypeError("clock must be a callable returning seconds")
+        self.registry, self.policy = registry, policy or RoundPolicy()
+        self.clock, self.metrics = clock, metrics
+        self._lock = threading.RLock()
+        self._heads: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+
+    # ---- jobs
+    def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
+                  min_devices: int = 1, deadline_s: float = 600.0, budget_wh: float | None = None,
+                  params: Mapping[str, Any] | None = None, job_id: str | None = None) -> Job:
+        """Create a PENDING job (the next `tick()` opens its first round)."""
+        p = dict(params or {})
+        if budget_wh is not None:
+            p["budget_wh"] = budget_wh
+        self._options(p)  # refuse a bad aggregator now, not at the end of round 1
+        if "devices_per_round" in p and (isinstance(p["devices_per_round"], bool)
+                                          or not isinstance(p["devices_per_round"], int) or p["devices_per_round"] < 1):
+            raise InputError(f"devices_per_round must be a positive integer, got {p['devices_per_round']!r}")
+        if "budget_wh" in p and (not isinstance(p["budget_wh"], int | float) or not 0 < p["budget_wh"] < 1e6):
+            raise InputError(f"budget_wh must be a positive number of Wh, got {p['budget_wh']!r}")
+        return self.registry.create_job(job_id=job_id or f"job-{secrets.token_hex(6)}", model_name=model_name,
+                                        model_version=model_version, selector=selector, rounds=rounds,
+                                        min_devices=min_devices, deadline_s=deadline_s, params=p, now=self.clock())
+
+    def _options(self, params: Mapping[str, Any]) -> tuple[str, float, float, float]:
+        pol = self.policy
+        opts = (params.get("aggregator", pol.aggregator), params.get("trim_fraction", pol.trim_fraction),
+                params.get("norm_k", pol.norm_k), params.get("min_battery_pct", pol.min_battery_pct))
+        check_options(*opts)
+        return opts
+
+    def cancel_job(self, job_id: str, reason: str = "cancelled by operator") -> list[RoundPlan]:
+        """Cancel a job and its active round; returns whom to send a `cancel` command."""
+        with self._lock:
+            if self.registry.get_job(job_id).status is JobStatus.CANCELLED:
+                return []  # cancelling twice is harmless (and keeps the first reason)
+            self.registry.set_job_status(job_id, JobStatus.CANCELLED, reason, now=self.clock())
+            return self._cancel_active(job_id, reason)
+
+    def _cancel_active(self, job_id: str, reason: str) -> list[RoundPlan]:
+        plans = []
+        job = self.registry.get_job(job_id)
+        for rnd in self.registry.list_rounds(job_id):
+            if rnd.state not in (RoundState.OPEN, RoundState.CLOSING):
+                continue
+            live = rnd.with_status(*_LIVE)  # SELECTED too: a crash may have hidden a sent command
+            if rnd.state is RoundState.OPEN:
+                rnd = self.registry.begin_closing(job_id, rnd.number, dropout_reason="cancelled", now=self.clock())
+            pending = self.registry.list_updates(job_id, rnd.number, UpdateStatus.PENDING)
+            self.registry.finish_round(job_id, rnd.number, state=RoundState.CANCELLED, reason=reason,
+                                       verdicts={u.device_id: (UpdateStatus.REJECTED, "job_cancelled") for u in pending},
+                                       now=self.clock())
+            self._count_round(RoundState.CANCELLED)
+            plans.append(self._plan(job, rnd, tuple(live)))
+        return plans
+
+    # ---- the periodic step
+    def tick(self) -> TickResult:
+        """Advance every job: close due rounds (deadline passed, everyone settled, or left
+        CLOSING by a crash), open the next round when enough devices are eligible."""
+        result = TickResult()
+        with self._lock:
+            for job in self.registry.list_jobs(status=(JobStatus.PENDING, JobStatus.RUNNING)):
+                try:
+                    if job.status is JobStatus.PENDING:
+                        job = self.registry.set_job_status(job.id, JobStatus.RUNNING, now=self.clock())
+                    self._advance(job, result)
+                except IllegalTransition:  # another process (the CLI) changed the job meanwhile
+                    continue
+                except InputError as exc:  # e.g. a corrupt base head: this job cannot go on, others can
+                    why = f"{type(exc).__name__}: {exc}"[:1024]
+                    self.registry.set_job_status(job.id, JobStatus.FAILED, why, now=self.clock())
+                    result.cancelled += self._cancel_active(job.id, why)
+                    result.failed[job.id] = why
+            for job_id in dict.fromkeys(r.job_id for r in self.registry.active_rounds()):
+                job = self.registry.get_job(job_id)  # cancelled by the CLI (another process)?
+                if job.status.terminal:
+                    result.cancelled += self._cancel_active(job.id, job.reason or f"job {job.status}")
+            if self.metrics is not None:
+                now = self.clock()
+                self.metrics.set_devices_online(sum(d.is_online(now, self.policy.online_within_s)
+                                                    for d in self.registry.list_devices()))
+        return result
+
+    def _advance(self, job: Job, result: TickResult) -> None:
+        rounds = self.registry.list_rounds(job.id)
+        active = [r for r in rounds if r.state in (RoundState.OPEN, RoundState.CLOSING)]
+        if active:
+            rnd = active[0]
+            due = self.clock() >= rnd.deadline_at or (rnd.settled and bool(rnd.participants))
+            if rnd.state is RoundState.OPEN and not due:
+                return
+            result.closed.append(self.close_round(job.id, rnd.number))
+            rounds = self.registry.list_rounds(job.id)
+            job = self.registry.get_job(job.id)
+        if job.status is JobStatus.RUNNING and len(rounds) < job.rounds:
+            opened = self._open_next(job, rounds, result)
+            if opened is not None:
+                result.opened.append(opened)
+
+    def _open_next(self, job: Job, rounds: list[RoundRecord], result: TickResult) -> RoundPlan | None:
+        now, number = self.clock(), len(rounds) + 1
+        base = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), job.model_version)
+        _, _, _, min_battery = self._options(job.params)
+        busy = frozenset(d for r in self.registry.active_rounds() for d in r.with_status(*_LIVE))
+        sel = select_devices(self.registry.list_devices(), job.selector, now=now,
+                             online_within_s=self.policy.online_within_s, min_battery_pct=min_battery,
+                             budget_wh=job.budget_wh, allow_unknown_power=self.policy.allow_unknown_power, busy=busy,
+                             job_id=job.id)
+        chosen = sample_devices(sel.eligible, job.params.get("devices_per_round"), seed=f"{job.id}/{number}")
+        if len(chosen) >= job.min_devices:
+            rnd = self.registry.open_round(job_id=job.id, number=number, base_version=base, devices=chosen,
+                                           deadline_at=now + job.deadline_s, now=now)
+            return self._plan(job, rnd, tuple(chosen))
+        why = f"{len(chosen)} eligible device(s), need {job.min_devices}"
+        if sel.ineligible:
+            why += "; " + ", ".join(f"{d}: {r}" for d, r in list(sel.ineligible.items())[:20])
+        since = job.waiting_since if job.waiting_since is not None else now
+        max_wait = self.policy.max_wait_s if self.policy.max_wait_s is not None else job.deadline_s
+        if now - since < max_wait:
+            self.registry.set_job_waiting(job.id, since=since, reason=f"waiting: {why}"[:1024])
+            return None
+        # Waited long enough: the round is recorded as failed (with who was ineligible and why).
+        self.registry.open_round(job_id=job.id, number=number, base_version=base, devices=[], deadline_at=now, now=now)
+        status, job_reason = self._job_end(job, number, aggregated=False)
+        rec = self.registry.finish_round(job.id, number, state=RoundState.FAILED, reason=f"not started: {why}"[:1024],
+                                         job_status=status, job_reason=job_reason, now=now)
+        self._count_round(RoundState.FAILED)
+        result.closed.append(RoundOutcome(job.id, number, RoundState.FAILED, rec.reason, None, (), {}, {},
+                                          status or JobStatus.RUNNING))
+        return None
+
+    def _job_end(self, job: Job, number: int, *, aggregated: bool) -> tuple[JobStatus | None, str]:
+        """The job's status once round `number` ends (None: more rounds to go)."""
+        if number < job.rounds:
+            return None, ""
+        if aggregated or any(r.state is RoundState.AGGREGATED for r in self.registry.list_rounds(job.id)):
+            return JobStatus.DONE, ""
+        return JobStatus.FAILED, f"none of the {job.rounds} round(s) produced a model"
+
+    def _plan(self, job: Job, rnd: RoundRecord, devices: tuple[str, ...]) -> RoundPlan:
+        return RoundPlan(job.id, rnd.number, job.model_name, rnd.base_version, rnd.deadline_at, devices,
+                         dict(job.params))
+
+    def pending_dispatches(self) -> list[RoundPlan]:
+        """Open rounds' devices not yet dispatched (also those a crash interrupted)."""
+        with self._lock:
+            plans = []
+            for rnd in self.registry.active_rounds():
+                todo = rnd.with_status(ParticipantStatus.SELECTED)
+                if rnd.state is RoundState.OPEN and todo:
+                    plans.append(self._plan(self.registry.get_job(rnd.job_id), rnd, tuple(todo)))
+            return plans
+
+    def record_dispatch(self, job_id: str, round: int, device_id: str, *, ok: bool = True, reason: str = "") -> bool:
+        """The finetune command was delivered (ok) or could not be (the device drops out).
+        Returns False (and changes nothing) when it no longer matters: the round is closed
+        or the device already reported or dropped out."""
+        status = ParticipantStatus.DISPATCHED if ok else ParticipantStatus.DROPPED
+        return self._move(job_id, round, device_id, status, "" if ok else f"dispatch_failed: {reason}")
+
+    def record_dropout(self, job_id: str, round: int, device_id: str, reason: str) -> bool:
+        """A device said it will not deliver (refused: battery low, thermal, cancelled...)."""
+        return self._move(job_id, round, device_id, ParticipantStatus.DROPPED, reason)
+
+    def _move(self, job_id: str, round: int, device_id: str, status: ParticipantStatus, reason: str) -> bool:
+        reason = check_text(reason[:512], "reason", limit=512)
+        with self._lock:
+            rnd = self.registry.get_round(job_id, round)
+            part = rnd.participants.get(device_id)
+            if part is None:
+                raise NotFound(f"device {device_id!r} is not in job {job_id} round {round}")
+            if rnd.state is not RoundState.OPEN or part.status not in _LIVE or part.status is status:
+                return False
+            self.registry.set_participant(job_id, round, device_id, status, reason, now=self.clock())
+            return True
+
+    # ---- updates
+    def _head(self, name: str, version: str) -> tuple[ModelVersion, dict[str, np.ndarray]]:
+        mv = self.registry.get_model(name, version)
+        if (name, version) not in self._heads:
+            if len(self._heads) > 8:
+                self._heads.clear()
+            self._heads[(name, version)] = self.registry.load_head(mv)
+        return mv, self._heads[(name, version)]
+
+    def receive_update(self, payload: bytes, *, sender: str, num_samples: int, wire_bytes: int | None = None,
+                       energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None) -> Receipt:
+        """Verify, de-duplicate and store one complete update payload from `sender` (the
+        verified signer). Stored updates are screened when the round closes."""
+        with self._lock:
+            try:
+                return self._receive(bytes(payload), sender, num_samples, wire_bytes, energy_wh, metrics)
+            except NotFound as exc:
+                return Receipt("rejected", "unknown_round", str(exc)[:512])
+            except InputError as exc:  # an id in the header that the registry refuses
+                return Receipt("rejected", "invalid", str(exc)[:512])
+
+    def _receive(self, payload: bytes, sender: str, num_samples: Any, wire_bytes: int | None,
+                 energy_wh: float | None, metrics: Mapping[str, Any] | None) -> Receipt:
+        now = self.clock()
+        if len(payload) > self.policy.max_update_bytes:
+            return Receipt("rejected", "oversized", f"{len(payload)} bytes > {self.policy.max_update_bytes}")
+        try:
+            header, encoded = unpack_update(payload, max_bytes=self.policy.max_update_bytes)
+        except UpdateError as exc:
+            return Receipt("rejected", "malformed", str(exc)[:512])
+        if header.device_id != sender:
+            return Receipt("rejected", "wrong_device", f"update names device {header.device_id}, sent by {sender}")
+        job_id, number = header.job_id, header.round
+        check_id(job_id, "job id")
+        if self.registry.has_update(job_id, sender, number):
+            return Receipt("duplicate")
+        job, rnd = self.registry.get_job(job_id), self.registry.get_round(job_id, number)
+        part = rnd.participants.get(sender)
+        if part is None:
+            return Receipt("rejected", "not_selected", f"{sender} is not in job {job_id} round {number}")
+        if rnd.state is not RoundState.OPEN:
+            return Receipt("rejected", "round_closed", f"round {number} is {rnd.state}")
+        if part.status is ParticipantStatus.DROPPED:
+            return Receipt("rejected", "dropped_out", f"{sender} dropped out: {part.reason}")
+        if now > rnd.deadline_at:
+            self.registry.set_participant(job_id, number, sender, ParticipantStatus.DROPPED, "late_update", now=now)
+            return Receipt("rejected", "late", f"round {number} deadline passed {now - rnd.deadline_at:.0f} s ago")
+        wire = len(payload) if wire_bytes is None else wire_bytes
+        fp32 = 4 * sum(e.spec.numel for e in encoded)
+        deltas, code, detail = None, "", ""
+        _, head = self._head(job.model_name, rnd.base_version)
+        samples_ok = not isinstance(num_samples, bool) and isinstance(num_samples, int) and 1 <= num_samples <= MAX_SAMPLES
+        if energy_wh is not None and not (isinstance(energy_wh, int | float) and 0 <= energy_wh < 1e6):
+            energy_wh = None  # a bogus energy report must not cost the update
+        if (header.model_name, header.model_version) != (job.model_name, rnd.base_version):
+            code, detail = "wrong_model", (f"update is for {header.model_name} {header.model_version}, round {number} "
+                                           f"trains {job.model_name} {rnd.base_version}")
+        elif not samples_ok:
+            code, detail = "bad_samples", f"num_samples {str(num_samples)[:40]!r} not in 1..{MAX_SAMPLES}"
+        else:
+            try:
+                check_tensor_table({e.spec.name: e.spec.shape for e in encoded}, head)  # before decoding
+                deltas = decode_tensors(encoded)
+                why = non_finite(deltas)
+                if why:
+                    code, detail, deltas = "non_finite", why, None
+            except UpdateError as exc:
+                code = ("bad_table" if isinstance(exc, TensorTableMismatchError) else
+                        "non_finite" if isinstance(exc, NonFiniteDeltaError) else "malformed")
+                detail = str(exc)[:512]
+        status = UpdateStatus.REJECTED if code else UpdateStatus.PENDING
+        stored = self.registry.add_update(
+            job_id=job_id, device_id=sender, round=number, num_samples=num_samples if samples_ok else 0, wire_bytes=wire, fp32_bytes=fp32,
+            sha256=hashlib.sha256(payload).hexdigest(), deltas=deltas, status=status, reason=code and f"{code}: {detail}",
+            energy_wh=energy_wh, metrics=metrics, now=now)
+        if stored == "duplicate":
+            return Receipt("duplicate")
+        if stored != "inserted":
+            return Receipt("rejected", stored, f"job {job_id} round {number}")
+        if self.metrics is not None:
+            self.metrics.observe_update(wire_bytes=wire, fp32_bytes=fp32, energy_wh=energy_wh,
+                                        status=status.value if code else "accepted")
+        return Receipt("rejected", code, detail) if code else Receipt("accepted")
+
+    # ---- closing
+    def close_round(self, job_id: str, number: int) -> RoundOutcome:
+        """Stop collecting, screen the stored updates, aggregate if enough were accepted, and
+        register the new (head-only) version -- or fail the round with the reason."""
+        with self._lock:
+            now = self.clock()
+            rnd = self.registry.get_round(job_id, number)
+            if rnd.state is RoundState.OPEN:
+                rnd = self.registry.begin_closing(job_id, number, now=now)
+            job = self.registry.get_job(job_id)
+            if rnd.state is RoundState.CLOSING and job.status.terminal:  # cancelled meanwhile
+                self._cancel_active(job_id, job.reason or f"job {job.status}")
+            if self.registry.get_round(job_id, number).state is not RoundState.CLOSING:  # finished: idempotent
+                return self._outcome(job_id, number)
+            aggregator, trim, norm_k, _ = self._options(job.params)
+            base_mv, base_head = self._head(job.model_name, rnd.base_version)
+            verdicts: dict[str, tuple[UpdateStatus, str]] = {}
+            candidates: list[tuple[str, dict[str, np.ndarray], int]] = []
+            for rec in self.registry.list_updates(job_id, number, UpdateStatus.PENDING):
+                try:
+                    delta = self.registry.load_delta(rec)
+                    check_tensor_table(delta, base_head)
+                    candidates.append((rec.device_id, delta, rec.num_samples))
+                except (CorruptFileError, InputError) as exc:
+                    verdicts[rec.device_id] = (UpdateStatus.REJECTED, f"unreadable: {str(exc)[:400]}")
+            screen = screen_updates([c[1] for c in candidates], k=norm_k, min_updates=self.policy.norm_min_updates)
+            for i, why in screen.rejected:
+                verdicts[candidates[i][0]] = (UpdateStatus.REJECTED, why[:512])
+            good = [candidates[i] for i in screen.accepted]
+            new_version, reason = None, ""
+            if len(good) < job.min_devices:
+                reason = (f"{len(good)} accepted update(s), need {job.min_devices}; "
+                          f"{len(rnd.dropouts)} dropout(s), {len(verdicts)} rejected at screening")
+            else:
+                pairs = [(d, n) for _, d, n in good]
+                agg = fedavg(pairs) if aggregator == "fedavg" else trimmed_mean(pairs, trim)
+                try:
+                    new_head = apply_delta(base_head, agg)
+                except InputError as exc:
+                    reason = f"aggregate unusable: {exc}"[:1024]
+                else:
+                    version = f"{job_id}-r{number}"
+                    rel, sha = self.registry.write_head(job.model_name, version, new_head)
+                    norms = [screen.norms[i] for i in screen.accepted]
+                    new_version = ModelVersion(
+                        name=job.model_name, version=version, parent=rnd.base_version, created_at=now,
+                        bundle_path=base_mv.bundle_path, head_path=rel, head_sha256=sha, head_only=True,
+                        metrics={"updates": len(good), "samples": sum(n for _, _, n in good), "aggregator": aggregator,
+                                 "dropouts": len(rnd.dropouts), "rejected": len(verdicts),
+                                 "mean_update_norm": float(np.mean(norms))},
+                        job_id=job_id, round=number)
+            for device_id, _, _ in good:
+                verdicts[device_id] = (UpdateStatus.ACCEPTED, "")
+            state = RoundState.AGGREGATED if new_version else RoundState.FAILED
+            status, job_reason = self._job_end(job, number, aggregated=new_version is not None)
+            self.registry.finish_round(job_id, number, state=state, reason=reason, verdicts=verdicts,
+                                       new_version=new_version, job_status=status, job_reason=job_reason, now=now)
+            self._count_round(state)
+            return self._outcome(job_id, number)
+
+    def _outcome(self, job_id: str, number: int) -> RoundOutcome:
+        rnd, job = self.registry.get_round(job_id, number), self.registry.get_job(job_id)
+        updates = self.registry.list_updates(job_id, number)
+        version = (self.registry.get_model(job.model_name, rnd.aggregated_version)
+                   if rnd.aggregated_version else None)
+        return RoundOutcome(job_id, number, rnd.state, rnd.reason, version,
+                            tuple(u.device_id for u in updates if u.status is UpdateStatus.ACCEPTED),
+                            {u.device_id: u.reason for u in updates if u.status is UpdateStatus.REJECTED},
+                            rnd.dropouts, job.status)
+
+    def _count_round(self, state: RoundState) -> None:
+        if self.metrics is not None:
+            self.metrics.round_finished(state.value)

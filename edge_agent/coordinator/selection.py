@@ -1,0 +1,72 @@
+"""Which devices take part in a round: pure functions over `Device` records.
+
+`select_devices` returns the eligible ids and, for every device matching the selector but
+left out, the reason (shown by `edge-coordinator train` while it waits, and recorded in a
+round that could not start). `sample_devices` picks a deterministic subset when a job asks
+for fewer devices per round than are eligible (seeded by job and round, so a restarted
+coordinator picks the same ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .records import Device, parse_selector
+
+
+@dataclass(frozen=True)
+class Selection:
+    eligible: list[str]
+    ineligible: dict[str, str]  # device id -> why not (only devices matching the selector)
+
+
+def select_devices(devices: Sequence[Device], selector: str, *, now: float, online_within_s: float,
+                   min_battery_pct: float, budget_wh: float | None = None, allow_unknown_power: bool = True,
+                   busy: frozenset[str] = frozenset(), job_id: str | None = None) -> Selection:
+    """Who may take part in a round: matches the selector ("board:" matches the board or
+    the board profile name), approved, online, not busy with another job (`busy`: devices
+    in other active rounds; or a reported "busy" state naming another job than `job_id`),
+    enough battery (or on power) and enough energy for the budget."""
+    kind, value = parse_selector(selector)
+    eligible, ineligible = [], {}
+    for dev in sorted(devices, key=lambda d: d.id):
+        if (kind == "tag" and value not in dev.tags) or (kind == "board" and value not in (dev.board, dev.profile)):
+            continue
+        why = _ineligible(dev, now, online_within_s, min_battery_pct, budget_wh, allow_unknown_power, busy, job_id)
+        if why:
+            ineligible[dev.id] = why
+        else:
+            eligible.append(dev.id)
+    return Selection(eligible, ineligible)
+
+
+def _ineligible(dev: Device, now: float, online_within_s: float, min_battery_pct: float,
+                budget_wh: float | None, allow_unknown_power: bool, busy: frozenset[str], job_id: str | None) -> str:
+    if not dev.approved:
+        return "not approved"
+    if not dev.is_online(now, online_within_s):
+        seen = "never seen" if dev.last_seen is None else f"last seen {now - dev.last_seen:.0f} s ago"
+        return f"offline ({seen})"
+    if dev.id in busy or (dev.state.get("status") == "busy" and dev.state.get("job") != job_id):
+        return "busy with another job"
+    if dev.on_power:
+        return ""
+    if dev.battery_pct is not None and dev.battery_pct < min_battery_pct:
+        return f"battery {dev.battery_pct:.0f}% < {min_battery_pct:.0f}%"
+    if dev.battery_pct is None and (dev.on_power is False or not allow_unknown_power):
+        return "battery level unknown"
+    if budget_wh is not None and dev.energy_wh is not None and dev.energy_wh < budget_wh:
+        return f"energy {dev.energy_wh:.2f} Wh < budget {budget_wh:.2f} Wh"
+    return ""
+
+
+def sample_devices(eligible: Sequence[str], k: int | None, *, seed: str) -> list[str]:
+    """A deterministic random subset of k devices (all when k is None or >= len)."""
+    if k is None or k >= len(eligible):
+        return list(eligible)
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little"))
+    return sorted(rng.choice(list(eligible), size=k, replace=False).tolist())
