@@ -152,8 +152,11 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.MANIFEST: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
                     "size": (_int(1, MAX_BUNDLE_BYTES), True), "chunks": (_COUNT, True),
                     "chunk_size": (_int(1, MAX_BINARY_BYTES), True), "meta": (_flat, False)},
+    # samples and energy_wh ride on every chunk (signed with it): FedAvg weights by the
+    # sample count, and the coordinator reports the fleet's energy per round.
     Kind.UPDATE_CHUNK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
-                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
+                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True),
+                        "samples": (_int(1, 1_000_000_000), False), "energy_wh": (_num(0, 1e6), False)},
     Kind.MODEL_CHUNK: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
 }

@@ -66,6 +66,8 @@ class Uploader:
                 item = self.outbox.retry_later(item.key, at=self._clock(), error="no ack") or item
             topic = self.topics.device(item.key.device, "update")
             header = {"job": item.key.job, "round": item.key.round, "upload": item.upload, "count": item.count}
+            # What FedAvg weights by and what the round's energy report sums, from the job.
+            header.update({k: item.meta[k] for k in ("samples", "energy_wh") if k in item.meta})
             for index in range(item.next_index, item.count):
                 if max_chunks is not None and sent >= max_chunks:
                     return sent
@@ -120,6 +122,8 @@ class CompletedUpload:
     key: OutboxKey
     upload: str
     chunks: list[bytes] = field(repr=False)
+    samples: int | None = None  # the device's local training sample count, if it sent it
+    energy_wh: float | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ class UpdateReceiver:
         self._remember_done(key)
         self._last_ack[(key.device, upload)] = self._clock()
         chunks = [part.parts[i] for i in range(part.count)]
-        return ReceiveResult("complete", key, upload, True, CompletedUpload(key, upload, chunks))
+        done = CompletedUpload(key, upload, chunks, samples=b.get("samples"), energy_wh=b.get("energy_wh"))
+        return ReceiveResult("complete", key, upload, True, done)
 
     def _remember_done(self, key: OutboxKey) -> None:
         self._done[key] = None

@@ -25,7 +25,7 @@ def test_update_arrives_once_and_intact_although_the_broker_dies_mid_upload(mosq
     outbox = Outbox(directory=tmp_path / "outbox")
     key = OutboxKey("job-7", dev.id, 2)
     chunks = update_chunks(12)
-    outbox.put(key, chunks, meta={"model": "digits"})
+    outbox.put(key, chunks, meta={"model": "digits", "samples": 137, "energy_wh": 0.42})
     agent = DeviceLoop(fleet, dev, outbox, max_chunks=1, pause=0.04).start()
 
     assert wait_for(lambda: server.chunks_seen >= 3, 10), "upload never started"
@@ -37,6 +37,7 @@ def test_update_arrives_once_and_intact_although_the_broker_dies_mid_upload(mosq
     assert len(server.log.completed) == 1
     done = server.log.completed[0]
     assert done.key == key and done.chunks == chunks
+    assert (done.samples, done.energy_wh) == (137, 0.42)  # signed with every chunk, for FedAvg
     assert dev.client.stats["connects"] >= 2 and coord.client.stats["connects"] >= 2
     assert "acked" in agent.ack_results
     # Repeats after the ack (the device resending, QoS 1 redelivery) never deliver it twice.
