@@ -24,6 +24,7 @@ log = logging.getLogger("edge_agent")
 # A module that is missing or broken must not take the whole CLI down with it.
 _PLUGINS = (
     "edge_agent.int8.cli",
+    "edge_agent.train.cli",
 )
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())

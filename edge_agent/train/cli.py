@@ -1,0 +1,198 @@
+"""`edge-agent finetune`: fine-tune a bundle's head on local data within a power budget.
+
+Registered through edge_agent.cli's plugin list. Nothing heavy is imported here: numpy
+and MXNet load only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+DESCRIPTION = """\
+Fine-tune the head of a model bundle on this device's own data, within a power budget.
+
+The frozen backbone runs once per sample on the fastest correct int8 engine (features are
+cached on disk, so a later run only computes new samples); MXNet trains the head in fp32.
+The governor pauses training when the battery is below the floor or the board is too hot,
+duty-cycles to hold the power cap, and stops before the energy budget is exceeded.
+Checkpoints are written every N steps and on every pause or stop; --resume continues
+exactly where a stopped or killed job left off.
+
+DATA is one of:
+  a folder with one sub-folder per label of PNG/JPEG images (resized and normalised
+  to the model's input), a CSV file (raw feature columns in C,H,W order + a label
+  column) or an NPZ file (arrays x and y). Unreadable files, wrong sizes, unknown labels
+  and duplicates are skipped and counted in the report's "data" section."""
+
+EXAMPLES = """\
+examples:
+  edge-agent finetune --model /var/lib/edge-agent/bundles/digits --data ~/photos
+  edge-agent finetune --model bundle/ --data samples.csv --budget-wh 0.5 --power-cap-w 5 \\
+      --battery-floor 30 --epochs 10 --report report.json
+  edge-agent finetune --model bundle/ --data samples.npz --resume     # after a reboot
+
+The JSON report (stdout, or --report FILE) has accuracy before/after on the local
+validation split, energy (Wh and its source), duration, peak RSS, steps, the stop reason
+(done, early-stopped, budget-exhausted, deadline, cancelled, battery-low, error) and the
+trained head parameters (also written to STATE_DIR/head.params)."""
+
+
+def _default_state_dir(model: str, data: str) -> Path:
+    """One state directory per (model, data) pair under the user's state home."""
+    import hashlib
+
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "edge-agent" / "finetune"
+    key = hashlib.sha256(f"{Path(model).resolve()}\0{Path(data).resolve()}".encode()).hexdigest()[:12]
+    return base / f"{Path(model).resolve().name}-{key}"
+
+
+class ProgressBar:
+    """One redrawn line on a terminal; a line every few seconds otherwise (logs, pipes)."""
+
+    def __init__(self, stream: TextIO, *, width: int = 24, interval_s: float = 5.0) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.width = width
+        self.interval_s = 0.1 if self.tty else interval_s
+        self._last = 0.0
+        self._shown = False
+
+    def render(self, ev: Any) -> str:
+        if ev.phase in ("train", "paused", "checkpoint") and ev.total_steps:
+            done = min(1.0, ev.step / ev.total_steps)
+            fill = int(round(done * self.width))
+            bar = "#" * fill + "-" * (self.width - fill)
+            loss = f"{ev.loss:.4f}" if ev.loss is not None else "-"
+            budget = f"/{ev.budget_wh:g}" if ev.budget_wh else ""
+            watts = f"{ev.watts:.1f} W" if ev.watts is not None else "- W"
+            temp = f"{ev.temp_c:.0f} C" if ev.temp_c is not None else "- C"
+            state = f"  PAUSED: {ev.detail}" if ev.phase == "paused" else ""
+            return (f"[{bar}] step {ev.step}/{ev.total_steps} epoch {ev.epoch + 1}/{ev.epochs} loss {loss} "
+                    f"{ev.energy_wh:.4f}{budget} Wh {watts} {temp}{state}")
+        return f"{ev.phase}: {ev.detail}"
+
+    def __call__(self, ev: Any) -> None:
+        now = time.monotonic()
+        important = ev.phase in ("paused", "done", "data") or (ev.phase == "train" and ev.detail)
+        if not important and now - self._last < self.interval_s:
+            return
+        self._last = now
+        line = self.render(ev)
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line[:200])
+            if ev.phase in ("paused", "done"):
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self._shown = True
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    from ..atomic import atomic_write_text
+    from ..errors import EXIT_FAILURE, EXIT_OK
+    from .job import run_finetune
+
+    state_dir = Path(args.state_dir) if args.state_dir else _default_state_dir(args.model, args.data)
+    bar = None if args.quiet else ProgressBar(sys.stderr)
+    report = run_finetune(
+        model=args.model, data=args.data, state_dir=state_dir, cache_dir=args.cache_dir,
+        budget_wh=args.budget_wh, budget_basis=args.budget_basis, power_cap_w=args.power_cap_w,
+        battery_floor_pct=args.battery_floor, battery_resume_pct=args.battery_resume,
+        thermal_limit_c=args.thermal_limit, window=args.window, deadline=args.deadline,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
+        weight_decay=args.weight_decay, patience=args.patience, balance=args.balance,
+        train_last=args.train_last, val_fraction=args.val_fraction, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
+        label_column=args.label_column, power_root=args.power_root, profile=args.profile,
+        threads=args.threads, progress=bar,
+    )
+    text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    if args.report:
+        atomic_write_text(args.report, text)
+        acc = report["accuracy"]
+        print(f"accuracy {acc['before']} -> {acc['after']} on {acc['validation_samples']} validation samples; "
+              f"{report['energy']['wh']:.4f} Wh ({report['energy']['source']}); stop: {report['stop_reason']}; "
+              f"report: {args.report}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK if report["stop_reason"] not in ("error",) else EXIT_FAILURE
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0 or value != value:  # rejects 0, negatives and NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return parse
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be within 0..100, got {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `finetune` to the edge-agent command line."""
+    p = subparsers.add_parser(
+        "finetune", help="fine-tune a model's head on local data within a power budget",
+        description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="BUNDLE", help="model bundle directory (verified before use)")
+    p.add_argument("--data", required=True, metavar="DIR", help="image folder, .csv or .npz (see above)")
+    g = p.add_argument_group("power budget")
+    g.add_argument("--budget-wh", type=_positive(float), metavar="X",
+                   help="energy budget in Wh (above idle; see --budget-basis); stop before exceeding it")
+    g.add_argument("--budget-basis", choices=("job", "total"), default="job",
+                   help="'job': energy above idle (default); 'total': all energy drawn while the job runs")
+    g.add_argument("--power-cap-w", type=_positive(float), metavar="Y", help="average power cap in W (duty-cycled)")
+    g.add_argument("--battery-floor", type=_percent, metavar="P", help="pause below this battery %%")
+    g.add_argument("--battery-resume", type=_percent, metavar="P", help="resume at this battery %% (default floor+10)")
+    g.add_argument("--thermal-limit", type=_positive(float), metavar="C",
+                   help="pause at this temperature in C (default: the board profile's)")
+    g.add_argument("--window", metavar="HH:MM-HH:MM", help="train only in this daily local-time window (solar hours)")
+    g.add_argument("--deadline", metavar="TIME", help="give up after this time (ISO 8601 with zone, or epoch seconds)")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=_positive(int), default=20, metavar="N", help="maximum epochs (default 20)")
+    t.add_argument("--batch-size", type=_positive(int), metavar="N", help="default: the board profile's (32)")
+    t.add_argument("--lr", type=_positive(float), default=0.01, help="learning rate (default 0.01)")
+    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    t.add_argument("--weight-decay", type=float, default=1e-4, metavar="WD")
+    t.add_argument("--patience", type=_positive(int), default=3, metavar="N",
+                   help="early stopping: epochs without validation-loss improvement (default 3)")
+    t.add_argument("--balance", action="store_true", help="weight classes by inverse frequency")
+    t.add_argument("--train-last", type=_positive(int), metavar="N", help="train only the head's last N layers")
+    t.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
+                   help="validation share, chosen by content hash so it is stable as data grows (default 0.2)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--label-column", default="label", help="CSV label column (default 'label')")
+    s = p.add_argument_group("state")
+    s.add_argument("--resume", action="store_true", help="continue the job in --state-dir from its newest good checkpoint")
+    s.add_argument("--state-dir", metavar="DIR",
+                   help="checkpoints, head.params and report.json (default: one per model+data under "
+                        "$XDG_STATE_HOME/edge-agent/finetune)")
+    s.add_argument("--cache-dir", metavar="DIR", help="feature cache and engine choice (default: STATE_DIR/cache)")
+    s.add_argument("--checkpoint-every", type=_positive(int), default=50, metavar="N", help="steps (default 50)")
+    o = p.add_argument_group("device")
+    o.add_argument("--engine", help="force an int8 engine (tflite, native, mxnet-onednn, reference, edgetpu)")
+    o.add_argument("--threads", type=_positive(int), help="CPU threads (default: the board profile's)")
+    o.add_argument("--profile", help="board profile name (default: matched from the hardware probe)")
+    o.add_argument("--power-root", default="/", metavar="ROOT",
+                   help="read power, battery and thermal sensors under ROOT (default /; for tests and captured trees)")
+    p.add_argument("--report", metavar="FILE", help="write the JSON report here instead of stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_finetune)

@@ -1,0 +1,483 @@
+"""The fine-tune job: local data -> int8 backbone features (cached) -> head training under
+the power budget governor -> checkpoints -> a JSON report.
+
+`run_finetune(...)` takes plain arguments and a progress callback and returns the report;
+it is what `edge-agent finetune` runs in-process and what the agent daemon runs in a child
+process. Everything it needs to continue lives in `state_dir`:
+
+    state_dir/lock             flock: one job per state directory
+    state_dir/job.json         status (running / done), model, data, stop reason
+    state_dir/checkpoints/     ckpt-<seq>.ckpt (the newest two; see checkpoints.py)
+    state_dir/head.params      the trained head, MXNet ndarray format (as in a bundle)
+    state_dir/report.json      the last report
+
+Checkpoints are written every `checkpoint_every` steps, at the end of every epoch, on
+every pause (before waiting) and on every stop, so a brown-out loses at most one interval.
+With `resume=True` the newest good checkpoint is loaded and the job continues exactly
+where it stopped (same batches, same optimiser state, energy already used counted against
+the budget). Without it, a state directory holding an unfinished job is an error, so a
+checkpoint is never silently thrown away.
+
+SIGTERM / SIGINT (when run in the main thread) stop the job cleanly at the next step
+boundary: checkpoint, report, stop reason "cancelled".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import math
+import os
+import resource
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import atomic_write_bytes, atomic_write_json, read_limited, sha256_file
+from ..errors import EdgeAgentError, InputError
+from .checkpoints import Checkpoint, CheckpointStore
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+REPORT_FILE = "report.json"
+HEAD_FILE = "head.params"
+INLINE_PARAM_LIMIT = 50_000  # head parameters listed in the JSON report up to this many values
+REPORT_SCHEMA = "edge-agent.finetune/1"
+
+
+class JobStateError(EdgeAgentError):
+    """The state directory is busy or holds an unfinished job that was not asked to resume."""
+
+    exit_code = 64
+
+
+class _Stopped(Exception):
+    """Raised inside feature extraction when the governor says stop."""
+
+
+@dataclass
+class Progress:
+    """One progress event for a UI or the daemon (JSON-ready via asdict)."""
+
+    phase: str  # data | features | train | paused | saving | checkpoint | done
+    step: int = 0
+    total_steps: int = 0
+    epoch: int = 0
+    epochs: int = 0
+    loss: float | None = None
+    val_accuracy: float | None = None
+    energy_wh: float = 0.0
+    budget_wh: float | None = None
+    watts: float | None = None
+    temp_c: float | None = None
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JobStateError(f"{state_dir}: another fine-tune job is running with this state directory") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _cancel_on_signals(cancel: Callable[[str], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, lambda num, _frame: cancel(signal.Signals(num).name))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _read_job(state_dir: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        obj = json.loads(read_limited(state_dir / JOB_FILE, 1 << 20))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, EdgeAgentError):
+        return {"status": "unreadable"}
+    return obj if isinstance(obj, dict) else {"status": "unreadable"}
+
+
+def _profile_values(profile: str | None, probe_report: dict[str, Any]) -> dict[str, Any]:
+    """The board profile's power, thermal and training figures (named, else matched)."""
+    from ..hardware.profiles import load_profiles
+
+    name = profile or (probe_report.get("profile") or {}).get("name")
+    profiles = load_profiles().profiles
+    if profile and profile not in profiles:
+        raise InputError(f"no board profile named {profile!r}; known: {', '.join(sorted(profiles))}")
+    found = profiles.get(name) if name else None
+    data = found.data if found is not None else {}
+    return {"name": name, "idle_w": data.get("power", {}).get("idle_w"),
+            "load_w": data.get("power", {}).get("load_w"),
+            "thermal_limit_c": data.get("thermal", {}).get("limit_c"),
+            "threads": data.get("training", {}).get("threads"),
+            "batch_size": data.get("training", {}).get("batch_size"),
+            "backends": data.get("int8", {}).get("backends")}
+
+
+def run_finetune(
+    *,
+    model: str | os.PathLike[str],
+    data: str | os.PathLike[str],
+    state_dir: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str] | None = None,
+    budget_wh: float | None = None,
+    budget_basis: str = "job",
+    power_cap_w: float | None = None,
+    battery_floor_pct: float | None = None,
+    battery_resume_pct: float | None = None,
+    thermal_limit_c: float | None = None,
+    window: str | None = None,
+    deadline: float | str | None = None,
+    epochs: int = 20,
+    batch_size: int | None = None,
+    lr: float = 0.01,
+    optimizer: str = "adam",
+    weight_decay: float = 1e-4,
+    patience: int = 3,
+    balance: bool = False,
+    train_last: int | None = None,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    checkpoint_every: int = 50,
+    resume: bool = False,
+    engine: str | None = None,
+    label_column: str = "label",
+    power_root: str | os.PathLike[str] = "/",
+    profile: str | None = None,
+    threads: int | None = None,
+    cache_max_mb: float = 256.0,
+    poll_s: float = 30.0,
+    progress: ProgressCallback | None = None,
+    clock: Any = None,
+) -> dict[str, Any]:
+    """Fine-tune the head of bundle `model` on the local data `data`; returns the report.
+
+    Raises EdgeAgentError subclasses for anything the user must fix (bad data set, bad
+    bundle, mismatched checkpoint, busy or unfinished state directory); a stop by the
+    governor (budget, deadline, battery, cancel) is not an error: see "stop_reason".
+    `clock` (edge_agent.power.Clock) is for tests; the default is the system clock.
+    """
+    from ..power import Budget
+
+    # validate everything cheap before touching the state directory
+    budget = Budget(budget_wh=budget_wh, budget_basis=budget_basis, power_cap_w=power_cap_w,
+                    battery_floor_pct=battery_floor_pct, battery_resume_pct=battery_resume_pct,
+                    thermal_limit_c=thermal_limit_c, window=window, deadline=deadline)
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise InputError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+    state = Path(state_dir)
+    with _locked(state):
+        job = _Job(state=state, budget=budget, progress=progress, clock=clock, args=dict(
+            model=str(model), data=str(data), cache_dir=str(cache_dir) if cache_dir else None,
+            epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
+            patience=patience, balance=balance, train_last=train_last, val_fraction=val_fraction, seed=seed,
+            checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
+            power_root=str(power_root), profile=profile, threads=threads, cache_max_mb=cache_max_mb,
+            poll_s=poll_s))
+        return job.run()
+
+
+class _Job:
+    """One run of run_finetune (internal: the function is the API)."""
+
+    def __init__(self, *, state: Path, budget: Any, progress: ProgressCallback | None, clock: Any,
+                 args: dict[str, Any]) -> None:
+        self.state, self.budget, self.args, self.clock = state, budget, args, clock
+        self._progress = progress
+        self.started = time.monotonic()
+        self.last_loss: float | None = None
+        self.last_val_acc: float | None = None
+        self.last_watts: float | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def emit(self, phase: str, **fields: Any) -> None:
+        if self._progress is None:
+            return
+        gov = getattr(self, "gov", None)
+        energy_wh = 0.0
+        temp = None
+        if gov is not None:
+            st = gov.state()
+            energy_wh = (st["energy_j_job"] if self.budget.budget_basis == "job" else st["energy_j_total"]) / 3600.0
+            temp = gov.temp_c if gov.temp_c is not None else gov.max_temp_c
+        event = Progress(phase=phase, energy_wh=energy_wh, budget_wh=self.budget.budget_wh, watts=self.last_watts,
+                         temp_c=temp, loss=self.last_loss, val_accuracy=self.last_val_acc, **fields)
+        try:
+            self._progress(event)
+        except Exception:  # a broken UI must not kill training
+            log.exception("progress callback failed")
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        from ..int8.bundle import BACKBONE_INT8, load_bundle
+
+        bundle = load_bundle(a["model"])
+        self.bundle = bundle
+        store = CheckpointStore(self.state / "checkpoints")
+        previous = _read_job(self.state)
+        checkpoint: Checkpoint | None = None
+        if a["resume"]:
+            checkpoint = store.load_latest(expect={"model": bundle.sha256})
+        elif store.paths():
+            if previous.get("status") != "done":
+                raise JobStateError(
+                    f"{self.state}: holds checkpoints of an unfinished job (status {previous.get('status', 'unknown')!r}); "
+                    "pass --resume to continue it, or use another --state-dir")
+            store.clear()
+        atomic_write_json(self.state / JOB_FILE, {"status": "running", "model": str(bundle.path),
+                                                  "model_sha256": bundle.sha256, "data": a["data"], "pid": os.getpid()})
+        self.emit("data", detail=f"reading {a['data']}")
+        from ..data import load_dataset, split_dataset
+
+        dataset = load_dataset(a["data"], bundle.manifest.input, bundle.manifest.labels, label_column=a["label_column"])
+        train, val = split_dataset(dataset, a["val_fraction"])
+        if len(train) == 0:
+            raise InputError(f"{a['data']}: all {len(dataset)} usable samples fell into the validation split")
+
+        from ..hardware.probe import probe
+
+        probe_report = probe(a["power_root"])
+        prof = _profile_values(a["profile"], probe_report)
+        batch_size = a["batch_size"] or prof["batch_size"] or 32
+        threads = a["threads"] or prof["threads"] or os.cpu_count() or 1
+        budget = self.budget
+        if budget.thermal_limit_c is None and prof["thermal_limit_c"] is not None:
+            from ..power import Budget
+
+            budget = Budget(**{**budget.to_config(), "thermal_limit_c": prof["thermal_limit_c"]})
+            self.budget = budget
+
+        from .trainer import HeadTrainer, TrainConfig, head_from_bundle
+
+        config = TrainConfig(optimizer=a["optimizer"], lr=a["lr"], weight_decay=a["weight_decay"],
+                             batch_size=batch_size, epochs=a["epochs"], patience=a["patience"],
+                             balance=a["balance"], seed=a["seed"], train_last=a["train_last"])
+        symbol_json, base_params = head_from_bundle(bundle)
+        trainer = HeadTrainer(symbol_json=symbol_json, params=base_params, input_name=bundle.manifest.split_tensor,
+                              num_classes=len(bundle.manifest.labels), config=config, train_labels=train.y,
+                              threads=threads)
+
+        # features for every usable sample, through the selected int8 engine and the cache
+        from ..int8.selection import select_engine
+        from .feature_cache import FeatureCache
+
+        cache_root = Path(a["cache_dir"]) if a["cache_dir"] else self.state / "cache"
+        env = dict(os.environ)
+        if a["engine"]:
+            env["EDGE_AGENT_INT8_BACKEND"] = a["engine"]
+        selection, runner = select_engine(bundle, probe=probe_report, batch_size=batch_size, threads=threads,
+                                          state_dir=cache_root, env=env, keep_runner=True,
+                                          preference=prof["backends"])
+        assert runner is not None
+        cache = FeatureCache(cache_root / "features", max_bytes=int(a["cache_max_mb"] * (1 << 20)))
+        # The meter starts here: features and training are charged to the budget; engine
+        # selection (once per device and model, then cached) and imports are not.
+        from ..power import BudgetGovernor, PowerMonitor, ThermalMonitor
+
+        monitor = PowerMonitor.discover(a["power_root"], idle_w=prof["idle_w"], load_w=prof["load_w"])
+        gov_state = checkpoint.meta.get("governor") if checkpoint is not None else None
+        self.gov = gov = BudgetGovernor(budget=budget, sources=monitor, thermal=ThermalMonitor(a["power_root"]),
+                                        clock=self.clock, max_threads=threads, poll_s=a["poll_s"],
+                                        resume_from=gov_state if isinstance(gov_state, dict) else None)
+        stop_reason: str | None = None
+        with _cancel_on_signals(gov.cancel):
+            try:
+                features, cache_stats = cache.features(
+                    bundle.manifest.files[BACKBONE_INT8].sha256, dataset.hashes, dataset.x,
+                    self._governed(runner.run), batch_size=batch_size,
+                    feature_shape=tuple(bundle.manifest.feature_shape),
+                    progress=lambda done, total: self.emit("features", detail=f"{done}/{total} new samples"))
+            except _Stopped:
+                features, cache_stats = None, None
+            finally:
+                runner.close()
+            index = {h: i for i, h in enumerate(dataset.hashes)}
+            f_val = features[[index[h] for h in val.hashes]] if features is not None else None
+            before = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
+            pos = {"epoch": 0, "batch": 0, "step": 0, "elapsed_s": 0.0}
+            if checkpoint is not None:
+                trainer.load_state(checkpoint.meta["trainer"], checkpoint.arrays)
+                pos.update({k: checkpoint.meta["position"][k] for k in pos})
+                if checkpoint.meta.get("before") is not None:
+                    before = tuple(checkpoint.meta["before"])
+                self.emit("train", step=pos["step"], detail=f"resumed from {checkpoint.path.name} at step {pos['step']}")
+            self.pos, self.trainer, self.store, self.before = pos, trainer, store, before
+            if features is None:
+                stop_reason = gov.stop_reason.value if gov.stop_reason else "cancelled"
+                self.checkpoint("stop")
+            else:
+                f_train = features[[index[h] for h in train.hashes]]
+                stop_reason = self._train(f_train, train.y, f_val, val.y)
+        after = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
+        return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
+
+    def _governed(self, compute: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+        """The backbone, run under the governor like a training step (it costs energy too)."""
+        def run(batch: np.ndarray) -> np.ndarray:
+            decision = self.gov.before_step()
+            if decision.paused:
+                self.emit("paused", detail=str(decision))
+                decision = self.gov.wait_until_resumable()
+            if decision.stopped:
+                raise _Stopped(str(decision))
+            start = time.perf_counter()
+            out = compute(batch)
+            self.gov.after_step(time.perf_counter() - start)
+            return out
+        return run
+
+    def checkpoint(self, why: str) -> None:
+        meta, arrays = self.trainer.state()
+        pos = dict(self.pos, elapsed_s=self.pos["elapsed_s"] + (time.monotonic() - self.started))
+        ckpt = Checkpoint(step=int(self.pos["step"]), arrays=arrays, meta={
+            "model": self.bundle.sha256, "trainer": meta, "position": pos, "why": why,
+            "governor": self.gov.state(), "before": list(self.before) if all(map(math.isfinite, self.before)) else None,
+            "energy_wh": self.gov.state()["energy_j_job"] / 3600.0,
+        })
+        self.emit("saving", step=int(self.pos["step"]), detail=why)  # a write is about to start
+        self.store.save(ckpt)
+        self.emit("checkpoint", step=int(self.pos["step"]), detail=why)
+
+    def _train(self, x: np.ndarray, y: np.ndarray, x_val: np.ndarray, y_val: np.ndarray) -> str:
+        from ..power import StopReason
+
+        gov, trainer, pos, a = self.gov, self.trainer, self.pos, self.args
+        n = len(y)
+        per_epoch = trainer.batches_per_epoch(n)
+        epochs = trainer.config.epochs
+        total = per_epoch * epochs
+        while pos["epoch"] < epochs:
+            while pos["batch"] < per_epoch:
+                decision = gov.before_step()
+                if decision.paused:
+                    self.checkpoint(f"pause: {decision.reason.value if decision.reason else ''}")
+                    self.emit("paused", step=pos["step"], total_steps=total, epoch=pos["epoch"], epochs=epochs,
+                              detail=str(decision))
+                    decision = gov.wait_until_resumable()
+                    if decision.proceed:
+                        self.emit("train", step=pos["step"], total_steps=total, detail="resumed")
+                if decision.stopped:
+                    self.checkpoint(f"stop: {decision.reason.value if decision.reason else ''}")
+                    return decision.reason.value if decision.reason else StopReason.CANCELLED.value
+                idx = trainer.batch_indices(n, pos["epoch"], pos["batch"])
+                start = time.perf_counter()
+                self.last_loss = trainer.step(x[idx], y[idx])
+                advice = gov.after_step(time.perf_counter() - start)
+                self.last_watts = advice.step_w
+                trainer.set_threads(advice.threads)
+                pos["batch"] += 1
+                pos["step"] += 1
+                self.emit("train", step=pos["step"], total_steps=total, epoch=pos["epoch"], epochs=epochs)
+                if pos["step"] % a["checkpoint_every"] == 0 and pos["batch"] < per_epoch:
+                    self.checkpoint("interval")
+            val_loss, self.last_val_acc = trainer.evaluate(x_val, y_val)
+            stop = trainer.end_epoch(pos["epoch"], val_loss)
+            pos["epoch"] += 1
+            pos["batch"] = 0
+            if stop:
+                trainer.restore_best()
+                gov.finish(StopReason.EARLY_STOPPED, f"validation loss did not improve for {trainer.config.patience} epochs")
+                self.checkpoint("early-stopped")
+                return StopReason.EARLY_STOPPED.value
+            self.checkpoint("epoch")
+        trainer.restore_best()
+        gov.finish(StopReason.DONE)
+        return StopReason.DONE.value
+
+    # ------------------------------------------------------------------ report
+
+    def _write_head(self) -> tuple[Path, str]:
+        import mxnet as mx
+
+        from ..int8.bundle import HEAD_PARAMS
+
+        params = self.trainer.params()
+        aux = {n for n, p in self.trainer.block.collect_params().items() if p.grad_req == "null"
+               and n.endswith(("running_mean", "running_var", "moving_mean", "moving_var"))}
+        named = {f"{'aux' if n in aux else 'arg'}:{n}": mx.nd.array(v) for n, v in params.items()}
+        with tempfile.TemporaryDirectory(prefix="edge-agent-head-") as tmp:
+            mx.nd.save(str(Path(tmp) / HEAD_PARAMS), named)
+            blob = (Path(tmp) / HEAD_PARAMS).read_bytes()
+        target = self.state / HEAD_FILE
+        atomic_write_bytes(target, blob)
+        return target, sha256_file(target)
+
+    def _finish(self, bundle: Any, dataset: Any, selection: Any, cache_stats: Any, before: tuple[float, float],
+                after: tuple[float, float], stop_reason: str | None, prof: dict[str, Any]) -> dict[str, Any]:
+        head_path, head_sha = self._write_head()
+        params = self.trainer.params()
+        inline = sum(v.size for v in params.values()) <= INLINE_PARAM_LIMIT
+
+        def num(value: float) -> float | None:
+            return None if value is None or not math.isfinite(value) else round(float(value), 6)
+
+        gov = self.gov.report()
+        duration = time.monotonic() - self.started
+        report = {
+            "schema": REPORT_SCHEMA,
+            "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": bundle.sha256},
+            "data": dataset.report.to_json(),
+            "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached)},
+            "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
+            "accuracy": {"before": num(before[1]), "after": num(after[1]), "validation_samples": dataset.report.validation},
+            "loss": {"before": num(before[0]), "after": num(after[0])},
+            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
+                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
+                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
+            "power": gov,
+            "profile": prof,
+            "duration_s": round(duration, 3),
+            "duration_s_all_runs": round(self.pos["elapsed_s"] + duration, 3),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+            "steps": int(self.pos["step"]),
+            "epochs_done": int(self.pos["epoch"]),
+            "stop_reason": stop_reason,
+            "resumed": bool(self.args["resume"]),
+            "checkpoint": str(self.store.paths()[0]) if self.store.paths() else None,
+            "checkpoint_problems": list(self.store.problems),
+            "config": {**self.trainer.config.to_json(), "budget": self.budget.to_config()},
+            "head": {"file": str(head_path), "sha256": head_sha,
+                     "params": {n: {"shape": list(v.shape), **({"values": v.reshape(-1).tolist()} if inline else {})}
+                                for n, v in params.items()}},
+        }
+        atomic_write_json(self.state / REPORT_FILE, report)
+        finished = stop_reason in ("done", "early-stopped", "budget-exhausted", "deadline")
+        atomic_write_json(self.state / JOB_FILE, {"status": "done" if finished else "stopped",
+                                                  "stop_reason": stop_reason, "model_sha256": bundle.sha256,
+                                                  "data": self.args["data"], "report": str(self.state / REPORT_FILE)})
+        self.emit("done", step=int(self.pos["step"]), detail=str(stop_reason))
+        return report

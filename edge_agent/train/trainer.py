@@ -1,0 +1,325 @@
+"""The MXNet part: Gluon training of a model's head on cached backbone features.
+
+The head is the bundle's own MXNet symbol (everything after the split tensor) with its
+parameters; it is trained in fp32 on features the int8 backbone produced once. To train
+the last N *backbone* layers as well, build the bundle with its split N layers earlier
+(`create_bundle(split=...)`): those layers then belong to the head and the cache holds
+the features of the layer before them. `train_last` freezes all but the head's last N
+parameterised layers.
+
+Everything that decides the result is reproducible from the checkpointed state: the batch
+order of epoch e is `default_rng([seed, e]).permutation(n)`, and parameters, optimiser
+state (moments and update counts) and the early-stopping record are saved as plain
+arrays -- no pickles -- so a resumed run continues bit-for-bit where it stopped.
+
+MXNet is imported only inside this module's functions and methods: the daemon can import
+the package without loading it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, InputError
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Hyper-parameters, validated at construction."""
+
+    optimizer: str = "adam"
+    lr: float = 0.01
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 1e-4
+    batch_size: int = 32
+    epochs: int = 20
+    patience: int = 3  # epochs without a validation-loss improvement before stopping
+    min_delta: float = 1e-4
+    balance: bool = False  # weight each class by 1 / its frequency
+    seed: int = 0
+    train_last: int | None = None  # train only the last N parameterised head layers
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for key, low in (("lr", 0.0), ("weight_decay", -1e-12), ("momentum", -1e-12), ("min_delta", -1e-12)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= low:
+                raise ConfigError(f"{key}: must be a finite number > {max(low, 0):g}, got {value!r}")
+        for key, low in (("batch_size", 1), ("epochs", 1), ("patience", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{key}: must be an integer >= {low}, got {value!r}")
+        if self.train_last is not None and (not isinstance(self.train_last, int) or self.train_last < 1):
+            raise ConfigError(f"train_last: must be an integer >= 1, got {self.train_last!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def head_from_bundle(bundle: Any) -> tuple[str, dict[str, np.ndarray]]:
+    """(symbol JSON, parameters by name) of a bundle's head, from its verified files."""
+    import mxnet as mx
+
+    from ..int8.bundle import HEAD_PARAMS, HEAD_SYMBOL
+
+    symbol_json = bundle.read(HEAD_SYMBOL).decode("utf-8")
+    loaded = mx.nd.load_frombuffer(bundle.read(HEAD_PARAMS))
+    return symbol_json, {k.split(":", 1)[-1]: v.asnumpy() for k, v in loaded.items()}
+
+
+def linear_head(in_units: int, num_classes: int, *, input_name: str = "features", seed: int = 0
+                ) -> tuple[str, dict[str, np.ndarray]]:
+    """A flatten + dense head as (symbol JSON, parameters): a head for any Runner's features."""
+    import mxnet as mx
+
+    data = mx.sym.var(input_name)
+    out = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=num_classes, name="fc")
+    rng = np.random.default_rng(seed)
+    limit = math.sqrt(6.0 / (in_units + num_classes))
+    params = {"fc_weight": rng.uniform(-limit, limit, (num_classes, in_units)).astype(np.float32),
+              "fc_bias": np.zeros(num_classes, np.float32)}
+    return out.tojson(), params
+
+
+def head_layers(symbol_json: str, param_names: set[str]) -> list[list[str]]:
+    """Parameter names grouped by the op that uses them, in graph order."""
+    try:
+        nodes = json.loads(symbol_json)["nodes"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"head symbol: not MXNet symbol JSON ({exc})") from None
+    layers: list[list[str]] = []
+    for node in nodes:
+        if node.get("op") == "null":
+            continue
+        names = [nodes[i[0]]["name"] for i in node.get("inputs", []) if nodes[i[0]].get("op") == "null"]
+        names = [n for n in names if n in param_names]
+        if names:
+            layers.append(names)
+    return layers
+
+
+def class_weights(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """n / (k * count_c) for the k classes present; 0 for absent ones."""
+    counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
+    present = counts > 0
+    weights = np.zeros(num_classes, np.float64)
+    weights[present] = len(labels) / (present.sum() * counts[present])
+    return weights.astype(np.float32)
+
+
+class HeadTrainer:
+    """Trains a head symbol on features; all state exportable as arrays + JSON."""
+
+    def __init__(
+        self,
+        *,
+        symbol_json: str,
+        params: Mapping[str, np.ndarray],
+        input_name: str,
+        num_classes: int,
+        config: TrainConfig,
+        train_labels: np.ndarray | None = None,
+        threads: int | None = None,
+    ) -> None:
+        import mxnet as mx
+        from mxnet import gluon
+
+        self.mx = mx
+        self.config = config
+        self.num_classes = num_classes
+        if threads:
+            self.set_threads(threads)
+        try:
+            sym = mx.sym.load_json(symbol_json)
+        except mx.base.MXNetError as exc:
+            raise InputError(f"head symbol: cannot load ({str(exc).splitlines()[0][:200]})") from None
+        with warnings.catch_warnings():  # "cannot decide type" for the input: it is float32
+            warnings.simplefilter("ignore", UserWarning)
+            self.block = gluon.SymbolBlock(sym, mx.sym.var(input_name))
+        own = self.block.collect_params()
+        missing = [name for name in own if name not in params]
+        if missing:
+            raise InputError(f"head parameters missing: {', '.join(missing[:8])}")
+        for name, p in own.items():
+            value = np.asarray(params[name], np.float32)
+            if p.shape and tuple(p.shape) != value.shape and 0 not in p.shape:
+                raise InputError(f"head parameter {name}: shape {value.shape}, symbol wants {p.shape}")
+            p.shape = value.shape
+            p._load_init(mx.nd.array(value), mx.cpu())  # noqa: SLF001 - SymbolBlock has no public setter
+        self.param_names = list(own)
+        trainable = {name for name, p in own.items() if p.grad_req != "null"}
+        self.layers = head_layers(symbol_json, trainable)
+        if config.train_last is not None:
+            keep = {n for layer in self.layers[-config.train_last:] for n in layer}
+            for name in trainable - keep:
+                own[name].grad_req = "null"
+            trainable &= keep
+        if not trainable:
+            raise InputError("the head has no trainable parameters")
+        self.trainable = [name for name in self.param_names if name in trainable]
+        opt_params: dict[str, Any] = {"learning_rate": config.lr, "wd": config.weight_decay}
+        if config.optimizer == "sgd":
+            opt_params["momentum"] = config.momentum
+        self._trainer = gluon.Trainer({n: own[n] for n in self.trainable}, config.optimizer, opt_params,
+                                      kvstore=None)
+        self._loss = gluon.loss.SoftmaxCrossEntropyLoss()
+        weights = (class_weights(train_labels, num_classes) if config.balance and train_labels is not None
+                   else np.ones(num_classes, np.float32))
+        self.class_weight = weights
+        # early stopping record
+        self.best_loss = math.inf
+        self.best_epoch = -1
+        self.bad_epochs = 0
+        self.best_params: dict[str, np.ndarray] | None = None
+
+    # ------------------------------------------------------------------ training
+
+    def set_threads(self, threads: int) -> None:
+        """CPU threads for MXNet operators (the governor lowers it when hot or capped)."""
+        import ctypes
+
+        try:
+            self.mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(max(1, int(threads))))  # noqa: SLF001
+        except AttributeError:  # an MXNet build without the call: keep its default
+            pass
+
+    def batch_order(self, n: int, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.config.seed, epoch]).permutation(n)
+
+    def batches_per_epoch(self, n: int) -> int:
+        return max(1, -(-n // self.config.batch_size))
+
+    def batch_indices(self, n: int, epoch: int, batch: int) -> np.ndarray:
+        bs = self.config.batch_size
+        return self.batch_order(n, epoch)[batch * bs:(batch + 1) * bs]
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One optimiser step on a batch; returns its mean (weighted) loss."""
+        mx = self.mx
+        data = mx.nd.array(np.ascontiguousarray(x, np.float32))
+        label = mx.nd.array(y.astype(np.float32))
+        weight = mx.nd.array(self.class_weight[y].reshape(-1, 1))
+        with mx.autograd.record():
+            loss = self._loss(self.block(data), label, weight)
+        loss.backward()
+        self._trainer.step(len(y))
+        value = float(loss.mean().asscalar())
+        if not math.isfinite(value):
+            raise FloatingPointError("training loss became non-finite; lower the learning rate")
+        return value
+
+    def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
+        mx = self.mx
+        outs = [self.block(mx.nd.array(np.ascontiguousarray(x[i:i + batch_size], np.float32))).asnumpy()
+                for i in range(0, len(x), batch_size)]
+        return np.concatenate(outs) if outs else np.empty((0, self.num_classes), np.float32)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) on a labelled set; (nan, nan) if it is empty."""
+        if len(y) == 0:
+            return math.nan, math.nan
+        logits = self.predict(x).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        loss = float(-log_p[np.arange(len(y)), y].mean())
+        return loss, float((logits.argmax(axis=1) == y).mean())
+
+    def end_epoch(self, epoch: int, val_loss: float) -> bool:
+        """Record the epoch's validation loss; True when early stopping says stop."""
+        if not math.isfinite(val_loss):  # no validation set: no early stopping
+            return False
+        if val_loss < self.best_loss - self.config.min_delta:
+            self.best_loss, self.best_epoch, self.bad_epochs = val_loss, epoch, 0
+            self.best_params = self.params()
+            return False
+        self.bad_epochs += 1
+        return self.bad_epochs >= self.config.patience
+
+    def restore_best(self) -> None:
+        if self.best_params is not None:
+            self.set_params(self.best_params)
+
+    # ------------------------------------------------------------------ state
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {name: p.data().asnumpy().copy() for name, p in self.block.collect_params().items()}
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        for name, p in self.block.collect_params().items():
+            value = np.asarray(params[name], np.float32)
+            if tuple(value.shape) != tuple(p.shape):
+                raise InputError(f"parameter {name}: shape {value.shape}, head has {p.shape}")
+            p.set_data(self.mx.nd.array(value))
+
+    def signature(self) -> str:
+        """Names and shapes of the head's parameters: a checkpoint must match them."""
+        return ";".join(f"{n}:{'x'.join(map(str, p.shape))}" for n, p in self.block.collect_params().items())
+
+    def _updater(self) -> Any:
+        return self._trainer._updaters[0]  # noqa: SLF001 - MXNet 1.9 (final) internals
+
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(JSON-able metadata, arrays): everything needed to continue exactly."""
+        arrays = {f"param/{k}": v for k, v in self.params().items()}
+        if self.best_params is not None:
+            arrays.update({f"best/{k}": v for k, v in self.best_params.items()})
+        updater = self._updater()
+        opt = updater.optimizer
+        layout: dict[str, int] = {}
+        for index, state in updater.states.items():
+            parts = state if isinstance(state, tuple | list) else (state,)
+            layout[str(index)] = len([s for s in parts if s is not None])
+            for j, part in enumerate(s for s in parts if s is not None):
+                arrays[f"opt/{index}/{j}"] = part.asnumpy()
+        meta = {
+            "optimizer": self.config.optimizer,
+            "opt_layout": layout,
+            "opt_counts": {str(k): int(v) for k, v in opt._index_update_count.items()},  # noqa: SLF001
+            "opt_num_update": int(opt.num_update),
+            "best_loss": None if not math.isfinite(self.best_loss) else self.best_loss,
+            "best_epoch": self.best_epoch,
+            "bad_epochs": self.bad_epochs,
+            "signature": self.signature(),
+        }
+        return meta, arrays
+
+    def load_state(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        """Inverse of `state()`; InputError if it does not fit this head and optimiser."""
+        mx = self.mx
+        if meta.get("signature") != self.signature():
+            raise InputError("checkpoint is for a head with other parameters")
+        if meta.get("optimizer") != self.config.optimizer:
+            raise InputError(f"checkpoint used optimizer {meta.get('optimizer')!r}, this job {self.config.optimizer!r}")
+        try:
+            self.set_params({k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+            best = {k[5:]: v for k, v in arrays.items() if k.startswith("best/")}
+            self.best_params = best or None
+            updater = self._updater()
+            opt = updater.optimizer
+            updater.states.clear()
+            updater.states_synced.clear()
+            for index_text, count in dict(meta["opt_layout"]).items():
+                index = int(index_text)
+                parts = [mx.nd.array(arrays[f"opt/{index}/{j}"]) for j in range(int(count))]
+                updater.states[index] = parts[0] if len(parts) == 1 else tuple(parts)
+                updater.states_synced[index] = True
+            counts = opt._index_update_count  # noqa: SLF001 - shared with _all_index_update_counts[0]
+            counts.clear()
+            counts.update({int(k): int(v) for k, v in dict(meta["opt_counts"]).items()})
+            opt.num_update = int(meta["opt_num_update"])
+            best_loss = meta.get("best_loss")
+            self.best_loss = math.inf if best_loss is None else float(best_loss)
+            self.best_epoch = int(meta.get("best_epoch", -1))
+            self.bad_epochs = int(meta.get("bad_epochs", 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,170 @@
+"""The fine-tune job end to end: real digits bundle, int8 engine, feature cache, MXNet head.
+
+The real-data check: scikit-learn's digits split over simulated devices; the base model is
+trained on other devices' clean images; each device fine-tunes on its own share seen
+through its own camera and must get clearly better on its local validation split.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent.errors import InputError
+from edge_agent.train import demo
+from edge_agent.train.checkpoints import CheckpointMismatchError
+from edge_agent.train.job import JobStateError, Progress, run_finetune
+
+FAST = {"epochs": 30, "patience": 5, "val_fraction": 0.3, "profile": "raspberry-pi-4", "batch_size": 32}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
+
+
+@pytest.fixture(scope="module")
+def devices(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("devices")
+    sc = demo.scenario()
+    return {d.device_id: demo.write_data(root / d.device_id, d.images, d.labels, fmt)
+            for d, fmt in zip(sc.devices, ("images", "csv", "npz"), strict=True)}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_each_device_improves_on_its_own_camera_data_in_every_format(
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+    import mxnet as mx
+
+    rows = []
+    for device, data in devices.items():
+        events: list[Progress] = []
+        report = run_finetune(model=bundle, data=data, state_dir=tmp_path / device, cache_dir=cache_dir,
+                              progress=events.append, **FAST)
+        acc = report["accuracy"]
+        rows.append((device, report["data"]["format"], acc["before"], acc["after"], acc["validation_samples"]))
+        assert report["stop_reason"] in ("done", "early-stopped")
+        # never worse by more than one validation sample (the noise floor of a small split)
+        assert acc["after"] >= acc["before"] - 1.0 / acc["validation_samples"] - 1e-5  # report rounds to 6 places
+        assert report["steps"] > 0 and report["duration_s"] > 0 and report["peak_rss_mb"] > 50
+        assert report["energy"]["wh"] > 0 and report["energy"]["source"]
+        assert report["data"]["loaded"] == report["data"]["train"] + report["data"]["validation"]
+        # the trained head: in the report and as an MXNet params file a bundle can take
+        saved = mx.nd.load(report["head"]["file"])
+        weight = report["head"]["params"]["fc_weight" if "fc_weight" in report["head"]["params"] else
+                                          next(iter(report["head"]["params"]))]
+        key = next(k for k in saved if k.endswith(next(iter(report["head"]["params"]))))
+        np.testing.assert_allclose(saved[key].asnumpy().reshape(-1), weight["values"], rtol=1e-6)
+        assert json.loads((tmp_path / device / "report.json").read_text())["accuracy"] == acc
+        phases = {e.phase for e in events}
+        assert {"data", "train", "checkpoint", "done"} <= phases
+        assert events[-1].phase == "done" and events[-1].detail == report["stop_reason"]
+    print("\nreal-data check (device, format, accuracy before -> after, validation samples):")
+    for row in rows:
+        print("  {} {:<6} {:.3f} -> {:.3f}  (n={})".format(*row))
+    gains = [after - before for _, _, before, after, _ in rows]
+    assert np.mean(gains) >= 0.10
+    for _, _, before, after, _ in rows:
+        if before < 0.9:  # where the camera really hurts the base model, adapting must help clearly
+            assert after - before >= 0.10
+
+
+def test_a_later_job_computes_features_only_for_new_samples(
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+    npz = np.load(devices["dev-05"])
+    grown = tmp_path / "grown.npz"
+    extra = np.clip(npz["x"][:10].astype(int) + 7, 0, 255)
+    np.savez(grown, x=np.concatenate([npz["x"], extra]), y=np.concatenate([npz["y"], npz["y"][:10]]))
+    first = run_finetune(model=bundle, data=devices["dev-05"], state_dir=tmp_path / "a", cache_dir=cache_dir,
+                         epochs=1, profile="raspberry-pi-4")
+    second = run_finetune(model=bundle, data=grown, state_dir=tmp_path / "a", cache_dir=cache_dir,
+                          epochs=1, profile="raspberry-pi-4")  # a finished job's state is reused
+    assert first["feature_cache"]["computed"] == 0  # the previous test computed these
+    assert second["feature_cache"]["hits"] == first["data"]["loaded"]
+    assert second["feature_cache"]["computed"] == second["data"]["loaded"] - first["data"]["loaded"] > 0
+
+
+def test_cancel_checkpoint_and_resume_match_an_uninterrupted_run(
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+    common = dict(model=bundle, data=devices["dev-04"], cache_dir=cache_dir, epochs=6, patience=10,
+                  checkpoint_every=3, profile="raspberry-pi-4", batch_size=16)
+    straight = run_finetune(state_dir=tmp_path / "straight", **common)
+
+    def sigterm_at_step_7(ev: Progress) -> None:
+        if ev.phase == "train" and ev.step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)  # what systemd sends on shutdown
+
+    stopped = run_finetune(state_dir=tmp_path / "cut", progress=sigterm_at_step_7, **common)
+    assert stopped["stop_reason"] == "cancelled" and stopped["steps"] == 7
+    with pytest.raises(JobStateError, match="pass --resume"):
+        run_finetune(state_dir=tmp_path / "cut", **common)
+    events: list[Progress] = []
+    resumed = run_finetune(state_dir=tmp_path / "cut", resume=True, progress=events.append, **common)
+    assert any("resumed from" in e.detail and "step 7" in e.detail for e in events)
+    assert resumed["stop_reason"] == straight["stop_reason"] and resumed["steps"] == straight["steps"]
+    assert resumed["accuracy"] == straight["accuracy"]
+    for name, p in straight["head"]["params"].items():
+        assert resumed["head"]["params"][name]["values"] == p["values"]  # bit-identical
+    assert resumed["energy"]["wh"] > stopped["energy"]["wh"]  # energy carried across the restart
+
+
+def test_a_checkpoint_from_another_model_is_refused_and_kept(
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+    def cancel_at_3(ev: Progress) -> None:
+        if ev.phase == "train" and ev.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    run_finetune(model=bundle, data=devices["dev-05"], state_dir=tmp_path / "s", cache_dir=cache_dir,
+                 progress=cancel_at_3, profile="raspberry-pi-4", checkpoint_every=1)
+    other = tmp_path / "other-bundle"
+    shutil.copytree(bundle, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["version"] = "2"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    before = sorted(p.name for p in (tmp_path / "s" / "checkpoints").iterdir())
+    with pytest.raises(CheckpointMismatchError, match="another state directory") as err:
+        run_finetune(model=other, data=devices["dev-05"], state_dir=tmp_path / "s", cache_dir=cache_dir,
+                     resume=True, profile="raspberry-pi-4")
+    assert err.value.exit_code == 65
+    assert sorted(p.name for p in (tmp_path / "s" / "checkpoints").iterdir()) == before
+
+
+def test_bad_data_is_counted_or_refused(bundle: Path, devices: dict[str, Path], cache_dir: Path,
+                                        tmp_path: Path) -> None:
+    data = tmp_path / "photos"
+    shutil.copytree(devices["dev-03"], data)
+    (data / "3" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40))
+    (data / "7" / "zeros.jpg").write_bytes(bytes(500))
+    (data / "cat").mkdir()
+    (data / "cat" / "c.png").write_bytes((data / "3" / next(iter(os.listdir(data / "3")))).read_bytes())
+    report = run_finetune(model=bundle, data=data, state_dir=tmp_path / "s", cache_dir=cache_dir, epochs=1,
+                          profile="raspberry-pi-4")
+    assert report["data"]["skipped"] == {"unreadable-image": 2, "unknown-label": 1}
+    assert report["data"]["unknown_labels"] == ["cat"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="empty"):
+        run_finetune(model=bundle, data=tmp_path / "empty", state_dir=tmp_path / "e", cache_dir=cache_dir)
+    only_unknown = tmp_path / "unknown.npz"
+    np.savez(only_unknown, x=np.zeros((3, 8, 8)), y=np.array(["cat", "dog", "cow"]))
+    with pytest.raises(InputError, match="unknown-label: 3"):
+        run_finetune(model=bundle, data=only_unknown, state_dir=tmp_path / "u", cache_dir=cache_dir)
+
+
+def test_one_job_per_state_directory(bundle: Path, devices: dict[str, Path], tmp_path: Path) -> None:
+    state = tmp_path / "busy"
+    state.mkdir()
+    with open(state / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(JobStateError, match="another fine-tune job"):
+            run_finetune(model=bundle, data=devices["dev-05"], state_dir=state)
