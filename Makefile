@@ -4,13 +4,16 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 PYTEST_ARGS ?=
+ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
+DEB_MODE ?= offline
 
-.PHONY: demo test lint bench clean help
+.PHONY: demo test lint bench deb clean help
 
 help:
 	@echo "make demo   - create .venv, install, run the main job"
 	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
+	@echo "make deb    - build dist/edge-agent_<ver>_<arch>.deb (ARCH=arm64, DEB_MODE=thin)"
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "edge-agent needs Python 3.11 (MXNet 1.9.1 needs numpy<1.24)"'
@@ -36,5 +39,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
+# offline (release): every pinned wheel ships in the package; thin (CI): only ours.
+deb: $(STAMP)
+	$(BIN)/python packaging/build-deb --arch $(ARCH) --mode $(DEB_MODE) --out dist --lint
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

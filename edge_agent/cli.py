@@ -25,6 +25,7 @@ log = logging.getLogger("edge_agent")
 _PLUGINS = (
     "edge_agent.int8.cli",
     "edge_agent.train.cli",
+    "edge_agent.agent.service_cli",
 )
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())

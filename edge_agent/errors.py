@@ -12,6 +12,7 @@ EXIT_FAILURE = 1  # a runtime failure; systemd may restart
 EXIT_USAGE = 64  # bad command line (EX_USAGE)
 EXIT_DATAERR = 65  # bad input data: a corrupt bundle, data set or update (EX_DATAERR)
 EXIT_UNAVAILABLE = 69  # a required service or engine is unavailable (EX_UNAVAILABLE)
+EXIT_NOPERM = 77  # needs root, e.g. install-service (EX_NOPERM)
 EXIT_CONFIG = 78  # bad configuration or board profile (EX_CONFIG): do not restart
 
 EXIT_CODES = {
@@ -20,6 +21,7 @@ EXIT_CODES = {
     EXIT_USAGE: "bad command line",
     EXIT_DATAERR: "bad input data",
     EXIT_UNAVAILABLE: "required service or engine unavailable",
+    EXIT_NOPERM: "permission denied (needs root)",
     EXIT_CONFIG: "configuration error (not restarted by systemd)",
 }
 

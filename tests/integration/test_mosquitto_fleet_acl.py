@@ -1,0 +1,298 @@
+"""The shipped fleet broker config (packaging/mosquitto/edge-agent-fleet.conf + acl) on a
+real mosquitto, with certificates issued by packaging/mosquitto/make-certs.
+
+Only the paths and the listener's port are rewritten, and the test checks that nothing
+else changed, so it tests the shipped files rather than a copy that could drift. The
+broker is started by edge_agent.transport.broker.MosquittoBroker with this config.
+
+"Never arrives" is proved without sleeps: MQTT keeps one publisher's messages in order, and
+a broker routes a QoS 1 message before it acknowledges it, so once a sentinel published
+after the forbidden messages has arrived, a forbidden message would have arrived first.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from edge_agent import certs, keys
+from edge_agent.transport.broker import MosquittoBroker
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_CONF = REPO / "packaging/mosquitto/edge-agent-fleet.conf"
+SHIPPED_ACL = REPO / "packaging/mosquitto/acl"
+MAKE_CERTS = REPO / "packaging/mosquitto/make-certs"
+AWS_CHUNK = 128 * 1024  # the largest chunk the agent sends (AWS IoT Core's limit)
+TIMEOUT = 10.0
+# A device id is its Ed25519 key's fingerprint (edge_agent.keys), and its certificate's CN.
+A, B = (keys.fingerprint(keys.generate_private_key()) for _ in range(2))
+
+
+def fleet_config(text: str, *, port: int, cert_dir: Path, workdir: Path) -> str:
+    """The shipped config with its paths and listener moved into the test; every rewritten
+    line must exist exactly once, so a changed shipped file fails here, not silently."""
+    rewrites = {
+        "listener 8883": f"listener {port} 127.0.0.1",
+        "cafile /etc/mosquitto/edge-agent/ca.pem": f"cafile {cert_dir}/ca.pem",
+        "certfile /etc/mosquitto/edge-agent/server.pem": f"certfile {cert_dir}/server.pem",
+        "keyfile /etc/mosquitto/edge-agent/server.key": f"keyfile {cert_dir}/server.key",
+        "acl_file /etc/mosquitto/edge-agent/acl": f"acl_file {SHIPPED_ACL}",
+    }
+    lines = text.splitlines()
+    for old in rewrites:
+        assert lines.count(old) == 1, f"{SHIPPED_CONF.name}: expected the line {old!r} once"
+    lines = [rewrites.get(line, line) for line in lines]
+    # What Debian's /etc/mosquitto/mosquitto.conf provides around conf.d, for a test broker.
+    header = [f"log_dest file {workdir}/mosquitto.log", "log_type all", "connection_messages true",
+              "persistence false", *(["user root"] if os.geteuid() == 0 else [])]
+    return "\n".join(header + lines) + "\n"
+
+
+class FleetBroker(MosquittoBroker):
+    """MosquittoBroker (start on a free port, wait, stop) with the shipped fleet config."""
+
+    def __init__(self, *, workdir: Path, cert_dir: Path) -> None:
+        super().__init__(workdir=workdir)
+        self.cert_dir = cert_dir
+
+    def config_text(self) -> str:
+        return fleet_config(SHIPPED_CONF.read_text(), port=self.port, cert_dir=self.cert_dir, workdir=self.workdir)
+
+
+def make_certs(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(MAKE_CERTS), *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("fleet-certs")
+    for args in (["init"], ["server", "127.0.0.1"], ["coordinator"], ["device", A, B]):
+        proc = make_certs(*args, "--dir", d)
+        assert proc.returncode == 0, proc.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def broker(cert_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    b = FleetBroker(workdir=tmp_path_factory.mktemp("mosquitto"), cert_dir=cert_dir)
+    b.start()
+    yield b
+    b.stop()
+
+
+class Peer:
+    """A paho 2.x client that records what it receives and how its connection went."""
+
+    def __init__(self, broker: FleetBroker, name: str, *, cert_dir: Path | None, ca: Path | None = None,
+                 tls: bool = True) -> None:
+        self.name, self.broker = name, broker
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{name}-{uuid.uuid4().hex[:8]}",
+                                  protocol=mqtt.MQTTv311)
+        if tls:
+            ca = ca or broker.cert_dir / "ca.pem"
+            if cert_dir is None:
+                self.client.tls_set(ca_certs=str(ca), cert_reqs=ssl.CERT_REQUIRED)
+            else:
+                self.client.tls_set(ca_certs=str(ca), certfile=str(cert_dir / f"{name}.pem"),
+                                    keyfile=str(cert_dir / f"{name}.key"))
+        self.messages: list[tuple[str, bytes]] = []
+        self.cond = threading.Condition()
+        self.connected, self.disconnected = threading.Event(), threading.Event()
+        self.granted: dict[int, list[int]] = {}
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = lambda *a: self.disconnected.set()
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = self._on_subscribe
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
+        if not reason_code.is_failure:
+            self.connected.set()
+        else:
+            self.disconnected.set()
+
+    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+        with self.cond:
+            self.messages.append((msg.topic, msg.payload))
+            self.cond.notify_all()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:  # noqa: ANN001
+        with self.cond:
+            self.granted[mid] = [rc.value for rc in reason_codes]
+            self.cond.notify_all()
+
+    def start(self) -> bool:
+        """Connect; False when the broker refuses (TLS handshake or CONNACK) or drops us."""
+        try:
+            self.client.connect("127.0.0.1", self.broker.port, keepalive=30)
+        except (ssl.SSLError, OSError):
+            return False
+        self.client.loop_start()
+        while not (self.connected.is_set() or self.disconnected.is_set()):
+            self.connected.wait(0.05)
+        return self.connected.is_set() and not self.disconnected.is_set()
+
+    def subscribe(self, *filters: str) -> list[int]:
+        result, mid = self.client.subscribe([(f, 1) for f in filters])
+        assert result == mqtt.MQTT_ERR_SUCCESS
+        with self.cond:
+            assert self.cond.wait_for(lambda: mid in self.granted, TIMEOUT)
+            return self.granted[mid]
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        info = self.client.publish(topic, payload, qos=1)
+        info.wait_for_publish(TIMEOUT)
+        assert info.is_published(), f"{self.name}: no PUBACK for {topic}"
+
+    def wait_for(self, topic: str, payload: bytes) -> list[tuple[str, bytes]]:
+        """Block until (topic, payload) arrives; return everything received up to it."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: (topic, payload) in self.messages, TIMEOUT), \
+                f"{self.name} never got {topic}: {self.messages}"
+            return list(self.messages[: self.messages.index((topic, payload)) + 1])
+
+    def stop(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def peers(broker: FleetBroker, cert_dir: Path):
+    made: list[Peer] = []
+
+    def make(name: str, **kw: object) -> Peer:
+        peer = Peer(broker, name, **{"cert_dir": cert_dir, **kw})  # type: ignore[arg-type]
+        made.append(peer)
+        return peer
+
+    yield make
+    for peer in made:
+        peer.stop()
+
+
+@pytest.fixture
+def fleet() -> str:
+    return f"edgeft/v1/f{uuid.uuid4().hex[:10]}"  # a fleet of its own per test
+
+
+def connected(make, name: str) -> Peer:  # noqa: ANN001
+    peer = make(name)
+    assert peer.start(), f"{name} could not connect: {peer.broker.log_tail(1500)}"
+    return peer
+
+
+def test_the_broker_runs_the_shipped_config(broker: FleetBroker) -> None:
+    generated = broker.config_path.read_text().splitlines()
+    shipped = SHIPPED_CONF.read_text().splitlines()
+    changed = [ln for ln in shipped if ln not in generated]
+    assert sorted(changed) == sorted(["listener 8883", "cafile /etc/mosquitto/edge-agent/ca.pem",
+                                      "certfile /etc/mosquitto/edge-agent/server.pem",
+                                      "keyfile /etc/mosquitto/edge-agent/server.key",
+                                      "acl_file /etc/mosquitto/edge-agent/acl"])
+    assert f"acl_file {SHIPPED_ACL}" in generated
+
+
+def test_coordinator_reaches_every_device_and_devices_their_own_topics(peers, fleet: str) -> None:  # noqa: ANN001
+    coord, a, b = (connected(peers, n) for n in ("coordinator", A, B))
+    assert coord.subscribe(f"{fleet}/devices/+/+") == [1]
+    for dev in (a, b):
+        assert dev.subscribe(f"{fleet}/devices/{dev.name}/cmd", f"{fleet}/devices/{dev.name}/ack",
+                             f"{fleet}/models/#") == [1, 1, 1]
+    for dev in (a, b):
+        for kind in ("hello", "state", "progress", "update"):
+            dev.publish(f"{fleet}/devices/{dev.name}/{kind}", f"{dev.name} {kind}".encode())
+    got = coord.wait_for(f"{fleet}/devices/{B}/update", f"{B} update".encode())
+    assert {t for t, _ in got} == {f"{fleet}/devices/{d}/{k}" for d in (A, B)
+                                   for k in ("hello", "state", "progress", "update")}
+
+    manifest = f"{fleet}/models/digits/3/manifest"
+    for dev in (a, b):
+        coord.publish(f"{fleet}/devices/{dev.name}/cmd", b"finetune " + dev.name.encode())
+        coord.publish(f"{fleet}/devices/{dev.name}/ack", b"ack " + dev.name.encode())
+    coord.publish(manifest, b"model v3")
+    for dev in (a, b):
+        assert dev.wait_for(manifest, b"model v3") == [
+            (f"{fleet}/devices/{dev.name}/cmd", b"finetune " + dev.name.encode()),
+            (f"{fleet}/devices/{dev.name}/ack", b"ack " + dev.name.encode()),
+            (manifest, b"model v3")]
+
+
+def test_a_device_cannot_read_another_devices_topics(peers, fleet: str) -> None:  # noqa: ANN001
+    coord, a, b = (connected(peers, n) for n in ("coordinator", A, B))
+    assert coord.subscribe(f"{fleet}/devices/+/+") == [1]
+    assert b.subscribe(f"{fleet}/devices/{B}/cmd") == [1]
+    # mosquitto 2.0 grants the subscriptions themselves and checks each message against the
+    # ACL as it delivers it; what matters is what arrives.
+    assert a.subscribe(f"{fleet}/devices/{B}/#", f"{fleet}/devices/{B}/cmd", f"{fleet}/#", "#",
+                       f"{fleet}/devices/{A}/cmd") == [1] * 5
+    coord.publish(f"{fleet}/devices/{B}/cmd", b"secret command for b")
+    coord.publish(f"{fleet}/devices/{B}/ack", b"ack for b")
+    b.publish(f"{fleet}/devices/{B}/state", b"b's state")
+    b.publish(f"{fleet}/devices/{B}/update", b"b's update")
+    b.wait_for(f"{fleet}/devices/{B}/cmd", b"secret command for b")
+    coord.wait_for(f"{fleet}/devices/{B}/update", b"b's update")
+    coord.publish(f"{fleet}/devices/{A}/cmd", b"sentinel")
+    seen = a.wait_for(f"{fleet}/devices/{A}/cmd", b"sentinel")
+    assert {topic for topic, _ in seen} == {f"{fleet}/devices/{A}/cmd"}, seen
+
+
+def test_a_device_cannot_publish_on_another_devices_or_the_coordinators_topics(peers, fleet: str) -> None:  # noqa: ANN001
+    coord, a, b = (connected(peers, n) for n in ("coordinator", A, B))
+    assert coord.subscribe(f"{fleet}/#") == [1]
+    assert b.subscribe(f"{fleet}/devices/{B}/cmd", f"{fleet}/devices/{B}/ack", f"{fleet}/models/#") == [1, 1, 1]
+    forged = [f"{fleet}/devices/{B}/{k}" for k in ("cmd", "ack", "hello", "state", "progress", "update")]
+    forged += [f"{fleet}/devices/{A}/cmd", f"{fleet}/devices/{A}/ack",  # commands, even to itself
+               f"{fleet}/models/digits/4/manifest", f"{fleet}/devices/{A}/other", f"{fleet}/x"]
+    for topic in forged:
+        a.publish(topic, b"forged by a")  # acknowledged (MQTT 3.1.1) but dropped
+    a.publish(f"{fleet}/devices/{A}/state", b"sentinel")
+    seen = coord.wait_for(f"{fleet}/devices/{A}/state", b"sentinel")
+    assert seen == [(f"{fleet}/devices/{A}/state", b"sentinel")]
+    coord.publish(f"{fleet}/devices/{B}/cmd", b"sentinel")
+    assert b.wait_for(f"{fleet}/devices/{B}/cmd", b"sentinel") == [(f"{fleet}/devices/{B}/cmd", b"sentinel")]
+
+
+def test_a_client_without_a_fleet_certificate_cannot_connect(peers, broker: FleetBroker,  # noqa: ANN001
+                                                             tmp_path: Path) -> None:
+    assert not peers("no-cert", cert_dir=None).start()  # TLS, but no client certificate
+    assert not peers("plain", tls=False).start()  # no TLS at all, anonymous
+    other = tmp_path / "other-ca"  # a certificate that names a real device, from another CA
+    certs.create_ca(other)
+    certs.issue(other, A)
+    assert not peers(A, cert_dir=other, ca=broker.cert_dir / "ca.pem").start()
+    assert connected(peers, A).connected.is_set()  # while the real device A gets in
+
+
+def test_a_message_over_the_size_limit_is_refused(peers, fleet: str) -> None:  # noqa: ANN001
+    coord, a, b = (connected(peers, n) for n in ("coordinator", A, B))
+    assert coord.subscribe(f"{fleet}/devices/+/update") == [1]
+    topic = f"{fleet}/devices/{A}/update"
+    chunk = os.urandom(AWS_CHUNK)
+    a.publish(topic, chunk)  # the agent's largest chunk fits
+    coord.wait_for(topic, chunk)
+    a.client.publish(topic, os.urandom(140 * 1024), qos=1)  # over max_packet_size: dropped with the client
+    assert a.disconnected.wait(TIMEOUT)
+    b.publish(f"{fleet}/devices/{B}/update", b"sentinel")
+    seen = coord.wait_for(f"{fleet}/devices/{B}/update", b"sentinel")
+    assert [len(p) for t, p in seen if t == topic] == [AWS_CHUNK]
+
+
+def test_make_certs_refuses_names_the_acl_cannot_confine(cert_dir: Path) -> None:
+    proc = make_certs("device", "coordinator", "--dir", cert_dir)
+    assert proc.returncode == 65 and "coordinator's name" in proc.stderr
+    proc = make_certs("device", f"{A}/#", "--dir", cert_dir)
+    assert proc.returncode == 65 and "letters, digits" in proc.stderr
+    proc = make_certs("device", A, "--dir", cert_dir)  # keys are never overwritten silently
+    assert proc.returncode == 78 and "--force" in proc.stderr
+    helptext = make_certs("--help").stdout
+    assert "examples" in helptext and "make-certs device --dir fleet-certs" in helptext
