@@ -21,7 +21,7 @@ $(BIN)/python:
 	$(BIN)/pip install --upgrade --quiet pip setuptools wheel
 
 # Reinstall when the project metadata or the native kernel sources change.
-$(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*.c kernels/*.h)
+$(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*.c kernels/*.h kernels/*.json)
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

@@ -1,0 +1,381 @@
+"""Native int8 kernels vs numpy fp32 (OpenBLAS) and tflite-runtime/XNNPACK, side by side.
+
+Shapes: every layer of the MobileNetV2-style backbone (edge_agent.models.mobilenet_v2,
+width 0.35, 96x96 input) at a fine-tuning batch. Per distinct layer shape:
+- native: the C kernel through its Python entry point (im2col, requantisation included);
+- GEMM: the native int8 GEMM on the layer's (M, K, N) and numpy fp32 `matmul` (OpenBLAS)
+  on the same shape -- the "same shapes" comparison of the targets;
+- XNNPACK: a one-op int8 .tflite of the layer (the project's writer) in tflite-runtime with
+  its default XNNPACK delegate.
+Then the whole backbone (a random-weight int8 QGraph of the same network) on the native,
+tflite/XNNPACK and numpy reference engines.
+
+Everything runs single-threaded (OpenBLAS limited with threadpoolctl, TFLite num_threads=1),
+timed in *thread CPU time* (time.thread_time): this machine is shared, and CPU time leaves
+out the time the thread waits for a core, which wall time would charge to whichever engine
+happened to be unlucky. Each figure is the median of several repetitions, interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+WIDTH, INPUT_SIZE = 0.35, 96
+
+
+@dataclass(frozen=True)
+class Layer:
+    kind: str  # "conv" | "dw"
+    h: int
+    w: int
+    cin: int
+    cout: int
+    kernel: int
+    stride: int
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        return -(-self.h // self.stride), -(-self.w // self.stride)
+
+    def gemm_shape(self, batch: int) -> tuple[int, int, int]:
+        oh, ow = self.out_hw
+        return batch * oh * ow, self.kernel * self.kernel * self.cin, self.cout
+
+    def ops(self, batch: int) -> int:
+        oh, ow = self.out_hw
+        if self.kind == "dw":
+            return 2 * batch * oh * ow * self.kernel * self.kernel * self.cout
+        m, k, n = self.gemm_shape(batch)
+        return 2 * m * k * n
+
+    def label(self) -> str:
+        what = "dw" if self.kind == "dw" else "conv"
+        return f"{what} {self.kernel}x{self.kernel}/{self.stride} {self.h}x{self.w}x{self.cin}->{self.cout}"
+
+
+def mobilenet_layers(width: float = WIDTH, input_size: int = INPUT_SIZE) -> list[Layer]:
+    """The conv / depthwise layers of models.mobilenet_v2 (same settings and rounding)."""
+    from edge_agent.models import MOBILENET_V2_SETTINGS, make_divisible
+
+    stem = make_divisible(32 * width)
+    layers = [Layer("conv", input_size, input_size, 3, stem, 3, 2)]
+    h, in_c = -(-input_size // 2), stem
+    for expand, channels, repeats, stride in MOBILENET_V2_SETTINGS:
+        out_c = make_divisible(channels * width)
+        for i in range(repeats):
+            s = stride if i == 0 else 1
+            hidden = in_c * expand
+            if expand != 1:
+                layers.append(Layer("conv", h, h, in_c, hidden, 1, 1))
+            layers.append(Layer("dw", h, h, hidden, hidden, 3, s))
+            h = -(-h // s)
+            layers.append(Layer("conv", h, h, hidden, out_c, 1, 1))
+            in_c = out_c
+    layers.append(Layer("conv", h, h, in_c, make_divisible(1280 * max(1.0, width)), 1, 1))
+    return layers
+
+
+def _timeit(fn: Callable[[], object], repeats: int, target_s: float = 0.02) -> float:
+    """Median thread-CPU seconds per call over `repeats` runs of a loop lasting ~target_s."""
+    fn()
+    t0 = time.thread_time()
+    fn()
+    once = max(time.thread_time() - t0, 1e-6)
+    inner = max(1, int(target_s / once))
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        for _ in range(inner):
+            fn()
+        times.append((time.thread_time() - t0) / inner)
+    return statistics.median(times)
+
+
+def _timeit_interleaved(fns: dict[str, Callable[[], object]], repeats: int,
+                        target_s: float = 0.05) -> dict[str, float]:
+    """Like _timeit for several engines, alternating them every repetition so a change in
+    the machine's load hits all of them alike."""
+    inner = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.thread_time()
+        fn()
+        inner[name] = max(1, int(target_s / max(time.thread_time() - t0, 1e-6)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.thread_time()
+            for _ in range(inner[name]):
+                fn()
+            times[name].append((time.thread_time() - t0) / inner[name])
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _cpu() -> tuple[str, float, set[str]]:
+    model, mhz, flags = platform.processor() or "unknown CPU", 0.0, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model.startswith("unknown"):
+                model = value.strip()
+            elif key == "cpu MHz" and not mhz:
+                mhz = float(value)
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except (OSError, ValueError):
+        pass
+    return model, mhz, flags
+
+
+def int8_peak_ops_per_cycle(flags: set[str]) -> tuple[int, int, str]:
+    """(theoretical int8 ops/cycle of the widest int8 instruction, ops/cycle of the exact
+    path the kernels use, what was assumed) for one core with 2 vector multiply pipes."""
+    if "avx512_vnni" in flags:
+        return 2 * 64 * 2, 2 * 32 * 2, "2 x vpdpbusd zmm (64 MACs) per cycle; kernels: vpdpwssd ymm"
+    if "avx_vnni" in flags:
+        return 2 * 32 * 2, 2 * 16 * 2, "2 x vpdpbusd ymm (32 MACs) per cycle; kernels: vpdpwssd ymm"
+    if "avx2" in flags:
+        return 2 * 32 * 2, 2 * 16 * 2, ("2 x vpmaddubsw ymm (32 u8*s8 MACs, saturating) per cycle; "
+                                        "kernels: exact vpmaddwd ymm (16 MACs) + vpaddd")
+    if "asimddp" in flags:
+        return 2 * 16 * 2, 2 * 16 * 2, "2 x SDOT (16 MACs) per cycle"
+    return 2 * 8 * 2, 2 * 4 * 2, "2 x NEON smull/smlal (8 MACs) per cycle"
+
+
+def _layer_models(layer: Layer, batch: int, rng: np.random.Generator):
+    """A one-op QGraph of the layer (random weights, calibrated output scale) and its .tflite."""
+    from edge_agent.int8.testing import GraphBuilder
+    from edge_agent.int8.tflite_writer import write_tflite
+
+    b = GraphBuilder(rng, (batch, layer.h, layer.w, layer.cin), name="layer", calibration_batch=1)
+    if layer.kind == "dw":
+        out = b.depthwise(b.input, layer.kernel, stride=layer.stride, activation="RELU6")
+    else:
+        out = b.conv(b.input, layer.cout, layer.kernel, stride=layer.stride, activation="RELU6")
+    graph = b.build(out)
+    return graph, write_tflite(graph)
+
+
+def _numpy_dw(x: np.ndarray, w: np.ndarray, stride: int) -> Callable[[], np.ndarray]:
+    """fp32 depthwise 3x3 in numpy: nine strided multiply-adds (no BLAS applies)."""
+    n, h, wd, c = x.shape
+    oh, ow = -(-h // stride), -(-wd // stride)
+    xp = np.zeros((n, h + 2, wd + 2, c), np.float32)
+    xp[:, 1:-1, 1:-1] = x
+    out = np.empty((n, oh, ow, c), np.float32)
+    tmp = np.empty_like(out)
+
+    def run() -> np.ndarray:
+        out.fill(0)
+        for ky in range(3):
+            for kx in range(3):
+                view = xp[:, ky:ky + (oh - 1) * stride + 1:stride, kx:kx + (ow - 1) * stride + 1:stride]
+                np.multiply(view, w[ky, kx], out=tmp)
+                np.add(out, tmp, out=out)
+        return out
+
+    return run
+
+
+def _whole_backbone(batch: int, repeats: int, rng: np.random.Generator) -> list[str]:
+    from edge_agent.int8.engines._common import EngineError
+    from edge_agent.int8.engines.native import NativeRunner
+    from edge_agent.int8.engines.reference import QGraphRunner
+    from edge_agent.int8.engines.tflite import TfliteRunner
+    from edge_agent.int8.testing import GraphBuilder
+    from edge_agent.int8.tflite_writer import write_tflite
+
+    layers = mobilenet_layers()
+    b = GraphBuilder(rng, (batch, INPUT_SIZE, INPUT_SIZE, 3), name="mobilenet_v2_035_96", calibration_batch=2)
+    x = b.input
+    it = iter(layers)
+    stem = next(it)
+    x = b.conv(x, stem.cout, 3, stride=2, activation="RELU6")
+    pending = list(it)
+    i = 0
+    while i < len(pending) - 1:  # rebuild the blocks: [expand] -> dw -> project (+ residual)
+        block_in, c_in = x, b.tensors[x].shape[3]
+        layer = pending[i]
+        if layer.kind == "conv" and pending[i + 1].kind == "dw":
+            x = b.conv(x, layer.cout, 1, activation="RELU6")
+            i += 1
+        dw, proj = pending[i], pending[i + 1]
+        x = b.depthwise(x, 3, stride=dw.stride, activation="RELU6")
+        x = b.conv(x, proj.cout, 1, activation="NONE")
+        if dw.stride == 1 and proj.cout == c_in:
+            x = b.add(block_in, x)
+        i += 2
+    x = b.conv(x, pending[-1].cout, 1, activation="RELU6")
+    x = b.mean(x, (1, 2), keep_dims=True)
+    graph = b.build(x)
+    model = write_tflite(graph)
+    xin = rng.integers(-128, 128, (batch, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.int8)
+    runners: dict[str, object] = {"native": NativeRunner(graph, threads=1), "reference": QGraphRunner(graph)}
+    try:
+        runners["tflite/XNNPACK"] = TfliteRunner(model, threads=1, where="backbone")
+    except EngineError as exc:
+        runners["tflite/XNNPACK"] = str(exc)
+    ref = runners["reference"].run_int8(xin)  # type: ignore[union-attr]
+    rows = []
+    fast = {name: (lambda r=runner: r.run_int8(xin)) for name, runner in runners.items()  # type: ignore[union-attr]
+            if name != "reference" and not isinstance(runner, str)}
+    times = _timeit_interleaved(fast, max(1, repeats))
+    times["reference"] = _timeit(lambda: runners["reference"].run_int8(xin), 1, 0.05)  # type: ignore[union-attr]
+    for name, runner in runners.items():
+        if isinstance(runner, str):
+            rows.append(f"| {name} | unavailable: {runner} | | |")
+            continue
+        out = runner.run_int8(xin)  # type: ignore[union-attr]
+        diff = int(np.abs(out.astype(np.int32) - ref.astype(np.int32)).max())
+        t = times[name]
+        rows.append(f"| {name} | {t * 1e3:.1f} | {batch / t:.0f} | {diff} |")
+    ratio = ""
+    if "tflite/XNNPACK" in times:
+        ratio = (f"\nnative / XNNPACK whole-backbone time: {times['native'] / times['tflite/XNNPACK']:.2f}x; "
+                 f"native is {times['reference'] / times['native']:.0f}x faster than the numpy reference.\n")
+    return [
+        f"### Whole backbone (MobileNetV2 {WIDTH} @ {INPUT_SIZE}x{INPUT_SIZE}, {len(graph.ops)} ops, batch {batch})",
+        "",
+        "Native and XNNPACK repetitions alternate (the reference, ~25x slower, is timed once).",
+        "",
+        "| engine | ms / batch (CPU) | images/s | max abs diff vs reference (int8 units) |",
+        "|---|---:|---:|---:|",
+        *rows,
+        ratio,
+        "The native engine runs CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / ADD / MEAN in C, "
+        "one Python call per op through the reference graph walker; XNNPACK requantises in fp32, "
+        "so it may differ from TFLite's integer reference by 1 unit.",
+    ]
+
+
+def run(quick: bool = False) -> str:
+    from threadpoolctl import threadpool_limits
+
+    from edge_agent.int8 import native
+    from edge_agent.int8.engines.native import NativeOps
+    from edge_agent.int8.engines.tflite import TfliteRunner
+
+    batch = 2 if quick else 8
+    repeats = 3 if quick else 7
+    rng = np.random.default_rng(0)
+    kernels = native.NativeKernels()
+    model, mhz, flags = _cpu()
+    peak_cycle, exact_cycle, assumption = int8_peak_ops_per_cycle(flags)
+    peak = peak_cycle * mhz * 1e6 if mhz else math.nan
+    distinct: dict[Layer, int] = {}
+    for layer in mobilenet_layers():
+        distinct[layer] = distinct.get(layer, 0) + 1
+
+    conv_rows, dw_rows = [], []
+    totals = {k: 0.0 for k in ("ops", "conv_ops", "native", "gemm", "numpy", "xnn", "conv_native", "conv_xnn",
+                               "dw_ops", "dw_native", "dw_numpy", "dw_xnn")}
+    with threadpool_limits(1):
+        for layer, count in distinct.items():
+            graph, tfl = _layer_models(layer, batch, rng)
+            op = graph.ops[0]
+            x = rng.integers(-128, 128, (batch, layer.h, layer.w, layer.cin), dtype=np.int8)
+            args = [x, *(graph.tensor(n).data for n in op.inputs[1:])]
+            native_op = NativeOps(kernels, graph).table()[op.kind]
+            xnn = TfliteRunner(tfl, threads=1, where=layer.label())
+            ops = layer.ops(batch)
+            t_native = _timeit(lambda f=native_op, g=graph, o=op, a=args: f(g, o, a), repeats)
+            t_xnn = _timeit(lambda r=xnn, xx=x: r.run_int8(xx), repeats)
+            if layer.kind == "dw":
+                w = rng.standard_normal((3, 3, layer.cout)).astype(np.float32)
+                t_np = _timeit(_numpy_dw(x.astype(np.float32), w, layer.stride), repeats)
+                dw_rows.append(f"| {layer.label()} | {count} | {ops / 1e6:.1f} | {ops / t_native / 1e9:.1f} | "
+                               f"{ops / t_np / 1e9:.1f} | {ops / t_xnn / 1e9:.1f} | {t_xnn / t_native:.2f} |")
+                for key, val in (("dw_ops", ops), ("dw_native", t_native), ("dw_numpy", t_np), ("dw_xnn", t_xnn)):
+                    totals[key] += count * val
+            else:
+                m, k, n = layer.gemm_shape(batch)
+                a8 = rng.integers(-128, 128, (m, k), dtype=np.int8)
+                packed = kernels.pack(rng.integers(-127, 128, (n, k), dtype=np.int8))
+                rq = native.Requant.make(1 << 30, -8, 0, channels=n)
+                out8 = np.empty((m, n), np.int8)
+                af, bf = a8.astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+                outf = np.empty((m, n), np.float32)
+                plan = kernels.gemm_plan(packed, rq, rows=m)
+                t_gemm = _timeit(lambda p=plan, a=a8, o=out8: p(a, o), repeats)
+                t_np = _timeit(lambda a=af, b=bf, o=outf: np.matmul(a, b, out=o), repeats)
+                conv_rows.append(
+                    f"| {layer.label()} | {count} | {m}x{k}x{n} | {ops / t_gemm / 1e9:.1f} | {ops / t_np / 1e9:.1f} | "
+                    f"**{t_np / t_gemm:.2f}** | {ops / t_native / 1e9:.1f} | {ops / t_xnn / 1e9:.1f} | "
+                    f"**{t_xnn / t_native:.2f}** | {ops / t_native / peak:.0%} |")
+                for key, val in (("conv_ops", ops), ("gemm", t_gemm), ("numpy", t_np), ("conv_native", t_native),
+                                 ("conv_xnn", t_xnn)):
+                    totals[key] += count * val
+            xnn.close()
+        backbone = _whole_backbone(batch, repeats, rng)
+
+    co, do = totals["conv_ops"], totals["dw_ops"]
+    all_native = totals["conv_native"] + totals["dw_native"]
+    all_xnn = totals["conv_xnn"] + totals["dw_xnn"]
+    v = kernels.variant
+    gemm_ratio = totals["numpy"] / totals["gemm"]
+    xnn_ratio = all_xnn / all_native
+    lines = [
+        "## Native int8 kernels (kernels/, `native` engine)",
+        "",
+        f"Variant dispatched: **{v.name}** (tile {v.geometry[0]}x{v.geometry[1]}, K step {v.geometry[2]}; "
+        f"built: {', '.join(x.name for x in native.variants())}). CPU: {model}, {mhz:.0f} MHz reported. "
+        f"Batch {batch}, MobileNetV2 {WIDTH} @ {INPUT_SIZE}x{INPUT_SIZE}; repeated blocks share a row "
+        f"(`n` = how many layers have that shape). Single thread, thread CPU time, median of {repeats}.",
+        "",
+        f"Theoretical int8 peak of one core at {mhz:.0f} MHz: {peak_cycle} int8 ops/cycle = "
+        f"{peak / 1e9:.0f} GOP/s ({assumption}); the exact int16-multiply path the kernels use "
+        f"tops out at {exact_cycle} ops/cycle = {exact_cycle * mhz * 1e6 / 1e9:.0f} GOP/s.",
+        "",
+        "### Targets (totals over all layers, each shape weighted by its count)",
+        "",
+        "| target | measured | met |",
+        "|---|---:|:---:|",
+        f"| int8 GEMM >= 2x numpy fp32 matmul on the same shapes | {gemm_ratio:.2f}x | {'yes' if gemm_ratio >= 2 else 'no'} |",
+        f"| native conv + depthwise >= 50% of XNNPACK int8 throughput | {xnn_ratio:.0%} | {'yes' if xnn_ratio >= 0.5 else 'no'} |",
+        f"| fraction of the theoretical int8 peak (native conv layers) | {co / totals['conv_native'] / peak:.0%} | - |",
+        "",
+        f"Sum over the backbone's conv + depthwise layers, one op per call: native {all_native * 1e3:.2f} ms, "
+        f"XNNPACK {all_xnn * 1e3:.2f} ms per batch of {batch}.",
+        "",
+        "### Convolutions (1x1 and the 3x3 stem) as GEMM",
+        "",
+        "GOP/s = 2*M*K*N / time. GEMM: native `gemm_s8` vs numpy fp32 `matmul` on M x K x N "
+        "(the stem's GEMM excludes im2col for both). conv: the native CONV_2D kernel vs the same "
+        "layer in XNNPACK (both with im2col / requantisation).",
+        "",
+        "| layer | n | M x K x N | int8 GEMM | fp32 numpy | GEMM / numpy | int8 conv | XNNPACK | conv / XNNPACK | of peak |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        *conv_rows,
+        f"| **total** | | | {co / totals['gemm'] / 1e9:.1f} | {co / totals['numpy'] / 1e9:.1f} | "
+        f"**{gemm_ratio:.2f}** | {co / totals['conv_native'] / 1e9:.1f} | {co / totals['conv_xnn'] / 1e9:.1f} | "
+        f"**{totals['conv_xnn'] / totals['conv_native']:.2f}** | {co / totals['conv_native'] / peak:.0%} |",
+        "",
+        "### Depthwise 3x3",
+        "",
+        "numpy fp32 here is nine strided multiply-adds (no BLAS routine exists for depthwise).",
+        "",
+        "| layer | n | MOP | int8 native GOP/s | fp32 numpy GOP/s | XNNPACK GOP/s | native / XNNPACK |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *dw_rows,
+        f"| **total** | | {do / 1e6:.1f} | {do / totals['dw_native'] / 1e9:.1f} | {do / totals['dw_numpy'] / 1e9:.1f} | "
+        f"{do / totals['dw_xnn'] / 1e9:.1f} | **{totals['dw_xnn'] / totals['dw_native']:.2f}** |",
+        "",
+        *backbone,
+        "",
+        "How: `python -m bench.run --only bench_kernels` (bench/bench_kernels.py). Native figures include "
+        "the Python call (ctypes, argument checks); XNNPACK's include `invoke()` on a one-op model.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(run(quick=True))

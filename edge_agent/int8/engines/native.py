@@ -1,0 +1,240 @@
+"""The `native` engine: the project's own int8 kernels (kernels/, edge_agent.int8.native).
+
+It runs the bundle's int8 .tflite as a QGraph through the reference graph walker, with
+CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, same-shape ADD and the global-average-pool
+MEAN replaced by the C kernels of the variant dispatched for this CPU (AVX2, NEON+SDOT, ...):
+ADD and MEAN are cheap ops, but in int64 numpy MobileNet's residual ADDs and final MEAN
+cost as much as a quarter of all its convolutions. Weights are packed once at prepare time;
+everything else (pools, PAD, broadcasting ADD, ...) stays numpy. Results are bit-identical
+to the reference, so selection checks them in int8 units like tflite.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import native
+from .. import quant_math as qm
+from .. import reference_ops as ops
+from ..engine import Availability, Int8Engine, Runner
+from ..graph import QGraph, QOp
+from ._common import check_batch, dequantize, nhwc_to_nchw
+from .reference import QGraphRunner
+
+NATIVE_OPS = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED")
+
+
+@dataclass
+class _Prepared:
+    filt: native.ConvFilter | native.PackedMatrix
+    requant: native.Requant
+    bias: np.ndarray | None
+    input_zero_point: int
+    plans: dict[tuple[int, ...], Any] = field(default_factory=dict)  # by input shape
+
+
+def add_params(graph: QGraph, op: QOp) -> native.AddParams | None:
+    """TFLite's int8 ADD Prepare, as reference_ops.add states it (left_shift 20,
+    twice_max = 2 * max(s1, s2)); None when a multiplier is not below one, which the
+    kernel's right-shift-only rule (MBQMSmallerThanOneExp) cannot express."""
+    t1, t2, y = (graph.tensor(n) for n in (op.inputs[0], op.inputs[1], op.outputs[0]))
+    s1, s2, so = (np.float64(ops.scale_of(t)[0]) for t in (t1, t2, y))
+    twice_max = 2.0 * max(s1, s2)
+    (m1, e1), (m2, e2), (mo, eo) = (
+        (int(m), int(e)) for m, e in (qm.quantize_multiplier(r) for r in (s1 / twice_max, s2 / twice_max,
+                                                                           twice_max / ((1 << 20) * so))))
+    if max(e1, e2, eo) > 0:
+        return None
+    lo, hi = qm.activation_range(op.options.get("activation", "NONE"), ops.scale_of(y)[0], ops.zp_of(y))
+    return native.AddParams(ops.zp_of(t1), m1, e1, ops.zp_of(t2), m2, e2, mo, eo, ops.zp_of(y), lo, hi)
+
+
+def mean_params(graph: QGraph, op: QOp, n: int) -> tuple[int, int]:
+    """MEAN's requantisation over n elements, as reference_ops.mean states TFLite 2.14's
+    QuantizedMeanOrSum: (m, s) = QuantizeMultiplier(s_in / s_out);
+    k = min(floor(log2 n), 32, 31 + s); (m', s') = ((m << k) / n, s - k)."""
+    tx, ty = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
+    m, s = (int(v) for v in qm.quantize_multiplier(np.float64(ops.scale_of(tx)[0]) / np.float64(ops.scale_of(ty)[0])))
+    k = min(n.bit_length() - 1, 32, 31 + s)
+    return (m << k) // n, s - k
+
+
+def fuse_pads(graph: QGraph) -> QGraph:
+    """A copy of `graph` where each spatial PAD feeding only a VALID CONV_2D /
+    DEPTHWISE_CONV_2D is folded into it (option "native_pad" = (top, bottom, left, right)).
+
+    Exact: PAD fills with its output zero point, which equals its input's (check_graph
+    enforces it), and an input-zero-point tap contributes (zp - zp) * w = 0 -- just what the
+    kernels do for a tap outside the image. Exported MobileNets put such a PAD before every
+    stride-2 depthwise; folding it saves a full copy of the activation.
+    """
+    consumers: dict[str, list[int]] = {}
+    for i, op in enumerate(graph.ops):
+        for name in op.inputs:
+            consumers.setdefault(name, []).append(i)
+    fused: dict[int, QOp] = {}
+    dropped: set[int] = set()
+    for i, op in enumerate(graph.ops):
+        if op.kind != "PAD" or op.outputs[0] in graph.outputs or len(consumers.get(op.outputs[0], [])) != 1:
+            continue
+        j = consumers[op.outputs[0]][0]
+        conv = graph.ops[j]
+        pads = np.asarray(graph.tensor(op.inputs[1]).data).reshape(-1, 2)
+        src, dst = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
+        if (conv.kind not in ("CONV_2D", "DEPTHWISE_CONV_2D") or conv.inputs[0] != op.outputs[0]
+                or conv.options.get("padding") != "VALID" or "native_pad" in conv.options
+                or pads.shape != (4, 2) or pads[0].any() or pads[3].any() or (pads < 0).any()
+                or ops.zp_of(src) != ops.zp_of(dst)):
+            continue
+        options = {**conv.options, "native_pad": (int(pads[1, 0]), int(pads[1, 1]), int(pads[2, 0]), int(pads[2, 1]))}
+        fused[j] = QOp(conv.kind, [op.inputs[0], *conv.inputs[1:]], list(conv.outputs), options, conv.name)
+        dropped.add(i)
+    if not dropped:
+        return graph
+    new_ops = [fused.get(i, op) for i, op in enumerate(graph.ops) if i not in dropped]
+    return QGraph(dict(graph.tensors), new_ops, list(graph.inputs), list(graph.outputs), graph.name)
+
+
+class NativeOps:
+    """The native kernels of one QGraph's CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED ops,
+    as `reference.run_graph` kernel overrides (`kernel(graph, op, args) -> ndarray`)."""
+
+    def __init__(self, kernels: native.NativeKernels, graph: QGraph, *, threads: int | None = None) -> None:
+        self.kernels, self.threads = kernels, max(1, threads or 1)
+        self._prepared: dict[int, _Prepared] = {}
+        self._add: dict[int, native.AddParams | None] = {}
+        self._mean: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        for op in graph.ops:
+            if op.kind in NATIVE_OPS:
+                self._prepared[id(op)] = self._prepare(graph, op)
+
+    def _prepare(self, graph: QGraph, op: QOp) -> _Prepared:
+        w = graph.tensor(op.inputs[1]).data
+        bias = graph.tensor(op.inputs[2]).data if len(op.inputs) > 2 and op.inputs[2] else None
+        if op.kind == "FULLY_CONNECTED":
+            p = ops.fc_params(graph, op)
+            filt: Any = self.kernels.pack(np.ascontiguousarray(w))
+        elif op.kind == "CONV_2D":
+            p = ops.conv_params(graph, op)
+            filt = self.kernels.conv_filter(w)
+        else:
+            p = ops.conv_params(graph, op)
+            filt = self.kernels.depthwise_filter(w, int(op.options.get("depth_multiplier", 1)))
+        channels = int(np.asarray(p.multiplier).size)
+        requant = native.Requant.make(p.multiplier, p.shift, p.output_zero_point, p.act_min, p.act_max,
+                                      channels=channels)
+        bias32 = None if bias is None else np.ascontiguousarray(bias, dtype=np.int32)
+        return _Prepared(filt, requant, bias32, -p.input_offset)
+
+    def _get(self, graph: QGraph, op: QOp) -> _Prepared:
+        prepared = self._prepared.get(id(op))
+        if prepared is None:  # an op this runner was not prepared with: pack it now, once
+            prepared = self._prepared[id(op)] = self._prepare(graph, op)
+        return prepared
+
+    def _conv(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
+        p, x = self._get(graph, op), np.ascontiguousarray(args[0])
+        plan = p.plans.get(x.shape)
+        if plan is None:  # first call at this batch size: validate and bind once
+            o = op.options
+            plan = p.plans[x.shape] = self.kernels.conv_plan(
+                p.filt, p.requant, input_shape=x.shape, input_zero_point=p.input_zero_point, bias=p.bias,
+                stride=(o["stride_h"], o["stride_w"]), dilation=(o.get("dilation_h", 1), o.get("dilation_w", 1)),
+                padding=o["padding"], pads=o.get("native_pad"), threads=self.threads)
+        return plan(x)
+
+    conv_2d = depthwise_conv_2d = _conv
+
+    def fully_connected(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
+        p, x = self._get(graph, op), args[0]
+        rows = np.ascontiguousarray(x).reshape(-1, p.filt.k)
+        plan = p.plans.get(rows.shape)
+        if plan is None:
+            plan = p.plans[rows.shape] = self.kernels.gemm_plan(
+                p.filt, p.requant, rows=rows.shape[0], bias=p.bias, a_zero_point=p.input_zero_point)
+        out = plan(rows)
+        if op.options.get("keep_num_dims", False):
+            return out.reshape(*x.shape[:-1], p.filt.n)
+        return out
+
+    def add(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
+        a, b = args[0], args[1]
+        key = id(op)
+        if key not in self._add:
+            self._add[key] = add_params(graph, op)
+        params = self._add[key]
+        if params is None or a.shape != b.shape:  # broadcasting or an unusual scale ratio
+            return ops.KERNELS["ADD"](graph, op, args)
+        return self.kernels.add(np.ascontiguousarray(a), np.ascontiguousarray(b), params)
+
+    def mean(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
+        """MEAN over H and W of NHWC (MobileNet's global average pool) natively; other axis
+        sets are numpy."""
+        x = args[0]
+        axes = sorted({int(a) % x.ndim for a in np.asarray(args[1]).reshape(-1)}) if x.ndim else []
+        if x.ndim != 4 or axes != [1, 2]:
+            return ops.KERNELS["MEAN"](graph, op, args)
+        key = (id(op), x.shape[1] * x.shape[2])
+        if key not in self._mean:  # (m', s', zp_in, zp_out): derived once per op and window
+            tx, ty = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
+            self._mean[key] = (*mean_params(graph, op, key[1]), ops.zp_of(tx), ops.zp_of(ty))
+        m, s, zp_in, zp_out = self._mean[key]
+        y = self.kernels.mean_hw(np.ascontiguousarray(x), input_zero_point=zp_in, multiplier=m, shift=s,
+                                 output_zero_point=zp_out)
+        return y if op.options.get("keep_dims", False) else y.reshape(x.shape[0], x.shape[3])
+
+    def table(self) -> dict[str, Callable[[QGraph, QOp, list], np.ndarray]]:
+        return {"CONV_2D": self.conv_2d, "DEPTHWISE_CONV_2D": self.depthwise_conv_2d,
+                "FULLY_CONNECTED": self.fully_connected, "ADD": self.add, "MEAN": self.mean}
+
+
+class NativeRunner(QGraphRunner):
+    """A QGraph on the native kernels; `variant` names the dispatched kernel variant."""
+
+    def __init__(self, graph: QGraph, *, kernels: native.NativeKernels | None = None,
+                 threads: int | None = None) -> None:
+        self.native = kernels or native.NativeKernels()
+        self.variant = self.native.name
+        graph = fuse_pads(graph)
+        self._ops = NativeOps(self.native, graph, threads=threads)
+        super().__init__(graph, kernels=self._ops.table())
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        """As QGraphRunner.run, with the input's quantisation and NCHW -> NHWC in one C pass."""
+        if self._in_q is None or np.ndim(batch) not in (2, 4):
+            return super().run(batch)
+        x = self.native.quantize_nchw(check_batch(batch, self._in_shape, "native"), *self._in_q)
+        y = self._invoke(x)
+        if self._out_q is not None:
+            y = dequantize(y, *self._out_q)
+        return nhwc_to_nchw(np.asarray(y, np.float32))
+
+    def close(self) -> None:
+        self._ops._prepared.clear()  # packed weights
+
+
+class NativeEngine(Int8Engine):
+    name = "native"
+
+    def availability(self, probe: dict[str, Any] | None = None) -> Availability:
+        try:
+            kernels = native.NativeKernels(probe=probe)
+            built = [v.name for v in native.variants()]
+            info = native.build_info()
+        except native.NativeUnavailableError as exc:
+            return Availability(False, str(exc))
+        v = kernels.variant
+        needs = " ".join(v.features) or "any CPU"
+        forced = os.environ.get(native.ENV_VARIANT, "").strip()
+        how = f"forced by {native.ENV_VARIANT}" if forced else f"needs {needs}"
+        return Availability(True, f"edge-agent int8 kernels, variant {v.name} ({how})", {
+            "variant": v.name, "features": list(v.features), "tile": list(v.geometry),
+            "variants_built": built, "build": info, "library": str(native.library_path())})
+
+    def prepare(self, model: Any, *, threads: int | None = None) -> Runner:
+        return NativeRunner(model.qgraph(), threads=threads or os.cpu_count() or 1)

@@ -1,0 +1,613 @@
+"""ctypes binding of the project's native int8 kernels (kernels/*.c -> edge_agent/_kernels*.so).
+
+The library holds one copy of every kernel per CPU variant that the build could compile
+(portable C, AVX2, AVX-VNNI, AVX512-VNNI, NEON, NEON+SDOT). A variant is chosen at run time
+from the CPU's features -- the probe report's `cpu.flags` when given, else /proc/cpuinfo --
+and confirmed by the library's own cpuid/hwcap check, so a wrong feature list can never
+make the process die of SIGILL. `EDGE_AGENT_NATIVE_VARIANT=<name>` forces one (tests,
+comparisons); forcing one this CPU cannot run is an error, not a crash.
+
+Arrays are passed zero-copy (`ndarray.ctypes.data` plus strides): GEMM operands may be any
+strided int8 view, so A.B, A^T.B and A.B^T need no copies. Wrong dtypes, shapes or
+non-contiguous tensors where the kernel needs contiguity are ValueErrors naming the
+argument. Kernel calls release the GIL (ctypes does), so `threads > 1` splits a
+convolution's output rows across a thread pool.
+
+Semantics are TFLite's integer rules (quant_math), bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import EXIT_UNAVAILABLE, EdgeAgentError
+from .reference_ops import compute_padding
+
+ENV_VARIANT = "EDGE_AGENT_NATIVE_VARIANT"
+ABI_VERSION = 4
+MAX_K = 1 << 15  # the library's limit: int32 sums of (a - za)(b - zb) stay exact below it
+
+_ERRORS = {-1: "invalid argument", -2: "out of memory"}
+
+
+class NativeUnavailableError(EdgeAgentError):
+    """The native kernels cannot run here (not built, wrong ABI, variant not runnable)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+class ConvParams(ctypes.Structure):
+    """Mirror of ea_conv_params (kernels/ea_kernels.h)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "batch", "in_h", "in_w", "in_c", "out_h", "out_w", "out_c", "k_h", "k_w",
+        "stride_h", "stride_w", "dilation_h", "dilation_w", "pad_top", "pad_left",
+        "depth_multiplier", "in_zp", "out_zp", "act_min", "act_max")]
+
+
+class GemmParams(ctypes.Structure):
+    """Mirror of ea_gemm_params (kernels/ea_kernels.h)."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in ("m", "n", "k", "a_stride_m", "a_stride_k", "c_stride_m")),
+                *((name, ctypes.c_int32) for name in ("a_zp", "b_zp", "out_zp", "act_min", "act_max", "out_int32"))]
+
+
+class AddParams(ctypes.Structure):
+    """Mirror of ea_add_params: TFLite int8 ADD (left_shift 20), all shifts <= 0."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "zp1", "mult1", "shift1", "zp2", "mult2", "shift2", "out_mult", "out_shift", "out_zp",
+        "act_min", "act_max")]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel variant."""
+
+    name: str
+    features: tuple[str, ...]  # /proc/cpuinfo names the variant needs
+    runnable: bool  # the library's own cpuid / hwcap check on this CPU
+    geometry: tuple[int, int, int]  # GEMM micro-tile rows, columns, K chunk
+    handle: int
+
+
+def library_path() -> Path | None:
+    """The built library inside the package, if the install compiled it."""
+    package = Path(__file__).resolve().parent.parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = package / f"_kernels{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error = ""
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, i32, i64, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+    sigs: dict[str, tuple[Any, list[Any]]] = {
+        "ea_abi_version": (ctypes.c_int, []),
+        "ea_build_info": (ctypes.c_char_p, []),
+        "ea_variant_count": (ctypes.c_int, []),
+        "ea_variant_at": (vp, [ctypes.c_int]),
+        "ea_variant_name": (ctypes.c_char_p, [vp]),
+        "ea_variant_features": (ctypes.c_char_p, [vp]),
+        "ea_variant_runnable": (ctypes.c_int, [vp]),
+        "ea_variant_geometry": (None, [vp, vp]),
+        "ea_packed_b_size": (sz, [vp, i64, i64]),
+        "ea_pack_b": (ctypes.c_int, [vp, i64, i64, vp, i64, i64, vp, vp]),
+        "ea_gemm": (ctypes.c_int, [vp, ctypes.POINTER(GemmParams), vp, vp, vp, vp, vp, vp, vp]),
+        "ea_conv2d": (ctypes.c_int, [vp, ctypes.POINTER(ConvParams), vp, vp, vp, vp, vp, vp, vp, i64, i64]),
+        "ea_depthwise_conv2d": (ctypes.c_int, [vp, ctypes.POINTER(ConvParams), vp, vp, vp, vp, vp, vp, i64, i64]),
+        "ea_requantize": (ctypes.c_int, [vp, i64, vp, vp, vp, i32, i32, i32, vp]),
+        "ea_add": (ctypes.c_int, [vp, i64, vp, vp, ctypes.POINTER(AddParams), vp]),
+        "ea_mean_hw": (ctypes.c_int, [i64, i64, i64, vp, i32, i32, i32, i32, vp]),
+        "ea_quantize_nchw": (ctypes.c_int, [i64, i64, i64, vp, ctypes.c_float, i32, vp]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+def load_library() -> ctypes.CDLL:
+    """Load (once) and check the library; NativeUnavailableError says why it cannot be used."""
+    global _lib, _lib_error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if not _lib_error:
+            path = library_path()
+            if path is None:
+                _lib_error = ("native kernels not built: edge_agent/_kernels*.so is missing (no C compiler at "
+                              "install time, or the build failed; reinstall with `pip install -v` to see why)")
+            else:
+                try:
+                    lib = ctypes.CDLL(str(path))
+                    _declare(lib)
+                    abi = lib.ea_abi_version()
+                    if abi != ABI_VERSION:
+                        raise OSError(f"ABI version {abi}, expected {ABI_VERSION}: rebuild the package")
+                    _lib = lib
+                    return lib
+                except (OSError, AttributeError) as exc:
+                    _lib_error = f"native kernels at {path} cannot be loaded: {exc}"
+        raise NativeUnavailableError(_lib_error)
+
+
+def build_info() -> str:
+    """Compiler and the variants the compiler refused, as recorded at build time."""
+    return load_library().ea_build_info().decode("utf-8", "replace")
+
+
+def variants() -> list[Variant]:
+    """Every variant compiled into the library, fastest first."""
+    lib = load_library()
+    out = []
+    for i in range(lib.ea_variant_count()):
+        handle = lib.ea_variant_at(i)
+        geometry = (ctypes.c_int32 * 3)()
+        lib.ea_variant_geometry(handle, geometry)
+        out.append(Variant(
+            name=lib.ea_variant_name(handle).decode(),
+            features=tuple(lib.ea_variant_features(handle).decode().split()),
+            runnable=bool(lib.ea_variant_runnable(handle)),
+            geometry=(geometry[0], geometry[1], geometry[2]),
+            handle=int(handle),
+        ))
+    return out
+
+
+def cpu_features(probe: Mapping[str, Any] | None = None) -> frozenset[str] | None:
+    """The CPU's feature flags: the probe report's `cpu.flags`, else /proc/cpuinfo; None if unknown."""
+    if probe:
+        flags = (probe.get("cpu") or {}).get("flags")
+        if isinstance(flags, list) and flags:
+            return frozenset(str(f) for f in flags)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def select_variant(probe: Mapping[str, Any] | None = None, *, name: str | None = None) -> Variant:
+    """The variant to run: `name`, else $EDGE_AGENT_NATIVE_VARIANT, else the fastest one whose
+    features the CPU has (probe or /proc/cpuinfo) and that the library confirms it can run."""
+    available = variants()
+    features = cpu_features(probe)
+
+    def missing(v: Variant) -> list[str]:
+        lacking = [f for f in v.features if features is not None and f not in features]
+        if not v.runnable and not lacking:
+            lacking = [f"{' '.join(v.features)} (cpuid/hwcap)"]
+        return lacking
+
+    forced = name or os.environ.get(ENV_VARIANT, "").strip() or None
+    if forced:
+        match = next((v for v in available if v.name == forced), None)
+        if match is None:
+            built = ", ".join(v.name for v in available)
+            raise NativeUnavailableError(f"native variant {forced!r} is not in this build (built: {built})")
+        lacking = missing(match)
+        if lacking:
+            raise NativeUnavailableError(f"native variant {forced!r} needs CPU features this CPU lacks: {', '.join(lacking)}")
+        return match
+    for v in available:
+        if not missing(v):
+            return v
+    raise NativeUnavailableError("no native variant can run on this CPU")  # portable always can
+
+
+# ---------------------------------------------------------------------------------- checks
+
+def _check_array(x: Any, what: str, dtype: type, ndim: int | None = None, *, contiguous: bool = False) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{what} must be a numpy array, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise ValueError(f"{what} must be {np.dtype(dtype).name}, got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{what} must be {ndim}-D, got shape {x.shape}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (use np.ascontiguousarray); got strides {x.strides}")
+    return x
+
+
+def _per_channel(values: Any, n: int, what: str, low: int, high: int) -> np.ndarray:
+    """A per-channel int32 parameter (a scalar broadcasts); zero-copy when already int32[n]."""
+    if (isinstance(values, np.ndarray) and values.dtype == _INT32 and values.shape == (n,)
+            and values.flags.c_contiguous and low <= -(2**31) and high >= 2**31 - 1):
+        return values  # every int32 is in range: no reductions on the hot path
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got {arr.dtype}")
+    if arr.ndim == 0:
+        arr = np.full(n, int(arr), dtype=np.int64)
+    if arr.shape != (n,):
+        raise ValueError(f"{what} must have shape ({n},), got {arr.shape}")
+    if arr.size and (int(arr.min()) < low or int(arr.max()) > high):
+        raise ValueError(f"{what} must lie in [{low}, {high}], got [{int(arr.min())}, {int(arr.max())}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _int8_param(value: int, what: str) -> int:
+    if not -128 <= int(value) <= 127:
+        raise ValueError(f"{what} must lie in [-128, 127], got {value}")
+    return int(value)
+
+
+_INT8, _INT32 = np.dtype(np.int8), np.dtype(np.int32)
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    """The address of a's first element. ctypes.from_buffer is ~3x cheaper than
+    ndarray.ctypes.data, which matters for MobileNet's many microsecond-sized layers; it
+    needs a writable contiguous buffer, so other arrays take the slow path."""
+    if a is None:
+        return None
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.ctypes.data
+
+
+def _out_array(out: np.ndarray | None, shape: tuple[int, ...], dtype: type, what: str = "out") -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    _check_array(out, what, dtype, len(shape), contiguous=True)
+    if out.shape != shape:
+        raise ValueError(f"{what} must have shape {shape}, got {out.shape}")
+    return out
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    """B ([N, K] int8) packed for one variant, with its per-row sums."""
+
+    variant: str
+    n: int
+    k: int
+    data: np.ndarray  # uint8 bytes in the variant's panel layout
+    colsum: np.ndarray  # int32 [N]
+
+
+@dataclass(frozen=True)
+class ConvFilter:
+    """A CONV_2D filter (OHWI) packed once, or a DEPTHWISE_CONV_2D filter (1HWC) as int16."""
+
+    kind: str  # "conv" | "depthwise"
+    kernel: tuple[int, int]
+    in_channels: int
+    out_channels: int
+    packed: PackedMatrix | None = None  # conv
+    taps: np.ndarray | None = None  # depthwise: int16 [kh * kw, out_channels]
+
+
+@dataclass(frozen=True)
+class Requant:
+    """Per-output-channel requantisation: multiplier (Q31), shift, output zero point, clamp."""
+
+    multiplier: np.ndarray  # int32 [C]
+    shift: np.ndarray  # int32 [C]
+    zero_point: int
+    act_min: int = -128
+    act_max: int = 127
+
+    @classmethod
+    def make(cls, multiplier: Any, shift: Any, zero_point: int, act_min: int = -128, act_max: int = 127,
+             *, channels: int) -> Requant:
+        m = _per_channel(multiplier, channels, "multiplier", 0, 2**31 - 1)
+        s = _per_channel(shift, channels, "shift", -31, 30)
+        zp = _int8_param(zero_point, "output zero point")
+        lo, hi = _int8_param(act_min, "act_min"), _int8_param(act_max, "act_max")
+        if lo > hi:
+            raise ValueError(f"act_min {lo} > act_max {hi}")
+        return cls(m, s, zp, lo, hi)
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="ea-kernels")
+        return _pool
+
+
+class NativeKernels:
+    """The kernels of one variant (chosen by `select_variant` unless named)."""
+
+    def __init__(self, variant: str | None = None, *, probe: Mapping[str, Any] | None = None) -> None:
+        self._lib = load_library()
+        self.variant = select_variant(probe, name=variant)
+        self._v = ctypes.c_void_p(self.variant.handle)
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        rc = fn(self._v, *args)
+        if rc != 0:
+            raise RuntimeError(f"{fn.__name__} ({self.name}): {_ERRORS.get(rc, f'error {rc}')}")
+
+    # ---- GEMM ----------------------------------------------------------------------------
+    def pack(self, b: np.ndarray) -> PackedMatrix:
+        """Pack B ([N, K] int8, any strides: pass `w.T` for a [K, N] matrix) for this variant."""
+        _check_array(b, "b", np.int8, 2)
+        n, k = b.shape
+        if n < 1 or not 1 <= k <= MAX_K:
+            raise ValueError(f"b must be [N >= 1, 1 <= K <= {MAX_K}], got shape {b.shape}")
+        data = np.empty(self._lib.ea_packed_b_size(self._v, n, k), dtype=np.uint8)
+        colsum = np.empty(n, dtype=np.int32)
+        self._call(self._lib.ea_pack_b, n, k, b.ctypes.data, b.strides[0], b.strides[1], data.ctypes.data,
+                   colsum.ctypes.data)
+        return PackedMatrix(self.name, n, k, data, colsum)
+
+    def gemm_plan(self, b: PackedMatrix, requant: Requant | None, *, rows: int, bias: Any = None,
+                  a_zero_point: int = 0, b_zero_point: int = 0) -> GemmPlan:
+        """A GEMM against packed B for A of `rows` rows, validated once (int32 output when
+        `requant` is None). Call it with A ([rows, K], any strides)."""
+        return GemmPlan(self, b, requant, int(rows), bias, a_zero_point, b_zero_point)
+
+    def _gemm(self, a: np.ndarray, b: PackedMatrix, bias: Any, a_zp: int, b_zp: int,
+              requant: Requant | None, out: np.ndarray | None) -> np.ndarray:
+        _check_array(a, "a", np.int8, 2)
+        return self.gemm_plan(b, requant, rows=a.shape[0], bias=bias, a_zero_point=a_zp, b_zero_point=b_zp)(a, out)
+
+    def gemm_s8(self, a: np.ndarray, b: PackedMatrix, requant: Requant, *, bias: Any = None,
+                a_zero_point: int = 0, b_zero_point: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+        """int8 [M, N] = requant((A - a_zp) . (B - b_zp)^T + bias), per output column."""
+        return self._gemm(a, b, bias, a_zero_point, b_zero_point, requant, out)
+
+    def gemm_s32(self, a: np.ndarray, b: PackedMatrix, *, bias: Any = None, a_zero_point: int = 0,
+                 b_zero_point: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+        """int32 [M, N] = (A - a_zp) . (B - b_zp)^T + bias: the accumulator backward passes need."""
+        return self._gemm(a, b, bias, a_zero_point, b_zero_point, None, out)
+
+    def matmul_s32(self, a: np.ndarray, b: np.ndarray, *, a_zero_point: int = 0, b_zero_point: int = 0) -> np.ndarray:
+        """(A - a_zp) @ (B - b_zp) in int32 for A [M, K], B [K, N] given as any int8 views:
+        `matmul_s32(x.T, dy)` is A^T.B and `matmul_s32(dy, w.T)` is A.B^T, without copies."""
+        _check_array(b, "b", np.int8, 2)
+        return self.gemm_s32(a, self.pack(b.T), a_zero_point=a_zero_point, b_zero_point=b_zero_point)
+
+    # ---- convolutions -------------------------------------------------------------------
+    def conv_filter(self, w: np.ndarray) -> ConvFilter:
+        """Pack a CONV_2D filter (OHWI int8) once."""
+        _check_array(w, "filter", np.int8, 4)
+        oc, kh, kw, ic = w.shape
+        packed = self.pack(np.ascontiguousarray(w).reshape(oc, kh * kw * ic))
+        return ConvFilter("conv", (kh, kw), ic, oc, packed=packed)
+
+    @staticmethod
+    def depthwise_filter(w: np.ndarray, depth_multiplier: int = 1) -> ConvFilter:
+        """A DEPTHWISE_CONV_2D filter (1HWC int8) as int16 taps [kh * kw, C]."""
+        _check_array(w, "filter", np.int8, 4)
+        if w.shape[0] != 1 or depth_multiplier < 1 or w.shape[3] % depth_multiplier:
+            raise ValueError(f"depthwise filter must be [1, kh, kw, C * {depth_multiplier}], got {w.shape}")
+        _, kh, kw, oc = w.shape
+        taps = np.ascontiguousarray(w.reshape(kh * kw, oc), dtype=np.int16)
+        return ConvFilter("depthwise", (kh, kw), oc // depth_multiplier, oc, taps=taps)
+
+    def conv_plan(self, f: ConvFilter, requant: Requant, *, input_shape: Sequence[int], input_zero_point: int,
+                  bias: Any = None, stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1),
+                  padding: str = "SAME", pads: Sequence[int] | None = None,
+                  threads: int | None = None) -> ConvPlan:
+        """A CONV_2D / DEPTHWISE_CONV_2D for one input shape, validated once and then callable
+        with just the input (the engine keeps one per op and batch size). `pads` (top, bottom,
+        left, right) replaces `padding`: explicit padding with the input zero point, which is
+        what a PAD followed by a VALID convolution computes."""
+        return ConvPlan(self, f, requant, tuple(int(d) for d in input_shape), input_zero_point, bias,
+                        tuple(stride), tuple(dilation), padding, threads,
+                        None if pads is None else tuple(int(p) for p in pads))
+
+    def conv2d(self, x: np.ndarray, f: ConvFilter, requant: Requant, *, input_zero_point: int, bias: Any = None,
+               stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1), padding: str = "SAME",
+               out: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
+        """CONV_2D on NHWC int8 (TFLite's ConvPerChannel) with a filter from `conv_filter`."""
+        if f.kind != "conv":
+            raise ValueError("conv2d needs a filter from conv_filter()")
+        _check_array(x, "input", np.int8, 4, contiguous=True)
+        return self.conv_plan(f, requant, input_shape=x.shape, input_zero_point=input_zero_point, bias=bias,
+                              stride=stride, dilation=dilation, padding=padding, threads=threads)(x, out)
+
+    def depthwise_conv2d(self, x: np.ndarray, f: ConvFilter, requant: Requant, *, input_zero_point: int,
+                         bias: Any = None, stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1),
+                         padding: str = "SAME", out: np.ndarray | None = None,
+                         threads: int | None = None) -> np.ndarray:
+        """DEPTHWISE_CONV_2D on NHWC int8 (TFLite's DepthwiseConvPerChannel)."""
+        if f.kind != "depthwise":
+            raise ValueError("depthwise_conv2d needs a filter from depthwise_filter()")
+        _check_array(x, "input", np.int8, 4, contiguous=True)
+        return self.conv_plan(f, requant, input_shape=x.shape, input_zero_point=input_zero_point, bias=bias,
+                              stride=stride, dilation=dilation, padding=padding, threads=threads)(x, out)
+
+    def add(self, x1: np.ndarray, x2: np.ndarray, params: AddParams, out: np.ndarray | None = None) -> np.ndarray:
+        """Elementwise int8 ADD of two same-shape tensors (TFLite's AddElementwise)."""
+        if not isinstance(x1, np.ndarray) or x1.dtype != _INT8 or not x1.flags.c_contiguous:
+            _check_array(x1, "x1", np.int8, contiguous=True)
+        if not isinstance(x2, np.ndarray) or x2.dtype != _INT8 or not x2.flags.c_contiguous:
+            _check_array(x2, "x2", np.int8, contiguous=True)
+        if x1.shape != x2.shape:
+            raise ValueError(f"add needs equal shapes (no broadcasting), got {x1.shape} and {x2.shape}")
+        y = np.empty(x1.shape, _INT8) if out is None else _out_array(out, x1.shape, np.int8)
+        self._call(self._lib.ea_add, x1.size, _ptr(x1), _ptr(x2), ctypes.byref(params), _ptr(y))
+        return y
+
+    def mean_hw(self, x: np.ndarray, *, input_zero_point: int, multiplier: int, shift: int,
+                output_zero_point: int) -> np.ndarray:
+        """MEAN over axes (1, 2) of NHWC int8 (keep_dims shape): TFLite's QuantizedMeanOrSum with
+        the multiplier/shift already divided by H*W (see NativeOps.mean)."""
+        if not isinstance(x, np.ndarray) or x.dtype != _INT8 or x.ndim != 4 or not x.flags.c_contiguous:
+            _check_array(x, "input", np.int8, 4, contiguous=True)
+        n, h, w, c = x.shape
+        if h * w < 1 or c < 1:
+            raise ValueError(f"mean over an empty window: input shape {x.shape}")
+        if not 0 <= int(multiplier) <= 2**31 - 1 or not -31 <= int(shift) <= 30:
+            raise ValueError(f"multiplier {multiplier} / shift {shift} out of range")
+        y = np.empty((n, 1, 1, c), _INT8)
+        rc = self._lib.ea_mean_hw(n, h * w, c, _ptr(x), _int8_param(input_zero_point, "input zero point"),
+                                  int(multiplier), int(shift), _int8_param(output_zero_point, "output zero point"),
+                                  _ptr(y))
+        if rc != 0:
+            raise RuntimeError(f"ea_mean_hw: {_ERRORS.get(rc, f'error {rc}')}")
+        return y
+
+    def quantize_nchw(self, x: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
+        """float32 NCHW (or [N, C]) -> int8 NHWC (or [N, C]): quant_math.quantize plus the
+        layout change, in one pass."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim not in (2, 4) or x.size == 0:
+            raise ValueError(f"quantize_nchw takes a non-empty [N, C] or [N, C, H, W] array, got shape {x.shape}")
+        n, c = x.shape[:2]
+        hw = int(np.prod(x.shape[2:])) if x.ndim == 4 else 1
+        out_shape = (n, *x.shape[2:], c) if x.ndim == 4 else (n, c)
+        y = np.empty(out_shape, _INT8)
+        rc = self._lib.ea_quantize_nchw(n, c, hw, _ptr(x), float(np.float32(scale)),
+                                        _int8_param(zero_point, "zero point"), _ptr(y))
+        if rc != 0:
+            raise RuntimeError(f"ea_quantize_nchw: {_ERRORS.get(rc, f'error {rc}')} (scale {scale})")
+        return y
+
+    def requantize(self, acc: np.ndarray, requant: Requant) -> np.ndarray:
+        """The epilogue alone: int32 values -> int8, with per-element multiplier/shift."""
+        _check_array(acc, "acc", np.int32, contiguous=True)
+        if requant.multiplier.size != acc.size:
+            raise ValueError(f"requantisation has {requant.multiplier.size} entries for {acc.size} values")
+        out = np.empty(acc.shape, dtype=np.int8)
+        self._call(self._lib.ea_requantize, acc.size, acc.ctypes.data, requant.multiplier.ctypes.data,
+                   requant.shift.ctypes.data, requant.zero_point, requant.act_min, requant.act_max,
+                   out.ctypes.data)
+        return out
+
+
+class ConvPlan:
+    """One convolution bound to its filter, parameters and input shape: calling it costs a
+    shape check and one C call. Build it with NativeKernels.conv_plan."""
+
+    def __init__(self, kernels: NativeKernels, f: ConvFilter, requant: Requant, input_shape: tuple[int, ...],
+                 input_zero_point: int, bias: Any, stride: tuple[int, ...], dilation: tuple[int, ...],
+                 padding: str, threads: int | None, pads: tuple[int, ...] | None = None) -> None:
+        if len(input_shape) != 4:
+            raise ValueError(f"input must be 4-D NHWC, got shape {input_shape}")
+        batch, h, w, c = input_shape
+        if min(input_shape) < 1:
+            raise ValueError(f"input shape {input_shape} has an empty dimension")
+        if c != f.in_channels:
+            raise ValueError(f"input has {c} channels, the filter expects {f.in_channels}")
+        if requant.multiplier.shape != (f.out_channels,):
+            raise ValueError(f"requantisation has {requant.multiplier.size} channels, filter has {f.out_channels}")
+        if len(stride) != 2 or len(dilation) != 2 or min(*stride, *dilation) < 1:
+            raise ValueError(f"stride {stride} and dilation {dilation} must be two integers >= 1")
+        (kh, kw), (sh, sw), (dh, dw) = f.kernel, stride, dilation
+        if pads is None:
+            oh, pad_top = compute_padding(h, kh, sh, dh, padding)
+            ow, pad_left = compute_padding(w, kw, sw, dw, padding)
+        else:
+            if len(pads) != 4 or min(pads) < 0:
+                raise ValueError(f"pads must be (top, bottom, left, right) >= 0, got {pads}")
+            pad_top, pad_left = pads[0], pads[2]
+            oh, _ = compute_padding(h + pads[0] + pads[1], kh, sh, dh, "VALID")
+            ow, _ = compute_padding(w + pads[2] + pads[3], kw, sw, dw, "VALID")
+        if oh < 1 or ow < 1:
+            raise ValueError(f"a {kh}x{kw} filter (dilation {dh}x{dw}) does not fit a {h}x{w} input with {padding}")
+        if f.kind == "conv":
+            if f.packed.variant != kernels.name:
+                raise ValueError(f"filter was packed for variant {f.packed.variant!r}, not {kernels.name!r}")
+            self._fn = kernels._lib.ea_conv2d
+            weights: tuple[Any, ...] = (_ptr(f.packed.data), _ptr(f.packed.colsum))
+        else:
+            self._fn = kernels._lib.ea_depthwise_conv2d
+            weights = (_ptr(f.taps),)
+        self._bias = None if bias is None else _per_channel(bias, f.out_channels, "bias", -(2**31), 2**31 - 1)
+        self.params = ConvParams(batch, h, w, c, oh, ow, f.out_channels, kh, kw, sh, sw, dh, dw, pad_top, pad_left,
+                                 f.out_channels // f.in_channels, _int8_param(input_zero_point, "input zero point"),
+                                 requant.zero_point, requant.act_min, requant.act_max)
+        self.input_shape = tuple(input_shape)
+        self.output_shape = (batch, oh, ow, f.out_channels)
+        self._keep = (f, requant, self._bias)  # the C call reads their memory
+        self._head = (kernels._v, ctypes.byref(self.params))
+        self._tail = (*weights, _ptr(self._bias), _ptr(requant.multiplier), _ptr(requant.shift))
+        self._rows = batch * oh * ow
+        self._parts = max(1, min(threads or 1, self._rows // 64))  # below ~64 rows a split costs more
+        self._kernels = kernels
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if not isinstance(x, np.ndarray) or x.dtype != _INT8 or x.shape != self.input_shape \
+                or not x.flags.c_contiguous:
+            _check_array(x, "input", np.int8, 4, contiguous=True)
+            raise ValueError(f"input must have shape {self.input_shape}, got {x.shape}")
+        y = np.empty(self.output_shape, _INT8) if out is None else _out_array(out, self.output_shape, np.int8)
+        args = (*self._head, _ptr(x), *self._tail, _ptr(y))
+        if self._parts == 1:
+            rc = self._fn(*args, 0, self._rows)
+            if rc != 0:
+                raise RuntimeError(f"{self._fn.__name__} ({self._kernels.name}): {_ERRORS.get(rc, f'error {rc}')}")
+        else:
+            bounds = [self._rows * i // self._parts for i in range(self._parts + 1)]
+            futures = [_thread_pool().submit(self._kernels._call, self._fn, *args[1:], lo, hi)
+                       for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+            for fut in futures:
+                fut.result()
+        return y
+
+
+class GemmPlan:
+    """A GEMM bound to packed B, requantisation and the row count of A."""
+
+    def __init__(self, kernels: NativeKernels, b: PackedMatrix, requant: Requant | None, rows: int, bias: Any,
+                 a_zp: int, b_zp: int) -> None:
+        if b.variant != kernels.name:
+            raise ValueError(f"b was packed for variant {b.variant!r}, not {kernels.name!r}")
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        if requant is not None and requant.multiplier.shape != (b.n,):
+            raise ValueError(f"requantisation has {requant.multiplier.size} channels, b has {b.n} columns")
+        self.rows, self.k, self.n = rows, b.k, b.n
+        self.int32 = requant is None
+        self.dtype = _INT32 if self.int32 else _INT8
+        self._bias = None if bias is None else _per_channel(bias, b.n, "bias", -(2**31), 2**31 - 1)
+        self.params = GemmParams(rows, b.n, b.k, 0, 0, b.n, _int8_param(a_zp, "a zero point"),
+                                 _int8_param(b_zp, "b zero point"), 0 if self.int32 else requant.zero_point,
+                                 -128 if self.int32 else requant.act_min, 127 if self.int32 else requant.act_max,
+                                 int(self.int32))
+        self._keep = (b, requant, self._bias)
+        self._fn = kernels._lib.ea_gemm
+        self._kernels = kernels
+        self._b = (_ptr(b.data), _ptr(b.colsum), _ptr(self._bias),
+                   None if self.int32 else _ptr(requant.multiplier), None if self.int32 else _ptr(requant.shift))
+        self._strides: tuple[int, int] | None = None
+
+    def __call__(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if not isinstance(a, np.ndarray) or a.dtype != _INT8 or a.shape != (self.rows, self.k):
+            _check_array(a, "a", np.int8, 2)
+            raise ValueError(f"a must have shape ({self.rows}, {self.k}), got {a.shape}")
+        c = np.empty((self.rows, self.n), self.dtype) if out is None else \
+            _out_array(out, (self.rows, self.n), self.dtype)
+        if self.rows == 0:
+            return c
+        if a.strides != self._strides:  # int8: byte strides are element strides
+            self.params.a_stride_m, self.params.a_stride_k = a.strides
+            self._strides = a.strides
+        rc = self._fn(self._kernels._v, ctypes.byref(self.params), _ptr(a), *self._b, _ptr(c))
+        if rc != 0:
+            raise RuntimeError(f"ea_gemm ({self._kernels.name}): {_ERRORS.get(rc, f'error {rc}')}")
+        return c

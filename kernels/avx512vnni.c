@@ -1,0 +1,13 @@
+/* x86-64 AVX512-VNNI variant (Ice Lake, Zen 4 and later): the EVEX vpdpwssd on 256-bit
+ * registers (AVX512VL) with 32 registers, so taller 12-row tiles; 256-bit vectors avoid the
+ * clock penalty some CPUs take on 512-bit ones. */
+#if !defined(__x86_64__) || !defined(__AVX512VNNI__) || !defined(__AVX512VL__)
+#error "avx512vnni.c needs an x86-64 compiler with -mavx512vnni -mavx512vl"
+#endif
+#define EA_X86_MR8 12
+#define EA_X86_MR16 12
+#define EA_X86_DOT(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#define EA_X86_VARIANT ea_variant_avx512vnni
+#define EA_X86_NAME "avx512_vnni"
+#define EA_X86_FEATURES "avx2 avx512f avx512bw avx512vl avx512_vnni"
+#include "x86_common.h"

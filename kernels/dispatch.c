@@ -1,0 +1,541 @@
+/* Variant table and the drivers shared by every variant: B packing, GEMM / conv blocking
+ * (im2col rows built per block, never for the whole tensor), depthwise tap gathering.
+ * Compiled with baseline flags: it only loops and calls the variant's micro-kernels.
+ */
+#include <stdlib.h>
+
+#include "internal.h"
+
+#if defined(__linux__) && (defined(__aarch64__) || defined(__arm__))
+#include <sys/auxv.h>
+#endif
+
+static const ea_variant *const VARIANTS[] = {
+/* Preference order: the first runnable variant is the fastest. */
+#ifdef EA_HAVE_AVX512VNNI
+    &ea_variant_avx512vnni,
+#endif
+#ifdef EA_HAVE_AVXVNNI
+    &ea_variant_avxvnni,
+#endif
+#ifdef EA_HAVE_AVX2
+    &ea_variant_avx2,
+#endif
+#ifdef EA_HAVE_NEON_DOT
+    &ea_variant_neon_dot,
+#endif
+#ifdef EA_HAVE_NEON
+    &ea_variant_neon,
+#endif
+    &ea_variant_portable,
+};
+#define N_VARIANTS ((int)(sizeof(VARIANTS) / sizeof(VARIANTS[0])))
+
+/* Largest K: |(a - za)(b - zb)| <= 255 * 256 < 2^16, so int32 sums stay exact below 2^15. */
+#define EA_MAX_K (INT64_C(1) << 15)
+
+#ifndef EA_BUILD_INFO
+#define EA_BUILD_INFO "built without setup.py"
+#endif
+
+int ea_abi_version(void) { return EA_ABI_VERSION; }
+const char *ea_build_info(void) { return EA_BUILD_INFO; }
+int ea_variant_count(void) { return N_VARIANTS; }
+
+const ea_variant *ea_variant_at(int index) {
+    return (index >= 0 && index < N_VARIANTS) ? VARIANTS[index] : NULL;
+}
+
+const char *ea_variant_name(const ea_variant *v) { return v ? v->name : ""; }
+const char *ea_variant_features(const ea_variant *v) { return v ? v->features : ""; }
+
+void ea_variant_geometry(const ea_variant *v, int32_t out[3]) {
+    out[0] = (int32_t)(v->mr2 > v->mr ? v->mr2 : v->mr);
+    out[1] = (int32_t)(v->gemm2 ? 2 * v->nr : v->nr);
+    out[2] = (int32_t)v->kc;
+}
+
+static int has_feature(const char *features, const char *word) {
+    const size_t len = strlen(word);
+    for (const char *p = features; (p = strstr(p, word)) != NULL; p += len) {
+        const int starts = p == features || p[-1] == ' ';
+        const int ends = p[len] == '\0' || p[len] == ' ';
+        if (starts && ends) return 1;
+    }
+    return 0;
+}
+
+int ea_variant_runnable(const ea_variant *v) {
+    if (!v) return 0;
+    const char *f = v->features;
+#if defined(__x86_64__) || defined(__i386__)
+    /* libgcc's cpu model also checks XGETBV, i.e. that the OS saves the vector state. */
+    __builtin_cpu_init();
+    if (has_feature(f, "avx2") && !__builtin_cpu_supports("avx2")) return 0;
+    if (has_feature(f, "avx_vnni") && !__builtin_cpu_supports("avxvnni")) return 0;
+    if (has_feature(f, "avx512f") && !__builtin_cpu_supports("avx512f")) return 0;
+    if (has_feature(f, "avx512bw") && !__builtin_cpu_supports("avx512bw")) return 0;
+    if (has_feature(f, "avx512vl") && !__builtin_cpu_supports("avx512vl")) return 0;
+    if (has_feature(f, "avx512_vnni") && !__builtin_cpu_supports("avx512vnni")) return 0;
+    return 1;
+#elif defined(__linux__) && defined(__aarch64__)
+    const unsigned long hw = getauxval(AT_HWCAP);
+    if (has_feature(f, "asimd") && !(hw & (1UL << 1))) return 0;     /* HWCAP_ASIMD */
+    if (has_feature(f, "asimddp") && !(hw & (1UL << 20))) return 0;  /* HWCAP_ASIMDDP */
+    return 1;
+#elif defined(__linux__) && defined(__arm__)
+    const unsigned long hw = getauxval(AT_HWCAP);
+    if (has_feature(f, "neon") && !(hw & (1UL << 12))) return 0;     /* HWCAP_NEON */
+    return 1;
+#else
+    return f[0] == '\0';
+#endif
+}
+
+/* ------------------------------------------------------------------ packing B */
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+size_t ea_packed_b_size(const ea_variant *v, int64_t n, int64_t k) {
+    if (!v || n <= 0 || k <= 0) return 0;
+    return (size_t)(ceil_div(n, v->nr) * v->nr * ceil_div(k, v->kc) * v->kc * v->b_elem);
+}
+
+int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_t stride_n,
+              int64_t stride_k, void *packed, int32_t *colsum) {
+    if (!v || !b || !packed || !colsum || n <= 0 || k <= 0 || k > EA_MAX_K) return EA_EINVAL;
+    const int64_t nr = v->nr, kc = v->kc, kpad = ceil_div(k, kc) * kc;
+    const int64_t panels = ceil_div(n, nr);
+    size_t idx = 0;
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t q = 0; q < kpad; q += kc) {
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t col = p * nr + j;
+                for (int64_t kk = 0; kk < kc; kk++, idx++) {
+                    const int64_t kx = q + kk;
+                    const int8_t val = (col < n && kx < k) ? b[col * stride_n + kx * stride_k] : 0;
+                    if (v->b_elem == 2)
+                        ((int16_t *)packed)[idx] = val;
+                    else
+                        ((int8_t *)packed)[idx] = val;
+                }
+            }
+        }
+    }
+    for (int64_t col = 0; col < n; col++) {
+        int32_t s = 0;
+        for (int64_t kx = 0; kx < k; kx++) s += b[col * stride_n + kx * stride_k];
+        colsum[col] = s;
+    }
+    return EA_OK;
+}
+
+/* ------------------------------------------------------------------ GEMM driver */
+
+typedef struct a_source {
+    int conv; /* 0: strided matrix A; 1: im2col rows of a convolution input */
+    const int8_t *a;
+    int64_t sm, sk;
+    const ea_conv_params *cp;
+} a_source;
+
+static int valid_requant(int64_t n, const int32_t *mult, const int32_t *shift, int32_t zp,
+                         int32_t lo, int32_t hi) {
+    if (!mult || !shift) return 0;
+    if (zp < -128 || zp > 127 || lo < -128 || hi > 127 || lo > hi) return 0;
+    for (int64_t i = 0; i < n; i++) {
+        /* TFLite's QuantizeMultiplier yields shift in [-31, 30]; INT32_MIN never occurs. */
+        if (shift[i] < -31 || shift[i] > 30 || mult[i] == INT32_MIN) return 0;
+    }
+    return 1;
+}
+
+/* Output pixel (image, row, column) of a flattened output row index, advanced
+ * incrementally: a division per row costs as much as a small GEMM row. */
+typedef struct {
+    int64_t nb, oy, ox;
+} pixel;
+
+static pixel pixel_of(const ea_conv_params *cp, int64_t m) {
+    const int64_t ohw = (int64_t)cp->out_h * cp->out_w, rem = m % ohw;
+    pixel px = {m / ohw, rem / cp->out_w, rem % cp->out_w};
+    return px;
+}
+
+static void pixel_next(const ea_conv_params *cp, pixel *px) {
+    if (++px->ox == cp->out_w) {
+        px->ox = 0;
+        if (++px->oy == cp->out_h) {
+            px->oy = 0;
+            px->nb++;
+        }
+    }
+}
+
+/* Copy n bytes; MobileNet's stem copies 3..9 bytes at a time, where a libc call costs more
+ * than the copy. */
+static inline void copy_small(int8_t *dst, const int8_t *src, int64_t n) {
+    if (n <= 16) {
+        for (int64_t i = 0; i < n; i++) dst[i] = src[i];
+    } else {
+        memcpy(dst, src, (size_t)n);
+    }
+}
+
+/* Fill one im2col row of `kpad` bytes for output pixel px (input zero point outside). */
+static void im2col_row(const ea_conv_params *cp, const int8_t *in, pixel px, int64_t kpad,
+                       int8_t *dst) {
+    const int64_t c = cp->in_c, kw = cp->k_w;
+    const int64_t ix0 = px.ox * cp->stride_w - cp->pad_left;
+    const int64_t ix1 = ix0 + (kw - 1) * cp->dilation_w;
+    /* with dilation 1 a kernel row's taps are one contiguous run of input pixels */
+    const int row_inside = cp->dilation_w == 1 && ix0 >= 0 && ix1 < cp->in_w;
+    int8_t *d = dst;
+    for (int32_t ky = 0; ky < cp->k_h; ky++) {
+        const int64_t iy = px.oy * cp->stride_h - cp->pad_top + (int64_t)ky * cp->dilation_h;
+        if (iy < 0 || iy >= cp->in_h) {
+            memset(d, (int8_t)cp->in_zp, (size_t)(kw * c));
+            d += kw * c;
+            continue;
+        }
+        const int8_t *src_row = in + ((px.nb * cp->in_h + iy) * cp->in_w) * c;
+        if (row_inside) {
+            copy_small(d, src_row + ix0 * c, kw * c);
+            d += kw * c;
+        } else {
+            for (int64_t kx = 0; kx < kw; kx++, d += c) {
+                const int64_t ix = ix0 + kx * cp->dilation_w;
+                if (ix < 0 || ix >= cp->in_w)
+                    memset(d, (int8_t)cp->in_zp, (size_t)c);
+                else
+                    copy_small(d, src_row + ix * c, c);
+            }
+        }
+    }
+    memset(d, 0, (size_t)(kpad - (d - dst)));
+}
+
+/* For a 1x1 unpadded conv, row m is the input pixel under output pixel px. */
+static const int8_t *conv_direct_row(const ea_conv_params *cp, const int8_t *in, pixel px) {
+    const int64_t iy = px.oy * cp->stride_h, ix = px.ox * cp->stride_w;
+    return in + ((px.nb * cp->in_h + iy) * cp->in_w + ix) * cp->in_c;
+}
+
+static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, int64_t m_end,
+                     int64_t n, int64_t k, int32_t a_zp, int32_t b_zp, const void *packed_b,
+                     const int32_t *colsum, const int32_t *bias, const int32_t *mult,
+                     const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
+                     int out_int32, void *c, int64_t ldc) {
+    const int64_t nr = v->nr, kc = v->kc, ae = v->a_elem;
+    const int64_t kpad = ceil_div(k, kc) * kc, panels = ceil_div(n, nr);
+    const size_t elem = out_int32 ? 4 : 1;
+    if (m_end <= m_begin) return EA_OK;
+
+    /* A 1x1 unpadded convolution reads its rows straight from the input pixels. */
+    int conv_inplace = 0;
+    if (src->conv) {
+        const ea_conv_params *cp = src->cp;
+        conv_inplace = cp->k_h == 1 && cp->k_w == 1 && cp->pad_top == 0 && cp->pad_left == 0 &&
+                       (int64_t)(cp->out_h - 1) * cp->stride_h < cp->in_h &&
+                       (int64_t)(cp->out_w - 1) * cp->stride_w < cp->in_w;
+    }
+    /* int8 kernels can even use those rows without a copy when K needs no padding. */
+    const int direct = ae == 1 && kpad == k && (src->conv ? conv_inplace : src->sk == 1);
+    /* Block of rows whose A data (~32 KiB) stays in cache while every B panel passes over it. */
+    const int64_t mr_max = v->mr2 > v->mr ? v->mr2 : v->mr;
+    int64_t mc = (32768 / (kpad * ae)) / mr_max * mr_max;
+    if (mc < mr_max) mc = mr_max;
+    if (mc > 240) mc = 240 / mr_max * mr_max;
+
+    const size_t cols = (size_t)(panels * nr + nr); /* + nr: wide tiles read a full panel pair */
+    int32_t *colbuf = (int32_t *)malloc(cols * 3 * sizeof(int32_t) + (size_t)mc * sizeof(int32_t));
+    unsigned char *rowbuf = direct ? NULL : (unsigned char *)malloc((size_t)(mc * kpad * ae) + 64);
+    int8_t *tmp8 = (ae == 2) ? (int8_t *)malloc((size_t)kpad + 64) : NULL;
+    const void **rows = (const void **)malloc((size_t)(mc + EA_MAX_MR) * sizeof(*rows));
+    if (!colbuf || (!direct && !rowbuf) || (ae == 2 && !tmp8) || !rows) {
+        free(colbuf);
+        free(rowbuf);
+        free(tmp8);
+        free(rows);
+        return EA_ENOMEM;
+    }
+    int32_t *bias_eff = colbuf, *mult_p = colbuf + cols, *shift_p = colbuf + 2 * cols;
+    int32_t *row_add = colbuf + 3 * cols;
+    for (size_t j = 0; j < cols; j++) {
+        int64_t b = 0;
+        if ((int64_t)j < n) {
+            b = (bias ? bias[j] : 0) - (int64_t)a_zp * colsum[j] + k * (int64_t)a_zp * b_zp;
+        }
+        bias_eff[j] = (int32_t)(uint32_t)(uint64_t)b; /* wraps like the int32 accumulator */
+        mult_p[j] = (!out_int32 && (int64_t)j < n) ? mult[j] : 0;
+        shift_p[j] = (!out_int32 && (int64_t)j < n) ? shift[j] : 0;
+    }
+
+    pixel px = {0, 0, 0};
+    if (src->conv) px = pixel_of(src->cp, m_begin);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += mc) {
+        const int64_t rows_here = (m_end - m0) < mc ? (m_end - m0) : mc;
+        for (int64_t r = 0; r < rows_here; r++) {
+            const int64_t m = m0 + r;
+            if (src->conv && r + m0 > m_begin) pixel_next(src->cp, &px);
+            /* row8: k readable int8 values of row m (in place, or gathered into scratch). */
+            int8_t *scratch = ae == 1 ? (int8_t *)(rowbuf ? rowbuf + r * kpad : NULL) : tmp8;
+            const int8_t *row8;
+            int padded = 0; /* row8 already carries kpad values with a zero tail */
+            if (src->conv && !conv_inplace) {
+                im2col_row(src->cp, src->a, px, kpad, scratch);
+                row8 = scratch;
+                padded = 1;
+            } else if (src->conv) {
+                row8 = conv_direct_row(src->cp, src->a, px);
+            } else if (src->sk == 1) {
+                row8 = src->a + m * src->sm;
+            } else {
+                const int8_t *row = src->a + m * src->sm;
+                for (int64_t kx = 0; kx < k; kx++) scratch[kx] = row[kx * src->sk];
+                memset(scratch + k, 0, (size_t)(kpad - k));
+                row8 = scratch;
+                padded = 1;
+            }
+            if (b_zp != 0) {
+                int32_t s = 0;
+                for (int64_t kx = 0; kx < k; kx++) s += row8[kx];
+                row_add[r] = (int32_t)(uint32_t)(uint64_t)(-(int64_t)b_zp * s);
+            }
+            if (ae == 2) {
+                int16_t *dst16 = (int16_t *)(rowbuf + r * kpad * 2);
+                v->widen(row8, dst16, (size_t)k);
+                for (int64_t kx = k; kx < kpad; kx++) dst16[kx] = 0;
+                rows[r] = dst16;
+            } else if (direct || padded) {
+                rows[r] = row8;
+            } else {
+                memcpy(scratch, row8, (size_t)k);
+                memset(scratch + k, 0, (size_t)(kpad - k));
+                rows[r] = scratch;
+            }
+        }
+        for (int64_t i = rows_here; i < rows_here + EA_MAX_MR; i++) rows[i] = rows[rows_here - 1];
+        for (int64_t p = 0; p < panels;) {
+            const int wide = v->gemm2 != NULL && p + 1 < panels;
+            const int64_t width = wide ? 2 * nr : nr;
+            const ea_gemm_ukernel kernel = wide ? v->gemm2 : v->gemm;
+            const int64_t ncols = (n - p * nr) < width ? (n - p * nr) : width;
+            const void *bp = (const unsigned char *)packed_b + (size_t)(p * nr * kpad) * v->b_elem;
+            ea_epilogue ep = {bias_eff + p * nr, mult_p + p * nr, shift_p + p * nr,
+                              b_zp != 0 ? row_add : NULL, out_zp, act_min, act_max, out_int32};
+            char *cp = (char *)c + (size_t)(m0 * ldc + p * nr) * elem;
+            kernel((size_t)rows_here, (size_t)ncols, (size_t)kpad, rows, bp, &ep, cp, (size_t)ldc);
+            p += wide ? 2 : 1;
+        }
+    }
+    free(colbuf);
+    free(rowbuf);
+    free(tmp8);
+    free(rows);
+    return EA_OK;
+}
+
+int ea_gemm(const ea_variant *v, const ea_gemm_params *p, const int8_t *a, const void *packed_b,
+            const int32_t *colsum, const int32_t *bias, const int32_t *mult,
+            const int32_t *shift, void *c) {
+    if (!v || !p || !a || !packed_b || !colsum || !c) return EA_EINVAL;
+    if (p->m < 0 || p->n <= 0 || p->k <= 0 || p->k > EA_MAX_K || p->c_stride_m < p->n)
+        return EA_EINVAL;
+    if (p->a_zp < -128 || p->a_zp > 127 || p->b_zp < -128 || p->b_zp > 127) return EA_EINVAL;
+    if (!p->out_int32 && !valid_requant(p->n, mult, shift, p->out_zp, p->act_min, p->act_max))
+        return EA_EINVAL;
+    a_source src = {0, a, p->a_stride_m, p->a_stride_k, NULL};
+    return gemm_core(v, &src, 0, p->m, p->n, p->k, p->a_zp, p->b_zp, packed_b, colsum, bias, mult,
+                     shift, p->out_zp, p->act_min, p->act_max, p->out_int32, c, p->c_stride_m);
+}
+
+/* ------------------------------------------------------------------ convolutions */
+
+static int valid_conv(const ea_conv_params *p, int64_t m_begin, int64_t m_end) {
+    if (!p) return 0;
+    if (p->batch < 1 || p->in_h < 1 || p->in_w < 1 || p->in_c < 1 || p->out_h < 1 ||
+        p->out_w < 1 || p->out_c < 1 || p->k_h < 1 || p->k_w < 1)
+        return 0;
+    if (p->stride_h < 1 || p->stride_w < 1 || p->dilation_h < 1 || p->dilation_w < 1 ||
+        p->pad_top < 0 || p->pad_left < 0)
+        return 0;
+    if (p->in_zp < -128 || p->in_zp > 127) return 0;
+    const int64_t total = (int64_t)p->batch * p->out_h * p->out_w;
+    return m_begin >= 0 && m_begin <= m_end && m_end <= total;
+}
+
+int ea_conv2d(const ea_variant *v, const ea_conv_params *p, const int8_t *input,
+              const void *packed_w, const int32_t *colsum, const int32_t *bias,
+              const int32_t *mult, const int32_t *shift, int8_t *output, int64_t m_begin,
+              int64_t m_end) {
+    if (!v || !input || !packed_w || !colsum || !output || !valid_conv(p, m_begin, m_end))
+        return EA_EINVAL;
+    const int64_t k = (int64_t)p->k_h * p->k_w * p->in_c;
+    if (k > EA_MAX_K || !valid_requant(p->out_c, mult, shift, p->out_zp, p->act_min, p->act_max))
+        return EA_EINVAL;
+    a_source src = {1, input, 0, 0, p};
+    return gemm_core(v, &src, m_begin, m_end, p->out_c, k, p->in_zp, 0, packed_w, colsum, bias,
+                     mult, shift, p->out_zp, p->act_min, p->act_max, 0, output, p->out_c);
+}
+
+int ea_depthwise_conv2d(const ea_variant *v, const ea_conv_params *p, const int8_t *input,
+                        const int16_t *w16, const int32_t *bias, const int32_t *mult,
+                        const int32_t *shift, int8_t *output, int64_t m_begin, int64_t m_end) {
+    if (!v || !input || !w16 || !output || !valid_conv(p, m_begin, m_end)) return EA_EINVAL;
+    const int64_t dm = p->depth_multiplier, oc = p->out_c;
+    if (dm < 1 || oc != (int64_t)p->in_c * dm) return EA_EINVAL;
+    if (!valid_requant(oc, mult, shift, p->out_zp, p->act_min, p->act_max)) return EA_EINVAL;
+    const int64_t taps = (int64_t)p->k_h * p->k_w;
+    if (taps > EA_MAX_K) return EA_EINVAL;
+
+    const int8_t **xp = (const int8_t **)malloc((size_t)taps * sizeof(*xp));
+    const int16_t **wp = (const int16_t **)malloc((size_t)taps * sizeof(*wp));
+    int32_t *zeros = bias ? NULL : (int32_t *)calloc((size_t)oc, sizeof(int32_t));
+    int8_t *expanded = NULL;
+    const int8_t *x = input;
+    int rc = EA_OK;
+    if (!xp || !wp || (!bias && !zeros)) {
+        rc = EA_ENOMEM;
+        goto done;
+    }
+    if (dm > 1) {
+        /* Output channel ic*dm + j reads input channel ic: repeat each input channel dm
+         * times once, then every output channel has its own input lane (multiplier 1). */
+        const int64_t pixels = (int64_t)p->batch * p->in_h * p->in_w;
+        expanded = (int8_t *)malloc((size_t)(pixels * oc));
+        if (!expanded) {
+            rc = EA_ENOMEM;
+            goto done;
+        }
+        for (int64_t i = 0; i < pixels; i++)
+            for (int64_t ch = 0; ch < p->in_c; ch++)
+                memset(expanded + i * oc + ch * dm, input[i * p->in_c + ch], (size_t)dm);
+        x = expanded;
+    }
+    const ea_epilogue ep = {bias ? bias : zeros, mult, shift, NULL, p->out_zp, p->act_min,
+                            p->act_max, 0};
+    /* Output columns [ox_lo, ox_hi) have every horizontal tap inside the image: those pixels
+     * share one tap list (advanced by stride * channels per pixel) and go in one call. */
+    const int64_t sw = p->stride_w, dw = p->dilation_w, span = (int64_t)(p->k_w - 1) * dw;
+    int64_t ox_lo = (p->pad_left + sw - 1) / sw;
+    int64_t ox_hi = (p->in_w - 1 - span + p->pad_left) >= 0 ? (p->in_w - 1 - span + p->pad_left) / sw + 1 : 0;
+    if (ox_hi > p->out_w) ox_hi = p->out_w;
+    if (ox_lo > ox_hi) ox_lo = ox_hi;
+    const int64_t ohw = (int64_t)p->out_h * p->out_w;
+    for (int64_t m = m_begin; m < m_end;) {
+        const int64_t nb = m / ohw, rem = m % ohw;
+        const int64_t oy = rem / p->out_w, ox = rem % p->out_w;
+        const int64_t row_end = m - ox + p->out_w < m_end ? m - ox + p->out_w : m_end;
+        const int64_t ox_end = ox + (row_end - m);
+        /* this call: one border pixel, or the interior run clipped to [ox, ox_end) */
+        int64_t run = 1;
+        const int interior = ox >= ox_lo && ox < ox_hi;
+        if (interior) run = (ox_hi < ox_end ? ox_hi : ox_end) - ox;
+        size_t nt = 0;
+        for (int32_t ky = 0; ky < p->k_h; ky++) {
+            const int64_t iy = oy * p->stride_h - p->pad_top + (int64_t)ky * p->dilation_h;
+            if (iy < 0 || iy >= p->in_h) continue; /* outside taps contribute exactly 0 */
+            for (int32_t kx = 0; kx < p->k_w; kx++) {
+                const int64_t ix = ox * sw - p->pad_left + (int64_t)kx * dw;
+                if (ix < 0 || ix >= p->in_w) continue;
+                xp[nt] = x + ((nb * p->in_h + iy) * p->in_w + ix) * oc;
+                wp[nt] = w16 + ((int64_t)ky * p->k_w + kx) * oc;
+                nt++;
+            }
+        }
+        v->dw((size_t)oc, (size_t)run, nt, xp, (size_t)(sw * oc), wp, p->in_zp, &ep, output + m * oc,
+              (size_t)oc);
+        m += run;
+    }
+done:
+    free(xp);
+    free(wp);
+    free(zeros);
+    free(expanded);
+    return rc;
+}
+
+int ea_add(const ea_variant *v, int64_t n, const int8_t *x1, const int8_t *x2,
+           const ea_add_params *p, int8_t *out) {
+    if (!v || !p || n < 0 || (n > 0 && (!x1 || !x2 || !out))) return EA_EINVAL;
+    const int32_t zps[3] = {p->zp1, p->zp2, p->out_zp};
+    for (int i = 0; i < 3; i++)
+        if (zps[i] < -128 || zps[i] > 127) return EA_EINVAL;
+    /* MultiplyByQuantizedMultiplierSmallerThanOneExp: right shifts only, multipliers >= 0. */
+    const int32_t shifts[3] = {p->shift1, p->shift2, p->out_shift};
+    const int32_t mults[3] = {p->mult1, p->mult2, p->out_mult};
+    for (int i = 0; i < 3; i++)
+        if (shifts[i] > 0 || shifts[i] < -31 || mults[i] < 0) return EA_EINVAL;
+    if (p->act_min < -128 || p->act_max > 127 || p->act_min > p->act_max) return EA_EINVAL;
+    v->add((size_t)n, x1, x2, p, out);
+    return EA_OK;
+}
+
+int ea_mean_hw(int64_t batch, int64_t hw, int64_t c, const int8_t *in, int32_t in_zp,
+               int32_t mult, int32_t shift, int32_t out_zp, int8_t *out) {
+    if (batch < 0 || hw < 1 || c < 1 || (batch > 0 && (!in || !out))) return EA_EINVAL;
+    if (in_zp < -128 || in_zp > 127 || out_zp < -128 || out_zp > 127) return EA_EINVAL;
+    if (shift < -31 || shift > 30 || mult < 0) return EA_EINVAL;
+    uint32_t *acc = (uint32_t *)malloc((size_t)c * sizeof(uint32_t));
+    if (!acc) return EA_ENOMEM;
+    for (int64_t b = 0; b < batch; b++) {
+        const int8_t *x = in + b * hw * c;
+        for (int64_t ch = 0; ch < c; ch++) acc[ch] = 0;
+        /* pixels outer, channels inner: contiguous, so the compiler vectorises the sums;
+         * uint32 arithmetic wraps like TFLite's int32 accumulator instead of being UB */
+        for (int64_t i = 0; i < hw; i++)
+            for (int64_t ch = 0; ch < c; ch++) acc[ch] += (uint32_t)((int32_t)x[i * c + ch] - in_zp);
+        for (int64_t ch = 0; ch < c; ch++) {
+            const int32_t v = ea_mbqm((int32_t)acc[ch], mult, shift) + out_zp;
+            out[b * c + ch] = (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v);
+        }
+    }
+    free(acc);
+    return EA_OK;
+}
+
+/* Round half away from zero without libm (the static test binaries link no -lm):
+ * truncate, then step away from zero when the dropped fraction is >= 0.5. |v| <= 2^24 keeps
+ * the cast and the subtraction exact. */
+static inline float round_half_away(float v) {
+    const float a = v < 0 ? -v : v;
+    float r = (float)(int64_t)a;
+    if (a - r >= 0.5f) r += 1.0f;
+    return v < 0 ? -r : r;
+}
+
+int ea_quantize_nchw(int64_t batch, int64_t c, int64_t hw, const float *x, float scale,
+                     int32_t zp, int8_t *out) {
+    if (batch < 0 || c < 1 || hw < 1 || (batch > 0 && (!x || !out))) return EA_EINVAL;
+    if (!(scale > 0) || zp < -128 || zp > 127) return EA_EINVAL;
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t ch = 0; ch < c; ch++) {
+            const float *src = x + (b * c + ch) * hw;
+            int8_t *dst = out + b * hw * c + ch;
+            for (int64_t i = 0; i < hw; i++) {
+                float v = src[i] / scale;
+                int32_t q;
+                if (v != v) {
+                    q = -128;
+                } else {
+                    v = v > 16777216.0f ? 16777216.0f : v < -16777216.0f ? -16777216.0f : v;
+                    q = (int32_t)round_half_away(v) + zp;
+                    q = q < -128 ? -128 : q > 127 ? 127 : q;
+                }
+                dst[i * c] = (int8_t)q;
+            }
+        }
+    }
+    return EA_OK;
+}
+
+int ea_requantize(const ea_variant *v, int64_t n, const int32_t *acc, const int32_t *mult,
+                  const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
+                  int8_t *out) {
+    if (!v || !acc || !out || n < 0 || !valid_requant(n, mult, shift, out_zp, act_min, act_max))
+        return EA_EINVAL;
+    const ea_epilogue ep = {NULL, mult, shift, NULL, out_zp, act_min, act_max, 0};
+    v->requant((size_t)n, acc, &ep, out);
+    return EA_OK;
+}

@@ -1,0 +1,130 @@
+/* edge-agent native int8 kernels: the public C API (loaded from Python with ctypes).
+ *
+ * Semantics are TFLite's int8 integer rules (tflite-runtime 2.14, double rounding):
+ *   acc[m][n] = sum_k (A[m][k] - a_zp) * (B[n][k] - b_zp) + bias[n]          (int32)
+ *   out[m][n] = clamp(MultiplyByQuantizedMultiplier(acc, mult[n], shift[n]) + out_zp,
+ *                     act_min, act_max)                                         (int8)
+ * B is always given as [N][K] (weights OHWI / FC [out][in]); any strides are allowed, so
+ * A.B, A^T.B and A.B^T are all the same call with different strides.
+ *
+ * Every kernel exists once per CPU variant (portable C, AVX2, AVX-VNNI, AVX512-VNNI,
+ * NEON, NEON+SDOT); the caller picks a variant handle and passes it to every call.
+ * Functions return 0 on success and a negative EA_E* code on bad arguments / no memory.
+ */
+#ifndef EA_KERNELS_H
+#define EA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EA_ABI_VERSION 4
+
+#define EA_OK 0
+#define EA_EINVAL (-1) /* bad argument (sizes, strides, shift out of range, NULL) */
+#define EA_ENOMEM (-2)
+
+#if defined(_WIN32)
+#define EA_API __declspec(dllexport)
+#else
+#define EA_API __attribute__((visibility("default")))
+#endif
+
+typedef struct ea_variant ea_variant;
+
+/* Geometry of CONV_2D / DEPTHWISE_CONV_2D on NHWC int8 tensors. */
+typedef struct ea_conv_params {
+    int32_t batch, in_h, in_w, in_c;
+    int32_t out_h, out_w, out_c;
+    int32_t k_h, k_w, stride_h, stride_w, dilation_h, dilation_w;
+    int32_t pad_top, pad_left;   /* leading padding; trailing padding is implied by out_h/out_w */
+    int32_t depth_multiplier;    /* depthwise only: out_c == in_c * depth_multiplier */
+    int32_t in_zp, out_zp, act_min, act_max;
+} ea_conv_params;
+
+/* A GEMM: C[M][N] = requant((A - a_zp) . (B - b_zp)^T + bias). */
+typedef struct ea_gemm_params {
+    int64_t m, n, k;
+    int64_t a_stride_m, a_stride_k; /* in elements; A[m][k] = a[m * a_stride_m + k * a_stride_k] */
+    int64_t c_stride_m;             /* in elements; C columns are contiguous */
+    int32_t a_zp, b_zp;
+    int32_t out_zp, act_min, act_max;
+    int32_t out_int32;              /* 1: C is int32 = acc + bias (no requantisation) */
+} ea_gemm_params;
+
+EA_API int ea_abi_version(void);
+/* How the library was built: compiler and the variants the compiler refused. */
+EA_API const char *ea_build_info(void);
+EA_API int ea_variant_count(void);
+EA_API const ea_variant *ea_variant_at(int index);
+EA_API const char *ea_variant_name(const ea_variant *v);
+/* CPU features the variant needs, as Linux /proc/cpuinfo spells them, space separated. */
+EA_API const char *ea_variant_features(const ea_variant *v);
+/* 1 if this process's CPU can execute the variant (cpuid / hwcaps), else 0. */
+EA_API int ea_variant_runnable(const ea_variant *v);
+/* Micro-tile geometry, for reports: rows, columns, K chunk. */
+EA_API void ea_variant_geometry(const ea_variant *v, int32_t out[3]);
+
+/* Weights [N][K] (strided, int8) -> the variant's packed panels + per-row sums of B
+ * (colsum[n] = sum_k B[n][k]). Packed size in bytes from ea_packed_b_size. */
+EA_API size_t ea_packed_b_size(const ea_variant *v, int64_t n, int64_t k);
+EA_API int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_t stride_n,
+                     int64_t stride_k, void *packed, int32_t *colsum);
+
+/* GEMM with packed B. bias may be NULL; mult/shift unused when out_int32. */
+EA_API int ea_gemm(const ea_variant *v, const ea_gemm_params *p, const int8_t *a, const void *packed_b,
+                   const int32_t *colsum, const int32_t *bias, const int32_t *mult,
+                   const int32_t *shift, void *c);
+
+/* CONV_2D over output rows [m_begin, m_end) of the flattened (batch, out_h, out_w) grid,
+ * so callers can split one convolution across threads. packed_w is ea_pack_b of the OHWI
+ * filter viewed as [out_c][k_h * k_w * in_c]. */
+EA_API int ea_conv2d(const ea_variant *v, const ea_conv_params *p, const int8_t *input,
+                     const void *packed_w, const int32_t *colsum, const int32_t *bias,
+                     const int32_t *mult, const int32_t *shift, int8_t *output, int64_t m_begin,
+                     int64_t m_end);
+
+/* DEPTHWISE_CONV_2D (direct, any kernel size / stride / dilation / depth multiplier).
+ * w16 is the 1HWC filter as int16 [k_h * k_w][out_c]. */
+EA_API int ea_depthwise_conv2d(const ea_variant *v, const ea_conv_params *p, const int8_t *input,
+                               const int16_t *w16, const int32_t *bias, const int32_t *mult,
+                               const int32_t *shift, int8_t *output, int64_t m_begin,
+                               int64_t m_end);
+
+/* ADD of two int8 tensors of the same shape (TFLite's int8 AddElementwise, left_shift 20):
+ *   v_i = MBQM((x_i - zp_i) << 20, mult_i, shift_i);  out = clamp(MBQM(v_1 + v_2, out_mult,
+ *   out_shift) + out_zp, act_min, act_max); all three shifts <= 0 (multipliers < 1). */
+typedef struct ea_add_params {
+    int32_t zp1, mult1, shift1, zp2, mult2, shift2;
+    int32_t out_mult, out_shift, out_zp, act_min, act_max;
+} ea_add_params;
+
+EA_API int ea_add(const ea_variant *v, int64_t n, const int8_t *x1, const int8_t *x2,
+                  const ea_add_params *p, int8_t *out);
+
+/* MEAN over H and W of an NHWC int8 tensor (TFLite 2.14's QuantizedMeanOrSum):
+ * out = clamp(MBQM(sum over the hw pixels of (x - in_zp), mult, shift) + out_zp, -128, 127)
+ * where mult/shift already include the division by hw (m' = (m << k) / hw, s' = s - k).
+ * in is [batch][hw][c], out is [batch][c]. */
+EA_API int ea_mean_hw(int64_t batch, int64_t hw, int64_t c, const int8_t *in, int32_t in_zp,
+                      int32_t mult, int32_t shift, int32_t out_zp, int8_t *out);
+
+/* QUANTIZE float32 -> int8 fused with NCHW -> NHWC (the model's input edge):
+ * out[b][p][ch] = clamp(round_half_away(x[b][ch][p] / scale) + zp, -128, 127), the division
+ * in float32 as TFLite's AffineQuantize does; NaN becomes -128 (what numpy gives on x86).
+ * hw = 1 keeps a 2-D [batch][c] layout. */
+EA_API int ea_quantize_nchw(int64_t batch, int64_t c, int64_t hw, const float *x, float scale,
+                            int32_t zp, int8_t *out);
+
+/* Elementwise requantisation with per-element multiplier/shift (the epilogue on its own). */
+EA_API int ea_requantize(const ea_variant *v, int64_t n, const int32_t *acc, const int32_t *mult,
+                         const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
+                         int8_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

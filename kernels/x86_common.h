@@ -1,0 +1,312 @@
+/* x86 kernels shared by the AVX2, AVX-VNNI and AVX512-VNNI variants; each variant file sets
+ * the multiply-accumulate (EA_X86_DOT), the tile heights (EA_X86_MR8 for 8 columns,
+ * EA_X86_MR16 for 16) and its name, then includes this file. Only the MAC instruction and
+ * the tile heights differ, so the VNNI variants (which no emulator here can run) share
+ * every other line with the AVX2 variant.
+ *
+ * GEMM, outer-product layout: A rows are widened to int16 once per row block; B panels are
+ * [K/2][8 columns][2 k] int16. Per k-pair, the pair (a[m][k], a[m][k+1]) is broadcast to
+ * all 8 lanes (one vpbroadcastd from memory) and vpmaddwd / vpdpwssd against the panel
+ * gives each column's a_k*b_k + a_k1*b_k1 exactly in int32 (|a*b| <= 2^14, no int16
+ * saturation anywhere). Accumulators are column vectors: no horizontal sums, and the
+ * requantisation constants are per column, so they are prepared once per tile.
+ */
+#ifndef EA_X86_COMMON_H
+#define EA_X86_COMMON_H
+
+#include <immintrin.h>
+
+#include "internal.h"
+
+#define NR 8
+#define KC 2
+
+/* Per-column requantisation constants for 8 columns (see internal.h for the rules). */
+typedef struct {
+    __m256i bias, mult_even, mult_odd, left, right, mask, half;
+    int any_left; /* some channel has a left shift (scale > 1): rare, so usually skipped */
+} x86_rq;
+
+static inline x86_rq x86_rq_load(const int32_t *bias, const int32_t *mult, const int32_t *shift) {
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const __m256i s = _mm256_loadu_si256((const __m256i *)shift);
+    x86_rq q;
+    q.bias = _mm256_loadu_si256((const __m256i *)bias);
+    q.mult_even = _mm256_loadu_si256((const __m256i *)mult);
+    q.mult_odd = _mm256_srli_epi64(q.mult_even, 32);
+    q.left = _mm256_max_epi32(s, zero);
+    q.right = _mm256_max_epi32(_mm256_sub_epi32(zero, s), zero);
+    q.mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, q.right), one);
+    q.half = _mm256_srai_epi32(q.mask, 1);
+    q.any_left = !_mm256_testz_si256(q.left, q.left);
+    return q;
+}
+
+/* MultiplyByQuantizedMultiplier on 8 lanes, bit-exact:
+ * SaturatingRoundingDoublingHighMul = floor((x*m + 2^30) / 2^31) from two 64-bit products
+ * (even and odd lanes). Its saturation case needs m == INT32_MIN, which the driver rejects.
+ * RoundingDivideByPOT is the reference formula term by term. */
+static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
+    const __m256i nudge = _mm256_set1_epi64x(INT64_C(1) << 30);
+    if (q->any_left) x = _mm256_sllv_epi32(x, q->left);
+    __m256i even = _mm256_add_epi64(_mm256_mul_epi32(x, q->mult_even), nudge);
+    __m256i odd = _mm256_add_epi64(_mm256_mul_epi32(_mm256_srli_epi64(x, 32), q->mult_odd), nudge);
+    even = _mm256_srli_epi64(even, 31); /* bits 31..62 -> low half of each 64-bit lane */
+    odd = _mm256_slli_epi64(odd, 1);    /* bits 31..62 -> high half */
+    const __m256i h = _mm256_blend_epi32(even, odd, 0xAA);
+    const __m256i rem = _mm256_and_si256(h, q->mask);
+    const __m256i thr = _mm256_sub_epi32(q->half, _mm256_srai_epi32(h, 31));
+    return _mm256_sub_epi32(_mm256_srav_epi32(h, q->right), _mm256_cmpgt_epi32(rem, thr));
+}
+
+/* Output zero point and clamp, applied after packing: saturating int32->int16, +zp with
+ * int16 saturation, saturating int16->int8, then [act_min, act_max] in int8. Exact: a value
+ * that saturates anywhere is beyond [-128, 127] + zp and ends at the clamp bound either way. */
+typedef struct {
+    __m256i zp16;
+    __m128i lo8, hi8;
+} x86_out;
+
+static inline x86_out x86_out_make(int32_t zp, int32_t lo, int32_t hi) {
+    x86_out o;
+    o.zp16 = _mm256_set1_epi16((int16_t)zp);
+    o.lo8 = _mm_set1_epi8((int8_t)lo);
+    o.hi8 = _mm_set1_epi8((int8_t)hi);
+    return o;
+}
+
+/* 8 MBQM results -> n int8 at dst. */
+static inline void x86_store_s8(int8_t *dst, __m256i v, const x86_out *o, size_t n) {
+    __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    p = _mm_adds_epi16(p, _mm256_castsi256_si128(o->zp16));
+    p = _mm_packs_epi16(p, p);
+    p = _mm_min_epi8(_mm_max_epi8(p, o->lo8), o->hi8);
+    if (n == 8) {
+        _mm_storel_epi64((__m128i *)dst, p);
+    } else {
+        int8_t tmp[16];
+        _mm_storeu_si128((__m128i *)tmp, p);
+        memcpy(dst, tmp, n);
+    }
+}
+
+/* 16 MBQM results (two vectors) -> n int8 at dst. */
+static inline void x86_store_s8x2(int8_t *dst, __m256i v0, __m256i v1, const x86_out *o, size_t n) {
+    __m256i p16 = _mm256_adds_epi16(_mm256_packs_epi32(v0, v1), o->zp16);
+    p16 = _mm256_permute4x64_epi64(p16, 0xD8);
+    __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+    p8 = _mm_min_epi8(_mm_max_epi8(p8, o->lo8), o->hi8);
+    if (n == 16) {
+        _mm_storeu_si128((__m128i *)dst, p8);
+    } else {
+        int8_t tmp[16];
+        _mm_storeu_si128((__m128i *)tmp, p8);
+        memcpy(dst, tmp, n);
+    }
+}
+
+static inline void x86_store_s32(int32_t *dst, __m256i v, size_t n) {
+    if (n == 8) {
+        _mm256_storeu_si256((__m256i *)dst, v);
+    } else {
+        int32_t tmp[8];
+        _mm256_storeu_si256((__m256i *)tmp, v);
+        memcpy(dst, tmp, n * sizeof(int32_t));
+    }
+}
+
+static inline __m256i x86_bcast_pair(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Epilogue of one row: acc (+ bias, + row_add) -> int8 or int32 at row i of c. */
+static inline __attribute__((always_inline)) void x86_row_out(
+    const int NV, __m256i acc0, __m256i acc1, size_t i, size_t nr, const ea_epilogue *ep,
+    const x86_rq *q0, const x86_rq *q1, const x86_out *o, void *c, size_t ldc) {
+    acc0 = _mm256_add_epi32(acc0, q0->bias);
+    if (NV > 1) acc1 = _mm256_add_epi32(acc1, q1->bias);
+    if (ep->row_add) {
+        const __m256i radd = _mm256_set1_epi32(ep->row_add[i]);
+        acc0 = _mm256_add_epi32(acc0, radd);
+        if (NV > 1) acc1 = _mm256_add_epi32(acc1, radd);
+    }
+    const size_t n0 = nr < NR ? nr : NR, n1 = nr > NR ? nr - NR : 0;
+    if (ep->out_int32) {
+        int32_t *dst = (int32_t *)c + i * ldc;
+        x86_store_s32(dst, acc0, n0);
+        if (NV > 1 && n1) x86_store_s32(dst + NR, acc1, n1);
+        return;
+    }
+    int8_t *dst = (int8_t *)c + i * ldc;
+    const __m256i v0 = x86_mbqm(acc0, q0);
+    if (NV > 1)
+        x86_store_s8x2(dst, v0, x86_mbqm(acc1, q1), o, nr);
+    else
+        x86_store_s8(dst, v0, o, n0);
+}
+
+/* Tiles with explicitly named accumulators: gcc keeps these in registers, whereas arrays
+ * of __m256i made it spill to the stack inside the K loop. ROWS(X) expands X(i) per row. */
+#define X86_ZERO(i) __m256i c##i##a = _mm256_setzero_si256(), c##i##b = c##i##a;
+#define X86_MAC1(i)                                                     \
+    {                                                                   \
+        const __m256i av = x86_bcast_pair(a[i] + k);                    \
+        c##i##a = EA_X86_DOT(c##i##a, av, bv0);                         \
+    }
+#define X86_MAC2(i)                                                     \
+    {                                                                   \
+        const __m256i av = x86_bcast_pair(a[i] + k);                    \
+        c##i##a = EA_X86_DOT(c##i##a, av, bv0);                         \
+        c##i##b = EA_X86_DOT(c##i##b, av, bv1);                         \
+    }
+#define X86_OUT(i, NV) \
+    if (i < mr) x86_row_out(NV, c##i##a, c##i##b, s + i, nr, ep, &q0, &q1, &o, c, ldc);
+#define X86_OUT1(i) X86_OUT(i, 1)
+#define X86_OUT2(i) X86_OUT(i, 2)
+
+#define X86_TILE(FN, MR_, ROWS, NV, MAC, OUT)                                                   \
+    static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                   \
+                   const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {           \
+        static const int32_t zero8[16] = {0};                                                   \
+        const int32_t *mult = ep->out_int32 ? zero8 : ep->mult;                                 \
+        const int32_t *shift = ep->out_int32 ? zero8 : ep->shift;                               \
+        const x86_rq q0 = x86_rq_load(ep->bias, mult, shift);                                   \
+        const x86_rq q1 = NV > 1 ? x86_rq_load(ep->bias + NR, mult + NR, shift + NR) : q0;      \
+        const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);                  \
+        const int16_t *b0 = (const int16_t *)b_panel;                                          \
+        const int16_t *b1 = b0 + kpad * NR; /* the next panel */                               \
+        for (size_t s = 0; s < m; s += MR_) {                                                   \
+            const int16_t *const *a = (const int16_t *const *)rows + s;                        \
+            const size_t mr = m - s < MR_ ? m - s : MR_;                                        \
+            ROWS(X86_ZERO)                                                                      \
+            for (size_t k = 0; k < kpad; k += KC) {                                             \
+                const __m256i bv0 = _mm256_loadu_si256((const __m256i *)(b0 + k * NR));        \
+                const __m256i bv1 =                                                             \
+                    NV > 1 ? _mm256_loadu_si256((const __m256i *)(b1 + k * NR)) : bv0;          \
+                (void)bv1;                                                                      \
+                ROWS(MAC)                                                                       \
+            }                                                                                   \
+            ROWS(OUT)                                                                           \
+        }                                                                                       \
+    }
+
+#define X86_ROWS4(X) X(0) X(1) X(2) X(3)
+#define X86_ROWS6(X) X86_ROWS4(X) X(4) X(5)
+#define X86_ROWS8(X) X86_ROWS6(X) X(6) X(7)
+#define X86_ROWS12(X) X86_ROWS8(X) X(8) X(9) X(10) X(11)
+#define X86_ROWS_(n) X86_ROWS##n
+#define X86_ROWS(n) X86_ROWS_(n)
+
+X86_TILE(x86_gemm8, EA_X86_MR8, X86_ROWS(EA_X86_MR8), 1, X86_MAC1, X86_OUT1)
+X86_TILE(x86_gemm16, EA_X86_MR16, X86_ROWS(EA_X86_MR16), 2, X86_MAC2, X86_OUT2)
+
+static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
+    if (i + 8 <= n) {
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(src + i))));
+        i += 8;
+    }
+    for (; i < n; i++) dst[i] = src[i];
+}
+
+/* Depthwise: per tap, (x - zp) * w fits int16 exactly (|x - zp| <= 255, |w| <= 128), so
+ * one vpmullw per 16 channels, widened into two int32 accumulators. Channel blocks are the
+ * outer loop so their requantisation constants are prepared once for all npix pixels. */
+static void x86_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, size_t x_step,
+                   const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep, int8_t *out,
+                   size_t out_step) {
+    const __m256i zp16 = _mm256_set1_epi16((int16_t)in_zp);
+    const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);
+    size_t ch = 0;
+    for (; ch + 16 <= c; ch += 16) {
+        const x86_rq q0 = x86_rq_load(ep->bias + ch, ep->mult + ch, ep->shift + ch);
+        const x86_rq q1 = x86_rq_load(ep->bias + ch + 8, ep->mult + ch + 8, ep->shift + ch + 8);
+        for (size_t p = 0; p < npix; p++) {
+            const size_t off = p * x_step + ch;
+            __m256i acc0 = q0.bias, acc1 = q1.bias;
+            for (size_t t = 0; t < ntaps; t++) {
+                const __m256i xv = _mm256_sub_epi16(
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x[t] + off))), zp16);
+                const __m256i pr =
+                    _mm256_mullo_epi16(xv, _mm256_loadu_si256((const __m256i *)(w[t] + ch)));
+                acc0 = _mm256_add_epi32(acc0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(pr)));
+                acc1 = _mm256_add_epi32(acc1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(pr, 1)));
+            }
+            x86_store_s8x2(out + p * out_step + ch, x86_mbqm(acc0, &q0), x86_mbqm(acc1, &q1), &o, 16);
+        }
+    }
+    for (; ch + 8 <= c; ch += 8) {
+        const x86_rq q = x86_rq_load(ep->bias + ch, ep->mult + ch, ep->shift + ch);
+        for (size_t p = 0; p < npix; p++) {
+            const size_t off = p * x_step + ch;
+            __m256i acc = q.bias;
+            for (size_t t = 0; t < ntaps; t++) {
+                const __m128i xv = _mm_sub_epi16(
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(x[t] + off))),
+                    _mm256_castsi256_si128(zp16));
+                const __m128i pr = _mm_mullo_epi16(xv, _mm_loadu_si128((const __m128i *)(w[t] + ch)));
+                acc = _mm256_add_epi32(acc, _mm256_cvtepi16_epi32(pr));
+            }
+            x86_store_s8(out + p * out_step + ch, x86_mbqm(acc, &q), &o, 8);
+        }
+    }
+    for (; ch < c; ch++) {
+        for (size_t p = 0; p < npix; p++) {
+            int32_t acc = ep->bias[ch];
+            for (size_t t = 0; t < ntaps; t++)
+                acc += ((int32_t)x[t][p * x_step + ch] - in_zp) * w[t][ch];
+            out[p * out_step + ch] = ea_requant1(acc, ep->mult[ch], ep->shift[ch], ep->out_zp,
+                                                 ep->act_min, ep->act_max);
+        }
+    }
+}
+
+static inline x86_rq x86_rq_set1(int32_t mult, int32_t shift) {
+    const int32_t m[8] = {mult, mult, mult, mult, mult, mult, mult, mult};
+    const int32_t s[8] = {shift, shift, shift, shift, shift, shift, shift, shift};
+    static const int32_t zero8[8] = {0};
+    return x86_rq_load(zero8, m, s);
+}
+
+static void x86_add(size_t n, const int8_t *x1, const int8_t *x2, const ea_add_params *p,
+                    int8_t *out) {
+    const x86_rq q1 = x86_rq_set1(p->mult1, p->shift1), q2 = x86_rq_set1(p->mult2, p->shift2);
+    const x86_rq qo = x86_rq_set1(p->out_mult, p->out_shift);
+    const __m256i z1 = _mm256_set1_epi32(p->zp1), z2 = _mm256_set1_epi32(p->zp2);
+    const x86_out o = x86_out_make(p->out_zp, p->act_min, p->act_max);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x1 + i)));
+        const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x2 + i)));
+        const __m256i v1 = x86_mbqm(_mm256_slli_epi32(_mm256_sub_epi32(a, z1), 20), &q1);
+        const __m256i v2 = x86_mbqm(_mm256_slli_epi32(_mm256_sub_epi32(b, z2), 20), &q2);
+        x86_store_s8(out + i, x86_mbqm(_mm256_add_epi32(v1, v2), &qo), &o, 8);
+    }
+    for (; i < n; i++) out[i] = ea_add1(x1[i], x2[i], p);
+}
+
+static void x86_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, int8_t *out) {
+    static const int32_t zero8[8] = {0};
+    const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(acc + i));
+        const x86_rq q = x86_rq_load(zero8, ep->mult + i, ep->shift + i);
+        x86_store_s8(out + i, x86_mbqm(v, &q), &o, 8);
+    }
+    for (; i < n; i++)
+        out[i] = ea_requant1(acc[i], ep->mult[i], ep->shift[i], ep->out_zp, ep->act_min,
+                             ep->act_max);
+}
+
+const ea_variant EA_X86_VARIANT = {
+    EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
+    x86_widen, x86_dw, x86_requant_n, x86_add,
+};
+
+#endif
