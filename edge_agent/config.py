@@ -1,14 +1,22 @@
 """The agent's configuration: `/etc/edge-agent/agent.toml` merged over its board profile.
 
 The board profile supplies the hardware facts and defaults (power model, thermal limit,
-int8 engine order, budgets); agent.toml supplies the device's identity, its broker and
+int8 engine order, budgets); agent.toml supplies the device's name, its broker and
 coordinator, and any override of the profile's `[budget]`, `[thermal]`, `[training]` and
 `[int8]` tables. Errors are `file:line: key: message` and exit with EXIT_CONFIG (78), which
 the systemd unit does not restart on.
+
+The device id is not configured: it is the fingerprint of the device's Ed25519 public key
+(edge_agent.keys.fingerprint), so nobody can claim another device's topics. `device.id` may
+still be written down (init writes it, for the operator's eyes); if present it must match
+the key, which catches a config copied onto the wrong device. `device.name` is free text
+for humans (dashboards, logs).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import socket
 from dataclasses import dataclass
@@ -30,12 +38,15 @@ from .tomlschema import (
 
 DEFAULT_CONFIG_PATH = Path("/etc/edge-agent/agent.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent")
+DEFAULT_TOPIC_PREFIX = "edgeft/v1"
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # safe inside an MQTT topic level
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 # Tables the agent owns; the profile tables below may be overridden here too.
 AGENT_SCHEMA: Schema = {
     "device": {
-        "id": Field(str, required=True, max_length=64),
+        "id": Field(str, max_length=64),  # optional: derived from the key; checked if present
+        "name": Field(str, max_length=64),  # for humans; defaults to the hostname
         "fleet": Field(str, max_length=64),
         "state_dir": Field(str),
         "key_file": Field(str),
@@ -54,9 +65,12 @@ AGENT_SCHEMA: Schema = {
         "password_file": Field(str),
         "keepalive_s": Field(int, minimum=5, maximum=3600),
         "max_message_bytes": Field(int, minimum=4096, maximum=256 * 1024 * 1024),
+        "topic_prefix": Field(str, max_length=128),
+        "reconnect_min_s": number(0.01, 3600),
+        "reconnect_max_s": number(0.01, 86400),
     },
     "coordinator": {
-        "public_key": Field(str, required=True, max_length=200),  # base64 Ed25519
+        "public_key": Field(str, required=True, max_length=200),  # base64 Ed25519 (raw or DER)
     },
     "policy": {
         "accept_finetune": Field(bool),
@@ -69,8 +83,13 @@ AGENT_SCHEMA: Schema = {
     },
     "service": {
         "state_interval_s": number(1, 86400),
+        "progress_interval_s": number(0.5, 86400),  # at most one training-progress message per interval
         "memory_max_mb": Field(int, minimum=64, maximum=1 << 20),
         "cpu_quota_pct": Field(int, minimum=5, maximum=100 * 256),
+        "outbox_max_mb": Field(int, minimum=1, maximum=1 << 20),
+        "upload_ack_timeout_s": number(0.1, 86400),
+        "upload_retry_min_s": number(0.01, 86400),
+        "upload_retry_max_s": number(0.01, 7 * 86400),
     },
 }
 _OVERRIDABLE = ("budget", "thermal", "training", "int8")
@@ -79,10 +98,13 @@ SCHEMA: Schema = {**AGENT_SCHEMA, **{t: board_profiles.SCHEMA[t] for t in _OVERR
 DEFAULTS: dict[str, dict[str, Any]] = {
     "device": {"fleet": "default", "profile": "auto", "sysfs_root": "/",
                "state_dir": str(DEFAULT_STATE_DIR), "tags": []},
-    "broker": {"port": 1883, "tls": False, "keepalive_s": 60, "max_message_bytes": 128 * 1024},
+    "broker": {"port": 1883, "tls": False, "keepalive_s": 60, "max_message_bytes": 128 * 1024,
+               "topic_prefix": DEFAULT_TOPIC_PREFIX, "reconnect_min_s": 1.0, "reconnect_max_s": 300.0},
     "policy": {"accept_finetune": True, "min_battery_pct": 40.0, "max_jobs_per_day": 24},
     "data": {"cache_mb": 256},
-    "service": {"state_interval_s": 60.0},
+    "service": {"state_interval_s": 60.0, "progress_interval_s": 30.0, "outbox_max_mb": 64,
+                "upload_ack_timeout_s": 120.0,
+                "upload_retry_min_s": 5.0, "upload_retry_max_s": 3600.0},
 }
 
 
@@ -96,8 +118,13 @@ class AgentConfig:
         return self.data.get(table, {}).get(key, default)
 
     @property
-    def device_id(self) -> str:
-        return self.data["device"]["id"]
+    def configured_device_id(self) -> str | None:
+        """`device.id` if written down (it must match the key's fingerprint), else None."""
+        return self.data["device"].get("id")
+
+    @property
+    def device_name(self) -> str:
+        return self.data["device"].get("name") or default_device_name()
 
     @property
     def fleet(self) -> str:
@@ -109,25 +136,94 @@ class AgentConfig:
 
     @property
     def key_file(self) -> Path:
-        return Path(self.data["device"].get("key_file") or self.state_dir / "device.key")
+        return Path(self.data["device"].get("key_file") or self.state_dir / "keys" / "device.key")
+
+    @property
+    def topic_prefix(self) -> str:
+        return self.data["broker"]["topic_prefix"]
+
+    @property
+    def coordinator_public_key(self) -> Any:
+        """The coordinator's Ed25519PublicKey (validated at load)."""
+        return parse_public_key(self.data["coordinator"]["public_key"])
 
 
-def default_device_id() -> str:
-    """A topic-safe id from the hostname (the user can set any id in agent.toml)."""
+def default_device_name() -> str:
+    """A topic-safe display name from the hostname (set any name in agent.toml)."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64].strip("-.") or "device"
     return name if _ID_RE.match(name) else "device"
 
 
+def parse_public_key(text: str) -> Any:
+    """An Ed25519 public key from base64 (raw 32 bytes or DER SubjectPublicKeyInfo) or PEM
+    text; raises ValueError saying what is wrong."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    text = text.strip()
+    try:
+        if text.startswith("-----BEGIN"):
+            key = serialization.load_pem_public_key(text.encode())
+        else:
+            raw = base64.b64decode(text, validate=True)
+            if len(raw) == 32:
+                return Ed25519PublicKey.from_public_bytes(raw)
+            key = serialization.load_der_public_key(raw)
+    except (binascii.Error, ValueError, UnsupportedAlgorithm) as exc:
+        raise ValueError(f"not a base64 or PEM Ed25519 public key ({str(exc)[:80]})") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError(f"a {type(key).__name__}, expected an Ed25519 key")
+    return key
+
+
+def public_key_text(key: Any) -> str:
+    """The form agent.toml and `hello` messages use: base64 of the raw 32-byte key."""
+    from .keys import public_key_bytes
+
+    return base64.b64encode(public_key_bytes(key)).decode("ascii")
+
+
+def load_identity(config: AgentConfig) -> tuple[Any, str]:
+    """(private key, device id): the id is the key's fingerprint. A `device.id` in the file
+    that disagrees (a config copied from another device) is a configuration error."""
+    from .keys import fingerprint, load_private_key
+
+    key = load_private_key(config.key_file)
+    device_id = fingerprint(key)
+    configured = config.configured_device_id
+    if configured is not None and configured != device_id:
+        raise ConfigError(f"{config.path}: device.id: {configured!r} is not the fingerprint of "
+                          f"{config.key_file} ({device_id}); remove the line or fix key_file")
+    return key, device_id
+
+
 def _check_semantics(report: Reporter, merged: dict[str, Any]) -> None:
-    for table, key in (("device", "id"), ("device", "fleet")):
+    for table, key in (("device", "id"), ("device", "fleet"), ("device", "name")):
         value = merged.get(table, {}).get(key)
         if isinstance(value, str) and not _ID_RE.match(value):
             report.error(table, key, "use letters, digits, '.', '_' or '-' (max 64; no '/', '+', '#')")
     broker = merged.get("broker", {})
+    if not _PREFIX_RE.match(broker.get("topic_prefix", "")):
+        report.error("broker", "topic_prefix", "'/'-separated segments of letters, digits, '.', '_', '-'")
+    if broker.get("reconnect_min_s", 0) > broker.get("reconnect_max_s", 0):
+        report.error("broker", "reconnect_min_s", f"must not exceed reconnect_max_s ({broker.get('reconnect_max_s')})")
     if broker.get("tls") is False and (broker.get("cert_file") or broker.get("ca_file")):
         report.error("broker", "tls", "certificate files are set but tls = false")
     if bool(broker.get("cert_file")) != bool(broker.get("key_file")):
         report.error("broker", "cert_file", "cert_file and key_file go together (client certificate)")
+    for name in ("ca_file", "cert_file", "key_file", "password_file"):
+        if broker.get(name) and not Path(broker[name]).is_file():
+            report.error("broker", name, f"{broker[name]}: no such file")
+    service = merged.get("service", {})
+    if service.get("upload_retry_min_s", 0) > service.get("upload_retry_max_s", 0):
+        report.error("service", "upload_retry_min_s", "must not exceed upload_retry_max_s")
+    coordinator_key = merged.get("coordinator", {}).get("public_key")
+    if isinstance(coordinator_key, str):
+        try:
+            parse_public_key(coordinator_key)
+        except ValueError as exc:
+            report.error("coordinator", "public_key", str(exc))
     budget = merged.get("budget", {})
     if {"battery_floor_pct", "battery_resume_pct"} <= budget.keys() and \
             budget["battery_resume_pct"] <= budget["battery_floor_pct"]:
@@ -173,39 +269,54 @@ def load_config(path: str | Path = DEFAULT_CONFIG_PATH, *, probe_report: dict[st
     return AgentConfig(path=str(path), data=merged, profile=profile)
 
 
-def render_config(*, device_id: str, fleet: str, broker_host: str, broker_port: int,
-                  coordinator_public_key: str, state_dir: Path, profile: str = "auto",
-                  tls: bool = False, sysfs_root: str = "/") -> str:
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_config(*, device_name: str, fleet: str, broker_host: str, broker_port: int,
+                  coordinator_public_key: str, state_dir: Path, device_id: str | None = None,
+                  profile: str = "auto", tls: bool = False, sysfs_root: str = "/",
+                  data_dir: str | None = None, profile_budget: dict[str, Any] | None = None,
+                  topic_prefix: str = DEFAULT_TOPIC_PREFIX) -> str:
     """A commented agent.toml for `edge-agent init`."""
+    id_line = (f'id = {_toml_str(device_id)}      # the key\'s fingerprint: checked at start, never chosen'
+               if device_id else "# id = (the fingerprint of the device key; derived, not chosen)")
+    budget = "\n".join(f"# {k} = {v}" for k, v in sorted((profile_budget or {}).items())) or \
+        "# energy_wh = 2.0\n# power_cap_w = 5.0\n# battery_floor_pct = 30\n# battery_resume_pct = 45"
+    data_line = f"dir = {_toml_str(data_dir)}" if data_dir else '# dir = "/var/lib/edge-agent/data"'
     return f"""# edge-agent configuration. Overrides the board profile's [budget], [thermal],
 # [training] and [int8] tables when you add them here. Check it with:
 #   edge-agent run --config THIS_FILE --check
 [device]
-id = "{device_id}"
-fleet = "{fleet}"
-profile = "{profile}"          # "auto" matches firmware_configs/ against the probe
-state_dir = "{state_dir}"
-sysfs_root = "{sysfs_root}"
+{id_line}
+name = {_toml_str(device_name)}
+fleet = {_toml_str(fleet)}
+profile = {_toml_str(profile)}          # "auto" matches firmware_configs/ against the probe
+state_dir = {_toml_str(str(state_dir))}
+sysfs_root = {_toml_str(sysfs_root)}
 
 [broker]
-host = "{broker_host}"
+host = {_toml_str(broker_host)}
 port = {broker_port}
 tls = {"true" if tls else "false"}
+topic_prefix = {_toml_str(topic_prefix)}
 # ca_file = "/etc/edge-agent/ca.pem"
 # cert_file = "/etc/edge-agent/device.pem"
 # key_file = "/etc/edge-agent/device-tls.key"
 
 [coordinator]
 # The coordinator's Ed25519 public key: commands not signed by it are refused.
-public_key = "{coordinator_public_key}"
+public_key = {_toml_str(coordinator_public_key)}
 
 [policy]
 accept_finetune = true
-min_battery_pct = 40
+min_battery_pct = 40    # refuse a fine-tune below this battery level (unless charging)
+max_jobs_per_day = 24
 
-# [budget]
-# energy_wh = 2.0
-# power_cap_w = 5.0
-# battery_floor_pct = 30
-# battery_resume_pct = 45
+[data]
+# The local training data: an image folder per label, a .csv or an .npz.
+{data_line}
+
+# [budget]    # this board profile's values; a command may ask for less, never more
+{budget}
 """

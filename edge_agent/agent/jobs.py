@@ -121,11 +121,14 @@ class JobStore:
     def save(self, job: Job) -> None:
         write_checked(self._path(job.job_id), json.dumps(job.to_json(), sort_keys=True).encode())
 
-    def advance(self, job: Job, new: JobState, reason: str = "") -> Job:
+    def advance(self, job: Job, new: JobState, reason: str = "", *, restart: bool = True) -> Job:
         """Transition and persist before returning, so the next step starts from disk truth.
-        A job re-entering PREPARING/TRAINING too often (a reboot loop) fails instead."""
+        A job re-entering PREPARING/TRAINING too often (a reboot loop) fails instead;
+        `restart=False` (the governor resuming after a pause) is recorded but not counted."""
         transition(job, new, reason)
-        if new in _REENTRANT and job.entries[new.value] > MAX_REENTRIES:
+        if not restart:
+            job.entries[new.value] -= 1
+        elif new in _REENTRANT and job.entries[new.value] > MAX_REENTRIES:
             transition(job, JobState.FAILED,
                        f"entered {new.value} {job.entries[new.value]} times: likely a brown-out "
                        "reboot loop; giving up")

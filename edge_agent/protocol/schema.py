@@ -137,8 +137,8 @@ Schema = dict[str, tuple[Callable[[Any], None], bool]]
 SCHEMAS: dict[Kind, Schema] = {
     Kind.HELLO: {"public_key": (_b64key, True), "agent": (_text(64), False), "info": (_flat, False)},
     Kind.STATE: {"status": (_enum("online", "offline", "idle", "busy"), True), "agent": (_text(64), False),
-                 "job": (_id, False), "detail": (_text(256), False)},
-    Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping"), True),
+                 "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False)},
+    Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping", "probe"), True),
                "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
                "sha256": (_hex64, False), "params": (_flat, False)},
     Kind.ACK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),

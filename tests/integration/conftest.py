@@ -231,3 +231,299 @@ class CoordinatorLoop(_Loop):
                 status = "accepted" if got.status == "complete" else "duplicate"
                 topic, payload = ack_message(self.side.signer, self.topics, got.key, got.upload, status)
                 self.side.client.publish_wait(topic, payload, timeout=2.0)
+
+
+# ---------------------------------------------------------------- the agent daemon as a process
+BOARDS = Path(__file__).resolve().parents[1] / "fixtures" / "boards"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def board_tree(dest: Path, *, battery_pct: int | None = 80, board: str = "raspberry-pi-4") -> Path:
+    """A copy of a captured board tree, plus a battery gauge the test can drain or charge."""
+    import shutil
+
+    shutil.copytree(BOARDS / board, dest)
+    if battery_pct is not None:
+        set_battery(dest, battery_pct)
+    return dest
+
+
+def set_battery(root: Path, pct: int, status: str = "Discharging") -> None:
+    bat = root / "sys" / "class" / "power_supply" / "battery"
+    bat.mkdir(parents=True, exist_ok=True)
+    for name, value in (("type", "Battery"), ("status", status), ("capacity", str(pct))):
+        (bat / name).write_text(value + "\n")
+
+
+class AgentProcess:
+    """`python -m edge_agent.agent.cli run` as a real process with its own key, config and state."""
+
+    def __init__(self, fleet: Fleet, tmp: Path, port: int, *, sysfs_root: Path, data_dir: Path | None = None,
+                 extra_toml: str = "", env: dict[str, str] | None = None, name: str = "agent") -> None:
+        from edge_agent.config import public_key_text, render_config
+
+        self.home = tmp / name
+        self.state_dir = self.home / "state"
+        self.key = keys.generate_private_key()
+        self.id = keys.fingerprint(self.key)
+        keys.save_private_key(self.state_dir / "keys" / "device.key", self.key)
+        text = render_config(device_name=name, fleet=fleet.topics.fleet, broker_host="127.0.0.1", broker_port=port,
+                             coordinator_public_key=public_key_text(fleet.coord_key), state_dir=self.state_dir,
+                             device_id=self.id, sysfs_root=str(sysfs_root),
+                             data_dir=str(data_dir) if data_dir else None, topic_prefix=fleet.topics.prefix)
+        text = text.replace("port = ", "keepalive_s = 5\nreconnect_min_s = 0.05\nreconnect_max_s = 0.5\nport = ", 1)
+        text += ("\n[service]\nstate_interval_s = 1\nprogress_interval_s = 1\nupload_ack_timeout_s = 2\n"
+                 "upload_retry_min_s = 0.2\n"
+                 "upload_retry_max_s = 1\n" + extra_toml)
+        self.config = self.home / "agent.toml"
+        self.config.write_text(text)
+        self.env = {**__import__("os").environ, "EDGE_AGENT_TEST_HOOKS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = self.home / "agent.log"
+        self.proc: Any = None
+        self.topics = fleet.topics
+
+    def topic(self, channel: str) -> str:
+        return self.topics.device(self.id, channel)
+
+    def start(self) -> AgentProcess:
+        import subprocess
+        import sys
+
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen([sys.executable, "-m", "edge_agent.agent.cli", "run", "--config", str(self.config)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+        log.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def log_tail(self, n: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.alive:
+            try:
+                self.terminate(30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class Watcher(CoordinatorLoop):
+    """The coordinator's view of one agent: every verified message kept, updates acked."""
+
+    def by_phase(self, phase: str) -> list[Message]:
+        return [m for m in list(self.log.messages) if m.kind is Kind.PROGRESS and m.body["phase"] == phase]
+
+    def refusals(self) -> list[Message]:
+        return [m for m in list(self.log.messages) if m.kind is Kind.REFUSAL]
+
+    def states(self) -> list[Message]:
+        return [m for m in list(self.log.messages) if m.kind is Kind.STATE]
+
+    def command(self, agent: AgentProcess, body: dict[str, Any], *, ttl: float = 600) -> bytes:
+        topic = agent.topic("cmd")
+        payload = self.side.signer.control(topic, Kind.CMD, body, ttl=ttl)
+        assert self.side.client.publish_wait(topic, payload)
+        return payload
+
+
+@pytest.fixture
+def agents(fleet: Fleet):
+    made: list[AgentProcess] = []
+
+    def make(*args: Any, **kw: Any) -> AgentProcess:
+        agent = AgentProcess(fleet, *args, **kw)
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.stop()
+
+
+def enrol(watcher: Watcher, agent: AgentProcess) -> None:
+    watcher.side.trust.add(agent.key.public_key(), role="device")
+
+
+@pytest.fixture(scope="session")
+def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    """The demo's digits bundle (built once per session; MXNet runs in this test process,
+    never in the agent daemon) and its archive bytes as the coordinator publishes them."""
+    from edge_agent.int8.bundle import pack_bundle
+    from edge_agent.train import demo
+
+    bundle = demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
+    archive = pack_bundle(bundle, tmp_path_factory.mktemp("archive") / "digits.tar.gz")
+    return bundle, archive.read_bytes()
+
+
+def device_data(dest: Path, device: int = 2) -> Path:
+    """One simulated device's own digits (through its camera) as an NPZ, as `--data` reads."""
+    from edge_agent.train import demo
+
+    dev = demo.scenario().devices[device]
+    return demo.write_data(dest, dev.images, dev.labels, "npz")
+
+
+def child_pids(marker: str) -> list[int]:
+    """Live `edge_agent.agent.child` processes whose command line mentions `marker`."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if "edge_agent.agent.child" in cmd and marker in cmd and ") Z " not in stat:
+            found.append(int(entry))
+    return found
+
+
+# ---------------------------------------------------------------- the coordinator service as a process
+class ServeProcess:
+    """`edge-coordinator serve` as a real process, with the fleet's coordinator key and a
+    fast tick; `cli(...)` runs other edge-coordinator commands on the same state dir."""
+
+    def __init__(self, fleet: Fleet, tmp: Path, port: int, *, auto_approve: bool = True, embedded: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
+        import sys
+
+        self.state_dir = tmp / "coordinator"
+        (self.state_dir / "keys").mkdir(parents=True, exist_ok=True, mode=0o700)
+        keys.save_private_key(self.state_dir / "keys" / "coordinator.key", fleet.coord_key)
+        self.port = port
+        self.cli_argv = [sys.executable, "-m", "edge_agent.coordinator.cli"]
+        self.argv = [*self.cli_argv, "serve", "--broker", f"127.0.0.1:{port}", "--fleet", fleet.topics.fleet,
+                     "--topic-prefix", fleet.topics.prefix, "--state-dir", str(self.state_dir), "--tick", "0.3",
+                     "--ack-interval", "0.5", *(["--auto-approve"] if auto_approve else []),
+                     *(["--embedded-broker"] if embedded else []), *extra]
+        self.log_path = tmp / "coordinator.log"
+        self.proc: Any = None
+
+    def start(self, *, wait: bool = True) -> ServeProcess:
+        import subprocess
+
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        log.close()
+        if wait:
+            assert wait_for(self.connected, 30), self.log_tail()
+        return self
+
+    def connected(self) -> bool:
+        from edge_agent.coordinator.service_files import read_serve_file, serving
+
+        info = read_serve_file(self.state_dir)
+        return bool(self.alive and info and serving(info) and info.get("connected") and info.get("pid") == self.proc.pid)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int | None:
+        import signal
+        import subprocess
+
+        if not self.alive:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 300) -> Any:
+        import subprocess
+
+        done = subprocess.run([*self.cli_argv, *args, "--state-dir", str(self.state_dir)], capture_output=True,
+                              text=True, timeout=timeout, cwd=REPO, check=False)
+        if check:
+            assert done.returncode == 0, f"{args}: {done.returncode}\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def registry(self) -> Any:
+        from edge_agent.coordinator.registry import Registry
+
+        return Registry(state_dir=self.state_dir)
+
+    def log_tail(self, n: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+@pytest.fixture
+def serve(fleet: Fleet, tmp_path: Path):
+    made: list[ServeProcess] = []
+
+    def make(port: int, **kw: Any) -> ServeProcess:
+        proc = ServeProcess(fleet, tmp_path, port, **kw)
+        made.append(proc)
+        return proc
+
+    yield make
+    for proc in made:
+        proc.stop()
+
+
+def register_digits(coordinator: ServeProcess, archive: bytes, tmp: Path, *, version: str = "1") -> None:
+    path = tmp / f"digits-{version}.tar.gz"
+    path.write_bytes(archive)
+    coordinator.cli("model", "register", str(path), "--name", "digits", "--version", version)
+
+
+def online_devices(coordinator: ServeProcess) -> list[str]:
+    with coordinator.registry() as reg:
+        now = time.time()
+        return [d.id for d in reg.list_devices() if d.approved and d.is_online(now, 300) and d.battery_pct is not None]
+
+
+def announce(fleet: Fleet, side: Side, *, battery: int = 90, name: str = "fake") -> None:
+    """What an agent says on (re)connecting: a self-signed hello and a retained state."""
+    from edge_agent.config import public_key_text
+
+    hello = {"public_key": public_key_text(side.key), "agent": "test",
+             "info": {"name": name, "board": "Test Board", "profile": "raspberry-pi-4"}}
+    assert side.channel.send(fleet.topics.device(side.id, "hello"), Kind.HELLO, hello, ttl=86400, retain=True)
+    state = {"status": "idle", "agent": "test",
+             "detail": f"status=idle battery_pct={battery} on_power=false energy_wh=5 name={name}"}
+    assert side.channel.send(fleet.topics.device(side.id, "state"), Kind.STATE, state, ttl=86400, retain=True)
+
+
+def fake_update(reg: Any, side: Side, cmd: Message, *, chunk_size: int = 128, scale: float = 0.01) -> list[bytes]:
+    """An uncompressed update for the model a `finetune` command names (random delta)."""
+    import numpy as np
+
+    from edge_agent.updates import UNCOMPRESSED, UpdateEncoder
+
+    b = cmd.body
+    head = reg.load_head(reg.get_model(b["model"], b["version"]))
+    rng = np.random.default_rng(len(side.id))
+    delta = {n: (rng.standard_normal(a.shape) * scale).astype(np.float32) for n, a in head.items()}
+    encoder = UpdateEncoder(model_name=b["model"], device_id=side.id, policy=UNCOMPRESSED, chunk_size=chunk_size)
+    return encoder.encode(delta, job_id=b["job"], round=b["round"], model_version=b["version"]).chunks()

@@ -102,3 +102,17 @@ def test_unsafe_job_ids_are_refused(tmp_path: Path) -> None:
     for job_id in ("", "../etc/passwd", ".hidden"):
         with pytest.raises(Exception, match="unsafe job id"):
             store.save(Job(job_id=job_id, round=1, model="m@1"))
+
+
+def test_governor_resumes_do_not_count_toward_the_reboot_loop_limit(tmp_path: Path) -> None:
+    store = JobStore(tmp_path)
+    job = _job()
+    store.advance(job, S.PREPARING)
+    store.advance(job, S.TRAINING)
+    for _ in range(3 * MAX_REENTRIES):  # a long solar day: many battery pauses, no reboot
+        store.advance(job, S.PAUSED, "battery-low")
+        store.advance(job, S.TRAINING, "resumed by the governor", restart=False)
+    assert job.state is S.TRAINING and job.entries["training"] == 1
+    store.advance(job, S.PAUSED, "restarted")
+    store.advance(job, S.TRAINING, "after a reboot")  # a real restart still counts
+    assert store.load("job-1").entries["training"] == 2

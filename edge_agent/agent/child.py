@@ -1,0 +1,201 @@
+"""The daemon's child processes (`python -m edge_agent.agent.child ...`): the only places
+the agent loads numpy and MXNet. The contract (arguments, events, results, exit codes) is
+in runner.py.
+
+    train     run edge_agent.train.job.run_finetune(resume=True) in the job directory, then
+              delta = trained head - bundle head, encoded by edge_agent.updates (byte budget,
+              error feedback): writes update.chunks, residual.pending, then result.json.
+    activate  unpack a downloaded bundle archive into its version directory (verified file
+              by file, temp dir + fsync + rename: edge_agent.int8.bundle.unpack_bundle).
+
+Train spec (JSON): job_dir, job, round, device_id, model_name, version, model_dir, data,
+cache_dir, cache_max_mb, residual_file, sysfs_root, profile, budget_wh, power_cap_w,
+battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
+update_bytes, chunk_size and the optional training parameters (epochs, batch_size, lr,
+patience, checkpoint_every, seed). Activate spec: archive, dest.
+
+Encoding is deterministic, so a child killed between writing update.chunks and result.json
+and run again writes the same bytes; the committed residual is only replaced by the
+daemon, after it has queued the update (see lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_json, read_limited, write_checked
+from ..errors import (
+    EXIT_CONFIG,
+    EXIT_DATAERR,
+    EXIT_FAILURE,
+    ConfigError,
+    EdgeAgentError,
+    InputError,
+)
+from .runner import (
+    EXIT_BUSY,
+    EXIT_STOPPED,
+    EXIT_TRAINED,
+    RESIDUAL_FILE,
+    RESULT_FILE,
+    UPDATE_FILE,
+    pack_chunks,
+)
+
+log = logging.getLogger("edge_agent.agent.child")
+FINISHED = ("done", "early-stopped", "budget-exhausted", "deadline")  # these produce an update
+_PR_SET_PDEATHSIG = 1
+TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed")
+
+
+class Events:
+    """JSON lines to the daemon's pipe; a vanished daemon must not stop the work."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, obj: dict[str, Any]) -> None:
+        clean = {k: v for k, v in obj.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        try:
+            os.write(self.fd, (json.dumps(clean, default=str, allow_nan=False) + "\n").encode())
+        except (OSError, ValueError):
+            pass
+
+    def progress(self, event: Any) -> None:
+        self.send(event.to_json())
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when the daemon dies, even by SIGKILL (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the daemon's stale-lock retry still copes
+        pass
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        raise SystemExit(EXIT_FAILURE)
+
+
+def _head_params(data: bytes) -> dict[str, Any]:
+    import mxnet as mx
+
+    loaded = mx.nd.load_frombuffer(data)
+    return {k.split(":", 1)[-1]: v.asnumpy() for k, v in loaded.items()}
+
+
+def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    from ..int8.bundle import load_bundle
+    from ..train.trainer import head_from_bundle
+    from ..updates import (
+        CompressionPolicy,
+        ResidualStore,
+        TensorTableMismatchError,
+        UpdateEncoder,
+        compute_delta,
+    )
+
+    _, base = head_from_bundle(load_bundle(spec["model_dir"]))
+    trained = _head_params(read_limited(report["head"]["file"], 256 << 20))
+    delta = compute_delta({n: trained[n] for n in base if n in trained}, base)
+    budget = spec.get("update_bytes")
+    policy = CompressionPolicy(budget_bytes=int(budget)) if budget else CompressionPolicy()
+    store = ResidualStore(spec["residual_file"])
+    try:
+        encoder = UpdateEncoder(model_name=spec["model_name"], device_id=spec["device_id"], policy=policy,
+                                store=store, chunk_size=int(spec["chunk_size"]))
+        update = encoder.encode(delta, job_id=spec["job"], round=int(spec["round"]), model_version=spec["version"])
+    except (InputError, TensorTableMismatchError) as exc:  # corrupt residual or another head: start afresh
+        log.warning("error-feedback residual %s unusable (%s); starting from zero", store.path, exc)
+        encoder = UpdateEncoder(model_name=spec["model_name"], device_id=spec["device_id"], policy=policy,
+                                store=None, chunk_size=int(spec["chunk_size"]))
+        update = encoder.encode(delta, job_id=spec["job"], round=int(spec["round"]), model_version=spec["version"])
+    chunks = update.chunks()
+    write_checked(job_dir / UPDATE_FILE, pack_chunks(chunks))
+    pending = job_dir / RESIDUAL_FILE
+    if update.residual is not None:
+        ResidualStore(pending).save(update.residual, model_name=spec["model_name"], round=int(spec["round"]))
+    else:
+        pending.unlink(missing_ok=True)
+    return {"chunks": len(chunks), "wire_bytes": sum(map(len, chunks)), "dense_bytes": update.dense_bytes,
+            "k": update.k, "bits": update.bits, "ratio": round(update.ratio, 2), "sha256": update.digest.hex()}
+
+
+def train(spec: dict[str, Any], events: Events) -> int:
+    from ..train.job import run_finetune
+
+    job_dir = Path(spec["job_dir"])
+    extra = {k: spec[k] for k in TRAIN_KEYS if spec.get(k) is not None}
+    report = run_finetune(
+        model=spec["model_dir"], data=spec["data"], state_dir=job_dir, cache_dir=spec.get("cache_dir"),
+        budget_wh=spec.get("budget_wh"), power_cap_w=spec.get("power_cap_w"),
+        battery_floor_pct=spec.get("battery_floor_pct"), battery_resume_pct=spec.get("battery_resume_pct"),
+        thermal_limit_c=spec.get("thermal_limit_c"), deadline=spec.get("deadline_at"), resume=True,
+        power_root=spec.get("sysfs_root", "/"), profile=spec.get("profile"),
+        cache_max_mb=float(spec.get("cache_max_mb", 256)), poll_s=float(spec.get("poll_s", 30.0)),
+        progress=events.progress, **extra)
+    summary = {"stop_reason": report["stop_reason"], "steps": report["steps"], "engine": report["engine"]["name"],
+               "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
+               "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
+               "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
+               "resumed": report["resumed"]}
+    if report["stop_reason"] not in FINISHED:
+        atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
+        return EXIT_STOPPED
+    events.send({"phase": "encoding", "detail": "delta -> compressed update"})
+    summary["update"] = _encode(spec, report, job_dir)
+    atomic_write_json(job_dir / RESULT_FILE, {"status": "trained", **summary})  # last: the commit point
+    return EXIT_TRAINED
+
+
+def activate(spec: dict[str, Any], events: Events) -> int:
+    from ..int8.bundle import load_bundle, unpack_bundle
+
+    dest = Path(spec["dest"])
+    bundle = load_bundle(dest) if dest.exists() else unpack_bundle(spec["archive"], dest)
+    m = bundle.manifest
+    events.send({"phase": "activated", "detail": f"{m.name} {m.version}", "manifest_sha256": bundle.sha256,
+                 "bundle_name": m.name, "bundle_version": m.version})
+    return EXIT_TRAINED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m edge_agent.agent.child",
+                                     description="edge-agent's child process (started by the daemon).")
+    parser.add_argument("command", choices=("train", "activate"))
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--events-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[child]: %(message)s")
+    die_with_parent(args.parent_pid)
+    events = Events(args.events_fd)
+    try:
+        spec = json.loads(read_limited(args.spec, 256 * 1024))
+        return train(spec, events) if args.command == "train" else activate(spec, events)
+    except EdgeAgentError as exc:
+        busy = type(exc).__name__ == "JobStateError" and "another fine-tune job is running" in str(exc)
+        events.send({"phase": "error", "detail": str(exc)[:500], "kind": type(exc).__name__})
+        if busy:
+            return EXIT_BUSY
+        if isinstance(exc, ConfigError):
+            return EXIT_CONFIG
+        if isinstance(exc, InputError) or exc.exit_code == 64:  # bad data/bundle/checkpoint, unusable state
+            return EXIT_DATAERR
+        return EXIT_FAILURE  # anything else may pass: the daemon retries, within the re-entry limit
+    except Exception as exc:  # a crash: the daemon respawns (and counts) it
+        log.exception("child %s failed", args.command)
+        events.send({"phase": "error", "detail": f"{type(exc).__name__}: {str(exc)[:400]}"})
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

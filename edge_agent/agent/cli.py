@@ -1,0 +1,268 @@
+"""`edge-agent init` and `edge-agent run`: set a device up, then run the agent daemon.
+
+Registered through edge_agent.cli's plugin list (`register(subparsers)`); also runnable as
+`python -m edge_agent.agent.cli ...`. Only argparse and small modules are imported until a
+command runs; the daemon itself never imports numpy or MXNet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, EdgeAgentError
+
+INIT_DESCRIPTION = """\
+Set this device up for a fleet: create its Ed25519 key (0600; kept if it already exists),
+probe the hardware and match a board profile, write a commented agent.toml, and print the
+enrolment line to give the coordinator.
+
+The device id is the fingerprint of the key: it cannot be chosen, and a copied config on
+another device is refused. The enrolment code (ABCD-EFGH-IJKL) is a short form of it that
+an operator compares on the device's console before approving it."""
+
+INIT_EPILOG = """\
+examples:
+  sudo edge-agent init --broker mqtt.example.net:8883 --tls --fleet farms \\
+      --coordinator-key coordinator.pub --data-dir /srv/field-photos
+  edge-agent init --broker 127.0.0.1 --fleet lab --coordinator-key MCowBQYDK2VwAyEA... \\
+      --state-dir ./state --config ./agent.toml --sysfs-root tests/fixtures/boards/raspberry-pi-4
+
+Then check and start it:
+  edge-agent run --config /etc/edge-agent/agent.toml --check
+  sudo systemctl enable --now edge-agent"""
+
+RUN_DESCRIPTION = """\
+Run the agent daemon: connect to the broker (TLS when configured; reconnects with jittered
+exponential backoff), publish this device's state (retained), accept or refuse signed
+commands by policy, run fine-tune jobs in a child process through a persisted state machine
+(resumed after a restart), and send each compressed update from the on-disk outbox until the
+coordinator acknowledges it. Under systemd it sends READY=1, STATUS= and WATCHDOG=1.
+
+SIGTERM stops it cleanly: the training child checkpoints, the device reports "offline"."""
+
+RUN_EPILOG = """\
+examples:
+  edge-agent run --config /etc/edge-agent/agent.toml --check     # validate, print, exit
+  edge-agent run --config /etc/edge-agent/agent.toml
+
+exit codes:
+""" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items()) + """
+
+test hook: with EDGE_AGENT_TEST_HOOKS=1, the file STATE_DIR/debug/hang makes the main loop
+block (no watchdog pings) while it exists."""
+
+
+SERVICE_USER = "edge-agent"  # the systemd unit's User= (packaging/systemd/edge-agent.service)
+
+
+class UsageError(EdgeAgentError):
+    exit_code = EXIT_USAGE
+
+
+def _broker(text: str) -> tuple[str, int | None]:
+    """HOST, HOST:PORT or [IPv6]:PORT."""
+    host, port = text.strip(), None
+    if host.startswith("["):
+        inner, _, rest = host[1:].partition("]")
+        host, port_text = inner, rest[1:] if rest.startswith(":") else ""
+    elif host.count(":") == 1:
+        host, port_text = host.split(":")
+    else:
+        port_text = ""
+    if port_text:
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise argparse.ArgumentTypeError(f"bad port in {text!r}")
+        port = int(port_text)
+    if not host or len(host) > 253 or any(c in host for c in " /#+\"'"):
+        raise argparse.ArgumentTypeError(f"bad broker host in {text!r}")
+    return host, port
+
+
+def _ident(text: str) -> str:
+    """A fleet or device name: one MQTT topic level."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: use letters, digits, '.', '_' or '-' (max 64; no '/', '+', '#')")
+    return text
+
+
+def _prefix(text: str) -> str:
+    if not all(part and _ident(part) for part in text.split("/")) or len(text) > 128:
+        raise argparse.ArgumentTypeError(f"{text!r}: '/'-separated levels of letters, digits, '.', '_', '-'")
+    return text
+
+
+def _coordinator_key(value: str) -> str:
+    """KEY_OR_FILE -> base64 raw public key, the form agent.toml keeps."""
+    from ..config import parse_public_key, public_key_text
+
+    path = Path(value)
+    text = value
+    if len(value) < 4096 and ("/" in value or value.endswith((".pem", ".pub"))) and path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")[:8192]
+    try:
+        return public_key_text(parse_public_key(text))
+    except ValueError as exc:
+        raise UsageError(f"--coordinator-key: {value[:80]!r}: {exc}") from None
+
+
+def _service_owner(user: str | None) -> tuple[int, int] | None:
+    """(uid, gid) to hand the key and config to: the service user, when run as root."""
+    import pwd
+
+    if os.geteuid() != 0:
+        if user:
+            raise UsageError(f"--service-user {user}: changing file owners needs root")
+        return None
+    try:
+        entry = pwd.getpwnam(user or SERVICE_USER)
+    except KeyError:
+        if user:
+            raise UsageError(f"--service-user {user}: no such user") from None
+        return None  # no service installed yet: root keeps the files (install-service creates the user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from ..atomic import atomic_write_text
+    from ..config import (
+        DEFAULT_TOPIC_PREFIX,
+        default_device_name,
+        load_config,
+        public_key_text,
+        render_config,
+    )
+    from ..hardware.probe import probe
+    from ..hardware.profiles import load_profiles
+    from ..keys import enrolment_code, fingerprint, load_or_create_private_key
+
+    host, port = args.broker
+    port = port or (8883 if args.tls else 1883)
+    coordinator = _coordinator_key(args.coordinator_key)
+    config_path, state_dir = Path(args.config), Path(args.state_dir).absolute()
+    if config_path.exists() and not args.force:
+        raise UsageError(f"{config_path} exists; pass --force to replace it (the device key is kept either way)")
+    owner = _service_owner(args.service_user)  # (refused before anything is written)
+    report = probe(args.sysfs_root)
+    matched = report["profile"]["name"]
+    profile = load_profiles().profiles.get(matched) if matched else None
+    key_file = state_dir / "keys" / "device.key"
+    key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key, created = load_or_create_private_key(key_file)
+    device_id = fingerprint(key)
+    text = render_config(
+        device_name=args.name or default_device_name(), fleet=args.fleet, broker_host=host, broker_port=port,
+        coordinator_public_key=coordinator, state_dir=state_dir, device_id=device_id,
+        profile=matched or "auto", tls=args.tls, sysfs_root=str(Path(args.sysfs_root).absolute()),
+        data_dir=str(Path(args.data_dir).absolute()) if args.data_dir else None,
+        profile_budget=profile.data.get("budget") if profile else None,
+        topic_prefix=args.topic_prefix or DEFAULT_TOPIC_PREFIX)
+    atomic_write_text(config_path, text, mode=0o640)
+    if owner is not None:  # the service runs as this user: it must read its key and config
+        uid, gid = owner
+        for path in (state_dir, key_file.parent, key_file):
+            os.chown(path, uid, gid)
+        os.chown(config_path, 0, gid)
+    config = load_config(config_path)  # what init wrote must load: fail here, not at first start
+    pub = public_key_text(key)
+    code = enrolment_code(key)
+    owned = f", owned by {args.service_user or SERVICE_USER}" if owner is not None else ""
+    print(f"device key:     {key_file} ({'created' if created else 'existing, kept'}; mode 0600{owned})")
+    print(f"config:         {config_path} (board profile: {matched or 'none matched: auto'})")
+    print(f"device id:      {device_id}")
+    print(f"enrolment code: {code}   <- compare on the coordinator before approving")
+    print(f"public key:     {pub}")
+    print("enrolment line for the coordinator:")
+    print(f"edge-agent-enrol/1 fleet={config.fleet} id={device_id} code={code} key={pub} "
+          f"name={config.device_name} profile={matched or 'none'}")
+    return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ..config import load_config, load_identity
+
+    config = load_config(args.config)
+    _, device_id = load_identity(config)
+    if args.check:
+        g = config.get
+        tls = "TLS" if g("broker", "tls") else "plain TCP"
+        print(f"ok: {config.path}")
+        print(f"  device   {device_id} ({config.device_name}), fleet {config.fleet}")
+        print(f"  broker   {g('broker', 'host')}:{g('broker', 'port')} ({tls}), topics {config.topic_prefix}/{config.fleet}/...")
+        print(f"  profile  {config.profile.name if config.profile else 'none (generic defaults)'}")
+        print(f"  state    {config.state_dir}; key {config.key_file}")
+        print(f"  data     {g('data', 'dir') or 'not set: fine-tune commands are refused (no_data)'}")
+        print(f"  budget   {_budget_line(config)}")
+        print(f"  policy   accept_finetune={g('policy', 'accept_finetune')} min_battery_pct={g('policy', 'min_battery_pct')} "
+              f"max_jobs_per_day={g('policy', 'max_jobs_per_day')}")
+        return EXIT_OK
+    from .daemon import Daemon
+
+    return Daemon(config).run()
+
+
+def _budget_line(config: Any) -> str:
+    b = config.data.get("budget", {})
+    return ", ".join(f"{k}={v}" for k, v in sorted(b.items())) or "none"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `init` and `run` to the edge-agent command line."""
+    p = subparsers.add_parser("init", help="create the device key and agent.toml; print the enrolment line",
+                              description=INIT_DESCRIPTION, epilog=INIT_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--broker", required=True, type=_broker, metavar="HOST[:PORT]",
+                   help="MQTT broker (port default 1883, or 8883 with --tls)")
+    p.add_argument("--fleet", default="default", type=_ident, help="fleet name: a topic level (default 'default')")
+    p.add_argument("--coordinator-key", required=True, metavar="KEY_OR_FILE",
+                   help="the coordinator's Ed25519 public key: base64, or a PEM/base64 file")
+    p.add_argument("--state-dir", default="/var/lib/edge-agent", metavar="DIR",
+                   help="keys, jobs, models, checkpoints, outbox (default /var/lib/edge-agent)")
+    p.add_argument("--config", default="/etc/edge-agent/agent.toml", metavar="PATH",
+                   help="where to write agent.toml (default /etc/edge-agent/agent.toml)")
+    p.add_argument("--sysfs-root", default="/", metavar="DIR",
+                   help="probe the hardware under DIR (default /; a captured board tree for tests)")
+    p.add_argument("--name", type=_ident, help="a display name (default: the hostname)")
+    p.add_argument("--data-dir", metavar="DIR", help="the local training data (image folder, .csv or .npz)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (set ca_file etc. in agent.toml)")
+    p.add_argument("--topic-prefix", type=_prefix, help="MQTT topic prefix (default edgeft/v1)")
+    p.add_argument("--force", action="store_true", help="replace an existing agent.toml (the key is kept)")
+    p.add_argument("--service-user", metavar="USER",
+                   help=f"when run as root, give the key and state dir to USER and the config to its group "
+                        f"(default: {SERVICE_USER!r} if that user exists)")
+    p.set_defaults(func=_cmd_init)
+
+    r = subparsers.add_parser("run", help="run the agent daemon (the systemd service's command)",
+                              description=RUN_DESCRIPTION, epilog=RUN_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--config", default="/etc/edge-agent/agent.toml", metavar="PATH",
+                   help="agent.toml (default /etc/edge-agent/agent.toml)")
+    r.add_argument("--check", action="store_true", help="validate the config and key, print a summary, exit")
+    r.set_defaults(func=_cmd_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m edge_agent.agent.cli {init,run} ...` (the same as `edge-agent init|run`)."""
+    parser = argparse.ArgumentParser(prog="edge-agent", description="edge-agent device set-up and daemon")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except EdgeAgentError as exc:
+        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

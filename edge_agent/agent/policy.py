@@ -1,0 +1,197 @@
+"""Whether the device takes on a command: pure functions over the command and the device.
+
+The protocol layer (Verifier) has already refused anything unsigned, expired, replayed or
+malformed at the envelope level; this is the device's own say, by its owner's policy:
+
+    bad_params          the body lacks a field the action needs, or a parameter is out of range
+    finetune_disabled   [policy] accept_finetune = false
+    no_data             no local data set ([data] dir) to train on
+    busy                another job is active (one job at a time)
+    daily_limit         [policy] max_jobs_per_day reached (jobs accepted in the last 24 h)
+    battery_low         battery below [policy] min_battery_pct and not charging
+    too_hot             the hottest thermal zone is at or above the thermal limit
+    budget_exceeded     the command asks for more energy than the device's [budget] energy_wh
+    power_cap_exceeded  ... a higher average power than [budget] power_cap_w
+    deadline_passed     its training deadline is already over
+    unknown_job         `cancel` names no job this device has
+    internal_error      the device failed while taking the command on (disk full, ...)
+
+Every refusal is a `Verdict` with one of these codes (an id: it goes into a signed
+`refusal` body) and a sentence for humans. Unknown command parameters are ignored, not
+refused: the coordinator passes its job parameters (aggregator, ...) through unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DAY_S = 86400.0
+MAX_UPDATE_BYTES = 64 << 20
+REASONS = ("bad_params", "finetune_disabled", "no_data", "busy", "daily_limit", "battery_low", "too_hot",
+           "budget_exceeded", "power_cap_exceeded", "deadline_passed", "unknown_job", "internal_error")
+# Training parameters a command may set: name -> (type, minimum, maximum).
+TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
+    "epochs": (int, 1, 10_000),
+    "batch_size": (int, 1, 4096),
+    "lr": (float, 1e-9, 10.0),
+    "patience": (int, 1, 10_000),
+    "checkpoint_every": (int, 1, 1_000_000),
+    "seed": (int, 0, 2**31 - 1),
+    "update_bytes": (int, 256, MAX_UPDATE_BYTES),
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accept: bool
+    reason: str = ""  # one of REASONS when refused
+    detail: str = ""
+
+    @classmethod
+    def refuse(cls, reason: str, detail: str) -> Verdict:
+        assert reason in REASONS, reason
+        return cls(False, reason, detail)
+
+
+OK = Verdict(True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceLimits:
+    """The owner's policy and the device's own budget (agent.toml over the board profile)."""
+
+    accept_finetune: bool = True
+    min_battery_pct: float = 40.0
+    max_jobs_per_day: int = 24
+    energy_wh: float | None = None
+    power_cap_w: float | None = None
+    deadline_s: float | None = None
+    thermal_limit_c: float | None = None
+    data_dir: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> DeviceLimits:
+        g = config.get
+        return cls(accept_finetune=g("policy", "accept_finetune", True),
+                   min_battery_pct=float(g("policy", "min_battery_pct", 40.0)),
+                   max_jobs_per_day=int(g("policy", "max_jobs_per_day", 24)),
+                   energy_wh=g("budget", "energy_wh"), power_cap_w=g("budget", "power_cap_w"),
+                   deadline_s=g("budget", "deadline_s"), thermal_limit_c=g("thermal", "limit_c"),
+                   data_dir=g("data", "dir"))
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the device measures now (None: unknown, e.g. no battery)."""
+
+    battery_pct: float | None = None
+    charging: bool | None = None
+    temp_c: float | None = None
+
+
+@dataclass(frozen=True)
+class FinetuneRequest:
+    """A `finetune` command, checked and resolved against the device's limits."""
+
+    job: str
+    round: int
+    model: str
+    version: str
+    sha256: str | None
+    budget_wh: float | None
+    power_cap_w: float | None
+    deadline_at: float
+    train: dict[str, Any] = field(default_factory=dict)  # TRAIN_PARAMS given by the command
+
+    @property
+    def local_id(self) -> str:
+        """The device's job record id: one per (job, round), like the coordinator's cmd_id."""
+        return f"{self.job}-r{self.round}"
+
+    def to_params(self) -> dict[str, Any]:
+        """What the job record keeps (JSON-ready)."""
+        return {"job": self.job, "version": self.version, "sha256": self.sha256, "budget_wh": self.budget_wh,
+                "power_cap_w": self.power_cap_w, "deadline_at": self.deadline_at, **self.train}
+
+
+class BadParams(ValueError):
+    pass
+
+
+def _number(params: dict[str, Any], name: str, kind: type, lo: float, hi: float) -> Any:
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise BadParams(f"params.{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise BadParams(f"params.{name} = {value!r} is outside {lo:g}..{hi:g}")
+    return kind(value)
+
+
+def parse_finetune(body: dict[str, Any], limits: DeviceLimits, *, now: float | None = None) -> FinetuneRequest:
+    """Resolve a finetune body (already schema-checked by the protocol); raises BadParams."""
+    now = time.time() if now is None else now
+    missing = [f for f in ("job", "round", "model", "version") if f not in body]
+    if missing:
+        raise BadParams(f"finetune needs {', '.join(missing)}")
+    if body["version"] == "current":
+        raise BadParams("version 'current' is reserved: name the version to train from")
+    params = dict(body.get("params") or {})
+    train = {}
+    for name, (kind, lo, hi) in TRAIN_PARAMS.items():
+        value = _number(params, name, kind, lo, hi)
+        if value is not None:
+            train[name] = value
+    budget_wh = _number(params, "budget_wh", float, 1e-6, 1e6)
+    power_cap_w = _number(params, "power_cap_w", float, 1e-3, 1e4)
+    deadline = _number(params, "deadline", float, 0, 1 << 40)
+    horizon = now + limits.deadline_s if limits.deadline_s else None
+    deadline_at = min(d for d in (deadline, horizon, now + 30 * DAY_S) if d is not None)
+    return FinetuneRequest(job=body["job"], round=body["round"], model=body["model"], version=body["version"],
+                           sha256=body.get("sha256"), budget_wh=budget_wh, power_cap_w=power_cap_w,
+                           deadline_at=deadline_at, train=train)
+
+
+def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Conditions, *, active: list[str],
+                   accepted_last_day: int, now: float | None = None) -> Verdict:
+    """Accept or refuse a parsed finetune request. `active` lists the local ids of jobs not
+    yet finished; `accepted_last_day` counts jobs accepted in the last 24 hours."""
+    now = time.time() if now is None else now
+    if not limits.accept_finetune:
+        return Verdict.refuse("finetune_disabled", "this device's policy refuses fine-tune jobs (accept_finetune = false)")
+    if not limits.data_dir or not Path(limits.data_dir).exists():
+        where = limits.data_dir or "[data] dir is not set"
+        return Verdict.refuse("no_data", f"no local training data ({where})")
+    if active:
+        return Verdict.refuse("busy", f"already running job {active[0]}; one job at a time")
+    if accepted_last_day >= limits.max_jobs_per_day:
+        return Verdict.refuse("daily_limit", f"{accepted_last_day} job(s) accepted in the last 24 h; "
+                                             f"the limit is {limits.max_jobs_per_day}")
+    b = conditions.battery_pct
+    if b is not None and not conditions.charging and b < limits.min_battery_pct:
+        return Verdict.refuse("battery_low", f"battery {b:.0f} % is below {limits.min_battery_pct:.0f} % "
+                                             "and not charging")
+    t = conditions.temp_c
+    if t is not None and limits.thermal_limit_c is not None and t >= limits.thermal_limit_c:
+        return Verdict.refuse("too_hot", f"{t:.1f} C is at or above the thermal limit {limits.thermal_limit_c:g} C")
+    if req.budget_wh is not None and limits.energy_wh is not None and req.budget_wh > limits.energy_wh:
+        return Verdict.refuse("budget_exceeded", f"asks for {req.budget_wh:g} Wh; this device allows "
+                                                 f"{limits.energy_wh:g} Wh per job")
+    if req.power_cap_w is not None and limits.power_cap_w is not None and req.power_cap_w > limits.power_cap_w:
+        return Verdict.refuse("power_cap_exceeded", f"asks for {req.power_cap_w:g} W; this device allows "
+                                                    f"{limits.power_cap_w:g} W")
+    if req.deadline_at <= now:
+        return Verdict.refuse("deadline_passed", f"the deadline passed {now - req.deadline_at:.0f} s ago")
+    return OK
+
+
+def effective_budget(req: FinetuneRequest, limits: DeviceLimits) -> dict[str, float | None]:
+    """The budget the job runs under: the command's where given (never above the device's
+    limits, which check_finetune enforced), else the device's own."""
+    return {"budget_wh": req.budget_wh if req.budget_wh is not None else limits.energy_wh,
+            "power_cap_w": req.power_cap_w if req.power_cap_w is not None else limits.power_cap_w}

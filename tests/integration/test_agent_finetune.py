@@ -1,0 +1,84 @@
+"""End to end with the real trainer: a signed finetune command, the model fetched from the
+broker and activated, MXNet training in the child, the daemon killed with -9 mid-training
+and restarted, the job resumed from its checkpoint, the compressed update delivered and
+acknowledged."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+
+from edge_agent.agent.jobs import JobState, JobStore
+from edge_agent.transport.models import publish_model
+from edge_agent.updates import Reassembler, decode_update
+from tests.integration.conftest import Watcher, board_tree, child_pids, device_data, enrol, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_kill_9_mid_training_then_restart_finishes_the_job(mosquitto, fleet, agents, tmp_path, digits_bundle):
+    bundle_dir, archive = digits_bundle
+    coord = fleet.coordinator(mosquitto.port)
+    publish_model(coord.client, coord.signer, fleet.topics, name="digits", version="1", bundle=archive,
+                  chunk_bytes=16 * 1024)
+    watcher = Watcher(fleet, coord)
+    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board", battery_pct=90),
+                   data_dir=device_data(tmp_path / "data"))
+    enrol(watcher, agent)
+    watcher.start()
+    agent.start()
+    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+
+    watcher.command(agent, {"cmd_id": "job1-r1", "action": "finetune", "job": "job1", "round": 1,
+                            "model": "digits", "version": "1", "sha256": hashlib.sha256(archive).hexdigest(),
+                            "params": {"epochs": 25, "batch_size": 8, "checkpoint_every": 3, "patience": 100,
+                                       "budget_wh": 1.0, "update_bytes": 2048, "seed": 0}})
+
+    def step() -> int:
+        steps = [m.body.get("metrics", {}).get("step", 0) for m in watcher.by_phase("training")]
+        return max(steps, default=0)
+
+    assert wait_for(lambda: step() >= 60, 120), agent.log_tail()  # well into training, checkpoints written
+    assert watcher.by_phase("accepted") and watcher.by_phase("model-installed")
+    assert (agent.state_dir / "models" / "digits" / "current").resolve().name == "1"
+    before_kill = step()
+    agent.kill9()
+    # the training child goes with it (PR_SET_PDEATHSIG), checkpointing on the way out
+    assert wait_for(lambda: not child_pids(str(agent.state_dir)), 30), child_pids(str(agent.state_dir))
+    job = JobStore(agent.state_dir / "jobs").load("job1-r1")
+    assert job.state is JobState.TRAINING
+
+    agent.start()
+    assert wait_for(lambda: watcher.by_phase("done"), 180), agent.log_tail()
+    resumed = [m.body["detail"] for m in watcher.by_phase("training") if "resumed from" in m.body["detail"]]
+    assert resumed, [m.body["detail"] for m in watcher.by_phase("training")][-20:]
+    at = int(re.search(r"at step (\d+)", resumed[-1]).group(1))
+    # continued from a checkpoint at least as new as the progress seen before the kill, not from scratch
+    assert before_kill - 3 <= at < 25 * 16  # 25 epochs of 16 batches (123 training samples, batch 8)
+
+    # exactly one update arrived; it decodes to a delta for this device's head, within budget
+    assert len(watcher.log.completed) == 1
+    upload = watcher.log.completed[0]
+    reassembler = Reassembler()
+    payloads = [r for r in (reassembler.add(c) for c in upload.chunks) if r is not None]
+    decoded = decode_update(payloads[0].payload)
+    assert decoded.header.key == ("job1", agent.id, 1)
+    assert (decoded.header.model_name, decoded.header.model_version) == ("digits", "1")
+    assert sum(len(c) for c in upload.chunks) <= 2048
+    assert any(abs(d).max() > 0 for d in decoded.deltas.values())
+    uploading = watcher.by_phase("uploading")[-1].body["metrics"]
+    assert uploading["num_samples"] > 0 and uploading["stop_reason"] == "done"
+
+    job = JobStore(agent.state_dir / "jobs").load("job1-r1")
+    assert job.state is JobState.DONE
+    assert [h[1] for h in job.history].count("training") >= 2  # re-entered after the restart
+    assert any("agent restarted" in h[2] for h in job.history)
+    assert not (agent.state_dir / "checkpoints" / "job1-r1").exists()  # cleaned up
+    assert (agent.state_dir / "residuals" / "digits.bin").exists()  # error feedback carried to the next round
+    assert len(list((agent.state_dir / "outbox" / "items").iterdir())) == 0
+    assert agent.alive
+    maps = Path(f"/proc/{agent.proc.pid}/maps").read_text()  # the daemon itself never loaded them
+    assert "numpy" not in maps and "mxnet" not in maps

@@ -1,0 +1,102 @@
+"""`edge-agent init` and `edge-agent run --check` (python -m edge_agent.agent.cli, the same
+subcommands the main CLI registers)."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from edge_agent import keys
+from edge_agent.agent.cli import main
+from edge_agent.config import load_config, public_key_text
+from edge_agent.errors import EXIT_CONFIG, EXIT_USAGE
+
+BOARD = Path(__file__).resolve().parents[1] / "fixtures" / "boards" / "raspberry-pi-4"
+
+
+@pytest.fixture
+def coordinator_pub(tmp_path: Path) -> Path:
+    path = tmp_path / "coordinator.pub"
+    keys.save_public_key(path, keys.generate_private_key())
+    return path
+
+
+def _init(tmp_path: Path, coordinator: str, *extra: str) -> int:
+    return main(["init", "--broker", "mqtt.example.net:8883", "--tls", "--fleet", "farms", "--coordinator-key",
+                 coordinator, "--state-dir", str(tmp_path / "state"), "--config", str(tmp_path / "agent.toml"),
+                 "--sysfs-root", str(BOARD), "--name", "pi-07", "--data-dir", str(tmp_path / "data"), *extra])
+
+
+def test_init_writes_key_and_config_and_prints_the_enrolment_line(tmp_path, coordinator_pub, capsys) -> None:
+    assert _init(tmp_path, str(coordinator_pub)) == 0
+    out = capsys.readouterr().out
+    key_file = tmp_path / "state" / "keys" / "device.key"
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    key = keys.load_private_key(key_file)
+    line = out.strip().splitlines()[-1]
+    fields = dict(part.split("=", 1) for part in line.split()[1:])
+    assert line.startswith("edge-agent-enrol/1 ")
+    assert fields["id"] == keys.fingerprint(key) and fields["code"] == keys.enrolment_code(key)
+    assert fields["key"] == public_key_text(key) and fields["fleet"] == "farms"
+    assert fields["profile"] == "raspberry-pi-4" and fields["name"] == "pi-07"
+    config = load_config(tmp_path / "agent.toml")
+    assert config.get("broker", "port") == 8883 and config.get("broker", "tls") is True
+    assert config.configured_device_id == fields["id"] and config.profile.name == "raspberry-pi-4"
+    assert public_key_text(config.coordinator_public_key) == public_key_text(keys.load_public_key(coordinator_pub))
+    assert "# energy_wh = 3.0" in (tmp_path / "agent.toml").read_text()  # the profile's budget, commented
+
+    # again: refuses to overwrite the config; with --force rewrites it and keeps the key (and id)
+    assert _init(tmp_path, str(coordinator_pub)) == EXIT_USAGE
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert _init(tmp_path, public_key_text(keys.load_public_key(coordinator_pub)), "--force") == 0
+    assert f"id={fields['id']}" in capsys.readouterr().out
+
+
+def test_init_refuses_bad_arguments_before_writing_anything(tmp_path, coordinator_pub, capsys) -> None:
+    assert _init(tmp_path, "bm90IGEga2V5") == EXIT_USAGE
+    assert "--coordinator-key" in capsys.readouterr().err
+    for bad in (["--fleet", "farms/north"], ["--broker", "host:99999"], ["--topic-prefix", "a/+/b"]):
+        with pytest.raises(SystemExit) as info:
+            _init(tmp_path, str(coordinator_pub), *bad)
+        assert info.value.code == 2
+    assert not (tmp_path / "agent.toml").exists() and not (tmp_path / "state").exists()
+
+
+def test_run_check(tmp_path, coordinator_pub, capsys) -> None:
+    assert _init(tmp_path, str(coordinator_pub)) == 0
+    device_id = re.search(r"device id:\s+(\S+)", capsys.readouterr().out).group(1)
+    assert main(["run", "--config", str(tmp_path / "agent.toml"), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ok: {tmp_path / 'agent.toml'}") and device_id in out and "raspberry-pi-4" in out
+    (tmp_path / "state" / "keys" / "device.key").unlink()
+    assert main(["run", "--config", str(tmp_path / "agent.toml"), "--check"]) == EXIT_CONFIG
+    assert "key file not found" in capsys.readouterr().err
+
+
+def test_help_teaches_with_examples(capsys) -> None:
+    for command in ("init", "run"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "examples:" in capsys.readouterr().out
+
+
+def test_init_hands_the_key_and_config_to_the_service_user(tmp_path, coordinator_pub, capsys) -> None:
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    code = _init(tmp_path, str(coordinator_pub), "--service-user", "nobody")
+    if os.geteuid() != 0:  # only root may give files away: refused, nothing written
+        assert code == EXIT_USAGE and "needs root" in capsys.readouterr().err
+        assert not (tmp_path / "agent.toml").exists()
+        return
+    assert code == 0 and "owned by nobody" in capsys.readouterr().out
+    key = os.stat(tmp_path / "state" / "keys" / "device.key")
+    assert (key.st_uid, key.st_gid, stat.S_IMODE(key.st_mode)) == (nobody.pw_uid, nobody.pw_gid, 0o600)
+    assert os.stat(tmp_path / "state" / "keys").st_uid == nobody.pw_uid
+    config = os.stat(tmp_path / "agent.toml")
+    assert (config.st_uid, config.st_gid, stat.S_IMODE(config.st_mode)) == (0, nobody.pw_gid, 0o640)
+    assert _init(tmp_path, str(coordinator_pub), "--force", "--service-user", "no-such-user-x") == EXIT_USAGE
