@@ -4,13 +4,14 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 DEB_MODE ?= offline
 
 .PHONY: demo test lint bench deb clean help
 
 help:
-	@echo "make demo   - create .venv, install, run the main job"
+	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
 	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
 	@echo "make deb    - build dist/edge-agent_<ver>_<arch>.deb (ARCH=arm64, DEB_MODE=thin)"
@@ -26,7 +27,7 @@ $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/edge-agent probe
+	$(BIN)/python -m edge_agent.coordinator.demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -188,17 +188,26 @@ def add_model_commands(sub: Any) -> None:
     inspect.add_argument("bundle", metavar="BUNDLE", help="bundle directory or .tar.gz archive")
     inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
     inspect.set_defaults(func=_cmd_model_inspect)
+    from .fleet_parser import add_register_command
+
+    add_register_command(msub)
 
 
-# Subcommand groups, in help order. The fleet issue appends its own adders here.
-_GROUPS: list[Callable[[Any], None]] = [add_model_commands]
+def _add_fleet(sub: Any) -> None:
+    from .fleet_parser import add_fleet_commands
+
+    add_fleet_commands(sub)
+
+
+# Subcommand groups, in help order.
+_GROUPS: list[Callable[[Any], None]] = [_add_fleet, add_model_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edge-coordinator",
-        description="Drive a fleet of edge-agent devices: build and publish model bundles, "
-                    "trigger fine-tune rounds, aggregate their updates.",
+        description="Drive a fleet of edge-agent devices: build and register model bundles, "
+                    "approve devices, trigger fine-tune rounds, aggregate their updates, publish versions.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"edge-coordinator {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -1,0 +1,168 @@
+"""Model artefacts on the coordinator: registered base bundles and the bundles it publishes.
+
+    <state_dir>/bundles/<name>/<version>.tar.gz     what devices download (sha256-pinned)
+
+Registering a base bundle (`register_bundle`) stores its archive and its head parameters
+(numpy, bare names, as the devices' delta tables name them) in the registry. A version
+produced by a round has only a new head: `archive_for` builds its bundle from the root
+bundle (the backbone files unchanged, byte for byte) plus the new `head.params`, with the
+manifest naming the parent version and `extra.head_only = true`. The build is
+deterministic (manifest timestamp = the version's registration time, reproducible tar.gz),
+so a lost or corrupt archive is rebuilt with the same sha256 the devices were told.
+
+No MXNet here: head.params is read and written by mxparams (numpy only).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import atomic_write_text, read_limited, sha256_file
+from ..errors import ConfigError, InputError
+from ..int8.bundle import (
+    HEAD_PARAMS,
+    MAX_ARCHIVE_BYTES,
+    Bundle,
+    load_bundle,
+    pack_bundle,
+    unpack_bundle,
+    write_bundle_dir,
+)
+from .mxparams import dump_params, join_names, load_params, split_names
+from .records import ModelVersion, check_id
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+BUNDLES = "bundles"
+
+
+@dataclass(frozen=True)
+class Artefact:
+    """A bundle archive ready to publish: what the finetune command's sha256 pins."""
+
+    name: str
+    version: str
+    path: Path
+    sha256: str
+    size: int
+    head_bytes: int  # size of its head.params: what a head-only transfer would cost
+
+
+class ModelArtefacts:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.root = registry.state_dir / BUNDLES
+        self._cache: dict[tuple[str, str], Artefact] = {}
+
+    def archive_path(self, name: str, version: str) -> Path:
+        return self.root / check_id(name, "model name") / f"{check_id(version, 'model version')}.tar.gz"
+
+    def _abs(self, rel: str) -> Path:
+        path = (self.registry.state_dir / rel).resolve()
+        if not path.is_relative_to(self.registry.state_dir):
+            raise ConfigError(f"stored bundle path {rel!r} leaves the state directory")
+        return path
+
+    # ---- registering a base bundle ----
+    def register_bundle(self, source: str | Path, *, name: str | None = None, version: str | None = None,
+                        parent: str | None = None) -> ModelVersion:
+        """Register a bundle (directory or .tar.gz) as a model version devices can train."""
+        src = Path(source)
+        if not src.exists():
+            raise InputError(f"{src}: no such bundle directory or archive")
+        with tempfile.TemporaryDirectory(prefix="edge-coordinator-register-") as tmp:
+            bundle = unpack_bundle(src, Path(tmp) / "bundle") if src.is_file() else load_bundle(src)
+            name = check_id(name or bundle.manifest.name, "model name")
+            version = check_id(version or bundle.manifest.version, "model version")
+            head, _ = split_names(load_params(bundle.read(HEAD_PARAMS), where=f"{src}: {HEAD_PARAMS}"))
+            if not head:
+                raise InputError(f"{src}: the head has no parameters to train")
+            target = self.archive_path(name, version)
+            if target.exists():  # a re-run of the same registration, or a clash
+                try:
+                    existing = self.registry.get_model(name, version)
+                except InputError:
+                    existing = None
+                if existing is not None:
+                    raise InputError(f"model {name} version {version} is already registered "
+                                     f"({existing.bundle_path}); pick another --version")
+            pack_bundle(bundle.path, target)
+        sha = sha256_file(target)
+        mv = self.registry.add_model_version(
+            name=name, version=version, head=head, parent=parent,
+            bundle_path=target.relative_to(self.registry.state_dir).as_posix(), head_only=False,
+            metrics={"archive_sha256": sha, "archive_bytes": target.stat().st_size,
+                     "bundle_sha256": bundle.sha256, "bundle_name": bundle.manifest.name[:64]})
+        log.info("registered model %s %s from %s (archive sha256 %s)", name, version, src, sha[:12])
+        return mv
+
+    # ---- archives for publishing ----
+    def archive_for(self, mv: ModelVersion) -> Artefact:
+        """The archive of a version: the registered one, or built (once) for a round's head."""
+        key = (mv.name, mv.version)
+        cached = self._cache.get(key)
+        if cached is not None and cached.path.exists():
+            return cached
+        if mv.bundle_path is None:
+            raise InputError(f"model {mv.name} {mv.version} has no bundle (registered without one)")
+        root = self._abs(mv.bundle_path)
+        if not mv.head_only:
+            art = self._describe(mv, root)
+        else:
+            target = self.archive_path(mv.name, mv.version)
+            expected = self._expected_sha(mv)
+            if target.exists() and expected is not None and sha256_file(target) != expected:
+                log.warning("archive %s does not match its first build; rebuilding it", target)
+                target.unlink()
+            if not target.exists():  # the build is deterministic: the same bytes as the first time
+                self._build(mv, root, target)
+            art = self._describe(mv, target)
+        self._cache[key] = art
+        return art
+
+    def _expected_sha(self, mv: ModelVersion) -> str | None:
+        side = self.archive_path(mv.name, mv.version).with_suffix(".sha256")
+        try:
+            return read_limited(side, 128).decode().strip() or None
+        except (OSError, InputError, UnicodeDecodeError):
+            return None
+
+    def _describe(self, mv: ModelVersion, path: Path) -> Artefact:
+        if not path.is_file():
+            raise ConfigError(f"model {mv.name} {mv.version}: bundle archive {path} is missing")
+        size = path.stat().st_size
+        if size > MAX_ARCHIVE_BYTES:
+            raise InputError(f"{path}: {size} bytes is over the archive limit")
+        with tempfile.TemporaryDirectory(prefix="edge-coordinator-head-") as tmp:
+            head_bytes = unpack_bundle(path, Path(tmp) / "b").manifest.files[HEAD_PARAMS].size
+        return Artefact(mv.name, mv.version, path, sha256_file(path), size, head_bytes)
+
+    def _build(self, mv: ModelVersion, root_archive: Path, target: Path) -> None:
+        """Root bundle + this version's head -> a verified bundle -> a reproducible archive."""
+        head = self.registry.load_head(mv)
+        with tempfile.TemporaryDirectory(prefix="edge-coordinator-build-") as tmp:
+            base: Bundle = unpack_bundle(root_archive, Path(tmp) / "base")
+            files = {f: base.read(f) for f in base.manifest.files}
+            base_params, prefixes = split_names(load_params(files[HEAD_PARAMS], where=f"{root_archive}: head"))
+            if set(base_params) != set(head):
+                raise InputError(f"model {mv.name} {mv.version}: head tensors {sorted(head)[:8]} do not match "
+                                 f"the bundle's {sorted(base_params)[:8]}")
+            typed = {n: np.asarray(head[n]).astype(base_params[n].dtype, copy=False) for n in base_params}
+            files[HEAD_PARAMS] = dump_params(join_names(typed, prefixes))
+            manifest = base.manifest
+            manifest.version, manifest.parent_version = mv.version, mv.parent
+            manifest.created = dt.datetime.fromtimestamp(mv.created_at, dt.UTC).isoformat(timespec="seconds")
+            manifest.extra = {**manifest.extra, "head_only": True, "root_bundle": base.sha256,
+                              **({"job": mv.job_id, "round": mv.round} if mv.job_id else {})}
+            built = write_bundle_dir(Path(tmp) / "new", files, manifest)
+            pack_bundle(built.path, target)
+        atomic_write_text(target.with_suffix(".sha256"), sha256_file(target) + "\n")
+        log.info("built bundle %s for model %s %s (head only; backbone of %s)", target.name, mv.name, mv.version,
+                 root_archive.name)
+

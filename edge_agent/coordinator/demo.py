@@ -1,0 +1,250 @@
+"""`make demo`: a whole fleet on this machine, trained by remote-triggered rounds.
+
+    python -m edge_agent.coordinator.demo [--devices 4] [--rounds 3] [--out demo-out]
+
+1. trains the base model (the digits CNN on clean digits) and packs it as a bundle;
+2. starts `edge-coordinator serve --embedded-broker --auto-approve` (amqtt on 127.0.0.1)
+   and registers the bundle (`edge-coordinator model register`);
+3. sets up N devices with `edge-agent init` -- each with its own state directory, its own
+   non-IID share of the digits seen through its own camera, and a simulated Raspberry Pi 4
+   whose small battery drains while it trains -- and starts N `edge-agent run` processes;
+4. runs `edge-coordinator train --rounds R` (its live progress is what you see), then
+   prints one line per round: devices, local accuracy before/after (mean over devices, on
+   their own validation split), the global model's accuracy on held-out digits, bytes up
+   and down, compression ratio and energy; writes demo-out/demo-report.json and
+   demo-out/demo-plot.png.
+
+Every process it starts is stopped on exit, Ctrl-C included. Logs: demo-out/**/*.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PY = sys.executable
+T0 = time.monotonic()
+
+
+def say(text: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {text}", flush=True)
+
+
+class Processes:
+    """Child processes, each with its log file; all stopped by `stop_all` (SIGTERM, then KILL)."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.procs.append((name, proc))
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; see its log under demo-out/")
+
+    def stop_all(self, timeout: float = 30.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.procs.clear()
+
+
+def run_cli(argv: list[str], *, log: Path | None = None) -> str:
+    """Run a command to completion; its output (stdout) is returned, and logged if asked."""
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=300)
+    if log is not None:
+        with open(log, "a") as out:
+            out.write(f"$ {' '.join(argv)}\n{done.stdout}{done.stderr}\n")
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv[2:])}` failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
+    return done.stdout
+
+
+def wait_for(what: str, predicate: Any, timeout: float, procs: Processes) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def build_base(out: Path, n_devices: int) -> Path:
+    from ..int8.bundle import load_bundle
+    from ..train import demo
+
+    target = out / "base-bundle"
+    with contextlib.suppress(Exception):
+        load_bundle(target)
+        say(f"base model: reusing {target} (delete it to train again)")
+        return target
+    say("training the base model (digits CNN on clean digits, no device camera) ...")
+    sc = demo.scenario(n_devices=n_devices)  # the base shares: no device's data, no held-out digit
+    demo.build_bundle(target, sc.base_x, sc.base_y, name="digits", version="1", overwrite=True)
+    say(f"base model: bundle at {target} (int8 backbone + MXNet head)")
+    return target
+
+
+def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> dict[str, dict[str, Any]]:
+    from ..train import demo
+    from .demo_fleet import write_sysfs
+
+    sc = demo.scenario(n_devices=args.devices)
+    devices: dict[str, dict[str, Any]] = {}
+    inits = []
+    for i, dev in enumerate(sc.devices):
+        name = f"pi-{i + 1}"
+        home = out / "devices" / name
+        pct = max(50.0, 95.0 - 5.0 * i)
+        data = demo.write_data(home / "data", dev.images, dev.labels, "npz")
+        root = write_sysfs(home / "sysfs", battery_pct=pct)
+        config = home / "agent.toml"
+        argv = [PY, "-m", "edge_agent.agent.cli", "init", "--broker", f"127.0.0.1:{port}", "--fleet", "demo",
+                "--coordinator-key", key, "--state-dir", str(home / "state"), "--config", str(config),
+                "--sysfs-root", str(root), "--data-dir", str(data), "--name", name, "--force"]
+        inits.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        devices[name] = {"home": home, "root": root, "state": home / "state", "config": config, "battery": pct,
+                         "samples": len(dev.labels), "classes": int(len(set(dev.labels.tolist())))}
+    for (name, info), proc in zip(devices.items(), inits, strict=True):
+        text = proc.communicate(timeout=120)[0].decode(errors="replace")
+        if proc.returncode != 0:
+            raise RuntimeError(f"edge-agent init for {name} failed: {text[-800:]}")
+        (info["home"] / "init.log").write_text(text)
+        with open(info["config"], "a") as conf:  # quicker state reports than a field device needs
+            conf.write("\n[service]\nstate_interval_s = 2\nupload_ack_timeout_s = 20\nupload_retry_min_s = 1\n"
+                       "upload_retry_max_s = 10\n")
+    return devices
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edge_agent.coordinator.demo",
+                                description="A coordinator and N agent processes on this machine: base model, "
+                                            "then R remote-triggered fine-tune rounds; prints a per-round table.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="example:\n  python -m edge_agent.coordinator.demo --devices 4 --rounds 3")
+    p.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--epochs", type=int, default=3, help="local epochs per round (default 3)")
+    p.add_argument("--update-bytes", type=int, default=384, help="byte budget of each update (default 384)")
+    p.add_argument("--deadline", default="150s", help="per-round deadline (default 150s)")
+    p.add_argument("--out", default="demo-out", help="working directory (default ./demo-out)")
+    args = p.parse_args(argv)
+    if not 1 <= args.devices <= 16 or not 1 <= args.rounds <= 20:
+        p.error("--devices must be 1..16 and --rounds 1..20")
+
+    def interrupted(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    procs = Processes()
+    batteries: list[Any] = []
+    try:
+        out = Path(args.out).resolve()
+        for stale in ("coordinator", "devices", "demo-report.json", "demo-plot.png"):
+            path = out / stale
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        return run(args, out, procs, batteries)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the coordinator and the agents ...", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for battery in batteries:
+            battery.stop()
+        procs.stop_all()
+
+
+def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[Any]) -> int:
+    from ..transport.broker import free_port
+    from .demo_fleet import BATTERY_WH, LOAD_W, BatterySimulator, GlobalEvaluator, held_out
+    from .demo_report import collect, plot, print_table
+    from .registry import Registry
+    from .service_files import read_serve_file
+
+    bundle = build_base(out, args.devices)
+    port = free_port()
+    coord = out / "coordinator"
+    cli = [PY, "-m", "edge_agent.coordinator.cli"]
+    procs.start("coordinator", [*cli, "serve", "--embedded-broker", "--broker", f"127.0.0.1:{port}", "--auto-approve",
+                                "--fleet", "demo", "--state-dir", str(coord), "--tick", "0.5"], out / "coordinator.log")
+    say(f"coordinator: `edge-coordinator serve --embedded-broker` on 127.0.0.1:{port} (amqtt in-process), "
+        f"state {coord}")
+    wait_for("the coordinator to connect", lambda: (read_serve_file(coord) or {}).get("connected"), 60, procs)
+    key = run_cli([*cli, "key", "--state-dir", str(coord)]).strip()
+    run_cli([*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)],
+            log=out / "cli.log")
+    say(f"registered the base bundle as model digits 1; coordinator key {key[:16]}...")
+
+    devices = setup_devices(args, out, port, key)
+    for name, info in devices.items():
+        procs.start(name, [PY, "-m", "edge_agent.agent.cli", "run", "--config", str(info["config"])],
+                    info["home"] / "agent.log")
+    battery = BatterySimulator({n: (d["root"], d["state"], d["battery"]) for n, d in devices.items()}).start()
+    batteries.append(battery)
+    say(f"{len(devices)} agents started: " + ", ".join(
+        f"{n} ({d['samples']} digits, {d['classes']} classes, battery {d['battery']:.0f}%)" for n, d in devices.items()))
+
+    x, y = held_out(args.devices)
+    evaluator = GlobalEvaluator(bundle, x, y, cache_dir=out / "cache")
+    say(f"global test set: {len(y)} held-out digits through the devices' cameras (int8 backbone: {evaluator.engine})")
+
+    registry = Registry(state_dir=coord)
+    try:
+        def online() -> bool:
+            now = time.time()
+            return sum(d.approved and d.is_online(now, 300) and d.battery_pct is not None
+                       for d in registry.list_devices()) >= len(devices)
+
+        wait_for(f"{len(devices)} devices to enrol and report", online, 120, procs)
+        say(f"{len(devices)} devices enrolled and online; `edge-coordinator train` (its live progress follows):")
+        train = [*cli, "train", "--model", "digits@1", "--devices", "all", "--rounds", str(args.rounds),
+                 "--min-devices", str(max(1, len(devices) - 1)), "--deadline", args.deadline, "--budget-wh", "0.05",
+                 "--epochs", str(args.epochs), "--update-bytes", str(args.update_bytes), "--batch-size", "16",
+                 "--state-dir", str(coord)]
+        print("  $ edge-coordinator " + " ".join(train[3:]), flush=True)
+        code = subprocess.run(train, check=False).returncode
+        if code != 0:
+            raise RuntimeError(f"edge-coordinator train exited with {code}; see {out}/coordinator.log")
+        fleet = {n: {"samples": d["samples"], "classes": d["classes"], "battery": d["battery"],
+                     "battery_end": round(battery.pct(n), 1), "simulated_wh": round(battery.spent[n], 5)}
+                 for n, d in devices.items()}
+        report = collect(registry, evaluator, devices=fleet)
+    finally:
+        registry.close()
+    report.update(wall_time_s=round(time.monotonic() - T0, 1), battery_wh=BATTERY_WH, load_w=LOAD_W)
+    print_table(report)
+    (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "demo-plot.png")
+    say(f"wrote {out / 'demo-report.json'} and {out / 'demo-plot.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

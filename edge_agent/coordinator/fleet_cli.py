@@ -1,0 +1,358 @@
+"""The fleet commands of `edge-coordinator`: serve, key, devices, approve, train, status,
+models, cancel (and `model register`, added to the `model` group by cli.py).
+
+`serve` is the only long-running process. Every other command opens the same SQLite
+registry (WAL: reads never block the service) and either reads it or writes a row the
+running `serve` acts on at its next tick (about a second): a new job, a cancelled job, an
+approval. `train` then follows the job by polling the registry until it ends; Ctrl-C only
+stops watching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import EXIT_OK, EXIT_UNAVAILABLE, EdgeAgentError, InputError
+from .fleet_views import (
+    device_rows,
+    devices_json,
+    job_detail,
+    job_json,
+    jobs_table,
+    model_rows,
+    progress_line,
+    table,
+)
+
+
+class Unavailable(EdgeAgentError):
+    """Nothing to run on: no eligible device, no coordinator serving."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+def state_dir(args: argparse.Namespace) -> Path:
+    return Path(os.path.expanduser(args.state_dir)).resolve()
+
+
+def _registry(args: argparse.Namespace, *, create: bool = False) -> Any:
+    from .registry import DB_NAME, Registry
+
+    root = state_dir(args)
+    if not create and not (root / DB_NAME).exists():
+        raise InputError(f"{root}: no coordinator registry here (run `edge-coordinator serve --state-dir {root}` "
+                         "first, or pass the right --state-dir)")
+    return Registry(state_dir=root)
+
+
+# ---------------------------------------------------------------- serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..transport.mqtt import TlsConfig
+    from .rounds import RoundPolicy
+    from .service import Coordinator, ServeOptions
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("edge_agent.transport.mqtt.paho", "amqtt", "transitions"):  # the embedded broker is chatty
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    host, port = args.broker
+    port = port or (8883 if args.tls else 1883)
+    tls = TlsConfig(ca_certs=args.ca_file, certfile=args.cert_file, keyfile=args.key_file) if args.tls else None
+    password = None
+    if args.password_file:
+        try:
+            password = Path(args.password_file).read_text(encoding="utf-8")[:4096].strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--password-file {args.password_file}: {exc}") from None
+    policy = RoundPolicy(online_within_s=args.online_within, min_battery_pct=args.min_battery,
+                         aggregator=args.aggregator, max_wait_s=args.max_wait)
+    options = ServeOptions(state_dir=state_dir(args), host=host, port=port, fleet=args.fleet,
+                           topic_prefix=args.topic_prefix, tls=tls, username=args.username, password=password,
+                           auto_approve=args.auto_approve, tick_s=args.tick, policy=policy,
+                           metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                           ack_interval=args.ack_interval)
+    broker = None
+    if args.embedded_broker:
+        from ..transport.broker import EmbeddedBroker
+
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise InputError(f"--embedded-broker listens on loopback only; --broker {host} is not loopback")
+        broker = EmbeddedBroker(port=port, host="127.0.0.1" if host == "localhost" else host)
+        broker.start()
+        logging.getLogger(__name__).info("embedded MQTT broker (amqtt) on %s:%d: for trials and the demo, "
+                                         "not for production", host, port)
+    metrics = server = None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if args.metrics_port is not None:
+            from .metrics import CoordinatorMetrics  # prometheus-client: only when asked for
+
+            metrics = CoordinatorMetrics()
+            server = metrics.serve(port=args.metrics_port, address=args.metrics_addr)
+            logging.getLogger(__name__).info("Prometheus metrics on %s", server.url)
+        coordinator = Coordinator(options, metrics=metrics)
+        try:
+            return coordinator.run(stop)
+        finally:
+            coordinator.close()
+    finally:
+        if server is not None:
+            server.close()
+        if broker is not None:
+            broker.stop()
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    from .service_files import PUBLIC_KEY_FILE, coordinator_key
+
+    _, text = coordinator_key(state_dir(args))
+    print(text)
+    if args.verbose:
+        print(f"(also in {state_dir(args) / PUBLIC_KEY_FILE}; give it to `edge-agent init --coordinator-key`)",
+              file=sys.stderr)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- devices and approval
+def cmd_devices(args: argparse.Namespace) -> int:
+    with _registry(args) as reg:
+        devices = reg.list_devices()
+        policy = _policy(args)
+        if args.json:
+            print(json.dumps(devices_json(devices, policy, time.time()), indent=2))
+            return EXIT_OK
+        if not devices:
+            print("no devices yet: start an agent (`edge-agent run`) pointed at this coordinator's broker")
+            return EXIT_OK
+        print(table(device_rows(devices, policy, time.time())))
+        pending = [d.id for d in devices if not d.approved]
+        if pending:
+            print(f"\n{len(pending)} waiting for approval: edge-coordinator approve {' '.join(pending[:3])}"
+                  + (" ..." if len(pending) > 3 else ""))
+    return EXIT_OK
+
+
+def _resolve(devices: list[Any], ref: str) -> Any:
+    """A device by id, id prefix (>= 4 characters) or enrolment code (ABCD-EFGH-IJKL)."""
+    want = ref.strip().lower().replace("-", "") if "-" in ref and len(ref) == 14 else ref.strip().lower()
+    matches = [d for d in devices if d.id == want] or [d for d in devices if len(want) >= 4 and d.id.startswith(want)]
+    if not matches:
+        raise InputError(f"no enrolled device matches {ref!r} (see `edge-coordinator devices`)")
+    if len(matches) > 1:
+        raise InputError(f"{ref!r} matches {len(matches)} devices: {', '.join(d.id for d in matches[:5])}")
+    return matches[0]
+
+
+def _enrolment_line(line: str) -> dict[str, str]:
+    words = line.split()
+    if not words or not words[0].startswith("edge-agent-enrol/"):
+        raise InputError("an enrolment line starts with edge-agent-enrol/1 (printed by `edge-agent init`)")
+    fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    missing = [k for k in ("fleet", "id", "key") if k not in fields]
+    if missing:
+        raise InputError(f"enrolment line lacks {', '.join(missing)}")
+    return fields
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    with _registry(args, create=bool(args.line)) as reg:
+        targets = []
+        for line in args.line or []:
+            fields = _enrolment_line(line)
+            dev = reg.enrol_device(device_id=fields["id"], public_key=fields["key"], fleet=fields["fleet"],
+                                   profile=fields.get("profile", "")[:128] if fields.get("profile") != "none" else "")
+            targets.append(dev)
+        devices = reg.list_devices()
+        targets += [_resolve(devices, ref) for ref in args.devices]
+        if args.all_pending:
+            targets += [d for d in devices if not d.approved]
+        if not targets:
+            raise InputError("name devices to approve (id, id prefix or enrolment code), --line, or --all-pending")
+        from ..keys import enrolment_code, public_key_from_bytes
+
+        for dev in {d.id: d for d in targets}.values():
+            reg.set_approved(dev.id, not args.revoke)
+            code = enrolment_code(public_key_from_bytes(base64.b64decode(dev.public_key)))
+            print(f"{'revoked' if args.revoke else 'approved'} {dev.id} (enrolment code {code}, "
+                  f"{dev.board or 'board not reported yet'})")
+    return EXIT_OK
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    with _registry(args) as reg:
+        dev = _resolve(reg.list_devices(), args.device)
+        tags = set(dev.tags)
+        tags = tags - set(args.tags) if args.remove else tags | set(args.tags)
+        dev = reg.set_tags(dev.id, sorted(tags))
+        print(f"{dev.id}: tags {', '.join(dev.tags) or '(none)'}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- models
+def cmd_register(args: argparse.Namespace) -> int:
+    from .artefacts import ModelArtefacts
+
+    with _registry(args, create=True) as reg:
+        mv = ModelArtefacts(reg).register_bundle(args.bundle, name=args.name, version=args.version,
+                                                 parent=args.parent)
+        art = ModelArtefacts(reg).archive_for(mv)
+        print(f"registered {mv.name} {mv.version}: head tensors {', '.join(reg.load_head(mv))}; archive "
+              f"{art.path} ({art.size} bytes, sha256 {art.sha256[:16]}...)")
+        print(f"train it: edge-coordinator train --model {mv.name} --devices all --rounds 3")
+    return EXIT_OK
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    with _registry(args) as reg:
+        models = reg.list_models(args.name)
+        if args.json:
+            print(json.dumps([{**m.__dict__} for m in models], indent=2, default=str))
+            return EXIT_OK
+        if not models:
+            print("no models registered: edge-coordinator model register BUNDLE --name NAME --version 1")
+            return EXIT_OK
+        print(table(model_rows(models)))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- jobs
+def _policy(args: argparse.Namespace) -> Any:
+    """The running serve's round policy (serve.json), else the defaults."""
+    from .rounds import RoundPolicy
+    from .service_files import read_serve_file
+
+    info = read_serve_file(state_dir(args)) or {}
+    raw = info.get("policy") if isinstance(info.get("policy"), dict) else {}
+    try:
+        return RoundPolicy(**{k: v for k, v in raw.items() if k in RoundPolicy.__dataclass_fields__})
+    except (TypeError, ValueError, EdgeAgentError):
+        return RoundPolicy()
+
+
+def _model(reg: Any, ref: str) -> Any:
+    name, _, version = ref.partition("@")
+    from .records import check_id
+
+    check_id(name, "model name")
+    versions = reg.list_models(name)
+    if not versions:
+        known = sorted({m.name for m in reg.list_models()})
+        raise InputError(f"unknown model {name!r}; registered: {', '.join(known) or 'none'} "
+                         "(edge-coordinator model register BUNDLE --name NAME)")
+    if not version:
+        return versions[-1]
+    for mv in versions:
+        if mv.version == version:
+            return mv
+    raise InputError(f"model {name} has no version {version!r}; it has {', '.join(m.version for m in versions)}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .records import parse_selector
+    from .rounds import RoundEngine
+    from .selection import select_devices
+    from .service_files import read_serve_file, serving
+
+    params: dict[str, Any] = dict(args.param or [])
+    for name in ("epochs", "batch_size", "lr", "update_bytes", "power_cap_w", "aggregator", "devices_per_round"):
+        value = getattr(args, name, None)
+        if value is not None:
+            params[name] = value
+    with _registry(args) as reg:
+        mv = _model(reg, args.model)
+        parse_selector(args.devices)
+        policy = _policy(args)
+        sel = select_devices(reg.list_devices(), args.devices, now=time.time(), online_within_s=policy.online_within_s,
+                             min_battery_pct=float(params.get("min_battery_pct", policy.min_battery_pct)),
+                             budget_wh=args.budget_wh, allow_unknown_power=policy.allow_unknown_power)
+        if not sel.eligible and not sel.ineligible:
+            raise Unavailable(f"no enrolled device matches {args.devices!r} "
+                              f"({len(reg.list_devices())} enrolled; see `edge-coordinator devices`)")
+        if len(sel.eligible) < args.min_devices:
+            why = "\n".join(f"  {d}: {r}" for d, r in sel.ineligible.items())
+            msg = (f"{len(sel.eligible)} eligible device(s) for {args.devices}, --min-devices is {args.min_devices}:\n"
+                   f"{why}")
+            if not args.wait_for_devices:
+                raise Unavailable(msg + "\n(--wait-for-devices queues the job anyway; it starts when enough "
+                                        "devices are eligible, or fails after --deadline)")
+            print(msg)
+        job = RoundEngine(registry=reg, policy=policy).start_job(
+            model_name=mv.name, model_version=mv.version, selector=args.devices, rounds=args.rounds,
+            min_devices=args.min_devices, deadline_s=args.deadline, budget_wh=args.budget_wh, params=params)
+        print(f"job {job.id}: {args.rounds} round(s) of {mv.name} {mv.version} on {args.devices} "
+              f"(>= {args.min_devices} device(s), {args.deadline:.0f} s per round"
+              + (f", {args.budget_wh:g} Wh per device" if args.budget_wh else "") + ")")
+        if not serving(read_serve_file(state_dir(args))):
+            print("warning: no `edge-coordinator serve` is running on this state directory; the job starts "
+                  "when it does", file=sys.stderr)
+        if args.detach:
+            print(f"follow it: edge-coordinator status {job.id}")
+            return EXIT_OK
+        return _follow(reg, job.id, interval=args.poll)
+
+
+def _follow(reg: Any, job_id: str, *, interval: float) -> int:
+    """Print a line whenever the job's progress changes, until it ends (or Ctrl-C)."""
+    from .records import JobStatus
+
+    last = ""
+    try:
+        while True:
+            line, job = progress_line(reg, job_id, time.time())
+            if line != last:
+                print(line, flush=True)
+                last = line
+            if job.status.terminal:
+                print(job_detail(reg, job_id), flush=True)
+                return EXIT_OK if job.status is JobStatus.DONE else 1
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        print(f"\nstopped watching; job {job_id} keeps running (edge-coordinator status {job_id}, "
+              f"edge-coordinator cancel {job_id})")
+        return 130
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _registry(args) as reg:
+        if args.job:
+            reg.get_job(args.job)
+            if args.json:
+                print(json.dumps(job_json(reg, args.job), indent=2))
+            else:
+                print(job_detail(reg, args.job))
+            return EXIT_OK
+        jobs = reg.list_jobs()
+        if args.json:
+            print(json.dumps([job_json(reg, j.id) for j in jobs], indent=2))
+            return EXIT_OK
+        from .service_files import read_serve_file, serving
+
+        info = read_serve_file(state_dir(args))
+        print(f"coordinator: {'serving ' + str(info.get('broker')) if serving(info) else 'not running'}"
+              + (f", fleet {info.get('fleet')}" if info else ""))
+        print(table(jobs_table(reg, jobs)) if jobs else "no jobs yet: edge-coordinator train --model NAME ...")
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from .records import JobStatus
+
+    with _registry(args) as reg:
+        job = reg.get_job(args.job)
+        if job.status.terminal:
+            raise InputError(f"job {job.id} is already {job.status} ({job.reason or 'no reason recorded'})")
+        reg.set_job_status(job.id, JobStatus.CANCELLED, args.reason)
+        print(f"job {job.id} cancelled; the coordinator tells its devices to stop at its next tick")
+    return EXIT_OK

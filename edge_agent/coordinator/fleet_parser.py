@@ -1,0 +1,261 @@
+"""The argument parser of the fleet commands (`edge-coordinator serve|key|devices|approve|
+train|status|models|cancel` and `model register`): options, help texts with examples.
+The commands themselves are in fleet_cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .fleet_cli import (
+    cmd_approve,
+    cmd_cancel,
+    cmd_devices,
+    cmd_key,
+    cmd_models,
+    cmd_register,
+    cmd_serve,
+    cmd_status,
+    cmd_tag,
+    cmd_train,
+)
+
+DEFAULT_STATE_DIR = "~/.local/share/edge-coordinator"
+STATE_ENV = "EDGE_COORDINATOR_STATE_DIR"
+
+
+def _duration(text: str) -> float:
+    """90, 90s, 15m, 2h -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    raw = text.strip().lower()
+    scale = units.get(raw[-1:])
+    try:
+        value = float(raw[:-1] if scale else raw) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90, 90s, 15m or 2h, got {text!r}") from None
+    if not 0 < value <= 30 * 86400:
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be between 1 s and 30 days")
+    return value
+
+
+def _param(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    value: Any = raw
+    for cast in (int, float):
+        try:
+            value = cast(raw)
+            break
+        except ValueError:
+            continue
+    if raw in ("true", "false"):
+        value = raw == "true"
+    return key, value
+
+
+SERVE_HELP = """\
+Run the coordinator: connect to the MQTT broker, enrol devices from their signed hellos,
+record their state, run the training jobs that `edge-coordinator train` queues (signed
+finetune commands, collection until each round's deadline, dropouts recorded with their
+reason, FedAvg or trimmed-mean aggregation), and publish every new model version (retained,
+signed, chunked). Everything is kept in --state-dir (SQLite registry, keys, bundles): a
+restarted coordinator resumes its rounds and loses no received update.
+
+On first start it creates its Ed25519 key and prints the public key; give it to each
+device (`edge-agent init --coordinator-key KEY`). SIGTERM or Ctrl-C stops it cleanly."""
+
+SERVE_EPILOG = """\
+examples:
+  edge-coordinator serve --embedded-broker --auto-approve          # a laptop trial, the demo
+  edge-coordinator serve --broker mqtt.example.net:8883 --tls --ca-file ca.pem \\
+      --cert-file coordinator.pem --key-file coordinator.key --fleet farms \\
+      --state-dir /var/lib/edge-coordinator --metrics-port 9466"""
+
+TRAIN_HELP = """\
+Queue a training job and follow it: R rounds; each round sends a signed finetune command
+to the eligible devices (selector, approved, online, battery, energy for --budget-wh),
+collects their compressed updates until --deadline (or until every device has reported
+or dropped out), aggregates them into a new model version, and the next round trains
+from that version. A device that refuses, fails or is silent is a dropout (listed with
+its reason); a round with fewer than --min-devices accepted updates fails.
+
+Before queueing, the devices matching --devices are checked now; if too few are eligible
+each one's reason is printed and nothing is queued (unless --wait-for-devices)."""
+
+TRAIN_EPILOG = """\
+examples:
+  edge-coordinator train --model digits --devices all --rounds 3 --min-devices 2 \\
+      --deadline 10m --budget-wh 0.5 --epochs 3
+  edge-coordinator train --model birds@2 --devices tag:orchard --rounds 5 --min-devices 10 \\
+      --deadline 2h --budget-wh 2 --aggregator trimmed_mean --devices-per-round 20 --detach
+  edge-coordinator train --model digits --devices board:raspberry-pi-5 --param patience=2
+
+Ctrl-C stops watching; the job keeps running (edge-coordinator status JOB / cancel JOB)."""
+
+
+def _state_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", default=os.environ.get(STATE_ENV, DEFAULT_STATE_DIR), metavar="DIR",
+                   help=f"the coordinator's registry, keys and bundles (default ${STATE_ENV} or {DEFAULT_STATE_DIR})")
+
+
+def _broker(text: str) -> tuple[str, int | None]:
+    from ..agent.cli import _broker as parse
+
+    return parse(text)
+
+
+def add_fleet_commands(sub: Any) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    s = sub.add_parser("serve", help="run the coordinator service (MQTT, rounds, publishing)",
+                       description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=fmt)
+    _state_arg(s)
+    s.add_argument("--broker", type=_broker, default=("127.0.0.1", None), metavar="HOST[:PORT]",
+                   help="MQTT broker (default 127.0.0.1:1883; 8883 with --tls)")
+    s.add_argument("--embedded-broker", action="store_true",
+                   help="run an in-process MQTT broker (amqtt) on the --broker loopback address: trials, demo")
+    s.add_argument("--fleet", default="default", help="fleet name, a topic level (default 'default')")
+    s.add_argument("--topic-prefix", default="edgeft/v1", help="MQTT topic prefix (default edgeft/v1)")
+    s.add_argument("--tls", action="store_true", help="connect with TLS")
+    s.add_argument("--ca-file", help="CA certificate(s) for TLS (default: the system's)")
+    s.add_argument("--cert-file", help="client certificate for mutual TLS")
+    s.add_argument("--key-file", help="client certificate's private key")
+    s.add_argument("--username", help="broker user name")
+    s.add_argument("--password-file", metavar="FILE", help="file holding the broker password")
+    s.add_argument("--auto-approve", action="store_true",
+                   help="approve every device that says hello (trials and the demo; otherwise `approve`)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: any free port; default: off)")
+    s.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="metrics address (default 127.0.0.1)")
+    s.add_argument("--online-within", type=_duration, default=300.0, metavar="DURATION",
+                   help="a device is online if heard from within this (default 300 s)")
+    s.add_argument("--min-battery", type=float, default=30.0, metavar="PCT",
+                   help="select devices with at least this battery, unless on power (default 30)")
+    s.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default="fedavg",
+                   help="default aggregator (a job may choose its own)")
+    s.add_argument("--max-wait", type=_duration, default=None, metavar="DURATION",
+                   help="how long a round waits for enough eligible devices (default: the job's deadline)")
+    s.add_argument("--tick", type=float, default=1.0, metavar="S", help="seconds between round steps (default 1)")
+    s.add_argument("--ack-interval", type=float, default=5.0, metavar="S",
+                   help="at most one ack per repeated upload per S seconds (default 5)")
+    s.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    s.set_defaults(func=cmd_serve)
+
+    k = sub.add_parser("key", help="print the coordinator's public key (created on first use)",
+                       description="Print the coordinator's Ed25519 public key (base64), creating the key pair "
+                                   "in STATE_DIR/keys on first use. Devices refuse commands not signed by it.",
+                       epilog="example:\n  edge-agent init --coordinator-key \"$(edge-coordinator key)\" ...",
+                       formatter_class=fmt)
+    _state_arg(k)
+    k.add_argument("-v", "--verbose", action="store_true", help="also say where the key is kept")
+    k.set_defaults(func=cmd_key)
+
+    d = sub.add_parser("devices", help="list devices: approval, online, battery, board, engine, last seen",
+                       description="List enrolled devices as the registry knows them (from their signed hello "
+                                   "and state messages).",
+                       epilog="examples:\n  edge-coordinator devices\n  edge-coordinator devices --json",
+                       formatter_class=fmt)
+    _state_arg(d)
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.set_defaults(func=cmd_devices)
+
+    a = sub.add_parser("approve", help="approve (or --revoke) devices so their messages are accepted",
+                       description="A device enrols itself with a self-signed hello and waits for approval; only "
+                                   "approved devices' states and updates are accepted. Compare the enrolment code "
+                                   "with the one `edge-agent init` printed on the device.",
+                       epilog="examples:\n  edge-coordinator approve 7kq3xw2mzp4v\n"
+                              "  edge-coordinator approve ABCD-EFGH-IJKL\n  edge-coordinator approve --all-pending\n"
+                              "  edge-coordinator approve --line 'edge-agent-enrol/1 fleet=farms id=... key=...'",
+                       formatter_class=fmt)
+    _state_arg(a)
+    a.add_argument("devices", nargs="*", metavar="DEVICE", help="device id, id prefix (>= 4) or enrolment code")
+    a.add_argument("--all-pending", action="store_true", help="approve every device waiting for approval")
+    a.add_argument("--line", action="append", metavar="LINE",
+                   help="pre-enrol and approve from the line `edge-agent init` printed (repeatable)")
+    a.add_argument("--revoke", action="store_true", help="withdraw approval instead")
+    a.set_defaults(func=cmd_approve)
+
+    g = sub.add_parser("tag", help="add (or --remove) tags on a device, for `train --devices tag:X`",
+                       description="Tags group devices for `train --devices tag:NAME` (e.g. by site or crop).",
+                       epilog="examples:\n  edge-coordinator tag 7kq3xw2m orchard north\n"
+                              "  edge-coordinator tag 7kq3xw2m north --remove", formatter_class=fmt)
+    _state_arg(g)
+    g.add_argument("device", metavar="DEVICE", help="device id, id prefix (>= 4) or enrolment code")
+    g.add_argument("tags", nargs="+", metavar="TAG", help="tags ([A-Za-z0-9._-], up to 64 characters)")
+    g.add_argument("--remove", action="store_true", help="remove these tags instead")
+    g.set_defaults(func=cmd_tag)
+
+    t = sub.add_parser("train", help="queue R fine-tune rounds on a set of devices and follow them",
+                       description=TRAIN_HELP, epilog=TRAIN_EPILOG, formatter_class=fmt)
+    _state_arg(t)
+    t.add_argument("--model", required=True, metavar="NAME[@VERSION]", help="registered model (default: latest)")
+    t.add_argument("--devices", default="all", metavar="all|tag:X|board:Y",
+                   help="which devices (board: matches the board model or profile name); default all")
+    t.add_argument("--rounds", type=int, default=1, metavar="R", help="rounds (default 1)")
+    t.add_argument("--min-devices", type=int, default=1, metavar="N",
+                   help="accepted updates a round needs to produce a version (default 1)")
+    t.add_argument("--deadline", type=_duration, default=600.0, metavar="DURATION",
+                   help="per round: stop collecting after this (default 10m)")
+    t.add_argument("--budget-wh", type=float, default=None, metavar="WH", help="energy each device may spend")
+    t.add_argument("--power-cap-w", type=float, default=None, metavar="W", help="average power cap on devices")
+    t.add_argument("--epochs", type=int, default=None, help="training epochs on each device")
+    t.add_argument("--batch-size", type=int, default=None, help="training batch size on each device")
+    t.add_argument("--lr", type=float, default=None, help="learning rate")
+    t.add_argument("--update-bytes", type=int, default=None, metavar="BYTES", help="byte budget of each update")
+    t.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default=None, help="aggregation rule")
+    t.add_argument("--devices-per-round", type=int, default=None, metavar="K",
+                   help="sample K of the eligible devices each round (default: all)")
+    t.add_argument("--param", type=_param, action="append", metavar="KEY=VALUE",
+                   help="any other job parameter passed to the devices (repeatable)")
+    t.add_argument("--wait-for-devices", action="store_true",
+                   help="queue the job even if too few devices are eligible now")
+    t.add_argument("--detach", action="store_true", help="queue the job and return")
+    t.add_argument("--poll", type=float, default=1.0, metavar="S", help="progress polling interval (default 1 s)")
+    t.set_defaults(func=cmd_train)
+
+    st = sub.add_parser("status", help="jobs and their rounds (one job in detail with JOB)",
+                        description="Jobs with their rounds: devices selected, updates accepted or rejected "
+                                    "(and why), dropouts (and why), bytes, energy and the versions produced.",
+                        epilog="examples:\n  edge-coordinator status\n  edge-coordinator status job-5f2c9a1b07de "
+                               "--json", formatter_class=fmt)
+    _state_arg(st)
+    st.add_argument("job", nargs="?", help="a job id")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=cmd_status)
+
+    m = sub.add_parser("models", help="list registered and produced model versions",
+                       description="Model versions: registered bundles and the head-only versions rounds produced.",
+                       epilog="examples:\n  edge-coordinator models\n  edge-coordinator models digits --json",
+                       formatter_class=fmt)
+    _state_arg(m)
+    m.add_argument("name", nargs="?", help="only this model")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(func=cmd_models)
+
+    c = sub.add_parser("cancel", help="cancel a job (its devices are told to stop)",
+                       description="Cancel a job: its active round ends as cancelled and the running coordinator "
+                                   "sends `cancel` to the devices still working on it.",
+                       epilog="example:\n  edge-coordinator cancel job-5f2c9a1b07de --reason 'wrong model'",
+                       formatter_class=fmt)
+    _state_arg(c)
+    c.add_argument("job", help="job id")
+    c.add_argument("--reason", default="cancelled by operator", help="recorded with the job")
+    c.set_defaults(func=cmd_cancel)
+
+
+def add_register_command(msub: Any) -> None:
+    """`edge-coordinator model register`: part of the `model` group."""
+    r = msub.add_parser("register", help="register a bundle with the coordinator so devices can train it",
+                        description="Store a bundle (directory or archive from `model create`) in the coordinator's "
+                                    "state directory and register its head parameters as a model version. Rounds "
+                                    "then produce head-only versions of it.",
+                        epilog="examples:\n  edge-coordinator model register models/digits-1.tar.gz --name digits "
+                               "--version 1\n  edge-coordinator model register bundle-dir/   # name and version "
+                               "from its manifest", formatter_class=argparse.RawDescriptionHelpFormatter)
+    _state_arg(r)
+    r.add_argument("bundle", metavar="BUNDLE", help="bundle directory or .tar.gz archive")
+    r.add_argument("--name", help="model name (default: the manifest's)")
+    r.add_argument("--version", help="version (default: the manifest's)")
+    r.add_argument("--parent", help="a registered version this one derives from")
+    r.set_defaults(func=cmd_register)

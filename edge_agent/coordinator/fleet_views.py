@@ -1,0 +1,161 @@
+"""What the fleet commands print: tables and summaries read from the registry (no I/O
+besides registry reads; every function returns text or JSON-ready data)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from .records import Device, Job, ModelVersion, ParticipantStatus, RoundRecord, UpdateStatus
+from .registry import Registry
+from .rounds import RoundPolicy
+
+
+def table(rows: Sequence[Sequence[Any]]) -> str:
+    """Rows (the first is the header) as left-aligned columns."""
+    text = [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in text) for i in range(len(text[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in text)
+
+
+def ago(when: float | None, now: float) -> str:
+    if when is None:
+        return "never"
+    s = max(0.0, now - when)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def _short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _battery(dev: Device) -> str:
+    if dev.battery_pct is None:
+        return "mains" if dev.on_power is not False else "?"
+    return f"{dev.battery_pct:.0f}%" + (" chg" if dev.state.get("charging") else "")
+
+
+def _activity(dev: Device) -> str:
+    status = str(dev.state.get("status") or "?")
+    phase = dev.state.get("job_phase") if status == "busy" else None
+    pct = dev.state.get("job_pct")
+    return f"{status} {phase}" + (f" {pct:.0f}%" if isinstance(pct, int | float) and phase == "training" else "") \
+        if phase else status
+
+
+def device_rows(devices: Sequence[Device], policy: RoundPolicy, now: float) -> list[list[str]]:
+    rows = [["ID", "NAME", "APPROVED", "ONLINE", "BATTERY", "BOARD", "ENGINE", "STATE", "LAST SEEN"]]
+    for d in devices:
+        rows.append([d.id, _short(str(d.state.get("name") or "-"), 16), "yes" if d.approved else "PENDING",
+                     "yes" if d.is_online(now, policy.online_within_s) else "no", _battery(d),
+                     _short(d.board or d.profile or "?", 30), d.engine or "-", _activity(d), ago(d.last_seen, now)])
+    return rows
+
+
+def devices_json(devices: Sequence[Device], policy: RoundPolicy, now: float) -> list[dict[str, Any]]:
+    return [{"id": d.id, "name": d.state.get("name"), "fleet": d.fleet, "approved": d.approved,
+             "online": d.is_online(now, policy.online_within_s), "battery_pct": d.battery_pct, "on_power": d.on_power,
+             "energy_wh": d.energy_wh, "board": d.board, "profile": d.profile, "engine": d.engine,
+             "tags": list(d.tags), "state": d.state, "last_seen": d.last_seen, "enrolled_at": d.enrolled_at}
+            for d in devices]
+
+
+def model_rows(models: Sequence[ModelVersion]) -> list[list[str]]:
+    rows = [["MODEL", "VERSION", "PARENT", "KIND", "CREATED", "FROM", "UPDATES", "SAMPLES"]]
+    for m in models:
+        kind = "head-only" if m.head_only else "bundle"
+        rows.append([m.name, m.version, m.parent or "-", kind,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at)),
+                     f"{m.job_id} r{m.round}" if m.job_id else "registered", str(m.metrics.get("updates", "-")),
+                     str(m.metrics.get("samples", "-"))])
+    return rows
+
+
+def jobs_table(reg: Registry, jobs: Sequence[Job]) -> list[list[str]]:
+    rows = [["JOB", "MODEL", "DEVICES", "STATUS", "ROUNDS", "CREATED", "REASON"]]
+    for j in jobs:
+        rounds = reg.list_rounds(j.id)
+        done = sum(r.state.value in ("aggregated", "failed", "cancelled") for r in rounds)
+        rows.append([j.id, f"{j.model_name}@{j.model_version}", j.selector, j.status.value, f"{done}/{j.rounds}",
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created_at)), _short(j.reason, 60)])
+    return rows
+
+
+def round_summary(reg: Registry, rnd: RoundRecord) -> dict[str, Any]:
+    updates = reg.list_updates(rnd.job_id, rnd.number)
+    ok = [u for u in updates if u.status is UpdateStatus.ACCEPTED]
+    wire = sum(u.wire_bytes for u in updates)
+    fp32 = sum(u.fp32_bytes for u in updates)
+    energy = [u.energy_wh for u in updates if u.energy_wh is not None]
+    return {
+        "round": rnd.number, "state": rnd.state.value, "base_version": rnd.base_version,
+        "new_version": rnd.aggregated_version, "reason": rnd.reason, "started_at": rnd.started_at,
+        "ended_at": rnd.ended_at, "selected": rnd.selected,
+        "reported": rnd.with_status(ParticipantStatus.REPORTED), "dropouts": rnd.dropouts,
+        "accepted": [u.device_id for u in ok],
+        "rejected": {u.device_id: u.reason for u in updates if u.status is UpdateStatus.REJECTED},
+        "samples": sum(u.num_samples for u in ok), "wire_bytes": wire, "fp32_bytes": fp32,
+        "compression": round(fp32 / wire, 2) if wire else None, "energy_wh": round(sum(energy), 6) if energy else None,
+        "device_metrics": {u.device_id: u.metrics for u in updates},
+    }
+
+
+def job_json(reg: Registry, job_id: str) -> dict[str, Any]:
+    j = reg.get_job(job_id)
+    return {"id": j.id, "model": j.model_name, "version": j.model_version, "selector": j.selector,
+            "status": j.status.value, "reason": j.reason, "rounds": j.rounds, "min_devices": j.min_devices,
+            "deadline_s": j.deadline_s, "params": j.params, "created_at": j.created_at,
+            "round_results": [round_summary(reg, r) for r in reg.list_rounds(job_id)]}
+
+
+def job_detail(reg: Registry, job_id: str) -> str:
+    j = reg.get_job(job_id)
+    lines = [f"job {j.id}: {j.status.value}" + (f" ({j.reason})" if j.reason else ""),
+             f"  model {j.model_name} {j.model_version} on {j.selector}; {j.rounds} round(s), >= {j.min_devices} "
+             f"device(s), {j.deadline_s:.0f} s per round; params {j.params}"]
+    for rnd in reg.list_rounds(job_id):
+        s = round_summary(reg, rnd)
+        took = f"{rnd.ended_at - rnd.started_at:.0f} s" if rnd.ended_at else "running"
+        lines.append(f"  round {rnd.number} [{rnd.state.value}, {took}] from {rnd.base_version}"
+                     + (f" -> {rnd.aggregated_version}" if rnd.aggregated_version else "")
+                     + (f": {rnd.reason}" if rnd.reason else ""))
+        ratio = f", compression x{s['compression']:.1f}" if s["compression"] else ""
+        energy = f", {s['energy_wh']:.4f} Wh" if s["energy_wh"] is not None else ""
+        lines.append(f"    {len(s['selected'])} selected, {len(s['accepted'])} accepted, {len(s['rejected'])} "
+                     f"rejected, {len(s['dropouts'])} dropout(s); {s['wire_bytes']} bytes up{ratio}{energy}")
+        for dev, why in s["dropouts"].items():
+            lines.append(f"    dropout {dev}: {why}")
+        for dev, why in s["rejected"].items():
+            lines.append(f"    rejected {dev}: {why}")
+    return "\n".join(lines)
+
+
+def progress_line(reg: Registry, job_id: str, now: float) -> tuple[str, Job]:
+    """One line saying where a job is: its current round's counts and its devices' phases."""
+    j = reg.get_job(job_id)
+    rounds = reg.list_rounds(job_id)
+    if not rounds:
+        waiting = f": {j.reason}" if j.reason else ""
+        return f"[{j.status.value}] waiting to start round 1/{j.rounds}{waiting}", j
+    rnd = rounds[-1]
+    counts = Counter(p.status.value for p in rnd.participants.values())
+    text = (f"[{j.status.value}] round {rnd.number}/{j.rounds} {rnd.state.value}: {len(rnd.participants)} selected, "
+            f"{counts['dispatched'] + counts['reported'] + counts['dropped']} dispatched, {counts['reported']} "
+            f"reported, {counts['dropped']} dropped")
+    if rnd.state.value == "open":
+        phases = Counter()
+        devices = {d.id: d for d in reg.list_devices()}
+        for dev_id, part in rnd.participants.items():
+            dev = devices.get(dev_id)
+            if part.status is ParticipantStatus.DISPATCHED and dev is not None and dev.state.get("job") == job_id:
+                phases[str(dev.state.get("job_phase") or "sent")] += 1
+        if phases:
+            text += " (" + ", ".join(f"{n} {p}" for p, n in sorted(phases.items())) + ")"
+        text += f"; deadline {time.strftime('%H:%M:%S', time.localtime(rnd.deadline_at))}"
+    elif rnd.aggregated_version:
+        text += f" -> new version {rnd.aggregated_version}"
+    elif rnd.reason:
+        text += f": {rnd.reason}"
+    return text, j

@@ -1,0 +1,491 @@
+"""`edge-coordinator serve`: the fleet service around the transport-free coordinator core.
+
+One thread, one loop: take the next verified message (or a Rejection) from the broker and
+handle it; every `tick_s` advance the rounds and send what they decided. Everything that
+matters is in the registry before it is acknowledged, so a killed coordinator resumes
+where it was (rounds.py); the broker holds messages for it meanwhile (a fixed client id
+with clean_session=False).
+
+    hello      -> enrol the device (pending approval, or approved with --auto-approve)
+    state      -> record_state (online, battery, energy, busy with which job, engine)
+    progress   -> the device's job phase (shown by `train`); a failed job is a dropout;
+                  its result metrics (accuracy before/after...) ride along with its update
+    refusal    -> a device's policy refusal of a finetune command is a dropout
+    update     -> UpdateReceiver (each (job, device, round) once, duplicates recognised
+                  through the registry) -> chunk reassembly -> RoundEngine.receive_update
+                  -> signed ack (accepted / duplicate / rejected with a reason)
+    tick       -> approvals into the trust store; RoundEngine.tick(); signed `finetune`
+                  commands to every selected device, `cancel` to cancelled rounds' devices;
+                  each version a round uses is published (retained, chunked, signed)
+                  before its commands, and each new version as soon as it is aggregated
+
+Files in the state directory besides the registry: keys/coordinator.key (0600, made on
+first start), coordinator.pub (its public key, base64: `edge-agent init
+--coordinator-key`), keys/seq, replay/, bundles/, and serve.json (pid, broker, policy and
+a heartbeat the CLI reads to tell whether a coordinator is serving this directory).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_json
+from ..errors import EdgeAgentError, InputError, TransientError
+from ..keys import fingerprint, public_key_from_bytes
+from ..protocol import (
+    DEFAULT_PREFIX,
+    MAX_BINARY_BYTES,
+    Kind,
+    Message,
+    Reason,
+    Rejection,
+    ReplayWindow,
+    SequenceCounter,
+    Signer,
+    Topics,
+    TrustStore,
+    Verifier,
+)
+from ..transport import Channel, MqttClient, OutboxKey, TlsConfig, UpdateReceiver, ack_message
+from ..transport.models import publish_model
+from ..transport.uplink import CompletedUpload
+from .artefacts import ModelArtefacts
+from .records import ModelVersion, check_flat
+from .registry import Registry
+from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
+from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 2.0
+# Device state facts kept in the registry (agent/state.py's names); absent ones are cleared.
+STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c", "engine", "models",
+              "job", "job_state", "outbox", "profile", "name")
+RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine",
+                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits")
+_PROTOCOL_REASONS = frozenset(r.value for r in Reason)  # refusals of the message, not of the job
+_CMD_ID = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,47})-r(?P<round>[0-9]{1,10})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    state_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 1883
+    fleet: str = "default"
+    topic_prefix: str = DEFAULT_PREFIX
+    tls: TlsConfig | None = None
+    username: str | None = None
+    password: str | None = None
+    client_id: str | None = None  # default edge-coordinator-<fleet>: fixed, so the broker queues for us
+    auto_approve: bool = False
+    tick_s: float = 1.0
+    policy: RoundPolicy = field(default_factory=RoundPolicy)
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    keepalive: int = 30
+    backoff_base: float = 0.5
+    backoff_cap: float = 30.0
+    ack_interval: float = 5.0  # at most one ack per repeated upload per this many seconds
+    model_chunk_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        Topics(fleet=self.fleet, prefix=self.topic_prefix)  # validates both
+        if not 0.05 <= self.tick_s <= 60:
+            raise ValueError(f"tick_s must be in [0.05, 60], got {self.tick_s}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"bad broker port {self.port}")
+
+
+class Coordinator:
+    """The serve loop. `run(stop)` until `stop` is set; `close()` releases everything."""
+
+    def __init__(self, options: ServeOptions, *, metrics: Any = None) -> None:
+        self.options = o = options
+        self.state_dir = Path(o.state_dir).resolve()
+        self._lock_fd = lock_state_dir(self.state_dir)
+        self.registry = Registry(state_dir=self.state_dir)
+        self.metrics = metrics
+        self.engine = RoundEngine(registry=self.registry, policy=o.policy, metrics=metrics)
+        self.artefacts = ModelArtefacts(self.registry)
+        self.key, self.public_key = coordinator_key(self.state_dir)
+        self.key_id = fingerprint(self.key)
+        self.topics = Topics(fleet=o.fleet, prefix=o.topic_prefix)
+        self.signer = Signer(key=self.key, topics=self.topics,
+                             sequence=SequenceCounter(path=self.state_dir / "keys" / "seq"))
+        self.trust = TrustStore()
+        self._trusted: dict[str, str] = {}
+        self.verifier = Verifier(topics=self.topics, trust=self.trust,
+                                 replay=ReplayWindow(directory=self.state_dir / "replay"))
+        self.client = MqttClient(
+            host=o.host, port=o.port, client_id=o.client_id or _client_id(o.fleet, o.topic_prefix),
+            clean_session=False, keepalive=o.keepalive, tls=o.tls, username=o.username, password=o.password,
+            subscriptions=self.topics.coordinator_subscriptions(), backoff_base=o.backoff_base,
+            backoff_cap=o.backoff_cap, inbox_size=20_000, max_payload=MAX_BINARY_BYTES + 4096)
+        self.channel = Channel(client=self.client, signer=self.signer, verifier=self.verifier, role="coordinator")
+        self.receiver = self._new_receiver()
+        self._receipts: OrderedDict[tuple[OutboxKey, str], Receipt] = OrderedDict()
+        self._results: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
+        self._names: dict[str, str] = {}
+        self._published: set[tuple[str, str]] = set()
+        self._connects = 0
+        self._peeks: dict[str, float] = {}
+        self._next_beat = 0.0
+        self.started_at = time.time()
+        self.errors = 0
+        self._sync_trust()
+
+    def _new_receiver(self) -> UpdateReceiver:
+        return UpdateReceiver(ack_interval=self.options.ack_interval,
+                              is_known=lambda k: self.registry.has_update(k.job, k.device, k.round))
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self, stop: threading.Event) -> int:
+        self.client.start()
+        log.info("coordinator %s: fleet %s on %s:%d (topics %s/...), state %s", self.key_id, self.topics.fleet,
+                 self.options.host, self.options.port, self.topics.root, self.state_dir)
+        log.info("coordinator public key (edge-agent init --coordinator-key): %s", self.public_key)
+        next_tick = 0.0
+        while not stop.is_set():
+            try:
+                result = self.channel.receive(timeout=0.05)
+                if result is not None:
+                    self.handle(result)
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.options.tick_s
+                    self.tick()
+            except Exception:  # a bug or a local fault (disk full): log it, keep serving
+                self.errors += 1
+                log.exception("coordinator loop step failed (%d so far)", self.errors)
+                stop.wait(min(5.0, 0.2 * self.errors))
+        return 0
+
+    def close(self) -> None:
+        try:
+            self._heartbeat(stopped=True)
+        except OSError:
+            pass
+        self.client.stop()
+        self.registry.close()
+        os.close(self._lock_fd)
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, result: Message | Rejection) -> None:
+        if isinstance(result, Rejection):
+            self.channel.reply_to(result)  # a refused update chunk gets a `rejected, retry` ack
+            return
+        device = result.route.device
+        if device is None:
+            return
+        try:
+            if result.kind is Kind.HELLO:
+                self._hello(result, device)
+            elif result.kind is Kind.STATE:
+                self._state(result, device)
+            elif result.kind is Kind.PROGRESS:
+                self._progress(result, device)
+            elif result.kind is Kind.REFUSAL:
+                self._refusal(result, device)
+            elif result.kind is Kind.UPDATE_CHUNK:
+                self._chunk(result)
+        except InputError as exc:  # verified but unacceptable content (an id the registry refuses...)
+            log.warning("%s from %s not recorded: %s", result.kind, device, exc)
+
+    def _hello(self, msg: Message, device: str) -> None:
+        info = msg.body.get("info") or {}
+        text = {k: str(info.get(k) or "")[:128] for k in ("board", "profile", "name")}
+        if text["name"]:
+            self._names[device] = text["name"][:64]
+        try:
+            existing = self.registry.get_device(device)
+        except InputError:
+            existing = None
+        printable = {k: v if v.isprintable() else "" for k, v in text.items()}
+        dev = self.registry.enrol_device(device_id=device, public_key=msg.body["public_key"], fleet=self.topics.fleet,
+                                         board=printable["board"], profile=printable["profile"],
+                                         engine=existing.engine if existing else "", approved=self.options.auto_approve)
+        if self.options.auto_approve and not dev.approved:
+            dev = self.registry.set_approved(device, True)
+        if existing is None:
+            log.info("device %s (%s, %s) enrolled%s", device, printable["name"] or "?", printable["board"] or "?",
+                     "" if dev.approved else f": approve it with `edge-coordinator approve {device}`")
+        if dev.approved and device not in self._trusted:
+            self._sync_trust()
+
+    def _state(self, msg: Message, device: str) -> None:
+        # numpy-free: the device's own encoding of its facts
+        from ..agent.state import facts_from_state
+
+        facts = facts_from_state(msg.body)
+        status = msg.body["status"]
+        state: dict[str, Any] = {"status": status}
+        if status == "offline":  # its last will or its goodbye: keep what it last reported
+            self.registry.record_state(device, online=False, state=state)
+            return
+        for key in STATE_KEYS:
+            value = facts.get(key)
+            state[key] = value if _scalar(value) else None
+        if not state.get("name"):  # cut from a long detail: the hello's, else keep the stored one
+            if device in self._names:
+                state["name"] = self._names[device]
+            else:
+                del state["name"]
+        if status != "busy":
+            state["job"] = None
+        dev = self.registry.record_state(device, online=status != "offline", state=state)
+        engine = state.get("engine")
+        if isinstance(engine, str) and engine and engine != dev.engine and engine.isprintable():
+            self.registry.enrol_device(device_id=device, public_key=dev.public_key, fleet=dev.fleet, board=dev.board,
+                                       profile=dev.profile, engine=engine[:128])
+
+    def _progress(self, msg: Message, device: str) -> None:
+        b = msg.body
+        phase, job, rnd = b["phase"], b.get("job"), b.get("round")
+        update: dict[str, Any] = {"job_phase": phase[:64], "job_pct": b.get("pct")}
+        if job:
+            update["job"] = job
+        self.registry.record_state(device, online=True, state=update)
+        if job is None or rnd is None:
+            return
+        metrics = b.get("metrics") or {}
+        if phase in ("uploading", "done") and metrics:
+            self._results[(job, device, rnd)] = {k: metrics[k] for k in RESULT_METRICS if _scalar(metrics.get(k))}
+            while len(self._results) > 10_000:
+                self._results.popitem(last=False)
+        if phase == "failed":
+            self._dropout(job, rnd, device, f"failed: {str(b.get('detail', ''))[:400]}")
+
+    def _refusal(self, msg: Message, device: str) -> None:
+        reason, cmd = msg.body["reason"], msg.body.get("ref_cmd_id") or ""
+        log.warning("device %s refused %s: %s: %s", device, cmd or "a message", reason, msg.body["detail"][:200])
+        match = _CMD_ID.fullmatch(cmd)
+        if match is None or reason in _PROTOCOL_REASONS:  # a replayed or expired copy is not a "no"
+            return
+        self._dropout(match["job"], int(match["round"]), device, f"refused:{reason}")
+
+    def _dropout(self, job: str, rnd: int, device: str, why: str) -> None:
+        try:
+            if self.engine.record_dropout(job, rnd, device, why):
+                log.info("job %s round %d: device %s dropped out (%s)", job, rnd, device, why)
+        except InputError:  # not a participant of that round (or no such job): nothing to record
+            pass
+
+    # ------------------------------------------------------------------ updates
+    def _chunk(self, msg: Message) -> None:
+        got = self.receiver.add(msg)
+        slot = (got.key, got.upload)
+        if got.status == "complete" and got.update is not None:
+            try:
+                receipt = self.receive(got.update)
+            except Exception:
+                # Not stored and not acked: forget it was complete, so the device's resend is taken.
+                self.receiver = self._new_receiver()
+                raise
+            self._receipts[slot] = receipt
+            while len(self._receipts) > 10_000:
+                self._receipts.popitem(last=False)
+        elif got.status == "duplicate" and got.ack_due:
+            receipt = self._receipts.get(slot)
+            if receipt is None and self.registry.has_update(got.key.job, got.key.device, got.key.round):
+                receipt = Receipt("duplicate")
+            if receipt is None:
+                return
+            if receipt.status == "accepted":
+                receipt = Receipt("duplicate")
+        else:
+            return
+        self._ack(got.key, got.upload, receipt)
+
+    def receive(self, upload: CompletedUpload) -> Receipt:
+        """Reassemble, check and store one complete upload; returns what to acknowledge."""
+        from ..updates import Reassembler, UpdateError
+        from ..updates.wire import unpack_update
+
+        key = upload.key
+        payload = None
+        try:
+            reassembler = Reassembler()
+            for chunk in upload.chunks:
+                done = reassembler.add(chunk)
+                payload = done.payload if done is not None else payload
+            if payload is None:
+                return Receipt("rejected", "malformed", "the chunks do not make a complete update")
+            header, _ = unpack_update(payload)
+        except UpdateError as exc:
+            return Receipt("rejected", "malformed", str(exc)[:512])
+        if (header.job_id, header.device_id, header.round) != (key.job, key.device, key.round):
+            return Receipt("rejected", "key_mismatch", f"payload is for {header.key}, chunks say "
+                                                       f"{(key.job, key.device, key.round)}")
+        result = self._results.get((key.job, key.device, key.round), {})
+        samples = upload.samples if upload.samples is not None else result.get("num_samples")
+        energy = upload.energy_wh if upload.energy_wh is not None else result.get("energy_wh")
+        metrics = {k: v for k, v in result.items() if k not in ("num_samples",)}
+        try:
+            metrics = check_flat(metrics, "metrics")
+        except InputError:
+            metrics = {}
+        receipt = self.engine.receive_update(payload, sender=key.device, num_samples=samples,
+                                             wire_bytes=sum(len(c) for c in upload.chunks), energy_wh=energy,
+                                             metrics=metrics)
+        log.info("update %s round %d from %s: %s%s", key.job, key.round, key.device, receipt.status,
+                 f" ({receipt.reason}: {receipt.detail[:200]})" if receipt.reason else "")
+        return receipt
+
+    def _ack(self, key: OutboxKey, upload: str, receipt: Receipt) -> None:
+        topic, payload = ack_message(self.signer, self.topics, key, upload, receipt.status,
+                                     reason=receipt.reason or None, detail=receipt.detail or None)
+        if not self.client.publish_wait(topic, payload, timeout=10.0):
+            log.warning("ack for %s not delivered to the broker; the device will send again", key)
+
+    # ------------------------------------------------------------------ the periodic step
+    def tick(self) -> None:
+        connects = self.client.stats["connects"]
+        if connects != self._connects:  # a new connection: the broker may have lost retained models
+            self._connects, self._published = connects, set()
+        self._sync_trust()
+        self._unpeek()
+        result = self.engine.tick()
+        for plan in result.cancelled:
+            self._cancel(plan)
+        for outcome in result.closed:
+            log.info("job %s round %d %s%s: accepted %d, rejected %d, dropouts %d (%s)", outcome.job_id,
+                     outcome.round, outcome.state, f" -> version {outcome.new_version.version}"
+                     if outcome.new_version else "", len(outcome.accepted), len(outcome.rejected),
+                     len(outcome.dropouts), outcome.reason or "ok")
+            if outcome.new_version is not None and self.client.connected:
+                self._publish_safely(outcome.new_version)
+        for job_id, why in result.failed.items():
+            log.error("job %s failed: %s", job_id, why)
+        if self.client.connected:
+            for plan in self.engine.pending_dispatches():
+                self._dispatch(plan)
+        if time.monotonic() >= self._next_beat:
+            self._heartbeat()
+
+    def _publish_safely(self, mv: ModelVersion) -> bool:
+        try:
+            self.publish(mv)
+            return True
+        except EdgeAgentError as exc:  # broker gone (retried later) or an unusable bundle (logged)
+            log.warning("model %s %s not published: %s", mv.name, mv.version, exc)
+            return False
+
+    def publish(self, mv: ModelVersion) -> dict[str, Any]:
+        """Publish a version's bundle archive (retained, signed chunks, then the manifest)."""
+        art = self.artefacts.archive_for(mv)
+        meta = {"parent": mv.parent or "", "head_only": mv.head_only, "head_bytes": art.head_bytes}
+        manifest = publish_model(self.client, self.signer, self.topics, name=mv.name, version=mv.version,
+                                 bundle=art.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
+                                 meta=meta)
+        self._published.add((mv.name, mv.version))
+        log.info("published model %s %s: %d bytes (sha256 %s)%s", mv.name, mv.version, art.size, art.sha256[:12],
+                 f", only the head changed ({art.head_bytes} bytes)" if mv.head_only else "")
+        return manifest
+
+    def _dispatch(self, plan: RoundPlan) -> None:
+        mv = self.registry.get_model(plan.model_name, plan.model_version)
+        try:
+            art = self.artefacts.archive_for(mv)
+            if (mv.name, mv.version) not in self._published:
+                self.publish(mv)
+        except TransientError as exc:  # the broker did not take it: retried next tick
+            log.warning("model %s %s not published yet: %s", mv.name, mv.version, exc)
+            return
+        except EdgeAgentError as exc:  # no usable bundle: these devices cannot train this round
+            log.error("job %s round %d: model %s %s cannot be sent: %s", plan.job_id, plan.round, mv.name,
+                      mv.version, exc)
+            for device in plan.devices:
+                self.engine.record_dispatch(plan.job_id, plan.round, device, ok=False, reason=str(exc)[:300])
+            return
+        now = time.time()
+        params = {k: v for k, v in plan.params.items() if _scalar(v) and v is not None}
+        params["deadline"] = int(plan.deadline_at)
+        ttl = min(86400.0, max(60.0, plan.deadline_at - now))
+        for device in plan.devices:
+            body = {"cmd_id": plan.cmd_id, "action": "finetune", "job": plan.job_id, "round": plan.round,
+                    "model": plan.model_name, "version": plan.model_version, "sha256": art.sha256, "params": params}
+            try:
+                sent = self.channel.send(self.topics.device(device, "cmd"), Kind.CMD, body, ttl=ttl, timeout=10.0)
+            except ValueError as exc:  # a job parameter our own schema refuses: the device cannot be told
+                self.engine.record_dispatch(plan.job_id, plan.round, device, ok=False, reason=str(exc)[:200])
+                continue
+            if sent:
+                self.engine.record_dispatch(plan.job_id, plan.round, device, ok=True)
+                log.info("job %s round %d: finetune sent to %s", plan.job_id, plan.round, device)
+            else:
+                return  # disconnected: the rest stay selected and are sent on a later tick
+
+    def _cancel(self, plan: RoundPlan) -> None:
+        for device in plan.devices:
+            body = {"cmd_id": f"{plan.cmd_id}-cancel", "action": "cancel", "job": plan.job_id, "round": plan.round}
+            if not self.channel.send(self.topics.device(device, "cmd"), Kind.CMD, body, ttl=3600, timeout=5.0):
+                log.warning("cancel of job %s not delivered to %s", plan.job_id, device)
+        log.info("job %s round %d cancelled; told %d device(s)", plan.job_id, plan.round, len(plan.devices))
+
+    def _sync_trust(self) -> None:
+        """Approved devices' keys into the trust store (approvals come from the CLI too)."""
+        approved = self.registry.approved_keys()
+        for device, key in approved.items():
+            if self._trusted.get(device) == key:
+                continue
+            try:
+                self.trust.add(public_key_from_bytes(base64.b64decode(key, validate=True)), role="device")
+            except (InputError, ValueError):
+                log.error("device %s: stored public key is unusable", device)
+                continue
+            if device in self._trusted or self._connects == 0:
+                self._trusted[device] = key
+                continue
+            self._trusted[device] = key
+            # Newly approved: its retained state was refused before; subscribing again re-delivers it.
+            topic = self.topics.device(device, "state")
+            self.client.subscribe(topic)
+            self._peeks[topic] = time.monotonic() + 5.0
+            log.info("device %s approved: messages from it are now accepted", device)
+        for device in [d for d in self._trusted if d not in approved]:
+            self.trust.remove(device)
+            del self._trusted[device]
+            log.info("device %s no longer approved: its messages are refused", device)
+
+    def _unpeek(self) -> None:
+        now = time.monotonic()
+        for topic in [t for t, until in self._peeks.items() if now >= until]:
+            self.client.unsubscribe(topic)
+            del self._peeks[topic]
+
+    def _heartbeat(self, *, stopped: bool = False) -> None:
+        o = self.options
+        info: dict[str, Any] = {
+            "pid": os.getpid(), "started_at": self.started_at, "heartbeat_at": time.time(),
+            "broker": f"{o.host}:{o.port}", "fleet": o.fleet, "topic_prefix": o.topic_prefix,
+            "connected": self.client.connected, "coordinator_key": self.public_key, "key_id": self.key_id,
+            "auto_approve": o.auto_approve, "policy": asdict(o.policy), "errors": self.errors,
+            "metrics_port": o.metrics_port}
+        if stopped:
+            info["stopped_at"] = time.time()
+        atomic_write_json(self.state_dir / SERVE_FILE, info)
+        self._next_beat = time.monotonic() + HEARTBEAT_S
+
+
+def _client_id(fleet: str, prefix: str) -> str:
+    """Fixed per fleet (the broker keeps the session across restarts); fleets under other
+    topic prefixes on the same broker get their own."""
+    if prefix == DEFAULT_PREFIX:
+        return f"edge-coordinator-{fleet}"
+    return f"edge-coordinator-{fleet}-{hashlib.sha256(prefix.encode()).hexdigest()[:8]}"
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= 256 and value.isprintable()
+    return value is None or isinstance(value, bool | int) or (isinstance(value, float) and value == value
+                                                              and abs(value) != float("inf"))

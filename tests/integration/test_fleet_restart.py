@@ -1,0 +1,119 @@
+"""Restarts in the middle of a round: the coordinator killed with -9 (real agents), and the
+broker restarted while an update is half uploaded. Nothing received is lost, nothing is
+counted twice."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from edge_agent.agent.jobs import JobState, JobStore
+from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
+from edge_agent.transport import Outbox, OutboxKey
+from tests.integration.conftest import (
+    DeviceLoop,
+    announce,
+    board_tree,
+    device_data,
+    fake_update,
+    online_devices,
+    register_digits,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.slow  # three real agents train
+def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
+        mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
+    _, archive = digits_bundle
+    coordinator = serve(mosquitto.port).start()
+    register_digits(coordinator, archive, tmp_path)
+    agents_ = [agents(tmp_path, mosquitto.port, name=f"agent{i}", data_dir=device_data(tmp_path / f"data{i}", device=i),
+                      sysfs_root=board_tree(tmp_path / f"board{i}", battery_pct=90)).start() for i in range(3)]
+    assert wait_for(lambda: len(online_devices(coordinator)) == 3, 90), coordinator.log_tail()
+    out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3",
+                          "--deadline", "240s", "--epochs", "1", "--batch-size", "16", "--detach").stdout
+    job_id = out.split()[1].rstrip(":")
+
+    def stored() -> int:
+        with coordinator.registry() as reg:
+            return len(reg.list_updates(job_id))
+
+    # kill it as soon as the first update is in: the others are in training or on the wire
+    assert wait_for(lambda: stored() >= 1, 180, interval=0.01), coordinator.log_tail()
+    coordinator.kill9()
+    killed_at, before = time.time(), stored()
+    assert before < 3, "every update was in before the kill: nothing was in flight"
+    # while it is down every agent finishes and sends; the broker keeps them for its session
+    local = f"{job_id}-r1"
+
+    def agent_state(agent):
+        try:
+            return JobStore(agent.state_dir / "jobs").load(local).state
+        except FileNotFoundError:
+            return None
+
+    assert wait_for(lambda: all(agent_state(a) in (JobState.UPLOADING, JobState.DONE) for a in agents_), 180), \
+        [a.log_tail(1500) for a in agents_]
+    coordinator.start()
+    with coordinator.registry() as reg:
+        assert wait_for(lambda: reg.get_job(job_id).status.terminal, 120), coordinator.log_tail()
+        job = reg.get_job(job_id)
+        assert job.status is JobStatus.DONE, (job, coordinator.log_tail())
+        (rnd,) = reg.list_rounds(job_id)
+        assert rnd.state is RoundState.AGGREGATED and rnd.dropouts == {}
+        updates = reg.list_updates(job_id)
+        assert sorted(u.device_id for u in updates) == sorted(a.id for a in agents_)  # one row per device
+        assert all(u.status is UpdateStatus.ACCEPTED for u in updates)
+        assert reg.get_model("digits", rnd.aggregated_version).metrics["updates"] == 3
+        assert sum(u.received_at > killed_at for u in updates) == 3 - before  # in flight, then delivered
+    # every agent got its ack: jobs done, outboxes empty
+    assert wait_for(lambda: all(agent_state(a) is JobState.DONE for a in agents_), 60)
+    assert all(not any((a.state_dir / "outbox" / "items").iterdir()) for a in agents_)
+    assert coordinator.alive and all(a.alive for a in agents_)
+
+
+def test_broker_restarted_mid_upload_the_update_arrives_once_intact(mosquitto, fleet, serve, tmp_path, digits_bundle):
+    _, archive = digits_bundle
+    coordinator = serve(mosquitto.port).start()
+    register_digits(coordinator, archive, tmp_path)
+    side = fleet.device(mosquitto.port, name="dev")
+    announce(fleet, side)
+    outbox = Outbox(directory=tmp_path / "outbox")
+    device = DeviceLoop(fleet, side, outbox, max_chunks=1, pause=0.1, ack_timeout=3.0).start()
+    assert wait_for(lambda: online_devices(coordinator) == [side.id], 30), coordinator.log_tail()
+    coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--deadline", "120s",
+                    "--detach")
+    assert wait_for(lambda: device.commands, 30), coordinator.log_tail()
+    cmd = device.commands[0]
+    with coordinator.registry() as reg:
+        chunks = fake_update(reg, side, cmd, chunk_size=128)
+    assert len(chunks) >= 15
+    key = OutboxKey(cmd.body["job"], side.id, cmd.body["round"])
+    outbox.put(key, chunks, meta={"samples": 40, "energy_wh": 0.01})
+    assert wait_for(lambda: (item := outbox.get(key)) is None or item.next_index >= len(chunks) // 2, 30)
+    assert outbox.get(key) is not None and outbox.get(key).state != "awaiting_ack"  # really mid-upload
+
+    mosquitto.restart(down_for=0.5)  # the chunks sent so far die with the broker's memory
+    # both sides reconnect; the device, never acked, sends the whole update again
+    assert wait_for(lambda: outbox.get(key) is None, 60), coordinator.log_tail()
+    with coordinator.registry() as reg:
+        assert wait_for(lambda: reg.get_job(cmd.body["job"]).status.terminal, 30)
+        (update,) = reg.list_updates(cmd.body["job"])
+        payload_sha = hashlib.sha256(b"".join(_payload(chunks))).hexdigest()
+        assert update.sha256 == payload_sha and update.status is UpdateStatus.ACCEPTED and update.num_samples == 40
+        assert reg.get_job(cmd.body["job"]).status is JobStatus.DONE
+    assert device.ack_results.count("acked") == 1 and not device.errors
+    assert coordinator.alive
+
+
+def _payload(chunks):
+    from edge_agent.updates import Reassembler
+
+    r = Reassembler()
+    done = [x for x in (r.add(c) for c in chunks) if x is not None]
+    return [done[0].payload]

@@ -1,0 +1,149 @@
+"""A full remote-triggered round: `edge-coordinator serve` + three `edge-agent run` processes
++ `edge-coordinator train`, on a real mosquitto and on the embedded amqtt broker."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+from edge_agent.coordinator.aggregate import apply_delta, fedavg
+from edge_agent.coordinator.mxparams import load_params, split_names
+from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
+from edge_agent.int8.bundle import HEAD_PARAMS, unpack_bundle
+from edge_agent.protocol import Kind
+from edge_agent.transport.broker import free_port
+from edge_agent.transport.models import ModelDownload
+from tests.integration.conftest import (
+    board_tree,
+    device_data,
+    online_devices,
+    register_digits,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train: ~30 s each
+TRAIN = ("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3", "--deadline", "150s",
+         "--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--update-bytes", "1024", "--poll", "0.3")
+
+
+def start_agents(agents, tmp_path, port, n=3):
+    made = []
+    for i in range(n):
+        agent = agents(tmp_path, port, name=f"agent{i}", sysfs_root=board_tree(tmp_path / f"board{i}", battery_pct=90),
+                       data_dir=device_data(tmp_path / f"data{i}", device=i))
+        made.append(agent.start())
+    return made
+
+
+def run_round(coordinator, agents_, tmp_path, archive):
+    register_digits(coordinator, archive, tmp_path)
+    assert wait_for(lambda: len(online_devices(coordinator)) == 3, 90), \
+        coordinator.log_tail() + "\n".join(a.log_tail(1500) for a in agents_)
+    done = coordinator.cli(*TRAIN, check=False, timeout=400)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{coordinator.log_tail()}\n" + \
+        "\n".join(a.log_tail(2000) for a in agents_)
+    return done.stdout
+
+
+def check_round(coordinator, agents_, stdout):
+    """The job ran one aggregated round from 3 accepted updates, and the new head is exactly
+    base + the sample-weighted mean of the stored deltas."""
+    assert "round 1/1 open" in stdout and "-> new version" in stdout, stdout
+    with coordinator.registry() as reg:
+        (job,) = reg.list_jobs()
+        assert job.status is JobStatus.DONE, job
+        (rnd,) = reg.list_rounds(job.id)
+        assert rnd.state is RoundState.AGGREGATED and rnd.dropouts == {}
+        updates = reg.list_updates(job.id, 1)
+        assert sorted(u.device_id for u in updates) == sorted(a.id for a in agents_)
+        assert all(u.status is UpdateStatus.ACCEPTED and u.num_samples > 0 and u.wire_bytes > 0 for u in updates)
+        assert all(0 <= u.metrics["accuracy_after"] <= 1 for u in updates)  # the device's result rode along
+        base, new = reg.get_model("digits", "1"), reg.get_model("digits", rnd.aggregated_version)
+        assert new.head_only and new.parent == "1" and new.metrics["updates"] == 3
+        expected = apply_delta(reg.load_head(base), fedavg([(reg.load_delta(u), u.num_samples) for u in updates]))
+        head = reg.load_head(new)
+        for name, value in expected.items():
+            np.testing.assert_allclose(head[name], value, rtol=1e-6, atol=1e-7)
+        assert any(not np.array_equal(head[n], reg.load_head(base)[n]) for n in head)
+
+        def engines():  # learnt from each device's state, published once its job is done
+            devices = {d.id: d for d in reg.list_devices()}
+            return all(devices[a.id].engine for a in agents_)
+
+        assert wait_for(engines, 30), [d.state for d in reg.list_devices()]
+    return job, new, head
+
+
+def fetch_published(fleet, port, name, version, tmp_path):
+    """A fresh device-side download of the retained, signed bundle of `version`."""
+    side = fleet.device(port, name="fetcher")
+    download = ModelDownload(directory=tmp_path / "fetched", name=name, version=version)
+    side.client.subscribe(download.filter(fleet.topics))
+    got = []
+
+    def step():
+        msg = side.channel.receive(0.05)
+        if msg is not None and getattr(msg, "kind", None) in (Kind.MANIFEST, Kind.MODEL_CHUNK):
+            path = download.add(msg)
+            got.extend([path] if path else [])
+        return bool(got)
+
+    assert wait_for(step, 30, interval=0)
+    return got[0], download.manifest
+
+
+def test_full_round_with_three_agents_on_mosquitto(mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
+    _, archive = digits_bundle
+    metrics_port = free_port()
+    coordinator = serve(mosquitto.port, extra=("--metrics-port", str(metrics_port))).start()
+    agents_ = start_agents(agents, tmp_path, mosquitto.port)
+    stdout = run_round(coordinator, agents_, tmp_path, archive)
+    job, new, head = check_round(coordinator, agents_, stdout)
+
+    # the new version is published, retained and signed: a device that was offline fetches it later
+    path, manifest = fetch_published(fleet, mosquitto.port, "digits", new.version, tmp_path)
+    local = coordinator.state_dir / "bundles" / "digits" / f"{new.version}.tar.gz"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest["sha256"] == \
+        hashlib.sha256(local.read_bytes()).hexdigest()
+    assert manifest["meta"]["head_only"] is True and manifest["meta"]["parent"] == "1"
+    bundle = unpack_bundle(path, tmp_path / "unpacked")
+    assert bundle.manifest.version == new.version and bundle.manifest.parent_version == "1"
+    published_head, _ = split_names(load_params(bundle.read(HEAD_PARAMS)))
+    for name, value in head.items():
+        np.testing.assert_array_equal(published_head[name], value)
+
+    # the operator's view
+    devices = coordinator.cli("devices").stdout
+    assert devices.count("90%") == 3 and "Raspberry Pi 4" in devices, devices
+    status = coordinator.cli("status", job.id).stdout
+    assert "3 accepted, 0 rejected, 0 dropout(s)" in status, status
+    assert new.version in coordinator.cli("models").stdout
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert 'edge_coordinator_rounds_total{status="aggregated"} 1.0' in text
+    assert 'edge_coordinator_updates_total{status="accepted"} 3.0' in text
+    assert all(a.alive for a in agents_) and coordinator.alive
+
+    # an agent that stops says so; the coordinator keeps what it last reported
+    agents_[0].stop()
+
+    def gone():
+        rows = {d["id"]: d for d in json.loads(coordinator.cli("devices", "--json").stdout)}
+        return not rows[agents_[0].id]["online"] and rows[agents_[0].id]["battery_pct"] == 90
+
+    assert wait_for(gone, 60), coordinator.cli("devices").stdout
+
+
+def test_the_same_round_on_the_embedded_broker(fleet, agents, serve, tmp_path, digits_bundle):
+    _, archive = digits_bundle
+    port = free_port()
+    coordinator = serve(port, embedded=True).start()
+    agents_ = start_agents(agents, tmp_path, port)
+    stdout = run_round(coordinator, agents_, tmp_path, archive)
+    _, new, _ = check_round(coordinator, agents_, stdout)
+    path, manifest = fetch_published(fleet, port, "digits", new.version, tmp_path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest["sha256"]
+    assert coordinator.alive
