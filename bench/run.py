@@ -3,7 +3,10 @@
 Each benchmark module defines `run(quick: bool = False) -> str` returning a Markdown
 section (its own `## Heading`, the figures, and how they were measured). Benchmarks compare
 side by side in one run, as ratios, median of repetitions: the machine is shared and noisy.
-Usage: python -m bench.run [--quick] [--only NAME ...]
+
+Each section is kept between `<!-- bench:NAME -->` markers with the command that produced
+it, so `--only NAME` re-runs one benchmark and replaces just its section.
+Usage: python -m bench.run [--quick] [--only NAME ...] [--output FILE]
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import importlib
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -54,29 +58,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         names = [n for n in names if n in args.only]
     command = "make bench" if not (args.quick or args.only) else "python -m bench.run " + " ".join(sys.argv[1:])
-    sections = []
+    sections: dict[str, str] = {}
     failed = 0
     for name in names:
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()
         try:
             module = importlib.import_module(f"bench.{name}")
-            sections.append(module.run(quick=args.quick).rstrip() + "\n")
+            body = module.run(quick=args.quick).rstrip() + "\n"
         except Exception:  # one broken benchmark must not hide the others' figures
             failed += 1
-            sections.append(f"## {name}\n\nFAILED:\n\n```\n{traceback.format_exc()}```\n")
-        print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
+            body = f"## {name}\n\nFAILED:\n\n```\n{traceback.format_exc()}```\n"
+        elapsed = time.perf_counter() - start
+        sections[name] = (f"<!-- bench:{name} -->\n{body}\n_Produced by `{command}` on "
+                          f"{time.strftime('%Y-%m-%d')} in {elapsed:.0f} s._\n<!-- /bench:{name} -->\n")
+        print(f"[bench] {name} done in {elapsed:.0f} s", flush=True)
+    output = Path(args.output)
+    kept = _existing_sections(output) if args.only and output.exists() else {}
+    kept.update(sections)
     header = (
         "# Benchmarks\n\n"
-        f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.\n\n"
+        "Written by `make bench` (all benchmarks) or `python -m bench.run --only NAME` (one "
+        "section, replaced in place); each section names the command that produced it.\n\n"
         f"Machine: {machine_description()}.\n\n"
         "The machine is shared and noisy: figures are ratios measured side by side in one run, "
         "medians of repetitions.\n\n"
     )
-    Path(args.output).write_text(header + "\n".join(sections))
-    print(f"[bench] wrote {args.output}")
+    output.write_text(header + "\n".join(kept[name] for name in sorted(kept)))
+    print(f"[bench] wrote {output}")
     return 1 if failed else 0
 
+
+def _existing_sections(path: Path) -> dict[str, str]:
+    """The marked sections of an earlier BENCHMARKS.md, by benchmark name."""
+    text = path.read_text()
+    return {m.group(1): m.group(0) + "\n"
+            for m in re.finditer(r"<!-- bench:(\w+) -->.*?<!-- /bench:\1 -->", text, flags=re.S)}
 
 if __name__ == "__main__":
     raise SystemExit(main())
