@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from .errors import EXIT_CODES, EXIT_CONFIG, EXIT_OK, EXIT_USAGE, EdgeAgentError
+from .errors import EXIT_CODES, EXIT_CONFIG, EXIT_OK, EXIT_USAGE, run_command
 
 log = logging.getLogger("edge_agent")
 
@@ -143,13 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    try:
-        return int(args.func(args) or 0)
-    except EdgeAgentError as exc:
-        print(f"edge-agent: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return run_command("edge-agent", lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ fatal ones are reported. Exit codes follow sysexits(3) so that systemd's
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a runtime failure; systemd may restart
 EXIT_USAGE = 64  # bad command line (EX_USAGE)
@@ -50,3 +53,15 @@ class TransientError(EdgeAgentError):
 
 class FatalError(EdgeAgentError):
     """Not worth retrying; reported to the coordinator."""
+
+
+def run_command(prog: str, command: Callable[[], int | None]) -> int:
+    """Run a CLI command: an EdgeAgentError becomes one line on stderr and its exit code
+    (never a traceback for a user's mistake); Ctrl-C exits 130 like a shell."""
+    try:
+        return int(command() or 0)
+    except EdgeAgentError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130

@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, EdgeAgentError
+from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, EdgeAgentError, run_command
 
 INIT_DESCRIPTION = """\
 Set this device up for a fleet: create its Ed25519 key (0600; kept if it already exists),
@@ -255,13 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except EdgeAgentError as exc:
-        print(f"edge-agent: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return run_command("edge-agent", lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, EdgeAgentError, InputError
+from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, InputError, run_command
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
 
@@ -222,13 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    try:
-        return int(args.func(args) or 0)
-    except EdgeAgentError as exc:
-        print(f"edge-coordinator: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return run_command("edge-coordinator", lambda: args.func(args))
 
 
 if __name__ == "__main__":
