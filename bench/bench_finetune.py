@@ -1,205 +1,323 @@
-"""On-device fine-tuning: this project's int8-backbone + head fine-tune vs full fp32
+"""On-device fine-tuning (issue 4): this project's fine-tune -- frozen int8 backbone on the
+selected engine, features once, MXNet head trained under the budget governor -- vs full fp32
 fine-tuning of the whole network in MXNet, to the same validation accuracy, in one run.
 
-Scenario (edge_agent.train.demo): the digits CNN trained on other devices' clean images is
-the base model; each simulated device fine-tunes on its own share seen through its own
-camera, stored as raw pixels in an NPZ, with the job's content-hash validation split.
+Scenario (edge_agent.train.demo.camera_scenario): scikit-learn's digits upsampled to
+SIZE x SIZE and replicated to 3 channels; a MobileNetV2-style net (models.mobilenet_v2,
+width WIDTH) pre-trained from scratch on three base devices' shares, each seen through its
+own camera; three other devices fine-tune on their own shares, seen through their own
+cameras (rotation, contrast, brightness, noise; edge_agent.sim.digits), stored as NPZ of raw
+pixels, with the job's content-hash validation split (30 %). The base bundle (int8 backbone
++ head) and its whole fp32 net are built once and cached (build/bench-cache, or
+$EDGE_AGENT_BENCH_CACHE): pre-training takes minutes on a loaded 2-core machine.
 
-- ours: `run_finetune` in a fresh process (the real job: engine choice, int8 features
-  through the feature cache, MXNet head training under the governor), cold cache.
-- baseline: a fresh process loads the same base network in fp32 and trains every layer
-  with Gluon (Adam) on the same training split, checking validation accuracy after each
-  epoch, until it reaches ours (or gives up after MAX_BASELINE_EPOCHS).
+- ours: `run_finetune` in a fresh process: int8 features once through the selected engine
+  (cold feature cache), head training (Adam) under the governor with the CPU-estimate power
+  source and the PROFILE board profile's idle/load watts. The device's one-time engine
+  selection is made by a warm-up job first and reused (as every job after a device's first
+  does); its cost is reported separately.
+- baseline: a fresh process loads the same base network in fp32, every layer trainable,
+  Gluon Adam, batch 32, on the job's own train/validation split (BatchNorm in training
+  mode), checking validation accuracy after each epoch, until it reaches the accuracy ours
+  reached in the same repetition (or MAX_BASELINE_EPOCHS).
 
-Energy uses one power model for both: the Raspberry Pi 4 profile's linear CPU model
-(idle 2.7 W, 6.4 W with all 4 cores busy), so energy above idle = (6.4 - 2.7) W x process
-CPU seconds / 4. CPU time and peak RSS come from wait4() on each child, so other load on
-this shared machine does not leak in. "work" excludes the interpreter + MXNet import that
-both processes pay; "process" includes it.
-Budget adherence: the job with an energy budget small enough to stop it, measured by the
-governor with this machine's own power source; |used - budget| / budget.
+Both processes are measured the same way (bench/_procs.py): CPU time and wall time of the
+whole process (wait4), the same after the shared imports (numpy + MXNet), VmHWM from
+/proc/self/status at the end (peak RSS) and right after those imports (the working set is
+the difference). Energy: one power model for both, the PROFILE's linear CPU model -- the
+one the CPU-estimate power source uses -- applied to each process's own CPU seconds on this
+machine's cores: energy above idle = (load_w - idle_w) x CPU-s / cores (the governor's "job"
+basis); with the idle share = that + idle_w x wall time. Own CPU time keeps the other load
+on this shared machine out of both; wall time (and so the idle share) does not.
+Budget adherence: a job with an energy budget far smaller than it needs, metered by the
+governor itself (same source and profile); |used - budget| / budget.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_BASELINE_EPOCHS = 60
+if __package__ in (None, ""):  # `python bench/bench_finetune.py`
+    sys.path.insert(0, str(ROOT))
 
-OURS = textwrap.dedent(r'''
-    import json, resource, sys, time, warnings
-    warnings.simplefilter("ignore")
-    import mxnet  # noqa: F401 - both sides pay the import; measured separately
-    from edge_agent.train.job import run_finetune
-    cfg = json.loads(sys.argv[1])
-    t0 = resource.getrusage(resource.RUSAGE_SELF)
-    start = time.perf_counter()
-    report = run_finetune(**cfg)
-    t1 = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"work_cpu_s": (t1.ru_utime + t1.ru_stime) - (t0.ru_utime + t0.ru_stime),
-                      "work_wall_s": time.perf_counter() - start,
-                      "accuracy": report["accuracy"], "steps": report["steps"], "stop": report["stop_reason"],
-                      "energy": report["energy"], "engine": report["engine"]["name"]}))
-''')
+from bench._procs import measure  # noqa: E402
 
-BASELINE = textwrap.dedent(r'''
-    import json, resource, sys, time, warnings
-    warnings.simplefilter("ignore")
-    import mxnet as mx
-    import numpy as np
-    from mxnet import autograd, gluon
-    from edge_agent.data import load_dataset, split_dataset
-    from edge_agent.int8.bundle import load_bundle
-    from edge_agent.models import digits_cnn
-    cfg = json.loads(sys.argv[1])
-    t0 = resource.getrusage(resource.RUSAGE_SELF)
-    start = time.perf_counter()
-    bundle = load_bundle(cfg["model"])
-    data = load_dataset(cfg["data"], bundle.manifest.input, bundle.manifest.labels)
-    train, val = split_dataset(data, cfg["val_fraction"])
-    net = digits_cnn()
-    net.load_parameters(cfg["params"])
-    mx.random.seed(0)
-    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": cfg["lr"], "wd": 1e-4}, kvstore=None)
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    rng = np.random.default_rng(0)
-
-    def accuracy():
-        return float((net(mx.nd.array(val.x)).asnumpy().argmax(1) == val.y).mean())
-
-    acc, epochs, steps = accuracy(), 0, 0
-    while acc < cfg["target"] - 1e-9 and epochs < cfg["max_epochs"]:
-        order = rng.permutation(len(train))
-        for i in range(0, len(order), cfg["batch_size"]):
-            idx = order[i:i + cfg["batch_size"]]
-            with autograd.record():
-                loss = loss_fn(net(mx.nd.array(train.x[idx])), mx.nd.array(train.y[idx].astype(np.float32)))
-            loss.backward()
-            trainer.step(len(idx))
-            steps += 1
-        epochs += 1
-        acc = accuracy()
-    t1 = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"work_cpu_s": (t1.ru_utime + t1.ru_stime) - (t0.ru_utime + t0.ru_stime),
-                      "work_wall_s": time.perf_counter() - start, "accuracy": acc, "epochs": epochs,
-                      "steps": steps, "reached": acc >= cfg["target"] - 1e-9}))
-''')
+WIDTH, SIZE, PRETRAIN_EPOCHS = 0.5, 96, 3
+PROFILE = "raspberry-pi-4"
+IDLE_W, LOAD_W = 2.7, 6.4  # fallback only: the figures are read from firmware_configs/<PROFILE>.toml
+VAL_FRACTION = 0.3
+HEAD = {"epochs": 30, "patience": 5, "lr": 0.01, "batch_size": 32, "optimizer": "adam"}
+BASELINE_LR = 1e-3
+MAX_BASELINE_EPOCHS = 6
+BUDGET_WH = 0.003
+ENERGY_TARGET, MEMORY_TARGET, BUDGET_TARGET = 4.0, 5.0, 0.05
 
 
-def _child(code: str, cfg: dict) -> dict:
-    """Run `code` in a fresh interpreter; its JSON line plus wait4() CPU, RSS and wall time."""
-    import time
-
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed ({proc.returncode}): {err[-2000:]}")
-    result = json.loads(out.strip().splitlines()[-1])
-    result.update(process_cpu_s=usage.ru_utime + usage.ru_stime, peak_rss_mb=usage.ru_maxrss / 1024.0,
-                  process_wall_s=wall)
-    return result
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
 
 
-def _energy_wh(cpu_s: float, idle_w: float = 2.7, load_w: float = 6.4, cores: int = 4) -> float:
-    return (load_w - idle_w) * cpu_s / cores / 3600.0
+def _profile_watts() -> tuple[float, float]:
+    from edge_agent.hardware.profiles import load_profiles
+
+    power = load_profiles().profiles[PROFILE].data.get("power", {})
+    return float(power.get("idle_w", IDLE_W)), float(power.get("load_w", LOAD_W))
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("EDGE_AGENT_BENCH_CACHE") or ROOT / "build" / "bench-cache")
 
 
 def run(quick: bool = False) -> str:
     from edge_agent.train import demo
 
+    started = time.perf_counter()
     reps = 1 if quick else 3
     n_devices = 1 if quick else 3
+    cores = _cores()
+    idle_w, load_w = _profile_watts()
+
+    def job_wh(cpu_s: float) -> float:  # energy above idle, the governor's "job" basis
+        return (load_w - idle_w) * cpu_s / cores / 3600.0
+
+    def total_wh(cpu_s: float, wall_s: float) -> float:
+        return job_wh(cpu_s) + idle_w * wall_s / 3600.0
+
+    cache = _cache_dir()
+    base_cfg = {"width": WIDTH, "size": SIZE, "epochs": PRETRAIN_EPOCHS, "seed": 0}
+    bundle_dest = cache / f"digits-mobilenet-w{WIDTH}-s{SIZE}-e{PRETRAIN_EPOCHS}"
+    t = time.perf_counter()
+    prep = measure("prepare", {"dest": str(bundle_dest), "base": base_cfg}, threads=cores, timeout=3600)
+    prep_s = time.perf_counter() - t
+    bundle, params = prep["bundle"], prep["params"]
+    sc = demo.camera_scenario(size=SIZE, seed=0)
+
     with tempfile.TemporaryDirectory(prefix="bench-finetune-") as tmp_name:
         tmp = Path(tmp_name)
-        sc = demo.scenario()
-        demo.build_bundle(tmp / "bundle", sc.base_x, sc.base_y, save_params=tmp / "base.params")
-        rows, ratios = [], {"energy_process": [], "energy_work": [], "wall": [], "rss": []}
-        for dev in sc.devices[:n_devices]:
-            data = demo.write_data(tmp / dev.device_id, dev.images, dev.labels, "npz")
+        data = {d.device_id: demo.write_data(tmp / d.device_id, d.images, d.labels, "npz")
+                for d in sc.devices[:n_devices]}
+        job = {"model": bundle, "val_fraction": VAL_FRACTION, "profile": PROFILE, "threads": cores, **HEAD}
+        first = next(iter(data))
+        warm = measure("warmup", {"job": {**job, "data": str(data[first]), "state_dir": str(tmp / "warm-state"),
+                                          "cache_dir": str(tmp / "warm-cache")}}, threads=cores)
+        selection_dir = tmp / "warm-cache" / "int8-selection"
+
+        def ours_run(name: str, device: str, **extra: Any) -> dict[str, Any]:
+            cache_dir = tmp / f"cache-{name}"
+            shutil.copytree(selection_dir, cache_dir / "int8-selection")  # the device's cached decision
+            return measure("ours", {"job": {**job, "data": str(data[device]), "state_dir": str(tmp / f"state-{name}"),
+                                            "cache_dir": str(cache_dir), **extra}}, threads=cores)
+
+        rows = []
+        for device in data:
             ours_runs, base_runs = [], []
-            for rep in range(reps):
-                ours = _child(OURS, {"model": str(tmp / "bundle"), "data": str(data),
-                                     "state_dir": str(tmp / f"st-{dev.device_id}-{rep}"),
-                                     "cache_dir": str(tmp / f"cache-{dev.device_id}-{rep}"),
-                                     "epochs": 30, "patience": 5, "val_fraction": 0.3,
-                                     "profile": "raspberry-pi-4", "batch_size": 32})
-                base = _child(BASELINE, {"model": str(tmp / "bundle"), "data": str(data), "val_fraction": 0.3,
-                                         "params": str(tmp / "base.params"), "lr": 0.001, "batch_size": 32,
-                                         "target": ours["accuracy"]["after"], "max_epochs": MAX_BASELINE_EPOCHS})
+            for rep in range(reps):  # side by side: each baseline right after its ours run
+                ours = ours_run(f"{device}-{rep}", device)
+                base = measure("baseline", {
+                    "model": bundle, "params": params, "data": str(data[device]), "val_fraction": VAL_FRACTION,
+                    "width": WIDTH, "lr": BASELINE_LR, "wd": 1e-4, "batch_size": HEAD["batch_size"],
+                    "target": ours["accuracy"]["after"], "max_epochs": MAX_BASELINE_EPOCHS, "threads": cores},
+                    threads=cores)
                 ours_runs.append(ours)
                 base_runs.append(base)
-            med = {k: statistics.median(r[k] for r in ours_runs) for k in
-                   ("process_cpu_s", "work_cpu_s", "peak_rss_mb", "process_wall_s", "work_wall_s")}
-            bmed = {k: statistics.median(r[k] for r in base_runs) for k in
-                    ("process_cpu_s", "work_cpu_s", "peak_rss_mb", "process_wall_s", "work_wall_s")}
-            o, b = ours_runs[0], base_runs[0]
-            rows.append((dev.device_id, o, b, med, bmed))
-            ratios["energy_process"].append(bmed["process_cpu_s"] / med["process_cpu_s"])
-            ratios["energy_work"].append(bmed["work_cpu_s"] / med["work_cpu_s"])
-            ratios["wall"].append(bmed["process_wall_s"] / med["process_wall_s"])
-            ratios["rss"].append(bmed["peak_rss_mb"] / med["peak_rss_mb"])
-        budget = _child(OURS, {"model": str(tmp / "bundle"), "data": str(tmp / sc.devices[0].device_id / "data.npz"),
-                               "state_dir": str(tmp / "st-budget"), "cache_dir": str(tmp / "cache-budget"),
-                               "epochs": 400, "patience": 1000, "val_fraction": 0.3, "batch_size": 8,
-                               "budget_wh": 0.003})
-    lines = [
-        "## Fine-tuning: int8 backbone + head vs full fp32 fine-tuning (bench_finetune)",
-        "",
-        "Digits scenario (edge_agent.train.demo): base digits CNN trained on other devices' clean images; each "
-        "device fine-tunes on its own camera's data (NPZ of raw pixels), content-hash validation split 30 %. "
-        "Ours = `run_finetune` (cold caches: engine choice, int8 features, head training under the governor); "
-        "baseline = the same base network in fp32, every layer trained with Gluon Adam (lr 1e-3, batch 32), "
-        "stopping as soon as its validation accuracy reaches ours. Each side in a fresh process; CPU time and "
-        "peak RSS from wait4(). Energy = Raspberry Pi 4 CPU model (2.7 W idle, 6.4 W all 4 cores busy) applied "
-        "to each process's CPU time: the same model for both. Median of "
-        f"{reps} repetition(s).",
-        "",
-        "| device | acc before | ours after | baseline after (epochs) | energy ours / base, Wh (process) | "
-        "energy ours / base, Wh (work, no import) | wall ours / base, s | peak RSS ours / base, MB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for device, o, b, med, bmed in rows:
-        lines.append(
-            f"| {device} | {o['accuracy']['before']:.3f} | {o['accuracy']['after']:.3f} | "
-            f"{b['accuracy']:.3f} ({b['epochs']}{'' if b['reached'] else ', not reached'}) | "
-            f"{_energy_wh(med['process_cpu_s']):.5f} / {_energy_wh(bmed['process_cpu_s']):.5f} | "
-            f"{_energy_wh(med['work_cpu_s']):.5f} / {_energy_wh(bmed['work_cpu_s']):.5f} | "
-            f"{med['process_wall_s']:.1f} / {bmed['process_wall_s']:.1f} | "
-            f"{med['peak_rss_mb']:.0f} / {bmed['peak_rss_mb']:.0f} |")
+            rows.append((device, ours_runs, base_runs))
+        budget_runs = [ours_run(f"budget-{i}", first, budget_wh=BUDGET_WH, epochs=400, patience=1000)
+                       for i in range(reps)]
+    no_mx = [measure("no-mxnet", {}, threads=cores) for _ in range(reps)]
+
+    # ------------------------------------------------------------------ figures
+    def med(runs: list[dict[str, Any]], fn: Any) -> float:
+        return statistics.median(fn(r) for r in runs)
+
+    metrics = {
+        "energy": lambda r: job_wh(r["process_cpu_s"]),
+        "energy_work": lambda r: job_wh(r["work_cpu_s"]),
+        "energy_total": lambda r: total_wh(r["process_cpu_s"], r["process_wall_s"]),
+        "wall": lambda r: r["process_wall_s"],
+        "rss": lambda r: r["peak_hwm_mb"],
+        "work_rss": lambda r: r["work_hwm_mb"],
+    }
+    # ours as it would be with a training child that does not import MXNet (projection: the
+    # measured import of numpy + edge_agent.train.job alone, plus ours' measured work)
+    nomx_hwm = statistics.median(r["base_hwm_mb"] for r in no_mx)
+    nomx_cpu = statistics.median(r["process_cpu_s"] for r in no_mx)
+    projected = {"energy_nomx": lambda r: job_wh(nomx_cpu + r["work_cpu_s"]),
+                 "rss_nomx": lambda r: nomx_hwm + r["work_hwm_mb"]}
+    base_side = {"energy_nomx": metrics["energy"], "rss_nomx": metrics["rss"]}
+    ratios: dict[str, list[float]] = {k: [] for k in [*metrics, *projected]}
+    reached_ratios: dict[str, list[float]] = {k: [] for k in ratios}
+    table = []
+    for device, ours_runs, base_runs in rows:
+        o = {k: med(ours_runs, f) for k, f in {**metrics, **projected}.items()}
+        b = {k: med(base_runs, f) for k, f in {**metrics, **base_side}.items()}
+        reached_all = all(x["reached"] for x in base_runs)
+        for k in ratios:
+            ratios[k].append(b[k] / o[k])
+            if reached_all:
+                reached_ratios[k].append(b[k] / o[k])
+        table.append((device, ours_runs, base_runs, o, b))
 
     def gm(values: list[float]) -> float:
         return statistics.geometric_mean(values) if values else float("nan")
 
-    used = budget["energy"]["wh"]
+    def fmt_wh(v: float) -> str:
+        return f"{v * 1000:.2f}"
+
+    all_reached = all(b["reached"] for _, _, runs, _, _ in table for b in runs)
+    o0 = table[0][1][0]
+    engine = o0["engine"]["name"]
+    cands = warm.get("candidates") or []
+    g = {k: gm(v) for k, v in ratios.items()}
+    gr = {k: gm(v) for k, v in reached_ratios.items()}
+    n_reached = len(reached_ratios["energy"])
+    lines = [
+        "## Fine-tuning: int8 backbone + head vs full fp32 fine-tuning (bench_finetune)",
+        "",
+        f"Scenario: scikit-learn digits upsampled to {SIZE}x{SIZE}x3; MobileNetV2-style backbone "
+        f"(`models.mobilenet_v2`, width {WIDTH}, 1280-d features, linear head) pre-trained for {PRETRAIN_EPOCHS} epochs on "
+        "three other devices' shares seen through their own cameras; each fine-tuning device has its own share "
+        "seen through its own camera (`demo.camera_scenario`, severity 2), NPZ of raw pixels, content-hash "
+        f"validation split {VAL_FRACTION:.0%}. Base bundle "
+        + (f"built in this run ({prep_s:.0f} s)" if prep["built"] else f"reused from `{_shown(bundle_dest)}`")
+        + ".",
+        "",
+        f"- **ours**: `run_finetune` (engine `{engine}`, chosen by the device's one-time selection; cold feature cache; "
+        f"head Adam lr {HEAD['lr']}, batch {HEAD['batch_size']}, up to {HEAD['epochs']} epochs, patience {HEAD['patience']}) "
+        f"under the governor with the `cpu-estimate` power source and the `{PROFILE}` profile "
+        f"({idle_w:g} W idle, {load_w:g} W full load).",
+        f"- **baseline**: the same base net in fp32, all layers trainable (BatchNorm in training mode), Gluon Adam "
+        f"lr {BASELINE_LR:g}, batch {HEAD['batch_size']}, imperative; validation after every epoch until it reaches ours' "
+        f"accuracy (cap {MAX_BASELINE_EPOCHS} epochs).",
+        f"- Both in fresh processes, {cores} threads, measured the same way; energy = the `{PROFILE}` CPU model on each "
+        f"process's own CPU seconds over this machine's {cores} cores (above idle: the governor's `job` basis). "
+        f"Median of {reps} repetition(s) per device; ratios are baseline / ours, geometric mean over devices.",
+        "",
+        "| device | train / val | accuracy base -> ours | baseline accuracy (epochs) | energy above idle, mWh: ours / base (x) "
+        "| same, after imports | wall s: ours / base (x) | peak RSS MB: ours / base (x) | working set MB: ours / base (x) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for device, ours_runs, base_runs, o, b in table:
+        r0 = ours_runs[0]
+        reached = sum(x["reached"] for x in base_runs)
+        epochs = "/".join(str(x["epochs"]) for x in base_runs)
+        ge = "" if reached == len(base_runs) else "&ge; "  # capped: the true ratio is larger
+        lines.append(
+            f"| {device} | {r0['train']} / {r0['validation']} | {r0['accuracy']['before']:.3f} -> "
+            f"{r0['accuracy']['after']:.3f} | {statistics.median(x['accuracy'] for x in base_runs):.3f} ({epochs}"
+            f"{'' if reached == len(base_runs) else f'; reached in {reached}/{len(base_runs)}'}) | "
+            f"{fmt_wh(o['energy'])} / {fmt_wh(b['energy'])} ({ge}{b['energy'] / o['energy']:.1f}x) | "
+            f"{fmt_wh(o['energy_work'])} / {fmt_wh(b['energy_work'])} ({ge}{b['energy_work'] / o['energy_work']:.1f}x) | "
+            f"{o['wall']:.1f} / {b['wall']:.1f} ({ge}{b['wall'] / o['wall']:.1f}x) | "
+            f"{o['rss']:.0f} / {b['rss']:.0f} ({b['rss'] / o['rss']:.1f}x) | "
+            f"{o['work_rss']:.0f} / {b['work_rss']:.0f} ({b['work_rss'] / o['work_rss']:.1f}x) |")
+    all_ours = [r for _, runs, _, _, _ in table for r in runs]
+    all_base = [r for _, _, runs, _, _ in table for r in runs]
+    import_hwm = statistics.median(r["base_hwm_mb"] for r in all_ours + all_base)
+    import_cpu = statistics.median(r["import_cpu_s"] for r in all_ours + all_base)
+    feat_cpu = statistics.median(r["phases"]["features_cpu_s"] for r in all_ours)
+    head_cpu = statistics.median(r["phases"]["head_cpu_s"] for r in all_ours)
+    ours_proc = statistics.median(r["process_cpu_s"] for r in all_ours)
+    base_proc = statistics.median(r["process_cpu_s"] for r in all_base)
+    caught = [x["epochs"] for x in all_base if x["reached"]]
+    epoch_range = (f"{min(caught)} to {max(caught)} epoch(s) where it caught up" if caught else "never caught up")
+    missed = [device for device, _, runs, _, _ in table if not all(x["reached"] for x in runs)]
+    if missed:
+        epoch_range += f"; not within {MAX_BASELINE_EPOCHS} on {', '.join(missed)}"
+    trains = [runs[0]["train"] for _, runs, _, _, _ in table]
+    n_train = f"{min(trains)}-{max(trains)}" if min(trains) != max(trains) else str(trains[0])
+    used = [r["governor_wh"] for r in budget_runs]
+    dev_pct = [abs(u - BUDGET_WH) / BUDGET_WH * 100 for u in used]
+    stops = sorted({r["stop"] for r in budget_runs})
+    sel_row = ", ".join(f"{c['name']} {'ok' if c['correct'] else 'rejected'}"
+                        + (f" ({c['images_per_s']:.0f} img/s)" if c.get("images_per_s") else "") for c in cands)
+    n_dev = len(table)
+    budget_ok = max(dev_pct) <= BUDGET_TARGET * 100 and stops == ["budget-exhausted"]
+
+    def target_row(what: str, key: str, target: float | None) -> str:
+        bound = "&ge; " if not all_reached and key.startswith(("energy", "wall")) else ""  # capped baseline
+        cells = [what, f"{bound}{g[key]:.1f}x"]
+        if n_reached == n_dev:
+            cells.append("(all)")
+        else:
+            cells.append(f"{gr[key]:.1f}x" if n_reached else "n/a")
+        if target is None:
+            cells.append("")
+        else:
+            overall = g[key] >= target
+            strict = gr[key] >= target if n_reached else False
+            if overall and (strict or n_reached == n_dev):
+                cells.append(f"**met** (&ge; {target:g}x)")
+            elif overall:
+                cells.append(f"**met only with the device(s) the baseline never caught up on**; not on the others "
+                             f"(&ge; {target:g}x)")
+            else:
+                cells.append(f"**not met** (&ge; {target:g}x)")
+        return "| " + " | ".join(cells) + " |"
+
     lines += [
         "",
-        f"Ratios baseline / ours (geometric mean over devices): energy {gm(ratios['energy_process']):.2f}x "
-        f"per process, {gm(ratios['energy_work']):.2f}x for the training work alone (target >= 4x); wall time "
-        f"{gm(ratios['wall']):.2f}x; peak RSS {gm(ratios['rss']):.2f}x (target >= 5x).",
+        f"Ratios baseline / ours, geometric mean over devices ({n_dev - n_reached} of {n_dev} device(s) where the "
+        f"baseline never reached ours within {MAX_BASELINE_EPOCHS} epochs count with their capped figures, a lower "
+        "bound), against the issue's targets:",
         "",
-        "Peak RSS on this model is dominated by what both processes load (Python, numpy, MXNet ~250-300 MB): "
-        "the digits CNN's own activations are tiny, so this scenario cannot show the memory gap that a "
-        "full backward pass through a large backbone (e.g. MobileNetV2 at camera resolution) has.",
+        f"| figure | all {n_dev} devices | only devices where the baseline reached ours ({n_reached}) | target |",
+        "|---|---|---|---|",
+        target_row("energy above idle, whole process", "energy", ENERGY_TARGET),
+        target_row("energy above idle, after the shared imports (the fine-tune work alone)", "energy_work",
+                   ENERGY_TARGET),
+        target_row("energy incl. the board's idle share over wall time (wall includes other load's delays)",
+                   "energy_total", None),
+        target_row("wall time, whole process", "wall", None),
+        target_row("peak RSS (VmHWM), absolute", "rss", MEMORY_TARGET),
+        target_row("peak working set above the post-import VmHWM", "work_rss", MEMORY_TARGET),
+        target_row(f"projection, not built: ours' training child without MXNet -- energy (measured numpy + "
+                   f"`edge_agent.train.job` import: {nomx_cpu:.1f} CPU-s, plus ours' work)", "energy_nomx", ENERGY_TARGET),
+        target_row(f"projection, not built: same -- peak RSS ({nomx_hwm:.0f} MB VmHWM after that import, plus ours' "
+                   "working set)", "rss_nomx", MEMORY_TARGET),
         "",
-        f"Budget adherence: job with `budget_wh=0.003` on this machine's source ({budget['energy']['source']}): "
-        f"used {used:.5f} Wh, stop reason `{budget['stop']}`, |used - budget| / budget = "
-        f"{abs(used - 0.003) / 0.003 * 100:.1f} % (target <= 5 %).",
+        f"Budget adherence: `run_finetune(budget_wh={BUDGET_WH})` on the first device ({len(used)} run(s), up to 400 "
+        f"epochs, so only the budget can stop it), metered by the governor (`{budget_runs[0]['energy']['source']}` "
+        f"source, `{PROFILE}` watts): used {', '.join(f'{u * 1000:.3f}' for u in used)} mWh, stop "
+        f"`{', '.join(stops)}`, |used - budget| / budget = {', '.join(f'{p:.1f} %' for p in dev_pct)} -- "
+        + ("**met** (&le; 5 %)" if budget_ok else "**not met** (&le; 5 %)")
+        + ". The CPU-estimate source reads system-wide /proc/stat, so other load on this shared machine is "
+        "charged to the budget too: the job stops sooner, not less precisely.",
         "",
-        "Command: `python -m bench.run --only bench_finetune" + (" --quick" if quick else "") + "`.",
+        "Where it goes: both processes pay Python + numpy + MXNet before any work: VmHWM "
+        f"{import_hwm:.0f} MB and {import_cpu:.1f} CPU-s at that point (median). Ours then spends {feat_cpu:.1f} CPU-s on "
+        f"bundle, data, engine and int8 features and {head_cpu:.1f} CPU-s on MXNet head training, checkpoints and the "
+        f"report; its whole process is {ours_proc:.1f} CPU-s against the baseline's {base_proc:.1f}. "
+        "So the absolute peak-RSS ratio and the whole-process energy ratio are capped by the MXNet import in "
+        "the training child, paid for a head that is one dense layer on cached features: trained in numpy "
+        "instead (not built), ours would pay the projection's import cost above instead. The energy gap also "
+        f"depends on how many epochs the baseline needs to catch up ({epoch_range} here) and on the data: ours "
+        "costs one int8 forward pass per sample plus a fixed head cost, the baseline a fp32 forward + backward "
+        f"pass per sample per epoch; with {n_train} training images per device (the digits set is small) the "
+        "fixed costs weigh heavily.",
+        "",
+        f"One-time engine selection (the device's first job on this model, then cached): {warm.get('select_wall_s', 0):.0f} s "
+        f"wall, {warm.get('select_cpu_s', 0):.0f} CPU-s, that job's peak RSS {warm['peak_hwm_mb']:.0f} MB "
+        f"(every candidate prepared and timed); candidates: {sel_row or 'n/a'}. Counting it in ours' first job "
+        f"would make that job's energy ratio {base_proc / (ours_proc + warm.get('select_cpu_s', 0)):.1f}x.",
+        "",
     ]
+    lines += [f"Command: `python -m bench.run --only bench_finetune{' --quick' if quick else ''}` "
+              f"({time.perf_counter() - started:.0f} s)."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,272 @@
+"""Measured child processes for bench_finetune: each side of the comparison runs in a fresh
+interpreter, measured the same way.
+
+`measure(role, cfg)` starts `python -m bench._procs <role> <json cfg>` and returns the
+child's JSON result plus what the parent sees of it through wait4(): process CPU seconds,
+peak RSS (ru_maxrss) and wall time. Inside the child, every role first does the imports
+both sides pay (numpy, MXNet), then records its post-import point:
+
+    base_hwm_mb   VmHWM after the shared imports (Python + numpy + MXNet)
+    peak_hwm_mb   VmHWM at the end (the process's peak RSS, from /proc/self/status)
+    work_hwm_mb   peak_hwm_mb - base_hwm_mb: the peak working set the work itself added
+    work_cpu_s / work_wall_s   CPU and wall seconds after the shared imports
+
+Roles:
+- `ours`:     edge_agent.train.job.run_finetune(**cfg["job"]) -- the real job.
+- `baseline`: the bundle's base network in fp32 (models.mobilenet_v2 + the saved whole-net
+              parameters), every layer trainable, Gluon Adam, on the job's own train /
+              validation split; validation accuracy after each epoch; stops as soon as it
+              reaches cfg["target"] or after cfg["max_epochs"].
+- `prepare`:  the scenario's base bundle (edge_agent.train.demo.ensure_mobilenet_bundle):
+              built once per configuration, then reused.
+- `no-mxnet`: only numpy + edge_agent.train.job (no MXNet): the import cost a training
+              child would pay if the head were trained without MXNet.
+- `warmup`:   run_finetune once to make the device's one-time int8 engine selection (timed
+              on its own), so the measured `ours` runs reuse the cached decision, as every
+              job after the first on a device does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def vm_hwm_mb() -> float:
+    """Peak resident set size of this process so far (VmHWM), MB."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def measure(
+    role: str, cfg: dict[str, Any], *, threads: int | None = None, timeout: float = 900.0
+) -> dict[str, Any]:
+    """Run `role` in a fresh interpreter; its JSON result plus wait4() CPU, RSS and wall time."""
+    env = dict(os.environ)
+    if threads:  # the same thread count for MXNet / OpenMP on both sides
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["MXNET_OMP_MAX_THREADS"] = str(threads)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench._procs", role, json.dumps(cfg)],
+            cwd=ROOT,
+            env=env,
+            stdout=out_f,
+            stderr=err_f,
+            text=True,
+        )
+        deadline = start + timeout
+        while True:  # wait4: the kernel's CPU time and peak RSS of exactly this child
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                raise RuntimeError(f"{role} child timed out after {timeout:.0f} s")
+            time.sleep(0.05)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out_f.seek(0)
+        err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{role} child failed ({proc.returncode}): {err[-3000:]}")
+    lines = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{role} child printed no result: {out[-1000:]} {err[-2000:]}")
+    result = json.loads(lines[-1])
+    result.update(
+        process_wall_s=wall,
+        process_cpu_s=usage.ru_utime + usage.ru_stime,
+        maxrss_mb=usage.ru_maxrss / 1024.0,
+    )
+    return result
+
+
+# ---------------------------------------------------------------- child side
+
+
+def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
+    from edge_agent.train.job import run_finetune
+
+    marks: dict[str, float] = {}
+
+    def progress(event: Any) -> None:  # CPU time at phase boundaries
+        now = _cpu_s()
+        marks.setdefault(f"first_{event.phase}", now)
+        marks[f"last_{event.phase}"] = now
+
+    c0 = _cpu_s()
+    report = run_finetune(**cfg["job"], progress=progress)
+    c1 = _cpu_s()
+    feat_end = marks.get("last_features", marks.get("first_train", c0))
+    phases = {"features_cpu_s": feat_end - c0,  # bundle, data, probe, engine prepare, int8 features
+              "head_cpu_s": c1 - feat_end}  # MXNet head training, checkpoints, report
+    return {"phases": phases, "governor_wh": report["energy"]["wh"],
+        "accuracy": report["accuracy"],
+        "steps": report["steps"],
+        "epochs": report["epochs_done"],
+        "stop": report["stop_reason"],
+        "engine": report["engine"],
+        "energy": report["energy"],
+        "feature_cache": report["feature_cache"],
+        "profile": report["profile"]["name"],
+        "train": report["data"]["train"],
+        "validation": report["data"]["validation"],
+    }
+
+
+def _warmup(cfg: dict[str, Any]) -> dict[str, Any]:
+    import edge_agent.int8.selection as selection
+
+    real = selection.select_engine
+    timing: dict[str, Any] = {}
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        c0, t0 = _cpu_s(), time.perf_counter()
+        try:
+            chosen = real(*args, **kwargs)
+        finally:
+            timing.update(select_cpu_s=_cpu_s() - c0, select_wall_s=time.perf_counter() - t0)
+        timing["candidates"] = [{k: getattr(c, k) for k in ("name", "available", "correct", "agreement", "max_diff",
+                                                            "tolerance", "images_per_s", "error")}
+                                for c in chosen[0].candidates]
+        return chosen
+
+    selection.select_engine = timed  # the job imports it from the module at run time
+    result = _ours(cfg)
+    result.update(timing)
+    return result
+
+
+def _baseline(cfg: dict[str, Any]) -> dict[str, Any]:
+    import ctypes
+
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd, gluon
+
+    from edge_agent.data import load_dataset, split_dataset
+    from edge_agent.int8.bundle import load_bundle
+    from edge_agent.models import mobilenet_v2
+
+    if cfg.get("threads"):
+        mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(int(cfg["threads"])))  # noqa: SLF001
+    bundle = load_bundle(cfg["model"])
+    spec = bundle.manifest.input
+    data = load_dataset(cfg["data"], spec, bundle.manifest.labels)
+    train, val = split_dataset(data, cfg["val_fraction"])  # the job's own content-hash split
+    net = mobilenet_v2(
+        cfg["width"], num_classes=len(bundle.manifest.labels), input_size=int(spec.shape[-1])
+    )
+    net.load_parameters(cfg["params"])
+    mode = cfg.get("hybridize", "none")  # imperative Gluon: the least memory, same speed here
+    if mode == "static":
+        net.hybridize(static_alloc=True, static_shape=True)
+    elif mode == "dynamic":
+        net.hybridize()
+    mx.random.seed(cfg.get("seed", 0))
+    trainer = gluon.Trainer(
+        net.collect_params(), "adam", {"learning_rate": cfg["lr"], "wd": cfg["wd"]}, kvstore=None
+    )
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    bs = int(cfg["batch_size"])
+
+    def accuracy() -> float:
+        hits = 0
+        for i in range(0, len(val), bs):
+            out = net(mx.nd.array(val.x[i : i + bs])).asnumpy()
+            hits += int((out.argmax(1) == val.y[i : i + bs]).sum())
+        return hits / max(1, len(val))
+
+    target = float(cfg["target"])
+    acc, epochs, steps, history = float("nan"), 0, 0, []
+    while epochs < int(cfg["max_epochs"]):
+        order = np.random.default_rng([cfg.get("seed", 0), epochs]).permutation(len(train))
+        for i in range(0, len(order), bs):
+            idx = order[i : i + bs]
+            with autograd.record():
+                loss = loss_fn(
+                    net(mx.nd.array(train.x[idx])), mx.nd.array(train.y[idx].astype(np.float32))
+                )
+            loss.backward()
+            trainer.step(len(idx))
+            steps += 1
+        epochs += 1
+        acc = accuracy()
+        history.append(round(acc, 4))
+        if acc >= target - 1e-9:
+            break
+    return {
+        "accuracy": acc,
+        "epochs": epochs,
+        "steps": steps,
+        "reached": acc >= target - 1e-9,
+        "history": history,
+        "train": len(train),
+        "validation": len(val),
+    }
+
+
+def _prepare(cfg: dict[str, Any]) -> dict[str, Any]:
+    from edge_agent.train.demo import ensure_mobilenet_bundle
+
+    bundle, params, built = ensure_mobilenet_bundle(cfg["dest"], **cfg["base"])
+    return {"bundle": str(bundle), "params": str(params), "built": built}
+
+
+ROLES = {"ours": _ours, "baseline": _baseline, "warmup": _warmup, "prepare": _prepare}
+
+
+def main(argv: list[str]) -> int:
+    role, cfg = argv[0], json.loads(argv[1])
+    import warnings
+
+    warnings.simplefilter("ignore")
+    c_start, t_start = _cpu_s(), time.perf_counter()
+    if role == "no-mxnet":  # what a training child without MXNet would pay before its work
+        import numpy  # noqa: F401
+
+        import edge_agent.train.job  # noqa: F401 - imports no MXNet at module level
+
+        result = {"mxnet_loaded": "mxnet" in sys.modules, "import_cpu_s": _cpu_s() - c_start,
+                  "import_wall_s": time.perf_counter() - t_start, "base_hwm_mb": vm_hwm_mb()}
+        sys.stdout.write(json.dumps(result) + "\n")
+        return 0
+    import mxnet  # noqa: F401 - the import both sides pay
+    import numpy  # noqa: F401
+
+    base_hwm = vm_hwm_mb()
+    c0, t0 = _cpu_s(), time.perf_counter()
+    result = ROLES[role](cfg)
+    c1, t1 = _cpu_s(), time.perf_counter()
+    peak = vm_hwm_mb()
+    result.update(import_cpu_s=c0 - c_start, import_wall_s=t0 - t_start, work_cpu_s=c1 - c0, work_wall_s=t1 - t0,
+                  base_hwm_mb=base_hwm, peak_hwm_mb=peak, work_hwm_mb=peak - base_hwm)
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
