@@ -122,7 +122,7 @@ def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
     feat_end = marks.get("last_features", marks.get("first_train", c0))
     phases = {"features_cpu_s": feat_end - c0,  # bundle, data, probe, engine prepare, int8 features
               "head_cpu_s": c1 - feat_end}  # MXNet head training, checkpoints, report
-    return {"phases": phases, "governor_wh": report["energy"]["wh"],
+    return {"phases": phases, "governor_wh": report["energy"]["wh"], "stop_detail": report["power"]["stop_detail"],
         "accuracy": report["accuracy"],
         "steps": report["steps"],
         "epochs": report["epochs_done"],
