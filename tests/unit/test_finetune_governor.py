@@ -160,12 +160,16 @@ def test_battery_and_heat_pause_with_a_checkpoint_resume_and_the_budget_stops_th
 def test_the_power_cap_is_held_by_duty_cycling(bundle: Path, data: Path, cache: Path, tmp_path: Path) -> None:
     board = Board(tmp_path / "root")
     cap = 4.0
-    report = _job(bundle, data, tmp_path, board, cache, budget_wh=0.0006, power_cap_w=cap)
+    # The governor stops when the next step would overshoot, so it can end one step short:
+    # the budget must be large against one step (~0.23 J above idle here, ~2 % of 10.8 J)
+    # for the 5 % bound to test the governor rather than step size (0.6 mWh made it 11 %).
+    budget_wh = 0.003
+    report = _job(bundle, data, tmp_path, board, cache, budget_wh=budget_wh, power_cap_w=cap)
     power = report["power"]
     assert report["stop_reason"] == "budget-exhausted"
     assert power["duty_sleep_s"] > 0.3
     assert power["avg_w"] <= cap * 1.05, power  # uncapped it would be 5 W
-    assert abs(report["energy"]["wh"] - 0.0006) / 0.0006 <= 0.05
+    assert abs(report["energy"]["wh"] - budget_wh) / budget_wh <= 0.05, report["energy"]
 
 
 def test_a_battery_that_never_recovers_stops_at_the_deadline_and_resume_continues(
