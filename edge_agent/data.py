@@ -53,22 +53,6 @@ DEFAULT_VAL_FRACTION = 0.2
 
 
 @dataclass
-class InputShape:
-    """What the model eats; a duck-typed subset of int8.bundle.InputSpec."""
-
-    shape: tuple[int, int, int]
-    scale: float = 1.0
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
-
-    def normalise(self, raw: np.ndarray) -> np.ndarray:
-        c = self.shape[0]
-        mean = np.asarray(self.mean or (0.0,) * c, np.float32).reshape(1, c, 1, 1)
-        std = np.asarray(self.std or (1.0,) * c, np.float32).reshape(1, c, 1, 1)
-        return ((raw.astype(np.float32) * np.float32(self.scale)) - mean) / std
-
-
-@dataclass
 class DataReport:
     """What was read, what was skipped and why. JSON-ready via `to_json`."""
 
