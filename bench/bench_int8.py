@@ -82,7 +82,7 @@ def _time_side_by_side(runs: dict[str, Callable[[], Any]], rounds: int, slow: di
 
 def _throughput(width: float, size: int, rounds: int, threads: int) -> tuple[list[str], float]:
     from edge_agent import models
-    from edge_agent.int8.bundle import create_bundle
+    from edge_agent.int8.bundle_create import create_bundle
     from edge_agent.int8.selection import Candidate, Oracle
 
     net = models.initialize(models.mobilenet_v2(width, num_classes=10, input_size=size), randomize_bn=True)
@@ -124,7 +124,7 @@ def _accuracy(epochs: int) -> list[str]:
 
     from edge_agent import models
     from edge_agent.int8 import engines
-    from edge_agent.int8.bundle import create_bundle
+    from edge_agent.int8.bundle_create import create_bundle
     from edge_agent.int8.selection import default_probe
 
     x_train, y_train, x_test, y_test = models.load_digits_split()

@@ -85,7 +85,8 @@ def _labels(value: str) -> list[str]:
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:
-    from ..int8.bundle import create_bundle, pack_bundle
+    from ..int8.bundle import pack_bundle
+    from ..int8.bundle_create import create_bundle
 
     if args.mxnet:
         import warnings

@@ -81,7 +81,7 @@ def build_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, *, 
                  save_params: str | os.PathLike[str] | None = None) -> Any:
     """Train the digits CNN on (x in [0, 1], y) and write it as a bundle at `dest`
     (and, with `save_params`, the fp32 Gluon parameters of the whole net there)."""
-    from ..int8.bundle import create_bundle
+    from ..int8.bundle_create import create_bundle
     from ..models import digits_cnn, fit_classifier
 
     net = digits_cnn()
@@ -241,7 +241,7 @@ def build_mobilenet_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.nd
                            save_params: str | os.PathLike[str] | None = None) -> Any:
     """Train `train_mobilenet` on (x in [0, 1], y: camera-sized, 3 channels) and write it
     as a bundle at `dest` (and, with `save_params`, the whole fp32 Gluon net there)."""
-    from ..int8.bundle import create_bundle
+    from ..int8.bundle_create import create_bundle
 
     net = train_mobilenet(x, y, width=width, epochs=epochs, seed=seed, lr=lr)
     if save_params is not None:

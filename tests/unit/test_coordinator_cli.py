@@ -207,7 +207,7 @@ def test_key_is_created_once_private_and_printed(capsys, tmp_path):
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory) -> Path:
     from edge_agent import models
-    from edge_agent.int8.bundle import create_bundle
+    from edge_agent.int8.bundle_create import create_bundle
 
     x, y, _, _ = models.load_digits_split()
     net = models.digits_cnn()

@@ -15,6 +15,7 @@ import pytest
 from edge_agent import models
 from edge_agent.errors import InputError
 from edge_agent.int8 import bundle as B
+from edge_agent.int8 import bundle_create as BC
 
 LABELS = [str(i) for i in range(10)]
 
@@ -32,7 +33,7 @@ def digits():
 def bundle_dir(digits, tmp_path_factory) -> Path:
     net, x_train, _ = digits
     dest = tmp_path_factory.mktemp("bundles") / "digits-1"
-    B.create_bundle(net, dest, calibration=x_train[:128], labels=LABELS, name="digits", version="1",
+    BC.create_bundle(net, dest, calibration=x_train[:128], labels=LABELS, name="digits", version="1",
                     input_shape=(1, 8, 8), scale=1 / 16)
     return dest
 
@@ -81,7 +82,7 @@ def test_onnx_file_source_with_explicit_split(digits, tmp_path):
     net, x_train, _ = digits
     onnx_path = tmp_path / "digits.onnx"
     onnx_path.write_bytes(export_onnx(net, (1, 1, 8, 8)))
-    bundle = B.create_bundle(onnx_path, tmp_path / "b", calibration=x_train[:32], labels=LABELS,
+    bundle = BC.create_bundle(onnx_path, tmp_path / "b", calibration=x_train[:32], labels=LABELS,
                              name="digits", version="2", parent_version="1", split="features_gap_fwd")
     assert bundle.manifest.source == "onnx:digits.onnx" and bundle.manifest.parent_version == "1"
     assert bundle.qgraph().tensor(bundle.qgraph().outputs[0]).shape[-1] == 32
@@ -98,7 +99,7 @@ def test_calibration_folder_of_npy_and_images(digits, tmp_path):
     np.save(folder / "one.npy", x_train[5])
     Image.fromarray((x_train[6, 0] * 255).astype(np.uint8)).resize((16, 16)).save(folder / "img.png")
     (folder / "README.txt").write_text("ignored")
-    calib = B.load_calibration(folder, spec)  # files in name order: batch, img, one
+    calib = BC.load_calibration(folder, spec)  # files in name order: batch, img, one
     assert calib.shape == (7, 1, 8, 8)
     np.testing.assert_array_equal(calib[:5], x_train[:5])
     np.testing.assert_array_equal(calib[6], x_train[5])
@@ -115,7 +116,7 @@ def test_calibration_of_the_wrong_shape_is_refused_with_where(tmp_path, array, m
     path = tmp_path / "calib.npz"
     np.savez(path, x=array)
     with pytest.raises(InputError, match="calib.npz") as info:
-        B.load_calibration(path, B.InputSpec(shape=(1, 8, 8)))
+        BC.load_calibration(path, B.InputSpec(shape=(1, 8, 8)))
     assert message in str(info.value)
 
 
@@ -125,7 +126,7 @@ def test_calibration_with_nan_names_the_first_bad_index(digits, tmp_path, bundle
     bad[3, 0, 2, 5] = np.nan
     np.savez(tmp_path / "calib.npz", images=bad)
     with pytest.raises(InputError, match=r"calib.npz\['images'\].*non-finite.*\(3, 0, 2, 5\)"):
-        B.create_bundle(net, tmp_path / "out", calibration=tmp_path / "calib.npz", labels=LABELS,
+        BC.create_bundle(net, tmp_path / "out", calibration=tmp_path / "calib.npz", labels=LABELS,
                         name="digits", version="1", input_shape=(1, 8, 8))
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 
@@ -134,12 +135,12 @@ def test_npz_with_ambiguous_arrays_and_garbage_files(tmp_path):
     spec = B.InputSpec(shape=(1, 8, 8))
     np.savez(tmp_path / "two.npz", a=np.zeros((2, 1, 8, 8)), b=np.zeros((2, 1, 8, 8)))
     with pytest.raises(InputError, match="several arrays"):
-        B.load_calibration(tmp_path / "two.npz", spec)
+        BC.load_calibration(tmp_path / "two.npz", spec)
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(InputError, match="junk.npz: not a readable NPZ"):
-        B.load_calibration(tmp_path / "junk.npz", spec)
+        BC.load_calibration(tmp_path / "junk.npz", spec)
     with pytest.raises(InputError, match="not found"):
-        B.load_calibration(tmp_path / "missing", spec)
+        BC.load_calibration(tmp_path / "missing", spec)
 
 
 def test_npz_members_are_size_checked_before_inflating(tmp_path):
@@ -152,10 +153,10 @@ def test_npz_members_are_size_checked_before_inflating(tmp_path):
 def test_unknown_split_node_lists_the_nodes(digits, tmp_path):
     net, x_train, _ = digits
     with pytest.raises(InputError, match="unknown split node 'nope'.*features_relu1_fwd"):
-        B.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="d",
+        BC.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="d",
                         version="1", input_shape=(1, 8, 8), split="nope")
     with pytest.raises(InputError, match="is the model's output"):
-        B.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="d",
+        BC.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="d",
                         version="1", input_shape=(1, 8, 8), split="output_fc_fwd")
     assert not (tmp_path / "b").exists()
 
@@ -170,7 +171,7 @@ def test_corrupt_onnx_is_refused_clearly(digits, tmp_path, cut):
     path = tmp_path / "model.onnx"
     path.write_bytes(data)
     with pytest.raises(InputError, match=r"model\.onnx: (empty file|not a valid ONNX|invalid ONNX)"):
-        B.create_bundle(path, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="d",
+        BC.create_bundle(path, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="d",
                         version="1", split="features_gap_fwd")
     assert not (tmp_path / "b").exists()
 
@@ -178,10 +179,10 @@ def test_corrupt_onnx_is_refused_clearly(digits, tmp_path, cut):
 def test_bad_identity_fails_before_any_work(digits, tmp_path):
     net, x_train, _ = digits
     with pytest.raises(B.ManifestError, match="'name'.*is not 1-64"):
-        B.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="../evil",
+        BC.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=LABELS, name="../evil",
                         version="1", input_shape=(1, 8, 8))
     with pytest.raises(B.ManifestError, match="labels"):
-        B.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=[], name="d",
+        BC.create_bundle(net, tmp_path / "b", calibration=x_train[:8], labels=[], name="d",
                         version="1", input_shape=(1, 8, 8))
 
 
@@ -191,9 +192,9 @@ def test_existing_bundle_is_kept_unless_overwrite(digits, bundle_dir, tmp_path):
     before = B.load_bundle(dest).sha256
     kwargs = dict(calibration=x_train[:16], labels=LABELS, name="digits", version="2", input_shape=(1, 8, 8))
     with pytest.raises(B.BundleError, match="already exists"):
-        B.create_bundle(net, dest, **kwargs)
+        BC.create_bundle(net, dest, **kwargs)
     assert B.load_bundle(dest).sha256 == before
-    replaced = B.create_bundle(net, dest, overwrite=True, **kwargs)
+    replaced = BC.create_bundle(net, dest, overwrite=True, **kwargs)
     assert replaced.manifest.version == "2" and replaced.sha256 != before
     assert _leftovers(tmp_path) == []
 

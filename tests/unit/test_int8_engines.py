@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge_agent import models
-from edge_agent.int8 import bundle as B
+from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import engines
 from edge_agent.int8.engines._common import EngineError, thread_count, usable_cpus
 from edge_agent.int8.engines.edgetpu import EdgeTpuEngine
@@ -31,7 +31,7 @@ def trained(tmp_path_factory):
     net = models.digits_cnn()
     models.fit_classifier(net, x_train, y_train, epochs=3)  # 99% held-out (seeded)
     dest = tmp_path_factory.mktemp("engines") / "digits"
-    bundle = B.create_bundle(net, dest, calibration=x_train[:256], labels=[str(i) for i in range(10)],
+    bundle = BC.create_bundle(net, dest, calibration=x_train[:256], labels=[str(i) for i in range(10)],
                              name="digits", version="1", input_shape=(1, 8, 8), scale=1 / 16)
     return net, bundle, x_test, y_test
 

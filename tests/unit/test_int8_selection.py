@@ -14,7 +14,7 @@ import pytest
 
 from edge_agent import models
 from edge_agent.errors import EXIT_UNAVAILABLE, ConfigError
-from edge_agent.int8 import bundle as B
+from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import selection as sel
 from edge_agent.int8.engine import ENV_FORCE_BACKEND, Availability, Int8Engine, Runner
 from edge_agent.int8.engines.edgetpu import EdgeTpuEngine
@@ -32,8 +32,8 @@ def made(tmp_path_factory):
     models.fit_classifier(net, x_train, y_train, epochs=3)
     root = tmp_path_factory.mktemp("selection")
     kwargs = dict(calibration=x_train[:64], labels=LABELS, name="digits", input_shape=(1, 8, 8), scale=1 / 16)
-    return (B.create_bundle(net, root / "v1", version="1", **kwargs),
-            B.create_bundle(net, root / "v2", version="2", **kwargs))
+    return (BC.create_bundle(net, root / "v1", version="1", **kwargs),
+            BC.create_bundle(net, root / "v2", version="2", **kwargs))
 
 
 @pytest.fixture(scope="module")

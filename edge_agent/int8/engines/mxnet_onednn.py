@@ -58,7 +58,7 @@ class MxnetOnednnEngine(Int8Engine):
         import mxnet as mx
         from mxnet.contrib.quantization import quantize_net
 
-        from ..bundle import onnx_to_mxnet
+        from ..bundle_create import onnx_to_mxnet
 
         os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")  # no "backend MKLDNN is activated" lines
         mx.base.check_call(mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(thread_count(threads))))  # noqa: SLF001

@@ -1,0 +1,264 @@
+"""Creating a model bundle: from a Gluon HybridBlock or an ONNX file, a split node,
+calibration data (an NPZ, an image folder or an array) and labels.
+
+This half needs MXNet and onnx, imported inside the functions; loading, verifying and
+packing bundles (edge_agent.int8.bundle) do not, so the idle daemon never pulls this in.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import read_limited
+from ..errors import InputError
+from .bundle import (
+    BACKBONE_EDGETPU,
+    BACKBONE_INT8,
+    BACKBONE_ONNX,
+    CALIBRATION,
+    HEAD_PARAMS,
+    HEAD_SYMBOL,
+    MAX_CALIBRATION_BYTES,
+    MAX_CALIBRATION_SAMPLES,
+    MAX_FILE_BYTES,
+    REQUIRED_FILES,
+    Bundle,
+    BundleError,
+    FileEntry,
+    InputSpec,
+    Manifest,
+    _check_dest,
+    _load_npz_array,
+    _parse_manifest,
+    check_calibration,
+    write_bundle_dir,
+)
+
+
+def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpec, *,
+                     max_files: int = 10_000) -> np.ndarray:
+    """Calibration samples as normalised NCHW float32, validated against `spec`.
+
+    `source` is an array (already normalised), an .npz (array "x", "data" or "images", or
+    its only array: already normalised NCHW), or a folder of .npy arrays (normalised, one
+    CHW sample or an NCHW batch each) and/or images (.png/.jpg/.bmp/.pgm: raw pixels,
+    resized to the input size and normalised with the input spec; needs Pillow)."""
+    if isinstance(source, np.ndarray):
+        return check_calibration(source, spec, where="calibration array")
+    path = Path(source)
+    if path.is_file():
+        return _load_npz_array(read_limited(path, MAX_FILE_BYTES), spec, where=str(path), key=None)
+    if not path.is_dir():
+        raise InputError(f"{path}: calibration data not found (need an .npz file or a folder)")
+    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if len(files) > max_files:
+        raise InputError(f"{path}: {len(files)} files, over the limit of {max_files}")
+    batches: list[np.ndarray] = []
+    for item in files:
+        suffix = item.suffix.lower()
+        if suffix == ".npy":
+            try:
+                array = np.load(io.BytesIO(read_limited(item, MAX_FILE_BYTES)), allow_pickle=False)
+            except ValueError as exc:
+                raise InputError(f"{item}: not a readable .npy array ({exc})") from None
+            batches.append(check_calibration(array[None] if array.ndim == 3 else array, spec, where=str(item)))
+        elif suffix in (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".ppm"):
+            batches.append(_load_image(item, spec))
+    if not batches:
+        raise InputError(f"{path}: no .npy or image files")
+    return np.concatenate(batches, axis=0)
+
+
+def _load_image(path: Path, spec: InputSpec) -> np.ndarray:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise InputError(f"{path}: reading images needs Pillow (pip install Pillow), or give .npy/.npz") from None
+    channels, height, width = spec.shape
+    if channels not in (1, 3):
+        raise InputError(f"{path}: images can only feed 1- or 3-channel inputs, this model has {channels}")
+    try:
+        with Image.open(io.BytesIO(read_limited(path, 64 << 20))) as img:
+            if img.width * img.height > 64_000_000:  # decompression bomb guard
+                raise InputError(f"{path}: {img.width}x{img.height} image is too large")
+            pixels = np.asarray(img.convert("L" if channels == 1 else "RGB").resize((width, height)))
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InputError(f"{path}: not a readable image ({exc})") from None
+    chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    return check_calibration(spec.normalise(chw[None]), spec, where=str(path))
+
+
+def _resolve_split(model: Any, split: str | None, default: str | None, where: str) -> tuple[str, str]:
+    """Split node or tensor name -> (tensor, node name)."""
+    from .onnx_import import node_name
+
+    nodes = list(model.graph.node)
+    wanted = split or default
+    if not wanted:
+        raise InputError(f"{where}: name the split node between backbone and head "
+                         f"(e.g. one of: {', '.join(node_name(n) for n in nodes[-6:])})")
+    for node in nodes:
+        if node_name(node) == wanted or wanted in node.output:
+            tensor = wanted if wanted in node.output else node.output[0]
+            if tensor in {o.name for o in model.graph.output}:
+                raise InputError(f"{where}: split {wanted!r} is the model's output: the head would be empty")
+            return tensor, node.name
+    names = [node_name(n) for n in nodes]
+    raise InputError(f"{where}: unknown split node {wanted!r}; nodes are: {', '.join(names)[:600]}")
+
+
+def _mxnet_compatible(model: Any) -> Any:
+    """MXNet's ONNX importer only sees initializers that are also graph inputs (old IR)."""
+    from onnx import helper
+
+    listed = {i.name for i in model.graph.input}
+    for init in model.graph.initializer:
+        if init.name not in listed:
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return model
+
+
+def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx."""
+    import contextlib
+
+    from mxnet.contrib import onnx as onnx_mxnet
+
+    from .onnx_import import load_onnx
+
+    model = _mxnet_compatible(load_onnx(model_bytes))  # size limit, parse and onnx.checker first
+    # the importer prints deprecation notices on stdout; keep CLI output clean
+    with contextlib.redirect_stdout(io.StringIO()):
+        return onnx_mxnet.import_model(io.BytesIO(model.SerializeToString()))
+
+
+def _gluon_split(block: Any, input_name: str) -> str | None:
+    """The ONNX tensor ending `block.features` (the project's backbone/head convention):
+    MXNet's exporter names each node's output tensor after the MXNet node."""
+    features = getattr(block, "features", None)
+    if features is None:
+        return None
+    import mxnet as mx
+
+    return features(mx.sym.var(input_name)).name
+
+
+def _source_model(source: Any, input_shape: tuple[int, int, int] | None) -> tuple[Any, str, str, str | None]:
+    """(onnx model, where for errors, origin for the manifest, default split)."""
+    from .onnx_import import load_onnx
+
+    if isinstance(source, bytes | bytearray):
+        return load_onnx(bytes(source)), "onnx model", "onnx", None
+    if isinstance(source, str | os.PathLike):
+        return load_onnx(source), os.fspath(source), f"onnx:{Path(source).name}", None
+    from .onnx_export import export_onnx
+
+    if input_shape is None:
+        raise InputError("input_shape (C, H, W) is needed to export a Gluon block")
+    model = load_onnx(export_onnx(source, (1, *input_shape)))
+    return model, f"gluon {type(source).__name__}", "gluon", _gluon_split(source, model.graph.input[0].name)
+
+
+def create_bundle(
+    source: Any,
+    dest: str | os.PathLike[str],
+    *,
+    calibration: str | os.PathLike[str] | np.ndarray,
+    labels: list[str],
+    name: str,
+    version: str,
+    split: str | None = None,
+    input_shape: tuple[int, int, int] | None = None,
+    scale: float = 1.0,
+    mean: tuple[float, ...] = (),
+    std: tuple[float, ...] = (),
+    parent_version: str | None = None,
+    method: str | None = None,
+    edgetpu_model: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> Bundle:
+    """Build a bundle from a Gluon HybridBlock or an ONNX model (path or bytes).
+
+    The model is cut at `split` (a node or tensor name; for a Gluon net with `.features`
+    the default is the output of `.features`): the backbone becomes backbone.onnx and, after
+    post-training quantisation on `calibration` (see `load_calibration`), backbone_int8.tflite;
+    the head becomes an MXNet symbol + params. Inputs are validated before any work; the
+    bundle is written to a temp directory, verified, then renamed to `dest`.
+    """
+    import datetime
+
+    from onnx import utils as onnx_utils
+
+    from .graph import UnsupportedOpError
+    from .onnx_import import import_onnx
+    from .quantize import quantize_graph
+    from .reference import GraphError
+    from .tflite_reader import read_tflite
+    from .tflite_writer import write_tflite
+
+    _check_dest(Path(dest), overwrite)
+    model, where, origin, default_split = _source_model(source, input_shape)
+    tensor, node = _resolve_split(model, split, default_split, where)
+    try:
+        float_graph = import_onnx(model, split=tensor)
+    except UnsupportedOpError as exc:  # a ValueError: make it the user's input error
+        raise BundleError(f"{where}: backbone up to {tensor!r}: {exc}") from None
+    shape = tuple(int(v) for v in float_graph.input_shape[1:])
+    if input_shape is not None and tuple(input_shape) != shape:
+        raise InputError(f"{where}: input shape is {shape}, not the {tuple(input_shape)} given")
+    spec = InputSpec(shape=shape, name=float_graph.input, scale=float(scale),  # type: ignore[arg-type]
+                     mean=tuple(mean) or (0.0,) * shape[0], std=tuple(std) or (1.0,) * shape[0])
+    manifest = Manifest(
+        name=name, version=version, input=spec, labels=list(labels), split_tensor=tensor,
+        split_node=node, feature_shape=tuple(int(v) for v in float_graph.output_shape[1:]),
+        files={f: FileEntry("0" * 64, 0) for f in REQUIRED_FILES}, parent_version=parent_version,
+        source=origin, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    _parse_manifest(manifest.to_json(), "bundle arguments")  # name, version, labels, mean/std: fail early
+    calib = load_calibration(calibration, spec)
+    try:
+        qgraph = quantize_graph(float_graph, calib, **({"method": method} if method else {}))
+        tflite = write_tflite(qgraph)
+        read_tflite(tflite)  # the reader's checks are what every device will run
+    except (UnsupportedOpError, GraphError) as exc:
+        raise BundleError(f"{where}: cannot quantise the backbone: {exc}") from None
+    extractor = onnx_utils.Extractor(model)
+    head = extractor.extract_model([tensor], [o.name for o in model.graph.output])
+    head_sym, head_args, head_aux = onnx_to_mxnet(head.SerializeToString())
+    # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
+    # and a check batch, small enough for a Pi's memory.
+    keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
+    rng = np.random.default_rng(0)
+    stored = calib if len(calib) <= keep else calib[np.sort(rng.choice(len(calib), keep, replace=False))]
+    npz = io.BytesIO()
+    np.savez_compressed(npz, x=stored)
+    files = {
+        BACKBONE_ONNX: extractor.extract_model([float_graph.input], [tensor]).SerializeToString(),
+        BACKBONE_INT8: tflite,
+        HEAD_SYMBOL: head_sym.tojson().encode(),
+        HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in head_args.items()}
+                                    | {f"aux:{k}": v for k, v in head_aux.items()}),
+        CALIBRATION: npz.getvalue(),
+    }
+    if edgetpu_model is not None:
+        files[BACKBONE_EDGETPU] = read_limited(edgetpu_model, MAX_FILE_BYTES)
+        if files[BACKBONE_EDGETPU][4:8] != b"TFL3":
+            raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
+    manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
+    return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
+
+
+def _ndarray_bytes(params: dict[str, Any]) -> bytes:
+    """MXNet's ndarray file format, via a private temp file (mx.nd.save needs a path)."""
+    import mxnet as mx
+
+    with tempfile.TemporaryDirectory(prefix="edge-agent-head-") as tmp:
+        target = Path(tmp) / HEAD_PARAMS
+        mx.nd.save(str(target), params)
+        return target.read_bytes()
