@@ -86,10 +86,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _head_params(data: bytes) -> dict[str, Any]:
-    import mxnet as mx
+    from ..mxparams import load_params, split_names  # numpy only: this child needs no MXNet
 
-    loaded = mx.nd.load_frombuffer(data)
-    return {k.split(":", 1)[-1]: v.asnumpy() for k, v in loaded.items()}
+    return split_names(load_params(data, where="trained head"))[0]
 
 
 def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict[str, Any]:

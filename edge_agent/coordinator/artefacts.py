@@ -34,7 +34,7 @@ from ..int8.bundle import (
     unpack_bundle,
     write_bundle_dir,
 )
-from .mxparams import dump_params, join_names, load_params, split_names
+from ..mxparams import dump_params, join_names, load_params, split_names
 from .records import ModelVersion, check_id
 from .registry import Registry
 

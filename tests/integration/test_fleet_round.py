@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from edge_agent.coordinator.aggregate import apply_delta, fedavg
-from edge_agent.coordinator.mxparams import load_params, split_names
 from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
 from edge_agent.int8.bundle import HEAD_PARAMS, unpack_bundle
+from edge_agent.mxparams import load_params, split_names
 from edge_agent.protocol import Kind
 from edge_agent.transport.broker import free_port
 from edge_agent.transport.models import ModelDownload

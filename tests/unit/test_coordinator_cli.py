@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import keys
+from edge_agent import keys, mxparams
 from edge_agent.config import public_key_text
-from edge_agent.coordinator import mxparams
 from edge_agent.coordinator.artefacts import ModelArtefacts
 from edge_agent.coordinator.cli import main
 from edge_agent.coordinator.records import JobStatus
