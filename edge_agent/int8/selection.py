@@ -48,6 +48,7 @@ from .. import __version__
 from ..atomic import atomic_write_json, read_limited
 from ..errors import EXIT_UNAVAILABLE, ConfigError, EdgeAgentError, InputError
 from . import engines as registry
+from .bundle import BACKBONE_INT8
 from .engine import ENV_FORCE_BACKEND, Int8Engine, Runner
 from .engines._common import thread_count
 
@@ -217,17 +218,25 @@ class Oracle:
 
 
 def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
+    """The bundle head's logits: numpy for a one-dense-layer head, else its MXNet block."""
     head = None
 
     def logits(features: np.ndarray) -> np.ndarray:
         nonlocal head
-        import mxnet as mx
-
         if head is None:
-            head = bundle.head_block()
-        return head(mx.nd.array(features)).asnumpy().reshape(len(features), -1)
+            from ..train.dense_head import dense_head_logits
+
+            head = dense_head_logits(bundle) or _mxnet_head(bundle)
+        return head(features).reshape(len(features), -1)
 
     return logits
+
+
+def _mxnet_head(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
+    import mxnet as mx
+
+    block = bundle.head_block()
+    return lambda features: block(mx.nd.array(features)).asnumpy()
 
 
 # ---------------------------------------------------------------- selection
@@ -261,7 +270,10 @@ def availability_report(preference: list[str] | None = None, probe: dict[str, An
 
 def cache_key(bundle: Any, fingerprint: str, *, batch_size: int, threads: int | None,
               preference: list[str]) -> dict[str, Any]:
-    return {"model_sha256": bundle.sha256, "hardware": fingerprint, "edge_agent": __version__,
+    # keyed on the int8 backbone, not the whole bundle: every engine runs only the backbone,
+    # so a new head version (each federated round) reuses the decision instead of spending
+    # a re-selection (tens of CPU-seconds, every candidate prepared) on every device
+    return {"backbone_sha256": bundle.manifest.files[BACKBONE_INT8].sha256, "hardware": fingerprint, "edge_agent": __version__,
             "batch_size": batch_size, "threads": threads, "candidates": list(preference)}
 
 
@@ -332,14 +344,16 @@ def select_engine(
                 return cached, (engine.prepare(bundle, threads=threads) if keep_runner else None)
             except Exception as exc:  # it worked when cached; re-select rather than fail
                 _log.warning("cached int8 engine %s failed to prepare (%s); selecting again", cached.chosen, exc)
-    rows = availability_report(probe=probe, engines=loaded)
+    # a forced engine is the only one tried: the others are not even probed (probing
+    # mxnet-onednn imports MXNet, ~130 MB and ~2 CPU-s, in a job that will not use it)
+    rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
+    if forced:
+        rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in loaded if n != forced]
     x = check_batch_for(bundle, batch_size)
     oracle = Oracle(bundle, x, logits=logits)
     runners: dict[str, Runner] = {}
     for row in rows:
-        if not row.available or (forced and row.name != forced):
-            if forced and row.name != forced and row.available:
-                row.reason += f" (not tried: {ENV_FORCE_BACKEND}={forced})"
+        if not row.available:
             continue
         engine = by_name[row.name]
         assert engine is not None

@@ -32,8 +32,10 @@ def made(tmp_path_factory):
     models.fit_classifier(net, x_train, y_train, epochs=3)
     root = tmp_path_factory.mktemp("selection")
     kwargs = dict(calibration=x_train[:64], labels=LABELS, name="digits", input_shape=(1, 8, 8), scale=1 / 16)
+    other = dict(kwargs, calibration=x_train[64:96])  # other int8 scales: another backbone
     return (BC.create_bundle(net, root / "v1", version="1", **kwargs),
-            BC.create_bundle(net, root / "v2", version="2", **kwargs))
+            BC.create_bundle(net, root / "v2", version="2", **kwargs),
+            BC.create_bundle(net, root / "v3", version="3", **other))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_nothing_correct_is_an_unavailable_error(bundle, tmp_path):
 
 
 def test_the_cache_is_reused_and_invalidated(made, tmp_path, monkeypatch):
-    v1, v2 = made
+    v1, v2, v3 = made
     engine = FakeEngine("fake")
     engines = [("fake", engine), ("reference", ReferenceEngine())]
     first = _select(v1, engines, tmp_path)
@@ -117,8 +119,11 @@ def test_the_cache_is_reused_and_invalidated(made, tmp_path, monkeypatch):
     again = _select(v1, engines, tmp_path)
     assert again.cached and again.chosen == first.chosen and engine.prepared == 1  # nothing re-measured
     assert again.candidate(first.chosen).latency_ms == first.candidate(first.chosen).latency_ms
-    # another model, other hardware, another version, another batch size: each re-selects
-    _select(v2, engines, tmp_path)
+    # a new version with the same int8 backbone (a new head: every federated round) reuses it
+    assert v2.sha256 != v1.sha256 and _select(v2, engines, tmp_path).cached and engine.prepared == 1
+    # another backbone, other hardware, another edge-agent version, another batch size: each re-selects
+    assert v3.manifest.files["backbone_int8.tflite"].sha256 != v1.manifest.files["backbone_int8.tflite"].sha256
+    _select(v3, engines, tmp_path)
     assert engine.prepared == 2
     _select(v1, engines, tmp_path, probe={**PROBE, "cpu": {**PROBE["cpu"], "int8_features": {"avx2": True, "avx512_vnni": True}}})
     assert engine.prepared == 3
