@@ -103,6 +103,12 @@ class LocalDataset:
     def subset(self, index: np.ndarray) -> LocalDataset:
         return LocalDataset(self.x[index], self.y[index], [self.hashes[i] for i in index], self.labels, self.report)
 
+    def without_pixels(self) -> LocalDataset:
+        """The same samples with `x` emptied (labels, hashes and report kept): once the
+        backbone features exist, the pixels are the biggest thing a job still holds."""
+        return LocalDataset(np.empty((0, *self.x.shape[1:]), self.x.dtype), self.y, self.hashes, self.labels,
+                            self.report)
+
 
 def sample_hash(sample: np.ndarray) -> str:
     """The content hash of one normalised sample (shape and float32 bytes)."""

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import logging
 import math
 import os
 import resource
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_bytes, atomic_write_json, read_limited, sha256_file
-from ..errors import EdgeAgentError, InputError
+from ..errors import ConfigError, EdgeAgentError, InputError
 from .checkpoints import Checkpoint, CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ def run_finetune(
     patience: int = 3,
     balance: bool = False,
     train_last: int | None = None,
+    trainer: str = "auto",
     val_fraction: float = 0.2,
     seed: int = 0,
     checkpoint_every: int = 50,
@@ -198,12 +199,16 @@ def run_finetune(
                     thermal_limit_c=thermal_limit_c, window=window, deadline=deadline)
     if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise InputError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+    from .dense_head import BACKENDS
+
+    if trainer not in BACKENDS:
+        raise ConfigError(f"trainer: expected one of {', '.join(BACKENDS)}, got {trainer!r}")
     state = Path(state_dir)
     with _locked(state):
         job = _Job(state=state, budget=budget, progress=progress, clock=clock, args=dict(
             model=str(model), data=str(data), cache_dir=str(cache_dir) if cache_dir else None,
             epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
-            patience=patience, balance=balance, train_last=train_last, val_fraction=val_fraction, seed=seed,
+            patience=patience, balance=balance, train_last=train_last, trainer=trainer, val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
             power_root=str(power_root), profile=profile, threads=threads, cache_max_mb=cache_max_mb,
             poll_s=poll_s))
@@ -281,15 +286,12 @@ class _Job:
             budget = Budget(**{**budget.to_config(), "thermal_limit_c": prof["thermal_limit_c"]})
             self.budget = budget
 
-        from .trainer import HeadTrainer, TrainConfig, head_from_bundle
+        from .trainer import TrainConfig, head_from_bundle
 
         config = TrainConfig(optimizer=a["optimizer"], lr=a["lr"], weight_decay=a["weight_decay"],
                              batch_size=batch_size, epochs=a["epochs"], patience=a["patience"],
                              balance=a["balance"], seed=a["seed"], train_last=a["train_last"])
-        symbol_json, base_params = head_from_bundle(bundle)
-        trainer = HeadTrainer(symbol_json=symbol_json, params=base_params, input_name=bundle.manifest.split_tensor,
-                              num_classes=len(bundle.manifest.labels), config=config, train_labels=train.y,
-                              threads=threads)
+        symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
 
         # features for every usable sample, through the selected int8 engine and the cache
         from ..int8.selection import select_engine
@@ -325,6 +327,12 @@ class _Job:
                 features, cache_stats = None, None
             finally:
                 runner.close()
+                del runner
+            # The pixels and the engine are no longer needed: free them before MXNet loads, so
+            # the backbone's peak and MXNet's (~130 MB import) do not stack up in one process.
+            dataset, train, val = dataset.without_pixels(), train.without_pixels(), val.without_pixels()
+            gc.collect()
+            trainer = self._make_trainer(symbol_json, base_params, config, train.y, threads)
             index = {h: i for i, h in enumerate(dataset.hashes)}
             f_val = features[[index[h] for h in val.hashes]] if features is not None else None
             before = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
@@ -344,6 +352,15 @@ class _Job:
                 stop_reason = self._train(f_train, train.y, f_val, val.y)
         after = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
         return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
+
+    def _make_trainer(self, symbol_json: str, params: dict[str, np.ndarray], config: Any, train_labels: np.ndarray,
+                      threads: int) -> Any:
+        from .dense_head import make_head_trainer  # MXNet Gluon unless the head is one dense layer
+
+        manifest = self.bundle.manifest
+        return make_head_trainer(symbol_json=symbol_json, params=params, input_name=manifest.split_tensor,
+                                 num_classes=len(manifest.labels), config=config, train_labels=train_labels,
+                                 threads=threads, backend=self.args["trainer"])
 
     def _governed(self, compute: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
         """The backbone, run under the governor like a training step (it costs energy too)."""
@@ -421,17 +438,12 @@ class _Job:
     # ------------------------------------------------------------------ report
 
     def _write_head(self) -> tuple[Path, str]:
-        import mxnet as mx
+        from ..mxparams import dump_params
 
-        from ..int8.bundle import HEAD_PARAMS
-
+        # MXNet's own file layout (arg:/aux: names), written with numpy: crash-safe in one step
         params = self.trainer.params()
-        aux = {n for n, p in self.trainer.block.collect_params().items() if p.grad_req == "null"
-               and n.endswith(("running_mean", "running_var", "moving_mean", "moving_var"))}
-        named = {f"{'aux' if n in aux else 'arg'}:{n}": mx.nd.array(v) for n, v in params.items()}
-        with tempfile.TemporaryDirectory(prefix="edge-agent-head-") as tmp:
-            mx.nd.save(str(Path(tmp) / HEAD_PARAMS), named)
-            blob = (Path(tmp) / HEAD_PARAMS).read_bytes()
+        aux = self.trainer.aux_names()
+        blob = dump_params({f"{'aux' if n in aux else 'arg'}:{n}": np.asarray(v, np.float32) for n, v in params.items()})
         target = self.state / HEAD_FILE
         atomic_write_bytes(target, blob)
         return target, sha256_file(target)
@@ -452,6 +464,7 @@ class _Job:
             "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": bundle.sha256},
             "data": dataset.report.to_json(),
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached)},
+            "trainer": self.trainer.backend,
             "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
             "accuracy": {"before": num(before[1]), "after": num(after[1]), "validation_samples": dataset.report.validation},
             "loss": {"before": num(before[0]), "after": num(after[0])},

@@ -12,8 +12,8 @@ order of epoch e is `default_rng([seed, e]).permutation(n)`, and parameters, opt
 state (moments and update counts) and the early-stopping record are saved as plain
 arrays -- no pickles -- so a resumed run continues bit-for-bit where it stopped.
 
-MXNet is imported only inside this module's functions and methods: the daemon can import
-the package without loading it.
+MXNet is imported only inside this module's functions and methods (through
+`mxnet_import.mxnet()`): the daemon can import the package without loading it.
 """
 
 from __future__ import annotations
@@ -67,20 +67,22 @@ class TrainConfig:
 
 
 def head_from_bundle(bundle: Any) -> tuple[str, dict[str, np.ndarray]]:
-    """(symbol JSON, parameters by name) of a bundle's head, from its verified files."""
-    import mxnet as mx
-
+    """(symbol JSON, parameters by bare name) of a bundle's head, from its verified files.
+    numpy only: no MXNet import."""
     from ..int8.bundle import HEAD_PARAMS, HEAD_SYMBOL
+    from ..mxparams import load_params, split_names
 
     symbol_json = bundle.read(HEAD_SYMBOL).decode("utf-8")
-    loaded = mx.nd.load_frombuffer(bundle.read(HEAD_PARAMS))
-    return symbol_json, {k.split(":", 1)[-1]: v.asnumpy() for k, v in loaded.items()}
+    params, _ = split_names(load_params(bundle.read(HEAD_PARAMS), where=f"{bundle.path}: {HEAD_PARAMS}"))
+    return symbol_json, params
 
 
 def linear_head(in_units: int, num_classes: int, *, input_name: str = "features", seed: int = 0
                 ) -> tuple[str, dict[str, np.ndarray]]:
     """A flatten + dense head as (symbol JSON, parameters): a head for any Runner's features."""
-    import mxnet as mx
+    from .mxnet_import import mxnet
+
+    mx = mxnet()
 
     data = mx.sym.var(input_name)
     out = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=num_classes, name="fc")
@@ -117,8 +119,108 @@ def class_weights(labels: np.ndarray, num_classes: int) -> np.ndarray:
     return weights.astype(np.float32)
 
 
-class HeadTrainer:
-    """Trains a head symbol on features; all state exportable as arrays + JSON."""
+class TrainerCommon:
+    """What every head trainer shares: the batch order, evaluation, early stopping and its
+    checkpointed record. Subclasses provide step / predict / params / set_params / state."""
+
+    backend = ""
+
+    def __init__(self, config: TrainConfig, num_classes: int, train_labels: np.ndarray | None) -> None:
+        self.config = config
+        self.num_classes = num_classes
+        self.class_weight = (class_weights(train_labels, num_classes) if config.balance and train_labels is not None
+                             else np.ones(num_classes, np.float32))
+        self.best_loss = math.inf
+        self.best_epoch = -1
+        self.bad_epochs = 0
+        self.best_params: dict[str, np.ndarray] | None = None
+
+    def batch_order(self, n: int, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.config.seed, epoch]).permutation(n)
+
+    def batches_per_epoch(self, n: int) -> int:
+        return max(1, -(-n // self.config.batch_size))
+
+    def batch_indices(self, n: int, epoch: int, batch: int) -> np.ndarray:
+        bs = self.config.batch_size
+        return self.batch_order(n, epoch)[batch * bs:(batch + 1) * bs]
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        raise NotImplementedError
+
+    def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def set_threads(self, threads: int) -> None:
+        """CPU threads for the trainer's operators (the governor lowers it when hot or capped)."""
+
+    def aux_names(self) -> set[str]:
+        """Parameters that are running statistics, not weights (MXNet files mark them aux:)."""
+        return set()
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) on a labelled set; (nan, nan) if it is empty."""
+        if len(y) == 0:
+            return math.nan, math.nan
+        logits = self.predict(x).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        loss = float(-log_p[np.arange(len(y)), y].mean())
+        return loss, float((logits.argmax(axis=1) == y).mean())
+
+    def end_epoch(self, epoch: int, val_loss: float) -> bool:
+        """Record the epoch's validation loss; True when early stopping says stop."""
+        if not math.isfinite(val_loss):  # no validation set: no early stopping
+            return False
+        if val_loss < self.best_loss - self.config.min_delta:
+            self.best_loss, self.best_epoch, self.bad_epochs = val_loss, epoch, 0
+            self.best_params = self.params()
+            return False
+        self.bad_epochs += 1
+        return self.bad_epochs >= self.config.patience
+
+    def restore_best(self) -> None:
+        if self.best_params is not None:
+            self.set_params(self.best_params)
+
+    def _record_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The parts of state() every backend shares: parameters, best copy, stopping record."""
+        arrays = {f"param/{k}": v for k, v in self.params().items()}
+        if self.best_params is not None:
+            arrays.update({f"best/{k}": v for k, v in self.best_params.items()})
+        meta = {"backend": self.backend, "optimizer": self.config.optimizer,
+                "best_loss": None if not math.isfinite(self.best_loss) else self.best_loss,
+                "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs}
+        return meta, arrays
+
+    def _check_state(self, meta: Mapping[str, Any]) -> None:
+        backend = meta.get("backend", "mxnet")  # checkpoints before there were two backends
+        if backend != self.backend:
+            raise InputError(f"checkpoint was written by the {backend!r} trainer, this job uses {self.backend!r} "
+                             "(pass the same --trainer, or start afresh)")
+        if meta.get("optimizer") != self.config.optimizer:
+            raise InputError(f"checkpoint used optimizer {meta.get('optimizer')!r}, this job {self.config.optimizer!r}")
+
+    def _load_record(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        self.set_params({k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+        best = {k[5:]: v for k, v in arrays.items() if k.startswith("best/")}
+        self.best_params = best or None
+        best_loss = meta.get("best_loss")
+        self.best_loss = math.inf if best_loss is None else float(best_loss)
+        self.best_epoch = int(meta.get("best_epoch", -1))
+        self.bad_epochs = int(meta.get("bad_epochs", 0))
+
+
+class HeadTrainer(TrainerCommon):
+    """Trains a head symbol on features with MXNet Gluon; all state exportable as arrays + JSON."""
+
+    backend = "mxnet"
 
     def __init__(
         self,
@@ -131,12 +233,11 @@ class HeadTrainer:
         train_labels: np.ndarray | None = None,
         threads: int | None = None,
     ) -> None:
-        import mxnet as mx
-        from mxnet import gluon
+        from .mxnet_import import mxnet
 
-        self.mx = mx
-        self.config = config
-        self.num_classes = num_classes
+        self.mx = mx = mxnet()
+        gluon = mx.gluon
+        super().__init__(config, num_classes, train_labels)
         if threads:
             self.set_threads(threads)
         try:
@@ -173,14 +274,6 @@ class HeadTrainer:
         self._trainer = gluon.Trainer({n: own[n] for n in self.trainable}, config.optimizer, opt_params,
                                       kvstore=None)
         self._loss = gluon.loss.SoftmaxCrossEntropyLoss()
-        weights = (class_weights(train_labels, num_classes) if config.balance and train_labels is not None
-                   else np.ones(num_classes, np.float32))
-        self.class_weight = weights
-        # early stopping record
-        self.best_loss = math.inf
-        self.best_epoch = -1
-        self.bad_epochs = 0
-        self.best_params: dict[str, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ training
 
@@ -192,16 +285,6 @@ class HeadTrainer:
             self.mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(max(1, int(threads))))  # noqa: SLF001
         except AttributeError:  # an MXNet build without the call: keep its default
             pass
-
-    def batch_order(self, n: int, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.config.seed, epoch]).permutation(n)
-
-    def batches_per_epoch(self, n: int) -> int:
-        return max(1, -(-n // self.config.batch_size))
-
-    def batch_indices(self, n: int, epoch: int, batch: int) -> np.ndarray:
-        bs = self.config.batch_size
-        return self.batch_order(n, epoch)[batch * bs:(batch + 1) * bs]
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One optimiser step on a batch; returns its mean (weighted) loss."""
@@ -224,31 +307,6 @@ class HeadTrainer:
                 for i in range(0, len(x), batch_size)]
         return np.concatenate(outs) if outs else np.empty((0, self.num_classes), np.float32)
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """(mean cross-entropy, accuracy) on a labelled set; (nan, nan) if it is empty."""
-        if len(y) == 0:
-            return math.nan, math.nan
-        logits = self.predict(x).astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        loss = float(-log_p[np.arange(len(y)), y].mean())
-        return loss, float((logits.argmax(axis=1) == y).mean())
-
-    def end_epoch(self, epoch: int, val_loss: float) -> bool:
-        """Record the epoch's validation loss; True when early stopping says stop."""
-        if not math.isfinite(val_loss):  # no validation set: no early stopping
-            return False
-        if val_loss < self.best_loss - self.config.min_delta:
-            self.best_loss, self.best_epoch, self.bad_epochs = val_loss, epoch, 0
-            self.best_params = self.params()
-            return False
-        self.bad_epochs += 1
-        return self.bad_epochs >= self.config.patience
-
-    def restore_best(self) -> None:
-        if self.best_params is not None:
-            self.set_params(self.best_params)
-
     # ------------------------------------------------------------------ state
 
     def params(self) -> dict[str, np.ndarray]:
@@ -261,6 +319,10 @@ class HeadTrainer:
                 raise InputError(f"parameter {name}: shape {value.shape}, head has {p.shape}")
             p.set_data(self.mx.nd.array(value))
 
+    def aux_names(self) -> set[str]:
+        return {n for n, p in self.block.collect_params().items() if p.grad_req == "null"
+                and n.endswith(("running_mean", "running_var", "moving_mean", "moving_var"))}
+
     def signature(self) -> str:
         """Names and shapes of the head's parameters: a checkpoint must match them."""
         return ";".join(f"{n}:{'x'.join(map(str, p.shape))}" for n, p in self.block.collect_params().items())
@@ -270,9 +332,7 @@ class HeadTrainer:
 
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(JSON-able metadata, arrays): everything needed to continue exactly."""
-        arrays = {f"param/{k}": v for k, v in self.params().items()}
-        if self.best_params is not None:
-            arrays.update({f"best/{k}": v for k, v in self.best_params.items()})
+        meta, arrays = self._record_state()
         updater = self._updater()
         opt = updater.optimizer
         layout: dict[str, int] = {}
@@ -281,16 +341,12 @@ class HeadTrainer:
             layout[str(index)] = len([s for s in parts if s is not None])
             for j, part in enumerate(s for s in parts if s is not None):
                 arrays[f"opt/{index}/{j}"] = part.asnumpy()
-        meta = {
-            "optimizer": self.config.optimizer,
+        meta.update({
             "opt_layout": layout,
             "opt_counts": {str(k): int(v) for k, v in opt._index_update_count.items()},  # noqa: SLF001
             "opt_num_update": int(opt.num_update),
-            "best_loss": None if not math.isfinite(self.best_loss) else self.best_loss,
-            "best_epoch": self.best_epoch,
-            "bad_epochs": self.bad_epochs,
             "signature": self.signature(),
-        }
+        })
         return meta, arrays
 
     def load_state(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
@@ -298,12 +354,9 @@ class HeadTrainer:
         mx = self.mx
         if meta.get("signature") != self.signature():
             raise InputError("checkpoint is for a head with other parameters")
-        if meta.get("optimizer") != self.config.optimizer:
-            raise InputError(f"checkpoint used optimizer {meta.get('optimizer')!r}, this job {self.config.optimizer!r}")
+        self._check_state(meta)
         try:
-            self.set_params({k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
-            best = {k[5:]: v for k, v in arrays.items() if k.startswith("best/")}
-            self.best_params = best or None
+            self._load_record(meta, arrays)
             updater = self._updater()
             opt = updater.optimizer
             updater.states.clear()
@@ -317,9 +370,5 @@ class HeadTrainer:
             counts.clear()
             counts.update({int(k): int(v) for k, v in dict(meta["opt_counts"]).items()})
             opt.num_update = int(meta["opt_num_update"])
-            best_loss = meta.get("best_loss")
-            self.best_loss = math.inf if best_loss is None else float(best_loss)
-            self.best_epoch = int(meta.get("best_epoch", -1))
-            self.bad_epochs = int(meta.get("bad_epochs", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None

@@ -168,3 +168,64 @@ def test_one_job_per_state_directory(bundle: Path, devices: dict[str, Path], tmp
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(JobStateError, match="another fine-tune job"):
             run_finetune(model=bundle, data=devices["dev-05"], state_dir=state)
+
+
+_PHASE_PROBE = """
+import json, sys
+from edge_agent.train.job import run_finetune
+seen = {}
+def progress(event):
+    seen.setdefault(event.phase, "mxnet" in sys.modules)
+report = run_finetune(model=sys.argv[1], data=sys.argv[2], state_dir=sys.argv[3], cache_dir=sys.argv[4],
+                      trainer=sys.argv[5], engine="tflite", epochs=2, val_fraction=0.3, profile="raspberry-pi-4", progress=progress)
+print(json.dumps({"mxnet_at_first": seen, "mxnet_at_end": "mxnet" in sys.modules, "trainer": report["trainer"],
+                  "hidden": [m for m in ("sklearn", "scipy") if m in sys.modules],
+                  "head": report["head"]["file"], "steps": report["steps"]}))
+"""
+
+
+@pytest.mark.parametrize("trainer", ["auto", "mxnet"])
+def test_the_training_process_loads_mxnet_only_after_the_features_and_only_when_needed(
+        bundle: Path, devices: dict[str, Path], tmp_path: Path, trainer: str) -> None:
+    # A fresh interpreter, as the agent's training child is: the int8 features (here with
+    # TFLite) run before
+    # MXNet is imported (their peaks must not stack); a one-dense-layer head (these bundles')
+    # trains in numpy, so with trainer="auto" MXNet is never imported; with Gluon, MXNet's
+    # optional scikit-learn / SciPy imports are hidden (installed for the tests, unused).
+    import subprocess
+    import sys
+
+    from edge_agent.mxparams import load_params
+
+    data = next(iter(devices.values()))
+
+    def job(name: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", _PHASE_PROBE, str(bundle), str(data), str(tmp_path / name),
+                              str(tmp_path / f"{name}-cache"), trainer],
+                             capture_output=True, text=True, timeout=600, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    # the engine is pinned: an engine selection tries mxnet-onednn (which loads MXNet), and
+    # for this small CNN it may well choose it -- then MXNet is the feature engine
+    result = job("job")
+    first = result["mxnet_at_first"]
+    assert first["data"] is False and first["features"] is False  # no MXNet up to the features
+    assert result["steps"] > 0 and result["hidden"] == []
+    if trainer == "auto":
+        assert result["trainer"] == "numpy" and result["mxnet_at_end"] is False
+    else:
+        assert result["trainer"] == "mxnet" and first["train"] is True
+    # the head, written without MXNet, is an MXNet params file (the fleet test loads it with MXNet)
+    assert all(k.startswith(("arg:", "aux:")) for k in load_params(Path(result["head"]).read_bytes()))
+
+
+def test_mxnet_import_hides_sklearn_only_while_mxnet_imports() -> None:
+    import subprocess
+    import sys
+
+    script = ("import sys; from edge_agent.train.mxnet_import import mxnet; mx = mxnet(); "
+              "assert 'sklearn' not in sys.modules and 'scipy' not in sys.modules; "
+              "assert float(mx.nd.ones((2,)).sum().asscalar()) == 2.0; assert mxnet() is mx; "
+              "import sklearn.base; print('ok', mx.model.BASE_ESTIMATOR is object)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["ok", "True"]  # hidden during the import, importable after it
