@@ -3,13 +3,15 @@ interpreter, measured the same way.
 
 `measure(role, cfg)` starts `python -m bench._procs <role> <json cfg>` and returns the
 child's JSON result plus what the parent sees of it through wait4(): process CPU seconds,
-peak RSS (ru_maxrss) and wall time. Inside the child, every role first does the imports
-both sides pay (numpy, MXNet), then records its post-import point:
+peak RSS (ru_maxrss) and wall time. Inside the child, every role first does its imports --
+the training child's (numpy + edge_agent.train.job: MXNet comes later, inside the job,
+after the int8 features) or the fp32 baseline's (numpy + MXNet, through the same
+`edge_agent.train.mxnet_import` the trainer uses) -- then records its post-import point:
 
-    base_hwm_mb   VmHWM after the shared imports (Python + numpy + MXNet)
+    base_hwm_mb   VmHWM after those imports
     peak_hwm_mb   VmHWM at the end (the process's peak RSS, from /proc/self/status)
-    work_hwm_mb   peak_hwm_mb - base_hwm_mb: the peak working set the work itself added
-    work_cpu_s / work_wall_s   CPU and wall seconds after the shared imports
+    work_hwm_mb   peak_hwm_mb - base_hwm_mb
+    work_cpu_s / work_wall_s   CPU and wall seconds after those imports
 
 Roles:
 - `ours`:     edge_agent.train.job.run_finetune(**cfg["job"]) -- the real job.
@@ -19,8 +21,6 @@ Roles:
               reaches cfg["target"] or after cfg["max_epochs"].
 - `prepare`:  the scenario's base bundle (edge_agent.train.demo.ensure_mobilenet_bundle):
               built once per configuration, then reused.
-- `no-mxnet`: only numpy + edge_agent.train.job (no MXNet): the import cost a training
-              child would pay if the head were trained without MXNet.
 - `warmup`:   run_finetune once to make the device's one-time int8 engine selection (timed
               on its own), so the measured `ours` runs reuse the cached decision, as every
               job after the first on a device does.
@@ -111,23 +111,29 @@ def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
 
     marks: dict[str, float] = {}
 
-    def progress(event: Any) -> None:  # CPU time at phase boundaries
+    def progress(event: Any) -> None:  # CPU time and VmHWM at phase boundaries
         now = _cpu_s()
         marks.setdefault(f"first_{event.phase}", now)
         marks[f"last_{event.phase}"] = now
+        if event.phase == "features" or (event.phase == "train" and "hwm_before_train" not in marks):
+            marks["hwm_before_train"] = vm_hwm_mb()  # last update: after the features, before MXNet
 
     c0 = _cpu_s()
     report = run_finetune(**cfg["job"], progress=progress)
     c1 = _cpu_s()
-    feat_end = marks.get("last_features", marks.get("first_train", c0))
+    feat_end = marks.get("last_features", c0)
+    train_start = marks.get("first_train", feat_end)
     phases = {"features_cpu_s": feat_end - c0,  # bundle, data, probe, engine prepare, int8 features
-              "head_cpu_s": c1 - feat_end}  # MXNet head training, checkpoints, report
+              "mxnet_setup_cpu_s": train_start - feat_end,  # MXNet import, head set-up, first step
+              "head_cpu_s": c1 - train_start,  # MXNet head training, checkpoints, report
+              "features_hwm_mb": marks.get("hwm_before_train")}
     return {"phases": phases, "governor_wh": report["energy"]["wh"], "stop_detail": report["power"]["stop_detail"],
         "accuracy": report["accuracy"],
         "steps": report["steps"],
         "epochs": report["epochs_done"],
         "stop": report["stop_reason"],
         "engine": report["engine"],
+        "trainer": report["trainer"],
         "energy": report["energy"],
         "feature_cache": report["feature_cache"],
         "profile": report["profile"]["name"],
@@ -162,9 +168,12 @@ def _warmup(cfg: dict[str, Any]) -> dict[str, Any]:
 def _baseline(cfg: dict[str, Any]) -> dict[str, Any]:
     import ctypes
 
-    import mxnet as mx
     import numpy as np
-    from mxnet import autograd, gluon
+
+    from edge_agent.train.mxnet_import import mxnet
+
+    mx = mxnet()
+    autograd, gluon = mx.autograd, mx.gluon
 
     from edge_agent.data import load_dataset, split_dataset
     from edge_agent.int8.bundle import load_bundle
@@ -236,6 +245,7 @@ def _prepare(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 ROLES = {"ours": _ours, "baseline": _baseline, "warmup": _warmup, "prepare": _prepare}
+TRAINING_CHILD = ("ours", "warmup")
 
 
 def main(argv: list[str]) -> int:
@@ -244,18 +254,14 @@ def main(argv: list[str]) -> int:
 
     warnings.simplefilter("ignore")
     c_start, t_start = _cpu_s(), time.perf_counter()
-    if role == "no-mxnet":  # what a training child without MXNet would pay before its work
-        import numpy  # noqa: F401
-
-        import edge_agent.train.job  # noqa: F401 - imports no MXNet at module level
-
-        result = {"mxnet_loaded": "mxnet" in sys.modules, "import_cpu_s": _cpu_s() - c_start,
-                  "import_wall_s": time.perf_counter() - t_start, "base_hwm_mb": vm_hwm_mb()}
-        sys.stdout.write(json.dumps(result) + "\n")
-        return 0
-    import mxnet  # noqa: F401 - the import both sides pay
     import numpy  # noqa: F401
 
+    if role in TRAINING_CHILD:  # the real job imports MXNet itself, after its int8 features
+        import edge_agent.train.job  # noqa: F401 - imports no MXNet at module level
+    else:  # the same MXNet import the trainer does (scikit-learn / SciPy hidden)
+        from edge_agent.train.mxnet_import import mxnet
+
+        mxnet()
     base_hwm = vm_hwm_mb()
     c0, t0 = _cpu_s(), time.perf_counter()
     result = ROLES[role](cfg)
