@@ -4,8 +4,8 @@ result as an uninterrupted run with the same seed.
 
 One helper process imports MXNet once (~3-10 s) and forks a fresh child per attempt, so
 two dozen kills fit in well under a minute. Each child runs the real job (bundle, int8
-engine, feature cache, MXNet head, governor, checkpoints) with resume=True and reports its
-progress events over a pipe; the helper SIGKILLs it either at a random time or 0-3 ms after
+engine, feature cache, head trainer -- numpy and MXNet Gluon in turn --, governor,
+checkpoints) with resume=True and reports its progress events over a pipe; the helper SIGKILLs it either at a random time or 0-3 ms after
 it announced a checkpoint write, then starts the next one. Events written before the kill
 are still in the pipe, so the helper knows exactly which checkpoints had completed.
 
@@ -44,7 +44,7 @@ HELPER = textwrap.dedent(r'''
         try:
             report = run_finetune(model=cfg["bundle"], data=cfg["data"], state_dir=state_dir,
                                   cache_dir=cfg["cache"], resume=True, epochs=cfg["epochs"], patience=100,
-                                  batch_size=8, checkpoint_every=3, profile="raspberry-pi-4",
+                                  batch_size=8, checkpoint_every=3, profile="raspberry-pi-4", trainer=cfg["trainer"],
                                   progress=lambda ev: send({"phase": ev.phase, "step": ev.step, "detail": ev.detail}))
             send({"phase": "report", "report": {k: report[k] for k in ("accuracy", "steps", "stop_reason", "head",
                                                                         "checkpoint_problems")}})
@@ -146,13 +146,14 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
 
 
-def test_kill_9_during_training_and_checkpoint_writes(bundle: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("trainer", ["numpy", "mxnet"])  # both head trainers' checkpoints
+def test_kill_9_during_training_and_checkpoint_writes(bundle: Path, tmp_path: Path, trainer: str) -> None:
     sc = demo.scenario()
     dev = sc.devices[2]
     data = demo.write_data(tmp_path / "data", dev.images, dev.labels, "npz")
     cfg = {"bundle": str(bundle), "data": str(data), "cache": str(tmp_path / "cache"), "seed": 1234,
            "state": str(tmp_path / "state"), "reference_state": str(tmp_path / "reference"),
-           "kills": KILLS, "epochs": 40}
+           "kills": KILLS, "epochs": 40, "trainer": trainer}
     proc = subprocess.run([sys.executable, "-c", HELPER, json.dumps(cfg)], capture_output=True, text=True,
                           timeout=240, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
