@@ -23,10 +23,12 @@ is looser than the int8 check by nature (different scales), so an engine off by 
 passes it; layout, weight or scale bugs are off by tens to hundreds of steps, and the top-1
 check backs it up.
 
-The decision and its timings are cached in the state directory per (model sha256, hardware
-fingerprint, edge-agent version) -- plus batch size, threads and the candidate list, which
-also change the answer. `EDGE_AGENT_INT8_BACKEND=<name>` forces one engine (checked and
-timed, never cached). MXNet is imported only when an engine or the head needs it.
+The decision and its timings are cached in the state directory per (int8 backbone sha256,
+hardware fingerprint, edge-agent version) -- plus batch size, threads and the candidate
+list, which also change the answer. Not per bundle: engines run only the backbone, so a new
+head version reuses the decision. `EDGE_AGENT_INT8_BACKEND=<name>` forces one engine (only
+it is probed, checked and timed; never cached). MXNet is imported only when an engine or a
+head that is more than one dense layer needs it.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def _row(rows: list[Candidate], name: str) -> Candidate | None:
 
 class Oracle:
     """The reference's answers on the check batch, and the head that turns features into
-    logits for the top-1 check (MXNet, loaded on first use)."""
+    logits for the top-1 check (numpy for a dense head, else MXNet; loaded on first use)."""
 
     def __init__(self, bundle: Any, x: np.ndarray, *,
                  logits: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
