@@ -17,6 +17,7 @@ from edge_agent.updates import Reassembler, decode_update
 from tests.integration.conftest import Watcher, board_tree, child_pids, device_data, enrol, wait_for
 
 pytestmark = pytest.mark.integration
+EPOCHS = 400
 
 
 def test_kill_9_mid_training_then_restart_finishes_the_job(mosquitto, fleet, agents, tmp_path, digits_bundle):
@@ -34,7 +35,9 @@ def test_kill_9_mid_training_then_restart_finishes_the_job(mosquitto, fleet, age
 
     watcher.command(agent, {"cmd_id": "job1-r1", "action": "finetune", "job": "job1", "round": 1,
                             "model": "digits", "version": "1", "sha256": hashlib.sha256(archive).hexdigest(),
-                            "params": {"epochs": 25, "batch_size": 8, "checkpoint_every": 3, "patience": 100,
+                            # enough steps that the kill lands mid-training: the numpy head trains
+                            # 25 epochs of these 123 samples faster than the progress reaches us
+                            "params": {"epochs": EPOCHS, "batch_size": 8, "checkpoint_every": 3, "patience": 10_000,
                                        "budget_wh": 1.0, "update_bytes": 2048, "seed": 0}})
 
     def step() -> int:
@@ -57,7 +60,7 @@ def test_kill_9_mid_training_then_restart_finishes_the_job(mosquitto, fleet, age
     assert resumed, [m.body["detail"] for m in watcher.by_phase("training")][-20:]
     at = int(re.search(r"at step (\d+)", resumed[-1]).group(1))
     # continued from a checkpoint at least as new as the progress seen before the kill, not from scratch
-    assert before_kill - 3 <= at < 25 * 16  # 25 epochs of 16 batches (123 training samples, batch 8)
+    assert before_kill - 3 <= at < EPOCHS * 16  # 16 batches an epoch (123 training samples, batch 8)
 
     # exactly one update arrived; it decodes to a delta for this device's head, within budget
     assert len(watcher.log.completed) == 1
