@@ -35,6 +35,7 @@ import shutil
 import tarfile
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -458,11 +459,13 @@ def pack_bundle(bundle_dir: str | os.PathLike[str], archive: str | os.PathLike[s
 
 
 def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str], *,
-                  overwrite: bool = False, max_bytes: int = MAX_ARCHIVE_BYTES) -> Bundle:
+                  overwrite: bool = False, max_bytes: int = MAX_ARCHIVE_BYTES,
+                  complete: Callable[[Path], None] | None = None) -> Bundle:
     """Extract an archive made by `pack_bundle` into `dest`, verified before it appears there.
 
     Only flat regular files with known names, each once, are accepted (no paths, links or
-    devices), with sizes limited before anything is read."""
+    devices), with sizes limited before anything is read. `complete(tmp_dir)` may add files
+    the archive lacks before the verification (a head patch: see bundle_patch)."""
     src, target = Path(archive), Path(dest)
     size = src.stat().st_size
     if size > max_bytes:
@@ -492,6 +495,8 @@ def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str],
                     atomic_write_bytes(tmp / member.name, data)
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
             raise BundleError(f"{src}: not a readable bundle archive ({exc})") from None
+        if complete is not None:
+            complete(tmp)
         load_bundle(tmp)
         _commit_dir(tmp, target, overwrite=overwrite)
     except BaseException:
