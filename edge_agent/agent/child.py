@@ -6,13 +6,14 @@ in runner.py.
               delta = trained head - bundle head, encoded by edge_agent.updates (byte budget,
               error feedback): writes update.chunks, residual.pending, then result.json.
     activate  unpack a downloaded bundle archive into its version directory (verified file
-              by file, temp dir + fsync + rename: edge_agent.int8.bundle.unpack_bundle).
+              by file, temp dir + fsync + rename: edge_agent.int8.bundle.unpack_bundle), or
+              a head patch onto a verified local version (int8.bundle_patch.apply_patch).
 
 Train spec (JSON): job_dir, job, round, device_id, model_name, version, model_dir, data,
 cache_dir, cache_max_mb, residual_file, sysfs_root, profile, budget_wh, power_cap_w,
 battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
 update_bytes, chunk_size and the optional training parameters (epochs, batch_size, lr,
-patience, checkpoint_every, seed). Activate spec: archive, dest.
+patience, checkpoint_every, seed). Activate spec: archive, dest (+ base: a patch's base).
 
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
 and run again writes the same bytes; the committed residual is only replaced by the
@@ -157,9 +158,15 @@ def train(spec: dict[str, Any], events: Events) -> int:
 
 def activate(spec: dict[str, Any], events: Events) -> int:
     from ..int8.bundle import load_bundle, unpack_bundle
+    from ..int8.bundle_patch import apply_patch
 
     dest = Path(spec["dest"])
-    bundle = load_bundle(dest) if dest.exists() else unpack_bundle(spec["archive"], dest)
+    if dest.exists():
+        bundle = load_bundle(dest)
+    elif spec.get("base"):
+        bundle = apply_patch(spec["archive"], spec["base"], dest)
+    else:
+        bundle = unpack_bundle(spec["archive"], dest)
     m = bundle.manifest
     events.send({"phase": "activated", "detail": f"{m.name} {m.version}", "manifest_sha256": bundle.sha256,
                  "bundle_name": m.name, "bundle_version": m.version})

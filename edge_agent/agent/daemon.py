@@ -13,12 +13,13 @@ a run of failing iterations — a local fault such as an unwritable state direct
 the process with exit code 1, for systemd to restart). SIGTERM/SIGINT: publish `offline`
 (retained), stop the training child cleanly (it checkpoints), exit 0.
 
-Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, params):
+Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_sha256, params):
     finetune     job, round, model, version required; sha256 of the bundle archive when the
-                 device may have to fetch it; params: budget_wh, power_cap_w, deadline
+                 device may have to fetch it, head_sha256 of its head patch (a device that
+                 runs a version with the same backbone fetches only that); params: budget_wh, power_cap_w, deadline
                  (epoch s), epochs, batch_size, lr, patience, checkpoint_every, seed,
                  update_bytes (unknown params are ignored)
-    cancel       job (+ round)        fetch_model  model, version (+ sha256)
+    cancel       job (+ round)        fetch_model  model, version (+ sha256, head_sha256)
     ping         -> progress phase "pong"        probe  -> progress "probe" + fresh hello/state
 Replies go to the progress topic: phase "accepted" / job states / "pong" / "probe", or a
 `refusal` (reasons: policy.py's codes, or the protocol's: bad_signature, expired, ...).
@@ -253,7 +254,8 @@ class Daemon:
                 self.refuse(msg, Verdict.refuse("bad_params", "fetch_model needs model and version"))
                 return
             try:
-                fetch = self.models.fetch(body["model"], body["version"], body.get("sha256"))
+                fetch = self.models.fetch(body["model"], body["version"], body.get("sha256"),
+                                          head_sha256=body.get("head_sha256"))
             except InputError as exc:
                 self.refuse(msg, Verdict.refuse("bad_params", str(exc)))
                 return

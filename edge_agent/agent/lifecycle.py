@@ -249,7 +249,7 @@ class JobDriver:
             self._advance(job, S.FAILED, f"model {name}/{version}: {detail}")
         elif status in ("absent", "failed"):  # (a fetch that failed for someone else is tried again)
             self._fetching.add(job.job_id)
-            self.models.fetch(name, version, job.params.get("sha256"))
+            self.models.fetch(name, version, job.params.get("sha256"), head_sha256=job.params.get("head_sha256"))
             self._progress(job, "downloading", f"fetching model {name}/{version}", throttle=False)
         else:
             self._fetching.add(job.job_id)

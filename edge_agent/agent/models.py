@@ -7,9 +7,15 @@
 A fetch subscribes to the version's retained topics; every chunk and the manifest are
 coordinator-signed (checked by the Verifier), ModelDownload checks the assembled archive's
 size and sha256 against the signed manifest and the sha256 the command named, and the
-`activate` child (numpy/MXNet-side) unpacks it into a temp directory, verifies every file
+`activate` child (numpy-side) unpacks it into a temp directory, verifies every file
 against the bundle manifest, fsyncs and renames it into place. Only then does `current`
-move. The previous version stays on disk (and any version a job still uses); older ones
+move.
+
+When the command names a head patch (`head_sha256`) and a version of the model is already
+active, the fetch takes the patch instead (`<version>.head`: the new manifest and head, a
+few KiB instead of the whole bundle) and the child rebuilds the version from it and the
+active version's files (int8.bundle_patch; every file verified as above). A patch that
+does not download, verify or apply falls back to the full archive. The previous version stays on disk (and any version a job still uses); older ones
 are pruned.
 """
 
@@ -26,6 +32,7 @@ from pathlib import Path
 
 from ..atomic import fsync_dir
 from ..errors import InputError
+from ..int8.bundle_patch import patch_version
 from ..protocol import Kind, Message, Topics, validate_id
 from ..transport.models import ModelDownload
 from .runner import ChildProcess, describe_exit
@@ -41,6 +48,7 @@ class Fetch:
     version: str
     sha256: str | None
     download: ModelDownload
+    base: Path | None = None  # fetching a head patch onto this installed version
     status: str = "downloading"  # downloading | activating | installed | failed
     detail: str = ""
     child: ChildProcess | None = None
@@ -85,31 +93,64 @@ class ModelStore:
             return fetch.status, fetch.detail
         return ("installed", "") if self.installed(name, version) else ("absent", "")
 
-    def fetch(self, name: str, version: str, sha256: str | None = None) -> Fetch | None:
-        """Start (or keep going with) fetching a version; None if it is already installed."""
+    def fetch(self, name: str, version: str, sha256: str | None = None, *,
+              head_sha256: str | None = None) -> Fetch | None:
+        """Start (or keep going with) fetching a version; None if it is already installed.
+        With `head_sha256` and a version of `name` active, only the head patch is fetched."""
         if self.installed(name, version):
             return None
         key = (name, version)
         fetch = self.fetches.get(key)
         if fetch is not None and fetch.status in ("downloading", "activating"):
             return fetch
-        download = ModelDownload(directory=self.root / INCOMING, name=name, version=version, expected_sha256=sha256)
-        fetch = self.fetches[key] = Fetch(name, version, sha256, download)
+        base = self._patch_base(name, version) if head_sha256 else None
+        if base is not None:
+            download = ModelDownload(directory=self.root / INCOMING, name=name, version=patch_version(version),
+                                     expected_sha256=head_sha256)
+        else:
+            download = ModelDownload(directory=self.root / INCOMING, name=name, version=version,
+                                     expected_sha256=sha256)
+        fetch = self.fetches[key] = Fetch(name, version, sha256, download, base=base)
         self._subscribe(download.filter(self.topics))
-        log.info("model %s/%s: fetching (sha256 %s)", name, version, (sha256 or "from the signed manifest")[:12])
+        log.info("model %s/%s: fetching %s (sha256 %s)", name, version,
+                 f"the head patch onto {base.name}" if base else "the bundle",
+                 (download.expected or "from the signed manifest")[:12])
         return fetch
+
+    def _patch_base(self, name: str, version: str) -> Path | None:
+        """The active version of `name`, if a patch of `version` can be published (id length)."""
+        active = self.current().get(name)
+        try:
+            validate_id(patch_version(version), "version")
+        except InputError:
+            return None
+        return self.path(name, active) if active else None
+
+    def _full_instead(self, fetch: Fetch, why: str) -> None:
+        """A head patch that failed: fetch the whole archive (what the command's sha256 pins)."""
+        with contextlib.suppress(ValueError):
+            self._unsubscribe(fetch.download.filter(self.topics))
+        log.warning("model %s/%s: head patch unusable (%s); fetching the full bundle", fetch.name, fetch.version, why)
+        fetch.base = None
+        fetch.download = ModelDownload(directory=self.root / INCOMING, name=fetch.name, version=fetch.version,
+                                       expected_sha256=fetch.sha256)
+        fetch.status, fetch.detail = "downloading", f"head patch unusable ({why[:200]}); fetching the full bundle"
+        self._subscribe(fetch.download.filter(self.topics))
+        self.on_change(fetch)
 
     def add(self, msg: Message) -> None:
         """A verified manifest or model chunk (of any version: only wanted ones are kept)."""
         if msg.kind not in (Kind.MANIFEST, Kind.MODEL_CHUNK):
             return
-        fetch = self.fetches.get((msg.body["name"], msg.body["version"]))
+        key = (msg.body["name"], msg.body["version"])  # a version, or a version's head patch
+        fetch = next((f for f in self.fetches.values() if (f.download.name, f.download.version) == key), None)
         if fetch is None or fetch.status != "downloading":
             return
-        if msg.kind is Kind.MANIFEST and fetch.sha256 and msg.body["sha256"] != fetch.sha256:
+        expected = fetch.download.expected
+        if msg.kind is Kind.MANIFEST and expected and msg.body["sha256"] != expected:
             # The coordinator's signed manifest says this version is other bytes than the command did.
             self._fail(fetch, f"the published bundle has sha256 {msg.body['sha256'][:16]}..., the command "
-                              f"asked for {fetch.sha256[:16]}...")
+                              f"asked for {expected[:16]}...")
             return
         try:
             archive = fetch.download.add(msg)
@@ -129,7 +170,8 @@ class ModelStore:
         fetch.status, fetch.detail = "activating", f"verifying {archive.stat().st_size} bytes"
         staging = self.root / ".staging" / f"{fetch.name}-{fetch.version}"
         staging.mkdir(parents=True, exist_ok=True)
-        fetch.child = ChildProcess(command="activate", spec={"archive": str(archive), "dest": str(dest)},
+        spec = {"archive": str(archive), "dest": str(dest), **({"base": str(fetch.base)} if fetch.base else {})}
+        fetch.child = ChildProcess(command="activate", spec=spec,
                                    job_dir=staging, name=f"model {fetch.name}/{fetch.version}", python=self._python)
         try:
             fetch.child.start()
@@ -154,14 +196,18 @@ class ModelStore:
                 self._fail(fetch, f"bundle rejected ({describe_exit(code)}): {child.last_error or 'no detail'}")
                 continue
             self._set_current(fetch.name, fetch.version)
-            fetch.status, fetch.detail = "installed", f"activated {fetch.name} {fetch.version}"
+            how = f" from its head patch onto {fetch.base.name}" if fetch.base else ""
+            fetch.status, fetch.detail = "installed", f"activated {fetch.name} {fetch.version}{how}"
             with contextlib.suppress(OSError):
-                (self.root / INCOMING / fetch.name / f"{fetch.version}.bundle").unlink()
+                fetch.download.target.unlink()
             self.prune(fetch.name, protect=set(protect))
             log.info("model %s/%s: installed and active", fetch.name, fetch.version)
             self.on_change(fetch)
 
     def _fail(self, fetch: Fetch, why: str) -> None:
+        if fetch.base is not None:  # only the patch failed: the full archive may still do
+            self._full_instead(fetch, why)
+            return
         fetch.status, fetch.detail = "failed", why[:500]
         with contextlib.suppress(ValueError):
             self._unsubscribe(fetch.download.filter(self.topics))

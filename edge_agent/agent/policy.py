@@ -102,6 +102,7 @@ class FinetuneRequest:
     model: str
     version: str
     sha256: str | None
+    head_sha256: str | None  # the version's head patch (int8.bundle_patch), when there is one
     budget_wh: float | None
     power_cap_w: float | None
     deadline_at: float
@@ -114,7 +115,8 @@ class FinetuneRequest:
 
     def to_params(self) -> dict[str, Any]:
         """What the job record keeps (JSON-ready)."""
-        return {"job": self.job, "version": self.version, "sha256": self.sha256, "budget_wh": self.budget_wh,
+        return {"job": self.job, "version": self.version, "sha256": self.sha256, "head_sha256": self.head_sha256,
+                "budget_wh": self.budget_wh,
                 "power_cap_w": self.power_cap_w, "deadline_at": self.deadline_at, **self.train}
 
 
@@ -153,7 +155,7 @@ def parse_finetune(body: dict[str, Any], limits: DeviceLimits, *, now: float | N
     horizon = now + limits.deadline_s if limits.deadline_s else None
     deadline_at = min(d for d in (deadline, horizon, now + 30 * DAY_S) if d is not None)
     return FinetuneRequest(job=body["job"], round=body["round"], model=body["model"], version=body["version"],
-                           sha256=body.get("sha256"), budget_wh=budget_wh, power_cap_w=power_cap_w,
+                           sha256=body.get("sha256"), head_sha256=body.get("head_sha256"), budget_wh=budget_wh, power_cap_w=power_cap_w,
                            deadline_at=deadline_at, train=train)
 
 

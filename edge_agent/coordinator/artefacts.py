@@ -9,6 +9,8 @@ bundle (the backbone files unchanged, byte for byte) plus the new `head.params`,
 manifest naming the parent version and `extra.head_only = true`. The build is
 deterministic (manifest timestamp = the version's registration time, reproducible tar.gz),
 so a lost or corrupt archive is rebuilt with the same sha256 the devices were told.
+`patch_for` packs such a version's head patch (int8.bundle_patch: the new manifest and
+head.params only), published as `<version>.head` for devices that already run the backbone.
 
 No MXNet here: head.params is read and written by mxparams (numpy only).
 """
@@ -34,6 +36,7 @@ from ..int8.bundle import (
     unpack_bundle,
     write_bundle_dir,
 )
+from ..int8.bundle_patch import PATCH_SUFFIX, pack_patch, patch_version
 from ..mxparams import dump_params, join_names, load_params, split_names
 from .records import ModelVersion, check_id
 from .registry import Registry
@@ -80,6 +83,8 @@ class ModelArtefacts:
             bundle = unpack_bundle(src, Path(tmp) / "bundle") if src.is_file() else load_bundle(src)
             name = check_id(name or bundle.manifest.name, "model name")
             version = check_id(version or bundle.manifest.version, "model version")
+            if version.endswith(PATCH_SUFFIX):
+                raise InputError(f"model version {version!r}: the suffix {PATCH_SUFFIX!r} is reserved for head patches")
             head, _ = split_names(load_params(bundle.read(HEAD_PARAMS), where=f"{src}: {HEAD_PARAMS}"))
             if not head:
                 raise InputError(f"{src}: the head has no parameters to train")
@@ -123,6 +128,27 @@ class ModelArtefacts:
             if not target.exists():  # the build is deterministic: the same bytes as the first time
                 self._build(mv, root, target)
             art = self._describe(mv, target)
+        self._cache[key] = art
+        return art
+
+    def patch_for(self, mv: ModelVersion) -> Artefact | None:
+        """A head-only version's patch on its root bundle, built once; None for a registered
+        bundle (nothing to patch it onto) or a version id too long to suffix."""
+        if not mv.head_only or mv.bundle_path is None or len(patch_version(mv.version)) > 64:
+            return None
+        key = (mv.name, patch_version(mv.version))
+        cached = self._cache.get(key)
+        if cached is not None and cached.path.exists():
+            return cached
+        full = self.archive_for(mv)
+        target = self.archive_path(*key)
+        with tempfile.TemporaryDirectory(prefix="edge-coordinator-patch-") as tmp:
+            new = unpack_bundle(full.path, Path(tmp) / "new")
+            base = unpack_bundle(self._abs(mv.bundle_path), Path(tmp) / "base")
+            _, carried = pack_patch(new.path, base.path, target)  # reproducible: rebuilt the same
+        art = Artefact(mv.name, key[1], target, sha256_file(target), target.stat().st_size, full.head_bytes)
+        log.info("head patch %s for model %s %s: %d bytes (%s), the full archive %d", target.name, mv.name,
+                 mv.version, art.size, ", ".join(carried), full.size)
         self._cache[key] = art
         return art
 

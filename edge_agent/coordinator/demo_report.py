@@ -27,11 +27,16 @@ def collect(reg: Registry, evaluator: Any, *, devices: dict[str, Any]) -> dict[s
     base = reg.get_model(job.model_name, job.model_version)
     names = {d.id: str(d.state.get("name") or d.id) for d in reg.list_devices()}
     rounds = []
+    ran_before: set[str] = set()  # devices that installed an earlier round's version of the model
     for rnd in reg.list_rounds(job.id):
         s = round_summary(reg, rnd)
         accepted = [s["device_metrics"][d] for d in s["accepted"]]
         sent = [p for p in rnd.participants.values() if p.dispatched_at is not None]
-        art = artefacts.archive_for(reg.get_model(job.model_name, rnd.base_version))
+        base_mv = reg.get_model(job.model_name, rnd.base_version)
+        art, patch = artefacts.archive_for(base_mv), artefacts.patch_for(base_mv)
+        # a device that runs a version of the model fetches the head patch (the agent's ModelStore)
+        patched = [p for p in sent if patch is not None and p.device_id in ran_before]
+        ran_before.update(p.device_id for p in sent)
         new = reg.get_model(job.model_name, rnd.aggregated_version) if rnd.aggregated_version else None
         rounds.append({
             "round": rnd.number, "state": rnd.state.value, "version": rnd.aggregated_version,
@@ -41,7 +46,8 @@ def collect(reg: Registry, evaluator: Any, *, devices: dict[str, Any]) -> dict[s
             "local_acc_after": _mean([m.get("accuracy_after") for m in accepted]),
             "global_acc": round(evaluator.accuracy(reg.load_head(new)), 4) if new else None,
             "bytes_up": s["wire_bytes"], "bytes_fp32": s["fp32_bytes"],
-            "bytes_down": art.size * len(sent), "head_bytes_down": art.head_bytes * len(sent),
+            "bytes_down": art.size * (len(sent) - len(patched)) + (patch.size * len(patched) if patch else 0),
+            "full_bytes_down": art.size * len(sent), "head_patches": len(patched),
             "compression": s["compression"], "energy_wh": s["energy_wh"], "samples": s["samples"],
             "duration_s": round(rnd.ended_at - rnd.started_at, 1) if rnd.ended_at else None,
             "per_device": {names.get(d, d): m for d, m in s["device_metrics"].items()},
@@ -82,8 +88,10 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["rounds"]:
         for dev, why in r["dropouts"].items():
             print(f"round {r['round']}: {dev} dropped out: {why}")
-    print("bytes down: the full bundle per device and round (backbone unchanged: a head-only transfer would be "
-          f"{_kb(report['rounds'][0]['head_bytes_down'] // max(1, report['rounds'][0]['selected']))} per device)")
+    full = sum(r["full_bytes_down"] for r in report["rounds"])
+    print("bytes down: the whole bundle to a device that has no version of the model yet, else the version's "
+          f"head patch (manifest + head.params): {_kb(sum(r['bytes_down'] for r in report['rounds']))} in all, "
+          f"{_kb(full)} with whole bundles")
     batt = ", ".join(f"{n} {d['battery']:.0f}%->{d['battery_end']:.0f}%" for n, d in report["devices"].items())
     print(f"batteries (simulated {report['battery_wh']} Wh packs, drained at {report['load_w']} W while a training "
           f"process runs, start-up included; the energy column is what the devices' governors metered for the "
@@ -108,7 +116,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     width = 0.38
     right.bar([x - width / 2 for x in rounds], [r["bytes_up"] for r in report["rounds"]], width, label="bytes up")
     right.bar([x + width / 2 for x in rounds], [r["bytes_down"] for r in report["rounds"]], width,
-              label="bytes down (bundle)")
+              label="bytes down (bundle or head patch)")
     right.set(xlabel="round", ylabel="bytes", yscale="log", title="Traffic and energy per round", xticks=rounds)
     twin = right.twinx()
     twin.plot(rounds, [r["energy_wh"] or 0 for r in report["rounds"]], "ko-", label="energy (Wh)")

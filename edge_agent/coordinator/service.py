@@ -386,15 +386,21 @@ class Coordinator:
         manifest = publish_model(self.client, self.signer, self.topics, name=mv.name, version=mv.version,
                                  bundle=art.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
                                  meta=meta)
+        patch = self.artefacts.patch_for(mv)
+        if patch is not None:  # devices running the backbone already fetch only this
+            publish_model(self.client, self.signer, self.topics, name=mv.name, version=patch.version,
+                          bundle=patch.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
+                          meta={"patch_of": mv.version, "full_sha256": art.sha256})
         self._published.add((mv.name, mv.version))
         log.info("published model %s %s: %d bytes (sha256 %s)%s", mv.name, mv.version, art.size, art.sha256[:12],
-                 f", only the head changed ({art.head_bytes} bytes)" if mv.head_only else "")
+                 f", head patch {patch.size} bytes" if patch is not None else "")
         return manifest
 
     def _dispatch(self, plan: RoundPlan) -> None:
         mv = self.registry.get_model(plan.model_name, plan.model_version)
         try:
             art = self.artefacts.archive_for(mv)
+            patch = self.artefacts.patch_for(mv)
             if (mv.name, mv.version) not in self._published:
                 self.publish(mv)
         except TransientError as exc:  # the broker did not take it: retried next tick
@@ -412,7 +418,8 @@ class Coordinator:
         ttl = min(86400.0, max(60.0, plan.deadline_at - now))
         for device in plan.devices:
             body = {"cmd_id": plan.cmd_id, "action": "finetune", "job": plan.job_id, "round": plan.round,
-                    "model": plan.model_name, "version": plan.model_version, "sha256": art.sha256, "params": params}
+                    "model": plan.model_name, "version": plan.model_version, "sha256": art.sha256, "params": params,
+                    **({"head_sha256": patch.sha256} if patch is not None else {})}
             try:
                 sent = self.channel.send(self.topics.device(device, "cmd"), Kind.CMD, body, ttl=ttl, timeout=10.0)
             except ValueError as exc:  # a job parameter our own schema refuses: the device cannot be told

@@ -140,7 +140,7 @@ SCHEMAS: dict[Kind, Schema] = {
                  "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False)},
     Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping", "probe"), True),
                "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
-               "sha256": (_hex64, False), "params": (_flat, False)},
+               "sha256": (_hex64, False), "head_sha256": (_hex64, False), "params": (_flat, False)},
     Kind.ACK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
                "status": (_enum("accepted", "duplicate", "rejected"), True), "reason": (_id, False),
                "detail": (_text(512), False), "retry": (_bool, False)},

@@ -13,6 +13,7 @@ import pytest
 from edge_agent.coordinator.aggregate import apply_delta, fedavg
 from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
 from edge_agent.int8.bundle import HEAD_PARAMS, unpack_bundle
+from edge_agent.int8.bundle_patch import apply_patch
 from edge_agent.mxparams import load_params, split_names
 from edge_agent.protocol import Kind
 from edge_agent.transport.broker import free_port
@@ -97,7 +98,7 @@ def fetch_published(fleet, port, name, version, tmp_path):
 
 
 def test_full_round_with_three_agents_on_mosquitto(mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
-    _, archive = digits_bundle
+    bundle_dir, archive = digits_bundle
     metrics_port = free_port()
     coordinator = serve(mosquitto.port, extra=("--metrics-port", str(metrics_port))).start()
     agents_ = start_agents(agents, tmp_path, mosquitto.port)
@@ -115,6 +116,11 @@ def test_full_round_with_three_agents_on_mosquitto(mosquitto, fleet, agents, ser
     published_head, _ = split_names(load_params(bundle.read(HEAD_PARAMS)))
     for name, value in head.items():
         np.testing.assert_array_equal(published_head[name], value)
+    # and its head patch, for devices that run version 1: a few KiB that rebuild the same bundle
+    patch_path, patch_manifest = fetch_published(fleet, mosquitto.port, "digits", f"{new.version}.head", tmp_path)
+    assert patch_manifest["meta"] == {"patch_of": new.version, "full_sha256": manifest["sha256"]}
+    assert patch_manifest["size"] * 5 < manifest["size"]
+    assert apply_patch(patch_path, bundle_dir, tmp_path / "patched").sha256 == bundle.sha256
 
     # the operator's view
     devices = coordinator.cli("devices").stdout

@@ -221,6 +221,7 @@ def test_register_then_build_a_head_only_version_deterministically(capsys, tmp_p
     import mxnet as mx
 
     from edge_agent.int8.bundle import HEAD_PARAMS, load_bundle, unpack_bundle
+    from edge_agent.int8.bundle_patch import apply_patch
 
     state = tmp_path / "coord"
     rc, out, _ = run(capsys, "model", "register", str(bundle_dir), "--name", "digits", "--version", "1",
@@ -255,3 +256,12 @@ def test_register_then_build_a_head_only_version_deterministically(capsys, tmp_p
         assert again.sha256 == first
         art.path.write_bytes(b"garbage")  # damaged: detected and rebuilt
         assert ModelArtefacts(reg).archive_for(mv).sha256 == first
+        # its head patch: the new manifest + head.params, applied onto version 1 it is this version
+        patch = ModelArtefacts(reg).patch_for(mv)
+        assert patch is not None and patch.version == "job-1-r1.head" and patch.size * 5 < art.size
+        assert ModelArtefacts(reg).patch_for(base) is None  # a registered bundle: nothing to patch onto
+        installed = apply_patch(patch.path, bundle_dir, tmp_path / "device" / "job-1-r1")
+        assert installed.sha256 == built.sha256
+    rc, _, err = run(capsys, "model", "register", str(bundle_dir), "--name", "digits", "--version", "2.head",
+                     "--state-dir", str(state))
+    assert rc == 65 and "reserved for head patches" in err
