@@ -32,8 +32,8 @@ from pathlib import Path
 
 from ..atomic import fsync_dir
 from ..errors import InputError
-from ..int8.bundle_patch import patch_version
 from ..protocol import Kind, Message, Topics, validate_id
+from ..protocol.topics import patch_version  # (not int8.bundle_patch: the daemon stays numpy-free)
 from ..transport.models import ModelDownload
 from .runner import ChildProcess, describe_exit
 

@@ -25,6 +25,7 @@ import tarfile
 from pathlib import Path
 
 from ..atomic import atomic_write_bytes, read_limited
+from ..protocol.topics import PATCH_SUFFIX, patch_version  # noqa: F401 - re-exported: the patch's names
 from .bundle import (
     MANIFEST,
     MAX_FILE_BYTES,
@@ -35,13 +36,6 @@ from .bundle import (
     load_bundle,
     unpack_bundle,
 )
-
-PATCH_SUFFIX = ".head"  # a version's patch is published as version "<version>.head"
-
-
-def patch_version(version: str) -> str:
-    """The publication id of `version`'s head patch."""
-    return f"{version}{PATCH_SUFFIX}"
 
 
 def pack_patch(bundle_dir: str | os.PathLike[str], base_dir: str | os.PathLike[str],

@@ -17,6 +17,14 @@ _DEVICE_CHANNELS: dict[str, tuple[tuple[Kind, ...], str]] = {
 }
 
 
+PATCH_SUFFIX = ".head"  # a version's head patch is published as version "<version>.head"
+
+
+def patch_version(version: str) -> str:
+    """The publication id of `version`'s head patch (int8.bundle_patch)."""
+    return f"{version}{PATCH_SUFFIX}"
+
+
 @dataclass(frozen=True)
 class Route:
     """What a topic means: the kinds it carries, who signs them, and its ids."""
