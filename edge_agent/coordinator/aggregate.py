@@ -13,8 +13,11 @@ Norm screening is one-sided: an update much *larger* than the others (a scaled o
 one) can drag a mean anywhere, a small one cannot. The outlier rule is the robust
 "modified z-score": reject when ||delta|| > median + k * max(1.4826 * MAD, min_spread *
 median), applied only with at least `min_updates` finite updates (with two there is no
-majority to trust). The `min_spread` floor stops near-identical norms (MAD ~ 0) from
-rejecting an update that is a hair larger than the rest.
+majority to trust). The `min_spread` floor stops clustered norms (small MAD) from
+rejecting an honest update that is merely larger than the rest: honest norms spread by
+their data and step counts, and with a floor of 0.25 x median nothing under 1.875 x the
+median is ever rejected (0.1 rejected 1.18 against a median of 0.85 -- honest updates
+within +-20 % of each other, found by the property test).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class Screening:
 
 
 def screen_updates(deltas: Sequence[Weights], *, k: float = 3.5, min_updates: int = 3,
-                   min_spread: float = 0.1) -> Screening:
+                   min_spread: float = 0.25) -> Screening:
     """Reject non-finite updates, then (with >= `min_updates` finite ones) norm outliers."""
     if not (math.isfinite(k) and k > 0) or min_updates < 1 or not (0 <= min_spread < 10):
         raise ValueError(f"need k > 0, min_updates >= 1, 0 <= min_spread < 10 (got {k}, {min_updates}, {min_spread})")
