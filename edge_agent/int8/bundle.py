@@ -444,12 +444,14 @@ def write_bundle_dir(dest: Path, files: dict[str, bytes], manifest: Manifest, *,
 # ---------------------------------------------------------------- single-file archive
 
 
-def pack_bundle(bundle_dir: str | os.PathLike[str], archive: str | os.PathLike[str]) -> Path:
-    """Verify a bundle and write it as one reproducible tar.gz (atomically)."""
+def pack_bundle(bundle_dir: str | os.PathLike[str], archive: str | os.PathLike[str], *,
+                only: list[str] | None = None) -> Path:
+    """Verify a bundle and write it as one reproducible tar.gz (atomically). `only`: the
+    files to include besides the manifest (a head patch: bundle_patch), default all."""
     bundle = load_bundle(bundle_dir)
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-        for fname in [MANIFEST, *sorted(bundle.manifest.files)]:
+        for fname in [MANIFEST, *sorted(bundle.manifest.files if only is None else only)]:
             data = read_limited(bundle.path / MANIFEST, MAX_MANIFEST_BYTES) if fname == MANIFEST else bundle.read(fname)
             info = tarfile.TarInfo(fname)
             info.size, info.mode, info.mtime = len(data), 0o644, 0

@@ -16,12 +16,9 @@ gets its final name (`unpack_bundle(complete=...)`).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 from ..atomic import atomic_write_bytes, read_limited
@@ -34,6 +31,7 @@ from .bundle import (
     BundleError,
     _parse_manifest,
     load_bundle,
+    pack_bundle,
     unpack_bundle,
 )
 
@@ -45,14 +43,7 @@ def pack_patch(bundle_dir: str | os.PathLike[str], base_dir: str | os.PathLike[s
     new, base = load_bundle(bundle_dir), load_bundle(base_dir)
     changed = sorted(f for f, entry in new.manifest.files.items()
                      if f not in base.manifest.files or base.manifest.files[f].sha256 != entry.sha256)
-    buf = io.BytesIO()
-    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-        for fname in [MANIFEST, *changed]:
-            data = read_limited(new.path / MANIFEST, MAX_MANIFEST_BYTES) if fname == MANIFEST else new.read(fname)
-            info = tarfile.TarInfo(fname)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    atomic_write_bytes(archive, buf.getvalue())
+    pack_bundle(new.path, archive, only=changed)
     return Path(archive), changed
 
 
