@@ -15,8 +15,10 @@ When the command names a head patch (`head_sha256`) and a version of the model i
 active, the fetch takes the patch instead (`<version>.head`: the new manifest and head, a
 few KiB instead of the whole bundle) and the child rebuilds the version from it and the
 active version's files (int8.bundle_patch; every file verified as above). A patch that
-does not download, verify or apply falls back to the full archive. The previous version stays on disk (and any version a job still uses); older ones
-are pruned.
+does not download, verify or apply falls back to the full archive.
+
+The previous version stays on disk (and any version a job still uses); older ones are
+pruned.
 """
 
 from __future__ import annotations
