@@ -18,3 +18,20 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+def new_head_version(base_dir: Path, dest: Path, *, version: str, shift: float):
+    """The bundle at `base_dir` with its head parameters moved by `shift`, written as
+    version `version` at `dest`: what a federated round produces (backbone unchanged)."""
+    import numpy as np
+
+    from edge_agent.int8 import bundle as B
+    from edge_agent.mxparams import dump_params, load_params
+
+    base = B.load_bundle(base_dir)
+    files = {f: base.read(f) for f in base.manifest.files}
+    head = load_params(files[B.HEAD_PARAMS])
+    files[B.HEAD_PARAMS] = dump_params({k: (v + np.float32(shift)).astype(v.dtype) for k, v in head.items()})
+    manifest = base.manifest
+    manifest.version, manifest.parent_version = version, base.manifest.version
+    return B.write_bundle_dir(dest, files, manifest)

@@ -10,9 +10,23 @@ import pytest
 
 from edge_agent.agent.state import facts_from_state
 from edge_agent.transport.models import publish_model
+from tests.conftest import new_head_version
 from tests.integration.conftest import Watcher, board_tree, enrol, wait_for
 
 pytestmark = pytest.mark.integration
+
+
+def _online_agent(mosquitto, fleet, agents, coord, tmp_path):
+    """An enrolled agent (empty data folder) that has published its state, and its watcher."""
+    data = tmp_path / "data"
+    data.mkdir()
+    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board"), data_dir=data)
+    watcher = Watcher(fleet, coord)
+    enrol(watcher, agent)
+    watcher.start()
+    agent.start()
+    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+    return agent, watcher
 
 
 def test_fetch_verify_activate_and_refuse_bad_bundles(mosquitto, fleet, agents, tmp_path, digits_bundle):
@@ -22,14 +36,7 @@ def test_fetch_verify_activate_and_refuse_bad_bundles(mosquitto, fleet, agents, 
                   chunk_bytes=8 * 1024)
     junk = random.Random(2).randbytes(20_000)  # signed by the coordinator, but not a bundle archive
     publish_model(coord.client, coord.signer, fleet.topics, name="digits", version="2", bundle=junk)
-    data = tmp_path / "data"
-    data.mkdir()
-    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board"), data_dir=data)
-    watcher = Watcher(fleet, coord)
-    enrol(watcher, agent)
-    watcher.start()
-    agent.start()
-    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+    agent, watcher = _online_agent(mosquitto, fleet, agents, coord, tmp_path)
     models = agent.state_dir / "models" / "digits"
 
     watcher.command(agent, {"cmd_id": "m1", "action": "fetch_model", "model": "digits", "version": "1",
@@ -53,22 +60,6 @@ def test_fetch_verify_activate_and_refuse_bad_bundles(mosquitto, fleet, agents, 
     assert agent.alive
 
 
-def _new_head_version(bundle_dir, dest, version: str, shift: float):
-    """The bundle with its head moved by `shift`: what a federated round publishes."""
-    import numpy as np
-
-    from edge_agent.int8 import bundle as B
-    from edge_agent.mxparams import dump_params, load_params
-
-    base = B.load_bundle(bundle_dir)
-    files = {f: base.read(f) for f in base.manifest.files}
-    head = load_params(files[B.HEAD_PARAMS])
-    files[B.HEAD_PARAMS] = dump_params({k: (v + np.float32(shift)).astype(v.dtype) for k, v in head.items()})
-    manifest = base.manifest
-    manifest.version = version
-    return B.write_bundle_dir(dest, files, manifest)
-
-
 def test_a_head_patch_installs_the_next_version_and_a_bad_patch_falls_back_to_the_full_bundle(
         mosquitto, fleet, agents, tmp_path, digits_bundle):
     from edge_agent.int8.bundle import load_bundle, pack_bundle
@@ -85,21 +76,14 @@ def test_a_head_patch_installs_the_next_version_and_a_bad_patch_falls_back_to_th
     full = {"1": publish("1", archive)}
     built = {}
     for version, shift in (("3", 0.01), ("4", 0.02)):
-        built[version] = _new_head_version(bundle_dir, tmp_path / "built" / version, version, shift)
+        built[version] = new_head_version(bundle_dir, tmp_path / "built" / version, version=version, shift=shift)
         full[version] = publish(version, pack_bundle(built[version].path, tmp_path / f"{version}.tar.gz").read_bytes())
     patch, carried = pack_patch(built["3"].path, bundle_dir, tmp_path / "3.head.tar.gz")
     assert carried == ["head.params"]
     patch_sha = publish("3.head", patch.read_bytes())
     junk_sha = publish("4.head", random.Random(4).randbytes(3000))  # signed, but no patch at all
 
-    data = tmp_path / "data"
-    data.mkdir()
-    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board"), data_dir=data)
-    watcher = Watcher(fleet, coord)
-    enrol(watcher, agent)
-    watcher.start()
-    agent.start()
-    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+    agent, watcher = _online_agent(mosquitto, fleet, agents, coord, tmp_path)
     models = agent.state_dir / "models" / "digits"
 
     def installed(version: str) -> list:

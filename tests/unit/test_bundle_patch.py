@@ -8,26 +8,15 @@ import shutil
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from edge_agent import models
 from edge_agent.int8 import bundle as B
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8.bundle_patch import apply_patch, pack_patch, patch_version
-from edge_agent.mxparams import dump_params, load_params
+from tests.conftest import new_head_version
 
 LABELS = [str(i) for i in range(10)]
-
-
-def _with_head(base: B.Bundle, dest: Path, *, version: str, shift: float) -> B.Bundle:
-    """`base` with its head parameters moved by `shift`: what a federated round produces."""
-    files = {f: base.read(f) for f in base.manifest.files}
-    head = load_params(files[B.HEAD_PARAMS])
-    files[B.HEAD_PARAMS] = dump_params({k: (v + np.float32(shift)).astype(v.dtype) for k, v in head.items()})
-    manifest = base.manifest
-    manifest.version, manifest.parent_version = version, base.manifest.version
-    return B.write_bundle_dir(dest, files, manifest)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +27,7 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> tuple[B.Bundle, B.Bund
     root = tmp_path_factory.mktemp("patch")
     kwargs = dict(labels=LABELS, name="digits", input_shape=(1, 8, 8), scale=1 / 16)
     v1 = BC.create_bundle(net, root / "v1", calibration=x_train[:64], version="1", **kwargs)
-    v2 = _with_head(B.load_bundle(root / "v1"), root / "v2", version="2", shift=0.01)
+    v2 = new_head_version(root / "v1", root / "v2", version="2", shift=0.01)
     other = BC.create_bundle(net, root / "other", calibration=x_train[64:96], version="9", **kwargs)  # other int8
     return v1, v2, other
 
