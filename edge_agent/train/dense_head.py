@@ -106,6 +106,12 @@ def _input(nodes: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return next((n for n in nodes if n["op"] == "null" and n["name"] == name), None)
 
 
+def _affine(form: DenseForm, weight: np.ndarray, bias: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The head's logits: flatten(x) @ weight.T * alpha + bias * bias_scale, in float32."""
+    x2 = np.ascontiguousarray(x, np.float32).reshape(len(x), -1)
+    return (x2 @ weight.T) * np.float32(form.alpha) + bias * np.float32(form.bias_scale)
+
+
 class DenseHeadTrainer(TrainerCommon):
     """`HeadTrainer`'s interface and numbers for a one-affine-layer head, numpy only."""
 
@@ -124,16 +130,12 @@ class DenseHeadTrainer(TrainerCommon):
             raise InputError(f"head parameters {form.weight} {weight.shape} / {form.bias} {bias.shape} do not make "
                              f"a {num_classes}-class dense layer")
         self._w = {form.weight: weight, form.bias: bias}
-        self.param_names = [form.weight, form.bias]
-        self.trainable = list(self.param_names)
         self._m = {n: np.zeros_like(v) for n, v in self._w.items()}  # Adam mean / SGD momentum
         self._v = {n: np.zeros_like(v) for n, v in self._w.items()}  # Adam variance
         self._t = 0  # updates so far (MXNet counts per parameter; here they always move together)
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
-        f = self.form
-        x2 = np.ascontiguousarray(x, np.float32).reshape(len(x), -1)
-        return (x2 @ self._w[f.weight].T) * np.float32(f.alpha) + self._w[f.bias] * np.float32(f.bias_scale)
+        return _affine(self.form, self._w[self.form.weight], self._w[self.form.bias], x)
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One optimiser step on a batch; returns its mean (weighted) loss."""
@@ -241,8 +243,4 @@ def dense_head_logits(bundle: Any) -> Any:
         return None
     weight, bias = np.asarray(params[form.weight], np.float32), np.asarray(params[form.bias], np.float32)
 
-    def logits(features: np.ndarray) -> np.ndarray:
-        x2 = np.ascontiguousarray(features, np.float32).reshape(len(features), -1)
-        return (x2 @ weight.T) * np.float32(form.alpha) + bias.reshape(-1) * np.float32(form.bias_scale)
-
-    return logits
+    return lambda features: _affine(form, weight, bias.reshape(-1), features)
