@@ -7,7 +7,9 @@ runs in the idle daemon and at install time, and must stay fast and small.
 JSON report (schema "edge-agent.probe/1"; keys are only ever added, never renamed):
   schema, root, live           report version; the probed root; whether it is the live `/`
   board     {model, model_source, compatible[], vendor, jetson_release, ram_mb, swap_mb}
-  cpu       {arch, count, model, parts[], flags[], int8_features{name: bool}, soc{}}
+  cpu       {arch, count, model, parts[], flags[], int8_features{name: bool}, soc{},
+             kernel_check{variants{name: runnable}, confirmed[], denied[],
+                          disagree{feature: {cpuinfo, kernels}}}   (live only; kernels win)
   accelerators [{kind, description, evidence[], runtime_library, runtime_loads, runtime_detail}]
   power     {hwmon[{hwmon, name, path, channels[{channel, voltage_v, current_a, power_w, label}]}],
              power_supply[{name, type, status, capacity_pct, power_w, energy_wh, voltage_v, ...}],
@@ -115,6 +117,13 @@ def render(report: dict[str, Any]) -> str:
     feats = cpu["int8_features"]
     if feats:
         lines.append("int8 features: " + "  ".join(f"{k}:{'yes' if v else 'no'}" for k, v in feats.items()))
+    check = cpu.get("kernel_check") or {}
+    if check:
+        runs = [name for name, ok in check.get("variants", {}).items() if ok]
+        lines.append(f"Kernels check: runs {', '.join(runs) or 'nothing'} (cpuid/auxv)")
+        for name, says in check.get("disagree", {}).items():
+            lines.append(f"  {name}: /proc/cpuinfo says {'yes' if says['cpuinfo'] else 'no'}, "
+                         f"the kernels' check says {'yes' if says['kernels'] else 'no'} (used)")
     if report["accelerators"]:
         for acc in report["accelerators"]:
             state = "runtime loads" if acc["runtime_loads"] else (acc["runtime_detail"] or "no runtime")

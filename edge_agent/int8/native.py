@@ -2,10 +2,12 @@
 
 The library holds one copy of every kernel per CPU variant that the build could compile
 (portable C, AVX2, AVX-VNNI, AVX512-VNNI, NEON, NEON+SDOT). A variant is chosen at run time
-from the CPU's features -- the probe report's `cpu.flags` when given, else /proc/cpuinfo --
-and confirmed by the library's own cpuid/hwcap check, so a wrong feature list can never
-make the process die of SIGILL. `EDGE_AGENT_NATIVE_VARIANT=<name>` forces one (tests,
-comparisons); forcing one this CPU cannot run is an error, not a crash.
+by the library's own cpuid / hwcap check: the fastest one this CPU runs. The feature list
+(the probe report's `cpu.flags`, else /proc/cpuinfo) only names what is missing in errors:
+under qemu-user /proc/cpuinfo is the host's, and the C-level check is the truth on any
+machine, so a wrong list can neither cost the NEON kernels nor cause a SIGILL.
+`EDGE_AGENT_NATIVE_VARIANT=<name>` forces one (tests, comparisons); forcing one this CPU
+cannot run is an error, not a crash.
 
 Arrays are passed zero-copy (`ndarray.ctypes.data` plus strides): GEMM operands may be any
 strided int8 view, so A.B, A^T.B and A.B^T need no copies. Wrong dtypes, shapes or
@@ -19,7 +21,6 @@ Semantics are TFLite's integer rules (quant_math), bit for bit.
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EXIT_UNAVAILABLE, EdgeAgentError
+from ..hardware.cpu import kernels_library_path
 from .reference_ops import compute_padding
 
 ENV_VARIANT = "EDGE_AGENT_NATIVE_VARIANT"
@@ -83,12 +85,7 @@ class Variant:
 
 def library_path() -> Path | None:
     """The built library inside the package, if the install compiled it."""
-    package = Path(__file__).resolve().parent.parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = package / f"_kernels{suffix}"
-        if candidate.is_file():
-            return candidate
-    return None
+    return kernels_library_path()
 
 
 _lock = threading.Lock()
@@ -188,16 +185,17 @@ def cpu_features(probe: Mapping[str, Any] | None = None) -> frozenset[str] | Non
 
 
 def select_variant(probe: Mapping[str, Any] | None = None, *, name: str | None = None) -> Variant:
-    """The variant to run: `name`, else $EDGE_AGENT_NATIVE_VARIANT, else the fastest one whose
-    features the CPU has (probe or /proc/cpuinfo) and that the library confirms it can run."""
+    """The variant to run: `name`, else $EDGE_AGENT_NATIVE_VARIANT, else the fastest one the
+    library's cpuid/hwcap check says this CPU runs. The feature list (probe or /proc/cpuinfo)
+    never overrides that check; it only names the missing features in the error."""
     available = variants()
-    features = cpu_features(probe)
 
     def missing(v: Variant) -> list[str]:
+        if v.runnable:
+            return []
+        features = cpu_features(probe)
         lacking = [f for f in v.features if features is not None and f not in features]
-        if not v.runnable and not lacking:
-            lacking = [f"{' '.join(v.features)} (cpuid/hwcap)"]
-        return lacking
+        return lacking or [f"{' '.join(v.features)} (cpuid/hwcap)"]
 
     forced = name or os.environ.get(ENV_VARIANT, "").strip() or None
     if forced:

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_agent.hardware.cpu import KernelCheck, read_cpu
+from edge_agent.hardware.sysfs import Problems, SysRoot
 from edge_agent.int8 import quant_math as qm
 from edge_agent.int8 import reference_ops as ops
 from edge_agent.int8.engines.native import add_params, mean_params
@@ -312,3 +314,50 @@ def test_case_file_detects_a_wrong_expected_output(tmp_path: Path, host_program:
     rc, results, output = _run_program([], host_program[0], path)
     assert rc == 1 and all(failures == 1 for _, failures in results.values()), output
     assert "FAIL variant=portable case=0 kind=1" in output
+
+
+# ------------------------------------------------------- CPU features: kernels' check vs cpuinfo
+
+def _kernel_check_under(runner: list[str], program: Path, tmp_path: Path) -> KernelCheck:
+    """Which variants the emulated CPU runs, as the library's own auxv test says (no cases)."""
+    empty = tmp_path / "none.bin"
+    empty.write_bytes(b"EAKT" + struct.pack("<I", 0))
+    proc = subprocess.run([*runner, str(program), str(empty)], capture_output=True, text=True, timeout=240,
+                          check=True)
+    features = {"portable": set(), "neon": {"asimd"}, "neon_dot": {"asimd", "asimddp"}}
+    runs = {line.split()[1]: "skipped" not in line for line in proc.stdout.splitlines()
+            if line.startswith("variant ")}
+    return KernelCheck.of([(name, features[name], ok) for name, ok in runs.items()])
+
+
+@pytest.mark.parametrize(("cpu", "dot"), [("max", True), ("cortex-a53", False)])
+def test_kernels_auxv_check_beats_the_hosts_cpuinfo_under_qemu(cpu: str, dot: bool, tmp_path: Path) -> None:
+    """Under qemu-user an aarch64 process reads the x86 host's /proc/cpuinfo. The probe must
+    take the kernels' auxv answer (neon_dot on -cpu max, only neon on a Cortex-A53), keep
+    both in the report, and say why."""
+    t = TARGETS["aarch64"]
+    assert shutil.which(t.cc) and shutil.which(t.runner[0]), "run .ci/run's apt-get line"
+    program = tmp_path / "test_kernels_aarch64"
+    build_test_program(t.cc, program)
+    check = _kernel_check_under(["qemu-aarch64", "-cpu", cpu], program, tmp_path)
+    assert check.variants == {"neon_dot": dot, "neon": True, "portable": True}
+
+    root = tmp_path / "root"
+    (root / "proc").mkdir(parents=True)
+    (root / "proc/cpuinfo").write_text(X86_CPUINFO)  # what the emulated process sees
+    sysroot = SysRoot(root, problems=Problems())
+    info = read_cpu(sysroot, machine="aarch64", check=check)
+    assert info.arch == "aarch64"
+    assert info.int8_features["asimd"] is True and info.int8_features["asimddp"] is dot
+    assert info.kernel_check["disagree"]["asimd"] == {"cpuinfo": False, "kernels": True}
+    assert any("emulated" in p for p in sysroot.problems.items)
+    # Without the check (a captured tree, not live) cpuinfo is all there is.
+    assert read_cpu(SysRoot(root, problems=Problems()), check=None).arch == "x86_64"
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 fma
+
+"""
