@@ -2,6 +2,9 @@
 
     python -m edge_agent.coordinator.demo [--devices 4] [--rounds 3] [--out demo-out]
 
+(tests/integration/test_demo.py runs a shortened demo, 2 devices and 2 rounds, and checks
+its report.)
+
 1. trains the base model (the digits CNN on clean digits) and packs it as a bundle;
 2. starts `edge-coordinator serve --embedded-broker --auto-approve` (amqtt on 127.0.0.1)
    and registers the bundle (`edge-coordinator model register`);
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="example:\n  python -m edge_agent.coordinator.demo --devices 4 --rounds 3")
     p.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--min-devices", type=int, default=None,
+                   help="accepted updates a round needs (default: all devices but one, at least 1)")
     p.add_argument("--epochs", type=int, default=3, help="local epochs per round (default 3)")
     p.add_argument("--update-bytes", type=int, default=384, help="byte budget of each update (default 384)")
     p.add_argument("--deadline", default="150s", help="per-round deadline (default 150s)")
@@ -155,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.devices <= 16 or not 1 <= args.rounds <= 20:
         p.error("--devices must be 1..16 and --rounds 1..20")
+    if args.min_devices is None:
+        args.min_devices = max(1, args.devices - 1)
+    elif not 1 <= args.min_devices <= args.devices:
+        p.error("--min-devices must be 1..--devices")
 
     def interrupted(*_: Any) -> None:
         raise KeyboardInterrupt
@@ -225,7 +234,7 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
         wait_for(f"{len(devices)} devices to enrol and report", online, 120, procs)
         say(f"{len(devices)} devices enrolled and online; `edge-coordinator train` (its live progress follows):")
         train = [*cli, "train", "--model", "digits@1", "--devices", "all", "--rounds", str(args.rounds),
-                 "--min-devices", str(max(1, len(devices) - 1)), "--deadline", args.deadline, "--budget-wh", "0.05",
+                 "--min-devices", str(args.min_devices), "--deadline", args.deadline, "--budget-wh", "0.05",
                  "--epochs", str(args.epochs), "--update-bytes", str(args.update_bytes), "--batch-size", "16",
                  "--state-dir", str(coord)]
         print("  $ edge-coordinator " + " ".join(train[3:]), flush=True)
