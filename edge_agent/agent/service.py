@@ -291,7 +291,7 @@ def plan_install(target: Target, runner: Runner, *, executable: Path | None = No
         raise ConfigError(
             f"the service runs with ProtectHome=yes and could not reach {', '.join(hidden)}: install "
             "edge-agent into a virtualenv outside /home and /root, e.g. `python3.11 -m venv "
-            "/opt/edge-agent/venv && /opt/edge-agent/venv/bin/pip install edge-agent`, then run "
+            "/opt/edge-agent/venv && /opt/edge-agent/venv/bin/pip install ./mxedge_agent-*.whl`, then run "
             "`sudo /opt/edge-agent/venv/bin/edge-agent install-service`")
     packaged = _packaged_unit(target)
     if packaged and not force:

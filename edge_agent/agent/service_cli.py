@@ -34,7 +34,7 @@ The unit runs with ProtectHome=yes, so edge-agent must be installed outside /hom
 INSTALL_EPILOG = """\
 examples:
   sudo python3.11 -m venv /opt/edge-agent/venv
-  sudo /opt/edge-agent/venv/bin/pip install edge-agent
+  sudo /opt/edge-agent/venv/bin/pip install ./mxedge_agent-0.1.0-*.whl   # or /path/to/checkout
   sudo /opt/edge-agent/venv/bin/edge-agent install-service --dry-run   # print each step
   sudo /opt/edge-agent/venv/bin/edge-agent install-service
   edge-agent install-service --print-unit          # the unit it would write

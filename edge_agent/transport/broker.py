@@ -174,7 +174,7 @@ class EmbeddedBroker:
         try:
             from amqtt.broker import Broker  # demo extra: keep it out of the agent's imports
         except ImportError as exc:
-            raise BrokerError("the embedded broker needs amqtt (pip install 'edge-agent[demo]')") from exc
+            raise BrokerError("the embedded broker needs amqtt (pip install amqtt==0.12.1, or the project's [demo] extra)") from exc
         ready = threading.Event()
         failure: list[BaseException] = []
         config = {

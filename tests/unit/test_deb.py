@@ -90,9 +90,9 @@ def test_contents_owners_modes_and_payload(deb: Path, tree: Path) -> None:
         (REPO / "packaging/systemd/edge-agent.service").read_bytes()
     wheels = tree / "usr/lib/edge-agent/wheels"
     (wheel,) = wheels.glob("*.whl")
-    assert wheel.name == f"edge_agent-{VERSION}-cp311-cp311-linux_{MACHINE[0]}.whl"
+    assert wheel.name == f"mxedge_agent-{VERSION}-cp311-cp311-linux_{MACHINE[0]}.whl"
     assert (wheels / "SHA256SUMS").read_text() == f"{hashlib.sha256(wheel.read_bytes()).hexdigest()}  {wheel.name}\n"
-    assert (wheels / "requirements.txt").read_text().splitlines()[1:] == [f"edge-agent=={VERSION}"]
+    assert (wheels / "requirements.txt").read_text().splitlines()[1:] == [f"mxedge-agent=={VERSION}"]
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         (lib,) = [n for n in names if re.fullmatch(r"edge_agent/_kernels.*\.so", n)]
@@ -234,12 +234,12 @@ def test_offline_requirements_pin_every_wheel_by_hash_for_pip(tree: Path, tmp_pa
     _build_deb_module().write_wheel_index(wheels, "offline", VERSION)
     (wheel,) = wheels.glob("*.whl")
     assert (wheels / "requirements.txt").read_text().splitlines()[1:] == [
-        f"edge-agent=={VERSION} --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}"]
+        f"mxedge-agent=={VERSION} --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}"]
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", "--require-hashes",
            "--only-binary=:all:", "--find-links", str(wheels), "--target", str(tmp_path / "t"),
            "-r", str(wheels / "requirements.txt")]
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
-    assert f"Would install edge-agent-{VERSION}" in sh(*cmd, env=env).stdout
+    assert f"Would install mxedge-agent-{VERSION}" in sh(*cmd, env=env).stdout
     wheel.write_bytes(wheel.read_bytes() + b"tampered")
     proc = sh(*cmd, env=env, ok=False)
     assert proc.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in proc.stderr
