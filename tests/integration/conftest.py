@@ -131,18 +131,39 @@ class Fleet:
         for client in self.clients:
             client.stop()
 
+    def loop_errors(self) -> list[str]:
+        """Every exception a loop died of (or a loop that would not stop), formatted."""
+        import traceback
+
+        found = []
+        for loop in self.threads:
+            found += [f"{loop.name}: " + "".join(traceback.format_exception(exc)) for exc in loop.errors]
+            if loop.hung:
+                found.append(f"{loop.name}: still running 10 s after stop()")
+        return found
+
 
 @pytest.fixture
 def fleet(tmp_path: Path, topic_prefix: str):
+    """A Fleet; at teardown, an exception in any DeviceLoop / CoordinatorLoop / Watcher fails
+    the test (a test that provokes one on purpose checks it and clears `loop.errors`)."""
     f = Fleet(tmp_path, topic_prefix)
     yield f
     f.close()
+    errors = f.loop_errors()
+    if errors:
+        pytest.fail("a test loop failed:\n" + "\n".join(errors), pytrace=False)
 
 
 class _Loop:
+    """A thread running `step()` until stopped. An exception ends it and is kept in `errors`,
+    which the `fleet` fixture turns into a test failure at teardown."""
+
     def __init__(self, fleet: Fleet, name: str) -> None:
+        self.name = name
         self._stop = threading.Event()
         self.errors: list[BaseException] = []
+        self.hung = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         fleet.threads.append(self)
 
@@ -154,7 +175,7 @@ class _Loop:
         while not self._stop.is_set():
             try:
                 self.step()
-            except BaseException as exc:  # surfaced by the test's assertions
+            except BaseException as exc:  # the fleet fixture fails the test with it
                 self.errors.append(exc)
                 return
 
@@ -163,7 +184,9 @@ class _Loop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        if self._thread.ident is not None:
+            self._thread.join(10)
+            self.hung = self._thread.is_alive()
 
 
 class DeviceLoop(_Loop):

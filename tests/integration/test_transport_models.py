@@ -4,32 +4,46 @@ from __future__ import annotations
 
 import hashlib
 import random
+import uuid
 
 import pytest
 
-from edge_agent.protocol import Kind, Message, Reason, Rejection
+from edge_agent.protocol import Kind, Message, Reason, Rejection, Topics
 from edge_agent.transport.models import ModelDownload, publish_model, retract_model
 from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def drain_into(side, download: ModelDownload, timeout: float = 10.0):
-    """Feed verified messages to the download until it completes; returns (path, rejections)."""
+def drain_into(side, download: ModelDownload, topics: Topics, timeout: float = 60.0):
+    """Feed verified messages to the download until everything the broker holds for it has
+    been read; returns (path or None, rejections).
+
+    "Everything" without a fixed wait: the device itself publishes a sentinel under the
+    download's filter after subscribing. The broker queues the retained messages when it
+    handles the SUBSCRIBE, and one client's packets are handled in order, so the sentinel
+    comes back after all of them (and after anything published and acknowledged before).
+    The timeout only bounds a hang."""
+    sentinel = f"{topics.model_filter(download.name, download.version)[:-1]}sentinel-{uuid.uuid4().hex[:8]}"
+    assert side.client.publish_wait(sentinel, b"sentinel")
     rejections: list[Rejection] = []
     done: list = []
+    seen_sentinel: list[bool] = []
 
     def step() -> bool:
         result = side.channel.receive(timeout=0.05)
         if isinstance(result, Rejection):
-            rejections.append(result)
+            if result.topic == sentinel:
+                seen_sentinel.append(True)
+            else:
+                rejections.append(result)
         elif isinstance(result, Message):
             path = download.add(result)
             if path is not None:
                 done.append(path)
-        return bool(done)
+        return bool(seen_sentinel)
 
-    wait_for(step, timeout, interval=0)
+    assert wait_for(step, timeout, interval=0), "the sentinel never came back"
     return (done[0] if done else None), rejections
 
 
@@ -45,7 +59,7 @@ def test_a_device_downloads_verifies_and_installs_a_bundle(mosquitto, fleet, tmp
     download = ModelDownload(directory=tmp_path / "models", name="digits", version="v2",
                              expected_sha256=manifest["sha256"])
     dev.client.subscribe(download.filter(fleet.topics))
-    path, rejections = drain_into(dev, download)
+    path, rejections = drain_into(dev, download, fleet.topics)
     assert path == tmp_path / "models" / "digits" / "v2.bundle"
     assert path.read_bytes() == bundle and rejections == []
     assert not (tmp_path / "models" / ".partial" / "digits" / "v2").exists()
@@ -66,7 +80,7 @@ def test_a_forged_chunk_is_refused_and_the_download_resumes_after_a_restart(mosq
     dev = fleet.device(mosquitto.port)
     download = ModelDownload(directory=tmp_path / "models", name="kws", version="v1")
     dev.client.subscribe(download.filter(fleet.topics))
-    path, rejections = drain_into(dev, download, timeout=2.0)
+    path, rejections = drain_into(dev, download, fleet.topics)
     assert path is None
     assert [r.reason for r in rejections] == [Reason.UNKNOWN_KEY]
     partial = tmp_path / "models" / ".partial" / "kws" / "v1" / manifest["sha256"]
@@ -77,13 +91,16 @@ def test_a_forged_chunk_is_refused_and_the_download_resumes_after_a_restart(mosq
     publish_model(coord.client, coord.signer, fleet.topics, name="kws", version="v1", bundle=bundle)
     again = ModelDownload(directory=tmp_path / "models", name="kws", version="v1",
                           expected_sha256=manifest["sha256"])
-    path, rejections = drain_into(dev, again)
+    path, rejections = drain_into(dev, again, fleet.topics)
     assert path is not None and path.read_bytes() == bundle
 
     retract_model(coord.client, fleet.topics, name="kws", version="v1", chunks=manifest["chunks"])
     late = fleet.device(mosquitto.port, name="late")
     late.client.subscribe(download.filter(fleet.topics))
-    assert late.client.get(timeout=0.5) is None  # nothing retained any more
+    path, rejections = drain_into(late, ModelDownload(directory=tmp_path / "late", name="kws", version="v1"),
+                                  fleet.topics)
+    assert path is None and rejections == []  # nothing retained any more: the sentinel comes first
+    assert late.client.stats["received"] == 1
 
 
 def test_a_bundle_other_than_the_commanded_one_is_ignored(mosquitto, fleet, tmp_path):
@@ -92,6 +109,6 @@ def test_a_bundle_other_than_the_commanded_one_is_ignored(mosquitto, fleet, tmp_
     dev = fleet.device(mosquitto.port)
     download = ModelDownload(directory=tmp_path / "models", name="m", version="v1", expected_sha256="0" * 64)
     dev.client.subscribe(download.filter(fleet.topics))
-    path, rejections = drain_into(dev, download, timeout=1.0)
+    path, rejections = drain_into(dev, download, fleet.topics)
     assert path is None and rejections == []
     assert not (tmp_path / "models" / "m").exists()
