@@ -186,8 +186,9 @@ class BudgetGovernor:
             raise RuntimeError("wait_until_resumable() with a step open: call after_step() first")
         self._step_start = None
         started = self.clock.monotonic()
+        napped = False
         while True:
-            self._sample()
+            self._sample(hold_end=napped)  # read after a nap, it reflects the nap, not the step
             decision = self._open_if_continue(self._evaluate(), from_wait=True)  # like before_step
             if not decision.paused:
                 return decision
@@ -203,6 +204,7 @@ class BudgetGovernor:
             if max_wait_s is not None:
                 nap = min(nap, max_wait_s - waited)
             self.clock.sleep(max(nap, 1e-3))
+            napped = True
 
     def cancel(self, detail: str = "") -> None:
         """Ask the job to stop (safe from another thread or a signal handler)."""

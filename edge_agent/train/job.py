@@ -189,7 +189,9 @@ def run_finetune(
     Raises EdgeAgentError subclasses for anything the user must fix (bad data set, bad
     bundle, mismatched checkpoint, busy or unfinished state directory); a stop by the
     governor (budget, deadline, battery, cancel) is not an error: see "stop_reason".
-    `clock` (edge_agent.power.Clock) is for tests; the default is the system clock.
+    `clock` (edge_agent.power.Clock) is for tests; the default is the system clock. A
+    clock with a `work_done()` method is called after every feature batch and training
+    step, so a virtual clock can charge each step a fixed time whatever the CPU's speed.
     """
     from ..power import Budget
 
@@ -373,9 +375,15 @@ class _Job:
                 raise _Stopped(str(decision))
             start = time.perf_counter()
             out = compute(batch)
+            self._work_done()
             self.gov.after_step(time.perf_counter() - start)
             return out
         return run
+
+    def _work_done(self) -> None:
+        hook = getattr(self.clock, "work_done", None)  # a test clock (see run_finetune)
+        if hook is not None:
+            hook()
 
     def checkpoint(self, why: str) -> None:
         meta, arrays = self.trainer.state()
@@ -413,6 +421,7 @@ class _Job:
                 idx = trainer.batch_indices(n, pos["epoch"], pos["batch"])
                 start = time.perf_counter()
                 self.last_loss = trainer.step(x[idx], y[idx])
+                self._work_done()
                 advice = gov.after_step(time.perf_counter() - start)
                 self.last_watts = advice.step_w
                 trainer.set_threads(advice.threads)

@@ -1,35 +1,48 @@
 """The budget governor driving a real fine-tune, through sensor files that change over time.
 
 A simulated board lives under a temporary root: an INA219 on the input rail (hwmon), a
-battery fuel gauge and a thermal zone, read by the project's real power sources. The
-board draws BUSY_W while it computes and IDLE_W whenever the governor sleeps (duty-cycle
-gaps, paused polling): `DeviceClock` -- the system clock behind the project's Clock
-interface -- rewrites the INA's power file around every sleep. The test then drains the
-battery, heats the board and brings the sun back while the job runs, and checks that the
-job pauses (with a checkpoint first), resumes, and stops within 5 % of its energy budget.
+battery fuel gauge and a thermal zone, read by the project's real power sources. Time is
+virtual (`BoardClock`, the project's ManualClock behind the Clock interface): the job tells
+the clock after every step (`work_done`) and the clock then charges exactly STEP_S of
+computing at BUSY_W; every sleep of the governor (duty-cycle gaps, polling while paused)
+passes the requested seconds at IDLE_W. The INA's power file is rewritten on every move,
+so the governor measures what a real board would show -- and a step costs the same energy
+on any CPU, under `taskset -c 0` or beside a CPU hog. Budgets are sized in steps.
+
+The test then drains the battery, heats the board and brings the sun back (all at chosen
+steps or after chosen virtual seconds), and checks that the job pauses (with a checkpoint
+first), resumes, and stops within 5 % of its energy budget.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from edge_agent.power import SystemClock
+from edge_agent.power.clock import ManualClock
 from edge_agent.train import demo
 from edge_agent.train.job import Progress, run_finetune
 
 IDLE_W = 2.7  # the raspberry-pi-4 profile's idle figure
 BUSY_W = 5.0
+STEP_S = 0.1  # virtual seconds one training step computes
+STEP_J = (BUSY_W - IDLE_W) * STEP_S  # what one step costs a budget on the "job" basis
+POLL_S = 0.25
 
 
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".new")
     tmp.write_text(text + "\n")
     os.replace(tmp, path)  # sensors never show a half-written value
+
+
+def _budget_wh(steps: int) -> float:
+    """A budget worth `steps` steps and a half: the governor must stop after exactly `steps`."""
+    return (steps + 0.5) * STEP_J / 3600.0
 
 
 class Board:
@@ -59,23 +72,30 @@ class Board:
         _write(self.zone / "temp", str(int(celsius * 1000)))
 
 
-    def on_progress(self, ev: Progress) -> None:
-        """The job reports a step done: the board is computing again."""
-        if ev.phase in ("train", "features", "saving", "checkpoint"):
-            self.power(BUSY_W)
-
-
-class DeviceClock(SystemClock):
-    """Real time; the board idles (and its INA says so) while the governor sleeps, until
-    the job's next progress event (Board.on_progress) says it computes again -- so the
-    reading the governor takes right after a gap reflects the gap, as on real hardware."""
+class BoardClock(ManualClock):
+    """Virtual time: a step computes STEP_S at BUSY_W, a sleep idles at IDLE_W; the INA's file
+    says so right after every move, so the reading that closes a phase reflects it.
+    `later(s, action)` runs `action` once `s` virtual seconds have passed (a scripted event)."""
 
     def __init__(self, board: Board) -> None:
+        super().__init__(start_epoch=time.time())
         self.board = board
+        self.work_steps = 0
+        self._due: list[tuple[float, Callable[[], None]]] = []
+        self.on_advance(self._moved)
 
-    def sleep(self, seconds: float) -> None:
-        self.board.power(IDLE_W)
-        super().sleep(seconds)
+    def work_done(self) -> None:  # called by the job after every step (run_finetune's clock hook)
+        self.work_steps += 1
+        self.advance(STEP_S)
+
+    def later(self, seconds: float, action: Callable[[], None]) -> None:
+        self._due.append((self.monotonic() + seconds, action))
+
+    def _moved(self, _seconds: float, sleeping: bool) -> None:
+        self.board.power(IDLE_W if sleeping else BUSY_W)
+        for item in [d for d in self._due if d[0] <= self.monotonic()]:
+            self._due.remove(item)
+            item[1]()
 
 
 @pytest.fixture(scope="module")
@@ -99,31 +119,29 @@ def cache(bundle: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return root
 
 
-def _job(bundle: Path, data: Path, tmp_path: Path, board: Board, cache: Path, **kw: object) -> dict:
-    args = {"progress": board.on_progress, "epochs": 500, "patience": 1000, **kw}
+def _job(bundle: Path, data: Path, tmp_path: Path, clock: BoardClock, cache: Path, **kw: object) -> dict:
+    args = {"epochs": 500, "patience": 1000, **kw}
     return run_finetune(model=bundle, data=data, state_dir=tmp_path / "state", cache_dir=cache,
-                        power_root=tmp_path / "root", profile="raspberry-pi-4", batch_size=8, poll_s=0.02,
-                        clock=DeviceClock(board), **args)
+                        power_root=tmp_path / "root", profile="raspberry-pi-4", batch_size=8, poll_s=POLL_S,
+                        clock=clock, **args)
 
 
 def test_battery_and_heat_pause_with_a_checkpoint_resume_and_the_budget_stops_the_job(
         bundle: Path, data: Path, cache: Path, tmp_path: Path) -> None:
     board = Board(tmp_path / "root")
-    budget_wh = 0.002  # ~3 s of computing at 2.3 W above idle
+    clock = BoardClock(board)
+    steps = 40
+    budget_wh = _budget_wh(steps)
     events: list[Progress] = []
     script = {"drained": False, "heated": False, "resumed_steps": []}
 
-    def later(seconds: float, action) -> None:
-        threading.Timer(seconds, action).start()
-
     def on_event(ev: Progress) -> None:
         events.append(ev)
-        board.on_progress(ev)
         if ev.phase == "train" and ev.step == 8 and not script["drained"]:
             script["drained"] = True
             board.battery(25, "Discharging")  # below the 30 % floor
         elif ev.phase == "paused" and "battery" in ev.detail:
-            later(0.3, lambda: board.battery(50, "Charging"))  # the sun is back
+            clock.later(1.0, lambda: board.battery(50, "Charging"))  # the sun is back
         elif ev.phase == "train" and ev.detail == "resumed":
             script["resumed_steps"].append(ev.step)
         elif ev.phase == "train" and script["resumed_steps"] and ev.step == script["resumed_steps"][0] + 8 \
@@ -131,53 +149,69 @@ def test_battery_and_heat_pause_with_a_checkpoint_resume_and_the_budget_stops_th
             script["heated"] = True
             board.temperature(74.0)  # heats past the 70 C limit
         elif ev.phase == "paused" and "thermal" in ev.detail:
-            later(0.3, lambda: board.temperature(60.0))  # cooled below limit - margin
+            clock.later(1.0, lambda: board.temperature(60.0))  # cooled below limit - margin
 
-    start = time.monotonic()
-    report = _job(bundle, data, tmp_path, board, cache, budget_wh=budget_wh, battery_floor_pct=30,
+    report = _job(bundle, data, tmp_path, clock, cache, budget_wh=budget_wh, battery_floor_pct=30,
                   battery_resume_pct=40, thermal_limit_c=70, progress=on_event)
-    elapsed = time.monotonic() - start
     power = report["power"]
     summary = [(e.phase, e.step, e.detail[:40]) for e in events if e.phase not in ("train", "saving", "checkpoint", "features")
                or e.detail not in ("", "interval", "epoch")]
     assert report["stop_reason"] == "budget-exhausted", summary
+    assert report["steps"] == clock.work_steps == steps, summary  # the budget bought exactly 40 steps
     assert power["pauses_by_reason"] == {"battery-low": 1, "thermal": 1}, (report["steps"], summary)
-    assert len(script["resumed_steps"]) == 2 and power["pause_s"] >= 0.5, summary
+    assert script["resumed_steps"] == [8, 16], summary
+    assert power["pause_s"] == pytest.approx(2.0), summary  # 1 s for the sun, 1 s to cool (virtual)
     # each pause was preceded by a checkpoint of the exact step it paused at
     for reason in ("battery-low", "thermal"):
         i = next(i for i, e in enumerate(events) if e.phase == "paused" and reason.split("-")[0] in e.detail)
         saved = [e for e in events[:i] if e.phase == "checkpoint"]
         assert saved and saved[-1].detail == f"pause: {reason}" and saved[-1].step == events[i].step
     used = report["energy"]["wh"]
+    assert used == pytest.approx(steps * STEP_J / 3600.0)  # pauses idle: they cost the job nothing
     assert abs(used - budget_wh) / budget_wh <= 0.05, (used, budget_wh)
     assert report["energy"]["source"].startswith("ina219")
     assert power["battery_pct_end"] == 50 and power["max_temp_c"] >= 74.0
-    assert elapsed < 60
     last = [e for e in events if e.phase == "checkpoint"][-1]
     assert last.detail == "stop: budget-exhausted" and last.step == report["steps"]
 
 
 def test_the_power_cap_is_held_by_duty_cycling(bundle: Path, data: Path, cache: Path, tmp_path: Path) -> None:
     board = Board(tmp_path / "root")
+    clock = BoardClock(board)
     cap = 4.0
-    # The governor stops when the next step would overshoot, so it can end one step short:
-    # the budget must be large against one step (~0.23 J above idle here, ~2 % of 10.8 J)
-    # for the 5 % bound to test the governor rather than step size (0.6 mWh made it 11 %).
-    budget_wh = 0.003
-    report = _job(bundle, data, tmp_path, board, cache, budget_wh=budget_wh, power_cap_w=cap)
+    # The governor stops when the next step would overshoot, so it ends up to one step short:
+    # 60 steps make one step 1.7 % of the budget, so the 5 % bound tests the governor.
+    steps = 60
+    budget_wh = _budget_wh(steps)
+    report = _job(bundle, data, tmp_path, clock, cache, budget_wh=budget_wh, power_cap_w=cap)
     power = report["power"]
     assert report["stop_reason"] == "budget-exhausted"
-    assert power["duty_sleep_s"] > 0.3
-    assert power["avg_w"] <= cap * 1.05, power  # uncapped it would be 5 W
+    assert report["steps"] == steps
+    # step + gap averages the cap: gap = STEP_S * (BUSY_W - cap) / (cap - IDLE_W) after each step
+    gap = STEP_S * (BUSY_W - cap) / (cap - IDLE_W)
+    assert power["duty_sleep_s"] == pytest.approx(steps * gap, rel=0.02), power
+    assert cap * 0.95 <= power["avg_w"] <= cap * 1.05, power  # uncapped it would be 5 W
     assert abs(report["energy"]["wh"] - budget_wh) / budget_wh <= 0.05, report["energy"]
+
+
+def test_without_a_cap_the_same_budget_runs_at_full_power(
+        bundle: Path, data: Path, cache: Path, tmp_path: Path) -> None:
+    # the control for the test above: the duty cycle, not the board, holds the average down
+    board = Board(tmp_path / "root")
+    clock = BoardClock(board)
+    report = _job(bundle, data, tmp_path, clock, cache, budget_wh=_budget_wh(60))
+    assert report["stop_reason"] == "budget-exhausted" and report["steps"] == 60
+    assert report["power"]["duty_sleep_s"] == 0 and report["power"]["avg_w"] == pytest.approx(BUSY_W)
 
 
 def test_a_battery_that_never_recovers_stops_at_the_deadline_and_resume_continues(
         bundle: Path, data: Path, cache: Path, tmp_path: Path) -> None:
     board = Board(tmp_path / "root")
     board.battery(10, "Discharging")
-    first = _job(bundle, data, tmp_path, board, cache, battery_floor_pct=30, deadline=time.time() + 2.0, epochs=2)
+    clock = BoardClock(board)
+    first = _job(bundle, data, tmp_path, clock, cache, battery_floor_pct=30, deadline=clock.now() + 2.0, epochs=2)
     assert first["stop_reason"] == "battery-low" and first["steps"] == 0
+    assert clock.monotonic() - 1000.0 == pytest.approx(2.0)  # it waited (virtually) for the deadline
     board.battery(90, "Charging")
-    second = _job(bundle, data, tmp_path, board, cache, battery_floor_pct=30, epochs=2, resume=True)
+    second = _job(bundle, data, tmp_path, BoardClock(board), cache, battery_floor_pct=30, epochs=2, resume=True)
     assert second["stop_reason"] == "done" and second["steps"] > 0 and second["resumed"]

@@ -439,6 +439,25 @@ def test_battery_drains_pauses_and_resumes_when_solar_returns(tmp_path: Path) ->
     assert 0.95 <= report["energy_wh_job"] / 0.3 <= 1.0
 
 
+def test_waiting_out_a_pause_costs_the_job_nothing(tmp_path: Path) -> None:
+    # The first poll after a busy step used to be integrated as a trapezoid from the step's
+    # busy reading: half a poll interval of training power charged for idling (34 J per
+    # pause at the default 30 s poll on this board).
+    budget = Budget(budget_wh=1.0, battery_floor_pct=30, battery_resume_pct=40)
+    gov, world, clock = make(tmp_path, budget, battery_pct=80.0)
+    assert gov.before_step().proceed
+    clock.advance(2.0)
+    gov.after_step(2.0)
+    used = gov.state()["energy_j_job"]
+    assert used == pytest.approx(world.true_job_j, rel=0.01) and used > 1.0
+    world.stored_wh = world.capacity_wh * 0.25
+    world.write()
+    assert gov.before_step().paused
+    assert gov.wait_until_resumable(max_wait_s=300.0).paused  # ten polls of 30 s, all idle
+    assert clock.monotonic() - 1000.0 == pytest.approx(302.0)
+    assert gov.state()["energy_j_job"] == pytest.approx(used, abs=1e-6) == pytest.approx(world.true_job_j)
+
+
 def test_battery_fuel_gauge_while_charging_falls_back_to_cpu_estimate(tmp_path: Path) -> None:
     start = datetime(2024, 6, 1, 5, 0)
     sunrise = (start + timedelta(seconds=61)).timestamp()  # charging from the step ending at 62 s
