@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from .errors import EXIT_CODES, EXIT_CONFIG, EXIT_OK, EXIT_USAGE, run_command
+from .errors import EXIT_CODES, EXIT_CONFIG, EXIT_OK, EXIT_USAGE, CliParser, run_command
 
 log = logging.getLogger("edge_agent")
 
@@ -85,7 +85,7 @@ def _cmd_profiles_show(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="edge-agent",
         description="Detects the device, picks int8 kernels, fine-tunes MXNet models within a "
                     "power budget and syncs compressed updates over MQTT.",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import re
 import socket
 from dataclasses import dataclass
@@ -198,6 +199,42 @@ def load_identity(config: AgentConfig) -> tuple[Any, str]:
     return key, device_id
 
 
+TLS_CA_HINT = ("the CA that signed the broker's certificate: the fleet CA (packaging/mosquitto/make-certs), "
+               "or /etc/ssl/certs/ca-certificates.crt for a broker with a public certificate")
+
+
+def tls_file_problems(ca_file: str | None, cert_file: str | None, key_file: str | None) -> list[tuple[str, str]]:
+    """(which, why) for TLS files that cannot be used: missing, unreadable, not PEM, or a
+    certificate and key that do not match. Loaded as the MQTT client will load them, so a bad
+    file fails at `--check` or start-up, not as an endless reconnect loop."""
+    import ssl
+
+    problems = []
+    for which, path in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
+        if path and not Path(path).is_file():
+            problems.append((which, f"{path}: no such file"))
+        elif path and not os.access(path, os.R_OK):
+            problems.append((which, f"{path}: not readable by this user"))
+    if problems:
+        return problems
+    if ca_file:
+        try:
+            ssl.create_default_context(cafile=ca_file)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            problems.append(("ca_file", f"{ca_file}: not a PEM CA certificate ({_ssl_reason(exc)})"))
+    if cert_file and key_file:
+        try:  # a key that needs a passphrase fails here instead of prompting on a terminal
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert_file, key_file, password=lambda: b"")
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            problems.append(("cert_file", f"{cert_file} with {key_file}: not a PEM certificate and its "
+                                          f"unencrypted private key ({_ssl_reason(exc)})"))
+    return problems
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    return str(getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc)[:80]
+
+
 def _check_semantics(report: Reporter, merged: dict[str, Any]) -> None:
     for table, key in (("device", "id"), ("device", "fleet"), ("device", "name")):
         value = merged.get(table, {}).get(key)
@@ -212,9 +249,12 @@ def _check_semantics(report: Reporter, merged: dict[str, Any]) -> None:
         report.error("broker", "tls", "certificate files are set but tls = false")
     if bool(broker.get("cert_file")) != bool(broker.get("key_file")):
         report.error("broker", "cert_file", "cert_file and key_file go together (client certificate)")
-    for name in ("ca_file", "cert_file", "key_file", "password_file"):
-        if broker.get(name) and not Path(broker[name]).is_file():
-            report.error("broker", name, f"{broker[name]}: no such file")
+    if broker.get("tls") and not broker.get("ca_file"):
+        report.error("broker", "tls", f"tls = true needs ca_file: {TLS_CA_HINT}")
+    for name, why in tls_file_problems(broker.get("ca_file"), broker.get("cert_file"), broker.get("key_file")):
+        report.error("broker", name, why)
+    if broker.get("password_file") and not Path(broker["password_file"]).is_file():
+        report.error("broker", "password_file", f"{broker['password_file']}: no such file")
     service = merged.get("service", {})
     if service.get("upload_retry_min_s", 0) > service.get("upload_retry_max_s", 0):
         report.error("service", "upload_retry_min_s", "must not exceed upload_retry_max_s")
@@ -277,13 +317,19 @@ def render_config(*, device_name: str, fleet: str, broker_host: str, broker_port
                   coordinator_public_key: str, state_dir: Path, device_id: str | None = None,
                   profile: str = "auto", tls: bool = False, sysfs_root: str = "/",
                   data_dir: str | None = None, profile_budget: dict[str, Any] | None = None,
-                  topic_prefix: str = DEFAULT_TOPIC_PREFIX) -> str:
+                  topic_prefix: str = DEFAULT_TOPIC_PREFIX, ca_file: str | None = None,
+                  cert_file: str | None = None, key_file: str | None = None) -> str:
     """A commented agent.toml for `edge-agent init`."""
     id_line = (f'id = {_toml_str(device_id)}      # the key\'s fingerprint: checked at start, never chosen'
                if device_id else "# id = (the fingerprint of the device key; derived, not chosen)")
     budget = "\n".join(f"# {k} = {v}" for k, v in sorted((profile_budget or {}).items())) or \
         "# energy_wh = 2.0\n# power_cap_w = 5.0\n# battery_floor_pct = 30\n# battery_resume_pct = 45"
     data_line = f"dir = {_toml_str(data_dir)}" if data_dir else '# dir = "/var/lib/edge-agent/data"'
+    tls_lines = "\n".join(
+        f"{key} = {_toml_str(value)}" if value else f"# {key} = {_toml_str(example)}"
+        for key, value, example in (("ca_file", ca_file, "/etc/edge-agent/ca.pem"),
+                                    ("cert_file", cert_file, "/etc/edge-agent/device.pem"),
+                                    ("key_file", key_file, "/etc/edge-agent/device-tls.key")))
     return f"""# edge-agent configuration. Overrides the board profile's [budget], [thermal],
 # [training] and [int8] tables when you add them here. Check it with:
 #   edge-agent run --config THIS_FILE --check
@@ -300,9 +346,7 @@ host = {_toml_str(broker_host)}
 port = {broker_port}
 tls = {"true" if tls else "false"}
 topic_prefix = {_toml_str(topic_prefix)}
-# ca_file = "/etc/edge-agent/ca.pem"
-# cert_file = "/etc/edge-agent/device.pem"
-# key_file = "/etc/edge-agent/device-tls.key"
+{tls_lines}
 
 [coordinator]
 # The coordinator's Ed25519 public key: commands not signed by it are refused.

@@ -7,8 +7,12 @@ fatal ones are reported. Exit codes follow sysexits(3) so that systemd's
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a runtime failure; systemd may restart
@@ -17,6 +21,10 @@ EXIT_DATAERR = 65  # bad input data: a corrupt bundle, data set or update (EX_DA
 EXIT_UNAVAILABLE = 69  # a required service or engine is unavailable (EX_UNAVAILABLE)
 EXIT_NOPERM = 77  # needs root, e.g. install-service (EX_NOPERM)
 EXIT_CONFIG = 78  # bad configuration or board profile (EX_CONFIG): do not restart
+EXIT_INTERRUPTED = 130  # Ctrl-C, like a shell (128 + SIGINT)
+# stdout was closed early (`| head`): what a C tool killed by SIGPIPE reports (128 + 13), so
+# `set -o pipefail` scripts see the same as for `yes | head`; nothing is printed.
+EXIT_BROKEN_PIPE = 141
 
 EXIT_CODES = {
     EXIT_OK: "success",
@@ -26,6 +34,8 @@ EXIT_CODES = {
     EXIT_UNAVAILABLE: "required service or engine unavailable",
     EXIT_NOPERM: "permission denied (needs root)",
     EXIT_CONFIG: "configuration error (not restarted by systemd)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_BROKEN_PIPE: "output pipe closed early (e.g. `| head`); nothing printed",
 }
 
 
@@ -39,6 +49,12 @@ class ConfigError(EdgeAgentError):
     """Bad configuration or board profile."""
 
     exit_code = EXIT_CONFIG
+
+
+class UsageError(EdgeAgentError):
+    """A bad command line: a flag's value, or flags that do not go together."""
+
+    exit_code = EXIT_USAGE
 
 
 class InputError(EdgeAgentError):
@@ -55,13 +71,44 @@ class FatalError(EdgeAgentError):
     """Not worth retrying; reported to the coordinator."""
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse with the documented exit code: a usage error is one line on stderr and 64
+    (argparse's own is usage text and 2). Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.split())
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
+
+
+def _silence_stdout() -> None:
+    """The reader went away: point stdout at /dev/null so the interpreter's final flush
+    cannot raise again (the recipe in Python's signal module documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (tests capture it): nothing to flush
+        pass
+
+
 def run_command(prog: str, command: Callable[[], int | None]) -> int:
     """Run a CLI command: an EdgeAgentError becomes one line on stderr and its exit code
-    (never a traceback for a user's mistake); Ctrl-C exits 130 like a shell."""
+    (never a traceback for a user's mistake); Ctrl-C exits 130 like a shell; a closed output
+    pipe exits 141 silently; an OS error on a path (unreadable file, full disk) is one line
+    and exit 1 (its traceback is logged at debug level, `-v`)."""
     try:
-        return int(command() or 0)
+        code = int(command() or 0)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except EdgeAgentError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        logging.getLogger("edge_agent").debug("%s failed", prog, exc_info=True)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE

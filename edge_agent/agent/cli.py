@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, EdgeAgentError, run_command
+from ..errors import EXIT_CODES, EXIT_OK, CliParser, ConfigError, UsageError, run_command
 
 INIT_DESCRIPTION = """\
 Set this device up for a fleet: create its Ed25519 key (0600; kept if it already exists),
@@ -26,7 +26,9 @@ an operator compares on the device's console before approving it."""
 
 INIT_EPILOG = """\
 examples:
-  sudo edge-agent init --broker mqtt.example.net:8883 --tls --fleet farms \\
+  sudo edge-agent init --broker mqtt.example.net:8883 --fleet farms \\
+      --ca-file /etc/edge-agent/ca.pem --cert-file /etc/edge-agent/device.pem \\
+      --key-file /etc/edge-agent/device-tls.key \\
       --coordinator-key coordinator.pub --data-dir /srv/field-photos
   edge-agent init --broker 127.0.0.1 --fleet lab --coordinator-key MCowBQYDK2VwAyEA... \\
       --state-dir ./state --config ./agent.toml --sysfs-root tests/fixtures/boards/raspberry-pi-4
@@ -57,10 +59,6 @@ block (no watchdog pings) while it exists."""
 
 
 SERVICE_USER = "edge-agent"  # the systemd unit's User= (packaging/systemd/edge-agent.service)
-
-
-class UsageError(EdgeAgentError):
-    exit_code = EXIT_USAGE
 
 
 def _broker(text: str) -> tuple[str, int | None]:
@@ -128,6 +126,24 @@ def _service_owner(user: str | None) -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
+def _tls_files(args: argparse.Namespace) -> dict[str, str | None]:
+    """--ca-file/--cert-file/--key-file, absolute and checked as the MQTT client will load
+    them; any of them turns TLS on, and TLS needs a CA."""
+    from ..config import TLS_CA_HINT, tls_file_problems
+
+    files = {k: str(Path(v).absolute()) if v else None
+             for k, v in (("ca_file", args.ca_file), ("cert_file", args.cert_file), ("key_file", args.key_file))}
+    if any(files.values()):
+        args.tls = True
+    if args.tls and not files["ca_file"]:
+        raise UsageError(f"--tls needs --ca-file: {TLS_CA_HINT}")
+    if bool(files["cert_file"]) != bool(files["key_file"]):
+        raise UsageError("--cert-file and --key-file go together (the device's client certificate)")
+    for which, why in tls_file_problems(**files):
+        raise UsageError(f"--{which.replace('_', '-')} {why}")
+    return files
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
     from ..config import (
@@ -141,6 +157,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from ..hardware.profiles import load_profiles
     from ..keys import enrolment_code, fingerprint, load_or_create_private_key
 
+    tls_files = _tls_files(args)
     host, port = args.broker
     port = port or (8883 if args.tls else 1883)
     coordinator = _coordinator_key(args.coordinator_key)
@@ -161,7 +178,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
         profile=matched or "auto", tls=args.tls, sysfs_root=str(Path(args.sysfs_root).absolute()),
         data_dir=str(Path(args.data_dir).absolute()) if args.data_dir else None,
         profile_budget=profile.data.get("budget") if profile else None,
-        topic_prefix=args.topic_prefix or DEFAULT_TOPIC_PREFIX)
+        topic_prefix=args.topic_prefix or DEFAULT_TOPIC_PREFIX, **tls_files)
     atomic_write_text(config_path, text, mode=0o640)
     if owner is not None:  # the service runs as this user: it must read its key and config
         uid, gid = owner
@@ -190,6 +207,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _, device_id = load_identity(config)
     if args.check:
         g = config.get
+        data_dir = g("data", "dir")
+        if data_dir and not Path(data_dir).is_dir():  # the daemon starts (a disk may mount later), refusing jobs
+            raise ConfigError(f"{config.path}: data.dir: {data_dir}: no such directory (fine-tune commands "
+                              "would be refused as no_data)")
         tls = "TLS" if g("broker", "tls") else "plain TCP"
         print(f"ok: {config.path}")
         print(f"  device   {device_id} ({config.device_name}), fleet {config.fleet}")
@@ -229,7 +250,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="probe the hardware under DIR (default /; a captured board tree for tests)")
     p.add_argument("--name", type=_ident, help="a display name (default: the hostname)")
     p.add_argument("--data-dir", metavar="DIR", help="the local training data (image folder, .csv or .npz)")
-    p.add_argument("--tls", action="store_true", help="connect with TLS (set ca_file etc. in agent.toml)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (needs --ca-file)")
+    p.add_argument("--ca-file", metavar="PEM",
+                   help="CA that signed the broker's certificate (the fleet CA; implies --tls)")
+    p.add_argument("--cert-file", metavar="PEM", help="this device's client certificate (mutual TLS)")
+    p.add_argument("--key-file", metavar="PEM", help="the client certificate's unencrypted private key")
     p.add_argument("--topic-prefix", type=_prefix, help="MQTT topic prefix (default edgeft/v1)")
     p.add_argument("--force", action="store_true", help="replace an existing agent.toml (the key is kept)")
     p.add_argument("--service-user", metavar="USER",
@@ -248,7 +273,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m edge_agent.agent.cli {init,run} ...` (the same as `edge-agent init|run`)."""
-    parser = argparse.ArgumentParser(prog="edge-agent", description="edge-agent device set-up and daemon")
+    parser = CliParser(prog="edge-agent", description="edge-agent device set-up and daemon")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, InputError, run_command
+from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, CliParser, InputError, run_command
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
 
@@ -204,7 +204,7 @@ _GROUPS: list[Callable[[Any], None]] = [_add_fleet, add_model_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="edge-coordinator",
         description="Drive a fleet of edge-agent devices: build and register model bundles, "
                     "approve devices, trigger fine-tune rounds, aggregate their updates, publish versions.",

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_OK, EXIT_UNAVAILABLE, EdgeAgentError, InputError
+from ..errors import EXIT_OK, EXIT_UNAVAILABLE, EdgeAgentError, InputError, UsageError
 from .fleet_views import (
     device_rows,
     devices_json,
@@ -56,6 +56,18 @@ def _registry(args: argparse.Namespace, *, create: bool = False) -> Any:
 
 
 # ---------------------------------------------------------------- serve
+def _check_tls_files(args: argparse.Namespace) -> bool:
+    """Whether to use TLS (--tls, or any TLS file); the files are loaded now as the MQTT client
+    will load them, so a bad one is one line and exit 64, not a traceback."""
+    from ..config import tls_file_problems
+
+    if bool(args.cert_file) != bool(args.key_file):
+        raise UsageError("--cert-file and --key-file go together (the coordinator's client certificate)")
+    for which, why in tls_file_problems(args.ca_file, args.cert_file, args.key_file):
+        raise UsageError(f"--{which.replace('_', '-')} {why}")
+    return bool(args.tls or args.ca_file or args.cert_file)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..transport.mqtt import TlsConfig
     from .rounds import RoundPolicy
@@ -65,15 +77,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("edge_agent.transport.mqtt.paho", "amqtt", "transitions"):  # the embedded broker is chatty
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    tls_on = _check_tls_files(args)
     host, port = args.broker
-    port = port or (8883 if args.tls else 1883)
-    tls = TlsConfig(ca_certs=args.ca_file, certfile=args.cert_file, keyfile=args.key_file) if args.tls else None
+    port = port or (8883 if tls_on else 1883)
+    tls = TlsConfig(ca_certs=args.ca_file, certfile=args.cert_file, keyfile=args.key_file) if tls_on else None
     password = None
     if args.password_file:
         try:
             password = Path(args.password_file).read_text(encoding="utf-8")[:4096].strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"--password-file {args.password_file}: {exc}") from None
+            raise UsageError(f"--password-file {args.password_file}: {getattr(exc, 'strerror', None) or exc}") from None
     policy = RoundPolicy(online_within_s=args.online_within, min_battery_pct=args.min_battery,
                          aggregator=args.aggregator, max_wait_s=args.max_wait)
     options = ServeOptions(state_dir=state_dir(args), host=host, port=port, fleet=args.fleet,
@@ -86,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..transport.broker import EmbeddedBroker
 
         if host not in ("127.0.0.1", "localhost", "::1"):
-            raise InputError(f"--embedded-broker listens on loopback only; --broker {host} is not loopback")
+            raise UsageError(f"--embedded-broker listens on loopback only; --broker {host} is not loopback")
         broker = EmbeddedBroker(port=port, host="127.0.0.1" if host == "localhost" else host)
         broker.start()
         logging.getLogger(__name__).info("embedded MQTT broker (amqtt) on %s:%d: for trials and the demo, "
@@ -259,6 +272,24 @@ def _model(reg: Any, ref: str) -> Any:
     raise InputError(f"model {name} has no version {version!r}; it has {', '.join(m.version for m in versions)}")
 
 
+def check_job_params(params: dict[str, Any]) -> None:
+    """Refuse now what every device would refuse as bad_params: the finetune command the
+    rounds will send goes through the protocol schema and the agent's own parser (their
+    limits, not a copy of them). Raises UsageError naming the parameter and its range."""
+    from ..agent.policy import DeviceLimits, parse_finetune
+    from ..protocol.schema import Kind, check_body
+
+    sample = {k: v for k, v in params.items() if v is not None}
+    sample.setdefault("deadline", int(time.time()) + 3600)  # the rounds add it; keep its type
+    body = {"cmd_id": "check", "action": "finetune", "job": "job-check", "round": 1, "model": "model",
+            "version": "1", "params": sample}
+    try:
+        check_body(Kind.CMD, body)
+        parse_finetune(body, DeviceLimits())
+    except ValueError as exc:  # BadParams too
+        raise UsageError(f"devices would refuse this job (bad_params): {exc}") from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .records import parse_selector
     from .rounds import RoundEngine
@@ -270,6 +301,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, name, None)
         if value is not None:
             params[name] = value
+    check_job_params({**params, "budget_wh": args.budget_wh})
     with _registry(args) as reg:
         mv = _model(reg, args.model)
         parse_selector(args.devices)

@@ -20,6 +20,7 @@ from .fleet_cli import (
     cmd_tag,
     cmd_train,
 )
+from .records import MAX_ROUNDS
 
 DEFAULT_STATE_DIR = "~/.local/share/edge-coordinator"
 STATE_ENV = "EDGE_COORDINATOR_STATE_DIR"
@@ -37,6 +38,25 @@ def _duration(text: str) -> float:
     if not 0 < value <= 30 * 86400:
         raise argparse.ArgumentTypeError(f"duration {text!r} must be between 1 s and 30 days")
     return value
+
+
+def _number(kind: type, lo: float, hi: float) -> Any:
+    """An argparse type: a finite int or float within lo..hi (a bad value is a usage error, 64)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not lo <= value <= hi:  # also refuses NaN and inf
+            span = f"{lo}..{hi}" if kind is int else f"{lo:g}..{hi:g}"
+            raise argparse.ArgumentTypeError(f"must be within {span}, got {text!r}")
+        return value
+    return parse
+
+
+_COUNT = _number(int, 1, 1_000_000)  # the registry's limit on min_devices
+_SECONDS = _number(float, 0.001, 86400)
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -118,26 +138,26 @@ def add_fleet_commands(sub: Any) -> None:
     s.add_argument("--fleet", default="default", help="fleet name, a topic level (default 'default')")
     s.add_argument("--topic-prefix", default="edgeft/v1", help="MQTT topic prefix (default edgeft/v1)")
     s.add_argument("--tls", action="store_true", help="connect with TLS")
-    s.add_argument("--ca-file", help="CA certificate(s) for TLS (default: the system's)")
+    s.add_argument("--ca-file", help="CA certificate(s) for TLS (default: the system's); implies --tls")
     s.add_argument("--cert-file", help="client certificate for mutual TLS")
     s.add_argument("--key-file", help="client certificate's private key")
     s.add_argument("--username", help="broker user name")
     s.add_argument("--password-file", metavar="FILE", help="file holding the broker password")
     s.add_argument("--auto-approve", action="store_true",
                    help="approve every device that says hello (trials and the demo; otherwise `approve`)")
-    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    s.add_argument("--metrics-port", type=_number(int, 0, 65535), default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (0: any free port; default: off)")
     s.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="metrics address (default 127.0.0.1)")
     s.add_argument("--online-within", type=_duration, default=300.0, metavar="DURATION",
                    help="a device is online if heard from within this (default 300 s)")
-    s.add_argument("--min-battery", type=float, default=30.0, metavar="PCT",
+    s.add_argument("--min-battery", type=_number(float, 0, 100), default=30.0, metavar="PCT",
                    help="select devices with at least this battery, unless on power (default 30)")
     s.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default="fedavg",
                    help="default aggregator (a job may choose its own)")
     s.add_argument("--max-wait", type=_duration, default=None, metavar="DURATION",
                    help="how long a round waits for enough eligible devices (default: the job's deadline)")
-    s.add_argument("--tick", type=float, default=1.0, metavar="S", help="seconds between round steps (default 1)")
-    s.add_argument("--ack-interval", type=float, default=5.0, metavar="S",
+    s.add_argument("--tick", type=_SECONDS, default=1.0, metavar="S", help="seconds between round steps (default 1)")
+    s.add_argument("--ack-interval", type=_SECONDS, default=5.0, metavar="S",
                    help="at most one ack per repeated upload per S seconds (default 5)")
     s.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     s.set_defaults(func=cmd_serve)
@@ -192,8 +212,8 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--model", required=True, metavar="NAME[@VERSION]", help="registered model (default: latest)")
     t.add_argument("--devices", default="all", metavar="all|tag:X|board:Y",
                    help="which devices (board: matches the board model or profile name); default all")
-    t.add_argument("--rounds", type=int, default=1, metavar="R", help="rounds (default 1)")
-    t.add_argument("--min-devices", type=int, default=1, metavar="N",
+    t.add_argument("--rounds", type=_number(int, 1, MAX_ROUNDS), default=1, metavar="R", help="rounds (default 1)")
+    t.add_argument("--min-devices", type=_COUNT, default=1, metavar="N",
                    help="accepted updates a round needs to produce a version (default 1)")
     t.add_argument("--deadline", type=_duration, default=600.0, metavar="DURATION",
                    help="per round: stop collecting after this (default 10m)")
@@ -204,14 +224,14 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--lr", type=float, default=None, help="learning rate")
     t.add_argument("--update-bytes", type=int, default=None, metavar="BYTES", help="byte budget of each update")
     t.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default=None, help="aggregation rule")
-    t.add_argument("--devices-per-round", type=int, default=None, metavar="K",
+    t.add_argument("--devices-per-round", type=_COUNT, default=None, metavar="K",
                    help="sample K of the eligible devices each round (default: all)")
     t.add_argument("--param", type=_param, action="append", metavar="KEY=VALUE",
                    help="any other job parameter passed to the devices (repeatable)")
     t.add_argument("--wait-for-devices", action="store_true",
                    help="queue the job even if too few devices are eligible now")
     t.add_argument("--detach", action="store_true", help="queue the job and return")
-    t.add_argument("--poll", type=float, default=1.0, metavar="S", help="progress polling interval (default 1 s)")
+    t.add_argument("--poll", type=_SECONDS, default=1.0, metavar="S", help="progress polling interval (default 1 s)")
     t.set_defaults(func=cmd_train)
 
     st = sub.add_parser("status", help="jobs and their rounds (one job in detail with JOB)",

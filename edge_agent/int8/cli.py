@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_OK, EXIT_USAGE, EdgeAgentError, InputError
+from ..errors import EXIT_OK, EdgeAgentError, InputError
 from .engine import ENV_FORCE_BACKEND
 
 DESCRIPTION = """\
@@ -38,9 +38,32 @@ examples:
   edge-agent kernels --model digits-3 --bench --backends tflite,reference --json
   {ENV_FORCE_BACKEND}=reference edge-agent kernels --model digits-3 --bench
 
-exit codes: 0 ok, 65 bad bundle, 69 no engine (or not the forced one) can run the model,
-78 unknown engine name.
+exit codes: 0 ok, 64 bad command line (an unknown engine in --backends, a count < 1),
+65 bad bundle, 69 no engine (or not the forced one) can run the model, 78 {ENV_FORCE_BACKEND}
+names an unknown engine.
 """
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _backends(text: str) -> list[str]:
+    """A,B,...: known engine names, in preference order."""
+    from .engines import engine_names
+
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    unknown = [n for n in names if n not in engine_names()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown engine {', '.join(unknown) or text!r}; "
+                                         f"known: {', '.join(engine_names())}")
+    return names
 
 
 def register(subparsers: Any) -> None:
@@ -52,15 +75,15 @@ def register(subparsers: Any) -> None:
                         help="model bundle directory, or its .tar.gz archive")
     parser.add_argument("--bench", action="store_true",
                         help="prepare, check and time every available engine now (and cache the choice)")
-    parser.add_argument("--batch-size", type=int, default=None, metavar="N",
+    parser.add_argument("--batch-size", type=_at_least_one, default=None, metavar="N",
                         help="batch size to time (default: the board profile's training batch size, else 32)")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
+    parser.add_argument("--threads", type=_at_least_one, default=None, metavar="N",
                         help="threads per engine, capped at the usable cores (default: the profile's "
                              "int8.threads, else all cores); on a busy machine 1 can be fastest")
-    parser.add_argument("--backends", default=None, metavar="A,B,...",
+    parser.add_argument("--backends", type=_backends, default=None, metavar="A,B,...",
                         help="candidates in preference order (default: the board profile's int8.backends, "
                              "else every engine)")
-    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per engine (median)")
+    parser.add_argument("--repeats", type=_at_least_one, default=5, metavar="N", help="timed runs per engine (median)")
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="where the decision is cached (default: $EDGE_AGENT_STATE_DIR, "
                              "/var/lib/edge-agent if writable, else ~/.local/state/edge-agent)")
@@ -96,7 +119,7 @@ def run_kernels(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except EdgeAgentError as exc:
-        print(f"edge-agent kernels: {exc}", file=sys.stderr)
+        print(f"edge-agent kernels: error: {exc}", file=sys.stderr)
         return exc.exit_code
 
 
@@ -104,14 +127,9 @@ def _run(args: argparse.Namespace) -> int:
     from . import selection as sel
     from .bundle import load_bundle, unpack_bundle
 
-    if args.repeats < 1 or (args.batch_size is not None and args.batch_size < 1) or \
-            (args.threads is not None and args.threads < 1):
-        print("edge-agent kernels: --repeats, --batch-size and --threads must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
     report = _read_probe(args.probe_report) if args.probe_report else sel.default_probe()
     profile = sel.profile_settings(report)
-    preference = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else \
-        profile.get("backends")
+    preference = args.backends or profile.get("backends")
     batch_size = args.batch_size or int(profile.get("batch_size", 32))
     from .engines._common import thread_count
 

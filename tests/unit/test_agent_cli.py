@@ -13,20 +13,30 @@ import pytest
 from edge_agent import keys
 from edge_agent.agent.cli import main
 from edge_agent.config import load_config, public_key_text
-from edge_agent.errors import EXIT_CONFIG, EXIT_USAGE
+from edge_agent.errors import EXIT_CONFIG, EXIT_USAGE, ConfigError
 
 BOARD = Path(__file__).resolve().parents[1] / "fixtures" / "boards" / "raspberry-pi-4"
 
 
 @pytest.fixture
 def coordinator_pub(tmp_path: Path) -> Path:
+    """The coordinator's public key, and a fleet CA with a device certificate in tmp_path/certs
+    (the project's own make-certs code)."""
+    from edge_agent import certs
+
+    certs.create_ca(tmp_path / "certs")
+    certs.issue(tmp_path / "certs", "pi-07")
     path = tmp_path / "coordinator.pub"
     keys.save_public_key(path, keys.generate_private_key())
     return path
 
 
-def _init(tmp_path: Path, coordinator: str, *extra: str) -> int:
-    return main(["init", "--broker", "mqtt.example.net:8883", "--tls", "--fleet", "farms", "--coordinator-key",
+def _init(tmp_path: Path, coordinator: str, *extra: str, tls: tuple[str, ...] | None = None) -> int:
+    """init with TLS to the fleet CA of `coordinator_pub` (tmp_path/certs), unless `tls` says otherwise."""
+    (tmp_path / "data").mkdir(exist_ok=True)
+    if tls is None:
+        tls = ("--tls", "--ca-file", str(tmp_path / "certs" / "ca.pem"))
+    return main(["init", "--broker", "mqtt.example.net:8883", *tls, "--fleet", "farms", "--coordinator-key",
                  coordinator, "--state-dir", str(tmp_path / "state"), "--config", str(tmp_path / "agent.toml"),
                  "--sysfs-root", str(BOARD), "--name", "pi-07", "--data-dir", str(tmp_path / "data"), *extra])
 
@@ -62,8 +72,58 @@ def test_init_refuses_bad_arguments_before_writing_anything(tmp_path, coordinato
     for bad in (["--fleet", "farms/north"], ["--broker", "host:99999"], ["--topic-prefix", "a/+/b"]):
         with pytest.raises(SystemExit) as info:
             _init(tmp_path, str(coordinator_pub), *bad)
-        assert info.value.code == 2
+        assert info.value.code == EXIT_USAGE
     assert not (tmp_path / "agent.toml").exists() and not (tmp_path / "state").exists()
+
+
+def test_init_writes_the_tls_files_and_refuses_unusable_ones(tmp_path, coordinator_pub, capsys) -> None:
+    certs = tmp_path / "certs"
+    bad_cases = [
+        (("--tls",), "--tls needs --ca-file"),
+        (("--ca-file", str(tmp_path / "none.pem")), "--ca-file " + str(tmp_path / "none.pem") + ": no such file"),
+        (("--ca-file", str(certs / "pi-07.key")), "not a PEM CA certificate"),
+        (("--ca-file", str(certs / "ca.pem"), "--cert-file", str(certs / "pi-07.pem")), "go together"),
+        (("--ca-file", str(certs / "ca.pem"), "--cert-file", str(certs / "pi-07.pem"),
+          "--key-file", str(certs / "ca.key")), "not a PEM certificate and its unencrypted private key"),
+    ]
+    for tls, message in bad_cases:
+        assert _init(tmp_path, str(coordinator_pub), tls=tls) == EXIT_USAGE, tls
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "agent.toml").exists() and not (tmp_path / "state").exists()
+
+    # --ca-file alone implies TLS; with the client certificate the config is complete
+    files = {"ca_file": certs / "ca.pem", "cert_file": certs / "pi-07.pem", "key_file": certs / "pi-07.key"}
+    assert _init(tmp_path, str(coordinator_pub), tls=tuple(
+        arg for key, path in files.items() for arg in (f"--{key.replace('_', '-')}", str(path)))) == 0
+    config = load_config(tmp_path / "agent.toml")
+    assert config.get("broker", "tls") is True and config.get("broker", "port") == 8883
+    assert {key: config.get("broker", key) for key in files} == {k: str(v) for k, v in files.items()}
+    assert main(["run", "--config", str(tmp_path / "agent.toml"), "--check"]) == 0
+    assert "(TLS)" in capsys.readouterr().out
+
+
+def test_run_check_refuses_tls_without_a_ca_and_a_missing_data_dir(tmp_path, coordinator_pub, capsys) -> None:
+    assert _init(tmp_path, str(coordinator_pub)) == 0
+    config = tmp_path / "agent.toml"
+    text = config.read_text()
+    check = ["run", "--config", str(config), "--check"]
+    assert main(check) == 0
+    capsys.readouterr()
+
+    no_ca = re.sub(r'(?m)^ca_file = .*$', "", text)
+    assert "tls = true" in no_ca and "ca_file" not in no_ca
+    config.write_text(no_ca)
+    assert main(check) == EXIT_CONFIG
+    assert "broker.tls: tls = true needs ca_file" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="needs ca_file"):  # the daemon loads the same way: it does not start
+        load_config(config)
+
+    config.write_text(text)
+    (tmp_path / "data").rmdir()
+    assert main(check) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "data.dir" in err and str(tmp_path / "data") in err and "no such directory" in err
 
 
 def test_run_check(tmp_path, coordinator_pub, capsys) -> None:

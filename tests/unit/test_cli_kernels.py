@@ -142,7 +142,14 @@ def test_kernels_forced_engine(bundle_dir, workdir, capsys, monkeypatch):
 
 
 def test_kernels_usage_errors_and_help(workdir, capsys):
-    assert _kernels(workdir, "--model", "x", "--repeats", "0") == EXIT_USAGE
+    for bad in (["--repeats", "0"], ["--batch-size", "-1"], ["--threads", "x"], ["--backends", "bogus"],
+                ["--backends", "tflite,warp-drive"]):
+        with pytest.raises(SystemExit) as info:
+            _kernels(workdir, "--model", "x", *bad)
+        assert info.value.code == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert err.startswith("edge-agent kernels: error: argument " + bad[0]) and err.count("\n") == 1
+    assert "known: edgetpu, tflite" in err
     with pytest.raises(SystemExit):
         agent_main(["kernels", "--help"])
     out = capsys.readouterr().out

@@ -130,3 +130,23 @@ def test_missing_required_and_broken_files(tmp_path: Path) -> None:
                                                        f'ca_file = "{tmp_path}/none.pem"')
     with pytest.raises(ConfigError, match=r":\d+: broker.ca_file: .*none.pem: no such file"):
         load_config(_write(tmp_path, missing_ca))
+
+
+def test_tls_needs_a_usable_ca_and_client_certificate(tmp_path: Path) -> None:
+    from edge_agent import certs
+
+    ca = certs.create_ca(tmp_path / "certs")
+    device = certs.issue(tmp_path / "certs", "pi-farm-07")
+    no_ca = _rendered(tmp_path, tls=True)
+    with pytest.raises(ConfigError, match=r":\d+: broker.tls: tls = true needs ca_file") as info:
+        load_config(_write(tmp_path, no_ca))
+    assert info.value.exit_code == EXIT_CONFIG
+    not_pem = _rendered(tmp_path, tls=True, ca_file=str(device.key))
+    with pytest.raises(ConfigError, match=r"broker.ca_file: .*pi-farm-07.key: not a PEM CA certificate"):
+        load_config(_write(tmp_path, not_pem))
+    mismatched = _rendered(tmp_path, tls=True, ca_file=str(ca.cert), cert_file=str(device.cert), key_file=str(ca.key))
+    with pytest.raises(ConfigError, match=r"broker.cert_file: .*not a PEM certificate and its unencrypted"):
+        load_config(_write(tmp_path, mismatched))
+    good = load_config(_write(tmp_path, _rendered(tmp_path, tls=True, ca_file=str(ca.cert),
+                                                  cert_file=str(device.cert), key_file=str(device.key))))
+    assert good.get("broker", "tls") is True and good.get("broker", "cert_file") == str(device.cert)
