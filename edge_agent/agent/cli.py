@@ -54,8 +54,8 @@ examples:
 exit codes:
 """ + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items()) + """
 
-test hook: with EDGE_AGENT_TEST_HOOKS=1, the file STATE_DIR/debug/hang makes the main loop
-block (no watchdog pings) while it exists."""
+test hooks: with EDGE_AGENT_TEST_HOOKS=1, the file STATE_DIR/debug/hang makes the main loop
+block (no watchdog pings) while it exists, and STATE_DIR/debug/fail makes every iteration fail."""
 
 
 SERVICE_USER = "edge-agent"  # the systemd unit's User= (packaging/systemd/edge-agent.service)
@@ -208,7 +208,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.check:
         g = config.get
         data_dir = g("data", "dir")
-        if data_dir and not Path(data_dir).is_dir():  # the daemon starts (a disk may mount later), refusing jobs
+        # (a .csv/.npz file is data too) the daemon starts (a disk may mount later), refusing jobs
+        if data_dir and not Path(data_dir).exists():
             raise ConfigError(f"{config.path}: data.dir: {data_dir}: no such directory (fine-tune commands "
                               "would be refused as no_data)")
         tls = "TLS" if g("broker", "tls") else "plain TCP"

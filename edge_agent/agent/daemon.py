@@ -26,7 +26,9 @@ Replies go to the progress topic: phase "accepted" / job states / "pong" / "prob
 
 Test hook (only with EDGE_AGENT_TEST_HOOKS=1 in the environment): while the file
 <state_dir>/debug/hang exists the main loop blocks without calling watchdog.alive(), as a
-hung loop would, so a test can check that the watchdog pings stop.
+hung loop would, so a test can check that the watchdog pings stop; while the file
+<state_dir>/debug/fail exists every iteration fails with an OSError, as a local fault (an
+unwritable state directory) would, so a test can check the exit after a run of failures.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 from .. import __version__
 from ..config import AgentConfig, load_identity, public_key_text
 from ..errors import EXIT_FAILURE, EXIT_OK, ConfigError, InputError
+from ..keys import enrolment_code
 from ..protocol import (
     MAX_BINARY_BYTES,
     Kind,
@@ -70,6 +73,7 @@ MAX_FAILING_ITERATIONS = 100
 STATE_TTL = 7 * 86400
 HOOKS_ENV = "EDGE_AGENT_TEST_HOOKS"
 HANG_FILE = "debug/hang"
+FAIL_FILE = "debug/fail"
 CHUNK_HEADROOM = 4096  # envelope header + signature + topic around an update chunk
 
 
@@ -284,6 +288,8 @@ class Daemon:
                 time.sleep(0.05)
 
     def iteration(self) -> None:
+        if self.hooks and (self.config.state_dir / FAIL_FILE).exists():
+            raise OSError(f"test hook: {self.config.state_dir / FAIL_FILE} exists")
         timeout = TICK_S
         for _ in range(MAX_MESSAGES_PER_ITERATION):  # a burst (model chunks) is taken in one go
             result = self.channel.receive(timeout=timeout)
@@ -312,6 +318,8 @@ class Daemon:
             signal.signal(sig, lambda num, frame: self._stop.set())
         log.info("edge-agent %s: device %s (%s), fleet %s, broker %s:%s", __version__, self.device_id, self.name,
                  self.config.fleet, self.config.get("broker", "host"), self.config.get("broker", "port"))
+        log.info("enrolment code %s: the coordinator shows it for this device (`edge-coordinator devices`); "
+                 "compare before approving", enrolment_code(self.key))
         for problem in self.outbox.dropped_corrupt:
             log.error("outbox: %s", problem)
         self.driver.recover()
