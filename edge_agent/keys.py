@@ -30,6 +30,7 @@ __all__ = [
     "Ed25519PrivateKey",
     "Ed25519PublicKey",
     "enrolment_code",
+    "enrolment_code_of",
     "fingerprint",
     "generate_private_key",
     "load_or_create_private_key",
@@ -77,6 +78,16 @@ def enrolment_code(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
     """The first 60 bits of the fingerprint as `ABCD-EFGH-IJKL`, for a human to compare."""
     fp = fingerprint(key).upper()
     return "-".join(fp[i : i + 4] for i in range(0, 12, 4))
+
+
+def enrolment_code_of(public_key: str) -> str:
+    """The enrolment code of a base64 raw public key, as the coordinator's registry stores
+    it (the same code `edge-agent init` and `run` print on the device)."""
+    try:
+        raw = base64.b64decode(public_key, validate=True)
+    except (ValueError, TypeError):
+        raise InputError("a public key is base64 of 32 bytes") from None
+    return enrolment_code(public_key_from_bytes(raw))
 
 
 def save_private_key(path: str | os.PathLike[str], key: Ed25519PrivateKey) -> None:

@@ -158,14 +158,26 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def _resolve(devices: list[Any], ref: str) -> Any:
-    """A device by id, id prefix (>= 4 characters) or enrolment code (ABCD-EFGH-IJKL)."""
-    want = ref.strip().lower().replace("-", "") if "-" in ref and len(ref) == 14 else ref.strip().lower()
-    matches = [d for d in devices if d.id == want] or [d for d in devices if len(want) >= 4 and d.id.startswith(want)]
+    """A device by id, enrolment code (ABCD-EFGH-IJKL), unique id prefix (>= 4 characters)
+    or unique name (the one its hello announced). Several matches: UsageError naming them."""
+    want = ref.strip()
+    exact = [d for d in devices if d.id == want.lower()]
+    if exact:
+        return exact[0]
+    parts = want.split("-")
+    code = "".join(parts).lower() if len(parts) == 3 and all(len(p) == 4 for p in parts) else None
+    matches = {d.id: d for d in devices
+               if (code is not None and d.id.startswith(code))
+               or (len(want) >= 4 and d.id.startswith(want.lower()))
+               or (want and str(d.state.get("name") or "") == want)}
     if not matches:
-        raise InputError(f"no enrolled device matches {ref!r} (see `edge-coordinator devices`)")
+        raise InputError(f"no enrolled device matches {ref!r}: give its id, id prefix, enrolment code or name "
+                         "(see `edge-coordinator devices`)")
     if len(matches) > 1:
-        raise InputError(f"{ref!r} matches {len(matches)} devices: {', '.join(d.id for d in matches[:5])}")
-    return matches[0]
+        listed = "; ".join(f"{d.id} ({d.state.get('name') or 'no name'}, {'approved' if d.approved else 'pending'})"
+                           for d in list(matches.values())[:10])
+        raise UsageError(f"{ref!r} matches {len(matches)} devices: {listed}; give the id or a longer prefix")
+    return next(iter(matches.values()))
 
 
 def _enrolment_line(line: str) -> dict[str, str]:
@@ -192,7 +204,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
         if args.all_pending:
             targets += [d for d in devices if not d.approved]
         if not targets:
-            raise InputError("name devices to approve (id, id prefix or enrolment code), --line, or --all-pending")
+            raise InputError("name devices to approve (id, id prefix, enrolment code or name), --line, or --all-pending")
         from ..keys import enrolment_code, public_key_from_bytes
 
         for dev in {d.id: d for d in targets}.values():

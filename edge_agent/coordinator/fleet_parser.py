@@ -183,13 +183,16 @@ def add_fleet_commands(sub: Any) -> None:
     a = sub.add_parser("approve", help="approve (or --revoke) devices so their messages are accepted",
                        description="A device enrols itself with a self-signed hello and waits for approval; only "
                                    "approved devices' states and updates are accepted. Compare the enrolment code "
-                                   "with the one `edge-agent init` printed on the device.",
+                                   "(`edge-coordinator devices`, column CODE) with the one `edge-agent init` and `run` "
+                                   "printed on the device.",
                        epilog="examples:\n  edge-coordinator approve 7kq3xw2mzp4v\n"
-                              "  edge-coordinator approve ABCD-EFGH-IJKL\n  edge-coordinator approve --all-pending\n"
+                              "  edge-coordinator approve ABCD-EFGH-IJKL\n  edge-coordinator approve barn-pi-1"
+                              "          # the name its hello announced, if unique\n"
+                              "  edge-coordinator approve --all-pending\n"
                               "  edge-coordinator approve --line 'edge-agent-enrol/1 fleet=farms id=... key=...'",
                        formatter_class=fmt)
     _state_arg(a)
-    a.add_argument("devices", nargs="*", metavar="DEVICE", help="device id, id prefix (>= 4) or enrolment code")
+    a.add_argument("devices", nargs="*", metavar="DEVICE", help="device id, unique id prefix (>= 4), enrolment code or unique name")
     a.add_argument("--all-pending", action="store_true", help="approve every device waiting for approval")
     a.add_argument("--line", action="append", metavar="LINE",
                    help="pre-enrol and approve from the line `edge-agent init` printed (repeatable)")
@@ -201,7 +204,7 @@ def add_fleet_commands(sub: Any) -> None:
                        epilog="examples:\n  edge-coordinator tag 7kq3xw2m orchard north\n"
                               "  edge-coordinator tag 7kq3xw2m north --remove", formatter_class=fmt)
     _state_arg(g)
-    g.add_argument("device", metavar="DEVICE", help="device id, id prefix (>= 4) or enrolment code")
+    g.add_argument("device", metavar="DEVICE", help="device id, unique id prefix (>= 4), enrolment code or unique name")
     g.add_argument("tags", nargs="+", metavar="TAG", help="tags ([A-Za-z0-9._-], up to 64 characters)")
     g.add_argument("--remove", action="store_true", help="remove these tags instead")
     g.set_defaults(func=cmd_tag)

@@ -8,6 +8,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import InputError
+from ..keys import enrolment_code_of
 from .records import Device, Job, ModelVersion, ParticipantStatus, RoundRecord, UpdateStatus
 from .registry import Registry
 from .rounds import RoundPolicy
@@ -45,17 +47,25 @@ def _activity(dev: Device) -> str:
         if phase else status
 
 
+def enrolment_code(dev: Device) -> str:
+    """The code the device printed (`edge-agent init` / `run`), to compare before approving."""
+    try:
+        return enrolment_code_of(dev.public_key)
+    except InputError:
+        return "?"
+
+
 def device_rows(devices: Sequence[Device], policy: RoundPolicy, now: float) -> list[list[str]]:
-    rows = [["ID", "NAME", "APPROVED", "ONLINE", "BATTERY", "BOARD", "ENGINE", "STATE", "LAST SEEN"]]
+    rows = [["ID", "CODE", "NAME", "APPROVED", "ONLINE", "BATTERY", "BOARD", "ENGINE", "STATE", "LAST SEEN"]]
     for d in devices:
-        rows.append([d.id, _short(str(d.state.get("name") or "-"), 16), "yes" if d.approved else "PENDING",
+        rows.append([d.id, enrolment_code(d), _short(str(d.state.get("name") or "-"), 16), "yes" if d.approved else "PENDING",
                      "yes" if d.is_online(now, policy.online_within_s) else "no", _battery(d),
                      _short(d.board or d.profile or "?", 30), d.engine or "-", _activity(d), ago(d.last_seen, now)])
     return rows
 
 
 def devices_json(devices: Sequence[Device], policy: RoundPolicy, now: float) -> list[dict[str, Any]]:
-    return [{"id": d.id, "name": d.state.get("name"), "fleet": d.fleet, "approved": d.approved,
+    return [{"id": d.id, "code": enrolment_code(d), "name": d.state.get("name"), "fleet": d.fleet, "approved": d.approved,
              "online": d.is_online(now, policy.online_within_s), "battery_pct": d.battery_pct, "on_power": d.on_power,
              "energy_wh": d.energy_wh, "board": d.board, "profile": d.profile, "engine": d.engine,
              "tags": list(d.tags), "state": d.state, "last_seen": d.last_seen, "enrolled_at": d.enrolled_at}

@@ -211,6 +211,21 @@ class Registry:
                        (int(bool(online)), json.dumps(merged, sort_keys=True), when, device_id))
             return self._device(db, device_id)
 
+    def record_heard(self, device_id: str, *, at: float, online: bool = True,
+                     state: Mapping[str, Any] | None = None) -> Device:
+        """A verified message issued at `at` (its own timestamp) that may be older than what
+        is stored (a retained hello re-delivered after a restart): `state` keys are merged,
+        `last_seen` never moves back, and the online flag follows only the newest news."""
+        new = check_flat(dict(state or {}), "device state")
+        with self._tx() as db:
+            dev = self._device(db, device_id)
+            merged = check_flat({**dev.state, **new}, "device state")
+            newest = dev.last_seen is None or at >= dev.last_seen
+            db.execute("UPDATE devices SET online = ?, state = ?, last_seen = ? WHERE id = ?",
+                       (int(bool(online)) if newest else int(dev.online), json.dumps(merged, sort_keys=True),
+                        at if newest else dev.last_seen, device_id))
+            return self._device(db, device_id)
+
     def get_device(self, device_id: str) -> Device:
         with self._read() as db:
             return self._device(db, device_id)

@@ -60,6 +60,7 @@ from ..transport import Channel, MqttClient, OutboxKey, TlsConfig, UpdateReceive
 from ..transport.models import publish_model
 from ..transport.uplink import CompletedUpload
 from .artefacts import ModelArtefacts
+from .pending import PendingDevices
 from .records import ModelVersion, check_flat
 from .registry import Registry
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
@@ -131,7 +132,9 @@ class Coordinator:
             clean_session=False, keepalive=o.keepalive, tls=o.tls, username=o.username, password=o.password,
             subscriptions=self.topics.coordinator_subscriptions(), backoff_base=o.backoff_base,
             backoff_cap=o.backoff_cap, inbox_size=20_000, max_payload=MAX_BINARY_BYTES + 4096)
-        self.channel = Channel(client=self.client, signer=self.signer, verifier=self.verifier, role="coordinator")
+        self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
+        self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]
+                               role="coordinator")
         self.receiver = self._new_receiver()
         self._receipts: OrderedDict[tuple[OutboxKey, str], Receipt] = OrderedDict()
         self._results: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
@@ -143,6 +146,7 @@ class Coordinator:
         self.started_at = time.time()
         self.errors = 0
         self._sync_trust()
+        self.pending.sync(self.registry)
 
     def _new_receiver(self) -> UpdateReceiver:
         return UpdateReceiver(ack_interval=self.options.ack_interval,
@@ -186,6 +190,11 @@ class Coordinator:
         device = result.route.device
         if device is None:
             return
+        if result.kind is not Kind.HELLO and device not in self._trusted:  # pending approval
+            reply = self.pending.heard(self.registry, result)
+            if reply is not None:
+                self.channel.reply_to(reply)  # its update: `rejected, retry` (approval may come)
+            return
         try:
             if result.kind is Kind.HELLO:
                 self._hello(result, device)
@@ -215,9 +224,16 @@ class Coordinator:
                                          engine=existing.engine if existing else "", approved=self.options.auto_approve)
         if self.options.auto_approve and not dev.approved:
             dev = self.registry.set_approved(device, True)
-        if existing is None:
-            log.info("device %s (%s, %s) enrolled%s", device, printable["name"] or "?", printable["board"] or "?",
-                     "" if dev.approved else f": approve it with `edge-coordinator approve {device}`")
+        heard = min(float(msg.issued_at), time.time())  # a retained hello may be old news
+        name = printable["name"][:64]  # shown for pending devices too: their states are not taken
+        self.registry.record_heard(device, at=heard, state={"name": name} if name else None)
+        if dev.approved:
+            if existing is None:
+                log.info("device %s (%s, %s) enrolled", device, printable["name"] or "?", printable["board"] or "?")
+        else:
+            self.pending.add(device, dev.public_key)
+            self.pending.announce(self.registry, device, name=printable["name"], board=printable["board"],
+                                  enrolled=existing is None)
         if dev.approved and device not in self._trusted:
             self._sync_trust()
 
@@ -457,9 +473,11 @@ class Coordinator:
             topic = self.topics.device(device, "state")
             self.client.subscribe(topic)
             self._peeks[topic] = time.monotonic() + 5.0
+            self.pending.approved(device)
             log.info("device %s approved: messages from it are now accepted", device)
         for device in [d for d in self._trusted if d not in approved]:
             self.trust.remove(device)
+            self.pending.add(device, self._trusted[device])  # revoked: shown as pending again
             del self._trusted[device]
             log.info("device %s no longer approved: its messages are refused", device)
 

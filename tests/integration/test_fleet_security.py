@@ -45,10 +45,11 @@ def test_an_unapproved_key_is_refused_until_approved_and_a_forger_never(mosquitt
     outbox.put(key, [random.Random(1).randbytes(3000)], meta={"samples": 10})
     assert wait_for(lambda: "retry" in device.ack_results, 20), coordinator.log_tail()
     assert outbox.get(key) is not None  # kept for later: never silently dropped
-    assert "unknown_key" in coordinator.log_tail()
+    assert "pending approval" in coordinator.log_tail() and "unknown_key" not in coordinator.log_tail()
     with coordinator.registry() as reg:
         assert reg.totals()["updates"] == 0
-        assert not reg.get_device(stranger.id).approved and not reg.get_device(stranger.id).online
+        assert not reg.get_device(stranger.id).approved  # shown (online, named), but nothing it says is taken
+        assert "battery_pct" not in reg.get_device(stranger.id).state
 
     # the operator approves it by its enrolment code: its state is taken from then on
     code = keys.enrolment_code(stranger.key)
