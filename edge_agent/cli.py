@@ -27,6 +27,7 @@ _PLUGINS = (
     "edge_agent.train.cli",
     "edge_agent.agent.service_cli",
     "edge_agent.agent.cli",
+    "edge_agent.doctor",
 )
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())

@@ -83,8 +83,13 @@ class DeviceState:
         return self._cached
 
     def hello_info(self, name: str) -> dict[str, Any]:
+        # Capabilities (mxnet, trainers, native): round selection skips a device that cannot
+        # run a job, e.g. a 32-bit Pi (no MXNet wheel) for a head that trains with MXNet.
+        from ..doctor import capabilities
+
         return _flat({"name": name, "board": self.board, "arch": self.arch, "profile": self.profile,
-                      "hw_fingerprint": self.fingerprint, "accelerators": self.accelerators})
+                      "hw_fingerprint": self.fingerprint, "accelerators": self.accelerators,
+                      **capabilities()})
 
     def facts(self, *, name: str, busy: bool, job: str | None, job_state: str | None, models: Mapping[str, str],
               engine: str | None, outbox: int) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..atomic import CorruptFileError
-from ..errors import InputError
+from ..errors import EdgeAgentError, InputError
 from ..updates.codec import decode_tensors
 from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, UpdateError
 from ..updates.wire import unpack_update
@@ -72,7 +72,7 @@ from .records import (
     check_text,
 )
 from .registry import Registry
-from .selection import sample_devices, select_devices
+from .selection import job_needs, sample_devices, select_devices
 
 if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
     from .metrics import CoordinatorMetrics
@@ -271,6 +271,14 @@ class RoundEngine:
             if opened is not None:
                 result.opened.append(opened)
 
+    def _needs(self, job: Job, version: str) -> frozenset[str]:
+        """What a device must run for this job's head (MXNet for a deep head): selection.job_needs."""
+        try:
+            head = self.registry.load_head(self.registry.get_model(job.model_name, version))
+        except EdgeAgentError:
+            head = None  # an unreadable head fails the round elsewhere; not a selection matter
+        return job_needs(job.params, head)
+
     def _open_next(self, job: Job, rounds: list[RoundRecord], result: TickResult) -> RoundPlan | None:
         now, number = self.clock(), len(rounds) + 1
         base = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), job.model_version)
@@ -279,7 +287,7 @@ class RoundEngine:
         sel = select_devices(self.registry.list_devices(), job.selector, now=now,
                              online_within_s=self.policy.online_within_s, min_battery_pct=min_battery,
                              budget_wh=job.budget_wh, allow_unknown_power=self.policy.allow_unknown_power, busy=busy,
-                             job_id=job.id)
+                             job_id=job.id, needs=self._needs(job, base))
         chosen = sample_devices(sel.eligible, job.params.get("devices_per_round"), seed=f"{job.id}/{number}")
         if len(chosen) >= job.min_devices:
             rnd = self.registry.open_round(job_id=job.id, number=number, base_version=base, devices=chosen,

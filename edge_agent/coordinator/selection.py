@@ -2,7 +2,9 @@
 
 `select_devices` returns the eligible ids and, for every device matching the selector but
 left out, the reason (shown by `edge-coordinator train` while it waits, and recorded in a
-round that could not start). `sample_devices` picks a deterministic subset when a job asks
+round that could not start). A job that needs MXNet (`job_needs`: a head deeper than one
+dense layer, or `--param trainer=mxnet`) skips devices whose hello said `mxnet: false` --
+32-bit Raspberry Pi OS has no MXNet wheel; an agent too old to say is not excluded. `sample_devices` picks a deterministic subset when a job asks
 for fewer devices per round than are eligible (seeded by job and round, so a restarted
 coordinator picks the same ones).
 """
@@ -10,8 +12,9 @@ coordinator picks the same ones).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,19 +27,54 @@ class Selection:
     ineligible: dict[str, str]  # device id -> why not (only devices matching the selector)
 
 
+# Hello `info` keys that describe what a device can run (edge_agent.doctor.capabilities).
+CAPABILITY_KEYS = ("mxnet", "trainers", "native")
+
+
+def capabilities_from_hello(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The capability keys of a hello's info, type-checked (untrusted input); absent ones are
+    left out, so an older agent's device keeps whatever was stored (nothing)."""
+    out: dict[str, Any] = {}
+    if isinstance(info.get("mxnet"), bool):
+        out["mxnet"] = info["mxnet"]
+    for key in ("trainers", "native"):
+        value = info.get(key)
+        if isinstance(value, str) and value.isprintable():
+            out[key] = value[:64]
+    return out
+
+
+def head_needs_mxnet(head: Mapping[str, Any]) -> bool:
+    """A head the agent's numpy trainer cannot train: anything but one weight matrix and
+    at most one bias (several layers, BatchNorm, convolutions)."""
+    shapes = [getattr(a, "ndim", 0) for a in head.values()]
+    return not (shapes.count(2) == 1 and shapes.count(1) <= 1 and len(shapes) <= 2)
+
+
+def job_needs(params: Mapping[str, Any], head: Mapping[str, Any] | None) -> frozenset[str]:
+    """What a device must be able to run for this job: {"mxnet"} or nothing."""
+    if params.get("trainer") == "mxnet" or (head is not None and head_needs_mxnet(head)):
+        return frozenset({"mxnet"})
+    return frozenset()
+
+
 def select_devices(devices: Sequence[Device], selector: str, *, now: float, online_within_s: float,
                    min_battery_pct: float, budget_wh: float | None = None, allow_unknown_power: bool = True,
-                   busy: frozenset[str] = frozenset(), job_id: str | None = None) -> Selection:
+                   busy: frozenset[str] = frozenset(), job_id: str | None = None,
+                   needs: frozenset[str] = frozenset()) -> Selection:
     """Who may take part in a round: matches the selector ("board:" matches the board or
     the board profile name), approved, online, not busy with another job (`busy`: devices
     in other active rounds; or a reported "busy" state naming another job than `job_id`),
-    enough battery (or on power) and enough energy for the budget."""
+    able to run it (`needs`, against the capabilities in its hello), enough battery (or on
+    power) and enough energy for the budget."""
     kind, value = parse_selector(selector)
     eligible, ineligible = [], {}
     for dev in sorted(devices, key=lambda d: d.id):
         if (kind == "tag" and value not in dev.tags) or (kind == "board" and value not in (dev.board, dev.profile)):
             continue
         why = _ineligible(dev, now, online_within_s, min_battery_pct, budget_wh, allow_unknown_power, busy, job_id)
+        if not why and "mxnet" in needs and dev.state.get("mxnet") is False:
+            why = "no MXNet on this device (32-bit ARM, or it does not load), and this job's head trains with MXNet"
         if why:
             ineligible[dev.id] = why
         else:

@@ -64,6 +64,7 @@ from .pending import PendingDevices
 from .records import ModelVersion, check_flat
 from .registry import Registry
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
+from .selection import capabilities_from_hello
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,9 @@ class Coordinator:
             dev = self.registry.set_approved(device, True)
         heard = min(float(msg.issued_at), time.time())  # a retained hello may be old news
         name = printable["name"][:64]  # shown for pending devices too: their states are not taken
-        self.registry.record_heard(device, at=heard, state={"name": name} if name else None)
+        state = {"name": name} if name else {}
+        state.update(capabilities_from_hello(info))  # round selection reads them (selection.py)
+        self.registry.record_heard(device, at=heard, state=state or None)
         if dev.approved:
             if existing is None:
                 log.info("device %s (%s, %s) enrolled", device, printable["name"] or "?", printable["board"] or "?")

@@ -13,6 +13,12 @@ a later export in the same process, and it costs only ~4 MB.
 
 All training code imports MXNet through `mxnet()`, so the training child, the tests and
 the fine-tune benchmark's fp32 baseline pay the same import.
+
+When MXNet cannot load -- not installed (no wheel for 32-bit ARM) or its native library
+cannot be opened (the arm64 wheel's Arm Performance Libraries, see edge_agent.doctor) --
+`mxnet()` raises MXNetUnavailableError: one line that says why and what fixes it, exit
+code 69, never a traceback. Nothing else in the agent needs MXNet: the numpy head trainer
+and the native / reference int8 engines keep working.
 """
 
 from __future__ import annotations
@@ -23,8 +29,27 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from ..errors import EXIT_UNAVAILABLE, EdgeAgentError
+
 HIDDEN_DURING_IMPORT = ("sklearn", "scipy")
 _lock = threading.Lock()
+_failure = ""
+
+
+class MXNetUnavailableError(EdgeAgentError):
+    """MXNet is not installed or its native library does not load here."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+def _explain(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "mxnet":
+        return ("MXNet is not installed (there is no MXNet wheel for 32-bit ARM): use --trainer numpy, "
+                "or install mxnet==1.9.1 on a 64-bit OS")
+    # A native library that does not open (OSError) is what `doctor --fix` repairs.
+    hint = "run `edge-agent doctor --fix`" if isinstance(exc, OSError) else "run `edge-agent doctor`"
+    return f"MXNet cannot load: {text[:300]}; {hint}"
 
 
 class _Hide(importlib.abc.MetaPathFinder):
@@ -39,15 +64,29 @@ class _Hide(importlib.abc.MetaPathFinder):
 
 def mxnet() -> ModuleType:
     """The `mxnet` module, imported (once) with scikit-learn and SciPy hidden."""
+    global _failure
     loaded = sys.modules.get("mxnet")
     if loaded is not None:
         return loaded
     with _lock:
+        if _failure:  # a failed native load is not retried: it would fail the same way
+            raise MXNetUnavailableError(_failure)
         hidden = {n for n in HIDDEN_DURING_IMPORT if n not in sys.modules}
         finder = _Hide(hidden)
         sys.meta_path.insert(0, finder)
         try:
             import mxnet as mx
+        except (ImportError, OSError) as exc:
+            _failure = _explain(exc)
+            raise MXNetUnavailableError(_failure) from exc
         finally:
             sys.meta_path.remove(finder)
     return mx
+
+
+def mxnet_available() -> tuple[bool, str]:
+    """(True, version) when MXNet imports here, else (False, the one-line reason)."""
+    try:
+        return True, str(mxnet().__version__)
+    except MXNetUnavailableError as exc:
+        return False, str(exc)
