@@ -62,3 +62,48 @@ def test_cancel_refusal_and_a_second_serve(mosquitto, fleet, serve, tmp_path, di
     second = subprocess.run(coordinator.argv, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert second.returncode == 69 and "another edge-coordinator serve" in second.stderr, second.stderr
     assert coordinator.alive and not device.errors
+
+
+def test_a_pending_agent_is_shown_logged_once_and_approved_by_name(mosquitto, fleet, serve, agents, tmp_path):
+    """A real `edge-agent run` before approval: `devices` shows the name it announced, that
+    it is online, when it was last heard from and the enrolment code the agent logged; the
+    coordinator logs it once as pending approval (no unknown-key drops per message) and
+    takes none of its state; `approve NAME` lets its state in; `tag NAME` tags it."""
+    import json
+
+    from edge_agent import keys
+    from tests.integration.conftest import board_tree
+
+    coordinator = serve(mosquitto.port, auto_approve=False).start()
+    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board", battery_pct=64),
+                   name="barn-pi-7").start()
+    code = keys.enrolment_code(agent.key)
+
+    def row() -> dict:
+        rows = {d["id"]: d for d in json.loads(coordinator.cli("devices", "--json").stdout)}
+        return rows.get(agent.id) or {}
+
+    def logs() -> str:
+        return coordinator.log_tail() + "\n--- agent\n" + agent.log_tail()
+
+    assert wait_for(lambda: row().get("online") and row().get("name") == "barn-pi-7", 90), logs()
+    first = row()
+    assert (first["code"], first["approved"], first["battery_pct"]) == (code, False, None), first
+    # several more of its states arrive (each moves "last seen"): still one log line, no drops
+    for _ in range(2):
+        seen = row()["last_seen"]
+        assert wait_for(lambda seen=seen: row()["last_seen"] > seen, 60), logs()
+    text = coordinator.log_path.read_text(errors="replace")
+    pending = [line for line in text.splitlines() if "pending approval" in line]
+    assert len(pending) == 1 and agent.id in pending[0] and code in pending[0], pending
+    assert "unknown_key" not in text and "dropped:" not in text, text[-3000:]
+    assert f"enrolment code {code}" in agent.log_tail()  # the device shows the same code
+    table = coordinator.cli("devices").stdout
+    line = next(ln for ln in table.splitlines() if ln.startswith(agent.id))
+    assert line.split()[1:5] == [code, "barn-pi-7", "PENDING", "yes"] and line.endswith("s ago"), table
+    assert row()["battery_pct"] is None  # nothing it said was taken as fact
+
+    assert f"approved {agent.id}" in coordinator.cli("approve", "barn-pi-7").stdout
+    assert wait_for(lambda: row().get("approved") and row().get("battery_pct") == 64, 60), logs()
+    assert coordinator.cli("tag", "barn-pi-7", "north").stdout.startswith(f"{agent.id}: tags north")
+    assert coordinator.alive and agent.alive
