@@ -81,16 +81,20 @@ def test_each_device_improves_on_its_own_camera_data_in_every_format(
 
 
 def test_a_later_job_computes_features_only_for_new_samples(
-        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+        bundle: Path, devices: dict[str, Path], tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"  # its own cache: what another test computed must not matter
     npz = np.load(devices["dev-05"])
     grown = tmp_path / "grown.npz"
     extra = np.clip(npz["x"][:10].astype(int) + 7, 0, 255)
     np.savez(grown, x=np.concatenate([npz["x"], extra]), y=np.concatenate([npz["y"], npz["y"][:10]]))
     first = run_finetune(model=bundle, data=devices["dev-05"], state_dir=tmp_path / "a", cache_dir=cache_dir,
                          epochs=1, profile="raspberry-pi-4")
+    again = run_finetune(model=bundle, data=devices["dev-05"], state_dir=tmp_path / "a", cache_dir=cache_dir,
+                         epochs=1, profile="raspberry-pi-4")  # a finished job's state is reused
     second = run_finetune(model=bundle, data=grown, state_dir=tmp_path / "a", cache_dir=cache_dir,
-                          epochs=1, profile="raspberry-pi-4")  # a finished job's state is reused
-    assert first["feature_cache"]["computed"] == 0  # the previous test computed these
+                          epochs=1, profile="raspberry-pi-4")
+    assert first["feature_cache"]["computed"] == first["data"]["loaded"] > 0  # an empty cache
+    assert again["feature_cache"]["computed"] == 0 and again["feature_cache"]["hits"] == first["data"]["loaded"]
     assert second["feature_cache"]["hits"] == first["data"]["loaded"]
     assert second["feature_cache"]["computed"] == second["data"]["loaded"] - first["data"]["loaded"] > 0
 
@@ -148,8 +152,11 @@ def test_bad_data_is_counted_or_refused(bundle: Path, devices: dict[str, Path], 
     (data / "7" / "zeros.jpg").write_bytes(bytes(500))
     (data / "cat").mkdir()
     (data / "cat" / "c.png").write_bytes((data / "3" / next(iter(os.listdir(data / "3")))).read_bytes())
+    with pytest.raises(InputError, match=r"sub-folder\(s\) 'cat' match none of the model's labels"):
+        run_finetune(model=bundle, data=data, state_dir=tmp_path / "s0", cache_dir=cache_dir, epochs=1,
+                     profile="raspberry-pi-4")
     report = run_finetune(model=bundle, data=data, state_dir=tmp_path / "s", cache_dir=cache_dir, epochs=1,
-                          profile="raspberry-pi-4")
+                          profile="raspberry-pi-4", skip_unknown=True)
     assert report["data"]["skipped"] == {"unreadable-image": 2, "unknown-label": 1}
     assert report["data"]["unknown_labels"] == ["cat"]
     (tmp_path / "empty").mkdir()
@@ -158,7 +165,8 @@ def test_bad_data_is_counted_or_refused(bundle: Path, devices: dict[str, Path], 
     only_unknown = tmp_path / "unknown.npz"
     np.savez(only_unknown, x=np.zeros((3, 8, 8)), y=np.array(["cat", "dog", "cow"]))
     with pytest.raises(InputError, match="unknown-label: 3"):
-        run_finetune(model=bundle, data=only_unknown, state_dir=tmp_path / "u", cache_dir=cache_dir)
+        run_finetune(model=bundle, data=only_unknown, state_dir=tmp_path / "u", cache_dir=cache_dir,
+                     skip_unknown=True)
 
 
 def test_one_job_per_state_directory(bundle: Path, devices: dict[str, Path], tmp_path: Path) -> None:
