@@ -63,12 +63,13 @@ def test_state_commands_refusals_and_clean_shutdown(setup, fleet, tmp_path):
                                 for m in watcher.refusals()), 20)
 
     # protocol: a bad signature, an expired command and a replayed one are refused, each saying why
+    # (the valid ones live 10 minutes: a loaded machine must not turn them into "expired")
     topic = agent.topic("cmd")
     intruder = Signer(key=keys.generate_private_key(), topics=fleet.topics,
                       sequence=SequenceCounter(path=tmp_path / "intruder-seq"))
-    forged = intruder.control(topic, Kind.CMD, {"cmd_id": "x1", "action": "ping"}, ttl=60)
+    forged = intruder.control(topic, Kind.CMD, {"cmd_id": "x1", "action": "ping"}, ttl=600)
     coord = watcher.side
-    genuine = coord.signer.control(topic, Kind.CMD, {"cmd_id": "x2", "action": "ping"}, ttl=60)
+    genuine = coord.signer.control(topic, Kind.CMD, {"cmd_id": "x2", "action": "ping"}, ttl=600)
     tampered = genuine.replace(b'"cmd_id":"x2"', b'"cmd_id":"x3"')
     old = Signer(key=fleet.coord_key, topics=fleet.topics, sequence=coord.signer.sequence,
                  clock=lambda: time.time() - 7200)

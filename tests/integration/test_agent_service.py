@@ -52,8 +52,8 @@ def test_watchdog_ready_pings_and_a_hung_loop(mosquitto, fleet, agents, tmp_path
     watcher.start()
     agent.start()
     assert wait_for(lambda: notify.count("READY=1") == 1, 30), agent.log_tail()
-    assert wait_for(lambda: notify.count("WATCHDOG=1") >= 3, 10)  # every 0.5 s while the loop runs
-    assert wait_for(lambda: any(m.startswith("STATUS=idle") for _, m in notify.pump()), 10)
+    assert wait_for(lambda: notify.count("WATCHDOG=1") >= 3, 60)  # every 0.5 s while the loop runs
+    assert wait_for(lambda: any(m.startswith("STATUS=idle") for _, m in notify.pump()), 60)
 
     # Idle and connected: small, and free of numpy and MXNet (children load those).
     assert wait_for(lambda: watcher.states(), 20)
@@ -72,12 +72,12 @@ def test_watchdog_ready_pings_and_a_hung_loop(mosquitto, fleet, agents, tmp_path
         pings = [t for t, m in notify.pump() if m == "WATCHDOG=1"]
         return bool(pings) and time.monotonic() - pings[-1] >= seconds
 
-    assert wait_for(lambda: silent_for(2.0), 15)  # four ping periods without a ping: systemd would restart it
+    assert wait_for(lambda: silent_for(2.0), 60)  # four ping periods without a ping: systemd would restart it
     assert agent.alive
     since = time.monotonic()
     # ... and come back when the loop does.
     hang.unlink()
-    assert wait_for(lambda: notify.count("WATCHDOG=1", since) >= 2, 10)
+    assert wait_for(lambda: notify.count("WATCHDOG=1", since) >= 2, 60)
     assert agent.terminate() == 0
     assert notify.count("STOPPING=1") == 1
 

@@ -27,7 +27,7 @@ from tests.integration.conftest import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train: ~30 s each
-TRAIN = ("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3", "--deadline", "150s",
+TRAIN = ("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3", "--deadline", "600s",
          "--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--update-bytes", "1024", "--poll", "0.3")
 
 
@@ -44,7 +44,7 @@ def run_round(coordinator, agents_, tmp_path, archive):
     register_digits(coordinator, archive, tmp_path)
     assert wait_for(lambda: len(online_devices(coordinator)) == 3, 90), \
         coordinator.log_tail() + "\n".join(a.log_tail(1500) for a in agents_)
-    done = coordinator.cli(*TRAIN, check=False, timeout=400)
+    done = coordinator.cli(*TRAIN, check=False, timeout=900)  # the round closes once all 3 report
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{coordinator.log_tail()}\n" + \
         "\n".join(a.log_tail(2000) for a in agents_)
     return done.stdout
