@@ -3,18 +3,25 @@
 Three formats, detected from the path:
 
 - an image folder: one sub-folder per label (`data/cat/001.png`), PNG/JPEG/BMP/PGM,
-  converted to the model's channels, resized to its input size and normalised with the
-  bundle's input spec (`x = (raw * scale - mean) / std`, raw pixels 0..255);
+  converted to the model's channels, resized down to its input size (aspect ratio not
+  kept; an image smaller than the input in either side is skipped as `too-small`, never
+  blown up) and normalised with the bundle's input spec (`x = (raw * scale - mean) / std`,
+  raw pixels 0..255);
 - a CSV file: a header row, C*H*W numeric feature columns (raw values, CHW order) and
   one label column (default `label`);
 - an NPZ file: arrays `x` (N, C, H, W), (N, H, W) for one channel, or (N, C*H*W), raw
   values, and `y` (N,) label names or integers.
 
-A label is matched by name against the model's labels first, then (integers only) as an
-index into them. Anything wrong with one sample -- an unreadable or corrupt file, a wrong
-size, a non-numeric or non-finite value, an unknown label, a duplicate -- is skipped and
-counted in the `DataReport`, never raised. Only problems with the data set as a whole
-(nothing usable, a CSV whose header does not fit the model) raise `InputError`.
+Labels are names, never silent indices: a folder name, a CSV cell or an NPZ `y` value
+(integers as their decimal text) must equal one of the model's labels, or be mapped to
+one by an explicit label map (`parse_label_map`: `0=brick,1=grass`, a JSON or TOML file,
+or `indices` to say that integer values are indices into the model's labels). A label
+that is neither is an `InputError` naming it, unless `skip_unknown=True`: then its
+samples are skipped and counted. Anything wrong with one sample -- an unreadable or
+corrupt file, a too-small image, a non-numeric or non-finite value, a duplicate -- is
+skipped and counted in the `DataReport`, never raised. Only problems with the data set as
+a whole (unknown labels, nothing usable, a CSV whose header does not fit the model) raise
+`InputError`. `DataReport.summary_lines()` is what a console shows about the skips.
 
 Each sample is identified by the sha256 of its normalised float32 bytes. The train /
 validation split is a function of that hash alone, so a sample never changes sides as the
@@ -28,8 +35,10 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import json
 import math
 import os
+import tomllib
 import zipfile
 from collections import Counter
 from collections.abc import Sequence
@@ -50,6 +59,96 @@ MAX_FILES = 200_000
 MAX_SAMPLES = 1_000_000
 MAX_EXAMPLES = 20  # problem lines kept in the report
 DEFAULT_VAL_FRACTION = 0.2
+MAX_LABEL_MAP_BYTES = 1 << 20
+MAX_LABEL_MAP_ENTRIES = 10_000
+INDICES = "indices"  # the label-map spec saying "integer label values are indices"
+
+
+def label_set_digest(labels: Sequence[str]) -> str:
+    """sha256 hex of a model's ordered label list: what an update says it was trained on."""
+    return hashlib.sha256(json.dumps(list(labels), ensure_ascii=False).encode()).hexdigest()
+
+
+def _map_entry(key: Any, value: Any, where: str) -> tuple[str, str]:
+    k, v = str(key).strip(), value.strip() if isinstance(value, str) else None
+    if not k or v is None or not v or len(k) > 256 or len(v) > 256:
+        raise InputError(f"{where}: label map entry {str(key)[:40]!r} -> {str(value)[:40]!r}: "
+                         "both sides must be non-empty text of at most 256 characters")
+    return k, v
+
+
+def _pairs_from_text(text: str, where: str) -> list[tuple[str, str]]:
+    """DATA=MODEL pairs separated by commas or newlines ('#' starts a comment)."""
+    pairs = []
+    for line in text.splitlines():
+        for item in line.split("#", 1)[0].split(","):
+            if not item.strip():
+                continue
+            if "=" not in item:
+                raise InputError(f"{where}: label map entry {item.strip()[:40]!r} is not DATA_LABEL=MODEL_LABEL")
+            key, value = item.split("=", 1)
+            pairs.append(_map_entry(key, value, where))
+    return pairs
+
+
+def parse_label_map(spec: str) -> dict[str, str] | str:
+    """A `--label-map` value -> {data label: model label}, or `INDICES` (see LABEL_MAP_HELP).
+
+    A spec naming an existing file is read as that file (JSON object, TOML pairs or a
+    `[labels]` table, or DATA=MODEL lines); otherwise it must be inline `K=V,K=V` pairs.
+    Which model labels the targets must be is checked by `load_dataset`."""
+    text = str(spec).strip()
+    if text == INDICES:
+        return INDICES
+    path = Path(text).expanduser()
+    if path.is_file():
+        where = str(path)
+        raw = read_limited(path, MAX_LABEL_MAP_BYTES)
+        try:
+            body = raw.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise InputError(f"{where}: the label map is not UTF-8 text") from None
+        if path.suffix.lower() == ".json":
+            try:
+                obj = json.loads(body)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{where}: not valid JSON ({exc})") from None
+        elif path.suffix.lower() == ".toml":
+            try:
+                obj = tomllib.loads(body)
+            except tomllib.TOMLDecodeError as exc:
+                raise InputError(f"{where}: not valid TOML ({exc})") from None
+            if set(obj) == {"labels"} and isinstance(obj["labels"], dict):
+                obj = obj["labels"]
+        else:
+            obj = None
+        if obj is None:
+            pairs = _pairs_from_text(body, where)
+        elif isinstance(obj, dict):
+            pairs = [_map_entry(k, v, where) for k, v in obj.items()]
+        else:
+            raise InputError(f"{where}: a label map must be an object of DATA_LABEL: MODEL_LABEL")
+    elif "=" in text:
+        where = "--label-map"
+        pairs = _pairs_from_text(text, where)
+    else:
+        raise InputError(f"--label-map {text[:80]!r}: no such file, and not DATA_LABEL=MODEL_LABEL pairs "
+                         f"(e.g. 0=brick,1=grass) or {INDICES!r}")
+    if not pairs:
+        raise InputError(f"{where}: the label map is empty")
+    if len(pairs) > MAX_LABEL_MAP_ENTRIES:
+        raise InputError(f"{where}: more than {MAX_LABEL_MAP_ENTRIES} label map entries")
+    mapping: dict[str, str] = {}
+    for key, value in pairs:
+        if mapping.get(key, value) != value:
+            raise InputError(f"{where}: data label {key!r} is mapped twice ({mapping[key]!r} and {value!r})")
+        mapping[key] = value
+    return mapping
+
+
+def _names(items: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(str(i)[:40]) for i in items[:limit])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
 @dataclass
@@ -64,6 +163,7 @@ class DataReport:
     per_class: dict[str, int] = field(default_factory=dict)
     empty_classes: list[str] = field(default_factory=list)  # model labels with no sample
     unknown_labels: list[str] = field(default_factory=list)  # labels found but not in the model
+    mapped: dict[str, str] = field(default_factory=dict)  # data label -> model label, by the label map
     examples: list[str] = field(default_factory=list)
     train: int = 0
     validation: int = 0
@@ -82,9 +182,34 @@ class DataReport:
             "source": self.source, "format": self.format, "seen": self.seen, "loaded": self.loaded,
             "skipped": dict(sorted(self.skipped.items())), "skipped_total": self.skipped_total,
             "per_class": dict(self.per_class), "empty_classes": list(self.empty_classes),
-            "unknown_labels": list(self.unknown_labels), "examples": list(self.examples),
-            "train": self.train, "validation": self.validation,
+            "unknown_labels": list(self.unknown_labels), "mapped": dict(self.mapped),
+            "examples": list(self.examples), "train": self.train, "validation": self.validation,
         }
+
+    def summary_lines(self, examples: int = 3) -> list[str]:
+        return data_summary(self.to_json(), examples)
+
+
+def data_summary(report: dict[str, Any], examples: int = 3) -> list[str]:
+    """What a console shows of a data report (`DataReport.to_json()`): counts, what was
+    skipped and why (counts per reason, a few example paths), mapped and empty labels."""
+    split = (f" ({report.get('train', 0)} train, {report.get('validation', 0)} validation)"
+             if report.get("train") or report.get("validation") else "")
+    lines = [f"{report.get('loaded', 0)} of {report.get('seen', 0)} samples usable in {report.get('source', '?')}{split}"]
+    mapped = sorted(dict(report.get("mapped") or {}).items())
+    if mapped:
+        lines.append("label map used: " + ", ".join(f"{k} -> {v}" for k, v in mapped[:10])
+                     + (" ..." if len(mapped) > 10 else ""))
+    skipped = dict(report.get("skipped") or {})
+    if skipped:
+        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items()))
+        lines.append(f"skipped {sum(skipped.values())} ({why})")
+        if report.get("unknown_labels"):
+            lines.append(f"labels not in the model, skipped (--skip-unknown): {_names(report['unknown_labels'])}")
+        lines += [f"  e.g. {line}" for line in list(report.get("examples") or [])[:examples]]
+    if report.get("empty_classes"):
+        lines.append(f"no samples for model label(s): {_names(report['empty_classes'])}")
+    return lines
 
 
 @dataclass
@@ -145,9 +270,16 @@ def split_indices(hashes: Sequence[str], val_fraction: float = DEFAULT_VAL_FRACT
 class _Collector:
     """Accumulates accepted samples, rejecting duplicates and unknown labels."""
 
-    def __init__(self, spec: Any, labels: Sequence[str], report: DataReport, max_samples: int) -> None:
+    def __init__(self, spec: Any, labels: Sequence[str], report: DataReport, max_samples: int, *,
+                 label_map: dict[str, str] | str | None = None, skip_unknown: bool = False) -> None:
         self.spec, self.labels, self.report = spec, list(labels), report
         self.by_name = {name: i for i, name in enumerate(self.labels)}
+        self.indices = label_map == INDICES
+        self.label_map = label_map if isinstance(label_map, dict) else {}
+        wrong = sorted({v for v in self.label_map.values() if v not in self.by_name})
+        if wrong:
+            raise InputError(f"label map: {_names(wrong)} not among the model's labels ({_names(self.labels)})")
+        self.skip_unknown = skip_unknown
         self.max_samples = max_samples
         self.x: list[np.ndarray] = []
         self.y: list[int] = []
@@ -156,7 +288,8 @@ class _Collector:
         self.unknown: Counter[str] = Counter()
 
     def resolve(self, label: Any) -> int | None:
-        """Model label index for a name, or an integer index; None if unknown."""
+        """Model label index for a data label, by name (through the label map); None if
+        unknown. An integer is an index only when the label map is `indices`."""
         if isinstance(label, bytes):
             label = label.decode("utf-8", "replace")
         if isinstance(label, np.generic):
@@ -164,15 +297,22 @@ class _Collector:
         if isinstance(label, float) and label.is_integer():
             label = int(label)
         text = str(label).strip()
+        if text in self.label_map:
+            self.report.mapped[text] = self.label_map[text]
+            return self.by_name[self.label_map[text]]
         if text in self.by_name:
             return self.by_name[text]
-        if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(self.labels):
-            return label
-        if isinstance(label, str) and text.lstrip("-").isdigit():
-            value = int(text)
-            if 0 <= value < len(self.labels):
-                return value
+        if self.indices and text.isdigit() and int(text) < len(self.labels):
+            self.report.mapped[text] = self.labels[int(text)]
+            return int(text)
         return None
+
+    def unknown_error(self, found: Sequence[str], what: str) -> InputError:
+        example = ",".join(f"{name}={self.labels[i % len(self.labels)]}" for i, name in enumerate(found[:2]))
+        return InputError(
+            f"{self.report.source}: {what} {_names(list(found))} match none of the model's labels "
+            f"({_names(self.labels)}); labels are names, never indices: map them with --label-map "
+            f"(e.g. {example}) or leave them out with --skip-unknown")
 
     def reject_label(self, label: Any, where: str) -> None:
         self.unknown[str(label)[:64]] += 1
@@ -209,6 +349,8 @@ class _Collector:
         report.per_class = {name: int(counts.get(i, 0)) for i, name in enumerate(self.labels)}
         report.empty_classes = [name for name, n in report.per_class.items() if n == 0]
         report.unknown_labels = sorted(self.unknown)
+        if self.unknown and not self.skip_unknown:
+            raise self.unknown_error(report.unknown_labels, "label value(s)")
         if not self.y:
             what = ", ".join(f"{k}: {v}" for k, v in sorted(report.skipped.items())) or "no samples found"
             raise InputError(f"{report.source}: no usable samples ({report.seen} seen; skipped {what})")
@@ -218,6 +360,10 @@ class _Collector:
 
 
 # ---------------------------------------------------------------- images
+
+
+class _TooSmall(ValueError):
+    """An image smaller than the model's input: blowing it up would invent the detail."""
 
 
 def _decode_image(path: Path, spec: Any) -> np.ndarray:
@@ -230,6 +376,8 @@ def _decode_image(path: Path, spec: Any) -> np.ndarray:
         if img.width * img.height > MAX_IMAGE_PIXELS:
             raise ValueError(f"{img.width}x{img.height} is over {MAX_IMAGE_PIXELS} pixels")
         img.load()  # decode fully here: truncated files fail now, not later
+        if img.width < width or img.height < height:
+            raise _TooSmall(f"{img.width}x{img.height} is smaller than the model's input {width}x{height}")
         converted = img.convert("L" if channels == 1 else "RGB")
         if converted.size != (width, height):
             converted = converted.resize((width, height), Image.BILINEAR)
@@ -251,6 +399,9 @@ def _load_image_folder(root: Path, spec: Any, coll: _Collector, max_files: int) 
     for stray in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         report.seen += 1
         report.skip("not-in-a-label-folder", str(stray))
+    unknown = [p.name for p in class_dirs if coll.resolve(p.name) is None]
+    if unknown and not coll.skip_unknown:  # before decoding anything: a mistake costs no time
+        raise coll.unknown_error(unknown, "sub-folder(s)")
     for folder in class_dirs:
         label = folder.name
         files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -269,6 +420,9 @@ def _load_image_folder(root: Path, spec: Any, coll: _Collector, max_files: int) 
                 continue
             try:
                 raw = _decode_image(item, spec)
+            except _TooSmall as exc:
+                report.skip("too-small", where, str(exc))
+                continue
             except Exception as exc:  # noqa: BLE001 - any decoder failure is a counted skip
                 report.skip("unreadable-image", where, f"{type(exc).__name__}: {exc}")
                 continue
@@ -415,13 +569,17 @@ def load_dataset(
     labels: Sequence[str],
     *,
     label_column: str = "label",
+    label_map: dict[str, str] | str | None = None,
+    skip_unknown: bool = False,
     max_files: int = MAX_FILES,
     max_samples: int = MAX_SAMPLES,
 ) -> LocalDataset:
     """Read local data for a model with input `spec` (InputSpec-like) and `labels`.
 
-    Per-sample problems are skipped and counted in the returned dataset's `report`;
-    InputError only when the data set as a whole is unusable.
+    `label_map`: `parse_label_map`'s result (or None). Labels that match no model label
+    raise InputError naming them unless `skip_unknown`. Per-sample problems are skipped
+    and counted in the returned dataset's `report`; InputError when the data set as a
+    whole is unusable.
     """
     if not labels:
         raise InputError("the model has no labels")
@@ -431,7 +589,7 @@ def load_dataset(
     root = Path(path)
     kind = detect_format(root)
     report = DataReport(source=str(root), format=kind)
-    coll = _Collector(spec, labels, report, max_samples)
+    coll = _Collector(spec, labels, report, max_samples, label_map=label_map, skip_unknown=skip_unknown)
     if kind == "images":
         _load_image_folder(root, spec, coll, max_files)
     else:

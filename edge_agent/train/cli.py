@@ -24,15 +24,25 @@ duty-cycles to hold the power cap, and stops before the energy budget is exceede
 Checkpoints are written every N steps and on every pause or stop; --resume continues
 exactly where a stopped or killed job left off.
 
+BUNDLE is a bundle directory or its .tar.gz archive (as `kernels` and `inspect` take).
+
 DATA is one of:
-  a folder with one sub-folder per label of PNG/JPEG images (resized and normalised
-  to the model's input), a CSV file (raw feature columns in C,H,W order + a label
-  column) or an NPZ file (arrays x and y). Unreadable files, wrong sizes, unknown labels
-  and duplicates are skipped and counted in the report's "data" section."""
+  a folder with one sub-folder per label of PNG/JPEG/BMP/PGM images, a CSV file (raw
+  feature columns in C,H,W order + a label column) or an NPZ file (arrays x and y).
+  Images are converted to the model's channels, resized DOWN to its input size (aspect
+  ratio not kept) and normalised; an image smaller than the input is skipped
+  ("too-small"), never blown up. Sub-folder names, CSV label cells and NPZ y values are
+  label NAMES and must equal the model's labels (never read as indices: a folder "3" is
+  the label "3"); anything else is an error naming them, unless --label-map maps them or
+  --skip-unknown leaves them out. Unreadable files, too-small images, bad rows and
+  duplicates are skipped; what was skipped and why is printed (stderr) and kept in the
+  report's "data" section."""
 
 EXAMPLES = """\
 examples:
   edge-agent finetune --model /var/lib/edge-agent/bundles/digits --data ~/photos
+  edge-agent finetune --model textures.tar.gz --data ~/photos --label-map 0=brick,1=grass
+  edge-agent finetune --model bundle/ --data ~/photos --label-map labels.toml --skip-unknown
   edge-agent finetune --model bundle/ --data samples.csv --budget-wh 0.5 --power-cap-w 5 \\
       --battery-floor 30 --epochs 10 --report report.json
   edge-agent finetune --model bundle/ --data samples.npz --resume     # after a reboot
@@ -41,6 +51,17 @@ The JSON report (stdout, or --report FILE) has accuracy before/after on the loca
 validation split, energy (Wh and its source), duration, peak RSS, steps, the stop reason
 (done, early-stopped, budget-exhausted, deadline, cancelled, battery-low, error) and the
 trained head parameters (also written to STATE_DIR/head.params)."""
+
+
+LABEL_MAP_HELP = """\
+a label map says which model label each data label is (folder names, CSV label cells
+and NPZ y values must otherwise equal a model label; they are never read as indices):
+  --label-map 0=brick,1=grass,2=sky     inline DATA_LABEL=MODEL_LABEL pairs
+  --label-map labels.json               a JSON object {"0": "brick", "1": "grass"}
+  --label-map labels.toml               TOML pairs: "0" = "brick" (or a [labels] table)
+  --label-map labels.txt                any other file: one DATA_LABEL=MODEL_LABEL a line
+  --label-map indices                   integer labels are indices into the model's labels
+Unmapped labels that equal a model label are kept as they are."""
 
 
 def _default_state_dir(model: str, data: str) -> Path:
@@ -86,7 +107,7 @@ class ProgressBar:
         line = self.render(ev)
         if self.tty:
             self.stream.write("\r\x1b[2K" + line[:200])
-            if ev.phase in ("paused", "done"):
+            if ev.phase in ("paused", "done", "data"):  # these stay on screen
                 self.stream.write("\n")
         else:
             self.stream.write(line + "\n")
@@ -111,6 +132,7 @@ def _check_power_cap(args: argparse.Namespace) -> None:
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
+    from ..data import data_summary
     from ..errors import EXIT_FAILURE, EXIT_OK
     from .job import run_finetune
 
@@ -127,10 +149,15 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, patience=args.patience, balance=args.balance,
         train_last=args.train_last, trainer=args.trainer, val_fraction=args.val_fraction, seed=args.seed,
         checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
-        label_column=args.label_column, power_root=args.power_root, profile=args.profile,
+        label_column=args.label_column, label_map=args.label_map, skip_unknown=args.skip_unknown,
+        power_root=args.power_root, profile=args.profile,
         threads=args.threads, progress=bar,
     )
     text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    summary = data_summary(report["data"])
+    if bar is None and len(summary) > 1:  # the bar showed these; -q still says what was skipped and why
+        for line in summary:
+            print(f"data: {line}", file=sys.stderr)
     if args.report:
         atomic_write_text(args.report, text)
         acc = report["accuracy"]
@@ -168,8 +195,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `finetune` to the edge-agent command line."""
     p = subparsers.add_parser(
         "finetune", help="fine-tune a model's head on local data within a power budget",
-        description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="BUNDLE", help="model bundle directory (verified before use)")
+        description=DESCRIPTION, epilog=EXAMPLES + "\n\n" + LABEL_MAP_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="BUNDLE",
+                   help="model bundle directory or .tar.gz archive (verified before use)")
     p.add_argument("--data", required=True, metavar="DIR", help="image folder, .csv or .npz (see above)")
     g = p.add_argument_group("power budget")
     g.add_argument("--budget-wh", type=_positive(float), metavar="X",
@@ -201,6 +230,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="validation share, chosen by content hash so it is stable as data grows (default 0.2)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--label-column", default="label", help="CSV label column (default 'label')")
+    t.add_argument("--label-map", metavar="FILE_OR_SPEC",
+                   help="which model label each data label is: DATA=MODEL pairs (0=brick,1=grass), a .json/"
+                        ".toml/text file of them, or 'indices' (integer labels index the model's labels)")
+    t.add_argument("--skip-unknown", action="store_true",
+                   help="skip (and count) data labels matching no model label instead of stopping")
     s = p.add_argument_group("state")
     s.add_argument("--resume", action="store_true", help="continue the job in --state-dir from its newest good checkpoint")
     s.add_argument("--state-dir", metavar="DIR",

@@ -176,6 +176,8 @@ def run_finetune(
     resume: bool = False,
     engine: str | None = None,
     label_column: str = "label",
+    label_map: dict[str, str] | str | None = None,
+    skip_unknown: bool = False,
     power_root: str | os.PathLike[str] = "/",
     profile: str | None = None,
     threads: int | None = None,
@@ -192,9 +194,15 @@ def run_finetune(
     `clock` (edge_agent.power.Clock) is for tests; the default is the system clock. A
     clock with a `work_done()` method is called after every feature batch and training
     step, so a virtual clock can charge each step a fixed time whatever the CPU's speed.
+    `model` is a bundle directory or its .tar.gz archive (unpacked, verified, for the run).
+    `label_map`: a `--label-map` spec (edge_agent.data.parse_label_map) or its parsed form;
+    data labels matching no model label are an InputError unless `skip_unknown`.
     """
+    from ..data import parse_label_map
     from ..power import Budget
 
+    if isinstance(label_map, str):
+        label_map = parse_label_map(label_map)
     # validate everything cheap before touching the state directory
     budget = Budget(budget_wh=budget_wh, budget_basis=budget_basis, power_cap_w=power_cap_w,
                     battery_floor_pct=battery_floor_pct, battery_resume_pct=battery_resume_pct,
@@ -212,8 +220,8 @@ def run_finetune(
             epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
             patience=patience, balance=balance, train_last=train_last, trainer=trainer, val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
-            power_root=str(power_root), profile=profile, threads=threads, cache_max_mb=cache_max_mb,
-            poll_s=poll_s))
+            label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
+            threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s))
         return job.run()
 
 
@@ -249,10 +257,28 @@ class _Job:
             log.exception("progress callback failed")
 
     def run(self) -> dict[str, Any]:
-        a = self.args
-        from ..int8.bundle import BACKBONE_INT8, load_bundle
+        with contextlib.ExitStack() as stack:
+            return self._run(stack)
 
-        bundle = load_bundle(a["model"])
+    def _open_bundle(self, stack: contextlib.ExitStack) -> Any:
+        """A bundle directory, or an archive unpacked (and verified) into a temp directory
+        for the length of the run, as `kernels` and `inspect` accept it. The checkpoints
+        key on the manifest's sha256, which the archive and its directory share."""
+        import tempfile
+
+        from ..int8.bundle import load_bundle, unpack_bundle
+
+        model = Path(self.args["model"])
+        if not model.is_file():
+            return load_bundle(model)
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="edge-agent-finetune-"))
+        return unpack_bundle(model, Path(tmp) / "bundle")
+
+    def _run(self, stack: contextlib.ExitStack) -> dict[str, Any]:
+        a = self.args
+        from ..int8.bundle import BACKBONE_INT8
+
+        bundle = self._open_bundle(stack)
         self.bundle = bundle
         store = CheckpointStore(self.state / "checkpoints")
         previous = _read_job(self.state)
@@ -265,13 +291,16 @@ class _Job:
                     f"{self.state}: holds checkpoints of an unfinished job (status {previous.get('status', 'unknown')!r}); "
                     "pass --resume to continue it, or use another --state-dir")
             store.clear()
-        atomic_write_json(self.state / JOB_FILE, {"status": "running", "model": str(bundle.path),
+        atomic_write_json(self.state / JOB_FILE, {"status": "running", "model": a["model"],
                                                   "model_sha256": bundle.sha256, "data": a["data"], "pid": os.getpid()})
         self.emit("data", detail=f"reading {a['data']}")
         from ..data import load_dataset, split_dataset
 
-        dataset = load_dataset(a["data"], bundle.manifest.input, bundle.manifest.labels, label_column=a["label_column"])
+        dataset = load_dataset(a["data"], bundle.manifest.input, bundle.manifest.labels, label_column=a["label_column"],
+                               label_map=a["label_map"], skip_unknown=a["skip_unknown"])
         train, val = split_dataset(dataset, a["val_fraction"])
+        for line in dataset.report.summary_lines():  # what was skipped and why, on every console
+            self.emit("data", detail=line)
         if len(train) == 0:
             raise InputError(f"{a['data']}: all {len(dataset)} usable samples fell into the validation split")
 

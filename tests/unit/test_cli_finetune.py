@@ -54,7 +54,8 @@ def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for needle in ("examples:", "--budget-wh", "--power-cap-w", "--battery-floor", "--resume",
-                   "edge-agent finetune --model", "stop reason"):
+                   "edge-agent finetune --model", "stop reason", "--label-map 0=brick,1=grass",
+                   "--skip-unknown", "never read as indices", "too-small", ".tar.gz archive"):
         assert needle in text
 
 
@@ -63,7 +64,7 @@ def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_numbers_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["finetune", "--model", "m", "--data", "d", *argv])
-    assert exc.value.code == 2 and "finetune: error: argument" in capsys.readouterr().err
+    assert exc.value.code == 64 and "finetune: error: argument" in capsys.readouterr().err  # EX_USAGE
 
 
 def test_finetune_writes_the_report_and_shows_progress(bundle: Path, device_data: tuple, tmp_path: Path,
@@ -89,8 +90,15 @@ def test_finetune_prints_json_on_stdout_for_csv(bundle: Path, device_data: tuple
     code = cli.main(["finetune", "--model", str(bundle), "--data", str(data), "--state-dir", str(tmp_path / "s"),
                      "--epochs", "1", "--profile", "raspberry-pi-4", "-q"])
     out = capsys.readouterr()
-    assert code == 0 and out.err == ""
+    assert code == 0 and out.err == ""  # -q and nothing skipped: nothing to say
     assert json.loads(out.out)["data"]["format"] == "csv"
+    with data.open("a") as f:  # a row with a label the model does not know, and a broken one
+        f.write(",".join(["1"] * 64) + ",cat\n" + ",".join(["x"] * 64) + ",3\n")
+    code = cli.main(["finetune", "--model", str(bundle), "--data", str(data), "--state-dir", str(tmp_path / "s2"),
+                     "--epochs", "1", "--profile", "raspberry-pi-4", "-q", "--skip-unknown"])
+    err = capsys.readouterr().err
+    assert code == 0 and "data: skipped 2 (non-numeric: 1, unknown-label: 1)" in err
+    assert "labels not in the model, skipped (--skip-unknown): 'cat'" in err and "data.csv:" in err
 
 
 def test_bad_input_is_one_clear_line_and_exit_65(bundle: Path, tmp_path: Path,

@@ -27,7 +27,7 @@ def _images(rng: np.random.Generator, n: int, size: int = 4) -> np.ndarray:
     return rng.integers(0, 256, (n, size, size))
 
 
-def test_image_folder_resizes_normalises_and_counts_every_bad_file(tmp_path: Path) -> None:
+def test_image_folder_resizes_down_normalises_and_counts_every_bad_file(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     good = _images(rng, 6)
     for i, img in enumerate(good[:3]):
@@ -35,6 +35,7 @@ def test_image_folder_resizes_normalises_and_counts_every_bad_file(tmp_path: Pat
     for i, img in enumerate(good[3:5]):
         _png(tmp_path / "dog" / f"{i}.png", img)
     _png(tmp_path / "dog" / "big.png", np.kron(good[5], np.ones((4, 4))))  # 16x16: resized, not skipped
+    _png(tmp_path / "dog" / "tiny.png", good[4][:2, :3])  # 3x2: smaller than the input, skipped
     _png(tmp_path / "dog" / "copy.png", good[3])  # duplicate of dog/0.png
     (tmp_path / "dog" / "truncated.png").write_bytes((tmp_path / "cat" / "0.png").read_bytes()[:30])
     (tmp_path / "dog" / "zeros.png").write_bytes(bytes(200))
@@ -45,7 +46,9 @@ def test_image_folder_resizes_normalises_and_counts_every_bad_file(tmp_path: Pat
     Image.fromarray(good[0].astype(np.uint8), mode="L").save(buf, format="JPEG")
     (tmp_path / "cat" / "photo.jpg").write_bytes(buf.getvalue())
 
-    data = load_dataset(tmp_path, SPEC, LABELS)
+    with pytest.raises(InputError, match=r"sub-folder\(s\) 'zebra' match none of the model's labels"):
+        load_dataset(tmp_path, SPEC, LABELS)
+    data = load_dataset(tmp_path, SPEC, LABELS, skip_unknown=True)
     rep = data.report
     assert rep.format == "images"
     assert len(data) == 7  # 3 cats + jpeg cat, 2 dogs + resized dog
@@ -58,6 +61,7 @@ def test_image_folder_resizes_normalises_and_counts_every_bad_file(tmp_path: Pat
     assert rep.skipped["not-an-image"] == 1
     assert rep.skipped["unknown-label"] == 1 and rep.unknown_labels == ["zebra"]
     assert rep.skipped["empty-class-folder"] == 1
+    assert rep.skipped["too-small"] == 1 and any("tiny.png: too-small (3x2 is smaller" in e for e in rep.examples)
     assert rep.empty_classes == ["owl"]
     assert rep.per_class == {"cat": 4, "dog": 3, "owl": 0}
     assert any("truncated.png" in line for line in rep.examples)
@@ -68,7 +72,7 @@ def test_csv_reads_rows_and_skips_bad_ones(tmp_path: Path) -> None:
     row = ",".join(["10"] * 16)
     lines = [header,
              row + ",cat",
-             ",".join(["20"] * 16) + ",1",  # integer label: index 1 = dog
+             ",".join(["20"] * 16) + ",dog",
              row.replace("10", "x", 1) + ",cat",  # non-numeric
              ",".join(["nan"] + ["1"] * 15) + ",dog",  # non-finite
              ",".join(["1"] * 15) + ",dog",  # a field short
@@ -77,7 +81,7 @@ def test_csv_reads_rows_and_skips_bad_ones(tmp_path: Path) -> None:
              ",".join(["40"] * 16) + ",owl", ""]
     path = tmp_path / "d.csv"
     path.write_text("\n".join(lines))
-    data = load_dataset(path, SPEC, LABELS)
+    data = load_dataset(path, SPEC, LABELS, skip_unknown=True)
     assert list(data.y) == [0, 1, 2]
     np.testing.assert_allclose(data.x[1], np.full((1, 4, 4), 20 / 255.0), rtol=1e-6)
     assert dict(data.report.skipped) == {"non-numeric": 1, "non-finite": 1, "wrong-size": 1,
@@ -108,11 +112,13 @@ def test_npz_shapes_labels_and_errors(tmp_path: Path) -> None:
     x = rng.integers(0, 256, (5, 4, 4)).astype(np.uint8)  # (N, H, W) for one channel
     path = tmp_path / "d.npz"
     np.savez(path, x=x, y=np.array(["cat", "dog", "owl", "emu", "cat"]))
-    data = load_dataset(path, SPEC, LABELS)
+    data = load_dataset(path, SPEC, LABELS, skip_unknown=True)
     assert list(data.y) == [0, 1, 2, 0] and data.report.skipped["unknown-label"] == 1
     np.testing.assert_allclose(data.x[0, 0], x[0] / 255.0, rtol=1e-6)
     np.savez(path, x=x.reshape(5, 16), y=np.arange(5) % 3)  # flattened, integer labels
-    assert len(load_dataset(path, SPEC, LABELS)) == 5
+    with pytest.raises(InputError, match="'0', '1', '2' match none of the model's labels"):
+        load_dataset(path, SPEC, LABELS)  # integers are names too, never silent indices
+    assert list(load_dataset(path, SPEC, LABELS, label_map="indices").y) == [0, 1, 2, 0, 1]
     np.savez(path, x=np.zeros((3, 5, 5)), y=np.zeros(3, int))
     with pytest.raises(InputError, match=r"shape \(5, 5\)"):
         load_dataset(path, SPEC, LABELS)
@@ -168,7 +174,7 @@ def test_split_is_stable_as_the_data_grows() -> None:
 def test_split_dataset_records_counts(tmp_path: Path) -> None:
     path = tmp_path / "d.npz"
     np.savez(path, x=np.random.default_rng(4).integers(0, 256, (50, 16)), y=np.arange(50) % 3)
-    data = load_dataset(path, SPEC, LABELS)
+    data = load_dataset(path, SPEC, LABELS, label_map="indices")
     train, val = split_dataset(data, 0.3)
     assert len(train) + len(val) == 50 and data.report.train == len(train) and data.report.validation == len(val)
     assert not set(train.hashes) & set(val.hashes)
