@@ -93,6 +93,7 @@ def _head_params(data: bytes) -> dict[str, Any]:
 
 
 def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    from ..data import label_set_digest
     from ..int8.bundle import load_bundle
     from ..train.trainer import head_from_bundle
     from ..updates import (
@@ -103,7 +104,8 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
         compute_delta,
     )
 
-    _, base = head_from_bundle(load_bundle(spec["model_dir"]))
+    bundle = load_bundle(spec["model_dir"])
+    _, base = head_from_bundle(bundle)
     trained = _head_params(read_limited(report["head"]["file"], 256 << 20))
     delta = compute_delta({n: trained[n] for n in base if n in trained}, base)
     budget = spec.get("update_bytes")
@@ -126,7 +128,8 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
     else:
         pending.unlink(missing_ok=True)
     return {"chunks": len(chunks), "wire_bytes": sum(map(len, chunks)), "dense_bytes": update.dense_bytes,
-            "k": update.k, "bits": update.bits, "ratio": round(update.ratio, 2), "sha256": update.digest.hex()}
+            "k": update.k, "bits": update.bits, "ratio": round(update.ratio, 2), "sha256": update.digest.hex(),
+            "energy_kept": round(update.energy_kept, 6), "labels_sha256": label_set_digest(bundle.manifest.labels)}
 
 
 def train(spec: dict[str, Any], events: Events) -> int:

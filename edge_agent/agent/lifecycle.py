@@ -349,6 +349,10 @@ class JobDriver:
         meta = {k: result[k] for k in ("num_samples", "energy_wh", "steps", "engine") if result.get(k) is not None}
         if isinstance(result.get("num_samples"), int) and result["num_samples"] >= 1:
             meta["samples"] = result["num_samples"]  # the Uploader signs it onto every chunk: FedAvg weights by it
+        update = result.get("update") if isinstance(result.get("update"), dict) else {}
+        # signed onto every chunk too: the label set trained on (the coordinator refuses another
+        # model's) and the share of the delta's energy the update kept (shown by `status`)
+        meta.update({k: update[k] for k in ("energy_kept", "labels_sha256") if update.get(k) is not None})
         self.outbox.put(self.key(job), chunks, meta=meta)  # OutboxFullError: retried next step
         pending = folder / RESIDUAL_FILE
         if pending.exists():

@@ -99,6 +99,9 @@ def round_summary(reg: Registry, rnd: RoundRecord) -> dict[str, Any]:
     wire = sum(u.wire_bytes for u in updates)
     fp32 = sum(u.fp32_bytes for u in updates)
     energy = [u.energy_wh for u in updates if u.energy_wh is not None]
+    # the share of each delta's energy (squared L2 norm) its update kept, as the device measured it
+    kept = [float(u.metrics["energy_kept"]) for u in updates
+            if u.status is not UpdateStatus.REJECTED and isinstance(u.metrics.get("energy_kept"), int | float)]
     return {
         "round": rnd.number, "state": rnd.state.value, "base_version": rnd.base_version,
         "new_version": rnd.aggregated_version, "reason": rnd.reason, "started_at": rnd.started_at,
@@ -108,6 +111,8 @@ def round_summary(reg: Registry, rnd: RoundRecord) -> dict[str, Any]:
         "rejected": {u.device_id: u.reason for u in updates if u.status is UpdateStatus.REJECTED},
         "samples": sum(u.num_samples for u in ok), "wire_bytes": wire, "fp32_bytes": fp32,
         "compression": round(fp32 / wire, 2) if wire else None, "energy_wh": round(sum(energy), 6) if energy else None,
+        "energy_kept": round(sum(kept) / len(kept), 6) if kept else None,
+        "energy_kept_min": round(min(kept), 6) if kept else None,
         "device_metrics": {u.device_id: u.metrics for u in updates},
     }
 
@@ -132,6 +137,9 @@ def job_detail(reg: Registry, job_id: str) -> str:
                      + (f" -> {rnd.aggregated_version}" if rnd.aggregated_version else "")
                      + (f": {rnd.reason}" if rnd.reason else ""))
         ratio = f", compression x{s['compression']:.1f}" if s["compression"] else ""
+        if s["energy_kept"] is not None:
+            ratio += (f", kept {100 * s['energy_kept']:.1f} % of the delta energy"
+                      + (f" (min {100 * s['energy_kept_min']:.1f} %)" if s["energy_kept_min"] < s["energy_kept"] else ""))
         energy = f", {s['energy_wh']:.4f} Wh" if s["energy_wh"] is not None else ""
         lines.append(f"    {len(s['selected'])} selected, {len(s['accepted'])} accepted, {len(s['rejected'])} "
                      f"rejected, {len(s['dropouts'])} dropout(s); {s['wire_bytes']} bytes up{ratio}{energy}")

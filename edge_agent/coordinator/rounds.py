@@ -176,6 +176,7 @@ class RoundEngine:
         self.clock, self.metrics = clock, metrics
         self._lock = threading.RLock()
         self._heads: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+        self._label_digests: dict[str, str | None] = {}  # bundle path -> label_set_digest
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
@@ -365,20 +366,55 @@ class RoundEngine:
             self._heads[(name, version)] = self.registry.load_head(mv)
         return mv, self._heads[(name, version)]
 
+    def _labels_digest(self, mv: ModelVersion) -> str | None:
+        """edge_agent.data.label_set_digest of a version's bundle labels (None: no bundle, or
+        unreadable: then updates are not checked against it). Read once per bundle."""
+        if mv.bundle_path is None:
+            return None
+        if mv.bundle_path not in self._label_digests:
+            import json
+            import tarfile
+
+            from ..data import label_set_digest
+            from ..int8.bundle import MANIFEST, MAX_MANIFEST_BYTES
+
+            digest = None
+            try:
+                with tarfile.open(self.registry.state_dir / mv.bundle_path, mode="r:*") as tar:
+                    member = tar.getmember(MANIFEST)
+                    handle = tar.extractfile(member) if member.size <= MAX_MANIFEST_BYTES else None
+                    labels = json.loads(handle.read()).get("labels") if handle is not None else None
+                if isinstance(labels, list) and all(isinstance(x, str) for x in labels):
+                    digest = label_set_digest(labels)
+            except (OSError, KeyError, ValueError, tarfile.TarError):
+                digest = None
+            self._label_digests[mv.bundle_path] = digest
+        return self._label_digests[mv.bundle_path]
+
     def receive_update(self, payload: bytes, *, sender: str, num_samples: int, wire_bytes: int | None = None,
-                       energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None) -> Receipt:
+                       energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None,
+                       energy_kept: float | None = None, labels_sha256: str | None = None) -> Receipt:
         """Verify, de-duplicate and store one complete update payload from `sender` (the
-        verified signer). Stored updates are screened when the round closes."""
+        verified signer). Stored updates are screened when the round closes.
+        `energy_kept` (the share of the delta's energy the update kept) is recorded in the
+        update's metrics; an update whose `labels_sha256` is not the round's model's label
+        set is refused ("wrong_labels")."""
+        if energy_kept is not None and not (isinstance(energy_kept, int | float) and 0 <= energy_kept <= 1):
+            energy_kept = None  # a bogus figure must not cost the update
+        if energy_kept is not None:
+            metrics = {**(metrics or {}), "energy_kept": round(float(energy_kept), 6)}
         with self._lock:
             try:
-                return self._receive(bytes(payload), sender, num_samples, wire_bytes, energy_wh, metrics)
+                return self._receive(bytes(payload), sender, num_samples, wire_bytes, energy_wh, metrics,
+                                     labels_sha256)
             except NotFound as exc:
                 return Receipt("rejected", "unknown_round", str(exc)[:512])
             except InputError as exc:  # an id in the header that the registry refuses
                 return Receipt("rejected", "invalid", str(exc)[:512])
 
     def _receive(self, payload: bytes, sender: str, num_samples: Any, wire_bytes: int | None,
-                 energy_wh: float | None, metrics: Mapping[str, Any] | None) -> Receipt:
+                 energy_wh: float | None, metrics: Mapping[str, Any] | None,
+                 labels_sha256: str | None = None) -> Receipt:
         now = self.clock()
         if len(payload) > self.policy.max_update_bytes:
             return Receipt("rejected", "oversized", f"{len(payload)} bytes > {self.policy.max_update_bytes}")
@@ -406,13 +442,17 @@ class RoundEngine:
         wire = len(payload) if wire_bytes is None else wire_bytes
         fp32 = 4 * sum(e.spec.numel for e in encoded)
         deltas, code, detail = None, "", ""
-        _, head = self._head(job.model_name, rnd.base_version)
+        mv, head = self._head(job.model_name, rnd.base_version)
+        expected_labels = self._labels_digest(mv) if labels_sha256 is not None else None
         samples_ok = not isinstance(num_samples, bool) and isinstance(num_samples, int) and 1 <= num_samples <= MAX_SAMPLES
         if energy_wh is not None and not (isinstance(energy_wh, int | float) and 0 <= energy_wh < 1e6):
             energy_wh = None  # a bogus energy report must not cost the update
         if (header.model_name, header.model_version) != (job.model_name, rnd.base_version):
             code, detail = "wrong_model", (f"update is for {header.model_name} {header.model_version}, round {number} "
                                            f"trains {job.model_name} {rnd.base_version}")
+        elif expected_labels is not None and labels_sha256 != expected_labels:
+            code, detail = "wrong_labels", (f"update was trained on another label set (sha256 {str(labels_sha256)[:12]}), "
+                                            f"not {job.model_name} {rnd.base_version}'s ({expected_labels[:12]})")
         elif not samples_ok:
             code, detail = "bad_samples", f"num_samples {str(num_samples)[:40]!r} not in 1..{MAX_SAMPLES}"
         else:

@@ -354,7 +354,8 @@ class Coordinator:
             metrics = {}
         receipt = self.engine.receive_update(payload, sender=key.device, num_samples=samples,
                                              wire_bytes=sum(len(c) for c in upload.chunks), energy_wh=energy,
-                                             metrics=metrics)
+                                             metrics=metrics, energy_kept=upload.energy_kept,
+                                             labels_sha256=upload.labels_sha256)
         log.info("update %s round %d from %s: %s%s", key.job, key.round, key.device, receipt.status,
                  f" ({receipt.reason}: {receipt.detail[:200]})" if receipt.reason else "")
         return receipt

@@ -152,11 +152,14 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.MANIFEST: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
                     "size": (_int(1, MAX_BUNDLE_BYTES), True), "chunks": (_COUNT, True),
                     "chunk_size": (_int(1, MAX_BINARY_BYTES), True), "meta": (_flat, False)},
-    # samples and energy_wh ride on every chunk (signed with it): FedAvg weights by the
-    # sample count, and the coordinator reports the fleet's energy per round.
+    # samples, energy_wh, energy_kept and labels_sha256 ride on every chunk (signed with it):
+    # FedAvg weights by the sample count, the coordinator reports the fleet's energy per
+    # round and the share of each delta's energy (squared L2 norm) its update kept, and
+    # refuses an update trained on another label set (edge_agent.data.label_set_digest).
     Kind.UPDATE_CHUNK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
                         "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True),
-                        "samples": (_int(1, 1_000_000_000), False), "energy_wh": (_num(0, 1e6), False)},
+                        "samples": (_int(1, 1_000_000_000), False), "energy_wh": (_num(0, 1e6), False),
+                        "energy_kept": (_num(0, 1), False), "labels_sha256": (_hex64, False)},
     Kind.MODEL_CHUNK: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
 }

@@ -31,6 +31,9 @@ from .mqtt import MqttClient
 from .outbox import Outbox, OutboxKey
 
 log = logging.getLogger(__name__)
+# The job's facts signed onto every update chunk (protocol.schema UPDATE_CHUNK): what FedAvg
+# weights by, the round's energy, the share of the delta's energy kept, the label set.
+UPDATE_META = ("samples", "energy_wh", "energy_kept", "labels_sha256")
 
 
 class Uploader:
@@ -67,7 +70,7 @@ class Uploader:
             topic = self.topics.device(item.key.device, "update")
             header = {"job": item.key.job, "round": item.key.round, "upload": item.upload, "count": item.count}
             # What FedAvg weights by and what the round's energy report sums, from the job.
-            header.update({k: item.meta[k] for k in ("samples", "energy_wh") if k in item.meta})
+            header.update({k: item.meta[k] for k in UPDATE_META if k in item.meta})
             for index in range(item.next_index, item.count):
                 if max_chunks is not None and sent >= max_chunks:
                     return sent
@@ -124,6 +127,8 @@ class CompletedUpload:
     chunks: list[bytes] = field(repr=False)
     samples: int | None = None  # the device's local training sample count, if it sent it
     energy_wh: float | None = None
+    energy_kept: float | None = None  # share of the delta's energy the update kept
+    labels_sha256: str | None = None  # edge_agent.data.label_set_digest of the labels trained on
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ class UpdateReceiver:
         self._remember_done(key)
         self._last_ack[(key.device, upload)] = self._clock()
         chunks = [part.parts[i] for i in range(part.count)]
-        done = CompletedUpload(key, upload, chunks, samples=b.get("samples"), energy_wh=b.get("energy_wh"))
+        done = CompletedUpload(key, upload, chunks, **{k: b.get(k) for k in UPDATE_META})
         return ReceiveResult("complete", key, upload, True, done)
 
     def _remember_done(self, key: OutboxKey) -> None:

@@ -11,6 +11,13 @@
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019): each round encodes
 `delta + residual` and keeps `residual = (delta + residual) - sent`, so nothing is lost,
 only delayed: sum(sent) + residual == sum(delta) over any number of rounds.
+Size: never more than the plain fp32 delta (4 bytes a value) when anything smaller fits:
+with a budget (explicit or the adaptive default, policy.py) the budget is capped at that,
+so the most accurate update within it is chosen (for a small head: dense int8, ~x2-x4
+smaller, ~99.99 % of the energy); a fixed-rate update bigger than the exact fp32 update is
+replaced by the exact one. `EncodedUpdate.energy_kept` is the fraction of the encoded
+delta's energy (squared L2 norm) the update carries: 1 - |x - sent|^2 / |x|^2.
+
 Encoding is deterministic, so if the device reboots between queueing and commit, encoding
 the same round again from the same residual gives a byte-identical payload (same sha256),
 which the coordinator de-duplicates by (job, device, round).
@@ -26,6 +33,7 @@ import numpy as np
 from .budget import choose_for_budget
 from .chunks import DEFAULT_CHUNK_SIZE, split_chunks, wire_size
 from .codec import (
+    EncodedTensor,
     Tensors,
     TensorSpec,
     check_finite,
@@ -53,6 +61,7 @@ class EncodedUpdate:
     dense_bytes: int  # bytes of the fp32 delta
     wire_bytes: int  # bytes of all chunks (with the policy's signature room)
     chunk_size: int
+    energy_kept: float = 1.0  # 1 - |x - sent|^2 / |x|^2 of the encoded x = delta + residual
 
     @property
     def ratio(self) -> float:
@@ -119,11 +128,13 @@ class UpdateEncoder:
         header = UpdateHeader(
             self.model_name, model_version, job_id, self.device_id, round, settings.scope
         )
+        numel = sum(s.numel for s in table)
         if settings.budget_bytes is not None:
+            budget = self._budget_for(corrected, header, table, settings.budget_bytes, settings.dense_factor)
             choice = choose_for_budget(
                 corrected,
                 header,
-                settings.budget_bytes,
+                budget,
                 bits_choices=settings.bits_choices,
                 chunk_size=self.chunk_size,
                 signature_bytes=self.policy.signature_bytes,
@@ -134,11 +145,18 @@ class UpdateEncoder:
             positions = select_positions(corrected, settings.density, settings.scope)
             encoded = encode_tensors(corrected, positions, settings.bits, table=table)
             bits = settings.bits
+            exact = self._dense(corrected, table, 32)
+            if len(pack_update(header, encoded)) > len(pack_update(header, exact)):
+                encoded = exact  # never bigger than the plain fp32 delta: send that instead
+                bits = 32
         payload = pack_update(header, encoded)
         sent = decode_tensors(encoded)
         residual = (
             {n: corrected[n] - sent[n] for n in corrected} if self.policy.error_feedback else None
         )
+        total = sum(float(np.sum(np.square(a, dtype=np.float64))) for a in corrected.values())
+        lost = sum(float(np.sum(np.square(corrected[n] - sent[n], dtype=np.float64))) for n in corrected)
+        energy_kept = 1.0 if total == 0.0 else min(1.0, max(0.0, 1.0 - lost / total))
         return EncodedUpdate(
             header=header,
             payload=payload,
@@ -147,10 +165,34 @@ class UpdateEncoder:
             residual=residual,
             k=sum(e.k for e in encoded),
             bits=bits,
-            dense_bytes=4 * sum(s.numel for s in table),
+            dense_bytes=4 * numel,
             wire_bytes=wire_size(len(payload), self.chunk_size, self.policy.signature_bytes),
             chunk_size=self.chunk_size,
+            energy_kept=energy_kept,
         )
+
+    @staticmethod
+    def _dense(delta: Tensors, table: Sequence[TensorSpec], bits: int) -> list[EncodedTensor]:
+        """Every value of every tensor at `bits` (no index bytes: the 'all' coding)."""
+        everything = {s.name: np.arange(s.numel, dtype=np.int64) for s in table}
+        return encode_tensors(delta, everything, bits, table=table)
+
+    def _wire(self, payload_len: int) -> int:
+        return wire_size(payload_len, self.chunk_size, self.policy.signature_bytes)
+
+    def _budget_for(self, delta: Tensors, header: UpdateHeader, table: Sequence[TensorSpec],
+                    budget: int, dense_factor: float) -> int:
+        """The budget to search: the adaptive default's grows to a dense int8 update that is
+        within `dense_factor` of it; every budget is capped at the plain fp32 delta's bytes
+        (or the dense int8 update, for a delta so small that the header outweighs it)."""
+        numel = sum(s.numel for s in table)
+        cap = 4 * numel
+        if numel <= max(dense_factor * budget, 1024):  # int8 takes >= 1 byte a value: else moot
+            dense8 = self._wire(len(pack_update(header, self._dense(delta, table, 8))))
+            cap = max(cap, dense8)
+            if dense_factor and dense8 <= dense_factor * budget:
+                budget = max(budget, dense8)
+        return min(budget, cap)
 
     def commit(self, update: EncodedUpdate) -> None:
         """Adopt `update`'s residual (after its chunks are durably queued) and persist it."""
