@@ -193,9 +193,12 @@ class DeviceLoop(_Loop):
     """What the agent daemon will do: apply acks, refuse bad commands, pump the outbox."""
 
     def __init__(self, fleet: Fleet, side: Side, outbox: Outbox, *, max_chunks: int | None = None,
-                 pause: float = 0.0, **uploader_kw: Any) -> None:
+                 pause: float = 0.0, chunk_budget: int | None = None, **uploader_kw: Any) -> None:
+        """`chunk_budget`: send that many update chunks, then hold until `release()`, so a
+        test can restart something at an exact point of an upload on any machine."""
         super().__init__(fleet, f"device-{side.id}")
         self.side, self.outbox, self.max_chunks, self.pause = side, outbox, max_chunks, pause
+        self._budget, self._budget_lock = chunk_budget, threading.Lock()
         kw = {"ack_timeout": 1.0, "publish_timeout": 2.0, "retry_base": 0.2, "retry_cap": 1.0, **uploader_kw}
         self.uploader = Uploader(client=side.client, outbox=outbox, signer=side.signer, topics=fleet.topics, **kw)
         self.commands: list[Message] = []
@@ -212,9 +215,26 @@ class DeviceLoop(_Loop):
                 self.ack_results.append(self.uploader.handle_ack(result))
             elif result.kind is Kind.CMD:
                 self.commands.append(result)
-        self.uploader.pump(max_chunks=self.max_chunks)
+        self._pump()
         if self.pause:
             time.sleep(self.pause)
+
+    def release(self, chunks: int | None = None) -> None:
+        """Let the loop send `chunks` more update chunks (None: no limit any more)."""
+        with self._budget_lock:
+            self._budget = chunks
+
+    def _pump(self) -> None:
+        with self._budget_lock:
+            budget = self._budget
+        limits = [n for n in (budget, self.max_chunks) if n is not None]
+        limit = min(limits) if limits else None
+        if limit == 0:
+            return
+        sent = self.uploader.pump(max_chunks=limit)
+        with self._budget_lock:
+            if self._budget is not None:
+                self._budget = max(0, self._budget - sent)
 
 
 @dataclass
@@ -254,6 +274,19 @@ class CoordinatorLoop(_Loop):
                 status = "accepted" if got.status == "complete" else "duplicate"
                 topic, payload = ack_message(self.side.signer, self.topics, got.key, got.upload, status)
                 self.side.client.publish_wait(topic, payload, timeout=2.0)
+
+
+def update_sentinel(fleet: Fleet, sender: Side, loop: CoordinatorLoop, timeout: float = 60.0) -> None:
+    """Publish junk on `sender`'s update topic and wait until `loop` has judged it. One
+    client's messages stay in order, so by then the loop has handled everything `sender`
+    published before: proof that nothing more (a late duplicate) is on its way."""
+    import hashlib
+
+    payload = f"sentinel {uuid.uuid4().hex}".encode()
+    digest = hashlib.sha256(payload).hexdigest()
+    assert sender.client.publish_wait(fleet.topics.device(sender.id, "update"), payload)
+    assert wait_for(lambda: any(r.sha256 == digest for r in list(loop.log.rejections)), timeout), \
+        "the sentinel never reached the coordinator loop"
 
 
 # ---------------------------------------------------------------- the agent daemon as a process
