@@ -215,14 +215,16 @@ class Registry:
                      state: Mapping[str, Any] | None = None) -> Device:
         """A verified message issued at `at` (its own timestamp) that may be older than what
         is stored (a retained hello re-delivered after a restart): `state` keys are merged,
-        `last_seen` never moves back, and the online flag follows only the newest news."""
+        `last_seen` never moves back, and "online" is taken only from the newest news, while
+        "offline" always is (a last will is signed at connect time, so it is older than the
+        states before it; the broker delivers it only once nothing newer is retained)."""
         new = check_flat(dict(state or {}), "device state")
         with self._tx() as db:
             dev = self._device(db, device_id)
             merged = check_flat({**dev.state, **new}, "device state")
             newest = dev.last_seen is None or at >= dev.last_seen
             db.execute("UPDATE devices SET online = ?, state = ?, last_seen = ? WHERE id = ?",
-                       (int(bool(online)) if newest else int(dev.online), json.dumps(merged, sort_keys=True),
+                       (int(bool(online)) if newest or not online else int(dev.online), json.dumps(merged, sort_keys=True),
                         at if newest else dev.last_seen, device_id))
             return self._device(db, device_id)
 

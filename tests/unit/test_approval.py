@@ -102,6 +102,9 @@ def test_record_heard_never_moves_last_seen_back_and_online_follows_the_newest(t
         assert (d.last_seen, d.online) == (2000.0, False)
         d = reg.record_heard(dev.id, at=1500.0, online=True)  # an older retained hello, re-delivered
         assert (d.last_seen, d.online) == (2000.0, False)
+        d = reg.record_heard(dev.id, at=3000.0)
+        d = reg.record_heard(dev.id, at=2500.0, online=False)  # its will: signed when it connected
+        assert (d.last_seen, d.online) == (3000.0, False)
         with pytest.raises(InputError):
             reg.record_heard("a" * 24, at=1.0)
 
