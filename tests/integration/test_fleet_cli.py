@@ -1,6 +1,6 @@
-"""The operator's commands against a running `serve`: cancel reaches the devices, a
-device's refusal is a dropout with its reason, `train` follows the job to its end, and a
-second `serve` on the same state directory is refused."""
+"""The operator's commands against a running `serve` with real agents: a device's policy
+refusal is a dropout with its reason, `train` follows the job to its end, a second `serve`
+on the same state directory is refused, and a pending device is shown and approved."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import subprocess
 
 import pytest
 
-from edge_agent.coordinator.records import JobStatus, RoundState
-from edge_agent.protocol import Kind
-from edge_agent.transport import Outbox
+from edge_agent.coordinator.records import JobStatus
 from tests.integration.conftest import (
     REPO,
-    DeviceLoop,
-    announce,
+    board_tree,
+    device_data,
     online_devices,
     register_digits,
     wait_for,
@@ -23,45 +21,32 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.integration
 
 
-def test_cancel_refusal_and_a_second_serve(mosquitto, fleet, serve, tmp_path, digits_bundle):
+def test_a_policy_refusal_is_a_dropout_and_a_second_serve_is_refused(mosquitto, fleet, agents, serve, tmp_path,
+                                                                      digits_bundle):
+    """A real agent whose battery (35 %) passes the coordinator's selection (30 %) but not
+    its own policy (40 %) refuses the round's command: a dropout with its reason, which
+    `train` follows to the job's end and prints. (Cancel: test_fleet_agents.py.)"""
     coordinator = serve(mosquitto.port).start()
     register_digits(coordinator, digits_bundle[1], tmp_path)
-    side = fleet.device(mosquitto.port, name="dev")
-    announce(fleet, side)
-    device = DeviceLoop(fleet, side, Outbox(directory=tmp_path / "outbox")).start()
-    assert wait_for(lambda: online_devices(coordinator) == [side.id], 30), coordinator.log_tail()
+    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board", battery_pct=35),
+                   data_dir=device_data(tmp_path / "data")).start()
+    assert wait_for(lambda: online_devices(coordinator) == [agent.id], 60), coordinator.log_tail() + agent.log_tail()
 
-    # cancel: the running serve ends the round and tells the device to stop
-    out = coordinator.cli("train", "--model", "digits", "--deadline", "10m", "--detach").stdout
-    job_id = out.split()[1].rstrip(":")
-    assert wait_for(lambda: any(c.body["action"] == "finetune" for c in device.commands), 30)
-    coordinator.cli("cancel", job_id, "--reason", "wrong data")
-    assert wait_for(lambda: any(c.body["action"] == "cancel" and c.body["job"] == job_id for c in device.commands), 30)
+    done = coordinator.cli("train", "--model", "digits", "--deadline", "10m", "--poll", "0.2", check=False,
+                           timeout=600)
+    assert done.returncode == 1, done.stdout  # the job failed: its only round had no update
+    assert f"dropout {agent.id}: refused:battery_low" in done.stdout and "failed" in done.stdout, done.stdout
     with coordinator.registry() as reg:
-        assert reg.get_job(job_id).status is JobStatus.CANCELLED
-        assert reg.list_rounds(job_id)[0].state is RoundState.CANCELLED
-
-    # a refusal is a dropout, with the device's reason; `train` follows the job and says so
-    proc = subprocess.Popen([*coordinator.cli_argv, "train", "--model", "digits", "--deadline", "10m", "--poll", "0.2",
-                             "--state-dir", str(coordinator.state_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    assert wait_for(lambda: sum(c.body["action"] == "finetune" for c in device.commands) == 2, 30)
-    cmd = [c for c in device.commands if c.body["action"] == "finetune"][-1]
-    assert cmd.body["params"]["deadline"] > 0 and len(cmd.body["sha256"]) == 64
-    refusal = {"reason": "battery_low", "detail": "battery 12 % is below 40 %", "ref_cmd_id": cmd.body["cmd_id"],
-               "ref_kind": "cmd"}
-    assert side.channel.send(fleet.topics.device(side.id, "progress"), Kind.REFUSAL, refusal, ttl=600)
-    stdout, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1, stdout  # the job failed: its only round had no update
-    assert f"dropout {side.id}: refused:battery_low" in stdout and "failed" in stdout, stdout
-    with coordinator.registry() as reg:
-        job = reg.get_job(cmd.body["job"])
-        assert job.status is JobStatus.FAILED and reg.list_rounds(job.id)[0].dropouts == {
-            side.id: "refused:battery_low"}
+        (job,) = reg.list_jobs()
+        assert job.status is JobStatus.FAILED
+        assert reg.list_rounds(job.id)[0].dropouts == {agent.id: "refused:battery_low"}
+    assert "refused finetune" in agent.log_tail() and "battery 35 %" in agent.log_tail(), agent.log_tail()
+    assert not (agent.state_dir / "jobs").exists() or not any((agent.state_dir / "jobs").iterdir())
 
     # one serve per state directory: a second one is refused with a clear message
     second = subprocess.run(coordinator.argv, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert second.returncode == 69 and "another edge-coordinator serve" in second.stderr, second.stderr
-    assert coordinator.alive and not device.errors
+    assert coordinator.alive and agent.alive
 
 
 def test_a_pending_agent_is_shown_logged_once_and_approved_by_name(mosquitto, fleet, serve, agents, tmp_path):
