@@ -34,7 +34,8 @@ Sources (one of):
 
 Calibration (--calib): an .npz holding an (N, C, H, W) float array named x, data or images
 (already normalised), or a folder of .npy arrays (normalised) and/or images (.png/.jpg:
-raw pixels, resized and normalised with --scale/--mean/--std).
+raw pixels, resized and normalised with --scale/--mean/--std), directly in it or in its
+sub-folders (one level: a labelled data folder calibrates with every class).
 """
 
 CREATE_EPILOG = """\

@@ -48,7 +48,9 @@ def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpe
     `source` is an array (already normalised), an .npz (array "x", "data" or "images", or
     its only array: already normalised NCHW), or a folder of .npy arrays (normalised, one
     CHW sample or an NCHW batch each) and/or images (.png/.jpg/.bmp/.pgm: raw pixels,
-    resized to the input size and normalised with the input spec; needs Pillow)."""
+    resized to the input size and normalised with the input spec; needs Pillow). The
+    folder may also hold them in sub-folders, one level down: a labelled data folder as
+    `edge-agent finetune --data` takes it calibrates with all its classes."""
     if isinstance(source, np.ndarray):
         return check_calibration(source, spec, where="calibration array")
     path = Path(source)
@@ -56,7 +58,12 @@ def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpe
         return _load_npz_array(read_limited(path, MAX_FILE_BYTES), spec, where=str(path), key=None)
     if not path.is_dir():
         raise InputError(f"{path}: calibration data not found (need an .npz file or a folder)")
-    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    visible = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    files = [p for p in visible if p.is_file()]
+    for folder in (p for p in visible if p.is_dir()):  # label sub-folders: every class calibrates
+        files += sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+        if len(files) > max_files:
+            break
     if len(files) > max_files:
         raise InputError(f"{path}: {len(files)} files, over the limit of {max_files}")
     batches: list[np.ndarray] = []
@@ -71,7 +78,7 @@ def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpe
         elif suffix in (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".ppm"):
             batches.append(_load_image(item, spec))
     if not batches:
-        raise InputError(f"{path}: no .npy or image files")
+        raise InputError(f"{path}: no .npy or image files (in the folder or its sub-folders)")
     return np.concatenate(batches, axis=0)
 
 
