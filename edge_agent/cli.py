@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from .errors import EXIT_CODES, EXIT_CONFIG, EXIT_OK, EXIT_USAGE, CliParser, run_command
+from .errors import EXIT_CODES, EXIT_CONFIG, EXIT_OK, EXIT_USAGE, CliParser, UsageError, run_command
 
 log = logging.getLogger("edge_agent")
 
@@ -44,11 +44,20 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _profiles_dir(args: argparse.Namespace) -> Path | None:
+    """--dir, which must be a directory: a typo must not check (or list) nothing and pass."""
+    if args.dir is None:
+        return None
+    if not Path(args.dir).is_dir():
+        raise UsageError(f"--dir {args.dir}: no such directory")
+    return Path(args.dir)
+
+
 def _cmd_profiles_check(args: argparse.Namespace) -> int:
     from .hardware.profiles import load_profiles, profiles_dir
 
     paths = [Path(p) for p in args.files] if args.files else None
-    directory = Path(args.dir) if args.dir else profiles_dir()
+    directory = _profiles_dir(args) or profiles_dir()
     result = load_profiles(paths, directory=directory)
     for error in result.errors:
         print(error, file=sys.stderr)
@@ -63,7 +72,7 @@ def _cmd_profiles_check(args: argparse.Namespace) -> int:
 def _cmd_profiles_list(args: argparse.Namespace) -> int:
     from .hardware.profiles import load_profiles
 
-    result = load_profiles(directory=Path(args.dir) if args.dir else None)
+    result = load_profiles(directory=_profiles_dir(args))
     for name, profile in sorted(result.profiles.items()):
         power = profile.data.get("power", {})
         print(f"{name:28s} {power.get('idle_w', '?'):>5} W idle {power.get('load_w', '?'):>5} W load  "
@@ -76,7 +85,7 @@ def _cmd_profiles_list(args: argparse.Namespace) -> int:
 def _cmd_profiles_show(args: argparse.Namespace) -> int:
     from .hardware.profiles import load_profiles
 
-    result = load_profiles(directory=Path(args.dir) if args.dir else None)
+    result = load_profiles(directory=_profiles_dir(args))
     profile = result.profiles.get(args.name)
     if profile is None:
         print(f"no profile named {args.name!r}; known: {', '.join(sorted(result.profiles))}", file=sys.stderr)

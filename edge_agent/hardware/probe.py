@@ -46,6 +46,23 @@ def _is_live(root: Path) -> bool:
         return False
 
 
+_CPUFREQ = "/sys/devices/system/cpu/cpu0/cpufreq"
+
+
+def _cpufreq(sysroot: SysRoot) -> dict[str, Any]:
+    """cpufreq, with the hardware limits (cpuinfo_min/max/cur_freq) where the scaling_* nodes
+    are missing: some drivers and containers expose only those."""
+    freq = read_cpufreq(sysroot)
+    if not freq:
+        return freq
+    for key, node in (("min_mhz", "cpuinfo_min_freq"), ("max_mhz", "cpuinfo_max_freq"),
+                      ("cur_mhz", "cpuinfo_cur_freq")):
+        if freq.get(key) is None:
+            khz = sysroot.read_int(f"{_CPUFREQ}/{node}")
+            freq[key] = khz / 1000 if khz is not None and khz > 0 else None
+    return freq
+
+
 def probe(root: str | os.PathLike[str] = "/", *, profiles_directory: Path | None = None) -> dict[str, Any]:
     """Probe the device under `root` and return the JSON-ready report."""
     problems = Problems()
@@ -67,7 +84,7 @@ def probe(root: str | os.PathLike[str] = "/", *, profiles_directory: Path | None
             "rapl": read_rapl(sysroot),
         },
         "thermal": read_thermal(sysroot),
-        "cpufreq": read_cpufreq(sysroot),
+        "cpufreq": _cpufreq(sysroot),
     }
     profile_set = load_profiles(directory=profiles_directory)
     for error in profile_set.errors:
@@ -152,8 +169,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"Thermal:      {zone['zone']} {zone['type']} {_fmt(zone['temp_c'], '°C', 1)}")
     freq = report["cpufreq"]
     if freq:
-        lines.append(f"cpufreq:      {freq.get('governor') or '?'} {_fmt(freq.get('min_mhz'), 'MHz', 0)}"
-                     f" .. {_fmt(freq.get('max_mhz'), 'MHz', 0)} (now {_fmt(freq.get('cur_mhz'), 'MHz', 0)})")
+        span = (f"{_fmt(freq.get('min_mhz'), 'MHz', 0)} .. {_fmt(freq.get('max_mhz'), 'MHz', 0)}"
+                if freq.get("min_mhz") is not None or freq.get("max_mhz") is not None else "range unknown")
+        now = f" (now {_fmt(freq.get('cur_mhz'), 'MHz', 0)})" if freq.get("cur_mhz") is not None else ""
+        lines.append(f"cpufreq:      {freq.get('governor') or 'governor unknown'} {span}{now}")
     prof = report["profile"]
     lines.append(f"Profile:      {prof['name'] or 'none'} ({prof['reason']})")
     lines.append(f"Fingerprint:  {report['fingerprint']}")

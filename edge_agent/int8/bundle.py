@@ -398,7 +398,7 @@ def check_calibration(array: np.ndarray, spec: InputSpec, *, where: str) -> np.n
 def _check_dest(dest: Path, overwrite: bool) -> None:
     """Fail before any work when `dest` exists (checked again at the rename)."""
     if not overwrite and (dest.exists() or dest.is_symlink()):
-        raise BundleError(f"{dest}: already exists (pass overwrite to replace it)")
+        raise BundleError(f"{dest}: already exists (--overwrite replaces it)")
 
 
 def _tmp_dir_for(dest: Path) -> Path:
@@ -499,7 +499,10 @@ def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str],
             raise BundleError(f"{src}: not a readable bundle archive ({exc})") from None
         if complete is not None:
             complete(tmp)
-        load_bundle(tmp)
+        try:
+            load_bundle(tmp)
+        except BundleError as exc:  # name the user's archive, not our temp directory
+            raise type(exc)(str(exc).replace(f"{tmp}/", f"{src}: member ").replace(str(tmp), str(src))) from None
         _commit_dir(tmp, target, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -157,3 +157,31 @@ def test_kernels_usage_errors_and_help(workdir, capsys):
     with pytest.raises(SystemExit):
         coordinator_main(["model", "create", "--help"])
     assert "--calib" in capsys.readouterr().out
+
+
+def test_a_tampered_archive_is_named_in_the_error_not_a_temp_path(bundle_dir, workdir, tmp_path, capsys):
+    import io
+    import tarfile
+
+    archive = tmp_path / "tampered.tar.gz"
+    with tarfile.open(workdir / "digits-3.tar.gz") as src, tarfile.open(archive, "w:gz") as out:
+        for member in src:
+            data = src.extractfile(member).read()
+            if member.name == B.HEAD_SYMBOL:
+                data = b"{}"
+                member.size = len(data)
+            out.addfile(member, io.BytesIO(data))
+    assert coordinator_main(["model", "inspect", str(archive)]) == EXIT_DATAERR
+    err = capsys.readouterr().err
+    assert f"{archive}: member {B.HEAD_SYMBOL}" in err and ".tmp" not in err, err
+    assert _kernels(workdir, "--model", str(archive)) == EXIT_DATAERR
+    err = capsys.readouterr().err
+    assert str(archive) in err and ".tmp" not in err and "edge-agent-kernels-" not in err, err
+
+
+def test_an_existing_output_names_the_flag(bundle_dir, workdir, capsys):
+    rc = coordinator_main(["model", "create", "--onnx", str(workdir / "digits.onnx"), "--split", "features_gap_fwd",
+                           "--calib", str(workdir / "calib.npz"), "--labels", "0,1", "--name", "x", "--version", "1",
+                           "--output", str(bundle_dir)])
+    err = capsys.readouterr().err
+    assert rc == EXIT_DATAERR and "already exists (--overwrite replaces it)" in err

@@ -267,3 +267,20 @@ def test_cli_probe_of_this_machine_never_imports_mxnet_or_tflite() -> None:
     imported = {line.split("|")[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
     assert "edge_agent" in imported
     assert not imported & {"mxnet", "tflite_runtime", "tflite", "ai_edge_litert", "numpy", "onnx"}
+
+
+def test_cpufreq_falls_back_to_the_hardware_limits(tmp_path: Path) -> None:
+    base = "sys/devices/system/cpu/cpu0/cpufreq"
+    root = _tree(tmp_path / "limits", {f"{base}/scaling_governor": "ondemand\n",
+                                       f"{base}/cpuinfo_min_freq": "600000\n", f"{base}/cpuinfo_max_freq": "1800000\n"})
+    r = probe(root)
+    assert r["cpufreq"] == {"governor": "ondemand", "min_mhz": 600.0, "max_mhz": 1800.0, "cur_mhz": None}
+    line = next(x for x in render(r).splitlines() if x.startswith("cpufreq:"))
+    assert line == "cpufreq:      ondemand 600 MHz .. 1800 MHz" and "?" not in line
+    # scaling_* (what the governor may use now) wins over the hardware limits where present
+    both = _tree(tmp_path / "both", {f"{base}/scaling_governor": "powersave\n", f"{base}/scaling_max_freq": "1200000\n",
+                                     f"{base}/cpuinfo_min_freq": "600000\n", f"{base}/cpuinfo_max_freq": "1800000\n"})
+    assert probe(both)["cpufreq"]["max_mhz"] == 1200.0 and probe(both)["cpufreq"]["min_mhz"] == 600.0
+    bare = _tree(tmp_path / "bare", {f"{base}/affected_cpus": "0\n"})
+    line = next(x for x in render(probe(bare)).splitlines() if x.startswith("cpufreq:"))
+    assert "?" not in line and "range unknown" in line
