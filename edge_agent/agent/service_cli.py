@@ -40,8 +40,8 @@ examples:
   edge-agent install-service --print-unit          # the unit it would write
   sudo edge-agent install-service --root /mnt/sdcard-rootfs   # into an SD card image
 
-exit codes: 0 ok, 1 a step failed, 77 not root, 78 edge-agent lives where the service
-cannot reach it (under /home or /root).
+exit codes: 0 ok, 1 a step failed, 64 bad command line, 77 not root, 78 edge-agent lives
+where the service cannot reach it (under /home or /root).
 """
 
 UNINSTALL_DESCRIPTION = """\
@@ -56,7 +56,8 @@ examples:
   sudo edge-agent uninstall-service
   sudo edge-agent uninstall-service --purge     # also delete config, key and state
 
-exit codes: 0 ok, 1 a step failed or the unit is not install-service's, 77 not root.
+exit codes: 0 ok, 1 a step failed or the unit is not install-service's, 64 bad command
+line, 77 not root.
 """
 
 

@@ -167,6 +167,31 @@ def test_train_explains_what_is_wrong_before_queueing_anything(capsys, fleet_dir
     assert rc == 0 and "on tag:orchard" in out
 
 
+def test_train_refuses_what_every_device_would_refuse_at_the_agents_own_limits(capsys, fleet_dir):
+    """The job's settings go through the agent's parser (agent.policy.TRAIN_PARAMS): a value
+    just inside a device limit is queued, one just outside is exit 64 naming the limit."""
+    from edge_agent.agent.policy import TRAIN_PARAMS
+    from edge_agent.errors import EXIT_USAGE
+
+    state, _ = fleet_dir
+    sd = ("--state-dir", str(state))
+    for name, (kind, lo, hi) in TRAIN_PARAMS.items():
+        flag = f"--{name.replace('_', '-')}"
+        spell = (lambda v: str(int(v))) if kind is int else repr
+        argv = [flag, spell(lo)] if flag in ("--epochs", "--batch-size", "--lr", "--update-bytes") else \
+            ["--param", f"{name}={spell(lo)}"]
+        rc, _, err = run(capsys, "train", "--model", "digits", "--detach", *argv, *sd)
+        assert rc == 0, (name, err)
+        bad = [argv[0], spell(hi * 2)] if argv[0] != "--param" else ["--param", f"{name}={spell(hi * 2)}"]
+        rc, _, err = run(capsys, "train", "--model", "digits", "--detach", *bad, *sd)
+        assert rc == EXIT_USAGE and f"params.{name}" in err and f"{hi:g}" in err, (name, err)
+        assert err.count("\n") == 1
+    rc, _, err = run(capsys, "train", "--model", "digits", "--budget-wh", "-1", *sd)
+    assert rc == EXIT_USAGE and "params.budget_wh = -1.0 is outside" in err
+    with Registry(state_dir=state) as reg:
+        assert len(reg.list_jobs()) == len(TRAIN_PARAMS)  # only the good ones were queued
+
+
 def test_status_models_and_cancel(capsys, fleet_dir):
     state, _ = fleet_dir
     sd = ("--state-dir", str(state))
