@@ -312,9 +312,30 @@ def _link(name: str) -> tarfile.TarInfo:
     return info
 
 
+@pytest.mark.parametrize("escape", ["../evil", "../../evil", "ABS/evil"])
+def test_a_member_that_escapes_the_extraction_dir_is_refused_and_writes_nothing(tmp_path, escape):
+    # The bundle unpacks into base/out (through a temp dir beside it); each hostile name is
+    # checked at the exact path a naive extractor writes it to -- shown first with tarfile.
+    base = tmp_path / "a" / "b"
+    base.mkdir(parents=True)
+    name = escape.replace("ABS", str(tmp_path / "abs"))
+    target = {"../evil": base / "evil", "../../evil": tmp_path / "a" / "evil",
+              "ABS/evil": tmp_path / "abs" / "evil"}[escape]
+    archive = _tar(tmp_path / "evil.tar.gz", [(_reg(B.MANIFEST), b"{}"), (_reg(name), b"pwned")])
+    naive = base / "naive"
+    naive.mkdir()
+    with tarfile.open(archive) as tar:  # the control: what trusting the archive would do
+        tar.extractall(naive, **({"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}))
+    assert target.read_bytes() == b"pwned"
+    target.unlink()
+    with pytest.raises(B.BundleError) as err:
+        B.unpack_bundle(archive, base / "out")
+    assert f"member {repr(name)[:80]}: unexpected name" in str(err.value)  # one clear line
+    assert "Traceback" not in str(err.value) and "\n" not in str(err.value)
+    assert not target.exists() and not (base / "out").exists() and _leftovers(base) == []
+
+
 @pytest.mark.parametrize(("members", "message"), [
-    ([(_reg("../evil"), b"x")], "unexpected name"),
-    ([(_reg("/etc/cron.d/evil"), b"x")], "unexpected name"),
     ([(_reg("sub/manifest.json"), b"x")], "unexpected name"),
     ([(_link("manifest.json"), b"")], "not a regular file"),
     ([(_reg("manifest.json"), b"{}"), (_reg("manifest.json"), b"{}")], "appears twice"),
@@ -325,7 +346,6 @@ def test_hostile_archives_are_refused_and_leave_nothing(tmp_path, members, messa
     with pytest.raises(B.BundleError, match=message):
         B.unpack_bundle(archive, tmp_path / "out", max_bytes=1024)
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
-    assert not Path("/tmp/evil").exists()
 
 
 def test_truncated_and_non_archives(bundle_dir, tmp_path):

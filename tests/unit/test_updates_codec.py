@@ -335,9 +335,52 @@ def test_unsupported_dtype_and_bits_are_refused():
     n=st.integers(0, 300),
 )
 def test_decode_indices_of_arbitrary_bytes_is_refused_or_valid(kind, data, k, n):
+    # (the control that valid bytes are accepted is the test below)
     try:
         idx = decode_indices(kind, data, k, n)
     except UpdateFormatError:
         return
     assert idx.size == k and (np.diff(idx) > 0).all()
     assert k == 0 or (idx[0] >= 0 and idx[-1] < n)
+
+
+@st.composite
+def index_sets(draw) -> tuple[np.ndarray, int]:
+    """(sorted positions, n) at densities that make encode_indices pick every coding."""
+    n = draw(st.integers(1, 20_000))
+    if draw(st.booleans()):  # evenly spaced: small equal gaps suit varints
+        return np.arange(draw(st.integers(0, n - 1)), n, draw(st.integers(1, 200))), n
+    p = draw(st.sampled_from([0.0005, 0.005, 0.05, 0.3, 0.8, 1.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return np.flatnonzero(rng.random(n) < p), n
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=index_sets(), damage=st.lists(st.tuples(st.integers(0), st.integers(1, 255)), max_size=3))
+def test_index_codings_accept_every_valid_input_and_refuse_or_validate_damaged_ones(case, damage):
+    idx, n = case
+    kind, raw = encode_indices(idx, n)
+    # the control group: untouched bytes of every coding decode to exactly the positions
+    np.testing.assert_array_equal(decode_indices(kind, raw, idx.size, n), idx)
+    if not damage or not raw:
+        return
+    bad = bytearray(raw)
+    for pos, flip in damage:
+        bad[pos % len(bad)] ^= flip  # a byte that really changed
+    try:
+        got = decode_indices(kind, bytes(bad), idx.size, n)
+    except UpdateFormatError:
+        return
+    assert got.size == idx.size and (np.diff(got) > 0).all()
+    assert idx.size == 0 or (got[0] >= 0 and got[-1] < n)
+
+
+def test_the_index_control_group_covers_every_coding():
+    rng = np.random.default_rng(0)
+    kinds = set()
+    cases = [(np.flatnonzero(rng.random(n) < p), n) for n, p in ((2000, 0.002), (2000, 0.3), (50, 1.0))]
+    for idx, n in [*cases, (np.arange(0, 10_000, 100), 10_000), (np.arange(0, 1000, 2), 1000)]:
+        kind, raw = encode_indices(idx, n)
+        np.testing.assert_array_equal(decode_indices(kind, raw, idx.size, n), idx)
+        kinds.add(kind)
+    assert kinds == {INDEX_ALL, INDEX_VARINT, INDEX_BITMAP, INDEX_RICE}

@@ -19,7 +19,7 @@ from edge_agent.updates.chunks import (
     split_chunks,
     wire_size,
 )
-from edge_agent.updates.codec import TensorSpec, encode_delta, tensor_table
+from edge_agent.updates.codec import TensorSpec, encode_delta, round_trip_bound, tensor_table
 from edge_agent.updates.errors import (
     ChunkError,
     TensorTableMismatchError,
@@ -252,21 +252,31 @@ def test_header_fields_are_validated_on_pack():
 @given(data=st.data())
 def test_mutated_payloads_raise_update_errors_only(data):
     """Any damage to a payload is either refused with an UpdateError or decodes to finite
-    tensors of the declared table: never another exception, never NaN."""
-    payload, delta = _payload(
-        density=data.draw(st.sampled_from([0.01, 0.2, 1.0])),
-        bits=data.draw(st.sampled_from([1, 4, 8, 32])),
-    )
+    tensors of the declared table: never another exception, never NaN. The control group --
+    the same payload untouched -- must decode, to the sent values within the codec's bound,
+    so a decoder that refused everything would fail here."""
+    density = data.draw(st.sampled_from([0.01, 0.2, 1.0]))
+    bits = data.draw(st.sampled_from([1, 4, 8, 32]))
+    delta = _model(data.draw(st.integers(0, 3)))
+    encoded = encode_delta(delta, density=density, bits=bits)
+    payload = pack_update(HEADER, encoded)
+    clean = decode_update(payload, expected_table=tensor_table(delta), max_elements=1 << 20)
+    assert clean.header == HEADER and clean.table == tensor_table(delta)
+    for enc in encoded:
+        name = enc.spec.name
+        err = np.abs(clean.deltas[name].astype(np.float64) - delta[name].astype(np.float64)).ravel()
+        assert (err <= round_trip_bound(delta[name], enc)).all(), name
     raw = bytearray(payload)
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, len(raw) - 1))
-        raw[pos] = data.draw(st.integers(0, 255))
+        raw[pos] ^= data.draw(st.integers(1, 255))  # a byte that really changed
     try:
         dec = decode_update(bytes(raw), max_elements=1 << 20)
     except UpdateError:
         return
+    assert {s.name: s.shape for s in dec.table} == {n: a.shape for n, a in dec.deltas.items()}
     for name, arr in dec.deltas.items():
-        assert np.isfinite(arr).all(), name
+        assert arr.dtype == np.float32 and np.isfinite(arr).all(), name
 
 
 def test_reassembler_limits_are_validated():
