@@ -18,6 +18,11 @@ patience, checkpoint_every, seed). Activate spec: archive, dest (+ base: a patch
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
 and run again writes the same bytes; the committed residual is only replaced by the
 daemon, after it has queued the update (see lifecycle.py).
+
+Test hook (only with EDGE_AGENT_TEST_HOOKS=1): when EDGE_AGENT_TEST_HOLD names a file
+holding a step number N, `train` stops after its first checkpoint at step >= N, writes the
+step to <file>.held and waits there while the file exists and the daemon lives, so a test
+can kill the daemon mid-training on a machine of any speed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import math
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +139,26 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
             "energy_kept": round(update.energy_kept, 6), "labels_sha256": label_set_digest(bundle.manifest.labels)}
 
 
+def _hold_after_checkpoint(progress: Callable[[Any], None]) -> Callable[[Any], None]:
+    """The EDGE_AGENT_TEST_HOLD hook (module doc) around the progress callback."""
+    if os.environ.get("EDGE_AGENT_TEST_HOOKS") != "1" or not os.environ.get("EDGE_AGENT_TEST_HOLD"):
+        return progress
+    hold, parent = Path(os.environ["EDGE_AGENT_TEST_HOLD"]), os.getppid()
+
+    def hooked(event: Any) -> None:
+        progress(event)
+        try:
+            at = int(hold.read_text())
+        except (OSError, ValueError):
+            return
+        if event.phase == "checkpoint" and event.step >= at:
+            atomic_write_json(hold.with_name(hold.name + ".held"), {"step": event.step})
+            while hold.exists() and os.getppid() == parent:
+                time.sleep(0.05)
+
+    return hooked
+
+
 def train(spec: dict[str, Any], events: Events) -> int:
     from ..train.job import run_finetune
 
@@ -144,7 +171,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
         thermal_limit_c=spec.get("thermal_limit_c"), deadline=spec.get("deadline_at"), resume=True,
         power_root=spec.get("sysfs_root", "/"), profile=spec.get("profile"),
         cache_max_mb=float(spec.get("cache_max_mb", 256)), poll_s=float(spec.get("poll_s", 30.0)),
-        progress=events.progress, **extra)
+        progress=_hold_after_checkpoint(events.progress), **extra)
     summary = {"stop_reason": report["stop_reason"], "steps": report["steps"], "engine": report["engine"]["name"],
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
                "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
