@@ -8,6 +8,7 @@ The virtualenv helper is run for real with the Debian Python 3.11 into tmp_path.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pwd
 import re
@@ -245,6 +246,106 @@ def test_offline_requirements_pin_every_wheel_by_hash_for_pip(tree: Path, tmp_pa
     assert proc.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in proc.stderr
 
 
-def test_build_deb_refuses_an_architecture_without_mxnet_wheels() -> None:
-    proc = sh(sys.executable, REPO / "packaging/build-deb", "--arch", "armhf", ok=False)
-    assert proc.returncode == 2 and "invalid choice: 'armhf'" in proc.stderr
+def test_build_deb_refuses_an_unknown_architecture() -> None:
+    proc = sh(sys.executable, REPO / "packaging/build-deb", "--arch", "i386", ok=False)
+    assert proc.returncode == 2 and "invalid choice: 'i386'" in proc.stderr
+
+
+# ------------------------------------------------------------------ arm64 and armhf (issue 13)
+
+def test_platform_tags_accept_bookworm_wheels() -> None:
+    """tflite-runtime 2.14.0's aarch64 wheel is manylinux_2_34 and cryptography's armv7l one
+    manylinux_2_31: Bookworm's glibc 2.36 runs both, so the download must accept them."""
+    from packaging.tags import Tag
+    from packaging.utils import parse_wheel_filename
+
+    bd = _build_deb_module()
+    for arch, wheel in (("arm64", "tflite_runtime-2.14.0-cp311-cp311-manylinux_2_34_aarch64.whl"),
+                        ("armhf", "cryptography-50.0.2-cp311-abi3-manylinux_2_31_armv7l.whl")):
+        accepted = {Tag(i, a, plat) for plat in bd.ARCHES[arch][3] for i in ("cp311", "py3") for a in ("cp311", "abi3")}
+        assert parse_wheel_filename(wheel)[3] & accepted, (arch, wheel)
+    assert "manylinux_2_37_aarch64" not in bd.ARCHES["arm64"][3]  # newer than Bookworm's glibc
+
+
+def test_target_dependencies_are_judged_for_the_target_not_this_host() -> None:
+    bd = _build_deb_module()
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split("=")[0].split("<")[0].split(">")[0].split(";")[0].strip() for d in deps}
+    arm64 = {r.split("=")[0].split("<")[0].split(">")[0] for r in bd.target_dependencies(deps, "arm64")}
+    armhf = {r.split("=")[0].split("<")[0].split(">")[0] for r in bd.target_dependencies(deps, "armhf")}
+    assert {"mxnet", "tflite-runtime", "numpy"} <= arm64 == names
+    # 32-bit Pi OS: no MXNet/onnx/tflite-runtime wheels; numpy and cryptography are Debian's.
+    assert armhf == names - {"mxnet", "onnx", "tflite-runtime", "numpy", "cryptography"}
+    assert all(";" not in r for r in bd.target_dependencies(deps, "armhf"))
+
+
+@pytest.fixture(scope="module")
+def armhf_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("deb-armhf")
+    proc = sh(sys.executable, REPO / "packaging/build-deb", "--arch", "armhf", "--mode", "thin", "--out", out,
+              "--workdir", out / "work")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def test_armhf_package_for_32_bit_pi_os(armhf_deb: Path, tmp_path: Path) -> None:
+    fields = dict(re.findall(r"^ ?([A-Za-z-]+): (.*)$", sh("dpkg-deb", "--info", armhf_deb).stdout, re.M))
+    assert fields["Architecture"] == "armhf"
+    depends = {d.strip() for d in fields["Depends"].split(",")}
+    assert {"python3-numpy", "python3-cryptography"} <= depends
+    sh("dpkg-deb", "-R", armhf_deb, tmp_path)
+    wheels = tmp_path / "usr/lib/edge-agent/wheels"
+    (wheel,) = wheels.glob("*.whl")
+    assert wheel.name.endswith("-linux_armv7l.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        (lib,) = [n for n in zf.namelist() if re.fullmatch(r"edge_agent/_kernels.*\.so", n)]
+        assert lib.endswith("arm-linux-gnueabihf.so") and int.from_bytes(zf.read(lib)[18:20], "little") == 40
+    reqs = (wheels / "requirements.txt").read_text().splitlines()[1:]
+    assert reqs[0] == f"mxedge-agent=={VERSION}" and not any(
+        r.startswith(("mxnet", "onnx", "numpy", "tflite-runtime", "cryptography")) for r in reqs), reqs
+    helper = (tmp_path / "usr/libexec/edge-agent/build-venv").read_text()
+    assert 'SYSTEM_SITE="--system-site-packages"' in helper and 'NO_DEPS="--no-deps"' in helper
+    assert 'DOCTOR="no"' in helper
+
+
+def test_arm64_package_depends_on_what_the_repaired_mxnet_needs(tmp_path: Path) -> None:
+    proc = sh(sys.executable, REPO / "packaging/build-deb", "--arch", "arm64", "--mode", "thin", "--out", tmp_path,
+              "--workdir", tmp_path / "work")
+    deb = Path(proc.stdout.strip().splitlines()[-1])
+    fields = dict(re.findall(r"^ ?([A-Za-z-]+): (.*)$", sh("dpkg-deb", "--info", deb).stdout, re.M))
+    depends = {d.strip() for d in fields["Depends"].split(",")}
+    assert {"libopenblas0-pthread", "liblapacke", "libgomp1", "libgfortran5", "patchelf"} <= depends
+    sh("dpkg-deb", "-R", deb, tmp_path / "x")
+    helper = (tmp_path / "x/usr/libexec/edge-agent/build-venv").read_text()
+    assert 'DOCTOR="yes"' in helper and 'SYSTEM_SITE=""' in helper
+
+
+def test_mxnet_wheel_repair_keeps_the_wheel_valid(tmp_path: Path) -> None:
+    """repair_mxnet_wheel on a wheel whose libmxnet.so NEEDs ArmPL: the repaired wheel's
+    RECORD matches its files (pip checks it), the repair record is inside, and the result
+    is cached by the original wheel's sha256."""
+    from edge_agent import doctor
+    from tests.unit.test_doctor import _armpl_linked_library
+
+    lib = _armpl_linked_library(tmp_path)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = "mxnet-1.9.1-py3-none-manylinux2014_aarch64.whl"
+    files = {"mxnet/__init__.py": b"", "mxnet/libmxnet.so": lib.read_bytes(),
+             "mxnet-1.9.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: mxnet\nVersion: 1.9.1\n",
+             "mxnet-1.9.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: py3-none-any\n"}
+    bd = _build_deb_module()
+    record = "".join(f"{n},{bd._record_hash(d)},{len(d)}\n" for n, d in files.items())
+    record += "mxnet-1.9.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheels / name, "w") as zf:
+        for n, d in files.items():
+            zf.writestr(n, d)
+        zf.writestr("mxnet-1.9.1.dist-info/RECORD", record)
+    original = hashlib.sha256((wheels / name).read_bytes()).hexdigest()
+    info = bd.repair_mxnet_wheel(wheels, tmp_path / "cache")
+    assert info["wheel_original_sha256"] == original != info["wheel_repaired_sha256"]
+    sh(sys.executable, "-m", "wheel", "unpack", "--dest", tmp_path / "unpacked", wheels / name)  # checks RECORD
+    unpacked = tmp_path / "unpacked/mxnet-1.9.1/mxnet"
+    assert "libopenblas.so.0" in doctor.needed_libraries(unpacked / "libmxnet.so")
+    inside = json.loads((unpacked / doctor.REPAIR_RECORD).read_text())
+    assert inside["repaired_sha256"] == doctor.sha256_file(unpacked / "libmxnet.so")
+    assert (tmp_path / "cache" / original / name).is_file()
