@@ -314,9 +314,12 @@ class JobDriver:
             metrics = {k: event[k] for k in ("step", "epoch", "loss", "energy_wh", "watts", "temp_c", "val_accuracy")
                        if isinstance(event.get(k), int | float) and not isinstance(event.get(k), bool)}
             detail = str(event.get("detail") or phase)
+            if phase == "data":  # what the data set gave and what was skipped, why: in the journal too
+                log.info("job %s: data: %s", job.job_id, detail[:300])
             self._progress(job, "paused" if phase == "paused" else "training", detail, pct=pct, metrics=metrics,
-                           # pauses and resumptions always get through; the rest is sampled
-                           throttle=not (phase in ("paused", "encoding") or (phase == "train" and event.get("detail"))))
+                           # pauses, resumptions and the data summary always get through; the rest is sampled
+                           throttle=not (phase in ("paused", "encoding", "data")
+                                         or (phase == "train" and event.get("detail"))))
 
     def _on_exit(self, job: Job, child: ChildProcess, code: int) -> None:
         result = read_result(self.job_dir(job)) or {}
