@@ -147,11 +147,13 @@ def _hold_after_checkpoint(progress: Callable[[Any], None]) -> Callable[[Any], N
 
     def hooked(event: Any) -> None:
         progress(event)
+        if event.phase != "checkpoint":
+            return
         try:
             at = int(hold.read_text())
         except (OSError, ValueError):
             return
-        if event.phase == "checkpoint" and event.step >= at:
+        if event.step >= at:
             atomic_write_json(hold.with_name(hold.name + ".held"), {"step": event.step})
             while hold.exists() and os.getppid() == parent:
                 time.sleep(0.05)

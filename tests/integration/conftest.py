@@ -204,6 +204,7 @@ class DeviceLoop(_Loop):
         self.commands: list[Message] = []
         self.rejections: list[Rejection] = []
         self.ack_results: list[str] = []
+        self.acks: list[Message] = []
 
     def step(self) -> None:
         result = self.side.channel.receive(timeout=0.02)
@@ -212,6 +213,7 @@ class DeviceLoop(_Loop):
             self.side.channel.reply_to(result)
         elif isinstance(result, Message):
             if result.kind is Kind.ACK:
+                self.acks.append(result)
                 self.ack_results.append(self.uploader.handle_ack(result))
             elif result.kind is Kind.CMD:
                 self.commands.append(result)
