@@ -17,6 +17,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -33,7 +34,7 @@ SHIPPED_CONF = REPO / "packaging/mosquitto/edge-agent-fleet.conf"
 SHIPPED_ACL = REPO / "packaging/mosquitto/acl"
 MAKE_CERTS = REPO / "packaging/mosquitto/make-certs"
 AWS_CHUNK = 128 * 1024  # the largest chunk the agent sends (AWS IoT Core's limit)
-TIMEOUT = 10.0
+TIMEOUT = 60.0  # bounds a hang only: every wait is for an event
 # A device id is its Ed25519 key's fingerprint (edge_agent.keys), and its certificate's CN.
 A, B = (keys.fingerprint(keys.generate_private_key()) for _ in range(2))
 
@@ -138,7 +139,9 @@ class Peer:
         except (ssl.SSLError, OSError):
             return False
         self.client.loop_start()
+        deadline = time.monotonic() + TIMEOUT
         while not (self.connected.is_set() or self.disconnected.is_set()):
+            assert time.monotonic() < deadline, f"{self.name}: neither connected nor refused"
             self.connected.wait(0.05)
         return self.connected.is_set() and not self.disconnected.is_set()
 

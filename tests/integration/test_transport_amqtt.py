@@ -32,14 +32,14 @@ def test_upload_command_and_model_over_the_embedded_broker(amqtt_broker, fleet, 
     chunks = [random.Random(i).randbytes(50_000) for i in range(4)]
     outbox.put(key, chunks)
     agent = DeviceLoop(fleet, dev, outbox).start()
-    assert wait_for(lambda: outbox.get(key) is None, 20)
+    assert wait_for(lambda: outbox.get(key) is None, 60)
     assert len(server.log.completed) == 1 and server.log.completed[0].chunks == chunks
 
     cmd_topic = fleet.topics.device(dev.id, "cmd")
-    raw = coord.signer.control(cmd_topic, Kind.CMD, {"cmd_id": "go", "action": "finetune", "job": "demo"}, ttl=60)
+    raw = coord.signer.control(cmd_topic, Kind.CMD, {"cmd_id": "go", "action": "finetune", "job": "demo"}, ttl=600)
     assert coord.client.publish_wait(cmd_topic, raw)
     assert coord.client.publish_wait(cmd_topic, raw)  # replayed
-    assert wait_for(lambda: len(agent.commands) == 1 and len(agent.rejections) == 1, 10)
+    assert wait_for(lambda: len(agent.commands) == 1 and len(agent.rejections) == 1, 60)
     assert agent.rejections[0].reason == "replayed"
     agent.stop()
 
@@ -57,5 +57,5 @@ def test_upload_command_and_model_over_the_embedded_broker(amqtt_broker, fleet, 
             done.extend([path] if path else [])
         return bool(done)
 
-    assert wait_for(step, 10, interval=0)
+    assert wait_for(step, 60, interval=0)
     assert done[0].read_bytes() == bundle

@@ -25,36 +25,33 @@ def client(port: int, *subs: str, **kw) -> MqttClient:
 
 def test_subscriptions_survive_a_broker_restart(mosquitto, topic_prefix):
     with client(mosquitto.port, f"{topic_prefix}/x/#") as sub, client(mosquitto.port) as pub:
-        assert sub.wait_connected(10) and pub.wait_connected(10)
+        assert sub.wait_connected(60) and pub.wait_connected(60)
         assert pub.publish_wait(f"{topic_prefix}/x/1", b"before")
-        assert sub.get(5).payload == b"before"
+        assert sub.get(60).payload == b"before"
         mosquitto.restart()
-        assert wait_for(lambda: sub.stats["connects"] == 2 and pub.stats["connects"] == 2, 10)
-        got = []  # the subscriber may resubscribe a moment after the publisher is back: retry
-
-        def delivered() -> bool:
-            pub.publish_wait(f"{topic_prefix}/x/2", b"after", timeout=1)
-            msg = sub.get(0.3)
-            got.extend([msg] if msg else [])
-            return bool(got)
-
-        assert wait_for(delivered, 10, interval=0)
-        assert (got[0].topic, got[0].payload) == (f"{topic_prefix}/x/2", b"after")
+        assert wait_for(lambda: sub.stats["connects"] == 2 and pub.stats["connects"] == 2, 60)
+        # wait_connected: back, and the broker has confirmed the subscriptions again
+        assert sub.wait_connected(60) and pub.wait_connected(60)
+        assert pub.publish_wait(f"{topic_prefix}/x/2", b"after")
+        got = sub.get(60)
+        assert (got.topic, got.payload) == (f"{topic_prefix}/x/2", b"after")
     assert not sub.connected
 
 
 def test_publishing_while_disconnected_is_refused_not_queued(tmp_path, topic_prefix):
     port = free_port()
     with client(port) as c:
-        assert wait_for(lambda: c.stats["connect_failures"] >= 3, 10)  # backing off, not spinning
+        assert wait_for(lambda: c.stats["connect_failures"] >= 3, 60)  # backing off, not spinning
         assert c.stats["connect_failures"] < 200
         assert c.publish(f"{topic_prefix}/x", b"lost?") is None
         assert c.publish_wait(f"{topic_prefix}/x", b"lost?", timeout=0.2) is False
         with MosquittoBroker(workdir=tmp_path / "b", port=port), client(port, f"{topic_prefix}/#") as sub:
-            assert c.wait_connected(10) and sub.wait_connected(10)
+            assert c.wait_connected(60) and sub.wait_connected(60)
             assert c.publish_wait(f"{topic_prefix}/x", b"now")
-            assert sub.get(5).payload == b"now"
-            assert sub.get(0.3) is None  # the refused publish was not queued and replayed
+            assert c.publish_wait(f"{topic_prefix}/x", b"sentinel")
+            # one publisher's messages stay in order: nothing came between (no replayed "lost?")
+            assert [sub.get(60).payload for _ in range(2)] == [b"now", b"sentinel"]
+            assert c.stats["connects"] == 1
 
 
 WILL_SCRIPT = textwrap.dedent("""
@@ -87,20 +84,20 @@ def test_a_killed_device_leaves_a_signed_retained_offline_state(mosquitto, fleet
                              fleet.topics.prefix, str(mosquitto.port)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "READY"
-        online = coord.channel.receive(5)
+        online = coord.channel.receive(60)
         assert isinstance(online, Message) and online.body["status"] == "online"
         proc.kill()  # power cut: no DISCONNECT, so the broker publishes the will
         proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
-    offline = coord.channel.receive(10)
+    offline = coord.channel.receive(60)
     assert isinstance(offline, Message), offline
     assert offline.kind is Kind.STATE and offline.body["status"] == "offline" and offline.sender == keys.fingerprint(dev_key)
     # Retained: a coordinator that starts later learns the device is offline.
     late = fleet.coordinator(mosquitto.port)
     late.trust.add(dev_key.public_key(), role="device")
-    again = late.channel.receive(5)
+    again = late.channel.receive(60)
     assert isinstance(again, Message) and again.body["status"] == "offline"
 
 
@@ -108,26 +105,27 @@ def test_tls_needs_the_right_ca(tmp_path, topic_prefix):
     tls = make_test_tls(tmp_path / "tls")
     with MosquittoBroker(workdir=tmp_path / "b", tls=tls) as broker:
         with client(broker.port, f"{topic_prefix}/#", tls=TlsConfig(ca_certs=tls.cafile)) as good:
-            assert good.wait_connected(10)
+            assert good.wait_connected(60)
             assert good.publish_wait(f"{topic_prefix}/t", b"secret")
-            assert good.get(5).payload == b"secret"
+            assert good.get(60).payload == b"secret"
         with client(broker.port, tls=TlsConfig()) as untrusting, client(broker.port) as plain:
-            assert wait_for(lambda: untrusting.stats["connect_failures"] >= 2 and plain.stats["connects"] == 0, 10)
+            # refused, twice each: the handshake fails / the broker drops the plain connection
+            assert wait_for(lambda: untrusting.stats["connect_failures"] >= 2 and plain.stats["disconnects"] >= 2, 60)
             assert not untrusting.connected and untrusting.stats["connects"] == 0
-            assert not plain.connected
+            assert not plain.connected and plain.stats["connects"] == 0
 
 
 def test_oversized_messages_and_a_full_inbox_are_counted_not_fatal(mosquitto, topic_prefix):
     with client(mosquitto.port, f"{topic_prefix}/#", max_payload=1000, inbox_size=2) as sub, \
             client(mosquitto.port) as pub:
-        assert sub.wait_connected(10) and pub.wait_connected(10)
+        assert sub.wait_connected(60) and pub.wait_connected(60)
         assert pub.publish_wait(f"{topic_prefix}/big", b"x" * 2000)
         for i in range(5):
             assert pub.publish_wait(f"{topic_prefix}/small", str(i).encode())
-        assert wait_for(lambda: sub.stats["dropped_inbox_full"] == 3 and sub.stats["dropped_oversize"] == 1, 5)
-        assert [sub.get(1).payload for _ in range(2)] == [b"0", b"1"]
+        assert wait_for(lambda: sub.stats["dropped_inbox_full"] == 3 and sub.stats["dropped_oversize"] == 1, 60)
+        assert [sub.get(60).payload for _ in range(2)] == [b"0", b"1"]
         assert pub.publish_wait(f"{topic_prefix}/small", b"still here")
-        assert sub.get(5).payload == b"still here" and sub.connected
+        assert sub.get(60).payload == b"still here" and sub.connected
 
 
 def test_constructor_arguments_are_validated():
