@@ -167,6 +167,26 @@ def test_a_closed_pipe_is_silent_and_exits_141(argv, tmp_path: Path) -> None:
     assert proc.returncode == EXIT_BROKEN_PIPE and proc.stderr == "", proc.stderr
 
 
+def test_train_detach_into_a_closed_pipe_queues_the_job_and_exits_141(tmp_path: Path) -> None:
+    import numpy as np
+
+    from edge_agent import keys
+    from edge_agent.config import public_key_text
+    from edge_agent.coordinator.registry import Registry
+
+    with Registry(state_dir=tmp_path / "coordinator") as reg:
+        reg.add_model_version(name="digits", version="1", head={"w": np.zeros((2, 3), np.float32)})
+        key = keys.generate_private_key()
+        dev = reg.enrol_device(device_id=keys.fingerprint(key), public_key=public_key_text(key), fleet="lab",
+                               approved=True)
+        reg.record_state(dev.id, online=True, state={"battery_pct": 90, "on_power": True, "status": "idle"})
+    proc = _closed_pipe_run("edge-coordinator", "train", "--model", "digits", "--detach", cwd=tmp_path)
+    assert proc.returncode == EXIT_BROKEN_PIPE, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    with Registry(state_dir=tmp_path / "coordinator") as reg:
+        assert len(reg.list_jobs()) == 1  # the job was queued before the output was lost
+
+
 def test_the_same_commands_print_when_the_reader_stays(tmp_path: Path) -> None:
     _registry_with_devices(tmp_path / "coordinator", 3)
     proc = _run("edge-coordinator", "devices", "--json", cwd=tmp_path)
