@@ -38,12 +38,12 @@ def test_an_unapproved_key_is_refused_until_approved_and_a_forger_never(mosquitt
     announce(fleet, stranger)
     outbox = Outbox(directory=tmp_path / "outbox")
     device = DeviceLoop(fleet, stranger, outbox, ack_timeout=30.0).start()
-    assert wait_for(lambda: "PENDING" in coordinator.cli("devices").stdout, 20), coordinator.log_tail()
+    assert wait_for(lambda: "PENDING" in coordinator.cli("devices").stdout, 90), coordinator.log_tail()
 
     # its update is refused (retry: approval may come), and nothing is stored
     key = OutboxKey("job-made-up", stranger.id, 1)
     outbox.put(key, [random.Random(1).randbytes(3000)], meta={"samples": 10})
-    assert wait_for(lambda: "retry" in device.ack_results, 20), coordinator.log_tail()
+    assert wait_for(lambda: "retry" in device.ack_results, 90), coordinator.log_tail()
     assert outbox.get(key) is not None  # kept for later: never silently dropped
     assert "pending approval" in coordinator.log_tail() and "unknown_key" not in coordinator.log_tail()
     with coordinator.registry() as reg:
@@ -54,19 +54,19 @@ def test_an_unapproved_key_is_refused_until_approved_and_a_forger_never(mosquitt
     # the operator approves it by its enrolment code: its state is taken from then on
     code = keys.enrolment_code(stranger.key)
     assert "approved" in coordinator.cli("approve", code).stdout
-    assert wait_for(lambda: online_devices(coordinator) == [stranger.id], 20), coordinator.log_tail()
+    assert wait_for(lambda: online_devices(coordinator) == [stranger.id], 90), coordinator.log_tail()
 
     # a forger signing (validly, with its own key) for the approved device's topic is refused
     forger = keys.generate_private_key()
     topic = fleet.topics.device(stranger.id, "update")
     now = int(time.time())
     header = canonical_json({"v": 1, "kind": "update_chunk", "from": keys.fingerprint(forger), "seq": now * 10**6,
-                             "iat": now, "exp": now + 60, "body": {"job": "j", "round": 1, "upload": "0" * 64,
+                             "iat": now, "exp": now + 600, "body": {"job": "j", "round": 1, "upload": "0" * 64,
                                                                    "index": 0, "count": 1, "size": 4}})
     sig = forger.sign(_signing_input(fleet.topics.parse(topic).address, b"B", header + hashlib.sha256(b"data").digest()))
     forged = b"EFB1" + len(header).to_bytes(2, "big") + header + sig + b"data"
     assert stranger.client.publish_wait(topic, forged)
-    assert wait_for(lambda: "wrong_signer" in coordinator.log_tail(), 20), coordinator.log_tail()
+    assert wait_for(lambda: "wrong_signer" in coordinator.log_tail(10**7), 90), coordinator.log_tail()
     with coordinator.registry() as reg:
         assert reg.totals()["updates"] == 0
     assert coordinator.alive and not device.errors
@@ -96,10 +96,10 @@ def test_junk_on_every_topic_is_logged_and_dropped_and_loses_nothing_queued(mosq
     announce(fleet, side)
     outbox = Outbox(directory=tmp_path / "outbox")
     device = DeviceLoop(fleet, side, outbox, max_chunks=1, pause=0.05, ack_timeout=5.0).start()
-    assert wait_for(lambda: online_devices(coordinator) == [side.id], 30), coordinator.log_tail()
+    assert wait_for(lambda: online_devices(coordinator) == [side.id], 90), coordinator.log_tail()
     coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--deadline", "120s",
                     "--detach")
-    assert wait_for(lambda: device.commands, 30), coordinator.log_tail()
+    assert wait_for(lambda: device.commands, 90), coordinator.log_tail()
     cmd = device.commands[0]
     with coordinator.registry() as reg:
         chunks = fake_update(reg, side, cmd, chunk_size=200)
@@ -132,7 +132,7 @@ def test_junk_on_every_topic_is_logged_and_dropped_and_loses_nothing_queued(mosq
     # the upload that was in flight arrives once, whole, and the round completes
     assert wait_for(lambda: outbox.get(key) is None, 60), coordinator.log_tail()
     with coordinator.registry() as reg:
-        assert wait_for(lambda: reg.get_job(key.job).status.terminal, 30)
+        assert wait_for(lambda: reg.get_job(key.job).status.terminal, 90)
         assert reg.get_job(key.job).status is JobStatus.DONE
         (update,) = reg.list_updates(key.job)
         assert update.status is UpdateStatus.ACCEPTED and update.num_samples == 25
@@ -140,4 +140,4 @@ def test_junk_on_every_topic_is_logged_and_dropped_and_loses_nothing_queued(mosq
     log = coordinator.log_tail(200_000)
     assert "dropped:" in log and "Traceback" not in log
     info = read_serve_file(coordinator.state_dir)
-    assert coordinator.alive and info["errors"] == 0 and time.time() - info["heartbeat_at"] < 10
+    assert coordinator.alive and info["errors"] == 0 and time.time() - info["heartbeat_at"] < 60
