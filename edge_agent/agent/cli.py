@@ -164,6 +164,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
     config_path, state_dir = Path(args.config), Path(args.state_dir).absolute()
     if config_path.exists() and not args.force:
         raise UsageError(f"{config_path} exists; pass --force to replace it (the device key is kept either way)")
+    existing = next(p for p in config_path.absolute().parents if p.exists())  # parents are created
+    if not existing.is_dir():  # found now, not after the key has been created
+        raise UsageError(f"--config {config_path}: {existing} is not a directory")
     owner = _service_owner(args.service_user)  # (refused before anything is written)
     report = probe(args.sysfs_root)
     matched = report["profile"]["name"]

@@ -69,6 +69,9 @@ def test_init_writes_key_and_config_and_prints_the_enrolment_line(tmp_path, coor
 def test_init_refuses_bad_arguments_before_writing_anything(tmp_path, coordinator_pub, capsys) -> None:
     assert _init(tmp_path, "bm90IGEga2V5") == EXIT_USAGE
     assert "--coordinator-key" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert _init(tmp_path, str(coordinator_pub), "--config", str(tmp_path / "a-file" / "agent.toml")) == EXIT_USAGE
+    assert "a-file is not a directory" in capsys.readouterr().err
     for bad in (["--fleet", "farms/north"], ["--broker", "host:99999"], ["--topic-prefix", "a/+/b"]):
         with pytest.raises(SystemExit) as info:
             _init(tmp_path, str(coordinator_pub), *bad)
