@@ -72,7 +72,8 @@ def test_sigterm_while_the_child_trains_stops_it_keeps_the_job_and_a_restart_res
     assert time.monotonic() - started < 120
     job = JobStore(agent.state_dir / "jobs").load("job1-r1")
     assert job.state is JobState.TRAINING  # kept where it was, for the next start
-    assert any((agent.state_dir / "checkpoints" / "job1-r1").iterdir())
+    saved = [int(p.name[5:-5]) for p in (agent.state_dir / "checkpoints" / "job1-r1").rglob("ckpt-*.ckpt")]
+    assert saved and max(saved) >= before, (saved, before)  # the child checkpointed on its way out
     assert wait_for(lambda: watcher.states()[-1].body["status"] == "offline", 20)
 
     # restarted: the job is reported as resuming and training goes on from its checkpoint
