@@ -4,8 +4,6 @@ recorded, and read what each agent did from its own state directory and log."""
 
 from __future__ import annotations
 
-import hashlib
-import time
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +69,3 @@ def job_id_of(stdout: str) -> str:
     """The job id `edge-coordinator train --detach` prints (`job <id>: ...`)."""
     return stdout.split()[1].rstrip(":")
 
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def wait_quiet_exit(agent: AgentProcess, timeout: float = 60) -> int:
-    """SIGTERM and the exit code; the caller checks the code."""
-    start = time.monotonic()
-    code = agent.terminate(timeout)
-    assert time.monotonic() - start < timeout
-    return code
