@@ -496,7 +496,9 @@ def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str],
                         raise BundleError(f"{where}: truncated ({len(data)} of {member.size} bytes)")
                     atomic_write_bytes(tmp / member.name, data)
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise BundleError(f"{src}: not a readable bundle archive ({exc})") from None
+            why = ("not a tar archive, plain or compressed" if "could not be opened" in str(exc)
+                   else " ".join(str(exc).split())[:200])  # tarfile's own text spans lines
+            raise BundleError(f"{src}: not a readable bundle archive ({why})") from None
         if complete is not None:
             complete(tmp)
         try:

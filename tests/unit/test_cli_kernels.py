@@ -185,3 +185,14 @@ def test_an_existing_output_names_the_flag(bundle_dir, workdir, capsys):
                            "--output", str(bundle_dir)])
     err = capsys.readouterr().err
     assert rc == EXIT_DATAERR and "already exists (--overwrite replaces it)" in err
+
+
+def test_a_file_that_is_not_an_archive_is_one_line(workdir, tmp_path, capsys):
+    junk = tmp_path / "model.tar.gz"
+    junk.write_bytes(b"not a tar file at all\n" * 3)
+    assert coordinator_main(["model", "inspect", str(junk)]) == EXIT_DATAERR
+    err = capsys.readouterr().err
+    assert err == f"edge-coordinator: error: {junk}: not a readable bundle archive (not a tar archive, plain or " \
+                  "compressed)\n"
+    assert _kernels(workdir, "--model", str(junk)) == EXIT_DATAERR
+    assert capsys.readouterr().err.count("\n") == 1
