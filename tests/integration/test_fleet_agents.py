@@ -118,6 +118,40 @@ def test_cancel_stops_the_agents_and_nothing_is_aggregated(mosquitto, agents, se
     assert "cancelled" in coordinator.cli("status", job_id).stdout
 
 
+def test_a_cancelled_round_aggregates_nothing_not_even_an_update_already_received(mosquitto, agents, serve, tmp_path,
+                                                                                  digits_bundle):
+    """One agent trains and uploads; the other accepted the job but waits for its battery
+    (45 %, its floor 50 %), so the round stays open with one update received. A cancel then
+    turns that update away and stops the waiting job: no version comes of it."""
+    coordinator = serve(mosquitto.port).start()
+    (fast,) = start_agents(agents, tmp_path, mosquitto.port, 1)
+    waiting = agents(tmp_path, mosquitto.port, name="agent1", sysfs_root=board_tree(tmp_path / "board1", battery_pct=45),
+                     data_dir=device_data(tmp_path / "data1", device=1),
+                     extra_toml="\n[budget]\nbattery_floor_pct = 50\nbattery_resume_pct = 60\n").start()
+    register_digits(coordinator, digits_bundle[1], tmp_path)
+    wait_online(coordinator, [fast, waiting])
+    job_id = job_id_of(coordinator.cli("train", "--model", "digits", "--devices", "all", "--min-devices", "1",
+                                       "--deadline", "600s", *SHORT_ROUND[:-2], "--detach").stdout)
+
+    def received() -> list[UpdateStatus]:
+        with coordinator.registry() as reg:
+            return [u.status for u in reg.list_updates(job_id)]
+
+    assert wait_for(lambda: received() == [UpdateStatus.PENDING], 300), logs(coordinator, [fast, waiting])
+    assert [j.state for j in jobs(waiting)] == [JobState.WAITING_FOR_POWER], logs(None, [waiting])
+    coordinator.cli("cancel", job_id)
+
+    assert wait_for(lambda: [j.state for j in jobs(waiting)] == [JobState.CANCELLED], 120), logs(None, [waiting])
+    with coordinator.registry() as reg:
+        (rnd,) = reg.list_rounds(job_id)
+        assert rnd.state is RoundState.CANCELLED and rnd.aggregated_version is None
+        (update,) = reg.list_updates(job_id)
+        assert (update.device_id, update.status, update.reason) == (fast.id, UpdateStatus.REJECTED, "job_cancelled")
+        assert [m.version for m in reg.list_models("digits")] == ["1"]
+    assert not log_lines(waiting, "ERROR") and not log_lines(fast, "ERROR"), logs(None, [fast, waiting])
+    assert fast.alive and waiting.alive and coordinator.alive
+
+
 def test_a_protocol_refusal_is_not_a_dropout(mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
     """A replayed or tampered copy of the round's command is refused by the agent (it says
     so, naming the command), but the agent still trains: the coordinator must not count
