@@ -186,10 +186,12 @@ def test_a_protocol_refusal_is_not_a_dropout(mosquitto, fleet, agents, serve, tm
         assert rnd.dropouts == {} and rnd.participants[agent.id].status is not ParticipantStatus.DROPPED
         (update,) = reg.list_updates(job_id)
         assert update.device_id == agent.id and update.status is UpdateStatus.ACCEPTED
+    closed = f"job {job_id} round 1 aggregated"  # logged just after the registry says so
+    assert wait_for(lambda: closed in coordinator.log_tail(10**7), 60), coordinator.log_tail()
     text = coordinator.log_tail(10**7)
     refusals = [f"device {agent.id} refused {cmd_id}: {why}" for why in ("replayed", "bad_signature")]
     assert all(r in text for r in refusals), text  # the coordinator heard both refusals...
-    aggregated = text.index(f"job {job_id} round 1 aggregated")
+    aggregated = text.index(closed)
     assert all(text.index(r) < aggregated for r in refusals)  # ... while the round was still open
     (job_rec,) = jobs(agent)
     assert job_rec.state is JobState.DONE  # the agent ran the command once, and only once
