@@ -40,8 +40,9 @@ from edge_agent.transport.broker import MosquittoBroker
 FAST = {"keepalive": 5, "backoff_base": 0.05, "backoff_cap": 0.5, "connect_timeout": 2.0}
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll `predicate` until true or `timeout` (no fixed sleeps in tests)."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.02) -> bool:
+    """Poll `predicate` until true or `timeout` (no fixed sleeps in tests). The timeout only
+    bounds a hang: never use a False result to prove that something did not happen."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -104,7 +105,7 @@ class Fleet:
                           None, **client_kw)
         if start:
             side.client.start()
-            assert side.client.wait_connected(10)
+            assert side.client.wait_connected(60)
         return side
 
     def device(self, port: int, *, name: str = "dev", key: keys.Ed25519PrivateKey | None = None, enrol: Side | None = None,
@@ -122,7 +123,7 @@ class Fleet:
             enrol.trust.add(key.public_key(), role="device")
         if start:
             side.client.start()
-            assert side.client.wait_connected(10)
+            assert side.client.wait_connected(60)
         return side
 
     def close(self) -> None:
@@ -485,7 +486,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         log.close()
         if wait:
-            assert wait_for(self.connected, 30), self.log_tail()
+            assert wait_for(self.connected, 120), self.log_tail()
         return self
 
     def connected(self) -> bool:

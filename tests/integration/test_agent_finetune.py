@@ -39,7 +39,7 @@ def test_kill_9_mid_training_then_restart_finishes_the_job(mosquitto, fleet, age
     enrol(watcher, agent)
     watcher.start()
     agent.start()
-    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+    assert wait_for(lambda: watcher.states(), 60), agent.log_tail()
 
     watcher.command(agent, {"cmd_id": "job1-r1", "action": "finetune", "job": "job1", "round": 1,
                             "model": "digits", "version": "1", "sha256": hashlib.sha256(archive).hexdigest(),

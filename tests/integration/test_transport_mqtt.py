@@ -68,7 +68,7 @@ WILL_SCRIPT = textwrap.dedent("""
         return Will(state, signer.control(state, Kind.STATE, {"status": "offline"}, ttl=86400))
     c = MqttClient(host="127.0.0.1", port=int(port), client_id="dev-proc", will=will, keepalive=5)
     c.start()
-    assert c.wait_connected(10)
+    assert c.wait_connected(60)
     assert c.publish_wait(state, signer.control(state, Kind.STATE, {"status": "online"}, ttl=86400), retain=True)
     print("READY", flush=True)
     time.sleep(60)

@@ -131,7 +131,7 @@ def test_uploads_wait_while_the_broker_is_down(fleet, tmp_path):
     key = OutboxKey("job-10", dev.id, 0)
     outbox.put(key, update_chunks(2, size=1000))
     agent = DeviceLoop(fleet, dev, outbox).start()
-    assert wait_for(lambda: dev.client.stats["connect_failures"] >= 3, 10)
+    assert wait_for(lambda: dev.client.stats["connect_failures"] >= 3, 60)
     assert outbox.get(key).next_index == 0 and not agent.errors  # nothing lost, nothing claimed sent
 
     broker = MosquittoBroker(workdir=tmp_path / "late-broker", port=port)
@@ -140,7 +140,7 @@ def test_uploads_wait_while_the_broker_is_down(fleet, tmp_path):
         coord = fleet.coordinator(port)
         coord.trust.add(dev.key.public_key(), role="device")
         CoordinatorLoop(fleet, coord).start()
-        assert wait_for(lambda: outbox.get(key) is None, 20)
+        assert wait_for(lambda: outbox.get(key) is None, 60)
     finally:
         fleet.close()
         broker.stop()
