@@ -8,13 +8,14 @@ DEMO_ARGS ?=
 ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 DEB_MODE ?= offline
 
-.PHONY: demo test lint bench deb clean help
+.PHONY: demo test test-arm lint bench deb clean help
 
 help:
 	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
 	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
 	@echo "make deb    - build dist/edge-agent_<ver>_<arch>.deb (ARCH=arm64, DEB_MODE=thin)"
+	@echo "make test-arm - (root) the .debs installed and run on emulated Raspberry Pi OS arm64 + armhf (qemu-user)"
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "edge-agent needs Python 3.11 (MXNet 1.9.1 needs numpy<1.24)"'
@@ -39,6 +40,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Root only: debootstrap a Bookworm root per architecture (cached in build/arm/), install
+# the .deb there under qemu-user and run probe, kernels, finetune and a fleet round.
+ARM_ARCHES ?= arm64,armhf
+test-arm: $(STAMP)
+	$(BIN)/python tests/arm/emulated_pi.py --arch $(ARM_ARCHES)
 
 # offline (release): every pinned wheel ships in the package; thin (CI): only ours.
 deb: $(STAMP)
