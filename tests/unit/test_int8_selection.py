@@ -44,7 +44,10 @@ def bundle(made):
 
 
 class Shifted(QGraphRunner):
-    """The reference's int8 output moved by `shift` units, after `delay` seconds."""
+    """The reference's int8 output moved by `shift` units, after `delay` seconds.
+
+    Delays are 0.25 s, far above one batch's compute, so that "slower" stays slower on a
+    loaded machine or one core (timing is median of interleaved rounds, never a single run)."""
 
     def __init__(self, graph, shift: int, delay: float) -> None:
         super().__init__(graph)
@@ -80,7 +83,7 @@ def _select(bundle, engines, tmp_path, **kw):
 
 def test_the_fastest_correct_engine_wins(bundle, tmp_path):
     fast_wrong = FakeEngine("fast-wrong", shift=3)
-    slow_right = FakeEngine("slow-right", shift=1, delay=0.02)
+    slow_right = FakeEngine("slow-right", shift=1, delay=0.25)
     fast_right = FakeEngine("fast-right", delay=0.0)
     broken = FakeEngine("broken", fail="no such device")
     off = FakeEngine("off", available=False)
@@ -152,7 +155,7 @@ def test_a_corrupt_or_stale_cache_entry_is_measured_again(bundle, tmp_path):
 
 def test_a_cached_engine_that_disappeared_is_replaced(bundle, tmp_path):
     fake = FakeEngine("fake")
-    _select(bundle, [("fake", fake), ("reference", FakeEngine("reference", delay=0.05))], tmp_path)
+    _select(bundle, [("fake", fake), ("reference", FakeEngine("reference", delay=0.25))], tmp_path)
     assert _select(bundle, [("fake", fake), ("reference", ReferenceEngine())], tmp_path).chosen == "fake"
     fake.available = False  # e.g. its library was uninstalled
     selection = _select(bundle, [("fake", fake), ("reference", ReferenceEngine())], tmp_path)
