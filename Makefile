@@ -23,7 +23,10 @@ $(BIN)/python:
 	$(BIN)/pip install --upgrade --quiet pip setuptools wheel
 
 # Reinstall when the project metadata or the native kernel sources change.
+# The distribution was called edge-agent before it became mxedge-agent: a venv made then
+# still holds it, and removing it later would delete the shared console scripts.
 $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*.c kernels/*.h kernels/*.json)
+	$(BIN)/pip uninstall --quiet --yes edge-agent 2>/dev/null || true
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
