@@ -419,6 +419,24 @@ def enrol(watcher: Watcher, agent: AgentProcess) -> None:
     watcher.side.trust.add(agent.key.public_key(), role="device")
 
 
+def online_agent(make_agent: Callable[..., AgentProcess], fleet: Fleet, coord: Side, tmp: Path, port: int, *,
+                 data_dir: Path | None = None, battery_pct: int = 80,
+                 **kw: Any) -> tuple[AgentProcess, Watcher]:
+    """A started, enrolled agent (no data unless `data_dir`) that has published its state,
+    and the watcher that sees it; `kw` goes to AgentProcess (e.g. env)."""
+    if data_dir is None:
+        data_dir = tmp / "data"
+        data_dir.mkdir()
+    agent = make_agent(tmp, port, sysfs_root=board_tree(tmp / "board", battery_pct=battery_pct),
+                       data_dir=data_dir, **kw)
+    watcher = Watcher(fleet, coord)
+    enrol(watcher, agent)
+    watcher.start()
+    agent.start()
+    assert wait_for(lambda: watcher.states(), 60), agent.log_tail()
+    return agent, watcher
+
+
 @pytest.fixture(scope="session")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
     """The demo's digits bundle (built once per session; MXNet runs in this test process,

@@ -19,7 +19,7 @@ import pytest
 from edge_agent.agent.jobs import JobState, JobStore
 from edge_agent.transport.models import publish_model
 from edge_agent.updates import Reassembler, decode_update
-from tests.integration.conftest import Watcher, board_tree, child_pids, device_data, enrol, wait_for
+from tests.integration.conftest import child_pids, device_data, online_agent, wait_for
 
 pytestmark = pytest.mark.integration
 EPOCHS = 4  # 16 batches an epoch (123 training samples, batch 8)
@@ -31,15 +31,10 @@ def test_kill_9_mid_training_then_restart_finishes_the_job(mosquitto, fleet, age
     coord = fleet.coordinator(mosquitto.port)
     publish_model(coord.client, coord.signer, fleet.topics, name="digits", version="1", bundle=archive,
                   chunk_bytes=16 * 1024)
-    watcher = Watcher(fleet, coord)
     hold = tmp_path / "hold-training"
     hold.write_text(str(HOLD_AT))
-    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board", battery_pct=90),
-                   data_dir=device_data(tmp_path / "data"), env={"EDGE_AGENT_TEST_HOLD": str(hold)})
-    enrol(watcher, agent)
-    watcher.start()
-    agent.start()
-    assert wait_for(lambda: watcher.states(), 60), agent.log_tail()
+    agent, watcher = online_agent(agents, fleet, coord, tmp_path, mosquitto.port, battery_pct=90,
+                                  data_dir=device_data(tmp_path / "data"), env={"EDGE_AGENT_TEST_HOLD": str(hold)})
 
     watcher.command(agent, {"cmd_id": "job1-r1", "action": "finetune", "job": "job1", "round": 1,
                             "model": "digits", "version": "1", "sha256": hashlib.sha256(archive).hexdigest(),

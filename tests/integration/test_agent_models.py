@@ -11,22 +11,9 @@ import pytest
 from edge_agent.agent.state import facts_from_state
 from edge_agent.transport.models import publish_model
 from tests.conftest import new_head_version
-from tests.integration.conftest import Watcher, board_tree, enrol, wait_for
+from tests.integration.conftest import online_agent, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _online_agent(mosquitto, fleet, agents, coord, tmp_path):
-    """An enrolled agent (empty data folder) that has published its state, and its watcher."""
-    data = tmp_path / "data"
-    data.mkdir()
-    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board"), data_dir=data)
-    watcher = Watcher(fleet, coord)
-    enrol(watcher, agent)
-    watcher.start()
-    agent.start()
-    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
-    return agent, watcher
 
 
 def test_fetch_verify_activate_and_refuse_bad_bundles(mosquitto, fleet, agents, tmp_path, digits_bundle):
@@ -36,7 +23,7 @@ def test_fetch_verify_activate_and_refuse_bad_bundles(mosquitto, fleet, agents, 
                   chunk_bytes=8 * 1024)
     junk = random.Random(2).randbytes(20_000)  # signed by the coordinator, but not a bundle archive
     publish_model(coord.client, coord.signer, fleet.topics, name="digits", version="2", bundle=junk)
-    agent, watcher = _online_agent(mosquitto, fleet, agents, coord, tmp_path)
+    agent, watcher = online_agent(agents, fleet, coord, tmp_path, mosquitto.port)
     models = agent.state_dir / "models" / "digits"
 
     watcher.command(agent, {"cmd_id": "m1", "action": "fetch_model", "model": "digits", "version": "1",
@@ -83,7 +70,7 @@ def test_a_head_patch_installs_the_next_version_and_a_bad_patch_falls_back_to_th
     patch_sha = publish("3.head", patch.read_bytes())
     junk_sha = publish("4.head", random.Random(4).randbytes(3000))  # signed, but no patch at all
 
-    agent, watcher = _online_agent(mosquitto, fleet, agents, coord, tmp_path)
+    agent, watcher = online_agent(agents, fleet, coord, tmp_path, mosquitto.port)
     models = agent.state_dir / "models" / "digits"
 
     def installed(version: str) -> list:

@@ -15,6 +15,7 @@ import pytest
 
 from edge_agent.agent.jobs import JobState, JobStore
 from edge_agent.agent.state import facts_from_state
+from edge_agent.train.checkpoints import CheckpointStore
 from edge_agent.transport.models import publish_model
 from tests.integration.conftest import (
     REPO,
@@ -23,6 +24,7 @@ from tests.integration.conftest import (
     child_pids,
     device_data,
     enrol,
+    online_agent,
     wait_for,
 )
 
@@ -46,13 +48,8 @@ def test_sigterm_while_the_child_trains_stops_it_keeps_the_job_and_a_restart_res
     coord = fleet.coordinator(mosquitto.port)
     publish_model(coord.client, coord.signer, fleet.topics, name="digits", version="1", bundle=archive,
                   chunk_bytes=16 * 1024)
-    watcher = Watcher(fleet, coord)
-    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board", battery_pct=90),
-                   data_dir=device_data(tmp_path / "data"))
-    enrol(watcher, agent)
-    watcher.start()
-    agent.start()
-    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+    agent, watcher = online_agent(agents, fleet, coord, tmp_path, mosquitto.port, battery_pct=90,
+                                  data_dir=device_data(tmp_path / "data"))
     # 10 000 epochs: the job is still training whenever the test acts, however fast the machine
     watcher.command(agent, {"cmd_id": "job1-r1", "action": "finetune", "job": "job1", "round": 1,
                             "model": "digits", "version": "1", "sha256": hashlib.sha256(archive).hexdigest(),
@@ -72,7 +69,10 @@ def test_sigterm_while_the_child_trains_stops_it_keeps_the_job_and_a_restart_res
     assert time.monotonic() - started < 120
     job = JobStore(agent.state_dir / "jobs").load("job1-r1")
     assert job.state is JobState.TRAINING  # kept where it was, for the next start
-    saved = [int(p.name[5:-5]) for p in (agent.state_dir / "checkpoints" / "job1-r1").rglob("ckpt-*.ckpt")]
+    # file names carry a sequence number; the step is inside (and load_latest verifies it)
+    stores = [CheckpointStore(d) for d in {p.parent for p in (agent.state_dir / "checkpoints" / "job1-r1")
+                                           .rglob("ckpt-*.ckpt")}]
+    saved = [ck.step for ck in (s.load_latest() for s in stores) if ck is not None]
     assert saved and max(saved) >= before, (saved, before)  # the child checkpointed on its way out
     assert wait_for(lambda: watcher.states()[-1].body["status"] == "offline", 20)
 
