@@ -94,6 +94,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            auto_approve=args.auto_approve, tick_s=args.tick, policy=policy,
                            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                            ack_interval=args.ack_interval)
+    if args.ui_token and not args.ui:
+        raise UsageError("--ui-token needs --ui ADDR:PORT")
+    if args.ui:
+        from ..dashboard.server import check_ui_options
+
+        check_ui_options(args.ui, args.ui_token)  # a bad address or a missing token: exit 64 before starting
     broker = None
     if args.embedded_broker:
         from ..transport.broker import EmbeddedBroker
@@ -116,9 +122,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server = metrics.serve(port=args.metrics_port, address=args.metrics_addr)
             logging.getLogger(__name__).info("Prometheus metrics on %s", server.url)
         coordinator = Coordinator(options, metrics=metrics)
+        ui = None
         try:
+            if args.ui:
+                from ..dashboard.server import start_ui  # starlette, uvicorn: only when asked for
+
+                ui = start_ui(options.state_dir, address=args.ui, token_file=args.ui_token, policy=policy)
+                logging.getLogger(__name__).info("dashboard on %s", ui.url)
             return coordinator.run(stop)
         finally:
+            if ui is not None:
+                ui.close()
             coordinator.close()
     finally:
         if server is not None:

@@ -148,6 +148,10 @@ def add_fleet_commands(sub: Any) -> None:
     s.add_argument("--metrics-port", type=_number(int, 0, 65535), default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (0: any free port; default: off)")
     s.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="metrics address (default 127.0.0.1)")
+    s.add_argument("--ui", default=None, metavar="ADDR:PORT",
+                   help="serve the read-only web dashboard here, e.g. 127.0.0.1:8080 (default: off)")
+    s.add_argument("--ui-token", default=None, metavar="FILE",
+                   help="bearer token file the dashboard requires (needed for a non-loopback --ui)")
     s.add_argument("--online-within", type=_duration, default=300.0, metavar="DURATION",
                    help="a device is online if heard from within this (default 300 s)")
     s.add_argument("--min-battery", type=_number(float, 0, 100), default=30.0, metavar="PCT",

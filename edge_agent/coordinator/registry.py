@@ -80,16 +80,21 @@ class Registry:
     """The SQLite registry under `state_dir`. Thread-safe (one lock around one connection)."""
 
     def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
-                 busy_timeout_s: float = 10.0) -> None:
+                 busy_timeout_s: float = 10.0, read_only: bool = False) -> None:
+        """`read_only`: a `mode=ro` connection for viewers (the dashboard) that never write,
+        never migrate and never create the database; every write method then fails."""
         if not callable(clock):
             raise TypeError("clock must be a callable returning seconds")
         if not 0 < busy_timeout_s <= 600:
             raise ValueError(f"busy_timeout_s must be in (0, 600], got {busy_timeout_s}")
         self.state_dir = Path(state_dir).resolve()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.state_dir / DB_NAME
         self._clock = clock
         self._lock = threading.RLock()
+        if read_only:
+            self._open_read_only(busy_timeout_s)
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: no implicit transactions; every write is an explicit BEGIN IMMEDIATE.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=busy_timeout_s)
@@ -104,6 +109,22 @@ class Registry:
         except BaseException:
             self._db.close()
             raise
+
+    def _open_read_only(self, busy_timeout_s: float) -> None:
+        if not self.path.is_file():
+            raise ConfigError(f"{self.path}: no registry here (start `edge-coordinator serve` first)")
+        uri = f"{self.path.as_uri()}?mode=ro"
+        self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False,
+                                   timeout=busy_timeout_s)
+        self._db.row_factory = sqlite3.Row
+        try:
+            version = self.schema_version
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise ConfigError(f"{self.path}: not a usable registry database ({exc})") from None
+        if version != len(MIGRATIONS):
+            self._db.close()
+            raise ConfigError(f"{self.path}: schema version {version}, this viewer reads {len(MIGRATIONS)}")
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
@@ -564,3 +585,23 @@ class Registry:
                              "WHERE ? IS NULL OR job_id = ?", (job_id, job_id)).fetchone()
         return {"updates": row[0], "wire_bytes": row[1], "fp32_bytes": row[2], "energy_wh": float(row[3]),
                 "accepted": row[4]}
+
+    def energy_by_device(self, *, since: float) -> dict[str, float]:
+        """Energy (Wh) each device reported spending on updates received since `since`."""
+        with self._read() as db:
+            rows = db.execute("SELECT device_id, SUM(energy_wh) FROM updates WHERE received_at >= ? AND "
+                              "energy_wh IS NOT NULL GROUP BY device_id", (check_time(since, "since"),))
+            return {r[0]: float(r[1]) for r in rows}
+
+    def participations(self, device_id: str) -> list[dict[str, Any]]:
+        """Every round the device was selected for, newest first: its participant status and
+        reason, and its update (bytes, energy, status, metrics) if one arrived."""
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT p.job_id, p.round, p.status, p.reason, p.dispatched_at, r.started_at, r.state, "
+                "u.wire_bytes, u.fp32_bytes, u.energy_wh, u.status AS update_status, u.reason AS update_reason, "
+                "u.metrics, u.received_at FROM participants p JOIN rounds r ON r.job_id = p.job_id AND "
+                "r.number = p.round LEFT JOIN updates u ON u.job_id = p.job_id AND u.round = p.round AND "
+                "u.device_id = p.device_id WHERE p.device_id = ? ORDER BY r.started_at DESC, p.round DESC",
+                (device_id,)).fetchall()
+        return [{**dict(r), "metrics": json.loads(r["metrics"]) if r["metrics"] else {}} for r in rows]

@@ -1,0 +1,203 @@
+"""What the dashboard pages show, read from the registry (no HTTP, no HTML here).
+
+Each function takes a (read-only) `Registry` and returns plain dicts for the templates and
+the JSON endpoints. The figures are the CLI's own: `fleet_views.round_summary` for a round,
+`fleet_views.devices_json` for a device, so `edge-coordinator status` and the page agree.
+Nothing here returns key material: devices are shown by id, name and enrolment code only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..coordinator import fleet_views
+from ..coordinator.records import Device, ModelVersion, RoundState
+from ..coordinator.registry import Registry
+from ..coordinator.rounds import RoundPolicy
+
+# sortable fleet columns -> key on a row dict (None sorts last whichever the direction)
+SORT_KEYS = ("id", "name", "state", "online", "battery", "board", "engine", "energy", "last_seen", "approved")
+STATE_FILTERS = ("all", "online", "offline", "training", "pending")
+DASH = "—"
+
+
+def start_of_day(now: float) -> float:
+    """Local midnight before `now` (the day an energy budget counts)."""
+    t = time.localtime(now)
+    return time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _power_source(dev: Device) -> str:
+    if dev.state.get("charging"):
+        return "charging"
+    if dev.on_power is True:
+        return "mains"
+    if dev.on_power is False:
+        return "battery"
+    return DASH
+
+
+def _budget_of_devices(reg: Registry) -> dict[str, float]:
+    """Each device's daily budget: `budget_wh` of the newest job it was selected for."""
+    budgets: dict[str, float] = {}
+    for job in reg.list_jobs():  # oldest first: a newer job's budget wins
+        budget = _num(job.params.get("budget_wh"))
+        if budget is None:
+            continue
+        for rnd in reg.list_rounds(job.id):
+            for dev in rnd.participants:
+                budgets[dev] = budget
+    return budgets
+
+
+def device_row(dev: Device, *, now: float, policy: RoundPolicy, used_today: float | None,
+               budget: float | None) -> dict[str, Any]:
+    online = dev.is_online(now, policy.online_within_s)
+    status = str(dev.state.get("status") or "unknown")
+    training = status == "busy" and dev.state.get("job_phase") not in (None, "done", "failed")
+    return {
+        "id": dev.id, "code": fleet_views.enrolment_code(dev), "name": str(dev.state.get("name") or ""),
+        "approved": dev.approved, "online": online, "state": "pending" if not dev.approved else
+        ("offline" if not online else ("training" if training else status)),
+        "activity": fleet_views._activity(dev), "last_seen": dev.last_seen,
+        "last_seen_text": fleet_views.ago(dev.last_seen, now),
+        "board": dev.board or dev.profile or DASH, "profile": dev.profile or DASH, "engine": dev.engine or DASH,
+        "battery": dev.battery_pct, "power": _power_source(dev), "energy_today": used_today,
+        "budget": budget, "job": dev.state.get("job"), "tags": list(dev.tags),
+    }
+
+
+def fleet(reg: Registry, *, policy: RoundPolicy, now: float, q: str = "", state: str = "all",
+          sort: str = "id", desc: bool = False) -> dict[str, Any]:
+    """The fleet table: every device (filtered by `q` and `state`, sorted), and the counts."""
+    devices = reg.list_devices()
+    used = reg.energy_by_device(since=start_of_day(now))
+    budgets = _budget_of_devices(reg)
+    rows = [device_row(d, now=now, policy=policy, used_today=used.get(d.id), budget=budgets.get(d.id))
+            for d in devices]
+    counts = {"devices": len(rows), "online": sum(r["online"] for r in rows),
+              "training": sum(r["state"] == "training" for r in rows),
+              "pending": sum(not r["approved"] for r in rows)}
+    needle = q.strip().lower()[:64]
+    if needle:
+        rows = [r for r in rows if any(needle in str(r[k]).lower() for k in ("id", "name", "board", "engine", "code"))
+                or any(needle in t.lower() for t in r["tags"])]
+    if state == "online":
+        rows = [r for r in rows if r["online"]]
+    elif state in ("offline", "training", "pending"):
+        rows = [r for r in rows if r["state"] == state]
+    key = {"battery": "battery", "energy": "energy_today"}.get(sort, sort)
+    present = [r for r in rows if r[key] is not None]
+    present.sort(key=lambda r: (r[key], r["id"]), reverse=desc)
+    rows = present + [r for r in rows if r[key] is None]
+    return {"rows": rows, "counts": counts, "now": now}
+
+
+def rounds(reg: Registry) -> dict[str, Any]:
+    """Every job with its rounds' figures, and the series the charts draw across rounds."""
+    jobs = []
+    series: dict[str, list[Any]] = {k: [] for k in ("label", "acc_before", "acc_after", "global_acc", "bytes_up",
+                                                    "compression", "energy_wh", "reporting", "dropped")}
+    for job in reversed(reg.list_jobs()):  # newest first
+        out = []
+        for rnd in reg.list_rounds(job.id):
+            s = fleet_views.round_summary(reg, rnd)
+            metrics = s["device_metrics"]
+            before = _mean(m.get("accuracy_before") for m in metrics.values())
+            after = _mean(m.get("accuracy_after") for m in metrics.values())
+            new = _model(reg, job.model_name, s["new_version"])
+            glob = _num(new.metrics.get("global_acc")) if new else None
+            row = {**s, "acc_before": before, "acc_after": after, "global_acc": glob,
+                   "screened": s["rejected"], "open": rnd.state in (RoundState.OPEN, RoundState.CLOSING)}
+            out.append(row)
+        jobs.append({"job": job, "rounds": out})
+    for entry in reversed(jobs):  # the charts run oldest to newest
+        for r in entry["rounds"]:
+            series["label"].append(f"{entry['job'].id} r{r['round']}")
+            series["acc_before"].append(r["acc_before"])
+            series["acc_after"].append(r["acc_after"])
+            series["global_acc"].append(r["global_acc"])
+            series["bytes_up"].append(r["wire_bytes"])
+            series["compression"].append(r["compression"])
+            series["energy_wh"].append(r["energy_wh"])
+            series["reporting"].append(len(r["reported"]))
+            series["dropped"].append(len(r["dropouts"]))
+    return {"jobs": jobs, "series": series}
+
+
+def _mean(values: Any) -> float | None:
+    nums = [v for v in (_num(x) for x in values) if v is not None]
+    return sum(nums) / len(nums) if nums else None
+
+
+def _model(reg: Registry, name: str, version: str | None) -> ModelVersion | None:
+    if not version:
+        return None
+    try:
+        return reg.get_model(name, version)
+    except Exception:  # NotFound: a version named by a round but not (yet) visible
+        return None
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def models(reg: Registry) -> list[dict[str, Any]]:
+    """Model versions with lineage and sizes: the archive and, for head-only versions, the
+    head patch devices download (as built by the coordinator; "—" until it was published)."""
+    out = []
+    bundles = reg.state_dir / "bundles"
+    for mv in reg.list_models():
+        base = bundles / mv.name / mv.version
+        archive = _num(mv.metrics.get("archive_bytes")) or _file_size(base.with_suffix(".tar.gz"))
+        patch = _file_size(bundles / mv.name / f"{mv.version}.head.tar.gz") if mv.head_only else None
+        out.append({"name": mv.name, "version": mv.version, "parent": mv.parent, "job": mv.job_id,
+                    "round": mv.round, "created_at": mv.created_at, "kind": "head-only" if mv.head_only else "bundle",
+                    "archive_bytes": archive, "patch_bytes": patch, "head_sha256": mv.head_sha256,
+                    "archive_sha256": mv.metrics.get("archive_sha256"), "updates": mv.metrics.get("updates"),
+                    "samples": mv.metrics.get("samples"), "aggregator": mv.metrics.get("aggregator")})
+    return out
+
+
+def device(reg: Registry, device_id: str, *, policy: RoundPolicy, now: float) -> dict[str, Any]:
+    """One device: its row, every round it joined (status, reason, update), its refusals
+    and the per-round energy it reported (the registry keeps no battery time series)."""
+    dev = reg.get_device(device_id)  # NotFound (an InputError) for an unknown id
+    used = reg.energy_by_device(since=start_of_day(now)).get(dev.id)
+    row = device_row(dev, now=now, policy=policy, used_today=used, budget=_budget_of_devices(reg).get(dev.id))
+    joined = reg.participations(dev.id)
+    refusals = [p for p in joined if p["status"] == "dropped"]
+    jobs = sorted({p["job_id"] for p in joined})
+    history = [{"label": f"{p['job_id']} r{p['round']}", "energy_wh": p["energy_wh"],
+                "acc_before": _num(p["metrics"].get("accuracy_before")),
+                "acc_after": _num(p["metrics"].get("accuracy_after"))} for p in reversed(joined)]
+    facts = {k: dev.state.get(k) for k in ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c",
+                                           "status", "job", "job_phase", "job_pct", "outbox")}
+    return {"row": row, "joined": joined, "refusals": refusals, "jobs": jobs, "history": history,
+            "facts": {k: v for k, v in facts.items() if v is not None}, "fleet": dev.fleet,
+            "enrolled_at": dev.enrolled_at}
+
+
+def as_json(value: Any) -> Any:
+    """Records and enums as JSON-ready values (the /api endpoints)."""
+    if isinstance(value, Mapping):
+        return {str(k): as_json(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [as_json(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: as_json(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if value is None or isinstance(value, str | int | float | bool) else str(value)
