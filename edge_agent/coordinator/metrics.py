@@ -1,6 +1,8 @@
 """Prometheus metrics of the coordinator, on a private registry and a loopback HTTP port.
 
+    edge_coordinator_devices                          gauge (devices enrolled: the fleet's size)
     edge_coordinator_devices_online                   gauge
+    edge_coordinator_rounds_open                      gauge (rounds open or closing)
     edge_coordinator_rounds_total{status}             counter (aggregated, failed, cancelled)
     edge_coordinator_updates_total{status}            counter (accepted = stored, rejected)
     edge_coordinator_update_bytes_received_total      counter (bytes on the wire)
@@ -57,6 +59,8 @@ class CoordinatorMetrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         common: dict[str, Any] = {"namespace": namespace, "registry": self.registry}
         self.devices_online = Gauge("devices_online", "Approved and unapproved devices heard from recently", **common)
+        self.devices = Gauge("devices", "Devices enrolled (approved or pending): the fleet's size", **common)
+        self.rounds_open = Gauge("rounds_open", "Rounds open or closing", **common)
         self.rounds = Counter("rounds", "Rounds finished, by final status", ["status"], **common)
         self.updates = Counter("updates", "Updates received, by status at receipt", ["status"], **common)
         self.bytes_received = Counter("update_bytes_received", "Update payload bytes received", **common)
@@ -73,6 +77,12 @@ class CoordinatorMetrics:
         if count < 0:
             raise ValueError(f"devices online cannot be negative ({count})")
         self.devices_online.set(count)
+
+    def set_fleet(self, *, devices: int, rounds_open: int) -> None:
+        if devices < 0 or rounds_open < 0:
+            raise ValueError(f"counts cannot be negative ({devices}, {rounds_open})")
+        self.devices.set(devices)
+        self.rounds_open.set(rounds_open)
 
     def round_finished(self, status: str) -> None:
         if status not in ROUND_STATUSES:

@@ -252,8 +252,9 @@ class RoundEngine:
                     result.cancelled += self._cancel_active(job.id, job.reason or f"job {job.status}")
             if self.metrics is not None:
                 now = self.clock()
-                self.metrics.set_devices_online(sum(d.is_online(now, self.policy.online_within_s)
-                                                    for d in self.registry.list_devices()))
+                devices = self.registry.list_devices()
+                self.metrics.set_devices_online(sum(d.is_online(now, self.policy.online_within_s) for d in devices))
+                self.metrics.set_fleet(devices=len(devices), rounds_open=len(self.registry.active_rounds()))
         return result
 
     def _advance(self, job: Job, result: TickResult) -> None:
