@@ -235,7 +235,9 @@ def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def _mxnet_head(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    import mxnet as mx
+    from ..train.mxnet_import import mxnet
+
+    mx = mxnet()  # MXNetUnavailableError (one line, exit 69) where it cannot load: 32-bit ARM
 
     block = bundle.head_block()
     return lambda features: block(mx.nd.array(features)).asnumpy()

@@ -45,8 +45,8 @@ class MXNetUnavailableError(EdgeAgentError):
 def _explain(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, ModuleNotFoundError) and exc.name == "mxnet":
-        return ("MXNet is not installed (there is no MXNet wheel for 32-bit ARM): use --trainer numpy, "
-                "or install mxnet==1.9.1 on a 64-bit OS")
+        return ("MXNet is not installed (no MXNet wheel exists for 32-bit ARM): a head deeper than one "
+                "dense layer needs it; a one-dense-layer head trains with --trainer numpy")
     # A native library that does not open (OSError) is what `doctor --fix` repairs.
     hint = "run `edge-agent doctor --fix`" if isinstance(exc, OSError) else "run `edge-agent doctor`"
     return f"MXNet cannot load: {text[:300]}; {hint}"

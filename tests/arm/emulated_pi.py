@@ -47,7 +47,8 @@ COMMON = ["python3", "python3.11", "python3.11-venv", "python3-distutils", "pyth
           "passwd", "init-system-helpers"]
 INCLUDE = {
     "arm64": COMMON + ["libopenblas0-pthread", "liblapacke", "libgomp1", "libgfortran5", "patchelf"],
-    "armhf": COMMON + ["python3-numpy", "python3-cryptography"],
+    # python3-cffi-backend provides the python3-cffi-backend-api-* that cryptography needs.
+    "armhf": COMMON + ["python3-numpy", "python3-cryptography", "python3-cffi-backend"],
 }
 QEMU = {"arm64": "qemu-aarch64", "armhf": "qemu-arm"}
 MACHINE = {"arm64": "aarch64", "armhf": "armv7l"}
@@ -119,6 +120,7 @@ def ensure_rootfs(arch: str) -> str:
     BUILD.mkdir(parents=True, exist_ok=True)
     work = BUILD / f"debootstrap-{arch}"
     if work.exists():
+        unmount_all(work)  # a killed debootstrap leaves its /proc mounted
         shutil.rmtree(work)
     start = time.monotonic()
     sh(["debootstrap", f"--arch={arch}", "--variant=minbase", f"--include={','.join(INCLUDE[arch])}", SUITE,
@@ -129,6 +131,18 @@ def ensure_rootfs(arch: str) -> str:
     partial.rename(tarball)  # only a complete tarball is ever reused
     shutil.rmtree(work)
     return f"built {tarball.name} in {time.monotonic() - start:.0f} s"
+
+
+def unmount_all(path: Path) -> None:
+    """Whatever is mounted under `path` (also by a run that was killed), deepest first:
+    never delete a tree with /proc or /dev mounted in it."""
+    try:
+        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return
+    prefix = str(path.resolve()) + "/"
+    for where in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", where], capture_output=True, check=False)
 
 
 class Root:
@@ -154,8 +168,7 @@ class Root:
         return str(self.path)
 
     def umount(self) -> None:
-        for where in reversed(self.mounts):
-            subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+        unmount_all(self.path)
         self.mounts.clear()
 
     def run(self, *cmd: str, timeout: float = 1800, check: bool = True) -> subprocess.CompletedProcess:

@@ -97,3 +97,11 @@ def test_doctor_reports_and_repairs_an_armpl_linked_mxnet(tmp_path: Path) -> Non
     assert "libopenblas.so.0" in doctor.needed_libraries(site / "mxnet" / "libmxnet.so")
     record = json.loads((site / "mxnet" / doctor.REPAIR_RECORD).read_text())
     assert record["repaired_sha256"] == doctor.sha256_file(site / "mxnet" / "libmxnet.so")
+
+
+def test_a_missing_mxnet_says_what_still_works() -> None:
+    from edge_agent.train.mxnet_import import _explain
+
+    text = _explain(ModuleNotFoundError("No module named 'mxnet'", name="mxnet"))
+    assert text.startswith("MXNet is not installed") and "--trainer numpy" in text
+    assert "doctor --fix" in _explain(OSError("libarmpl_lp64_mp.so: cannot open shared object file"))
