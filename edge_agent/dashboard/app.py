@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import (
@@ -140,6 +141,12 @@ def _fmt_num(x: Any, digits: int = 2) -> str:
     return views.DASH if not _is_num(x) else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _json_for_script(value: Any) -> Markup:
+    """JSON to embed in <script type="application/json">: no `<`, `>` or `&` to end the element."""
+    text = json.dumps(views.as_json(value), allow_nan=False)
+    return Markup(text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+
+
 def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: str | None = None,
              clock: Callable[[], float] = time.time) -> ASGIApp:
     """The app over an open (read-only) registry. `token`: required on every request if set."""
@@ -188,11 +195,11 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
             return PlainTextResponse("404: no such device\n", 404)
         except Exception as exc:  # an id the registry refuses (InputError): say so, no traceback
             return PlainTextResponse(f"400: {str(exc)[:200]}\n", 400)
-        return render(request, "device.html", d=data, chart=json.dumps(views.as_json(data["history"])))
+        return render(request, "device.html", d=data, chart=_json_for_script(data["history"]))
 
     async def rounds_page(request: Request) -> Response:
         data = read(lambda: views.rounds(registry))
-        return render(request, "rounds.html", data=data, chart=json.dumps(views.as_json(data["series"])))
+        return render(request, "rounds.html", data=data, chart=_json_for_script(data["series"]))
 
     async def models_page(request: Request) -> Response:
         return render(request, "models.html", models=read(lambda: views.models(registry)))

@@ -27,7 +27,7 @@
         title: {text: div.dataset.title || "", font: {size: 14}}, barmode: "group",
         margin: {l: 48, r: 48, t: div.dataset.title ? 36 : 12, b: 64}, height: 280,
         legend: {orientation: "h"}, yaxis2: {overlaying: "y", side: "right"}
-      }, {responsive: true, displaylogo: false});
+      }, {responsive: true, displaylogo: false, displayModeBar: false});
     });
   }
 
