@@ -17,7 +17,9 @@ its report.)
    and down, compression ratio and energy; writes demo-out/demo-report.json and
    demo-out/demo-plot.png.
 
-Every process it starts is stopped on exit, Ctrl-C included. Logs: demo-out/**/*.log.
+While it runs, the coordinator serves its read-only web dashboard (`serve --ui`, by default
+on http://127.0.0.1:8080/ or a free port; `--ui off` to skip, `--ui-linger S` to keep it up
+after the report). Every process it starts is stopped on exit, Ctrl-C included. Logs: demo-out/**/*.log.
 """
 
 from __future__ import annotations
@@ -157,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-bytes", type=int, default=384, help="byte budget of each update (default 384)")
     p.add_argument("--deadline", default="150s", help="per-round deadline (default 150s)")
     p.add_argument("--out", default="demo-out", help="working directory (default ./demo-out)")
+    p.add_argument("--ui", default="auto", metavar="ADDR:PORT|auto|off",
+                   help="the coordinator's web dashboard (default auto: 127.0.0.1:8080, or a free port if taken)")
+    p.add_argument("--ui-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="keep the coordinator and its dashboard up this long after the report (default 0)")
     args = p.parse_args(argv)
+    if not 0 <= args.ui_linger <= 86400:
+        p.error("--ui-linger must be 0..86400 seconds")
     if not 1 <= args.devices <= 16 or not 1 <= args.rounds <= 20:
         p.error("--devices must be 1..16 and --rounds 1..20")
     if args.min_devices is None:
@@ -201,11 +209,15 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     port = free_port()
     coord = out / "coordinator"
     cli = [PY, "-m", "edge_agent.coordinator.cli"]
+    ui = dashboard_address(args.ui)
     procs.start("coordinator", [*cli, "serve", "--embedded-broker", "--broker", f"127.0.0.1:{port}", "--auto-approve",
-                                "--fleet", "demo", "--state-dir", str(coord), "--tick", "0.5"], out / "coordinator.log")
+                                "--fleet", "demo", "--state-dir", str(coord), "--tick", "0.5",
+                                *(["--ui", ui] if ui else [])], out / "coordinator.log")
     say(f"coordinator: `edge-coordinator serve --embedded-broker` on 127.0.0.1:{port} (amqtt in-process), "
         f"state {coord}")
     wait_for("the coordinator to connect", lambda: (read_serve_file(coord) or {}).get("connected"), 60, procs)
+    if ui:
+        say(f"dashboard (read-only, live): http://{ui}/  -- open it in a browser while the demo runs")
     key = run_cli([*cli, "key", "--state-dir", str(coord)]).strip()
     run_cli([*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)],
             log=out / "cli.log")
@@ -252,7 +264,29 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "demo-plot.png")
     say(f"wrote {out / 'demo-report.json'} and {out / 'demo-plot.png'}")
+    if ui and args.ui_linger > 0:
+        say(f"the dashboard stays up at http://{ui}/ for {args.ui_linger:.0f} s (Ctrl-C ends it sooner)")
+        time.sleep(args.ui_linger)
     return 0
+
+
+def dashboard_address(choice: str) -> str | None:
+    """`--ui`: off, an explicit ADDR:PORT, or auto (127.0.0.1:8080 when free, else a free port)."""
+    if choice == "off":
+        return None
+    if choice != "auto":
+        return choice
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", 8080))
+            return "127.0.0.1:8080"
+        except OSError:
+            pass
+    from ..transport.broker import free_port
+
+    return f"127.0.0.1:{free_port()}"
 
 
 if __name__ == "__main__":

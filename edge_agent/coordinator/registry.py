@@ -593,6 +593,13 @@ class Registry:
                               "energy_wh IS NOT NULL GROUP BY device_id", (check_time(since, "since"),))
             return {r[0]: float(r[1]) for r in rows}
 
+    def newest_job_of_devices(self) -> dict[str, str]:
+        """For each device ever selected for a round: the newest job (by creation) it was selected for."""
+        with self._read() as db:
+            rows = db.execute("SELECT p.device_id, p.job_id FROM participants p JOIN jobs j ON j.id = p.job_id "
+                              "ORDER BY j.created_at, j.id")
+            return {r[0]: r[1] for r in rows}
+
     def participations(self, device_id: str) -> list[dict[str, Any]]:
         """Every round the device was selected for, newest first: its participant status and
         reason, and its update (bytes, energy, status, metrics) if one arrived."""

@@ -151,7 +151,8 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
              clock: Callable[[], float] = time.time) -> ASGIApp:
     """The app over an open (read-only) registry. `token`: required on every request if set."""
     policy = policy or RoundPolicy()
-    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]),
+                      auto_reload=False)
     env.filters.update(when=_fmt_time, size=_fmt_bytes, pct=_fmt_pct, num=_fmt_num)
     env.globals.update(dash=views.DASH, refresh_s=REFRESH_S)
     lock = threading.Lock()  # one registry connection: one reader at a time
@@ -172,7 +173,7 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
 
     def fleet_data(request: Request) -> dict[str, Any]:
         p = request.query_params
-        sort = p.get("sort", "id") if p.get("sort") in views.SORT_KEYS else "id"
+        sort = p.get("sort", "name") if p.get("sort") in views.SORT_KEYS else "name"
         state = p.get("state", "all") if p.get("state") in views.STATE_FILTERS else "all"
         return read(lambda: views.fleet(registry, policy=policy, now=clock(), q=p.get("q", "")[:64],
                                         state=state, sort=sort, desc=p.get("desc") == "1"))
@@ -182,7 +183,7 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
         data = fleet_data(request)
         response = render(request, "fleet.html", data=data, q=request.query_params.get("q", "")[:64],
                           state=request.query_params.get("state", "all"),
-                          sort=request.query_params.get("sort", "id"), desc=request.query_params.get("desc") == "1",
+                          sort=request.query_params.get("sort", "name"), desc=request.query_params.get("desc") == "1",
                           sort_keys=views.SORT_KEYS, state_filters=views.STATE_FILTERS)
         response.headers["server-timing"] = f"render;dur={1000 * (time.perf_counter() - started):.1f}"
         return response

@@ -20,7 +20,7 @@ from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundPolicy
 
 # sortable fleet columns -> key on a row dict (None sorts last whichever the direction)
-SORT_KEYS = ("id", "name", "state", "online", "battery", "board", "engine", "energy", "last_seen", "approved")
+SORT_KEYS = ("name", "id", "state", "online", "battery", "board", "engine", "energy", "last_seen", "approved")
 STATE_FILTERS = ("all", "online", "offline", "training", "pending")
 DASH = "—"
 
@@ -46,16 +46,23 @@ def _power_source(dev: Device) -> str:
 
 
 def _budget_of_devices(reg: Registry) -> dict[str, float]:
-    """Each device's daily budget: `budget_wh` of the newest job it was selected for."""
-    budgets: dict[str, float] = {}
-    for job in reg.list_jobs():  # oldest first: a newer job's budget wins
-        budget = _num(job.params.get("budget_wh"))
-        if budget is None:
-            continue
-        for rnd in reg.list_rounds(job.id):
-            for dev in rnd.participants:
-                budgets[dev] = budget
-    return budgets
+    """Each device's energy budget: `budget_wh` of the newest job it was selected for."""
+    budget_of_job = {j.id: _num(j.params.get("budget_wh")) for j in reg.list_jobs()}
+    newest = reg.newest_job_of_devices()
+    return {dev: b for dev, job in newest.items() if (b := budget_of_job.get(job)) is not None}
+
+
+_codes: dict[str, str] = {}
+
+
+def _enrolment_code(dev: Device) -> str:
+    """fleet_views.enrolment_code, remembered per public key (a hash per row per refresh adds up)."""
+    code = _codes.get(dev.public_key)
+    if code is None:
+        if len(_codes) > 100_000:
+            _codes.clear()
+        code = _codes[dev.public_key] = fleet_views.enrolment_code(dev)
+    return code
 
 
 def device_row(dev: Device, *, now: float, policy: RoundPolicy, used_today: float | None,
@@ -64,7 +71,7 @@ def device_row(dev: Device, *, now: float, policy: RoundPolicy, used_today: floa
     status = str(dev.state.get("status") or "unknown")
     training = status == "busy" and dev.state.get("job_phase") not in (None, "done", "failed")
     return {
-        "id": dev.id, "code": fleet_views.enrolment_code(dev), "name": str(dev.state.get("name") or ""),
+        "id": dev.id, "code": _enrolment_code(dev), "name": str(dev.state.get("name") or ""),
         "approved": dev.approved, "online": online, "state": "pending" if not dev.approved else
         ("offline" if not online else ("training" if training else status)),
         "activity": fleet_views._activity(dev), "last_seen": dev.last_seen,
@@ -76,7 +83,7 @@ def device_row(dev: Device, *, now: float, policy: RoundPolicy, used_today: floa
 
 
 def fleet(reg: Registry, *, policy: RoundPolicy, now: float, q: str = "", state: str = "all",
-          sort: str = "id", desc: bool = False) -> dict[str, Any]:
+          sort: str = "name", desc: bool = False) -> dict[str, Any]:
     """The fleet table: every device (filtered by `q` and `state`, sorted), and the counts."""
     devices = reg.list_devices()
     used = reg.energy_by_device(since=start_of_day(now))
@@ -121,7 +128,7 @@ def rounds(reg: Registry) -> dict[str, Any]:
         jobs.append({"job": job, "rounds": out})
     for entry in reversed(jobs):  # the charts run oldest to newest
         for r in entry["rounds"]:
-            series["label"].append(f"{entry['job'].id} r{r['round']}")
+            series["label"].append(f"r{r['round']}" if len(jobs) == 1 else f"{entry['job'].id[:10]} r{r['round']}")
             series["acc_before"].append(r["acc_before"])
             series["acc_after"].append(r["acc_after"])
             series["global_acc"].append(r["global_acc"])

@@ -90,6 +90,7 @@ def test_views_show_states_rounds_and_models_from_the_registry(filled):
         fleet = views.fleet(reg, policy=RoundPolicy(), now=NOW)
         states = {r["name"]: r["state"] for r in fleet["rows"]}
         assert states == {"pi-a": "idle", "pi-b": "training", "pi-c": "idle", "pi-d": "pending"}
+        assert list(states) == ["pi-a", "pi-b", "pi-c", "pi-d"]  # by name unless told otherwise
         assert fleet["counts"] == {"devices": 4, "online": 4, "training": 1, "pending": 1}
         a = next(r for r in fleet["rows"] if r["name"] == "pi-a")
         assert (a["battery"], a["power"], a["energy_today"], a["budget"]) == (81.0, "battery", 0.125, 0.5)

@@ -26,7 +26,8 @@
       Plotly.react(div, traces, {
         title: {text: div.dataset.title || "", font: {size: 14}}, barmode: "group",
         margin: {l: 48, r: 48, t: div.dataset.title ? 36 : 12, b: 64}, height: 280,
-        legend: {orientation: "h"}, yaxis2: {overlaying: "y", side: "right"}
+        legend: {orientation: "h", y: -0.25}, xaxis: {automargin: true, type: "category"},
+        yaxis: {automargin: true}, yaxis2: {overlaying: "y", side: "right", automargin: true}
       }, {responsive: true, displaylogo: false, displayModeBar: false});
     });
   }
