@@ -72,6 +72,9 @@ from .records import (
 from .schema import MIGRATIONS
 
 DB_NAME = "registry.sqlite3"
+HISTORY_EVERY_S = 60.0  # at most one battery/power sample per device per minute
+HISTORY_KEEP_S = 7 * 86400.0  # and a week of them
+HISTORY_KEYS = ("battery_pct", "power_w", "energy_wh")
 MAX_ARRAY_FILE_BYTES = 1 << 30
 __all__ = ["DB_NAME", "MIGRATIONS", "Registry"]
 
@@ -230,7 +233,31 @@ class Registry:
             merged = check_flat({**self._device(db, device_id).state, **new}, "device state")
             db.execute("UPDATE devices SET online = ?, state = ?, last_seen = ? WHERE id = ?",
                        (int(bool(online)), json.dumps(merged, sort_keys=True), when, device_id))
+            if any(k in new for k in HISTORY_KEYS):
+                self._sample_history(db, device_id, merged, when)
             return self._device(db, device_id)
+
+    @staticmethod
+    def _sample_history(db: sqlite3.Connection, device_id: str, state: Mapping[str, Any], when: float) -> None:
+        """Append a battery/power sample unless one was taken within HISTORY_EVERY_S; drop
+        the device's samples older than HISTORY_KEEP_S (so the table stays bounded)."""
+        last = db.execute("SELECT MAX(at) FROM device_history WHERE device_id = ?", (device_id,)).fetchone()[0]
+        if last is not None and when - last < HISTORY_EVERY_S:
+            return
+        values = [state.get(k) if isinstance(state.get(k), int | float) and not isinstance(state.get(k), bool)
+                  else None for k in HISTORY_KEYS]
+        on_power = state.get("on_power")
+        db.execute("INSERT OR IGNORE INTO device_history (device_id, at, battery_pct, power_w, energy_wh, on_power) "
+                   "VALUES (?, ?, ?, ?, ?, ?)",
+                   (device_id, when, *values, int(on_power) if isinstance(on_power, bool) else None))
+        db.execute("DELETE FROM device_history WHERE device_id = ? AND at < ?", (device_id, when - HISTORY_KEEP_S))
+
+    def device_history(self, device_id: str, *, since: float) -> list[dict[str, Any]]:
+        """The device's battery/power samples since `since`, oldest first."""
+        with self._read() as db:
+            rows = db.execute("SELECT at, battery_pct, power_w, energy_wh, on_power FROM device_history "
+                              "WHERE device_id = ? AND at >= ? ORDER BY at", (device_id, check_time(since, "since")))
+            return [dict(r) for r in rows]
 
     def record_heard(self, device_id: str, *, at: float, online: bool = True,
                      state: Mapping[str, Any] | None = None) -> Device:

@@ -59,4 +59,10 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX jobs_by_status ON jobs (status)",
         "CREATE INDEX rounds_by_state ON rounds (state)",
     ),
+    (  # 1 -> 2: each device's battery / power over time (sampled, bounded), for the dashboard
+        """CREATE TABLE device_history (
+            device_id TEXT NOT NULL REFERENCES devices (id), at REAL NOT NULL,
+            battery_pct REAL, power_w REAL, energy_wh REAL, on_power INTEGER,
+            PRIMARY KEY (device_id, at))""",
+    ),
 ]

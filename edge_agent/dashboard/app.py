@@ -196,7 +196,8 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
             return PlainTextResponse("404: no such device\n", 404)
         except Exception as exc:  # an id the registry refuses (InputError): say so, no traceback
             return PlainTextResponse(f"400: {str(exc)[:200]}\n", 400)
-        return render(request, "device.html", d=data, chart=_json_for_script(data["history"]))
+        return render(request, "device.html", d=data, chart=_json_for_script(data["history"]),
+                      samples=_json_for_script(data["samples"]))
 
     async def rounds_page(request: Request) -> Response:
         data = read(lambda: views.rounds(registry))

@@ -23,6 +23,7 @@ from ..coordinator.rounds import RoundPolicy
 SORT_KEYS = ("name", "id", "state", "online", "battery", "board", "engine", "energy", "last_seen", "approved")
 STATE_FILTERS = ("all", "online", "offline", "training", "pending")
 DASH = "—"
+HISTORY_WINDOW_S = 86400.0  # the device page's battery / power chart: the last day
 
 
 def start_of_day(now: float) -> float:
@@ -179,8 +180,8 @@ def models(reg: Registry) -> list[dict[str, Any]]:
 
 
 def device(reg: Registry, device_id: str, *, policy: RoundPolicy, now: float) -> dict[str, Any]:
-    """One device: its row, every round it joined (status, reason, update), its refusals
-    and the per-round energy it reported (the registry keeps no battery time series)."""
+    """One device: its row, every round it joined (status, reason, update), its refusals,
+    the energy and accuracy it reported per round, and its battery / power over the last day."""
     dev = reg.get_device(device_id)  # NotFound (an InputError) for an unknown id
     used = reg.energy_by_device(since=start_of_day(now)).get(dev.id)
     row = device_row(dev, now=now, policy=policy, used_today=used, budget=_budget_of_devices(reg).get(dev.id))
@@ -190,9 +191,12 @@ def device(reg: Registry, device_id: str, *, policy: RoundPolicy, now: float) ->
     history = [{"label": f"{p['job_id']} r{p['round']}", "energy_wh": p["energy_wh"],
                 "acc_before": _num(p["metrics"].get("accuracy_before")),
                 "acc_after": _num(p["metrics"].get("accuracy_after"))} for p in reversed(joined)]
+    samples = [{"at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at"])), "battery_pct": h["battery_pct"],
+                "power_w": h["power_w"], "energy_wh": h["energy_wh"]}
+               for h in reg.device_history(dev.id, since=now - HISTORY_WINDOW_S)]
     facts = {k: dev.state.get(k) for k in ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c",
                                            "status", "job", "job_phase", "job_pct", "outbox")}
-    return {"row": row, "joined": joined, "refusals": refusals, "jobs": jobs, "history": history,
+    return {"row": row, "joined": joined, "refusals": refusals, "jobs": jobs, "history": history, "samples": samples,
             "facts": {k: v for k, v in facts.items() if v is not None}, "fleet": dev.fleet,
             "enrolled_at": dev.enrolled_at}
 

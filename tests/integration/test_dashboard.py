@@ -144,7 +144,12 @@ def test_the_dashboard_shows_the_fleet_and_a_round_live_in_a_real_browser(mosqui
     shots.take("models")
     browser.get(url + f"device/{agents_[0].id}")
     assert f"{job.id}" in browser.find_element(By.ID, "joined").text
-    wait_page(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".chart .main-svg"), "the device's chart")
+    wait_page(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".chart .main-svg")) >= 2, "the device's charts")
+    battery = browser.find_element(By.ID, "battery-chart").get_attribute("data-title")
+    assert "(0 samples)" not in battery and "samples)" in battery, battery  # its states, sampled over time
+    plotted = browser.execute_script("var t = document.getElementById('battery-chart').data[0];"
+                                     "return [t.x.length, t.x.every(Boolean), t.y.filter(v => v > 0).length];")
+    assert plotted[0] >= 1 and plotted[1] and plotted[2] == plotted[0], plotted  # a time and a battery % each
     shots.take("device")
 
     # live: an agent stops (its goodbye says offline); its row turns offline without a reload

@@ -115,6 +115,26 @@ def test_views_show_states_rounds_and_models_from_the_registry(filled):
             views.device(reg, "nosuchdevice", policy=RoundPolicy(), now=NOW)
 
 
+def test_battery_and_power_history_is_sampled_bounded_and_shown(tmp_path):
+    with Registry(state_dir=tmp_path / "coord") as reg:
+        dev = new_device(reg, "pi-h", battery=90.0)  # its first state: a sample at NOW - 5
+        for dt, pct, watts in ((100, 80.0, 4.5), (110, 79.0, 4.4), (1900, 70.0, 5.2)):
+            reg.record_state(dev, online=True, state={"battery_pct": pct, "power_w": watts}, now=NOW + dt)
+        reg.record_state(dev, online=True, state={"job_phase": "training"}, now=NOW + 5000)  # no battery news
+
+        def samples() -> list[tuple[float, float | None, float | None]]:
+            return [(s["at"] - NOW, s["battery_pct"], s["power_w"]) for s in reg.device_history(dev, since=0)]
+
+        # within a minute of the previous sample: skipped; a state without battery or power: none
+        assert samples() == [(-5, 90.0, None), (100, 80.0, 4.5), (1900, 70.0, 5.2)]
+        week = 7 * 86400
+        reg.record_state(dev, online=True, state={"battery_pct": 60.0}, now=NOW + week + 150)
+        assert samples() == [(1900, 70.0, 5.2), (week + 150, 60.0, 5.2)]  # older than a week: dropped
+    with Registry(state_dir=tmp_path / "coord", read_only=True) as reg:
+        page = views.device(reg, dev, policy=RoundPolicy(), now=NOW + week + 200)
+        assert [s["battery_pct"] for s in page["samples"]] == [60.0]  # the last day only
+
+
 def test_the_read_only_registry_cannot_write(filled):
     state_dir, ids = filled
     with Registry(state_dir=state_dir, read_only=True) as reg, pytest.raises(Exception, match="readonly|read-only"):

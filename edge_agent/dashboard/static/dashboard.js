@@ -12,12 +12,14 @@
 
   function draw() {
     if (typeof Plotly === "undefined") return;
-    var blob = main.querySelector("script.chart-data");
-    if (!blob) return;
-    var data = JSON.parse(blob.textContent);
     main.querySelectorAll("div.chart").forEach(function (div) {
-      var xs = data[div.dataset.x] || data.map(function (row) { return row[div.dataset.x]; });
+      var blob = div.dataset.source ? document.getElementById(div.dataset.source)
+                                    : main.querySelector("script.chart-data");
+      if (!blob) return;
+      var data = JSON.parse(blob.textContent);
+      // rows (a list of objects) or columns (an object of lists)
       var rows = Array.isArray(data) ? data : null;
+      var xs = rows ? rows.map(function (row) { return row[div.dataset.x]; }) : data[div.dataset.x];
       var traces = JSON.parse(div.dataset.series).map(function (s) {
         var ys = rows ? rows.map(function (row) { return row[s[0]]; }) : data[s[0]];
         return {x: xs, y: ys, name: s[1], type: s[2] === "bar" ? "bar" : "scatter",
@@ -26,7 +28,7 @@
       Plotly.react(div, traces, {
         title: {text: div.dataset.title || "", font: {size: 14}}, barmode: "group",
         margin: {l: 48, r: 48, t: div.dataset.title ? 36 : 12, b: 64}, height: 280,
-        legend: {orientation: "h", y: -0.25}, xaxis: {automargin: true, type: "category"},
+        legend: {orientation: "h", y: -0.25}, xaxis: {automargin: true, type: div.dataset.xtype || "category"},
         yaxis: {automargin: true}, yaxis2: {overlaying: "y", side: "right", automargin: true}
       }, {responsive: true, displaylogo: false, displayModeBar: false});
     });
