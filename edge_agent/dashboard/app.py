@@ -74,8 +74,18 @@ def plotly_js() -> Path | None:
 class Guard:
     """Security headers on every response; the token check; GET/HEAD only."""
 
-    def __init__(self, app: ASGIApp, *, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, *, token: str | None, bind_host: str = "127.0.0.1") -> None:
         self.app, self.token = app, token
+        self.local_names = {"localhost", "127.0.0.1", "::1", bind_host.lower()}
+
+    def host_ok(self, scope: Scope) -> bool:
+        """Without a token, only requests addressed to a loopback name: a web page that
+        rebinds its own DNS name to 127.0.0.1 cannot read the dashboard through a browser."""
+        if self.token is not None:
+            return True
+        host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").strip().lower()
+        name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        return name in self.local_names
 
     def allowed(self, scope: Scope) -> bool:
         client = scope.get("client")
@@ -100,8 +110,10 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if not self.allowed(scope):
-            response: Response = PlainTextResponse("401: a token is required (Authorization: Bearer ...)\n", 401,
+        if not self.host_ok(scope):
+            response: Response = PlainTextResponse("421: not a name this dashboard answers to\n", 421)
+        elif not self.allowed(scope):
+            response = PlainTextResponse("401: a token is required (Authorization: Bearer ...)\n", 401,
                                                    headers={"www-authenticate": 'Basic realm="edge-fleet"'})
         elif scope["method"] not in ("GET", "HEAD"):
             response = PlainTextResponse("405: the dashboard is read-only\n", 405, headers={"allow": "GET, HEAD"})
@@ -148,7 +160,7 @@ def _json_for_script(value: Any) -> Markup:
 
 
 def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: str | None = None,
-             clock: Callable[[], float] = time.time) -> ASGIApp:
+             clock: Callable[[], float] = time.time, bind_host: str = "127.0.0.1") -> ASGIApp:
     """The app over an open (read-only) registry. `token`: required on every request if set."""
     policy = policy or RoundPolicy()
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]),
@@ -158,6 +170,8 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
     lock = threading.Lock()  # one registry connection: one reader at a time
     render_times: list[float] = []
 
+    # the page handlers are plain functions: Starlette runs them in its thread pool, so a long
+    # render never stalls the event loop (one registry connection: `read` takes turns)
     def render(request: Request, name: str, **context: Any) -> HTMLResponse:
         partial = request.query_params.get("partial") == "1"
         started = time.perf_counter()
@@ -178,7 +192,7 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
         return read(lambda: views.fleet(registry, policy=policy, now=clock(), q=p.get("q", "")[:64],
                                         state=state, sort=sort, desc=p.get("desc") == "1"))
 
-    async def fleet_page(request: Request) -> Response:
+    def fleet_page(request: Request) -> Response:
         started = time.perf_counter()
         data = fleet_data(request)
         response = render(request, "fleet.html", data=data, q=request.query_params.get("q", "")[:64],
@@ -188,7 +202,7 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
         response.headers["server-timing"] = f"render;dur={1000 * (time.perf_counter() - started):.1f}"
         return response
 
-    async def device_page(request: Request) -> Response:
+    def device_page(request: Request) -> Response:
         dev_id = request.path_params["device_id"]
         try:
             data = read(lambda: views.device(registry, dev_id, policy=policy, now=clock()))
@@ -199,14 +213,14 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
         return render(request, "device.html", d=data, chart=_json_for_script(data["history"]),
                       samples=_json_for_script(data["samples"]))
 
-    async def rounds_page(request: Request) -> Response:
+    def rounds_page(request: Request) -> Response:
         data = read(lambda: views.rounds(registry))
         return render(request, "rounds.html", data=data, chart=_json_for_script(data["series"]))
 
-    async def models_page(request: Request) -> Response:
+    def models_page(request: Request) -> Response:
         return render(request, "models.html", models=read(lambda: views.models(registry)))
 
-    async def api(request: Request) -> Response:
+    def api(request: Request) -> Response:
         page = request.path_params["page"]
         if page == "fleet":
             data: Any = fleet_data(request)
@@ -218,7 +232,7 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
             return PlainTextResponse("404\n", 404)
         return JSONResponse(views.as_json(data))
 
-    async def plotly(request: Request) -> Response:
+    def plotly(request: Request) -> Response:
         path = plotly_js()
         if path is None:
             return PlainTextResponse("404: the plotly package is not installed (pip install plotly)\n", 404)
@@ -235,6 +249,6 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
     ]
     app = Starlette(routes=routes)
     app.state.render_times = render_times
-    guarded = Guard(app, token=token)
+    guarded = Guard(app, token=token, bind_host=bind_host)
     guarded.render_times = render_times  # type: ignore[attr-defined]
     return guarded

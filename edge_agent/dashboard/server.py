@@ -116,7 +116,7 @@ def start_ui(state_dir: str | Path, *, address: str, token_file: str | Path | No
         sock.close()
         registry.close()
         raise ConfigError(f"--ui {address}: cannot listen there ({exc.strerror or exc})") from None
-    app = make_app(registry, policy=policy, token=token)
+    app = make_app(registry, policy=policy, token=token, bind_host=host)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False)
     server = uvicorn.Server(config)
     started = threading.Event()

@@ -174,6 +174,9 @@ def test_pages_are_served_read_only_with_security_headers_and_no_secrets(filled)
             assert get(ui.url, method=method)[0] == 405
             assert get(ui.url + "api/fleet.json", method=method)[0] == 405
         assert get(ui.url + "device/..%2F..%2Fetc")[0] in (400, 404)
+        # DNS rebinding: a page on another name resolved to 127.0.0.1 gets nothing
+        assert get(ui.url, headers={"Host": f"evil.example:{ui.port}"})[0] == 421
+        assert get(ui.url, headers={"Host": f"localhost:{ui.port}"})[0] == 200
     finally:
         ui.close()
 
