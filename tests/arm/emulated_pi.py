@@ -3,7 +3,8 @@ armhf for 32-bit Pi OS), under qemu-user with binfmt_misc, as root.
 
 For each architecture:
   1. a Bookworm root file system from Debian's packages (debootstrap), cached as a tarball
-     under build/arm/ and unpacked fresh for every run;
+     under build/arm/ and unpacked fresh for every run (outside the source tree:
+     $EDGE_AGENT_ARM_WORK, default /var/tmp/edge-agent-test-arm);
   2. `make deb ARCH=<arch>` on the host, `apt-get install ./edge-agent_*_<arch>.deb` in the
      root (chroot; the postinst builds the venv from the wheels with the root's Python 3.11);
   3. in the root: `edge-agent doctor`, `edge-agent probe` (the kernels' auxv check must win
@@ -38,7 +39,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-BUILD = REPO / "build" / "arm"
+BUILD = REPO / "build" / "arm"  # cached root tarballs, host-made bundles
+# Unpacked roots (with /proc and /dev mounted in them) live outside the source tree:
+# setuptools walks the whole tree on every `pip install -e .`, into a mounted /proc too.
+WORK = Path(os.environ.get("EDGE_AGENT_ARM_WORK", "/var/tmp/edge-agent-test-arm"))
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 # What the package Depends on is pre-installed so `apt-get install ./x.deb` needs no network.
 # debootstrap's resolver misses what provides python3.11-venv's python3.11-distutils
@@ -118,7 +122,8 @@ def ensure_rootfs(arch: str) -> str:
     if tarball.is_file():
         return f"cached {tarball.name} ({tarball.stat().st_size >> 20} MiB)"
     BUILD.mkdir(parents=True, exist_ok=True)
-    work = BUILD / f"debootstrap-{arch}"
+    WORK.mkdir(parents=True, exist_ok=True)
+    work = WORK / f"debootstrap-{arch}"
     if work.exists():
         unmount_all(work)  # a killed debootstrap leaves its /proc mounted
         shutil.rmtree(work)
@@ -150,7 +155,7 @@ class Root:
 
     def __init__(self, arch: str) -> None:
         self.arch = arch
-        self.path = BUILD / f"root-{arch}"
+        self.path = WORK / f"root-{arch}"
         self.mounts: list[Path] = []
 
     def unpack(self) -> str:
@@ -358,7 +363,7 @@ def fleet_round(root: Root, inputs: dict[str, Path]) -> str:
         wait_for,
     )
 
-    tmp = Path(tempfile.mkdtemp(prefix="arm-round-", dir=BUILD))
+    tmp = Path(tempfile.mkdtemp(prefix="arm-round-", dir=WORK))
     broker = MosquittoBroker(workdir=tmp / "mosquitto")
     broker.start()
     fleet = Fleet(tmp, f"t-arm{os.getpid()}/edgeft/v1")
@@ -413,7 +418,7 @@ def fleet_round(root: Root, inputs: dict[str, Path]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="arm64,armhf", help="comma-separated Debian architectures")
-    parser.add_argument("--keep", action="store_true", help="keep build/arm/root-<arch> after the run")
+    parser.add_argument("--keep", action="store_true", help=f"keep {WORK}/root-<arch> after the run")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("tests/arm/emulated_pi.py: needs root (debootstrap, chroot, mount)", file=sys.stderr)
