@@ -102,7 +102,7 @@ def start_ui(state_dir: str | Path, *, address: str, token_file: str | Path | No
 
         from .app import make_app
     except ImportError as exc:
-        raise ConfigError(f"--ui needs the dashboard's packages ({exc.name}): pip install 'mxedge-agent[ui]'") from None
+        raise ConfigError(f"--ui needs the dashboard's packages ({exc.name}): pip install '/path/to/checkout[ui]' (or the release wheel with [ui])") from None
     from ..coordinator.registry import Registry
 
     registry = Registry(state_dir=state_dir, read_only=True)

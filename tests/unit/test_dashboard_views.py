@@ -33,6 +33,15 @@ NOW = time.time()
 HEAD = {"dense0_weight": np.zeros((2, 3), np.float32)}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_now() -> None:
+    """Records are stamped relative to NOW and the served pages judge them by the real clock:
+    take NOW as each test starts, not at import (a long suite on one core reaches this file
+    minutes after collecting it, and "online" devices would have gone stale)."""
+    global NOW
+    NOW = time.time()
+
+
 def new_device(reg: Registry, name: str, *, battery: float | None, status: str = "idle", approved: bool = True,
                online: bool = True) -> str:
     key = generate_private_key()
