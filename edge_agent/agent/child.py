@@ -100,8 +100,8 @@ def _head_params(data: bytes) -> dict[str, Any]:
 
 
 def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict[str, Any]:
-    from ..data import label_set_digest
     from ..int8.bundle import load_bundle
+    from ..labels import label_set_digest
     from ..train.trainer import head_from_bundle
     from ..updates import (
         CompressionPolicy,

@@ -368,7 +368,7 @@ class RoundEngine:
         return mv, self._heads[(name, version)]
 
     def _labels_digest(self, mv: ModelVersion) -> str | None:
-        """edge_agent.data.label_set_digest of a version's bundle labels (None: no bundle, or
+        """edge_agent.labels.label_set_digest of a version's bundle labels (None: no bundle, or
         unreadable: then updates are not checked against it). Read once per bundle."""
         if mv.bundle_path is None:
             return None
@@ -376,8 +376,8 @@ class RoundEngine:
             import json
             import tarfile
 
-            from ..data import label_set_digest
             from ..int8.bundle import MANIFEST, MAX_MANIFEST_BYTES
+            from ..labels import label_set_digest
 
             digest = None
             try:

@@ -155,7 +155,7 @@ SCHEMAS: dict[Kind, Schema] = {
     # samples, energy_wh, energy_kept and labels_sha256 ride on every chunk (signed with it):
     # FedAvg weights by the sample count, the coordinator reports the fleet's energy per
     # round and the share of each delta's energy (squared L2 norm) its update kept, and
-    # refuses an update trained on another label set (edge_agent.data.label_set_digest).
+    # refuses an update trained on another label set (edge_agent.labels.label_set_digest).
     Kind.UPDATE_CHUNK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
                         "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True),
                         "samples": (_int(1, 1_000_000_000), False), "energy_wh": (_num(0, 1e6), False),

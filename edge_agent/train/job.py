@@ -195,10 +195,10 @@ def run_finetune(
     clock with a `work_done()` method is called after every feature batch and training
     step, so a virtual clock can charge each step a fixed time whatever the CPU's speed.
     `model` is a bundle directory or its .tar.gz archive (unpacked, verified, for the run).
-    `label_map`: a `--label-map` spec (edge_agent.data.parse_label_map) or its parsed form;
+    `label_map`: a `--label-map` spec (edge_agent.labels.parse_label_map) or its parsed form;
     data labels matching no model label are an InputError unless `skip_unknown`.
     """
-    from ..data import parse_label_map
+    from ..labels import parse_label_map
     from ..power import Budget
 
     if isinstance(label_map, str):

@@ -128,7 +128,7 @@ class CompletedUpload:
     samples: int | None = None  # the device's local training sample count, if it sent it
     energy_wh: float | None = None
     energy_kept: float | None = None  # share of the delta's energy the update kept
-    labels_sha256: str | None = None  # edge_agent.data.label_set_digest of the labels trained on
+    labels_sha256: str | None = None  # edge_agent.labels.label_set_digest of the labels trained on
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.data import label_set_digest, load_dataset, parse_label_map
+from edge_agent.data import load_dataset
 from edge_agent.errors import InputError
 from edge_agent.int8.bundle import InputSpec, load_bundle
+from edge_agent.labels import label_set_digest, parse_label_map
 from edge_agent.train.job import run_finetune
 
 TEXTURES = ["sky", "tree", "water", "petal", "leaf"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.data import label_set_digest
+from edge_agent.labels import label_set_digest
 from edge_agent.protocol.schema import Kind, check_body
 from edge_agent.updates import UNCOMPRESSED, CompressionPolicy, UpdateEncoder, decode_update
 from edge_agent.updates.policy import DEFAULT_UPDATE_BYTES
