@@ -69,17 +69,15 @@ from .records import (
     dump_arrays,
     load_arrays,
 )
+from .registry_reports import HISTORY_KEYS, FleetReports
 from .schema import MIGRATIONS
 
 DB_NAME = "registry.sqlite3"
-HISTORY_EVERY_S = 60.0  # at most one battery/power sample per device per minute
-HISTORY_KEEP_S = 7 * 86400.0  # and a week of them
-HISTORY_KEYS = ("battery_pct", "power_w", "energy_wh")
 MAX_ARRAY_FILE_BYTES = 1 << 30
 __all__ = ["DB_NAME", "MIGRATIONS", "Registry"]
 
 
-class Registry:
+class Registry(FleetReports):
     """The SQLite registry under `state_dir`. Thread-safe (one lock around one connection)."""
 
     def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
@@ -236,28 +234,6 @@ class Registry:
             if any(k in new for k in HISTORY_KEYS):
                 self._sample_history(db, device_id, merged, when)
             return self._device(db, device_id)
-
-    @staticmethod
-    def _sample_history(db: sqlite3.Connection, device_id: str, state: Mapping[str, Any], when: float) -> None:
-        """Append a battery/power sample unless one was taken within HISTORY_EVERY_S; drop
-        the device's samples older than HISTORY_KEEP_S (so the table stays bounded)."""
-        last = db.execute("SELECT MAX(at) FROM device_history WHERE device_id = ?", (device_id,)).fetchone()[0]
-        if last is not None and when - last < HISTORY_EVERY_S:
-            return
-        values = [state.get(k) if isinstance(state.get(k), int | float) and not isinstance(state.get(k), bool)
-                  else None for k in HISTORY_KEYS]
-        on_power = state.get("on_power")
-        db.execute("INSERT OR IGNORE INTO device_history (device_id, at, battery_pct, power_w, energy_wh, on_power) "
-                   "VALUES (?, ?, ?, ?, ?, ?)",
-                   (device_id, when, *values, int(on_power) if isinstance(on_power, bool) else None))
-        db.execute("DELETE FROM device_history WHERE device_id = ? AND at < ?", (device_id, when - HISTORY_KEEP_S))
-
-    def device_history(self, device_id: str, *, since: float) -> list[dict[str, Any]]:
-        """The device's battery/power samples since `since`, oldest first."""
-        with self._read() as db:
-            rows = db.execute("SELECT at, battery_pct, power_w, energy_wh, on_power FROM device_history "
-                              "WHERE device_id = ? AND at >= ? ORDER BY at", (device_id, check_time(since, "since")))
-            return [dict(r) for r in rows]
 
     def record_heard(self, device_id: str, *, at: float, online: bool = True,
                      state: Mapping[str, Any] | None = None) -> Device:
@@ -603,39 +579,3 @@ class Registry:
         if rec.delta_path is None:
             raise NotFound(f"update from {rec.device_id} in job {rec.job_id} round {rec.round} has no stored delta")
         return load_arrays(read_checked(self._abs(rec.delta_path), MAX_ARRAY_FILE_BYTES), where=rec.delta_path)
-
-    def totals(self, job_id: str | None = None) -> dict[str, float]:
-        """Bytes on the wire, fp32 bytes, energy and counts of stored updates (one job or all)."""
-        with self._read() as db:
-            row = db.execute("SELECT COUNT(*), COALESCE(SUM(wire_bytes), 0), COALESCE(SUM(fp32_bytes), 0), "
-                             "COALESCE(SUM(energy_wh), 0), COALESCE(SUM(status = 'accepted'), 0) FROM updates "
-                             "WHERE ? IS NULL OR job_id = ?", (job_id, job_id)).fetchone()
-        return {"updates": row[0], "wire_bytes": row[1], "fp32_bytes": row[2], "energy_wh": float(row[3]),
-                "accepted": row[4]}
-
-    def energy_by_device(self, *, since: float) -> dict[str, float]:
-        """Energy (Wh) each device reported spending on updates received since `since`."""
-        with self._read() as db:
-            rows = db.execute("SELECT device_id, SUM(energy_wh) FROM updates WHERE received_at >= ? AND "
-                              "energy_wh IS NOT NULL GROUP BY device_id", (check_time(since, "since"),))
-            return {r[0]: float(r[1]) for r in rows}
-
-    def newest_job_of_devices(self) -> dict[str, str]:
-        """For each device ever selected for a round: the newest job (by creation) it was selected for."""
-        with self._read() as db:
-            rows = db.execute("SELECT p.device_id, p.job_id FROM participants p JOIN jobs j ON j.id = p.job_id "
-                              "ORDER BY j.created_at, j.id")
-            return {r[0]: r[1] for r in rows}
-
-    def participations(self, device_id: str) -> list[dict[str, Any]]:
-        """Every round the device was selected for, newest first: its participant status and
-        reason, and its update (bytes, energy, status, metrics) if one arrived."""
-        with self._read() as db:
-            rows = db.execute(
-                "SELECT p.job_id, p.round, p.status, p.reason, p.dispatched_at, r.started_at, r.state, "
-                "u.wire_bytes, u.fp32_bytes, u.energy_wh, u.status AS update_status, u.reason AS update_reason, "
-                "u.metrics, u.received_at FROM participants p JOIN rounds r ON r.job_id = p.job_id AND "
-                "r.number = p.round LEFT JOIN updates u ON u.job_id = p.job_id AND u.round = p.round AND "
-                "u.device_id = p.device_id WHERE p.device_id = ? ORDER BY r.started_at DESC, p.round DESC",
-                (device_id,)).fetchall()
-        return [{**dict(r), "metrics": json.loads(r["metrics"]) if r["metrics"] else {}} for r in rows]
