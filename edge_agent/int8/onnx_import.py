@@ -9,23 +9,22 @@ the same graph:
 - Identity and Dropout removed; a constant Add after a conv or MatMul folded into its bias;
 - explicit conv pads that TFLite's SAME/VALID cannot express become a PAD op.
 
-`run_float` executes the float graph in numpy: calibration observes its tensors, and tests
-compare it with MXNet's own forward. Untrusted ONNX gets the size limit first, then the
+The float graph itself and `run_float`, which executes it in numpy, live in float_graph.py.
+Untrusted ONNX gets the size limit first, then the
 protobuf parse and onnx.checker, each failure an OnnxImportError that says where.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..atomic import FileTooLargeError, read_limited
 from ..errors import InputError
-from .float_ops import out_size, run_op, same_pads
+from .float_graph import FloatGraph, FloatOp, to_nchw_shape
+from .float_ops import out_size, same_pads
 from .graph import UnsupportedOpError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -39,41 +38,6 @@ _NCHW_TO_NHWC_AXIS = {0: 0, 1: 3, 2: 1, 3: 2}
 
 class OnnxImportError(InputError):
     """An ONNX file or graph the importer refuses (corrupt, truncated, malformed)."""
-
-
-@dataclass
-class FloatOp:
-    kind: str  # a key of graph.OP_OPTIONS
-    name: str  # the source ONNX node's name (for errors and QGraph op names)
-    inputs: list[str]  # activation tensor names
-    output: str
-    options: dict[str, Any] = field(default_factory=dict)
-    weight: np.ndarray | None = None  # CONV OHWI, DEPTHWISE 1HW(C*M), FC [out, in]
-    bias: np.ndarray | None = None  # float32 (out,)
-
-
-@dataclass
-class FloatGraph:
-    input: str
-    input_shape: tuple[int, ...]  # NCHW, as the model takes it
-    ops: list[FloatOp]  # topological order
-    output: str
-    shapes: dict[str, tuple[int, ...]]  # every activation, NHWC (or 2-D (N, C))
-    name: str = "backbone"
-
-    @property
-    def output_shape(self) -> tuple[int, ...]:
-        """The output's shape in the model's (ONNX/MXNet) layout."""
-        return _to_nchw_shape(self.shapes[self.output])
-
-
-def _to_nchw_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return (shape[0], shape[3], shape[1], shape[2]) if len(shape) == 4 else shape
-
-
-def to_model_layout(y: np.ndarray) -> np.ndarray:
-    """NHWC activation -> NCHW (the layout MXNet's head takes); 2-D passes through."""
-    return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if y.ndim == 4 else y
 
 
 # ---------------------------------------------------------------- loading untrusted bytes
@@ -519,7 +483,7 @@ class _Converter:
     def _op_Reshape(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm = node_name(node)
         x = self._act(node.input[0], f"node {nm!r}")
-        src = _to_nchw_shape(self.shapes[x])
+        src = to_nchw_shape(self.shapes[x])
         target = [src[i] if v == 0 and i < len(src) else int(v) for i, v in enumerate(self._const(node, 1))]
         if -1 in target:
             known = int(np.prod([v for v in target if v != -1]))
@@ -588,32 +552,3 @@ def _explicit_pads(nm: str, op: str, a: dict[str, Any], hw: tuple[int, int], k: 
     if len(pads) != 4 or min(pads) < 0:
         raise UnsupportedOpError(nm, op, f"pads {pads}")
     return pads  # type: ignore[return-value]
-
-
-# ------------------------------------------------------------------------- execution
-def run_float(
-    graph: FloatGraph,
-    x: np.ndarray,
-    *,
-    layout: str = "model",
-    on_tensor: Callable[[str, np.ndarray], None] | None = None,
-) -> np.ndarray:
-    """Run the float graph on `x` (NCHW float32, any batch size).
-
-    Returns the output in the model's layout (NCHW / 2-D, as MXNet produces it) or, with
-    layout="nhwc", as the graph holds it. `on_tensor(name, value)` sees the input and every
-    op's output (NHWC), which is how calibration observes activations.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim != 4 or tuple(x.shape[1:]) != tuple(graph.input_shape[1:]):
-        raise ValueError(f"input shape {x.shape} does not match the graph's {graph.input_shape}")
-    values = {graph.input: np.ascontiguousarray(x.transpose(0, 2, 3, 1))}
-    if on_tensor:
-        on_tensor(graph.input, values[graph.input])
-    for op in graph.ops:
-        y = run_op(op.kind, [values[i] for i in op.inputs], op.options, op.weight, op.bias)
-        values[op.output] = y
-        if on_tensor:
-            on_tensor(op.output, y)
-    out = values[graph.output]
-    return to_model_layout(out) if layout == "model" else out

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from .float_graph import FloatGraph, run_float
 from .graph import QGraph, QOp, QTensor
-from .onnx_import import FloatGraph, run_float
 from .quant_math import (
     asymmetric_params,
     dequantize,

@@ -15,6 +15,7 @@ from onnx.reference import ReferenceEvaluator
 from edge_agent import models
 from edge_agent.atomic import FileTooLargeError
 from edge_agent.errors import InputError
+from edge_agent.int8.float_graph import run_float
 from edge_agent.int8.graph import OP_OPTIONS, UnsupportedOpError
 from edge_agent.int8.onnx_export import OnnxExportError, export_onnx
 from edge_agent.int8.onnx_import import (
@@ -22,7 +23,6 @@ from edge_agent.int8.onnx_import import (
     import_onnx,
     load_onnx,
     node_names,
-    run_float,
 )
 
 DIGITS_SHAPE = (1, 1, 8, 8)

@@ -12,8 +12,9 @@ import pytest
 
 from edge_agent import models
 from edge_agent.errors import InputError
+from edge_agent.int8.float_graph import FloatGraph, run_float
 from edge_agent.int8.onnx_export import export_onnx
-from edge_agent.int8.onnx_import import FloatGraph, import_onnx, run_float
+from edge_agent.int8.onnx_import import import_onnx
 from edge_agent.int8.quantize import (
     CalibrationError,
     calibrate,
@@ -105,7 +106,7 @@ def test_entropy_threshold_clips_gaussian_tails_but_not_uniform() -> None:
 
 
 def test_constraints_clamp_relu6_and_tie_same_scale_ops() -> None:
-    from edge_agent.int8.onnx_import import FloatOp
+    from edge_agent.int8.float_graph import FloatOp
 
     ops = [FloatOp("CONV_2D", "c", ["x"], "a", {"activation": "RELU6"}),
            FloatOp("MAX_POOL_2D", "p", ["a"], "b", {"activation": "NONE"}),
