@@ -81,6 +81,10 @@ AGENT_SCHEMA: Schema = {
     "data": {
         "dir": Field(str),
         "cache_mb": Field(int, minimum=1, maximum=1 << 20),
+        # label names in the data that are not the model's: a `--label-map` spec (pairs
+        # "0=brick,1=grass", a file, or "indices"), and whether unknown folders are skipped
+        "label_map": Field(str),
+        "skip_unknown": Field(bool),
     },
     "service": {
         "state_interval_s": number(1, 86400),
@@ -358,8 +362,11 @@ min_battery_pct = 40    # refuse a fine-tune below this battery level (unless ch
 max_jobs_per_day = 24
 
 [data]
-# The local training data: an image folder per label, a .csv or an .npz.
+# The local training data: an image folder per label, a .csv or an .npz. Folder names
+# (and CSV/NPZ label values) must be the model's labels; otherwise map them, or skip them:
 {data_line}
+# label_map = "0=brick,1=grass"   # or a .json/.toml/text file, or "indices"
+# skip_unknown = true             # skip (and report) folders that match no model label
 
 # [budget]    # this board profile's values; a command may ask for less, never more
 {budget}

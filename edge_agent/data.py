@@ -224,7 +224,8 @@ class _Collector:
         return InputError(
             f"{self.report.source}: {what} {_names(list(found))} match none of the model's labels "
             f"({_names(self.labels)}); labels are names, never indices: map them with --label-map "
-            f"(e.g. {example}) or leave them out with --skip-unknown")
+            f"(e.g. {example}) or leave them out with --skip-unknown (agent.toml: [data] label_map, "
+            "skip_unknown)")
 
     def reject_label(self, label: Any, where: str) -> None:
         self.unknown[str(label)[:64]] += 1
@@ -307,7 +308,9 @@ def _load_image_folder(root: Path, spec: Any, coll: _Collector, max_files: int) 
     except ImportError:
         raise InputError(f"{root}: reading images needs Pillow (pip install Pillow); or give CSV / NPZ") from None
     report = coll.report
-    class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # hidden folders and ext4's lost+found (a data disk's root) are never label folders
+    class_dirs = sorted(p for p in root.iterdir()
+                        if p.is_dir() and not p.name.startswith(".") and p.name != "lost+found")
     for stray in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         report.seen += 1
         report.skip("not-in-a-label-folder", str(stray))

@@ -12,7 +12,7 @@ in runner.py.
 Train spec (JSON): job_dir, job, round, device_id, model_name, version, model_dir, data,
 cache_dir, cache_max_mb, residual_file, sysfs_root, profile, budget_wh, power_cap_w,
 battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
-update_bytes, chunk_size and the optional training parameters (epochs, batch_size, lr,
+update_bytes, chunk_size, label_map, skip_unknown and the optional training parameters (epochs, batch_size, lr,
 patience, checkpoint_every, seed). Activate spec: archive, dest (+ base: a patch's base).
 
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
@@ -173,6 +173,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
         thermal_limit_c=spec.get("thermal_limit_c"), deadline=spec.get("deadline_at"), resume=True,
         power_root=spec.get("sysfs_root", "/"), profile=spec.get("profile"),
         cache_max_mb=float(spec.get("cache_max_mb", 256)), poll_s=float(spec.get("poll_s", 30.0)),
+        label_map=spec.get("label_map"), skip_unknown=bool(spec.get("skip_unknown", False)),
         progress=_hold_after_checkpoint(events.progress), **extra)
     summary = {"stop_reason": report["stop_reason"], "steps": report["steps"], "engine": report["engine"]["name"],
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],

@@ -13,7 +13,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_CODES, EXIT_OK, CliParser, ConfigError, UsageError, run_command
+from ..errors import (
+    EXIT_CODES,
+    EXIT_OK,
+    CliParser,
+    ConfigError,
+    InputError,
+    UsageError,
+    run_command,
+)
 
 INIT_DESCRIPTION = """\
 Set this device up for a fleet: create its Ed25519 key (0600; kept if it already exists),
@@ -215,6 +223,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if data_dir and not Path(data_dir).exists():
             raise ConfigError(f"{config.path}: data.dir: {data_dir}: no such directory (fine-tune commands "
                               "would be refused as no_data)")
+        if g("data", "label_map"):
+            from ..labels import parse_label_map
+
+            try:
+                parse_label_map(g("data", "label_map"))
+            except InputError as exc:
+                raise ConfigError(f"{config.path}: data.label_map: {exc}") from None
         tls = "TLS" if g("broker", "tls") else "plain TCP"
         print(f"ok: {config.path}")
         print(f"  device   {device_id} ({config.device_name}), fleet {config.fleet}")

@@ -125,6 +125,7 @@ class Daemon:
             profile=profile.name if profile else None, battery_floor_pct=g("budget", "battery_floor_pct"),
             battery_resume_pct=g("budget", "battery_resume_pct"), thermal_limit_c=g("thermal", "limit_c"),
             thermal_margin_c=float(g("thermal", "margin_c", 8.0)), cache_mb=int(g("data", "cache_mb")),
+            label_map=g("data", "label_map"), skip_unknown=bool(g("data", "skip_unknown", False)),
             chunk_size=max(1024, min(64 * 1024, max_message - CHUNK_HEADROOM)),
             progress_interval_s=float(g("service", "progress_interval_s")))
         self.driver = JobDriver(settings=settings, store=JobStore(sd / "jobs"), models=self.models,

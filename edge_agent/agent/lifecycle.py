@@ -78,6 +78,8 @@ class DriverSettings:
     thermal_limit_c: float | None = None
     thermal_margin_c: float = 8.0
     cache_mb: int = 256
+    label_map: str | None = None  # agent.toml [data] label_map (a --label-map spec)
+    skip_unknown: bool = False  # agent.toml [data] skip_unknown
     chunk_size: int = 64 * 1024
     poll_s: float = 30.0
     respawn_base_s: float = 2.0
@@ -276,7 +278,8 @@ class JobDriver:
                 "sysfs_root": self.s.sysfs_root, "profile": self.s.profile, "budget_wh": p.get("budget_wh"),
                 "power_cap_w": p.get("power_cap_w"), "battery_floor_pct": self.s.battery_floor_pct,
                 "battery_resume_pct": self.s.battery_resume_pct, "thermal_limit_c": self.s.thermal_limit_c,
-                "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size}
+                "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size,
+                "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown}
         for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes"):
             if p.get(key) is not None:
                 spec[key] = p[key]

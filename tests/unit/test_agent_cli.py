@@ -129,6 +129,21 @@ def test_run_check_refuses_tls_without_a_ca_and_a_missing_data_dir(tmp_path, coo
     assert "data.dir" in err and str(tmp_path / "data") in err and "no such directory" in err
 
 
+def test_run_check_reads_the_data_label_settings(tmp_path, coordinator_pub, capsys) -> None:
+    assert _init(tmp_path, str(coordinator_pub)) == 0
+    config = tmp_path / "agent.toml"
+    text = config.read_text()
+    assert "# label_map = " in text and "# skip_unknown = " in text  # init documents both
+    check = ["run", "--config", str(config), "--check"]
+    config.write_text(text.replace("[data]\n", '[data]\nlabel_map = "0=sky,1=tree"\nskip_unknown = true\n', 1))
+    assert main(check) == 0
+    assert load_config(config).get("data", "skip_unknown") is True
+    config.write_text(text.replace("[data]\n", '[data]\nlabel_map = "sky"\n', 1))
+    capsys.readouterr()
+    assert main(check) == EXIT_CONFIG
+    assert "data.label_map" in capsys.readouterr().err
+
+
 def test_run_check(tmp_path, coordinator_pub, capsys) -> None:
     assert _init(tmp_path, str(coordinator_pub)) == 0
     device_id = re.search(r"device id:\s+(\S+)", capsys.readouterr().out).group(1)

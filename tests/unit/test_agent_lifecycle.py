@@ -4,6 +4,7 @@ re-entry limit, cancellation, restart recovery, and the hand-off to the outbox."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from edge_agent.agent.jobs import MAX_REENTRIES, Job, JobState, JobStore, transi
 from edge_agent.agent.lifecycle import DriverSettings, JobDriver
 from edge_agent.agent.models import ModelStore
 from edge_agent.agent.policy import DeviceLimits
+from edge_agent.agent.runner import SPEC_FILE
 from edge_agent.agent.state import Readings
 from edge_agent.protocol import Topics
 from edge_agent.transport import Outbox, OutboxKey
@@ -135,6 +137,16 @@ def test_happy_path_with_a_governor_pause_then_the_outbox(rig: Rig) -> None:
     # a repeated command for the same (job, round) is acknowledged, not run again
     verdict, again = rig.driver.submit({"job": "j", "round": 1, "model": "digits", "version": "1"}, "x")
     assert verdict.accept and verdict.reason == "duplicate" and again is not None and again.state is S.DONE
+
+
+def test_the_data_label_settings_reach_the_training_child(rig: Rig) -> None:
+    """agent.toml [data] label_map / skip_unknown: a fleet job reads data as the operator said."""
+    rig.settings = dataclasses.replace(rig.settings, label_map="0=sky,1=tree", skip_unknown=True)
+    rig.driver = rig.new_driver()
+    job = rig.submit()
+    rig.run_until(lambda: rig.job().state is S.UPLOADING)
+    spec = json.loads((rig.driver.job_dir(job) / SPEC_FILE).read_text())
+    assert spec["label_map"] == "0=sky,1=tree" and spec["skip_unknown"] is True
 
 
 def test_waits_for_power_with_hysteresis_then_cancel_stops_the_child(rig: Rig) -> None:

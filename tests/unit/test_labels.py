@@ -95,10 +95,12 @@ def numbered_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_numbered_folders_are_not_read_as_indices(texture_bundle: Path, numbered_folders: Path,
                                                   tmp_path: Path) -> None:
+    (numbered_folders / "lost+found").mkdir(exist_ok=True)  # a data disk's root: never a label folder
     with pytest.raises(InputError) as err:
         run_finetune(model=texture_bundle, data=numbered_folders, state_dir=tmp_path / "s", epochs=1,
                      profile="raspberry-pi-4")
     message = str(err.value)
+    assert "lost+found" not in message
     assert err.value.exit_code == 65
     for name in ("'0'", "'4'", "'9'", "'sky'", "--label-map", "--skip-unknown"):
         assert name in message
