@@ -214,7 +214,8 @@ class _Collector:
             return self.by_name[self.label_map[text]]
         if text in self.by_name:
             return self.by_name[text]
-        if self.indices and text.isdigit() and int(text) < len(self.labels):
+        # ASCII digits only, and short: str.isdigit() accepts '²', and int() refuses > 4300 digits
+        if self.indices and text.isascii() and text.isdecimal() and len(text) <= 9 and int(text) < len(self.labels):
             self.report.mapped[text] = self.labels[int(text)]
             return int(text)
         return None

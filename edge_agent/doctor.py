@@ -57,7 +57,14 @@ class RepairError(Exception):
 
 def needed_libraries(path: Path) -> list[str]:
     """The DT_NEEDED entries of an ELF shared library (32/64-bit little-endian), read with
-    no external tool; RepairError when it is not such a file."""
+    no external tool; RepairError when it is not such a file (truncated or corrupt too)."""
+    try:
+        return _read_needed(path)
+    except (struct.error, ValueError, IndexError) as exc:
+        raise RepairError(f"{path}: not a readable ELF shared library ({type(exc).__name__})") from None
+
+
+def _read_needed(path: Path) -> list[str]:
     with open(path, "rb") as f:
         head = f.read(64)
         if head[:4] != b"\x7fELF" or head[5] != 1:
@@ -223,7 +230,10 @@ def check_mxnet(*, fix: bool = False) -> list[Check]:
         return [Check("mxnet", False, "not installed (no MXNet wheel exists for 32-bit ARM): the numpy head "
                       "trainer and the native/reference int8 engines work without it", required=False)]
     checks: list[Check] = []
-    needed = needed_libraries(lib)
+    try:
+        needed = needed_libraries(lib)
+    except (OSError, RepairError) as exc:
+        return [Check("mxnet", False, f"{exc}"[:300] + ": reinstall mxnet")]
     record_path = lib.with_name(REPAIR_RECORD)
     if needs_repair(needed):
         missing = [DEBIAN_LIBS[so] for so in (*REPLACE_NEEDED.values(), *ADD_NEEDED, "libgomp.so.1")

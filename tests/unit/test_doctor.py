@@ -37,6 +37,30 @@ def test_needed_libraries_reads_the_dynamic_section(tmp_path: Path) -> None:
     (tmp_path / "junk.so").write_bytes(b"not an elf")
     with pytest.raises(doctor.RepairError, match="not a little-endian ELF"):
         doctor.needed_libraries(tmp_path / "junk.so")
+    data = lib.read_bytes()
+    for cut in (7, 70, len(data) // 3):  # truncated: an interrupted copy, a bad SD card
+        (tmp_path / "cut.so").write_bytes(data[:cut])
+        with pytest.raises(doctor.RepairError):
+            doctor.needed_libraries(tmp_path / "cut.so")
+
+
+def test_a_corrupt_mxnet_library_is_a_failed_check_not_a_traceback(tmp_path: Path) -> None:
+    """The daemon's hello reads the same library (capabilities): it must not fail on it."""
+    site = tmp_path / "site"
+    (site / "mxnet").mkdir(parents=True)
+    (site / "mxnet" / "__init__.py").write_text("")
+    (site / "mxnet" / "libmxnet.so").write_bytes(b"\x7fELF\x02\x01\x01")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    done = subprocess.run([sys.executable, "-m", "edge_agent.cli", "doctor", "--json"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 69 and "Traceback" not in done.stderr, done.stderr
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    assert not checks["mxnet"]["ok"] and "reinstall mxnet" in checks["mxnet"]["detail"]
+    probe = ("import json; from edge_agent import doctor; print(json.dumps([doctor.mxnet_installed(), "
+             "doctor.capabilities()['mxnet']]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    (ok, why), capable = json.loads(out.stdout)
+    assert not ok and "not a readable ELF" in why and capable is False
 
 
 def test_repair_rewrites_armpl_to_openblas_and_lapacke(tmp_path: Path) -> None:

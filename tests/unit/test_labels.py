@@ -193,6 +193,12 @@ def test_label_map_targets_must_be_model_labels_and_csv_npz_values_are_names(tmp
     with pytest.raises(InputError, match="match none"):
         load_dataset(npz, spec, labels)
     assert load_dataset(npz, spec, labels, label_map="indices").y.tolist() == [1, 0]
+    # untrusted cells that str.isdigit() accepts but int() refuses are unknown labels, not crashes
+    odd = tmp_path / "odd.csv"
+    odd.write_text("a,b,c,d,label\n1,2,3,4,1\n1,2,3,5,\u00b2\n1,2,3,6," + "9" * 5000 + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match="match none"):
+        load_dataset(odd, spec, labels, label_map="indices")
+    assert load_dataset(odd, spec, labels, label_map="indices", skip_unknown=True).y.tolist() == [1]
 
 
 def test_label_set_digest_is_order_sensitive() -> None:
