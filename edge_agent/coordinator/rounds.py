@@ -176,6 +176,7 @@ class RoundEngine:
         self.clock, self.metrics = clock, metrics
         self._lock = threading.RLock()
         self._heads: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+        self._head_needs: dict[tuple[str, str], frozenset[str]] = {}  # (model, version) -> job_needs
         self._label_digests: dict[str, str | None] = {}  # bundle path -> label_set_digest
 
     # ---- jobs
@@ -275,11 +276,18 @@ class RoundEngine:
 
     def _needs(self, job: Job, version: str) -> frozenset[str]:
         """What a device must run for this job's head (MXNet for a deep head): selection.job_needs."""
-        try:
-            head = self.registry.load_head(self.registry.get_model(job.model_name, version))
-        except EdgeAgentError:
-            head = None  # an unreadable head fails the round elsewhere; not a selection matter
-        return job_needs(job.params, head)
+        if job.params.get("trainer") == "mxnet":
+            return job_needs(job.params, None)  # no need to read the head
+        key = (job.model_name, version)
+        if key not in self._head_needs:  # read a head once, not on every tick a job waits
+            try:
+                head = self.registry.load_head(self.registry.get_model(*key))
+            except EdgeAgentError:
+                return job_needs(job.params, None)  # an unreadable head fails the round elsewhere
+            if len(self._head_needs) > 64:
+                self._head_needs.clear()
+            self._head_needs[key] = job_needs({}, head)
+        return self._head_needs[key]
 
     def _open_next(self, job: Job, rounds: list[RoundRecord], result: TickResult) -> RoundPlan | None:
         now, number = self.clock(), len(rounds) + 1
