@@ -46,6 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..coordinator.records import NotFound
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundPolicy
+from ..errors import InputError
 from . import views
 
 HERE = Path(__file__).resolve().parent
@@ -208,7 +209,7 @@ def make_app(registry: Registry, *, policy: RoundPolicy | None = None, token: st
             data = read(lambda: views.device(registry, dev_id, policy=policy, now=clock()))
         except NotFound:
             return PlainTextResponse("404: no such device\n", 404)
-        except Exception as exc:  # an id the registry refuses (InputError): say so, no traceback
+        except InputError as exc:  # an id the registry refuses: say so (other errors are 500s, logged)
             return PlainTextResponse(f"400: {str(exc)[:200]}\n", 400)
         return render(request, "device.html", d=data, chart=_json_for_script(data["history"]),
                       samples=_json_for_script(data["samples"]))

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..coordinator import fleet_views
-from ..coordinator.records import Device, ModelVersion, RoundState
+from ..coordinator.artefacts import ModelArtefacts
+from ..coordinator.records import Device, ModelVersion, NotFound, RoundState
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundPolicy
+from ..protocol.topics import patch_version
 
 # sortable fleet columns -> key on a row dict (None sorts last whichever the direction)
 SORT_KEYS = ("name", "id", "state", "online", "battery", "board", "engine", "energy", "last_seen", "approved")
@@ -151,7 +153,7 @@ def _model(reg: Registry, name: str, version: str | None) -> ModelVersion | None
         return None
     try:
         return reg.get_model(name, version)
-    except Exception:  # NotFound: a version named by a round but not (yet) visible
+    except NotFound:  # a version named by a round but not (yet) visible
         return None
 
 
@@ -166,11 +168,10 @@ def models(reg: Registry) -> list[dict[str, Any]]:
     """Model versions with lineage and sizes: the archive and, for head-only versions, the
     head patch devices download (as built by the coordinator; "—" until it was published)."""
     out = []
-    bundles = reg.state_dir / "bundles"
+    files = ModelArtefacts(reg)  # where the coordinator writes them (paths only: nothing is built)
     for mv in reg.list_models():
-        base = bundles / mv.name / mv.version
-        archive = _num(mv.metrics.get("archive_bytes")) or _file_size(base.with_suffix(".tar.gz"))
-        patch = _file_size(bundles / mv.name / f"{mv.version}.head.tar.gz") if mv.head_only else None
+        archive = _num(mv.metrics.get("archive_bytes")) or _file_size(files.archive_path(mv.name, mv.version))
+        patch = _file_size(files.archive_path(mv.name, patch_version(mv.version))) if mv.head_only else None
         out.append({"name": mv.name, "version": mv.version, "parent": mv.parent, "job": mv.job_id,
                     "round": mv.round, "created_at": mv.created_at, "kind": "head-only" if mv.head_only else "bundle",
                     "archive_bytes": archive, "patch_bytes": patch, "head_sha256": mv.head_sha256,
