@@ -20,6 +20,8 @@ from tests.integration.conftest import (
 # A round that cannot finish before the test has acted on it, on any machine: the test
 # reacts to the job's own progress (a phase, a step count), never to the clock.
 LONG_TRAINING = ("--epochs", "10000", "--batch-size", "8", "--param", "patience=10000", "--budget-wh", "1")
+# A short round for tests that only need one to finish ("--poll" last: drop it for --detach).
+SHORT_ROUND = ("--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--poll", "0.3")
 
 
 def start_agents(agents: Any, tmp: Path, port: int, n: int, *, battery: int = 90, **kw: Any) -> list[AgentProcess]:

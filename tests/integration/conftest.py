@@ -287,7 +287,7 @@ def update_sentinel(fleet: Fleet, sender: Side, loop: CoordinatorLoop, timeout: 
 
     payload = f"sentinel {uuid.uuid4().hex}".encode()
     digest = hashlib.sha256(payload).hexdigest()
-    assert sender.client.publish_wait(fleet.topics.device(sender.id, "update"), payload)
+    assert sender.client.publish_wait(fleet.topics.device(sender.id, "update"), payload, timeout=60)
     assert wait_for(lambda: any(r.sha256 == digest for r in list(loop.log.rejections)), timeout), \
         "the sentinel never reached the coordinator loop"
 
@@ -397,7 +397,7 @@ class Watcher(CoordinatorLoop):
     def command(self, agent: AgentProcess, body: dict[str, Any], *, ttl: float = 600) -> bytes:
         topic = agent.topic("cmd")
         payload = self.side.signer.control(topic, Kind.CMD, body, ttl=ttl)
-        assert self.side.client.publish_wait(topic, payload)
+        assert self.side.client.publish_wait(topic, payload, timeout=60)
         return payload
 
 

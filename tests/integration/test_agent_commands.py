@@ -75,7 +75,7 @@ def test_state_commands_refusals_and_clean_shutdown(setup, fleet, tmp_path):
                  clock=lambda: time.time() - 7200)
     expired = old.control(topic, Kind.CMD, {"cmd_id": "x4", "action": "ping"}, ttl=60)
     for payload in (forged, tampered, expired, genuine, genuine):  # the second `genuine` is a replay
-        assert coord.client.publish_wait(topic, payload)
+        assert coord.client.publish_wait(topic, payload, timeout=60)
     want = {"x1": "unknown_key", "x3": "bad_signature", "x4": "expired", "x2": "replayed"}
     assert wait_for(lambda: want.items() <= {m.body.get("ref_cmd_id"): m.body["reason"]
                                              for m in watcher.refusals()}.items(), 20), \

@@ -65,7 +65,7 @@ class Listener:
     def command(self, body: dict, publisher: MqttClient | None = None) -> None:
         topic = self.agent.topic("cmd")  # signed right before it is sent: no lifetime to outlive
         payload = self.coord.signer.control(topic, Kind.CMD, body, ttl=600)
-        assert (publisher or self.coord.client).publish_wait(topic, payload)
+        assert (publisher or self.coord.client).publish_wait(topic, payload, timeout=60)
 
     def ping(self, publisher: MqttClient | None = None) -> list[Message]:
         """Ping the agent, wait for the pong; the refusals it sent since the last ping."""
@@ -112,11 +112,11 @@ def test_junk_on_every_topic_is_dropped_message_by_message_and_the_queued_update
         batch = junk_payloads(valid, rng)
         if topic != cmd_topic:
             for junk in batch:
-                assert attacker.publish_wait(topic, junk.payload)
+                assert attacker.publish_wait(topic, junk.payload, timeout=60)
             assert listener.ping(attacker) == [], topic  # junk on other topics is never answered
             continue
         for junk in batch:  # each refused command: answered with its reason, or rate-limited
-            assert attacker.publish_wait(topic, junk.payload)
+            assert attacker.publish_wait(topic, junk.payload, timeout=60)
             refusals = listener.ping(attacker)
             assert len(refusals) <= 1, (junk.what, [m.body for m in refusals])
             if len(junk.payload) > max_payload:

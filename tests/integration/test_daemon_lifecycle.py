@@ -74,7 +74,7 @@ def test_sigterm_while_the_child_trains_stops_it_keeps_the_job_and_a_restart_res
                                            .rglob("ckpt-*.ckpt")}]
     saved = [ck.step for ck in (s.load_latest() for s in stores) if ck is not None]
     assert saved and max(saved) >= before, (saved, before)  # the child checkpointed on its way out
-    assert wait_for(lambda: watcher.states()[-1].body["status"] == "offline", 20)
+    assert wait_for(lambda: watcher.states()[-1].body["status"] == "offline", 60)
 
     # restarted: the job is reported as resuming and training goes on from its checkpoint
     seen_states = len(watcher.states())
@@ -86,7 +86,7 @@ def test_sigterm_while_the_child_trains_stops_it_keeps_the_job_and_a_restart_res
     assert wait_for(resumed, 180), agent.log_tail()
     at = int(re.search(r"at step (\d+)", resumed()[-1]).group(1))
     assert at >= before, (at, before)  # the stop checkpoint is at least as new as the progress seen
-    assert wait_for(lambda: facts_from_state(watcher.states()[-1].body).get("job_state") == "training", 30)
+    assert wait_for(lambda: facts_from_state(watcher.states()[-1].body).get("job_state") == "training", 60)
     assert all(facts_from_state(m.body).get("job") == "job1" for m in watcher.states()[seen_states:]
                if m.body["status"] != "offline")  # reported busy with that job from its first state on
     history = JobStore(agent.state_dir / "jobs").load("job1-r1").history
@@ -116,7 +116,7 @@ def test_a_run_of_failing_iterations_ends_the_daemon_with_exit_1(mosquitto, flee
         agent.proc = subprocess.Popen([sys.executable, "-c", RUN_WITH_LIMIT, str(LIMIT), "run", "--config",
                                        str(agent.config)], stdout=log, stderr=subprocess.STDOUT, env=agent.env,
                                       cwd=REPO)
-    assert wait_for(lambda: watcher.states(), 30), agent.log_tail()
+    assert wait_for(lambda: watcher.states(), 60), agent.log_tail()
     assert watcher.states()[-1].body["status"] == "idle" and agent.alive
 
     # a local fault that every iteration hits (the test hook: EDGE_AGENT_TEST_HOOKS=1)
@@ -128,5 +128,5 @@ def test_a_run_of_failing_iterations_ends_the_daemon_with_exit_1(mosquitto, flee
     counts = [int(n) for n in re.findall(r"main loop iteration failed \((\d+) in a row\)", text)]
     assert counts == list(range(1, LIMIT + 1)), counts  # it kept going until the limit, then stopped
     assert "stopping: checkpointing the training child, publishing offline" in text
-    assert wait_for(lambda: watcher.states()[-1].body["status"] == "offline", 20)
+    assert wait_for(lambda: watcher.states()[-1].body["status"] == "offline", 60)
     assert os.path.exists(fault)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,19 +17,13 @@ import pytest
 
 from edge_agent.coordinator.records import RoundState
 from edge_agent.dashboard.server import start_ui
-from tests.integration.agents import logs, start_agents, wait_online
+from edge_agent.transport.broker import free_port
+from tests.integration.agents import SHORT_ROUND, logs, start_agents, wait_online
 from tests.integration.conftest import register_digits
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train one round
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-SHORT_ROUND = ("--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--poll", "0.3")
 WAIT_S = 300  # bounds a hang only: every wait below ends on what the page shows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -140,7 +133,9 @@ def test_the_dashboard_shows_the_fleet_and_a_round_live_in_a_real_browser(mosqui
     shots.take("fleet")
 
     browser.get(url + "models")
-    assert browser.find_element(By.CSS_SELECTOR, f"tr[data-version='{new_version}']").text.count("1") >= 1
+    cells = [c.text for c in browser.find_elements(By.CSS_SELECTOR, f"tr[data-version='{new_version}'] td")]
+    assert cells[1:5] == [new_version, "1", f"{job.id} r1", "head-only"], cells  # version, parent, lineage
+    assert cells[8].startswith("2 / "), cells  # the two agents' updates
     shots.take("models")
     browser.get(url + f"device/{agents_[0].id}")
     assert f"{job.id}" in browser.find_element(By.ID, "joined").text

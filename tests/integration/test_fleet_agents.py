@@ -17,6 +17,7 @@ from edge_agent.int8.bundle import load_bundle, unpack_bundle
 from edge_agent.transport import MqttClient
 from tests.integration.agents import (
     LONG_TRAINING,
+    SHORT_ROUND,
     job_id_of,
     jobs,
     log_lines,
@@ -36,7 +37,6 @@ from tests.integration.conftest import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train
-SHORT_ROUND = ("--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--poll", "0.3")
 
 
 def train(coordinator, *args: str):
@@ -138,7 +138,8 @@ def test_a_cancelled_round_aggregates_nothing_not_even_an_update_already_receive
             return [u.status for u in reg.list_updates(job_id)]
 
     assert wait_for(lambda: received() == [UpdateStatus.PENDING], 300), logs(coordinator, [fast, waiting])
-    assert [j.state for j in jobs(waiting)] == [JobState.WAITING_FOR_POWER], logs(None, [waiting])
+    assert wait_for(lambda: [j.state for j in jobs(waiting)] == [JobState.WAITING_FOR_POWER], 300), \
+        logs(None, [waiting])
     coordinator.cli("cancel", job_id)
 
     assert wait_for(lambda: [j.state for j in jobs(waiting)] == [JobState.CANCELLED], 120), logs(None, [waiting])
@@ -164,7 +165,7 @@ def test_a_protocol_refusal_is_not_a_dropout(mosquitto, fleet, agents, serve, tm
                      subscriptions=[agent.topic("cmd")], **FAST)
     fleet.clients.append(spy)
     spy.start()
-    assert spy.wait_connected(10)
+    assert spy.wait_connected(60)
 
     job_id = job_id_of(coordinator.cli("train", "--model", "digits", "--devices", "all", "--deadline", "600s",
                                        *SHORT_ROUND[:-2], "--detach").stdout)
@@ -177,7 +178,7 @@ def test_a_protocol_refusal_is_not_a_dropout(mosquitto, fleet, agents, serve, tm
     # The agent has to fetch and activate the model (a child process) before it can train:
     # both copies are answered long before its update can exist.
     for payload in (got.payload, tampered):  # a replay, and a copy whose signature fails
-        assert spy.publish_wait(got.topic, payload)
+        assert spy.publish_wait(got.topic, payload, timeout=60)
 
     with coordinator.registry() as reg:
         assert wait_for(lambda: reg.get_job(job_id).status.terminal, 300), logs(coordinator, [agent])

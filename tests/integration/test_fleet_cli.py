@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from edge_agent.coordinator.records import JobStatus
+from tests.integration.agents import logs
 from tests.integration.conftest import (
     REPO,
     board_tree,
@@ -68,16 +69,13 @@ def test_a_pending_agent_is_shown_logged_once_and_approved_by_name(mosquitto, fl
         rows = {d["id"]: d for d in json.loads(coordinator.cli("devices", "--json").stdout)}
         return rows.get(agent.id) or {}
 
-    def logs() -> str:
-        return coordinator.log_tail() + "\n--- agent\n" + agent.log_tail()
-
-    assert wait_for(lambda: row().get("online") and row().get("name") == "barn-pi-7", 90), logs()
+    assert wait_for(lambda: row().get("online") and row().get("name") == "barn-pi-7", 90), logs(coordinator, [agent])
     first = row()
     assert (first["code"], first["approved"], first["battery_pct"]) == (code, False, None), first
     # several more of its states arrive (each moves "last seen"): still one log line, no drops
     for _ in range(2):
         seen = row()["last_seen"]
-        assert wait_for(lambda seen=seen: row()["last_seen"] > seen, 60), logs()
+        assert wait_for(lambda seen=seen: row()["last_seen"] > seen, 60), logs(coordinator, [agent])
     text = coordinator.log_path.read_text(errors="replace")
     pending = [line for line in text.splitlines() if "pending approval" in line]
     assert len(pending) == 1 and agent.id in pending[0] and code in pending[0], pending
@@ -89,6 +87,6 @@ def test_a_pending_agent_is_shown_logged_once_and_approved_by_name(mosquitto, fl
     assert row()["battery_pct"] is None  # nothing it said was taken as fact
 
     assert f"approved {agent.id}" in coordinator.cli("approve", "barn-pi-7").stdout
-    assert wait_for(lambda: row().get("approved") and row().get("battery_pct") == 64, 60), logs()
+    assert wait_for(lambda: row().get("approved") and row().get("battery_pct") == 64, 60), logs(coordinator, [agent])
     assert coordinator.cli("tag", "barn-pi-7", "north").stdout.startswith(f"{agent.id}: tags north")
     assert coordinator.alive and agent.alive

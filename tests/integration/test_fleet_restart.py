@@ -18,6 +18,7 @@ from edge_agent.agent.jobs import JobState, JobStore
 from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
 from edge_agent.protocol import Kind
 from edge_agent.transport import Outbox, OutboxKey
+from tests.integration.agents import job_id_of
 from tests.integration.conftest import (
     DeviceLoop,
     announce,
@@ -46,7 +47,7 @@ def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
     assert wait_for(lambda: len(online_devices(coordinator)) == 3, 180), coordinator.log_tail()
     out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3",
                           "--deadline", "60m", "--epochs", "1", "--batch-size", "16", "--detach").stdout
-    job_id = out.split()[1].rstrip(":")
+    job_id = job_id_of(out)
 
     def stored() -> int:
         with coordinator.registry() as reg:
@@ -137,7 +138,7 @@ def coordinator_sentinel(fleet, side, device, key: OutboxKey) -> None:
     upload = hashlib.sha256(uuid.uuid4().bytes).hexdigest()  # an upload id nobody else uses
     header = {"job": key.job, "round": key.round, "upload": upload, "count": 1, "index": 0}
     payload = side.signer.binary(topic, Kind.UPDATE_CHUNK, header, b"sentinel", ttl=3600)
-    assert side.client.publish_wait(topic, payload[:-1] + b"!")  # the data no longer matches the signature
+    assert side.client.publish_wait(topic, payload[:-1] + b"!", timeout=60)  # the data no longer matches the signature
     assert wait_for(lambda: any(a.body.get("upload") == upload for a in list(device.acks)), 60)
 
 

@@ -18,9 +18,8 @@ from edge_agent.mxparams import load_params, split_names
 from edge_agent.protocol import Kind
 from edge_agent.transport.broker import free_port
 from edge_agent.transport.models import ModelDownload
+from tests.integration.agents import start_agents
 from tests.integration.conftest import (
-    board_tree,
-    device_data,
     online_devices,
     register_digits,
     wait_for,
@@ -29,15 +28,6 @@ from tests.integration.conftest import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train: ~30 s each
 TRAIN = ("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3", "--deadline", "600s",
          "--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--update-bytes", "1024", "--poll", "0.3")
-
-
-def start_agents(agents, tmp_path, port, n=3):
-    made = []
-    for i in range(n):
-        agent = agents(tmp_path, port, name=f"agent{i}", sysfs_root=board_tree(tmp_path / f"board{i}", battery_pct=90),
-                       data_dir=device_data(tmp_path / f"data{i}", device=i))
-        made.append(agent.start())
-    return made
 
 
 def run_round(coordinator, agents_, tmp_path, archive):
@@ -101,7 +91,7 @@ def test_full_round_with_three_agents_on_mosquitto(mosquitto, fleet, agents, ser
     bundle_dir, archive = digits_bundle
     metrics_port = free_port()
     coordinator = serve(mosquitto.port, extra=("--metrics-port", str(metrics_port))).start()
-    agents_ = start_agents(agents, tmp_path, mosquitto.port)
+    agents_ = start_agents(agents, tmp_path, mosquitto.port, 3)
     stdout = run_round(coordinator, agents_, tmp_path, archive)
     job, new, head = check_round(coordinator, agents_, stdout)
 
@@ -147,7 +137,7 @@ def test_the_same_round_on_the_embedded_broker(fleet, agents, serve, tmp_path, d
     _, archive = digits_bundle
     port = free_port()
     coordinator = serve(port, embedded=True).start()
-    agents_ = start_agents(agents, tmp_path, port)
+    agents_ = start_agents(agents, tmp_path, port, 3)
     stdout = run_round(coordinator, agents_, tmp_path, archive)
     _, new, _ = check_round(coordinator, agents_, stdout)
     path, manifest = fetch_published(fleet, port, "digits", new.version, tmp_path)

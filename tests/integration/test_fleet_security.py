@@ -65,7 +65,7 @@ def test_an_unapproved_key_is_refused_until_approved_and_a_forger_never(mosquitt
                                                                    "index": 0, "count": 1, "size": 4}})
     sig = forger.sign(_signing_input(fleet.topics.parse(topic).address, b"B", header + hashlib.sha256(b"data").digest()))
     forged = b"EFB1" + len(header).to_bytes(2, "big") + header + sig + b"data"
-    assert stranger.client.publish_wait(topic, forged)
+    assert stranger.client.publish_wait(topic, forged, timeout=60)
     assert wait_for(lambda: "wrong_signer" in coordinator.log_tail(10**7), 90), coordinator.log_tail()
     with coordinator.registry() as reg:
         assert reg.totals()["updates"] == 0

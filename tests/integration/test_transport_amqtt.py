@@ -37,8 +37,8 @@ def test_upload_command_and_model_over_the_embedded_broker(amqtt_broker, fleet, 
 
     cmd_topic = fleet.topics.device(dev.id, "cmd")
     raw = coord.signer.control(cmd_topic, Kind.CMD, {"cmd_id": "go", "action": "finetune", "job": "demo"}, ttl=600)
-    assert coord.client.publish_wait(cmd_topic, raw)
-    assert coord.client.publish_wait(cmd_topic, raw)  # replayed
+    assert coord.client.publish_wait(cmd_topic, raw, timeout=60)
+    assert coord.client.publish_wait(cmd_topic, raw, timeout=60)  # replayed
     assert wait_for(lambda: len(agent.commands) == 1 and len(agent.rejections) == 1, 60)
     assert agent.rejections[0].reason == "replayed"
     agent.stop()

@@ -28,19 +28,19 @@ def test_bad_expired_and_replayed_commands_are_refused_with_the_reason(mosquitto
 
     good = coord.signer.control(topic, Kind.CMD, {"cmd_id": "run-1", "action": "finetune", "job": "j1", "round": 0},
                                 ttl=3600)
-    assert coord.client.publish_wait(topic, good)
+    assert coord.client.publish_wait(topic, good, timeout=60)
     assert wait_for(lambda: len(agent.commands) == 1, 60)
     assert agent.commands[0].body["action"] == "finetune" and agent.commands[0].sender == fleet.coord_id
 
     forged = json.loads(coord.signer.control(topic, Kind.CMD, {"cmd_id": "run-2", "action": "ping"}, ttl=3600))
     forged["body"]["action"] = "cancel"  # changed after signing
-    assert coord.client.publish_wait(topic, json.dumps(forged).encode())
+    assert coord.client.publish_wait(topic, json.dumps(forged).encode(), timeout=60)
 
     stale_signer = Signer(key=fleet.coord_key, topics=fleet.topics, sequence=coord.signer.sequence,
                           clock=lambda: time.time() - 3600)
     assert coord.client.publish_wait(topic, stale_signer.control(topic, Kind.CMD, {"cmd_id": "run-3", "action": "ping"},
-                                                                 ttl=600))
-    assert coord.client.publish_wait(topic, good)  # a replay of the accepted command
+                                                                 ttl=600), timeout=60)
+    assert coord.client.publish_wait(topic, good, timeout=60)  # a replay of the accepted command
 
     assert wait_for(lambda: len(refusals(server)) == 3, 60), refusals(server)
     by_cmd = {r["ref_cmd_id"]: r for r in refusals(server)}
@@ -62,11 +62,11 @@ def test_commands_from_a_device_key_or_an_unknown_key_are_refused(mosquitto, fle
     # A key this device knows, but as a device's key, signing a command for it.
     dev.trust.add(other.key.public_key(), role="device")
     assert other.client.publish_wait(topic, other.signer.control(topic, Kind.CMD, {"cmd_id": "evil", "action": "ping"},
-                                                                  ttl=600))
+                                                                  ttl=600), timeout=60)
     rogue = Signer(key=keys.generate_private_key(), topics=fleet.topics,
                    sequence=SequenceCounter(path=tmp_path / "rogue.seq"))
     assert other.client.publish_wait(topic, rogue.control(topic, Kind.CMD, {"cmd_id": "rogue", "action": "ping"},
-                                                          ttl=600))
+                                                          ttl=600), timeout=60)
     assert wait_for(lambda: len(refusals(server)) == 2, 60)
     assert {r["ref_cmd_id"]: r["reason"] for r in refusals(server)} == {"evil": "wrong_signer", "rogue": "unknown_key"}
     assert agent.commands == []

@@ -109,13 +109,13 @@ def test_junk_on_every_topic_is_judged_message_by_message_and_the_queued_update_
     storm = [(topic, junk) for topic in topics for junk in junk_payloads(valid, rng)]
     assert len({(topic, sha(j.payload)) for topic, j in storm}) == len(storm)  # each one identifiable
     for topic, junk in storm:
-        assert attacker.publish_wait(topic, junk.payload), junk.what
+        assert attacker.publish_wait(topic, junk.payload, timeout=60), junk.what
 
     server = CoordinatorLoop(fleet, coord).start()
     agent = DeviceLoop(fleet, dev, outbox).start()
     # Published after the storm was acknowledged: the device judges the whole storm first.
     fresh = coord.signer.control(cmd_topic, Kind.CMD, {"cmd_id": "ok", "action": "ping"}, ttl=600)
-    assert coord.client.publish_wait(cmd_topic, fresh)
+    assert coord.client.publish_wait(cmd_topic, fresh, timeout=60)
     assert wait_for(lambda: [c.body["cmd_id"] for c in agent.commands] == ["ok"], 60), agent.commands
     # The device's last word, after its refusals: once the coordinator has it, it has every
     # refusal the device sent, and (queued behind the storm) it has judged the storm too.

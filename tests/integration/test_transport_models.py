@@ -25,7 +25,7 @@ def drain_into(side, download: ModelDownload, topics: Topics, timeout: float = 6
     comes back after all of them (and after anything published and acknowledged before).
     The timeout only bounds a hang."""
     sentinel = f"{topics.model_filter(download.name, download.version)[:-1]}sentinel-{uuid.uuid4().hex[:8]}"
-    assert side.client.publish_wait(sentinel, b"sentinel")
+    assert side.client.publish_wait(sentinel, b"sentinel", timeout=60)
     rejections: list[Rejection] = []
     done: list = []
     seen_sentinel: list[bool] = []
@@ -75,7 +75,7 @@ def test_a_forged_chunk_is_refused_and_the_download_resumes_after_a_restart(mosq
     forged = intruder.signer.binary(topic, Kind.MODEL_CHUNK, {"name": "kws", "version": "v1",
                                                               "sha256": manifest["sha256"], "index": 1,
                                                               "count": manifest["chunks"]}, b"\0" * 1000, ttl=60)
-    assert intruder.client.publish_wait(topic, forged, retain=True)
+    assert intruder.client.publish_wait(topic, forged, retain=True, timeout=60)
 
     dev = fleet.device(mosquitto.port)
     download = ModelDownload(directory=tmp_path / "models", name="kws", version="v1")

@@ -26,13 +26,13 @@ def client(port: int, *subs: str, **kw) -> MqttClient:
 def test_subscriptions_survive_a_broker_restart(mosquitto, topic_prefix):
     with client(mosquitto.port, f"{topic_prefix}/x/#") as sub, client(mosquitto.port) as pub:
         assert sub.wait_connected(60) and pub.wait_connected(60)
-        assert pub.publish_wait(f"{topic_prefix}/x/1", b"before")
+        assert pub.publish_wait(f"{topic_prefix}/x/1", b"before", timeout=60)
         assert sub.get(60).payload == b"before"
         mosquitto.restart()
         assert wait_for(lambda: sub.stats["connects"] == 2 and pub.stats["connects"] == 2, 60)
         # wait_connected: back, and the broker has confirmed the subscriptions again
         assert sub.wait_connected(60) and pub.wait_connected(60)
-        assert pub.publish_wait(f"{topic_prefix}/x/2", b"after")
+        assert pub.publish_wait(f"{topic_prefix}/x/2", b"after", timeout=60)
         got = sub.get(60)
         assert (got.topic, got.payload) == (f"{topic_prefix}/x/2", b"after")
     assert not sub.connected
@@ -47,8 +47,8 @@ def test_publishing_while_disconnected_is_refused_not_queued(tmp_path, topic_pre
         assert c.publish_wait(f"{topic_prefix}/x", b"lost?", timeout=0.2) is False
         with MosquittoBroker(workdir=tmp_path / "b", port=port), client(port, f"{topic_prefix}/#") as sub:
             assert c.wait_connected(60) and sub.wait_connected(60)
-            assert c.publish_wait(f"{topic_prefix}/x", b"now")
-            assert c.publish_wait(f"{topic_prefix}/x", b"sentinel")
+            assert c.publish_wait(f"{topic_prefix}/x", b"now", timeout=60)
+            assert c.publish_wait(f"{topic_prefix}/x", b"sentinel", timeout=60)
             # one publisher's messages stay in order: nothing came between (no replayed "lost?")
             assert [sub.get(60).payload for _ in range(2)] == [b"now", b"sentinel"]
             assert c.stats["connects"] == 1
@@ -69,7 +69,7 @@ WILL_SCRIPT = textwrap.dedent("""
     c = MqttClient(host="127.0.0.1", port=int(port), client_id="dev-proc", will=will, keepalive=5)
     c.start()
     assert c.wait_connected(60)
-    assert c.publish_wait(state, signer.control(state, Kind.STATE, {"status": "online"}, ttl=86400), retain=True)
+    assert c.publish_wait(state, signer.control(state, Kind.STATE, {"status": "online"}, ttl=86400), retain=True, timeout=60)
     print("READY", flush=True)
     time.sleep(60)
 """)
@@ -106,7 +106,7 @@ def test_tls_needs_the_right_ca(tmp_path, topic_prefix):
     with MosquittoBroker(workdir=tmp_path / "b", tls=tls) as broker:
         with client(broker.port, f"{topic_prefix}/#", tls=TlsConfig(ca_certs=tls.cafile)) as good:
             assert good.wait_connected(60)
-            assert good.publish_wait(f"{topic_prefix}/t", b"secret")
+            assert good.publish_wait(f"{topic_prefix}/t", b"secret", timeout=60)
             assert good.get(60).payload == b"secret"
         with client(broker.port, tls=TlsConfig()) as untrusting, client(broker.port) as plain:
             # refused, twice each: the handshake fails / the broker drops the plain connection
@@ -119,12 +119,12 @@ def test_oversized_messages_and_a_full_inbox_are_counted_not_fatal(mosquitto, to
     with client(mosquitto.port, f"{topic_prefix}/#", max_payload=1000, inbox_size=2) as sub, \
             client(mosquitto.port) as pub:
         assert sub.wait_connected(60) and pub.wait_connected(60)
-        assert pub.publish_wait(f"{topic_prefix}/big", b"x" * 2000)
+        assert pub.publish_wait(f"{topic_prefix}/big", b"x" * 2000, timeout=60)
         for i in range(5):
-            assert pub.publish_wait(f"{topic_prefix}/small", str(i).encode())
+            assert pub.publish_wait(f"{topic_prefix}/small", str(i).encode(), timeout=60)
         assert wait_for(lambda: sub.stats["dropped_inbox_full"] == 3 and sub.stats["dropped_oversize"] == 1, 60)
         assert [sub.get(60).payload for _ in range(2)] == [b"0", b"1"]
-        assert pub.publish_wait(f"{topic_prefix}/small", b"still here")
+        assert pub.publish_wait(f"{topic_prefix}/small", b"still here", timeout=60)
         assert sub.get(60).payload == b"still here" and sub.connected
 
 

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from edge_agent.coordinator.records import UpdateStatus
-from tests.integration.test_fleet_round import run_round, start_agents
+from tests.integration.agents import start_agents
+from tests.integration.test_fleet_round import run_round
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train: ~30 s each
 
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train: ~
 def test_agents_send_the_kept_energy_and_status_shows_it(mosquitto, agents, serve, tmp_path, digits_bundle):
     _, archive = digits_bundle
     coordinator = serve(mosquitto.port).start()
-    agents_ = start_agents(agents, tmp_path, mosquitto.port)
+    agents_ = start_agents(agents, tmp_path, mosquitto.port, 3)
     run_round(coordinator, agents_, tmp_path, archive)  # --update-bytes 1024 on a 330-value head
     with coordinator.registry() as reg:
         (job,) = reg.list_jobs()

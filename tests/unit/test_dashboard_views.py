@@ -26,7 +26,7 @@ from edge_agent.coordinator.registry import Registry
 from edge_agent.coordinator.rounds import RoundPolicy
 from edge_agent.dashboard import views
 from edge_agent.dashboard.server import check_ui_options, start_ui
-from edge_agent.errors import ConfigError, UsageError
+from edge_agent.errors import ConfigError, InputError, UsageError
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
 
 NOW = time.time()
@@ -120,7 +120,7 @@ def test_views_show_states_rounds_and_models_from_the_registry(filled):
 
         dev = views.device(reg, ids["pi-c"], policy=RoundPolicy(), now=NOW)
         assert [(p["job_id"], p["round"], p["reason"]) for p in dev["refusals"]] == [("job1", 1, "refused:battery_low")]
-        with pytest.raises(Exception, match="no such|unknown|not"):
+        with pytest.raises(InputError, match="no such|unknown|not"):
             views.device(reg, "nosuchdevice", policy=RoundPolicy(), now=NOW)
 
 
