@@ -28,7 +28,6 @@ class Selection:
 
 
 # Hello `info` keys that describe what a device can run (edge_agent.doctor.capabilities).
-CAPABILITY_KEYS = ("mxnet", "trainers", "native")
 
 
 def capabilities_from_hello(info: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_OK, EdgeAgentError, InputError
+from ..errors import EXIT_OK, InputError
 from .engine import ENV_FORCE_BACKEND
 
 DESCRIPTION = """\
@@ -116,14 +115,7 @@ def _read_probe(path: str) -> dict[str, Any]:
 
 
 def run_kernels(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except EdgeAgentError as exc:
-        print(f"edge-agent kernels: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-def _run(args: argparse.Namespace) -> int:
+    """`edge-agent kernels` (errors: run_command in cli.main)."""
     from . import selection as sel
     from .bundle import load_bundle, unpack_bundle
 

@@ -82,11 +82,3 @@ def mxnet() -> ModuleType:
         finally:
             sys.meta_path.remove(finder)
     return mx
-
-
-def mxnet_available() -> tuple[bool, str]:
-    """(True, version) when MXNet imports here, else (False, the one-line reason)."""
-    try:
-        return True, str(mxnet().__version__)
-    except MXNetUnavailableError as exc:
-        return False, str(exc)
