@@ -66,8 +66,9 @@ class FleetReports:
     def newest_job_of_devices(self) -> dict[str, str]:
         """For each device ever selected for a round: the newest job (by creation) it was selected for."""
         with self._read() as db:
-            rows = db.execute("SELECT p.device_id, p.job_id FROM participants p JOIN jobs j ON j.id = p.job_id "
-                              "ORDER BY j.created_at, j.id")
+            # SQLite: with MAX() the bare column comes from the row holding the maximum
+            rows = db.execute("SELECT p.device_id, p.job_id, MAX(j.created_at) FROM participants p "
+                              "JOIN jobs j ON j.id = p.job_id GROUP BY p.device_id")
             return {r[0]: r[1] for r in rows}
 
     def participations(self, device_id: str) -> list[dict[str, Any]]:

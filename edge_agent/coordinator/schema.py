@@ -65,4 +65,8 @@ MIGRATIONS: list[tuple[str, ...]] = [
             battery_pct REAL, power_w REAL, energy_wh REAL, on_power INTEGER,
             PRIMARY KEY (device_id, at))""",
     ),
+    (  # 2 -> 3: the per-device and per-time reads of status and the dashboard, indexed
+        "CREATE INDEX participants_by_device ON participants (device_id)",
+        "CREATE INDEX updates_by_received ON updates (received_at)",
+    ),
 ]

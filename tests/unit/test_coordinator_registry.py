@@ -70,6 +70,11 @@ def test_schema_is_versioned_wal_with_foreign_keys(tmp_path: Path) -> None:
     assert db.execute("SELECT version FROM schema_version").fetchall() == [(len(MIGRATIONS),)]
     tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"devices", "jobs", "rounds", "participants", "updates", "model_versions"} <= tables
+    # the dashboard's per-device and per-time reads go through an index, not a table scan
+    for query, index in (("SELECT * FROM participants WHERE device_id = 'x'", "participants_by_device"),
+                         ("SELECT * FROM updates WHERE received_at >= 0", "updates_by_received")):
+        plan = " ".join(str(r) for r in db.execute("EXPLAIN QUERY PLAN " + query))
+        assert index in plan, plan
     db.close()
     with Registry(state_dir=tmp_path) as reg:  # reopening migrates nothing twice
         assert reg.schema_version == len(MIGRATIONS)
