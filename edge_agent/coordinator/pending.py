@@ -23,6 +23,7 @@ from ..protocol import Kind, Message, Reason, Rejection, Topics, TrustStore, Ver
 from .registry import Registry
 
 log = logging.getLogger(__name__)
+HEARD_EVERY_S = 30.0  # a pending device's "last seen" moves at most this often (online changes: at once)
 
 
 class PendingDevices:
@@ -41,6 +42,9 @@ class PendingDevices:
         # must still take the device's retained state once it is approved.
         self._pending = Verifier(topics=topics, trust=self.trust, replay=None, max_skew=verifier.max_skew)
         self._logged: set[str] = set()
+        # device -> (issue time, online) last written: a pending device's chatter (or a flood
+        # of its replayed messages) costs at most one registry write per HEARD_EVERY_S
+        self._written: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
 
     # ---- keys ----
@@ -55,6 +59,7 @@ class PendingDevices:
         self.trust.remove(device_id)
         with self._lock:
             self._logged.discard(device_id)
+            self._written.pop(device_id, None)
 
     def sync(self, registry: Registry) -> None:
         """Every enrolled, unapproved device's key (at start: their retained messages follow)."""
@@ -96,11 +101,17 @@ class PendingDevices:
             return None
         offline = msg.kind is Kind.STATE and msg.body.get("status") == "offline"
         at = min(float(msg.issued_at), time.time() if now is None else now)
-        try:
-            dev = registry.record_heard(device, at=at, online=not offline)
-        except InputError:  # not enrolled after all (deleted meanwhile): nothing to keep
-            return None
-        self.announce(registry, device, name=str(dev.state.get("name") or ""), board=dev.board)
+        with self._lock:
+            last = self._written.get(device)
+            fresh = last is None or last[1] == offline or at - last[0] >= HEARD_EVERY_S
+            if fresh:
+                self._written[device] = (at, not offline)
+        if fresh:  # (an offline/online change is always written)
+            try:
+                dev = registry.record_heard(device, at=at, online=not offline)
+            except InputError:  # not enrolled after all (deleted meanwhile): nothing to keep
+                return None
+            self.announce(registry, device, name=str(dev.state.get("name") or ""), board=dev.board)
         if msg.kind is not Kind.UPDATE_CHUNK:
             return None
         return Rejection(Reason.UNKNOWN_KEY, f"device {device} is pending approval", msg.topic, len(msg.data),

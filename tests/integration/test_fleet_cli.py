@@ -72,10 +72,10 @@ def test_a_pending_agent_is_shown_logged_once_and_approved_by_name(mosquitto, fl
     assert wait_for(lambda: row().get("online") and row().get("name") == "barn-pi-7", 90), logs(coordinator, [agent])
     first = row()
     assert (first["code"], first["approved"], first["battery_pct"]) == (code, False, None), first
-    # several more of its states arrive (each moves "last seen"): still one log line, no drops
+    # more of its states arrive ("last seen" moves, at most every HEARD_EVERY_S): one log line, no drops
     for _ in range(2):
         seen = row()["last_seen"]
-        assert wait_for(lambda seen=seen: row()["last_seen"] > seen, 60), logs(coordinator, [agent])
+        assert wait_for(lambda seen=seen: row()["last_seen"] > seen, 180), logs(coordinator, [agent])
     text = coordinator.log_path.read_text(errors="replace")
     pending = [line for line in text.splitlines() if "pending approval" in line]
     assert len(pending) == 1 and agent.id in pending[0] and code in pending[0], pending

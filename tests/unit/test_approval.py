@@ -16,7 +16,7 @@ import pytest
 from edge_agent import keys
 from edge_agent.config import public_key_text
 from edge_agent.coordinator.cli import main
-from edge_agent.coordinator.pending import PendingDevices
+from edge_agent.coordinator.pending import HEARD_EVERY_S, PendingDevices
 from edge_agent.coordinator.registry import Registry
 from edge_agent.coordinator.service import Coordinator, ServeOptions
 from edge_agent.errors import InputError
@@ -147,6 +147,27 @@ def test_a_pending_devices_messages_are_verified_with_its_key_and_only_mark_it_h
         ack = rejection_ack(signer, topics, reply)
         assert ack is not None and ack[0] == topics.device(dev.id, "ack") and b'"retry":true' in ack[1]
         assert reg.totals()["updates"] == 0
+
+
+def test_a_chattering_pending_device_costs_one_registry_write_per_interval(tmp_path, topics) -> None:
+    """Each write is an fsync'ed transaction: a pending device's flood (or replays of one of
+    its messages: there is no replay window here) must not turn into one write per message."""
+    dev = Device(tmp_path / "d", "pi", topics)
+    pending = PendingDevices(Verifier(topics=topics, trust=TrustStore(), replay=None), topics)
+    with Registry(state_dir=tmp_path / "state") as reg:
+        enrol(reg, dev)
+        pending.add(dev.id, public_key_text(dev.key))
+        t0 = time.time() - 1000
+        writes = []
+        real = reg.record_heard
+        reg.record_heard = lambda *a, **kw: writes.append(kw["at"]) or real(*a, **kw)  # count, then write
+        for i in range(50):  # 50 messages in 25 s, then one past the interval
+            assert pending.heard(reg, pending.open(*dev.state(clock=t0 + i / 2))) is None
+        assert len(writes) == 1, writes
+        pending.heard(reg, pending.open(*dev.state(clock=t0 + HEARD_EVERY_S + 1)))
+        assert len(writes) == 2 and reg.get_device(dev.id).last_seen >= int(t0 + HEARD_EVERY_S)
+        pending.heard(reg, pending.open(*dev.state("offline", clock=t0 + HEARD_EVERY_S + 2)))
+        assert len(writes) == 3 and not reg.get_device(dev.id).online  # going offline is written at once
 
 
 @pytest.fixture
