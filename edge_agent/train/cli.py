@@ -115,29 +115,12 @@ class ProgressBar:
         self._shown = True
 
 
-def _check_power_cap(args: argparse.Namespace) -> None:
-    """A --power-cap-w at or below the board profile's idle power can never be met: say so
-    (exit 64) before any data is read, naming the profile and its idle figure."""
-    from ..errors import UsageError
-    from ..hardware.probe import probe
-    from .job import _profile_values
-
-    prof = _profile_values(args.profile, probe(args.power_root))
-    idle = prof["idle_w"]
-    if args.power_cap_w is not None and idle is not None and args.power_cap_w <= idle:
-        raise UsageError(f"--power-cap-w {args.power_cap_w:g}: at or below the idle power of board profile "
-                         f"{prof['name']} ({idle:g} W; `edge-agent profiles show {prof['name']}`); "
-                         "no duty cycle can meet it: give a cap above it")
-
-
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
     from ..data import data_summary
     from ..errors import EXIT_FAILURE, EXIT_OK
     from .job import run_finetune
 
-    if args.power_cap_w is not None:
-        _check_power_cap(args)
     state_dir = Path(args.state_dir) if args.state_dir else _default_state_dir(args.model, args.data)
     bar = None if args.quiet else ProgressBar(sys.stderr)
     report = run_finetune(

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_bytes, atomic_write_json, read_limited, sha256_file
-from ..errors import ConfigError, EdgeAgentError, InputError
+from ..errors import ConfigError, EdgeAgentError, InputError, UsageError
 from .checkpoints import Checkpoint, CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -276,8 +276,16 @@ class _Job:
 
     def _run(self, stack: contextlib.ExitStack) -> dict[str, Any]:
         a = self.args
+        from ..hardware.probe import probe
         from ..int8.bundle import BACKBONE_INT8
 
+        probe_report = probe(a["power_root"])
+        prof = _profile_values(a["profile"], probe_report)
+        cap, idle = self.budget.power_cap_w, prof["idle_w"]
+        if cap is not None and idle is not None and cap <= idle:  # before any bundle or data is read
+            raise UsageError(f"--power-cap-w {cap:g}: at or below the idle power of board profile {prof['name']} "
+                             f"({idle:g} W; `edge-agent profiles show {prof['name']}`); no duty cycle can meet it: "
+                             "give a cap above it")
         bundle = self._open_bundle(stack)
         self.bundle = bundle
         store = CheckpointStore(self.state / "checkpoints")
@@ -304,10 +312,6 @@ class _Job:
         if len(train) == 0:
             raise InputError(f"{a['data']}: all {len(dataset)} usable samples fell into the validation split")
 
-        from ..hardware.probe import probe
-
-        probe_report = probe(a["power_root"])
-        prof = _profile_values(a["profile"], probe_report)
         batch_size = a["batch_size"] or prof["batch_size"] or 32
         threads = a["threads"] or prof["threads"] or os.cpu_count() or 1
         budget = self.budget
