@@ -56,8 +56,13 @@ def run_op(kind: str, xs: list[np.ndarray], o: dict[str, Any], w: np.ndarray | N
         k, s, d = w.shape[1:3], (o["stride_h"], o["stride_w"]), (o["dilation_h"], o["dilation_w"])
         _, taps = _taps(x, k, s, d, o["padding"], 0.0)
         y = np.zeros(taps[0][2].shape[:3] + (w.shape[0] if kind == "CONV_2D" else w.shape[3],), np.float32)
+        groups, cin = x.shape[3] // w.shape[3], w.shape[3]
+        per = w.shape[0] // max(groups, 1)
         for i, j, view in taps:
-            if kind == "CONV_2D":
+            if kind == "CONV_2D" and groups > 1:  # grouped: output block g sees input block g
+                for g in range(groups):
+                    y[..., g * per:(g + 1) * per] += view[..., g * cin:(g + 1) * cin] @ w[g * per:(g + 1) * per, i, j, :].T
+            elif kind == "CONV_2D":
                 y += view @ w[:, i, j, :].T
             else:
                 y += np.repeat(view, o["depth_multiplier"], axis=3) * w[0, i, j, :]
@@ -83,6 +88,10 @@ def run_op(kind: str, xs: list[np.ndarray], o: dict[str, Any], w: np.ndarray | N
         y = np.concatenate(xs, axis=o["axis"])
     elif kind == "PAD":
         y = np.pad(x, o["paddings"])
+    elif kind == "PADV2":  # fill below every value (int8: -128); the batch minimum keeps the
+        y = np.pad(x, o["paddings"], constant_values=x.min())  # observed range, same max pool
+    elif kind == "GATHER":
+        y = np.take(x, o["indices"], axis=o["axis"])
     else:
         raise ValueError(f"float executor has no op {kind!r}")
     return _activation(y.astype(np.float32, copy=False), o.get("activation", "NONE"))

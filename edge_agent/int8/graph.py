@@ -38,6 +38,8 @@ OP_OPTIONS: dict[str, tuple[str, ...]] = {
     "RESHAPE": ("new_shape",),
     "CONCATENATION": ("axis", "activation"),
     "PAD": (),  # second input: int32 [rank, 2] paddings constant
+    "PADV2": (),  # inputs: x, int32 [rank, 2] paddings, int8 [1] fill value (same quant as x)
+    "GATHER": ("axis",),  # second input: int32 [k] indices constant (a channel permutation)
     "QUANTIZE": (),
     "DEQUANTIZE": (),
 }

@@ -33,7 +33,7 @@ from .quant_math import (
 
 METHODS = ("minmax", "percentile", "entropy")
 HIST_BINS = 2048
-SAME_SCALE_OPS = ("MAX_POOL_2D", "AVERAGE_POOL_2D", "RESHAPE", "PAD")
+SAME_SCALE_OPS = ("MAX_POOL_2D", "AVERAGE_POOL_2D", "RESHAPE", "PAD", "PADV2", "GATHER")
 _WEIGHT_AXIS = {"CONV_2D": 0, "DEPTHWISE_CONV_2D": 3, "FULLY_CONNECTED": 0}
 
 
@@ -246,7 +246,7 @@ def quantize_graph(
     ops: list[QOp] = []
     for op in g.ops:
         inputs = list(op.inputs)
-        options = {k: v for k, v in op.options.items() if k not in ("axes", "paddings")}
+        options = {k: v for k, v in op.options.items() if k not in ("axes", "paddings", "indices")}
         if op.kind in _WEIGHT_AXIS:
             axis = _WEIGHT_AXIS[op.kind]
             w_name, b_name = f"{op.name}/weight", f"{op.name}/bias"
@@ -271,9 +271,26 @@ def quantize_graph(
             pads = np.asarray(op.options["paddings"], np.int32)
             tensors[f"{op.name}/paddings"] = QTensor(f"{op.name}/paddings", pads.shape, "int32", data=pads)
             inputs.append(f"{op.name}/paddings")
+        elif op.kind in ("PADV2", "GATHER"):
+            inputs += _struct_constants(op, tensors)
         ops.append(QOp(op.kind, inputs, [op.output], options, op.name))
     qgraph = QGraph(tensors, ops, [g.input], [g.output], g.name)
     return add_float_io(qgraph) if float_io else qgraph
+
+
+def _struct_constants(op: Any, tensors: dict[str, QTensor]) -> list[str]:
+    """PADV2: int32 paddings + an int8 fill of -128 (the minimum: the importer pads a max pool
+    with it) quantised like the input, as TFLite requires; GATHER: int32 indices."""
+    if op.kind == "GATHER":
+        idx = np.asarray(op.options["indices"], np.int32)
+        tensors[f"{op.name}/indices"] = QTensor(f"{op.name}/indices", idx.shape, "int32", data=idx)
+        return [f"{op.name}/indices"]
+    pads = np.asarray(op.options["paddings"], np.int32)
+    x = tensors[op.inputs[0]]
+    tensors[f"{op.name}/paddings"] = QTensor(f"{op.name}/paddings", pads.shape, "int32", data=pads)
+    tensors[f"{op.name}/fill"] = QTensor(f"{op.name}/fill", (1,), "int8", x.scale.copy(), x.zero_point.copy(),
+                                         data=np.array([-128], np.int8))
+    return [f"{op.name}/paddings", f"{op.name}/fill"]
 
 
 def add_float_io(qgraph: QGraph) -> QGraph:

@@ -23,7 +23,7 @@ KERNELS = ops.KERNELS
 
 # Ops whose TFLite int8 kernel copies or compares raw values, so input and output must share
 # scale and zero point for the result to mean what the float graph meant.
-_SAME_QUANT_OPS = ("AVERAGE_POOL_2D", "MAX_POOL_2D", "RESHAPE", "PAD")
+_SAME_QUANT_OPS = ("AVERAGE_POOL_2D", "MAX_POOL_2D", "RESHAPE", "PAD", "PADV2", "GATHER")
 
 
 class GraphError(ValueError):
@@ -120,7 +120,11 @@ def infer_output_shape(graph: QGraph, op: QOp, shapes: Mapping[str, tuple[int, .
             if len(p) != len(x) or any(a != b for i, (a, b) in enumerate(zip(p, x, strict=True)) if i != axis):
                 raise ValueError(f"cannot concatenate shapes {[list(s) for s in parts]} on axis {axis}")
         return tuple(sum(p[axis] for p in parts) if i == axis else d for i, d in enumerate(x))
-    if kind == "PAD":
+    if kind == "GATHER":
+        axis = int(o.get("axis", 0)) % len(x)
+        n = int(np.asarray(graph.tensor(op.inputs[1]).data).size)
+        return tuple(n if i == axis else d for i, d in enumerate(x))
+    if kind in ("PAD", "PADV2"):
         pads = np.asarray(graph.tensor(op.inputs[1]).data).reshape(-1, 2)
         if pads.shape[0] != len(x) or (pads < 0).any():
             raise ValueError(f"paddings {pads.tolist()} do not fit rank {len(x)}")
@@ -131,7 +135,7 @@ def infer_output_shape(graph: QGraph, op: QOp, shapes: Mapping[str, tuple[int, .
 _ARITY = {
     "CONV_2D": (2, 3), "DEPTHWISE_CONV_2D": (2, 3), "FULLY_CONNECTED": (2, 3), "ADD": (2, 2),
     "AVERAGE_POOL_2D": (1, 1), "MAX_POOL_2D": (1, 1), "MEAN": (2, 2), "RESHAPE": (1, 1),
-    "CONCATENATION": (1, 1 << 16), "PAD": (2, 2), "QUANTIZE": (1, 1), "DEQUANTIZE": (1, 1),
+    "CONCATENATION": (1, 1 << 16), "PAD": (2, 2), "PADV2": (3, 3), "GATHER": (2, 2), "QUANTIZE": (1, 1), "DEQUANTIZE": (1, 1),
 }
 
 
@@ -169,7 +173,8 @@ def _check_weights(graph: QGraph, op: QOp) -> None:
             f"weights {w.name!r}: per-channel scales must number {channels} along dimension {channel_dim}"
         )
     x = graph.tensor(op.inputs[0]).shape
-    if op.kind == "CONV_2D" and (len(x) != 4 or w.shape[3] != x[3]):
+    # grouped CONV_2D: input channels = filter in-channels x groups (reference_ops_struct)
+    if op.kind == "CONV_2D" and (len(x) != 4 or x[3] % w.shape[3] or w.shape[0] % (x[3] // w.shape[3])):
         raise ValueError(f"weights {w.name!r} shape {list(w.shape)} does not fit input shape {list(x)}")
     if op.kind == "DEPTHWISE_CONV_2D":
         mult = int(op.options["depth_multiplier"])
@@ -248,6 +253,8 @@ def _check_op(graph: QGraph, op: QOp, node: str, shapes: dict[str, tuple[int, ..
         c = graph.tensor(op.inputs[1])
         if c.data is None or c.dtype != "int32":
             raise ValueError(f"{'axes' if op.kind == 'MEAN' else 'paddings'} {c.name!r} must be a constant int32 tensor")
+    if op.kind in ("PADV2", "GATHER"):
+        _check_struct_constants(graph, op, x)
     if op.kind in _SAME_QUANT_OPS and not ops.same_quant(x, y):
         raise ValueError("input and output must share scale and zero point (TFLite's int8 kernel copies raw values)")
     if op.kind in ("CONV_2D", "DEPTHWISE_CONV_2D", "AVERAGE_POOL_2D", "MAX_POOL_2D") and len(x.shape) != 4:
@@ -256,6 +263,26 @@ def _check_op(graph: QGraph, op: QOp, node: str, shapes: dict[str, tuple[int, ..
     if tuple(inferred) != tuple(y.shape) or any(d < 1 for d in inferred):
         raise ValueError(f"output {y.name!r} is declared {list(y.shape)} but the op produces {list(inferred)}")
     shapes[op.outputs[0]] = tuple(inferred)
+
+
+def _check_struct_constants(graph: QGraph, op: QOp, x: QTensor) -> None:
+    """PADV2's paddings and fill value, GATHER's indices: constants of the right type."""
+    c = graph.tensor(op.inputs[1])
+    if c.data is None or c.dtype != "int32":
+        raise ValueError(f"{'paddings' if op.kind == 'PADV2' else 'indices'} {c.name!r} must be a constant int32 tensor")
+    if op.kind == "GATHER":
+        axis = int(op.options.get("axis", 0))
+        if not -len(x.shape) <= axis < len(x.shape):
+            raise ValueError(f"axis {axis} is out of range for rank {len(x.shape)}")
+        if c.data.ndim != 1 or c.data.size == 0 or c.data.min() < 0 or c.data.max() >= x.shape[axis]:
+            raise ValueError(f"indices {c.name!r} must be a 1-D vector within [0, {x.shape[axis]})")
+        return
+    fill = graph.tensor(op.inputs[2])
+    if fill.data is None or fill.dtype != "int8" or fill.data.size != 1:
+        raise ValueError(f"fill value {fill.name!r} must be a constant int8 scalar")
+    _check_quant(fill, "fill value")
+    if not ops.same_quant(fill, x):
+        raise ValueError("the fill value must share the input's scale and zero point (TFLite's PADV2)")
 
 
 def check_graph(graph: QGraph) -> None:

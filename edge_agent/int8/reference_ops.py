@@ -183,6 +183,8 @@ def conv_2d(graph: QGraph, op: QOp, args: list) -> np.ndarray:
     x, w, bias = args[0], args[1], args[2] if len(args) > 2 else None
     p = conv_params(graph, op)
     wp = window_params(op, x.shape[1:3], (w.shape[1], w.shape[2]))
+    if x.shape[3] != w.shape[3]:  # grouped convolution (reference_ops_struct)
+        return _epilogue(struct.grouped_accumulate(x, w, wp, p.input_offset), bias, p)
     return _epilogue(conv_accumulate(x, w, wp, p.input_offset), bias, p)
 
 
@@ -363,3 +365,7 @@ KERNELS: dict[str, Kernel] = {
     "QUANTIZE": quantize,
     "DEQUANTIZE": dequantize,
 }
+
+from . import reference_ops_struct as struct  # noqa: E402 - it imports this module's helpers
+
+KERNELS.update(struct.STRUCT_KERNELS)

@@ -117,20 +117,22 @@ class GraphBuilder:
     # --- ops -------------------------------------------------------------------------------
     def conv(self, x: str, out_channels: int, kernel: int | tuple[int, int] = 3, *, stride: int | tuple[int, int] = 1,
              padding: str = "SAME", dilation: int | tuple[int, int] = 1, activation: str = "RELU6",
-             per_channel: bool = True, bias: bool = True) -> str:
+             per_channel: bool = True, bias: bool = True, groups: int = 1) -> str:
         kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
         sh, sw = (stride, stride) if isinstance(stride, int) else stride
         dh, dw = (dilation, dilation) if isinstance(dilation, int) else dilation
         xs = self.tensors[x].shape
-        w, scales = self._weights((out_channels, kh, kw, xs[3]), 0, per_channel, kh * kw * xs[3])
+        cin = xs[3] // groups  # grouped: filters see xs[3] / groups channels each
+        w, scales = self._weights((out_channels, kh, kw, cin), 0, per_channel, kh * kw * cin)
         inputs = [x, self._const("weights", w, scales, 0)]
         if bias:
-            inputs.append(self._bias(x, scales, out_channels, kh * kw * xs[3]))
+            inputs.append(self._bias(x, scales, out_channels, kh * kw * cin))
         options = {"stride_h": sh, "stride_w": sw, "padding": padding, "dilation_h": dh, "dilation_w": dw,
                    "activation": activation}
         op = QOp("CONV_2D", inputs, [], options)
         wp = ops.window_params(op, xs[1:3], (kh, kw))
-        acc = ops.conv_accumulate(self.values[x], w, wp, -ops.zp_of(self.tensors[x]))
+        accumulate = ops.conv_accumulate if groups == 1 else ops.struct.grouped_accumulate
+        acc = accumulate(self.values[x], w, wp, -ops.zp_of(self.tensors[x]))
         return self._finish_linear("CONV_2D", inputs, options, acc, scales, (xs[0], *wp.out_hw, out_channels))
 
     def depthwise(self, x: str, kernel: int | tuple[int, int] = 3, *, multiplier: int = 1,
@@ -222,6 +224,20 @@ class GraphBuilder:
         shape = tuple(int(d + a + b) for d, (a, b) in zip(self.tensors[x].shape, pads, strict=True))
         return self._emit("PAD", [x, self._const("paddings", pads)], {}, shape, self._same(x))
 
+    def padv2(self, x: str, paddings: Sequence[Sequence[int]], fill: int = -128) -> str:
+        pads = np.asarray(paddings, dtype=np.int32)
+        shape = tuple(int(d + a + b) for d, (a, b) in zip(self.tensors[x].shape, pads, strict=True))
+        t = self.tensors[x]
+        fill_name = self._const("fill", np.array([fill], np.int8), t.scale)
+        self.tensors[fill_name].zero_point = np.array(t.zero_point, np.int64).copy()
+        return self._emit("PADV2", [x, self._const("paddings", pads), fill_name], {}, shape, self._same(x))
+
+    def gather(self, x: str, indices: Sequence[int], *, axis: int = 3) -> str:
+        idx = np.asarray(indices, dtype=np.int32)
+        shape = tuple(len(idx) if i == axis % len(self.tensors[x].shape) else d
+                      for i, d in enumerate(self.tensors[x].shape))
+        return self._emit("GATHER", [x, self._const("indices", idx)], {"axis": axis}, shape, self._same(x))
+
     def requantize(self, x: str, scale: float, zero_point: int) -> str:
         return self._emit("QUANTIZE", [x], {}, self.tensors[x].shape, (scale, zero_point))
 
@@ -275,6 +291,10 @@ def random_op_graph(kind: str, rng: np.random.Generator, **params: Any) -> QGrap
         y = b.concat([x, b.requantize(x, float(rng.uniform(0.005, 0.1)), int(rng.integers(-60, 60)))], axis=3)
     elif kind == "PAD":
         y = b.pad(x, [[0, 0], *rng.integers(0, 3, size=(2, 2)).tolist(), [0, 0]])
+    elif kind == "PADV2":
+        y = b.padv2(x, [[0, 0], *rng.integers(0, 3, size=(2, 2)).tolist(), [0, 0]], int(rng.integers(-128, 128)))
+    elif kind == "GATHER":
+        y = b.gather(x, rng.permutation(p["c"]).tolist(), axis=3)
     else:
         raise ValueError(f"no random builder for op {kind!r}")
     return b.build(y)

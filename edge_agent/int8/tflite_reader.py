@@ -235,7 +235,7 @@ class _Reader:
         if not module:
             return {}
         if op.BuiltinOptionsType() != union_type or op.BuiltinOptions() is None:
-            if kind in ("PAD", "RESHAPE"):
+            if kind in ("PAD", "PADV2", "RESHAPE"):
                 return {}
             raise self.fail("builtin options are missing or of the wrong type")
         table = op.BuiltinOptions()
@@ -262,6 +262,10 @@ class _Reader:
             return {"axis": opts.Axis(), "activation": act()}
         if kind == "MEAN":
             return {"keep_dims": bool(opts.KeepDims())}
+        if kind == "GATHER":
+            if opts.BatchDims() != 0:
+                raise self.fail("GATHER with batch_dims is not supported")
+            return {"axis": opts.Axis()}
         if kind == "RESHAPE":
             if opts.NewShapeIsNone():
                 return {}

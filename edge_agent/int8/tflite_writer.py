@@ -55,6 +55,8 @@ OPS: dict[str, tuple[int, int, str]] = {
     "MAX_POOL_2D": (17, 5, "Pool2DOptions"),
     "RESHAPE": (22, 17, "ReshapeOptions"),
     "PAD": (34, 22, "PadOptions"),
+    "GATHER": (36, 23, "GatherOptions"),
+    "PADV2": (60, 43, "PadV2Options"),
     "MEAN": (40, 27, "ReducerOptions"),
     "QUANTIZE": (114, 0, ""),
 }
@@ -62,6 +64,8 @@ OPS: dict[str, tuple[int, int, str]] = {
 
 def op_version(op: QOp, graph: QGraph) -> int:
     """The operator version TFLite's converter would record for this int8 op."""
+    if op.kind == "CONV_2D" and graph.tensor(op.inputs[0]).shape[3] != graph.tensor(op.inputs[1]).shape[3]:
+        return 6  # grouped convolution (op_version.cc)
     if op.kind in ("CONV_2D", "DEPTHWISE_CONV_2D"):
         return 3
     if op.kind == "FULLY_CONNECTED":
@@ -358,4 +362,6 @@ class _Serializer:
             m.AddKeepDims(b, bool(o.get("keep_dims", False)))
         elif kind == "RESHAPE":
             m.AddNewShape(b, new_shape)
+        elif kind == "GATHER":
+            m.AddAxis(b, int(o.get("axis", 0)))
         return m.End(b)
