@@ -40,6 +40,9 @@ OP_OPTIONS: dict[str, tuple[str, ...]] = {
     "PAD": (),  # second input: int32 [rank, 2] paddings constant
     "PADV2": (),  # inputs: x, int32 [rank, 2] paddings, int8 [1] fill value (same quant as x)
     "GATHER": ("axis",),  # second input: int32 [k] indices constant (a channel permutation)
+    "MUL": ("activation",),  # inputs broadcast (SE scaling); the second may be an int8 constant
+    "HARD_SWISH": (),
+    "LOGISTIC": (),  # output quantisation fixed at scale 1/256, zero point -128
     "QUANTIZE": (),
     "DEQUANTIZE": (),
 }

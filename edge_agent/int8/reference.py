@@ -97,7 +97,7 @@ def infer_output_shape(graph: QGraph, op: QOp, shapes: Mapping[str, tuple[int, .
         if o.get("keep_num_dims", False):
             return (*x[:-1], w[0])
         return (int(np.prod(x)) // w[1], w[0])
-    if kind == "ADD":
+    if kind in ("ADD", "MUL"):
         return tuple(np.broadcast_shapes(x, shapes[op.inputs[1]]))
     if kind == "MEAN":
         axes = ops.resolve_axes(graph.tensor(op.inputs[1]).data, len(x))
@@ -136,6 +136,7 @@ _ARITY = {
     "CONV_2D": (2, 3), "DEPTHWISE_CONV_2D": (2, 3), "FULLY_CONNECTED": (2, 3), "ADD": (2, 2),
     "AVERAGE_POOL_2D": (1, 1), "MAX_POOL_2D": (1, 1), "MEAN": (2, 2), "RESHAPE": (1, 1),
     "CONCATENATION": (1, 1 << 16), "PAD": (2, 2), "PADV2": (3, 3), "GATHER": (2, 2), "QUANTIZE": (1, 1), "DEQUANTIZE": (1, 1),
+    "MUL": (2, 2), "HARD_SWISH": (1, 1), "LOGISTIC": (1, 1),
 }
 
 
@@ -246,6 +247,8 @@ def _check_op(graph: QGraph, op: QOp, node: str, shapes: dict[str, tuple[int, ..
         if twice_max / ((1 << 20) * float(ops.scale_of(y)[0])) >= 1.0:
             raise ValueError("output scale is over 2**19 times smaller than an input scale "
                              "(TFLite's int8 ADD aborts on such a rescale)")
+    if op.kind in ("MUL", "HARD_SWISH", "LOGISTIC"):
+        _check_elementwise(graph, op, x, y)
     if op.kind == "CONCATENATION":
         for n in op.inputs:
             _check_activation(graph.tensor(n), "input")
@@ -263,6 +266,19 @@ def _check_op(graph: QGraph, op: QOp, node: str, shapes: dict[str, tuple[int, ..
     if tuple(inferred) != tuple(y.shape) or any(d < 1 for d in inferred):
         raise ValueError(f"output {y.name!r} is declared {list(y.shape)} but the op produces {list(inferred)}")
     shapes[op.outputs[0]] = tuple(inferred)
+
+
+def _check_elementwise(graph: QGraph, op: QOp, x: QTensor, y: QTensor) -> None:
+    """What TFLite's Prepare refuses for MUL / HARD_SWISH / LOGISTIC (reference_ops_elementwise)."""
+    if op.kind == "MUL":
+        _check_activation(graph.tensor(op.inputs[1]), "input")
+    elif op.kind == "LOGISTIC" and (float(ops.scale_of(y)[0]) != ops.elementwise.LOGISTIC_SCALE
+                                    or ops.zp_of(y) != ops.elementwise.LOGISTIC_ZERO_POINT):
+        raise ValueError("int8 LOGISTIC needs output scale 1/256 and zero point -128 (TFLite's rule)")
+    elif op.kind == "HARD_SWISH" and ops.elementwise.hard_swish_params(
+            float(ops.scale_of(x)[0]), float(ops.scale_of(y)[0]))[1] > 0:
+        raise ValueError("output scale is over 128 times smaller than the input scale "
+                         "(TFLite's int8 HARD_SWISH refuses it)")
 
 
 def _check_struct_constants(graph: QGraph, op: QOp, x: QTensor) -> None:

@@ -369,3 +369,7 @@ KERNELS: dict[str, Kernel] = {
 from . import reference_ops_struct as struct  # noqa: E402 - it imports this module's helpers
 
 KERNELS.update(struct.STRUCT_KERNELS)
+
+from . import reference_ops_elementwise as elementwise  # noqa: E402 - MUL, HARD_SWISH, LOGISTIC
+
+KERNELS.update(elementwise.KERNELS)

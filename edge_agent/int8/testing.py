@@ -238,6 +238,30 @@ class GraphBuilder:
                       for i, d in enumerate(self.tensors[x].shape))
         return self._emit("GATHER", [x, self._const("indices", idx)], {"axis": axis}, shape, self._same(x))
 
+    def mul(self, a: str, b: str, *, activation: str = "NONE") -> str:
+        """MUL of two tensors (b may be a constant made with `int8_constant`), broadcasting."""
+        real = self.deq(a) * self.deq(b)
+        shape = np.broadcast_shapes(self.tensors[a].shape, self.tensors[b].shape)
+        return self._emit("MUL", [a, b], {"activation": activation}, shape, self._calibrated(real, activation))
+
+    def int8_constant(self, shape: Sequence[int], *, scale: float | None = None) -> str:
+        """A random int8 constant tensor with its own per-tensor quantisation."""
+        s = scale if scale is not None else float(self.rng.uniform(0.002, 0.05))
+        name = self._const("constant", self.rng.integers(-128, 128, size=tuple(shape), dtype=np.int8), np.array([s]))
+        self.tensors[name].zero_point = np.array([int(self.rng.integers(-30, 31))], np.int64)
+        self.values[name] = self.tensors[name].data
+        return name
+
+    def hard_swish(self, x: str) -> str:
+        v = self.deq(x)
+        real = v * np.clip(v + 3.0, 0.0, 6.0) / 6.0
+        scale, zp = self._calibrated(real, "NONE")
+        scale = max(scale, float(ops.scale_of(self.tensors[x])[0]) / 64)  # TFLite's limit is 1/128
+        return self._emit("HARD_SWISH", [x], {}, self.tensors[x].shape, (scale, zp))
+
+    def logistic(self, x: str) -> str:
+        return self._emit("LOGISTIC", [x], {}, self.tensors[x].shape, (1.0 / 256.0, -128))
+
     def requantize(self, x: str, scale: float, zero_point: int) -> str:
         return self._emit("QUANTIZE", [x], {}, self.tensors[x].shape, (scale, zero_point))
 
@@ -295,6 +319,14 @@ def random_op_graph(kind: str, rng: np.random.Generator, **params: Any) -> QGrap
         y = b.padv2(x, [[0, 0], *rng.integers(0, 3, size=(2, 2)).tolist(), [0, 0]], int(rng.integers(-128, 128)))
     elif kind == "GATHER":
         y = b.gather(x, rng.permutation(p["c"]).tolist(), axis=3)
+    elif kind == "MUL":
+        other = (b.int8_constant((1, 1, 1, p["c"])) if rng.integers(0, 2) else  # a broadcast (SE-like) operand
+                 b.requantize(x, float(rng.uniform(0.005, 0.1)), int(rng.integers(-60, 60))))
+        y = b.mul(x, other, activation=p["activation"])
+    elif kind == "HARD_SWISH":
+        y = b.hard_swish(x)
+    elif kind == "LOGISTIC":
+        y = b.logistic(x)
     else:
         raise ValueError(f"no random builder for op {kind!r}")
     return b.build(y)

@@ -256,7 +256,7 @@ class _Reader:
             if opts.WeightsFormat() != 0:
                 raise self.fail("shuffled FULLY_CONNECTED weights are not supported")
             return {"activation": act(), "keep_num_dims": bool(opts.KeepNumDims())}
-        if kind == "ADD":
+        if kind in ("ADD", "MUL"):
             return {"activation": act()}
         if kind == "CONCATENATION":
             return {"axis": opts.Axis(), "activation": act()}

@@ -59,6 +59,9 @@ OPS: dict[str, tuple[int, int, str]] = {
     "PADV2": (60, 43, "PadV2Options"),
     "MEAN": (40, 27, "ReducerOptions"),
     "QUANTIZE": (114, 0, ""),
+    "LOGISTIC": (14, 0, ""),
+    "MUL": (18, 21, "MulOptions"),
+    "HARD_SWISH": (117, 0, ""),
 }
 
 
@@ -72,7 +75,7 @@ def op_version(op: QOp, graph: QGraph) -> int:
         if len(op.inputs) < 3 or not op.inputs[2]:
             return 6
         return 5 if op.options.get("keep_num_dims", False) else 4
-    if op.kind == "RESHAPE":
+    if op.kind in ("RESHAPE", "HARD_SWISH"):
         return 1
     if op.kind == "QUANTIZE":
         return 2 if graph.tensor(op.inputs[0]).dtype == "int8" else 1
@@ -353,7 +356,7 @@ class _Serializer:
         elif kind == "FULLY_CONNECTED":
             m.AddFusedActivationFunction(b, act)
             m.AddKeepNumDims(b, bool(o.get("keep_num_dims", False)))
-        elif kind == "ADD":
+        elif kind in ("ADD", "MUL"):
             m.AddFusedActivationFunction(b, act)
         elif kind == "CONCATENATION":
             m.AddAxis(b, int(o.get("axis", -1)))
