@@ -8,6 +8,8 @@ the same graph:
 - Relu and Clip(0, 6) fused as the preceding op's activation (RELU / RELU6);
 - Identity and Dropout removed; a constant Add after a conv or MatMul folded into its bias;
 - explicit conv pads that TFLite's SAME/VALID cannot express become a PAD op.
+The structural ops of real models (explicit-pad pools, standalone BatchNorm, Gemm/MatMul,
+Identity, Reshape/Flatten/Transpose, channel shuffle, Split) are onnx_struct.py's mixin.
 
 The float graph itself and `run_float`, which executes it in numpy, live in float_graph.py.
 Untrusted ONNX gets the size limit first, then the
@@ -17,15 +19,17 @@ protobuf parse and onnx.checker, each failure an OnnxImportError that says where
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..atomic import FileTooLargeError, read_limited
 from ..errors import InputError
-from .float_graph import FloatGraph, FloatOp, to_nchw_shape
+from .float_graph import FloatGraph, FloatOp
 from .float_ops import out_size, same_pads
 from .graph import UnsupportedOpError
+from .onnx_struct import StructOps
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import onnx
@@ -42,15 +46,21 @@ class OnnxImportError(InputError):
 
 # ---------------------------------------------------------------- loading untrusted bytes
 def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ONNX_BYTES) -> onnx.ModelProto:
-    """Parse and check an ONNX model from bytes or a path; size limit enforced first."""
+    """Parse and check an ONNX model from bytes or a path; size limit enforced first.
+
+    Made readable by the pinned onnx where that is lossless: external-data initializers
+    are read from files in the model's own directory and inlined (the bundle is then
+    self-contained), an ir_version newer than the checker's is lowered when nothing in the
+    model needs it (see `_lower_ir_version`), and an opset outside MIN_OPSET..MAX_OPSET is
+    converted with onnx.version_converter."""
     import onnx
 
     if isinstance(source, bytes | bytearray | memoryview):
-        where, data = "onnx model", bytes(source)
+        where, data, base = "onnx model", bytes(source), None
         if len(data) > max_bytes:
             raise FileTooLargeError(f"{where}: {len(data)} bytes is over the limit of {max_bytes}")
     else:
-        where = os.fspath(source)
+        where, base = os.fspath(source), Path(os.fspath(source)).parent
         try:
             data = read_limited(source, max_bytes)
         except OSError as exc:
@@ -61,16 +71,99 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
         model = onnx.load_from_string(data)
     except Exception as exc:  # protobuf raises DecodeError, or others on odd input
         raise OnnxImportError(f"{where}: not a valid ONNX protobuf (truncated or corrupt): {exc}") from None
-    for init in model.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            # external data means reading files named by the model: refused
-            raise OnnxImportError(f"{where}: initializer {init.name!r} uses external data")
+    _inline_external_data(model, base, where, max_bytes)
+    _lower_ir_version(model, where)
     try:
         onnx.checker.check_model(model)
     except Exception as exc:  # onnx.checker.ValidationError and C++ errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OnnxImportError(f"{where}: invalid ONNX model (truncated or corrupt?): {first}") from None
-    return model
+    return _convert_opset(model, where)
+
+
+MIN_OPSET, MAX_OPSET = 11, 18  # the default-domain opsets the converter's handlers know
+_IR10_TYPES = {21, 22}  # UINT4, INT4: what ir_version 10 added that an importer could meet
+
+
+def _lower_ir_version(model: onnx.ModelProto, where: str) -> None:
+    """torch 2.x's dynamo exporter writes ir_version 10, which onnx 1.15's checker refuses.
+    IR 10 only added 4-bit types and function overloads (and UINT4/INT4 tensors), so a
+    model using neither is a valid IR 9 model: relabel it; otherwise say what needs 10."""
+    import onnx
+
+    if model.ir_version <= onnx.IR_VERSION:
+        return
+    if model.ir_version > 10:
+        raise OnnxImportError(f"{where}: ir_version {model.ir_version} is newer than this onnx "
+                              f"({onnx.__version__}) can read (up to {onnx.IR_VERSION}, or 10 lowered)")
+    types = {t.data_type for t in model.graph.initializer}
+    types |= {vi.type.tensor_type.elem_type for vi in [*model.graph.input, *model.graph.output,
+                                                        *model.graph.value_info]}
+    if types & _IR10_TYPES or any(getattr(f, "overload", "") for f in model.functions):
+        raise OnnxImportError(f"{where}: ir_version 10 with 4-bit tensors or function overloads "
+                              f"(onnx {onnx.__version__} reads up to ir_version {onnx.IR_VERSION})")
+    model.ir_version = onnx.IR_VERSION
+
+
+def _convert_opset(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
+    """Opsets MIN_OPSET..MAX_OPSET as they are; others through onnx.version_converter."""
+    from onnx import version_converter
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None or MIN_OPSET <= opset <= MAX_OPSET:
+        return model
+    target = MIN_OPSET if opset < MIN_OPSET else MAX_OPSET
+    try:
+        return version_converter.convert_version(model, target)
+    except Exception as exc:  # the converter raises C++ errors per unconvertible op
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise OnnxImportError(f"{where}: opset {opset} could not be converted to {target} "
+                              f"(supported: {MIN_OPSET}-{MAX_OPSET}): {first}") from None
+
+
+def _inline_external_data(model: onnx.ModelProto, base: Path | None, where: str, max_bytes: int) -> None:
+    """Read external-data initializers into the model. Only files inside the model's own
+    directory (no absolute paths, no `..` or symlink escapes), all of them together within
+    `max_bytes`; a missing file, short read or escaping path is an OnnxImportError."""
+    import onnx
+
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return
+    if base is None:
+        raise OnnxImportError(f"{where}: initializer {external[0].name!r} uses external data; "
+                              "give the model as a file next to its data files")
+    root = base.resolve()
+    total = 0
+    for tensor in external:
+        info = {e.key: e.value for e in tensor.external_data}
+        loc = info.get("location", "")
+        target = (root / loc).resolve()
+        if not loc or Path(loc).is_absolute() or not target.is_relative_to(root):
+            raise OnnxImportError(f"{where}: initializer {tensor.name!r}: external data location "
+                                  f"{loc!r} is not a file inside {root}")
+        try:
+            offset, length = int(info.get("offset", 0)), int(info["length"]) if "length" in info else None
+        except ValueError:
+            raise OnnxImportError(f"{where}: initializer {tensor.name!r}: bad external data offset/length") from None
+        try:
+            size = target.stat().st_size
+            length = size - offset if length is None else length
+            if offset < 0 or length < 0 or offset + length > size:
+                raise OnnxImportError(f"{where}: initializer {tensor.name!r}: {loc} has {size} bytes, "
+                                      f"not {offset}+{length}")
+            total += length
+            if total > max_bytes:
+                raise FileTooLargeError(f"{where}: external data over the limit of {max_bytes} bytes")
+            with open(target, "rb") as f:
+                f.seek(offset)
+                raw = f.read(length)
+        except OSError as exc:
+            raise OnnxImportError(f"{where}: initializer {tensor.name!r}: cannot read external data "
+                                  f"{loc!r}: {exc.strerror or exc}") from None
+        tensor.raw_data = raw
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
 
 
 def node_name(node: onnx.NodeProto) -> str:
@@ -101,7 +194,7 @@ def import_onnx(
     return _Converter(model, name).convert(split)
 
 
-class _Converter:
+class _Converter(StructOps):
     def __init__(self, model: onnx.ModelProto, name: str) -> None:
         from onnx import numpy_helper
 
@@ -127,6 +220,7 @@ class _Converter:
         self.producer: dict[str, FloatOp] = {}
         self.uses: dict[str, int] = {}
         self.flat_nchw: dict[str, tuple[int, int, int]] = {}  # NHWC-flattened spatial maps
+        self.pending: dict[str, dict[str, Any]] = {}  # channel-shuffle views (onnx_struct)
 
     # -- cutting
     def _select(self, split: str | None) -> tuple[list[onnx.NodeProto], str]:
@@ -265,30 +359,6 @@ class _Converter:
         else:
             raise UnsupportedOpError(node_name(node), "Clip", f"only Clip(0, 6) or Clip(0, inf), got ({lo}, {hi})")
 
-    def _op_BatchNormalization(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        op = self._fusable(node.input[0], node, ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"))
-        if op.options.get("activation", "NONE") != "NONE":
-            raise UnsupportedOpError(node_name(node), node.op_type, "follows an activation")
-        gamma, beta, mean, var = (self._const(node, i) for i in range(1, 5))
-        eps = float(_attrs(node).get("epsilon", 1e-5))
-        channels = op.bias.shape[0]
-        if any(p is None or p.size != channels for p in (gamma, beta, mean, var)):
-            raise OnnxImportError(f"node {node_name(node)!r}: BatchNormalization parameters "
-                                  f"do not have {channels} channels")
-        if np.any(var.astype(np.float64) + eps <= 0):
-            raise OnnxImportError(f"node {node_name(node)!r}: negative variance")
-        gamma, beta, mean, var = (p.reshape(-1) for p in (gamma, beta, mean, var))
-        scale = (gamma / np.sqrt(var.astype(np.float64) + eps)).astype(np.float64)
-        axis = 3 if op.kind == "DEPTHWISE_CONV_2D" else 0
-        shape = [1] * op.weight.ndim
-        shape[axis] = -1
-        op.weight = (op.weight * scale.reshape(shape)).astype(np.float32)
-        op.bias = ((op.bias - mean) * scale + beta).astype(np.float32)
-        self._rename(op, node.output[0])
-
-    def _op_Identity(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        self.alias[node.output[0]] = self._act(node.input[0], f"node {node_name(node)!r}")
-
     def _op_Dropout(self, node: onnx.NodeProto) -> None:  # noqa: N802
         if len(node.output) > 1 and self.uses.get(node.output[1]):
             raise UnsupportedOpError(node_name(node), "Dropout", "its mask output is used")
@@ -318,6 +388,8 @@ class _Converter:
         elif group == c and i_per_group == 1 and o % c == 0:
             kind, weight = "DEPTHWISE_CONV_2D", w.reshape(o, kh, kw)[None].transpose(0, 2, 3, 1)
             extra = {"depth_multiplier": o // c}
+        elif i_per_group * group == c and o % group == 0:  # grouped: one CONV_2D (onnx_struct doc)
+            kind, weight, extra = "CONV_2D", w.transpose(0, 2, 3, 1), {}
         else:
             raise UnsupportedOpError(nm, "Conv", f"grouped convolution (group={group}, channels={c})")
         x, padding = self._padding(node, x, pads, (h, wd), (kh, kw), (sh, sw), (dh, dw))
@@ -345,41 +417,6 @@ class _Converter:
                                  {"paddings": ((0, 0), (t, b), (left, r), (0, 0))}),
                    (n, h + t + b, w + left + r, c))
         return out, "VALID"
-
-    def _pool(self, node: onnx.NodeProto, kind: str) -> None:
-        nm, a = node_name(node), _attrs(node)
-        x = self._act(node.input[0], f"node {nm!r}")
-        n, h, w, c = self.shapes[x]
-        kh, kw = a["kernel_shape"]
-        sh, sw = a.get("strides", [1, 1])
-        if any(v != 1 for v in a.get("dilations", [1, 1])):
-            raise UnsupportedOpError(nm, node.op_type, "dilated pooling")
-        pads = _explicit_pads(nm, node.op_type, a, (h, w), (kh, kw), (sh, sw), (1, 1))
-        if not any(pads):
-            padding = "VALID"
-        elif pads == tuple(p for dim in zip(same_pads(h, kh, sh, 1), same_pads(w, kw, sw, 1),
-                                            strict=True) for p in dim):
-            padding = "SAME"  # TFLite's SAME pooling ignores the padded cells
-            if kind == "AVERAGE_POOL_2D" and a.get("count_include_pad", 0):
-                raise UnsupportedOpError(nm, node.op_type, "count_include_pad=1 with padding")
-        else:
-            raise UnsupportedOpError(nm, node.op_type, f"pads {pads} match neither SAME nor VALID")
-        oh, ow = out_size(h, kh, sh, 1, padding), out_size(w, kw, sw, 1, padding)
-        if a.get("ceil_mode", 0):
-            t, left, b, r = pads
-            if (-(-(h + t + b - kh) // sh) + 1, -(-(w + left + r - kw) // sw) + 1) != (oh, ow):
-                raise UnsupportedOpError(nm, node.op_type, "ceil_mode=1 changes the output size")
-        opts = {"stride_h": sh, "stride_w": sw, "filter_h": kh, "filter_w": kw,
-                "padding": padding, "activation": "NONE"}
-        self._emit(node, FloatOp(kind, nm, [x], node.output[0], opts), (n, oh, ow, c))
-
-    def _op_MaxPool(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        if len(node.output) > 1 and self.uses.get(node.output[1]):
-            raise UnsupportedOpError(node_name(node), "MaxPool", "its indices output is used")
-        self._pool(node, "MAX_POOL_2D")
-
-    def _op_AveragePool(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        self._pool(node, "AVERAGE_POOL_2D")
 
     def _op_GlobalMaxPool(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm = node_name(node)
@@ -423,26 +460,6 @@ class _Converter:
                                  np.broadcast_to(bias, (weight.shape[0],)).astype(np.float32)),
                    (shape[0], weight.shape[0]))
 
-    def _op_Gemm(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        a = _attrs(node)
-        if a.get("transA", 0):
-            raise UnsupportedOpError(node_name(node), "Gemm", "transA=1")
-        x = self._act(node.input[0], f"node {node_name(node)!r}")
-        w = self._const(node, 1).astype(np.float64) * a.get("alpha", 1.0)
-        w = w if a.get("transB", 0) else w.T
-        c = self._const(node, 2)
-        if w.ndim != 2 or (c is not None and c.size not in (1, w.shape[0])):
-            raise UnsupportedOpError(node_name(node), "Gemm", f"weight {w.shape} / bias {getattr(c, 'shape', None)}")
-        bias = np.zeros(w.shape[0]) if c is None else np.asarray(c, np.float64).reshape(-1) * a.get("beta", 1.0)
-        self._fc(node, x, w, bias)
-
-    def _op_MatMul(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        x = self._act(node.input[0], f"node {node_name(node)!r}")
-        w = self._const(node, 1)
-        if w.ndim != 2:
-            raise UnsupportedOpError(node_name(node), "MatMul", f"weight shape {w.shape}")
-        self._fc(node, x, w.T, np.zeros(w.shape[1]))
-
     def _op_Add(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm = node_name(node)
         const = [i for i in node.input if i in self.consts]
@@ -463,37 +480,6 @@ class _Converter:
             raise UnsupportedOpError(nm, "Add", f"constant of shape {value.shape} is not a per-channel bias")
         op.bias = (op.bias + value.reshape(-1)).astype(np.float32)
         self._rename(op, node.output[0])
-
-    def _flatten_to(self, node: onnx.NodeProto, x: str) -> None:
-        shape = self.shapes[x]
-        if len(shape) == 2:
-            self.alias[node.output[0]] = x
-            return
-        n, h, w, c = shape
-        self._emit(node, FloatOp("RESHAPE", node_name(node), [x], node.output[0],
-                                 {"new_shape": (-1, h * w * c)}), (n, h * w * c))
-        if h * w > 1:
-            self.flat_nchw[node.output[0]] = (h, w, c)
-
-    def _op_Flatten(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        if _attrs(node).get("axis", 1) != 1:
-            raise UnsupportedOpError(node_name(node), "Flatten", "only axis=1")
-        self._flatten_to(node, self._act(node.input[0], f"node {node_name(node)!r}"))
-
-    def _op_Reshape(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        nm = node_name(node)
-        x = self._act(node.input[0], f"node {nm!r}")
-        src = to_nchw_shape(self.shapes[x])
-        target = [src[i] if v == 0 and i < len(src) else int(v) for i, v in enumerate(self._const(node, 1))]
-        if -1 in target:
-            known = int(np.prod([v for v in target if v != -1]))
-            target[target.index(-1)] = int(np.prod(src)) // max(known, 1)
-        if tuple(target) == src:
-            self.alias[node.output[0]] = x
-        elif len(target) == 2 and target[0] == src[0] and int(np.prod(src)) == target[0] * target[1]:
-            self._flatten_to(node, x)
-        else:
-            raise UnsupportedOpError(nm, "Reshape", f"{src} -> {tuple(target)} (only flattening)")
 
     def _op_Concat(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm = node_name(node)

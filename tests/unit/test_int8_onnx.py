@@ -243,8 +243,9 @@ def test_unsupported_op_names_the_node_and_op() -> None:
 @pytest.mark.parametrize(("nodes", "inits", "node", "op"), [
     ([helper.make_node("Clip", ["c", "lo", "hi"], ["y"], name="clip4")],
      {"lo": np.array(0, np.float32), "hi": np.array(4, np.float32)}, "clip4", "Clip"),
-    ([helper.make_node("Conv", ["c", "g"], ["y"], name="grouped", group=2)],
-     {"g": _w(4, 2, 1, 1)}, "grouped", "Conv"),
+    # groups that do not divide the channels (group=2 on 4 channels is a grouped CONV_2D now)
+    ([helper.make_node("Conv", ["c", "g"], ["y"], name="grouped", group=3)],
+     {"g": _w(3, 1, 1, 1)}, "grouped", "Conv"),
     ([helper.make_node("Flatten", ["c"], ["y"], name="flat_out")], {}, "flat_out", "Flatten"),
     ([helper.make_node("Relu", ["x"], ["y"], name="relu_on_input")], {}, "relu_on_input", "Relu"),
     # the conv output is also used raw (through an Identity alias): Relu cannot be fused

@@ -5,8 +5,9 @@ CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, same-shape ADD and the global-avera
 MEAN replaced by the C kernels of the variant dispatched for this CPU (AVX2, NEON+SDOT, ...):
 ADD and MEAN are cheap ops, but in int64 numpy MobileNet's residual ADDs and final MEAN
 cost as much as a quarter of all its convolutions. Weights are packed once at prepare time;
-everything else (pools, PAD, broadcasting ADD, ...) stays numpy. Results are bit-identical
-to the reference, so selection checks them in int8 units like tflite.
+everything else (pools, PAD, PADV2, GATHER, grouped CONV_2D, broadcasting ADD, ...) stays
+numpy (the reference kernels). Results are bit-identical to the reference, so selection
+checks them in int8 units like tflite.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def fuse_pads(graph: QGraph) -> QGraph:
         pads = np.asarray(graph.tensor(op.inputs[1]).data).reshape(-1, 2)
         src, dst = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
         if (conv.kind not in ("CONV_2D", "DEPTHWISE_CONV_2D") or conv.inputs[0] != op.outputs[0]
+                or _grouped(graph, conv)  # runs on the reference, which knows no native_pad
                 or conv.options.get("padding") != "VALID" or "native_pad" in conv.options
                 or pads.shape != (4, 2) or pads[0].any() or pads[3].any() or (pads < 0).any()
                 or ops.zp_of(src) != ops.zp_of(dst)):
@@ -100,6 +102,11 @@ def fuse_pads(graph: QGraph) -> QGraph:
     return QGraph(dict(graph.tensors), new_ops, list(graph.inputs), list(graph.outputs), graph.name)
 
 
+def _grouped(graph: QGraph, op: QOp) -> bool:
+    """A grouped CONV_2D (ResNeXt, ShuffleNet v1): runs on the numpy reference."""
+    return op.kind == "CONV_2D" and graph.tensor(op.inputs[0]).shape[3] != graph.tensor(op.inputs[1]).shape[3]
+
+
 class NativeOps:
     """The native kernels of one QGraph's CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED ops,
     as `reference.run_graph` kernel overrides (`kernel(graph, op, args) -> ndarray`)."""
@@ -110,7 +117,7 @@ class NativeOps:
         self._add: dict[int, native.AddParams | None] = {}
         self._mean: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         for op in graph.ops:
-            if op.kind in NATIVE_OPS:
+            if op.kind in NATIVE_OPS and not _grouped(graph, op):
                 self._prepared[id(op)] = self._prepare(graph, op)
 
     def _prepare(self, graph: QGraph, op: QOp) -> _Prepared:
@@ -138,6 +145,8 @@ class NativeOps:
         return prepared
 
     def _conv(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
+        if _grouped(graph, op):  # the C kernels take one group: the documented reference fallback
+            return ops.KERNELS[op.kind](graph, op, args)
         p, x = self._get(graph, op), np.ascontiguousarray(args[0])
         plan = p.plans.get(x.shape)
         if plan is None:  # first call at this batch size: validate and bind once
