@@ -105,7 +105,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                "state_dir": str(DEFAULT_STATE_DIR), "tags": []},
     "broker": {"port": 1883, "tls": False, "keepalive_s": 60, "max_message_bytes": 128 * 1024,
                "topic_prefix": DEFAULT_TOPIC_PREFIX, "reconnect_min_s": 1.0, "reconnect_max_s": 300.0},
-    "policy": {"accept_finetune": True, "min_battery_pct": 40.0, "max_jobs_per_day": 24},
+    "policy": {"accept_finetune": True, "min_battery_pct": 40.0, "max_jobs_per_day": 48},
     "data": {"cache_mb": 256},
     "service": {"state_interval_s": 60.0, "progress_interval_s": 30.0, "outbox_max_mb": 64,
                 "upload_ack_timeout_s": 120.0,
@@ -359,7 +359,7 @@ public_key = {_toml_str(coordinator_public_key)}
 [policy]
 accept_finetune = true
 min_battery_pct = 40    # refuse a fine-tune below this battery level (unless charging)
-max_jobs_per_day = 24
+max_jobs_per_day = 48  # jobs accepted in any 24 h (cancelled ones do not count); 2x an hourly schedule
 
 [data]
 # The local training data: an image folder per label, a .csv or an .npz. Folder names

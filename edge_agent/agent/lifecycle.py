@@ -38,11 +38,14 @@ from .jobs import Job, JobState, JobStore
 from .models import ModelStore
 from .policy import (
     DAY_S,
+    Allowance,
     BadParams,
     Conditions,
     DeviceLimits,
     Verdict,
     check_finetune,
+    counted_jobs,
+    daily_allowance,
     effective_budget,
     parse_finetune,
 )
@@ -103,6 +106,7 @@ class JobDriver:
         self.stopping = False
         self.engine: str | None = None
         self.changed = True  # something worth a state message happened
+        self._counted: dict[str, float] | None = None  # jobs counted against the daily limit (policy)
 
     # ---- queries ----
     def active(self) -> list[Job]:
@@ -129,6 +133,14 @@ class JobDriver:
     def protected_models(self) -> set[tuple[str, str]]:
         return {tuple(j.model.split("@", 1)) for j in self.active()}  # type: ignore[misc]
 
+    def allowance(self) -> Allowance:
+        """Today's job allowance for the state message (store read once, then kept here)."""
+        now = self._clock()
+        if self._counted is None:
+            self._counted = counted_jobs(self.store.entries(), now)
+        self._counted = {k: t for k, t in self._counted.items() if t >= now - DAY_S}
+        return daily_allowance(self.s.limits, self._counted.values(), now)
+
     def conditions(self) -> Conditions:
         r = self._readings(fresh=True)  # a decision on a command: read the sensors now
         return Conditions(battery_pct=r.battery_pct, charging=r.charging, temp_c=r.temp_c)
@@ -144,12 +156,14 @@ class JobDriver:
         with contextlib.suppress(FileNotFoundError, InputError):
             existing = self.store.load(req.local_id)
             return Verdict(True, "duplicate", f"job {req.local_id} is already {existing.state.value}"), existing
-        jobs = self.store.all()
+        jobs = self.store.entries()  # the store's index: no record is read per command
         active = [j.job_id for j in jobs if not j.state.terminal]
-        recent = sum(1 for j in jobs if j.created >= now - DAY_S)
-        verdict = check_finetune(req, self.s.limits, self.conditions(), active=active, accepted_last_day=recent, now=now)
+        self._counted = counted_jobs(jobs, now)  # cancelled jobs do not count (policy.counts_against_limit)
+        verdict = check_finetune(req, self.s.limits, self.conditions(), active=active,
+                                 accepted_last_day=len(self._counted), now=now)
         if not verdict.accept:
             return verdict, None
+        self._counted[req.local_id] = now
         params = {**req.to_params(), **effective_budget(req, self.s.limits), "cmd_id": cmd_id}
         job = Job(job_id=req.local_id, round=req.round, model=f"{req.model}@{req.version}", params=params,
                   created=now)
@@ -175,7 +189,7 @@ class JobDriver:
             child.signal_stop()  # it checkpoints, exits with "cancelled", then step() finishes
             return
         if job.state is S.UPLOADING:
-            self.outbox.drop(self.key(job), "cancelled by the coordinator")
+            self.outbox.drop(self.key(job), "cancelled by the coordinator", expected=True)
         self._advance(job, S.CANCELLED, "cancelled by the coordinator")
 
     # ---- lifecycle ----
@@ -384,6 +398,8 @@ class JobDriver:
     # ---- reporting ----
     def _advance(self, job: Job, new: JobState, reason: str, *, restart: bool = True) -> None:
         self.store.advance(job, new, reason, restart=restart)
+        if new is S.CANCELLED and self._counted is not None:
+            self._counted.pop(job.job_id, None)  # gives its daily allowance back
         self._track(job)
         self.changed = True
         log.info("job %s: %s (%s)", job.job_id, job.state.value, job.reason)
@@ -393,6 +409,10 @@ class JobDriver:
                 child.stop(timeout=30.0)  # (a failure while it ran: never leave it training alone)
             shutil.rmtree(self.job_dir(job), ignore_errors=True)  # checkpoints: the record keeps the outcome
         self._announce(job, job.state.value)
+        if job.state.terminal:  # nothing more happens to it: its per-job memory goes (a flat RSS)
+            for per_job in (self._next_spawn, self._last_progress, self._retry_at):
+                per_job.pop(job.job_id, None)
+            self._fetching.discard(job.job_id)
 
     def _announce(self, job: Job, phase: str) -> None:
         metrics: dict[str, Any] = {}

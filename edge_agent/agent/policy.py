@@ -7,7 +7,8 @@ malformed at the envelope level; this is the device's own say, by its owner's po
     finetune_disabled   [policy] accept_finetune = false
     no_data             no local data set ([data] dir) to train on
     busy                another job is active (one job at a time)
-    daily_limit         [policy] max_jobs_per_day reached (jobs accepted in the last 24 h)
+    daily_limit         [policy] max_jobs_per_day reached (jobs accepted in the last 24 h,
+                        not counting cancelled ones: `counted_jobs`)
     battery_low         battery below [policy] min_battery_pct and not charging
     too_hot             the hottest thermal zone is at or above the thermal limit
     budget_exceeded     the command asks for more energy than the device's [budget] energy_wh
@@ -19,17 +20,26 @@ malformed at the envelope level; this is the device's own say, by its owner's po
 Every refusal is a `Verdict` with one of these codes (an id: it goes into a signed
 `refusal` body) and a sentence for humans. Unknown command parameters are ignored, not
 refused: the coordinator passes its job parameters (aggregator, ...) through unchanged.
+
+`Allowance` is what the device tells the coordinator in every state message (the protocol's
+`allowance` field): jobs left today, when the next one frees up, and a standing refusal
+(finetune disabled, no data, daily limit) -- so round selection skips a device that would
+refuse instead of selecting it round after round.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DAY_S = 86400.0
+# Two jobs an hour: an hourly schedule plus re-dispatches and short jobs fit, with headroom
+# (24 -- exactly one an hour -- left a device at its limit for most of every day).
+DEFAULT_MAX_JOBS_PER_DAY = 48
 MAX_UPDATE_BYTES = 64 << 20
 REASONS = ("bad_params", "finetune_disabled", "no_data", "busy", "daily_limit", "battery_low", "too_hot",
            "budget_exceeded", "power_cap_exceeded", "deadline_passed", "unknown_job", "internal_error")
@@ -66,7 +76,7 @@ class DeviceLimits:
 
     accept_finetune: bool = True
     min_battery_pct: float = 40.0
-    max_jobs_per_day: int = 24
+    max_jobs_per_day: int = DEFAULT_MAX_JOBS_PER_DAY
     energy_wh: float | None = None
     power_cap_w: float | None = None
     deadline_s: float | None = None
@@ -78,7 +88,7 @@ class DeviceLimits:
         g = config.get
         return cls(accept_finetune=g("policy", "accept_finetune", True),
                    min_battery_pct=float(g("policy", "min_battery_pct", 40.0)),
-                   max_jobs_per_day=int(g("policy", "max_jobs_per_day", 24)),
+                   max_jobs_per_day=int(g("policy", "max_jobs_per_day", DEFAULT_MAX_JOBS_PER_DAY)),
                    energy_wh=g("budget", "energy_wh"), power_cap_w=g("budget", "power_cap_w"),
                    deadline_s=g("budget", "deadline_s"), thermal_limit_c=g("thermal", "limit_c"),
                    data_dir=g("data", "dir"))
@@ -130,7 +140,7 @@ def _number(params: dict[str, Any], name: str, kind: type, lo: float, hi: float)
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
         raise BadParams(f"params.{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if not (math.isfinite(value) and lo <= value <= hi):
+    if not (lo <= value <= hi and math.isfinite(value)):  # compare first: a huge int would overflow isfinite
         raise BadParams(f"params.{name} = {value!r} is outside {lo:g}..{hi:g}")
     return kind(value)
 
@@ -172,8 +182,8 @@ def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Condi
     if active:
         return Verdict.refuse("busy", f"already running job {active[0]}; one job at a time")
     if accepted_last_day >= limits.max_jobs_per_day:
-        return Verdict.refuse("daily_limit", f"{accepted_last_day} job(s) accepted in the last 24 h; "
-                                             f"the limit is {limits.max_jobs_per_day}")
+        return Verdict.refuse("daily_limit", f"{accepted_last_day} job(s) accepted in the last 24 h (cancelled ones "
+                                             f"not counted); the limit is {limits.max_jobs_per_day}")
     b = conditions.battery_pct
     if b is not None and not conditions.charging and b < limits.min_battery_pct:
         return Verdict.refuse("battery_low", f"battery {b:.0f} % is below {limits.min_battery_pct:.0f} % "
@@ -197,3 +207,64 @@ def effective_budget(req: FinetuneRequest, limits: DeviceLimits) -> dict[str, fl
     limits, which check_finetune enforced), else the device's own."""
     return {"budget_wh": req.budget_wh if req.budget_wh is not None else limits.energy_wh,
             "power_cap_w": req.power_cap_w if req.power_cap_w is not None else limits.power_cap_w}
+
+
+# ---------------------------------------------------------------- the daily allowance
+def counts_against_limit(job: Any) -> bool:
+    """Whether an accepted job uses up the daily allowance. A job the coordinator cancelled
+    does not: the limit bounds how often the owner's device is put to work, and a cancel is
+    the coordinator's decision (a job cancelled or re-planned, a round closed early) -- counting
+    it let a coordinator that cancels lock a device out for the rest of the day, which is
+    what the year-long soak saw. The work a cancelled job did is bounded anyway by the
+    per-job checks every job still passes (energy budget, power cap, battery, temperature)
+    and by one job at a time."""
+    state = getattr(job, "state", None)
+    return getattr(state, "value", state) != "cancelled"
+
+
+def counted_jobs(jobs: Iterable[Any], now: float) -> dict[str, float]:
+    """job id -> created time of the jobs that count against today's limit (the last 24 h)."""
+    return {j.job_id: float(j.created) for j in jobs if j.created >= now - DAY_S and counts_against_limit(j)}
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """How many more jobs the device takes today, and why it would refuse one now."""
+
+    limit: int
+    used: int
+    resets_at: float | None = None  # when the oldest counted job leaves the 24-h window
+    refuse: str = ""  # a standing refusal (one of REASONS) or ""
+    detail: str = ""
+
+    @property
+    def jobs_left(self) -> int:
+        return max(0, self.limit - self.used)
+
+    def to_body(self) -> dict[str, Any]:
+        """The state message's `allowance` field (protocol.schema checks it)."""
+        body: dict[str, Any] = {"jobs_left": min(self.jobs_left, 100_000), "limit": min(self.limit, 100_000)}
+        if self.resets_at is not None:
+            body["resets_at"] = int(math.ceil(self.resets_at))
+        if self.refuse:
+            body["refuse"], body["detail"] = self.refuse, self.detail[:200]
+        return body
+
+
+def daily_allowance(limits: DeviceLimits, counted: Iterable[float], now: float) -> Allowance:
+    """The allowance from the created times of the counted jobs (`counted_jobs`)."""
+    times = sorted(t for t in counted if t >= now - DAY_S)
+    resets_at = times[0] + DAY_S if times else None
+    if not limits.accept_finetune:
+        return Allowance(limits.max_jobs_per_day, len(times), resets_at, "finetune_disabled",
+                         "accept_finetune = false")
+    if not limits.data_dir or not Path(limits.data_dir).exists():
+        return Allowance(limits.max_jobs_per_day, len(times), resets_at, "no_data",
+                         f"no local training data ({limits.data_dir or '[data] dir is not set'})")
+    if len(times) >= limits.max_jobs_per_day:
+        # the next job is taken once enough of the oldest ones leave the window
+        frees = times[len(times) - limits.max_jobs_per_day] + DAY_S if limits.max_jobs_per_day else None
+        when = time.strftime("%H:%M UTC", time.gmtime(frees)) if frees is not None else "never (limit 0)"
+        return Allowance(limits.max_jobs_per_day, len(times), frees, "daily_limit",
+                         f"daily limit {len(times)}/{limits.max_jobs_per_day}, resets {when}")
+    return Allowance(limits.max_jobs_per_day, len(times), resets_at)

@@ -101,11 +101,13 @@ class DeviceState:
             "engine": engine, "models": ",".join(f"{n}@{v}" for n, v in sorted(models.items())) or None,
             "job": job, "job_state": job_state, "outbox": outbox})
 
-    def state_body(self, facts: Mapping[str, Any]) -> dict[str, Any]:
+    def state_body(self, facts: Mapping[str, Any], allowance: Mapping[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"status": facts["status"], "agent": AGENT, "detail": render_detail(facts)}
         if facts.get("job"):
             body["job"] = facts["job"]
         body["info"] = dict(facts)
+        if allowance is not None:  # policy.Allowance.to_body: round selection skips a device that would refuse
+            body["allowance"] = dict(allowance)
         return body
 
 

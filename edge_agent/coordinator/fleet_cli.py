@@ -31,6 +31,7 @@ from .fleet_views import (
     jobs_table,
     model_rows,
     progress_line,
+    refusal_lines,
     table,
 )
 
@@ -164,6 +165,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
             print("no devices yet: start an agent (`edge-agent run`) pointed at this coordinator's broker")
             return EXIT_OK
         print(table(device_rows(devices, policy, time.time())))
+        refusing = refusal_lines(devices, time.time())
+        if refusing:
+            print("\nnot taking jobs now:\n" + "\n".join(refusing))
         pending = [d.id for d in devices if not d.approved]
         if pending:
             print(f"\n{len(pending)} waiting for approval: edge-coordinator approve {' '.join(pending[:3])}"
@@ -401,6 +405,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"coordinator: {'serving ' + str(info.get('broker')) if serving(info) else 'not running'}"
               + (f", fleet {info.get('fleet')}" if info else ""))
         print(table(jobs_table(reg, jobs)) if jobs else "no jobs yet: edge-coordinator train --model NAME ...")
+        refusing = refusal_lines(reg.list_devices(), time.time())
+        if refusing:
+            print("devices not taking jobs now (skipped by round selection):\n" + "\n".join(refusing))
     return EXIT_OK
 
 

@@ -13,6 +13,7 @@ from ..keys import enrolment_code_of
 from .records import Device, Job, ModelVersion, ParticipantStatus, RoundRecord, UpdateStatus
 from .registry import Registry
 from .rounds import RoundPolicy
+from .selection import refusal
 
 
 def table(rows: Sequence[Sequence[Any]]) -> str:
@@ -56,12 +57,33 @@ def enrolment_code(dev: Device) -> str:
 
 
 def device_rows(devices: Sequence[Device], policy: RoundPolicy, now: float) -> list[list[str]]:
-    rows = [["ID", "CODE", "NAME", "APPROVED", "ONLINE", "BATTERY", "BOARD", "ENGINE", "STATE", "LAST SEEN"]]
+    rows = [["ID", "CODE", "NAME", "APPROVED", "ONLINE", "BATTERY", "BOARD", "ENGINE", "STATE", "JOBS LEFT",
+             "LAST SEEN"]]
     for d in devices:
         rows.append([d.id, enrolment_code(d), _short(str(d.state.get("name") or "-"), 16), "yes" if d.approved else "PENDING",
                      "yes" if d.is_online(now, policy.online_within_s) else "no", _battery(d),
-                     _short(d.board or d.profile or "?", 30), d.engine or "-", _activity(d), ago(d.last_seen, now)])
+                     _short(d.board or d.profile or "?", 30), d.engine or "-", _activity(d), _jobs_left(d, now),
+                     ago(d.last_seen, now)])
     return rows
+
+
+def _jobs_left(dev: Device, now: float) -> str:
+    """Today's job allowance the device reported ("-": an agent that does not say)."""
+    left, limit = dev.state.get("jobs_left"), dev.state.get("jobs_limit")
+    if not isinstance(left, int) or not isinstance(limit, int):
+        return "-"
+    return f"{left}/{limit}" + (" (refuses)" if refusal(dev.state, now) else "")
+
+
+def refusal_lines(devices: Sequence[Device], now: float) -> list[str]:
+    """One line per approved device whose last state says it would refuse a job, and why
+    (round selection skips it: selection.refusal)."""
+    out = []
+    for d in devices:
+        why = refusal(d.state, now) if d.approved else ""
+        if why:
+            out.append(f"  {d.id} ({_short(str(d.state.get('name') or '-'), 16)}): {why} -- not selected for rounds")
+    return out
 
 
 def devices_json(devices: Sequence[Device], policy: RoundPolicy, now: float) -> list[dict[str, Any]]:

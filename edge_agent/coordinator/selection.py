@@ -7,6 +7,12 @@ dense layer, or `--param trainer=mxnet`) skips devices whose hello said `mxnet: 
 32-bit Raspberry Pi OS has no MXNet wheel; an agent too old to say is not excluded. `sample_devices` picks a deterministic subset when a job asks
 for fewer devices per round than are eligible (seeded by job and round, so a restarted
 coordinator picks the same ones).
+
+A device that says in its state it would refuse (`allowance_state`: its daily job limit is
+used up until a given time, fine-tuning disabled, no data) is skipped with its own words,
+e.g. "refuses jobs: daily limit 48/48, resets 03:00 UTC"; once that time has passed it is
+eligible again even before its next state message. Agents that do not send an allowance
+are selected as before.
 """
 
 from __future__ import annotations
@@ -41,6 +47,29 @@ def capabilities_from_hello(info: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, str) and value.isprintable():
             out[key] = value[:64]
     return out
+
+
+ALLOWANCE_KEYS = ("jobs_left", "jobs_limit", "jobs_reset_at", "refuse", "refuse_detail")
+
+
+def allowance_state(allowance: Any) -> dict[str, Any]:
+    """A state message's `allowance` (schema-checked) as flat registry state keys; every key
+    is present (None when not sent), so an older agent's state clears a stale allowance."""
+    a = allowance if isinstance(allowance, Mapping) else {}
+    detail = a.get("detail")
+    return {"jobs_left": a.get("jobs_left"), "jobs_limit": a.get("limit"), "jobs_reset_at": a.get("resets_at"),
+            "refuse": a.get("refuse") or None,
+            "refuse_detail": detail if isinstance(detail, str) and detail.isprintable() else None}
+
+
+def refusal(state: Mapping[str, Any], now: float) -> str:
+    """Why a device would refuse a job now by its last state ("" when it would not)."""
+    reason, reset = state.get("refuse"), state.get("jobs_reset_at")
+    if not reason:
+        return ""
+    if reason == "daily_limit" and isinstance(reset, int | float) and now >= reset:
+        return ""  # its oldest counted job has left the 24-h window since it said so
+    return f"refuses jobs: {state.get('refuse_detail') or reason}"
 
 
 def head_needs_mxnet(head: Mapping[str, Any]) -> bool:
@@ -90,6 +119,9 @@ def _ineligible(dev: Device, now: float, online_within_s: float, min_battery_pct
         return f"offline ({seen})"
     if dev.id in busy or (dev.state.get("status") == "busy" and dev.state.get("job") != job_id):
         return "busy with another job"
+    why = refusal(dev.state, now)
+    if why:
+        return why
     if dev.on_power:
         return ""
     if dev.battery_pct is not None and dev.battery_pct < min_battery_pct:

@@ -64,7 +64,7 @@ from .pending import PendingDevices
 from .records import ModelVersion, check_flat
 from .registry import Registry
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
-from .selection import capabilities_from_hello
+from .selection import allowance_state, capabilities_from_hello
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,7 @@ class Coordinator:
                 del state["name"]
         if status != "busy":
             state["job"] = None
+        state.update(allowance_state(msg.body.get("allowance")))  # selection skips a device that would refuse
         dev = self.registry.record_state(device, online=status != "offline", state=state)
         engine = state.get("engine")
         if isinstance(engine, str) and engine and engine != dev.engine and engine.isprintable():
