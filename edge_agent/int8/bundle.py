@@ -186,8 +186,8 @@ def _ints(value: Any, where: str, *, length: int | None = None, limit: int = 1 <
 
 def _floats(value: Any, where: str, length: int, *, positive: bool = False) -> tuple[float, ...]:
     ok = isinstance(value, list) and len(value) == length and all(
-        isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v) and (v > 0 or not positive)
-        for v in value)
+        isinstance(v, int | float) and not isinstance(v, bool) and abs(v) < 1e300 and (v > 0 or not positive)
+        for v in value)  # abs(): NaN and Inf fail it, and an int too large for a float does not overflow
     if not ok:
         sign = "positive " if positive else ""
         raise ManifestError(f"{where}: must be a list of {length} finite {sign}numbers, got {value!r:.80}")
@@ -214,7 +214,7 @@ def _parse_manifest(obj: Any, where: str) -> Manifest:
         raise ManifestError(f"{where}: input.dtype must be 'float32', got {inp['dtype']!r:.40}")
     norm = _field(inp, "normalisation", dict, f"{where}: input")
     scale = _field(norm, "scale", (int, float), f"{where}: input.normalisation")
-    if not (np.isfinite(scale) and scale > 0):
+    if not (0 < scale < 1e300):  # NaN and Inf fail it; a huge int cannot overflow a float conversion
         raise ManifestError(f"{where}: input.normalisation.scale must be a positive number, got {scale!r}")
     spec = InputSpec(
         shape=shape,  # type: ignore[arg-type]
@@ -330,6 +330,18 @@ class Bundle:
         return block
 
 
+def parse_manifest(raw: bytes, where: str = MANIFEST) -> Manifest:
+    """A manifest.json's bytes -> Manifest (ManifestError for anything else: bad UTF-8, bad
+    JSON, too deep, wrong fields)."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: {len(raw)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({' '.join(str(exc).split())[:200]})") from None
+    return _parse_manifest(obj, where)
+
+
 def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     """Open a bundle directory, validate its manifest and verify every file's sha256."""
     root = Path(path)
@@ -339,12 +351,7 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
         raw = read_limited(root / MANIFEST, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise BundleError(f"{root}: no {MANIFEST}") from None
-    where = str(root / MANIFEST)
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
-    bundle = Bundle(root, _parse_manifest(obj, where), hashlib.sha256(raw).hexdigest())
+    bundle = Bundle(root, parse_manifest(raw, str(root / MANIFEST)), hashlib.sha256(raw).hexdigest())
     for fname in bundle.manifest.files:
         bundle.read(fname)
     bundle.calibration()  # shape and finiteness, not only the hash
