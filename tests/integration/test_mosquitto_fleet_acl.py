@@ -2,8 +2,9 @@
 real mosquitto, with certificates issued by packaging/mosquitto/make-certs.
 
 Only the paths and the listener's port are rewritten, and the test checks that nothing
-else changed, so it tests the shipped files rather than a copy that could drift. The
-broker is started by edge_agent.transport.broker.MosquittoBroker with this config.
+else changed, so it tests the shipped files rather than a copy that could drift; the ACL is
+the shipped template rendered for the test's fleet by `make-certs acl`. The broker is started
+by edge_agent.transport.broker.MosquittoBroker with this config.
 
 "Never arrives" is proved without sleeps: MQTT keeps one publisher's messages in order, and
 a broker routes a QoS 1 message before it acknowledges it, so once a sentinel published
@@ -13,6 +14,7 @@ after the forbidden messages has arrived, a forbidden message would have arrived
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -37,6 +39,8 @@ AWS_CHUNK = 128 * 1024  # the largest chunk the agent sends (AWS IoT Core's limi
 TIMEOUT = 60.0  # bounds a hang only: every wait is for an event
 # A device id is its Ed25519 key's fingerprint (edge_agent.keys), and its certificate's CN.
 A, B = (keys.fingerprint(keys.generate_private_key()) for _ in range(2))
+FLEET_NAME = f"f{uuid.uuid4().hex[:10]}"  # the fleet the ACL is rendered for
+OTHER_FLEET = f"edgeft/v1/o{uuid.uuid4().hex[:10]}"
 
 
 def fleet_config(text: str, *, port: int, cert_dir: Path, workdir: Path) -> str:
@@ -47,7 +51,7 @@ def fleet_config(text: str, *, port: int, cert_dir: Path, workdir: Path) -> str:
         "cafile /etc/mosquitto/edge-agent/ca.pem": f"cafile {cert_dir}/ca.pem",
         "certfile /etc/mosquitto/edge-agent/server.pem": f"certfile {cert_dir}/server.pem",
         "keyfile /etc/mosquitto/edge-agent/server.key": f"keyfile {cert_dir}/server.key",
-        "acl_file /etc/mosquitto/edge-agent/acl": f"acl_file {SHIPPED_ACL}",
+        "acl_file /etc/mosquitto/edge-agent/acl": f"acl_file {cert_dir}/acl",
     }
     lines = text.splitlines()
     for old in rewrites:
@@ -78,7 +82,7 @@ def make_certs(*args: str | Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("fleet-certs")
-    for args in (["init"], ["server", "127.0.0.1"], ["coordinator"], ["device", A, B]):
+    for args in (["init"], ["server", "127.0.0.1"], ["coordinator"], ["device", A, B], ["acl", "--fleet", FLEET_NAME]):
         proc = make_certs(*args, "--dir", d)
         assert proc.returncode == 0, proc.stderr
     return d
@@ -96,10 +100,10 @@ class Peer:
     """A paho 2.x client that records what it receives and how its connection went."""
 
     def __init__(self, broker: FleetBroker, name: str, *, cert_dir: Path | None, ca: Path | None = None,
-                 tls: bool = True) -> None:
+                 tls: bool = True, client_id: str | None = None, clean_session: bool = True) -> None:
         self.name, self.broker = name, broker
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{name}-{uuid.uuid4().hex[:8]}",
-                                  protocol=mqtt.MQTTv311)
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"{name}-{uuid.uuid4().hex[:8]}",
+                                  protocol=mqtt.MQTTv311, clean_session=clean_session)
         if tls:
             ca = ca or broker.cert_dir / "ca.pem"
             if cert_dir is None:
@@ -185,7 +189,7 @@ def peers(broker: FleetBroker, cert_dir: Path):
 
 @pytest.fixture
 def fleet() -> str:
-    return f"edgeft/v1/f{uuid.uuid4().hex[:10]}"  # a fleet of its own per test
+    return f"edgeft/v1/{FLEET_NAME}"  # the ACL pins every certificate to this one fleet
 
 
 def connected(make, name: str) -> Peer:  # noqa: ANN001
@@ -202,7 +206,12 @@ def test_the_broker_runs_the_shipped_config(broker: FleetBroker) -> None:
                                       "certfile /etc/mosquitto/edge-agent/server.pem",
                                       "keyfile /etc/mosquitto/edge-agent/server.key",
                                       "acl_file /etc/mosquitto/edge-agent/acl"])
-    assert f"acl_file {SHIPPED_ACL}" in generated
+    assert f"acl_file {broker.cert_dir}/acl" in generated
+    # The rendered ACL is the shipped template with only the fleet filled in.
+    template, rendered = SHIPPED_ACL.read_text(), (broker.cert_dir / "acl").read_text()
+    assert "edgeft/v1/@FLEET@" in template and "@FLEET@" not in rendered
+    assert rendered == template.replace("edgeft/v1/@FLEET@", f"edgeft/v1/{FLEET_NAME}")
+    assert "+/devices" not in rendered and "v1/#" not in rendered  # no wildcard for the fleet
 
 
 def test_coordinator_reaches_every_device_and_devices_their_own_topics(peers, fleet: str) -> None:  # noqa: ANN001
@@ -299,3 +308,55 @@ def test_make_certs_refuses_names_the_acl_cannot_confine(cert_dir: Path) -> None
     assert proc.returncode == 78 and "--force" in proc.stderr
     helptext = make_certs("--help").stdout
     assert "examples" in helptext and "make-certs device --dir fleet-certs" in helptext
+
+
+def test_a_device_cannot_take_the_coordinators_or_another_devices_client_id(peers, broker: FleetBroker,  # noqa: ANN001
+                                                                             fleet: str) -> None:
+    coord = connected(peers, "coordinator")
+    assert coord.subscribe(f"{fleet}/devices/+/+") == [1]
+    b = connected(peers, B)
+    # Device A asks for the coordinator's id (and a persistent session), then for B's id with
+    # a last will that would announce B "offline".
+    as_coord = peers(A, client_id="coordinator", clean_session=False)
+    assert as_coord.start()
+    as_b = peers(A, client_id=B)
+    as_b.client.will_set(f"{fleet}/devices/{B}/state", b"forged offline will of b", qos=1, retain=True)
+    assert as_b.start()
+    assert as_coord.disconnected.wait(TIMEOUT)  # both are A: the second A replaced the first
+    as_b.client.socket().shutdown(socket.SHUT_RDWR)  # an unclean end: the broker sends the will (if allowed)
+    assert as_b.disconnected.wait(TIMEOUT)
+    b.publish(f"{fleet}/devices/{B}/state", b"sentinel")
+    seen = coord.wait_for(f"{fleet}/devices/{B}/state", b"sentinel")
+    assert (f"{fleet}/devices/{B}/state", b"forged offline will of b") not in seen, seen
+    assert not coord.disconnected.is_set() and not b.disconnected.is_set()
+    log = broker.log_tail(200_000)
+    assert f"Client {A} already connected, closing old connection." in log  # the takeover that happened
+    assert "Client coordinator already connected" not in log and f"Client {B} already connected" not in log
+    assert f"as {A} (" in log and "as coordinator (" in log
+
+
+def test_a_device_cannot_reach_another_fleets_topics(peers, broker: FleetBroker, fleet: str) -> None:  # noqa: ANN001
+    coord, a = (connected(peers, n) for n in ("coordinator", A))
+    assert coord.subscribe(f"{fleet}/devices/+/+") == [1]
+    assert a.subscribe(f"{fleet}/devices/{A}/cmd", f"{OTHER_FLEET}/devices/{A}/cmd", f"{OTHER_FLEET}/models/#") == [1] * 3
+    for kind in ("hello", "state", "progress", "update"):
+        a.publish(f"{OTHER_FLEET}/devices/{A}/{kind}", b"cross-fleet")  # acknowledged, then dropped
+    coord.publish(f"{OTHER_FLEET}/devices/{A}/cmd", b"cross-fleet command")  # the coordinator is pinned too
+    coord.publish(f"{OTHER_FLEET}/models/digits/1/manifest", b"cross-fleet model")
+    coord.publish(f"{fleet}/devices/{A}/cmd", b"sentinel")
+    assert a.wait_for(f"{fleet}/devices/{A}/cmd", b"sentinel") == [(f"{fleet}/devices/{A}/cmd", b"sentinel")]
+    a.publish(f"{fleet}/devices/{A}/state", b"sentinel")
+    seen = coord.wait_for(f"{fleet}/devices/{A}/state", b"sentinel")
+    assert not [t for t, _ in seen if t.startswith(OTHER_FLEET)], seen
+    log = broker.log_tail(200_000)
+    denied = [line for line in log.splitlines() if "Denied PUBLISH from " in line]
+    for who, topic in [(A, f"{OTHER_FLEET}/devices/{A}/{k}") for k in ("hello", "state", "progress", "update")] + \
+            [("coordinator", f"{OTHER_FLEET}/devices/{A}/cmd"), ("coordinator", f"{OTHER_FLEET}/models/digits/1/manifest")]:
+        assert any(f"Denied PUBLISH from {who} (" in line and f"'{topic}'" in line for line in denied), (who, topic)
+
+
+def test_make_certs_acl_refuses_a_fleet_that_is_no_topic_level(tmp_path: Path) -> None:
+    for bad in ("+", "a/b", "#", ""):
+        proc = make_certs("acl", "--fleet", bad, "--dir", tmp_path)
+        assert proc.returncode == 65, (bad, proc.stderr)
+    assert not (tmp_path / "acl").exists()
