@@ -69,8 +69,13 @@ def run_op(kind: str, xs: list[np.ndarray], o: dict[str, Any], w: np.ndarray | N
         y += b
     elif kind == "FULLY_CONNECTED":
         y = x.reshape(len(x), -1) @ w.T + b
-    elif kind == "ADD":
-        y = xs[0] + xs[1]
+    elif kind in ("ADD", "MUL"):  # w: a constant second operand (broadcast NHWC), if any
+        rhs = xs[1] if w is None else w
+        y = x + rhs if kind == "ADD" else x * rhs
+    elif kind == "HARD_SWISH":
+        y = x * np.clip(x + 3.0, 0.0, 6.0) / 6.0
+    elif kind == "LOGISTIC":
+        y = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
     elif kind in ("MAX_POOL_2D", "AVERAGE_POOL_2D"):
         k, s = (o["filter_h"], o["filter_w"]), (o["stride_h"], o["stride_w"])
         if kind == "MAX_POOL_2D":
@@ -94,4 +99,6 @@ def run_op(kind: str, xs: list[np.ndarray], o: dict[str, Any], w: np.ndarray | N
         y = np.take(x, o["indices"], axis=o["axis"])
     else:
         raise ValueError(f"float executor has no op {kind!r}")
-    return _activation(y.astype(np.float32, copy=False), o.get("activation", "NONE"))
+    y = _activation(y.astype(np.float32, copy=False), o.get("activation", "NONE"))
+    # clip_max: an upper clamp the int8 graph gets from its output range (HardSigmoid's 1)
+    return np.minimum(y, np.float32(o["clip_max"])) if "clip_max" in o else y

@@ -9,7 +9,9 @@ the same graph:
 - Identity and Dropout removed; a constant Add after a conv or MatMul folded into its bias;
 - explicit conv pads that TFLite's SAME/VALID cannot express become a PAD op.
 The structural ops of real models (explicit-pad pools, standalone BatchNorm, Gemm/MatMul,
-Identity, Reshape/Flatten/Transpose, channel shuffle, Split) are onnx_struct.py's mixin.
+Identity, Reshape/Flatten/Transpose, channel shuffle, Split) are onnx_struct.py's mixin;
+the elementwise ones (HardSwish and its decompositions, HardSigmoid, Sigmoid, Mul/Div,
+broadcasting Add) are onnx_elementwise.py's.
 
 The float graph itself and `run_float`, which executes it in numpy, live in float_graph.py.
 Untrusted ONNX gets the size limit first, then the
@@ -29,6 +31,7 @@ from ..errors import InputError
 from .float_graph import FloatGraph, FloatOp
 from .float_ops import out_size, same_pads
 from .graph import UnsupportedOpError
+from .onnx_elementwise import ElementwiseOps, fuse_hard_swish
 from .onnx_struct import StructOps
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -194,7 +197,7 @@ def import_onnx(
     return _Converter(model, name).convert(split)
 
 
-class _Converter(StructOps):
+class _Converter(StructOps, ElementwiseOps):
     def __init__(self, model: onnx.ModelProto, name: str) -> None:
         from onnx import numpy_helper
 
@@ -261,6 +264,7 @@ class _Converter(StructOps):
 
     def convert(self, split: str | None) -> FloatGraph:
         nodes, target = self._select(split)
+        nodes = fuse_hard_swish(nodes, self.consts, self.uses)
         for node in nodes:
             if node.op_type == "Constant":
                 self._constant(node)
@@ -465,21 +469,11 @@ class _Converter(StructOps):
         const = [i for i in node.input if i in self.consts]
         if not const:
             a, b = (self._act(i, f"node {nm!r}") for i in node.input)
-            if self.shapes[a] != self.shapes[b]:
-                raise UnsupportedOpError(nm, "Add", f"broadcasting {self.shapes[a]} + {self.shapes[b]}")
-            self._emit(node, FloatOp("ADD", nm, [a, b], node.output[0], {"activation": "NONE"}),
-                       self.shapes[a])
-            return
-        if len(const) == 2:
-            raise UnsupportedOpError(nm, "Add", "both inputs are constants")
-        act_in, const_in = (node.input[1], node.input[0]) if node.input[0] in self.consts else node.input
-        op = self._fusable(act_in, node, ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"))
-        value = self.consts[const_in]
-        channels = op.bias.shape[0]
-        if op.options["activation"] != "NONE" or value.size not in (1, channels):
-            raise UnsupportedOpError(nm, "Add", f"constant of shape {value.shape} is not a per-channel bias")
-        op.bias = (op.bias + value.reshape(-1)).astype(np.float32)
-        self._rename(op, node.output[0])
+            if self.shapes[a] == self.shapes[b]:
+                self._emit(node, FloatOp("ADD", nm, [a, b], node.output[0], {"activation": "NONE"}),
+                           self.shapes[a])
+                return
+        self._add_general(node)  # broadcasting, or a constant: bias fold or ADD (onnx_elementwise)
 
     def _op_Concat(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm = node_name(node)

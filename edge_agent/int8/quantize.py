@@ -11,6 +11,9 @@ TFLite's constraints, applied after observation:
   and CONCATENATION inputs share the output's: tied tensors form one group whose range is
   the union of the members' ranges (a union-find over tensor names);
 - ADD inputs and output each keep their own scale (the kernel rescales).
+- LOGISTIC's output is fixed at [0, 255/256] (scale 1/256, zero point -128), a lowered
+  HardSigmoid's at exactly [0, 1], HARD_SWISH's is kept wide enough for TFLite
+  (`_elementwise_range`); ADD / MUL constant operands are int8 per tensor.
 """
 
 from __future__ import annotations
@@ -195,7 +198,8 @@ def constrain_ranges(graph: FloatGraph, ranges: dict[str, tuple[float, float]]) 
         act = op.options.get("activation", "NONE")
         if act in ("RELU", "RELU6"):
             lo, hi = 0.0, (min(hi, 6.0) if act == "RELU6" else hi)
-        out[op.output] = (lo, hi)
+        out[op.output] = _elementwise_range(op, (lo, hi), out)
+    pinned = {op.output: out[op.output] for op in graph.ops if op.kind == "LOGISTIC" or "clip_max" in op.options}
     parent = {k: k for k in out}
 
     def find(k: str) -> str:
@@ -212,7 +216,24 @@ def constrain_ranges(graph: FloatGraph, ranges: dict[str, tuple[float, float]]) 
     for k, (lo, hi) in out.items():
         g = groups.get(find(k), (lo, hi))
         groups[find(k)] = (min(g[0], lo), max(g[1], hi))
+    for k, r in pinned.items():  # a fixed range wins over its group's (see _elementwise_range)
+        groups[find(k)] = r
     return {k: groups[find(k)] for k in out}
+
+
+def _elementwise_range(op: Any, r: tuple[float, float], out: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """LOGISTIC: TFLite's fixed output quantisation (scale 1/256, zero point -128, i.e. the
+    range [0, 255/256]); an op with `clip_max` (HardSigmoid lowered to RELU): exactly
+    [0, clip_max], so the int8 saturation at 127 is the upper clamp; HARD_SWISH: widened so
+    its output scale is at least 1/64 of the input's (TFLite refuses below 1/128)."""
+    if op.kind == "LOGISTIC":
+        return 0.0, 255.0 / 256.0
+    if "clip_max" in op.options:
+        return 0.0, float(op.options["clip_max"])
+    if op.kind == "HARD_SWISH":
+        lo_in, hi_in = out[op.inputs[0]]
+        return r[0], max(r[1], r[0] + (hi_in - lo_in) / 64.0)
+    return r
 
 
 # ------------------------------------------------------------------ building the QGraph
@@ -246,7 +267,7 @@ def quantize_graph(
     ops: list[QOp] = []
     for op in g.ops:
         inputs = list(op.inputs)
-        options = {k: v for k, v in op.options.items() if k not in ("axes", "paddings", "indices")}
+        options = {k: v for k, v in op.options.items() if k not in ("axes", "paddings", "indices", "clip_max")}
         if op.kind in _WEIGHT_AXIS:
             axis = _WEIGHT_AXIS[op.kind]
             w_name, b_name = f"{op.name}/weight", f"{op.name}/bias"
@@ -273,6 +294,8 @@ def quantize_graph(
             inputs.append(f"{op.name}/paddings")
         elif op.kind in ("PADV2", "GATHER"):
             inputs += _struct_constants(op, tensors)
+        elif op.kind in ("ADD", "MUL") and op.weight is not None:
+            inputs.append(_constant_operand(op, tensors))
         ops.append(QOp(op.kind, inputs, [op.output], options, op.name))
     qgraph = QGraph(tensors, ops, [g.input], [g.output], g.name)
     return add_float_io(qgraph) if float_io else qgraph
@@ -291,6 +314,17 @@ def _struct_constants(op: Any, tensors: dict[str, QTensor]) -> list[str]:
     tensors[f"{op.name}/fill"] = QTensor(f"{op.name}/fill", (1,), "int8", x.scale.copy(), x.zero_point.copy(),
                                          data=np.array([-128], np.int8))
     return [f"{op.name}/paddings", f"{op.name}/fill"]
+
+
+def _constant_operand(op: Any, tensors: dict[str, QTensor]) -> str:
+    """ADD / MUL's constant operand (FloatOp.weight, NHWC-broadcastable): int8, per tensor
+    (TFLite's int8 ADD and MUL take one scale per input), asymmetric over its own range."""
+    c = np.asarray(op.weight, np.float32)
+    scale, zp = asymmetric_params(float(c.min()), float(c.max()))
+    name = f"{op.name}/constant"
+    tensors[name] = QTensor(name, c.shape, "int8", np.array([scale], np.float32), np.array([zp], np.int64),
+                            data=quantize(c, scale, zp))
+    return name
 
 
 def add_float_io(qgraph: QGraph) -> QGraph:
