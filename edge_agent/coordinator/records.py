@@ -213,12 +213,23 @@ class Device:
     state: dict[str, Any]  # last reported state, merged: battery_pct, on_power, energy_wh, status...
     last_seen: float | None
     online: bool
+    strikes: int = 0  # updates screened out recently (robust.py); an accepted one takes one off
+    quarantined_at: float | None = None  # excluded from selection until released
+    quarantine_reason: str = ""
 
     @classmethod
     def from_row(cls, row: Any) -> Device:
+        keys = row.keys()
         return cls(row["id"], row["fleet"], row["public_key"], row["enrolled_at"], bool(row["approved"]),
                    tuple(json.loads(row["tags"])), row["board"], row["profile"], row["engine"],
-                   json.loads(row["state"]), row["last_seen"], bool(row["online"]))
+                   json.loads(row["state"]), row["last_seen"], bool(row["online"]),
+                   row["strikes"] if "strikes" in keys else 0,
+                   row["quarantined_at"] if "quarantined_at" in keys else None,
+                   row["quarantine_reason"] if "quarantine_reason" in keys else "")
+
+    @property
+    def quarantined(self) -> bool:
+        return self.quarantined_at is not None
 
     def _num(self, key: str) -> float | None:
         v = self.state.get(key)
@@ -343,9 +354,12 @@ class UpdateRecord:
     received_at: float
     status: UpdateStatus
     reason: str
-    delta_path: str | None  # relative to the state dir
+    delta_path: str | None  # relative to the state dir: the payload as received (.eaup; legacy: .npz)
     energy_wh: float | None
     metrics: dict[str, Any]
+    norm: float | None = None  # L2 norm of the decoded delta (None: a legacy row)
+    weight: float | None = None  # num_samples after the device / job caps at arrival
+    kept: int | None = None  # non-zero entries of the decoded delta
 
     def validate(self) -> None:
         check_id(self.job_id, "job id", limit=MAX_JOB_ID)
@@ -363,7 +377,8 @@ class UpdateRecord:
     def from_row(cls, row: Any) -> UpdateRecord:
         return cls(row["job_id"], row["device_id"], row["round"], row["num_samples"], row["wire_bytes"],
                    row["fp32_bytes"], row["sha256"], row["received_at"], UpdateStatus(row["status"]), row["reason"],
-                   row["delta_path"], row["energy_wh"], json.loads(row["metrics"]))
+                   row["delta_path"], row["energy_wh"], json.loads(row["metrics"]),
+                   *((row["norm"], row["weight"], row["kept"]) if "norm" in row.keys() else ()))  # noqa: SIM118
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,9 @@ engine is the thin class around them. Time comes from the injectable `clock`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import math
 import secrets
 import threading
@@ -46,17 +48,9 @@ import numpy as np
 
 from ..atomic import CorruptFileError
 from ..errors import EdgeAgentError, InputError
-from ..updates.codec import decode_tensors
 from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, UpdateError
 from ..updates.wire import unpack_update
-from .aggregate import (
-    apply_delta,
-    check_tensor_table,
-    fedavg,
-    non_finite,
-    screen_updates,
-    trimmed_mean,
-)
+from .aggregate import apply_delta, check_tensor_table
 from .records import (
     MAX_SAMPLES,
     IllegalTransition,
@@ -67,34 +61,58 @@ from .records import (
     ParticipantStatus,
     RoundRecord,
     RoundState,
+    UpdateRecord,
     UpdateStatus,
     check_id,
     check_text,
+    load_arrays,
 )
 from .registry import Registry
+from .robust import AGGREGATORS, arrival_weight, screen_norms
 from .selection import job_needs, sample_devices, select_devices
+from .streaming import (
+    Layout,
+    RunningSum,
+    Sparse,
+    aggregate_updates,
+    decode_sparse,
+    direction_check,
+    sparse_from_dense,
+)
 
 if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
     from .metrics import CoordinatorMetrics
 
-AGGREGATORS = ("fedavg", "trimmed_mean")
 _LIVE = (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED)
+log = logging.getLogger(__name__)
+__all__ = ["AGGREGATORS", "Receipt", "RoundEngine", "RoundOutcome", "RoundPlan", "RoundPolicy", "TickResult"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoundPolicy:
     """Fleet-wide defaults; a job's params may override aggregator, trim_fraction, norm_k,
-    min_battery_pct and devices_per_round."""
+    min_battery_pct, devices_per_round, max_samples, clip_mult and krum_fraction. The
+    robust-aggregation knobs are explained in robust.py."""
 
     online_within_s: float = 300.0  # "online" = online flag and heard from within this
     min_battery_pct: float = 30.0  # unless on external power
     allow_unknown_power: bool = True  # devices reporting no battery at all (mains-powered)
-    aggregator: str = "fedavg"
+    aggregator: str = "fedavg_clipped"
     trim_fraction: float = 0.2
     norm_k: float = 3.5
     norm_min_updates: int = 3
     max_wait_s: float | None = None  # wait for enough eligible devices; None: the job's deadline
     max_update_bytes: int = 64 << 20
+    clip_mult: float = 2.0  # clip each delta to this x the round's reference norm
+    samples_mult: float = 2.0  # weights capped at this x the round's lower-median weight
+    samples_growth: float = 2.0  # ... and at this x the device's largest recent accepted count
+    history_k: float = 10.0  # norm > this x the job's past accepted median: rejected
+    small_ratio: float = 3.0  # two updates, no history: norms must agree within this ratio
+    min_cosine: float = 0.0  # direction check against the round's coordinate-wise median
+    direction_max_n: int = 20  # ... in rounds of at most this many updates
+    krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
+    max_abs_delta: float = 1e6  # any |value| above this: refused at arrival
+    quarantine_after: int = 3  # strikes (screened-out updates, net of accepted ones)
 
     def __post_init__(self) -> None:
         check_options(self.aggregator, self.trim_fraction, self.norm_k, self.min_battery_pct)
@@ -102,6 +120,14 @@ class RoundPolicy:
             raise ValueError(f"online_within_s must be > 0, got {self.online_within_s}")
         if self.norm_min_updates < 1 or not 0 < self.max_update_bytes <= 1 << 30:
             raise ValueError("norm_min_updates must be >= 1 and max_update_bytes in (0, 1 GiB]")
+        for name in ("clip_mult", "samples_mult", "samples_growth", "history_k", "small_ratio", "max_abs_delta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"{name} must be a finite number >= 1, got {value}")
+        if not -1 <= self.min_cosine <= 1 or self.direction_max_n < 0 or self.quarantine_after < 1 \
+                or not 0 <= self.krum_fraction < 0.5:
+            raise ValueError("need -1 <= min_cosine <= 1, direction_max_n >= 0, quarantine_after >= 1, "
+                             "0 <= krum_fraction < 0.5")
         if self.max_wait_s is not None and not (math.isfinite(self.max_wait_s) and self.max_wait_s >= 0):
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
 
@@ -178,6 +204,10 @@ class RoundEngine:
         self._heads: dict[tuple[str, str], dict[str, np.ndarray]] = {}
         self._head_needs: dict[tuple[str, str], frozenset[str]] = {}  # (model, version) -> job_needs
         self._label_digests: dict[str, str | None] = {}  # bundle path -> label_set_digest
+        self._layouts: dict[tuple[str, str], Layout] = {}
+        self._sums: dict[tuple[str, int], RunningSum] = {}  # open rounds' running sums (streaming.py)
+        self._unreadable: dict[tuple[str, int], dict[str, str]] = {}  # stored updates a rebuild could not read
+        self._history: dict[tuple[str, int], float | None] = {}  # (job, round) -> past accepted median norm
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
@@ -193,6 +223,7 @@ class RoundEngine:
             raise InputError(f"devices_per_round must be a positive integer, got {p['devices_per_round']!r}")
         if "budget_wh" in p and (not isinstance(p["budget_wh"], int | float) or not 0 < p["budget_wh"] < 1e6):
             raise InputError(f"budget_wh must be a positive number of Wh, got {p['budget_wh']!r}")
+        self._robust_params(p)
         return self.registry.create_job(job_id=job_id or f"job-{secrets.token_hex(6)}", model_name=model_name,
                                         model_version=model_version, selector=selector, rounds=rounds,
                                         min_devices=min_devices, deadline_s=deadline_s, params=p, now=self.clock())
@@ -203,6 +234,18 @@ class RoundEngine:
                 params.get("norm_k", pol.norm_k), params.get("min_battery_pct", pol.min_battery_pct))
         check_options(*opts)
         return opts
+
+    def _robust_params(self, params: Mapping[str, Any]) -> tuple[int | None, float, float]:
+        """(max_samples, clip_mult, krum_fraction) of a job: its params over the policy."""
+        cap = params.get("max_samples")
+        clip = params.get("clip_mult", self.policy.clip_mult)
+        krum = params.get("krum_fraction", self.policy.krum_fraction)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_SAMPLES):
+            raise InputError(f"max_samples must be an integer in 1..{MAX_SAMPLES}, got {cap!r}")
+        for name, value, lo, hi in (("clip_mult", clip, 1.0, 1e6), ("krum_fraction", krum, 0.0, 0.49)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+                raise InputError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+        return cap, float(clip), float(krum)
 
     def cancel_job(self, job_id: str, reason: str = "cancelled by operator") -> list[RoundPlan]:
         """Cancel a job and its active round; returns whom to send a `cancel` command."""
@@ -225,6 +268,7 @@ class RoundEngine:
             self.registry.finish_round(job_id, rnd.number, state=RoundState.CANCELLED, reason=reason,
                                        verdicts={u.device_id: (UpdateStatus.REJECTED, "job_cancelled") for u in pending},
                                        now=self.clock())
+            self._forget(job_id, rnd.number)
             self._count_round(RoundState.CANCELLED)
             plans.append(self._plan(job, rnd, tuple(live)))
         return plans
@@ -294,7 +338,9 @@ class RoundEngine:
         base = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), job.model_version)
         _, _, _, min_battery = self._options(job.params)
         busy = frozenset(d for r in self.registry.active_rounds() for d in r.with_status(*_LIVE))
-        sel = select_devices(self.registry.list_devices(), job.selector, now=now,
+        devices = self.registry.list_devices()
+        quarantined = [d.id for d in devices if d.quarantined]
+        sel = select_devices([d for d in devices if not d.quarantined], job.selector, now=now,
                              online_within_s=self.policy.online_within_s, min_battery_pct=min_battery,
                              budget_wh=job.budget_wh, allow_unknown_power=self.policy.allow_unknown_power, busy=busy,
                              job_id=job.id, needs=self._needs(job, base))
@@ -306,6 +352,8 @@ class RoundEngine:
         why = f"{len(chosen)} eligible device(s), need {job.min_devices}"
         if sel.ineligible:
             why += "; " + ", ".join(f"{d}: {r}" for d, r in list(sel.ineligible.items())[:20])
+        if quarantined:
+            why += f"; {len(quarantined)} quarantined: " + ", ".join(quarantined[:10])
         since = job.waiting_since if job.waiting_since is not None else now
         max_wait = self.policy.max_wait_s if self.policy.max_wait_s is not None else job.deadline_s
         if now - since < max_wait:
@@ -437,7 +485,7 @@ class RoundEngine:
         check_id(job_id, "job id")
         if self.registry.has_update(job_id, sender, number):
             return Receipt("duplicate")
-        job, rnd = self.registry.get_job(job_id), self.registry.get_round(job_id, number)
+        job, rnd = self.registry.get_job(job_id), self.registry.get_round_for(job_id, number, sender)
         part = rnd.participants.get(sender)
         if part is None:
             return Receipt("rejected", "not_selected", f"{sender} is not in job {job_id} round {number}")
@@ -450,7 +498,8 @@ class RoundEngine:
             return Receipt("rejected", "late", f"round {number} deadline passed {now - rnd.deadline_at:.0f} s ago")
         wire = len(payload) if wire_bytes is None else wire_bytes
         fp32 = 4 * sum(e.spec.numel for e in encoded)
-        deltas, code, detail = None, "", ""
+        sp: Sparse | None = None
+        code, detail = "", ""
         mv, head = self._head(job.model_name, rnd.base_version)
         expected_labels = self._labels_digest(mv) if labels_sha256 is not None else None
         samples_ok = not isinstance(num_samples, bool) and isinstance(num_samples, int) and 1 <= num_samples <= MAX_SAMPLES
@@ -467,23 +516,34 @@ class RoundEngine:
         else:
             try:
                 check_tensor_table({e.spec.name: e.spec.shape for e in encoded}, head)  # before decoding
-                deltas = decode_tensors(encoded)
-                why = non_finite(deltas)
-                if why:
-                    code, detail, deltas = "non_finite", why, None
+                sp = decode_sparse(encoded, self._layout(job.model_name, rnd.base_version))
+                if not math.isfinite(sp.norm):
+                    code, detail = "non_finite", f"the update's norm overflows float64 (max |value| {sp.max_abs:.3g})"
+                elif sp.max_abs > self.policy.max_abs_delta:
+                    code, detail = "out_of_bounds", (f"a value of magnitude {sp.max_abs:.3g} "
+                                                     f"(> {self.policy.max_abs_delta:g}) in the delta")
             except UpdateError as exc:
                 code = ("bad_table" if isinstance(exc, TensorTableMismatchError) else
                         "non_finite" if isinstance(exc, NonFiniteDeltaError) else "malformed")
                 detail = str(exc)[:512]
         status = UpdateStatus.REJECTED if code else UpdateStatus.PENDING
+        weight = None
+        if not code and sp is not None:
+            cap, _, _ = self._robust_params(job.params)
+            weight = arrival_weight(num_samples, self._device_cap(sender), cap)
         stored = self.registry.add_update(
             job_id=job_id, device_id=sender, round=number, num_samples=num_samples if samples_ok else 0, wire_bytes=wire, fp32_bytes=fp32,
-            sha256=hashlib.sha256(payload).hexdigest(), deltas=deltas, status=status, reason=code and f"{code}: {detail}",
-            energy_wh=energy_wh, metrics=metrics, now=now)
+            sha256=hashlib.sha256(payload).hexdigest(), payload=None if code else payload, status=status,
+            reason=code and f"{code}: {detail}", energy_wh=energy_wh, metrics=metrics, now=now,
+            norm=None if code or sp is None else sp.norm, weight=weight, kept=None if sp is None else sp.kept)
         if stored == "duplicate":
             return Receipt("duplicate")
         if stored != "inserted":
             return Receipt("rejected", stored, f"job {job_id} round {number}")
+        if code in ("non_finite", "out_of_bounds"):
+            self._strike({sender: f"{code}: {detail}"[:300]})
+        elif sp is not None and weight is not None:
+            self._fold(job, rnd.base_version, number, sender, sp, weight)
         if self.metrics is not None:
             self.metrics.observe_update(wire_bytes=wire, fp32_bytes=fp32, energy_wh=energy_wh,
                                         status=status.value if code else "accepted")
@@ -504,50 +564,191 @@ class RoundEngine:
             if self.registry.get_round(job_id, number).state is not RoundState.CLOSING:  # finished: idempotent
                 return self._outcome(job_id, number)
             aggregator, trim, norm_k, _ = self._options(job.params)
+            _, clip_mult, krum_fraction = self._robust_params(job.params)
             base_mv, base_head = self._head(job.model_name, rnd.base_version)
+            layout = self._layout(job.model_name, rnd.base_version)
+            acc = self._running(job_id, number, layout)
+            unreadable = self._unreadable.get((job_id, number), {})
             verdicts: dict[str, tuple[UpdateStatus, str]] = {}
-            candidates: list[tuple[str, dict[str, np.ndarray], int]] = []
+            strikes: dict[str, str | None] = {}
+            recs: dict[str, UpdateRecord] = {}
             for rec in self.registry.list_updates(job_id, number, UpdateStatus.PENDING):
-                try:
-                    delta = self.registry.load_delta(rec)
-                    check_tensor_table(delta, base_head)
-                    candidates.append((rec.device_id, delta, rec.num_samples))
-                except (CorruptFileError, InputError) as exc:
-                    verdicts[rec.device_id] = (UpdateStatus.REJECTED, f"unreadable: {str(exc)[:400]}")
-            screen = screen_updates([c[1] for c in candidates], k=norm_k, min_updates=self.policy.norm_min_updates)
+                if rec.device_id in unreadable or rec.norm is None:
+                    try:  # a legacy row (no norm), or one the rebuild could not read: try once more
+                        sp = self._sparse(rec, layout)
+                        if not math.isfinite(sp.norm) or sp.max_abs > self.policy.max_abs_delta:
+                            raise InputError(f"non-finite or out-of-bounds values (max |value| {sp.max_abs:.3g})")
+                        rec = dataclasses.replace(rec, norm=sp.norm, weight=float(rec.num_samples))
+                    except (CorruptFileError, InputError) as exc:
+                        verdicts[rec.device_id] = (UpdateStatus.REJECTED, f"unreadable: {str(exc)[:400]}")
+                        continue
+                recs[rec.device_id] = rec
+            devices = list(recs)
+            screen = screen_norms([recs[d].norm for d in devices], history=self._past_norm(job_id, number),
+                                  k=norm_k, min_updates=max(2, self.policy.norm_min_updates),
+                                  history_k=self.policy.history_k, small_ratio=self.policy.small_ratio)
             for i, why in screen.rejected:
-                verdicts[candidates[i][0]] = (UpdateStatus.REJECTED, why[:512])
-            good = [candidates[i] for i in screen.accepted]
-            new_version, reason = None, ""
+                verdicts[devices[i]] = (UpdateStatus.REJECTED, why[:512])
+                strikes[devices[i]] = why
+            undecidable = screen.undecidable
+            good = [devices[i] for i in screen.accepted]
+            cache: dict[str, Sparse] = {}
+
+            def load(device: str) -> Sparse:
+                if device not in cache:
+                    if len(cache) > 64:
+                        cache.clear()
+                    cache[device] = self._sparse(recs[device], layout)
+                return cache[device]
+
+            if not undecidable and 2 <= len(good) <= self.policy.direction_max_n:
+                good, undecidable = self._direction(good, recs, load, layout, verdicts, strikes)
+            if undecidable:
+                for d in good or [devices[i] for i in screen.accepted]:
+                    verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])
+                good = []
+            new_version, reason, info = None, "", {}
             if len(good) < job.min_devices:
                 reason = (f"{len(good)} accepted update(s), need {job.min_devices}; "
                           f"{len(rnd.dropouts)} dropout(s), {len(verdicts)} rejected at screening")
+                if undecidable:
+                    reason += f"; {undecidable}"
             else:
-                pairs = [(d, n) for _, d, n in good]
-                agg = fedavg(pairs) if aggregator == "fedavg" else trimmed_mean(pairs, trim)
+                vec, info = self._aggregate(aggregator, good, recs, load, acc, layout, center=screen.center,
+                                            clip_mult=clip_mult, trim=trim, krum_fraction=krum_fraction)
+                for d in info.pop("excluded", ()):
+                    verdicts[d] = (UpdateStatus.REJECTED, "krum_excluded: not among the Multi-Krum selection")
+                good = [d for d in good if d not in verdicts]
                 try:
-                    new_head = apply_delta(base_head, agg)
+                    new_head = apply_delta(base_head, layout.unflatten(vec))
                 except InputError as exc:
                     reason = f"aggregate unusable: {exc}"[:1024]
                 else:
                     version = f"{job_id}-r{number}"
                     rel, sha = self.registry.write_head(job.model_name, version, new_head)
-                    norms = [screen.norms[i] for i in screen.accepted]
                     new_version = ModelVersion(
                         name=job.model_name, version=version, parent=rnd.base_version, created_at=now,
                         bundle_path=base_mv.bundle_path, head_path=rel, head_sha256=sha, head_only=True,
-                        metrics={"updates": len(good), "samples": sum(n for _, _, n in good), "aggregator": aggregator,
-                                 "dropouts": len(rnd.dropouts), "rejected": len(verdicts),
-                                 "mean_update_norm": float(np.mean(norms))},
+                        metrics={"updates": len(good), "samples": sum(recs[d].num_samples for d in good),
+                                 "aggregator": aggregator, "dropouts": len(rnd.dropouts), "rejected": len(verdicts),
+                                 "mean_update_norm": float(np.mean([recs[d].norm for d in good])), **info},
                         job_id=job_id, round=number)
-            for device_id, _, _ in good:
+            for device_id in good:
                 verdicts[device_id] = (UpdateStatus.ACCEPTED, "")
+                strikes.setdefault(device_id, None)
             state = RoundState.AGGREGATED if new_version else RoundState.FAILED
             status, job_reason = self._job_end(job, number, aggregated=new_version is not None)
             self.registry.finish_round(job_id, number, state=state, reason=reason, verdicts=verdicts,
                                        new_version=new_version, job_status=status, job_reason=job_reason, now=now)
+            self._forget(job_id, number)
+            self._strike(strikes)
             self._count_round(state)
             return self._outcome(job_id, number)
+
+    # ---- streaming state and screening helpers (streaming.py, robust.py)
+    def _layout(self, name: str, version: str) -> Layout:
+        if (name, version) not in self._layouts:
+            if len(self._layouts) > 16:
+                self._layouts.clear()
+            self._layouts[(name, version)] = Layout(self._head(name, version)[1])
+        return self._layouts[(name, version)]
+
+    def _sparse(self, rec: UpdateRecord, layout: Layout) -> Sparse:
+        """A stored update, decoded (CorruptFileError / InputError if it cannot be)."""
+        data = self.registry.load_payload(rec)
+        try:
+            if rec.delta_path is not None and rec.delta_path.endswith(".npz"):  # a pre-streaming row
+                delta = load_arrays(data, where=rec.delta_path)
+                check_tensor_table(delta, layout.shapes)
+                return sparse_from_dense(delta, layout)
+            _, encoded = unpack_update(data, max_bytes=self.policy.max_update_bytes)
+            check_tensor_table({e.spec.name: e.spec.shape for e in encoded}, layout.shapes)
+            return decode_sparse(encoded, layout)
+        except UpdateError as exc:
+            raise CorruptFileError(f"{rec.delta_path}: stored update does not decode ({exc})") from None
+
+    def _past_norm(self, job_id: str, number: int) -> float | None:
+        """Median accepted norm of the job's previous rounds (None: no history yet)."""
+        key = (job_id, number)
+        if key not in self._history:
+            norms = self.registry.job_norm_history(job_id, number)
+            self._history[key] = float(np.median(norms)) if norms else None
+        return self._history[key]
+
+    def _foldable(self, job_id: str, number: int, norm: float) -> bool:
+        """Not folded: an update screening will reject on history alone (keeps the sum clean)."""
+        past = self._past_norm(job_id, number)
+        return past is None or norm <= self.policy.history_k * past
+
+    def _running(self, job_id: str, number: int, layout: Layout) -> RunningSum:
+        """The round's running sum; rebuilt from the stored payloads when this process has
+        none (after a restart): O(N) once, then O(1) per update."""
+        key = (job_id, number)
+        if key not in self._sums:
+            acc, bad = RunningSum(layout.size), {}
+            for rec in self.registry.list_updates(job_id, number, UpdateStatus.PENDING):
+                if rec.norm is None or not self._foldable(job_id, number, rec.norm):
+                    continue  # legacy rows and history outliers are handled at close
+                try:
+                    acc.fold(rec.device_id, self._sparse(rec, layout),
+                             rec.weight if rec.weight is not None else float(rec.num_samples))
+                except (CorruptFileError, InputError) as exc:
+                    bad[rec.device_id] = str(exc)
+            self._sums[key], self._unreadable[key] = acc, bad
+        return self._sums[key]
+
+    def _fold(self, job: Job, base_version: str, number: int, device: str, sp: Sparse, weight: float) -> None:
+        acc = self._running(job.id, number, self._layout(job.model_name, base_version))
+        if self._foldable(job.id, number, sp.norm):
+            acc.fold(device, sp, weight)
+
+    def _forget(self, job_id: str, number: int) -> None:
+        for cache in (self._sums, self._unreadable, self._history):
+            cache.pop((job_id, number), None)
+
+    def _device_cap(self, device_id: str) -> float | None:
+        """The most samples this device may claim: `samples_growth` x the largest count of
+        its recent accepted updates, or of the data size its state reports (None: unknown)."""
+        caps = []
+        past = self.registry.device_samples_history(device_id)
+        if past:
+            caps.append(self.policy.samples_growth * past)
+        size = self.registry.get_device(device_id).state.get("data_samples")
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            caps.append(self.policy.samples_growth * size)
+        return min(caps) if caps else None
+
+    def _strike(self, strikes: Mapping[str, str | None]) -> None:
+        """Count screened-out updates per device; quarantine the repeat offenders, loudly."""
+        if not strikes:
+            return
+        for dev in self.registry.apply_strikes(strikes, quarantine_after=self.policy.quarantine_after,
+                                               now=self.clock()):
+            log.warning("device %s quarantined: %s; it is not selected for rounds until "
+                        "`edge-coordinator devices --release %s`", dev.id, dev.quarantine_reason, dev.id)
+            if self.metrics is not None and hasattr(self.metrics, "device_quarantined"):
+                self.metrics.device_quarantined()
+
+    def _direction(self, good: list[str], recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
+                   layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]],
+                   strikes: dict[str, str | None]) -> tuple[list[str], str]:
+        kept, rejected, undecidable = direction_check(
+            good, load, {d: recs[d].norm for d in good}, layout.size,
+            sum(recs[d].kept or layout.size for d in good), self.policy.min_cosine)
+        for d, why in rejected.items():
+            verdicts[d] = (UpdateStatus.REJECTED, why[:512])
+            strikes[d] = why
+        return kept, undecidable
+
+    def _aggregate(self, aggregator: str, good: list[str], recs: Mapping[str, UpdateRecord],
+                   load: Callable[[str], Sparse], acc: RunningSum, layout: Layout, *, center: float,
+                   clip_mult: float, trim: float, krum_fraction: float) -> tuple[np.ndarray, dict[str, Any]]:
+        return aggregate_updates(
+            aggregator, good, weights={d: recs[d].weight if recs[d].weight is not None else float(recs[d].num_samples)
+                                       for d in recs},
+            norms={d: recs[d].norm for d in recs}, kept={d: recs[d].kept or layout.size for d in recs}, load=load,
+            acc=acc, size=layout.size, center=center, clip_mult=clip_mult, samples_mult=self.policy.samples_mult,
+            trim_fraction=trim, krum_fraction=krum_fraction)
 
     def _outcome(self, job_id: str, number: int) -> RoundOutcome:
         rnd, job = self.registry.get_round(job_id, number), self.registry.get_job(job_id)

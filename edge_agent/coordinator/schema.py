@@ -69,4 +69,17 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX participants_by_device ON participants (device_id)",
         "CREATE INDEX updates_by_received ON updates (received_at)",
     ),
+    (  # 3 -> 4: streaming, robust aggregation (issues 17, 18). An update row names its stored
+        # payload (delta_path: the .eaup wire bytes), its norm, its arrival weight (samples
+        # after the device / job caps) and its kept entries; devices carry their screening
+        # strikes and quarantine; the round's and the device's update reads are indexed.
+        "ALTER TABLE updates ADD COLUMN norm REAL",
+        "ALTER TABLE updates ADD COLUMN weight REAL",
+        "ALTER TABLE updates ADD COLUMN kept INTEGER",
+        "ALTER TABLE devices ADD COLUMN strikes INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE devices ADD COLUMN quarantined_at REAL",
+        "ALTER TABLE devices ADD COLUMN quarantine_reason TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX updates_by_round ON updates (job_id, round, status)",
+        "CREATE INDEX updates_by_device ON updates (device_id, status, round)",
+    ),
 ]

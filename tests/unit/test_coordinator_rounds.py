@@ -381,7 +381,8 @@ def test_gives_up_waiting_after_max_wait(h: Harness, fleet: dict) -> None:
     assert h.reg.get_job(job.id).status is JobStatus.FAILED
 
 
-@pytest.mark.parametrize("kwargs", [{"params": {"aggregator": "median"}}, {"params": {"trim_fraction": 0.7}},
+@pytest.mark.parametrize("kwargs", [{"params": {"aggregator": "mean"}}, {"params": {"trim_fraction": 0.7}},
+                                    {"params": {"max_samples": 0}}, {"params": {"clip_mult": 0.5}},
                                     {"budget_wh": -1.0}, {"params": {"devices_per_round": 0}},
                                     {"selector": "everyone"}, {"job_id": "bad id"}, {"model_version": "9"}])
 def test_bad_jobs_are_refused_at_start(h: Harness, kwargs: dict) -> None:

@@ -1,0 +1,266 @@
+"""Streaming aggregation (issue 18): O(1) work per received update, bounded memory at close.
+
+The coordinator keeps what arrived (the signed, compressed payload, ~40 kB for a 1M-parameter
+head at 2 %) and never a dense copy. Each update is decoded ONCE at arrival into a sparse
+vector over the head's flat coordinates (`decode_sparse`: positions + float32 values, the
+tensors concatenated in the base head's order), its norm is taken, and it is folded into
+the round's `RunningSum` (sum_i a_i d_i in float64, a_i its arrival weight). Closing a
+FedAvg round then costs O(P + outliers): the sum is corrected for the updates screening
+rejected, the round's weight cap and the clipping (`RunningSum.combine`), each correction
+one decode of one stored payload -- never a reload of every participant.
+
+The running sums are memory only. After a restart they are rebuilt from the stored
+payloads of the round's pending updates on first touch (rounds.py), which is exact: a sum
+of the same terms (in another order: float64, so the float32 result differs by at most
+rounding).
+
+Coordinate-wise rules (median, trimmed mean) and Multi-Krum's Gram matrix run by
+coordinate blocks (`block_window_mean`, `block_gram`): each block gathers the updates'
+entries that fall in it, so memory is O(entries per block), not O(N x P). Updates are
+re-decoded per block unless all of them fit in `cache_bytes` (8 bytes per kept entry),
+then decoded once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..updates.codec import EncodedTensor
+from ..updates.errors import UpdateFormatError
+from ..updates.indices import decode_indices
+from ..updates.quantize import dequantize
+from .robust import clip_scales, cosine, krum_select, round_weights, sparse_window_sum, window
+
+BLOCK_BYTES = 64 << 20  # working memory of one coordinate block
+CACHE_BYTES = 256 << 20  # decode every update once if all of them fit here
+
+
+class Layout:
+    """The head's tensors as one flat float vector: name -> (offset, shape)."""
+
+    def __init__(self, head: Mapping[str, np.ndarray]) -> None:
+        self.names = list(head)
+        self.shapes = {n: tuple(np.shape(head[n])) for n in self.names}
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for n in self.names:
+            self.offsets[n] = off
+            off += math.prod(self.shapes[n])
+        self.size = off
+
+    def unflatten(self, vec: np.ndarray, dtype: type = np.float32) -> dict[str, np.ndarray]:
+        return {n: vec[self.offsets[n]:self.offsets[n] + math.prod(self.shapes[n])].reshape(self.shapes[n])
+                .astype(dtype) for n in self.names}
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """One decoded update: sorted unique flat positions, their float32 values, its norm."""
+
+    idx: np.ndarray
+    vals: np.ndarray
+    norm: float  # float64 L2 norm (inf if it overflows)
+    max_abs: float
+
+    @property
+    def kept(self) -> int:
+        return int(self.idx.size)
+
+    def dot(self, other: Sparse) -> float:
+        common, ia, ib = np.intersect1d(self.idx, other.idx, assume_unique=True, return_indices=True)
+        return float(np.dot(self.vals[ia].astype(np.float64), other.vals[ib].astype(np.float64)))
+
+    def dot_dense(self, vec: np.ndarray) -> float:
+        return float(np.dot(self.vals.astype(np.float64), vec[self.idx]))
+
+
+def _stats(idx: np.ndarray, vals: np.ndarray) -> Sparse:
+    v64 = vals.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm = math.sqrt(float(np.dot(v64, v64))) if v64.size else 0.0
+    return Sparse(idx, vals, norm, float(np.abs(v64).max()) if v64.size else 0.0)
+
+
+def decode_sparse(encoded: Sequence[EncodedTensor], layout: Layout) -> Sparse:
+    """The sparse flat vector of a received update (its table already checked against the
+    head's). Raises UpdateFormatError for bad codes (NaN/Inf raw values included)."""
+    by_name = {e.spec.name: e for e in encoded}
+    parts_i, parts_v = [], []
+    for name in layout.names:
+        e = by_name[name]
+        n = e.spec.numel
+        if not 0 <= e.k <= n:
+            raise UpdateFormatError(f"tensor {name!r}: k={e.k} is outside 0..{n}")
+        idx = decode_indices(e.index_kind, e.index_bytes, e.k, n, where=f"tensor {name!r} indices")
+        vals = dequantize(e.value_bytes, e.k, e.bits, e.scale, where=f"tensor {name!r} values")
+        parts_i.append(idx + layout.offsets[name])
+        parts_v.append(vals)
+    idx = np.concatenate(parts_i) if parts_i else np.empty(0, np.int64)
+    vals = np.concatenate(parts_v) if parts_v else np.empty(0, np.float32)
+    return _stats(idx.astype(np.int64), vals.astype(np.float32))
+
+
+def sparse_from_dense(delta: Mapping[str, np.ndarray], layout: Layout) -> Sparse:
+    """A dense delta (a legacy stored .npz) as a Sparse over the layout."""
+    flat = np.concatenate([np.asarray(delta[n], np.float32).ravel() for n in layout.names]) if layout.names \
+        else np.empty(0, np.float32)
+    idx = np.flatnonzero(flat).astype(np.int64)
+    return _stats(idx, flat[idx])
+
+
+class RunningSum:
+    """sum_i a_i d_i over the updates folded so far (float64), and who is in it."""
+
+    def __init__(self, size: int) -> None:
+        self.vec = np.zeros(size, dtype=np.float64)
+        self.members: dict[str, float] = {}  # device -> the weight it was folded with
+
+    def fold(self, device: str, sp: Sparse, weight: float) -> None:
+        if device in self.members:
+            return
+        self.vec[sp.idx] += weight * sp.vals.astype(np.float64)
+        self.members[device] = float(weight)
+
+    def unfold(self, device: str, sp: Sparse) -> None:
+        weight = self.members.pop(device, None)
+        if weight is not None:
+            self.vec[sp.idx] -= weight * sp.vals.astype(np.float64)
+
+    def combine(self, coefs: Mapping[str, float], load: Callable[[str], Sparse], *,
+                norms: Mapping[str, float]) -> tuple[np.ndarray, int]:
+        """sum_i coefs[i] d_i over exactly the devices in `coefs` (every one folded or not):
+        the running sum plus one correction per device whose coefficient differs from its
+        folded weight (rejected ones have coefficient 0). Rebuilt from scratch instead when
+        the corrections would be many or large next to the result (float64 cancellation).
+        Returns (vector, number of payloads decoded)."""
+        fix = {d: c - self.members.get(d, 0.0) for d, c in coefs.items() if c != self.members.get(d, 0.0)}
+        fix.update({d: -w for d, w in self.members.items() if d not in coefs and w})
+        kept = sum(abs(c) * norms.get(d, 0.0) for d, c in coefs.items())
+        moved = sum(abs(c) * norms.get(d, 0.0) for d, c in fix.items())
+        rebuild = len(fix) > max(4, len(coefs) // 2) or not math.isfinite(moved) or moved > 1e4 * max(kept, 1e-300)
+        if rebuild:
+            out = np.zeros_like(self.vec)
+            for d, c in coefs.items():
+                if c:
+                    sp = load(d)
+                    out[sp.idx] += c * sp.vals.astype(np.float64)
+            return out, sum(1 for c in coefs.values() if c)
+        out = self.vec.copy()
+        for d, c in fix.items():
+            sp = load(d)
+            out[sp.idx] += c * sp.vals.astype(np.float64)
+        return out, len(fix)
+
+
+def _blocks(size: int, entries: int, n: int, block_bytes: int) -> list[tuple[int, int]]:
+    """Coordinate ranges whose entries (~48 bytes each while sorting) or dense n-row block
+    (8 n bytes per coordinate) fit in block_bytes."""
+    per_coord = max(entries / max(size, 1) * 48, 8.0 * n)
+    width = max(1, int(block_bytes // max(per_coord, 1.0)))
+    return [(a, min(size, a + width)) for a in range(0, size, width)] or [(0, 0)]
+
+
+def _source(loads: Sequence[Callable[[], Sparse]], kept: int, cache_bytes: int) -> Callable[[int], Sparse]:
+    if 8 * kept <= cache_bytes:
+        cache = [load() for load in loads]
+        return lambda i: cache[i]
+    return lambda i: loads[i]()
+
+
+def block_window_mean(loads: Sequence[Callable[[], Sparse]], kept: int, size: int, lo: int, hi: int, *,
+                      block_bytes: int = BLOCK_BYTES, cache_bytes: int = CACHE_BYTES) -> np.ndarray:
+    """Coordinate-wise mean of the sorted positions [lo, hi) over the updates `loads`
+    (median / trimmed mean), block by block. `kept` = total entries (for sizing)."""
+    n = len(loads)
+    get = _source(loads, kept, cache_bytes)
+    out = np.zeros(size, dtype=np.float64)
+    for a, b in _blocks(size, kept, 0, block_bytes):
+        cs, vs = [], []
+        for i in range(n):
+            sp = get(i)
+            s, e = np.searchsorted(sp.idx, (a, b))
+            cs.append(sp.idx[s:e] - a)
+            vs.append(sp.vals[s:e])
+        out[a:b] = sparse_window_sum(np.concatenate(cs), np.concatenate(vs), n, lo, hi, b - a) / (hi - lo)
+    return out
+
+
+def block_gram(loads: Sequence[Callable[[], Sparse]], kept: int, size: int, *,
+               block_bytes: int = BLOCK_BYTES, cache_bytes: int = CACHE_BYTES) -> np.ndarray:
+    """G_ij = <d_i, d_j> (float64) by dense coordinate blocks of n rows."""
+    n = len(loads)
+    get = _source(loads, kept, cache_bytes)
+    gram = np.zeros((n, n), dtype=np.float64)
+    for a, b in _blocks(size, kept, n, block_bytes):
+        x = np.zeros((n, b - a), dtype=np.float64)
+        for i in range(n):
+            sp = get(i)
+            s, e = np.searchsorted(sp.idx, (a, b))
+            x[i, sp.idx[s:e] - a] = sp.vals[s:e]
+        gram += x @ x.T
+    return gram
+
+
+# ---------------------------------------------------------------- closing a round
+Load = Callable[[str], Sparse]
+
+
+def direction_check(good: Sequence[str], load: Load, norms: Mapping[str, float], size: int, kept: int,
+                    min_cosine: float) -> tuple[list[str], dict[str, str], str]:
+    """Step 5 of robust.py's screening: (kept devices, device -> why rejected, undecidable)."""
+    if len(good) == 2:
+        a, b = good
+        c = cosine(load(a).dot(load(b)), norms[a], norms[b])
+        if c < min_cosine:
+            return [], {}, (f"undecidable: the 2 updates point apart (cosine {c:.3f} < {min_cosine:g}) and "
+                            "there is no majority to tell which is honest")
+        return list(good), {}, ""
+    lo, hi = window(len(good), "median", 0.0)
+    med = block_window_mean([lambda d=d: load(d) for d in good], kept, size, lo, hi)
+    med_norm = float(np.linalg.norm(med))
+    out, rejected = [], {}
+    for d in good:
+        c = cosine(load(d).dot_dense(med), norms[d], med_norm)
+        if c < min_cosine and med_norm > 0:
+            rejected[d] = (f"direction_outlier: cosine {c:.3f} with the round's coordinate-wise median "
+                           f"< {min_cosine:g}")
+        else:
+            out.append(d)
+    return out, rejected, ""
+
+
+def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[str, float],
+                      norms: Mapping[str, float], kept: Mapping[str, int], load: Load, acc: RunningSum, size: int,
+                      center: float, clip_mult: float, samples_mult: float, trim_fraction: float,
+                      krum_fraction: float) -> tuple[np.ndarray, dict[str, Any]]:
+    """The aggregate delta (flat float64) of the screened updates `good`, and what to record
+    of it (metrics; "excluded": devices Multi-Krum left out)."""
+    total_kept = sum(kept.get(d) or size for d in good)
+    if aggregator in ("fedavg", "fedavg_clipped"):
+        capped = round_weights([weights[d] for d in good], samples_mult)
+        bound = clip_mult * center
+        scales = clip_scales([norms[d] for d in good], bound) if aggregator == "fedavg_clipped" else [1.0] * len(good)
+        coefs = {d: w * s for d, w, s in zip(good, capped, scales, strict=True)}
+        vec, decoded = acc.combine(coefs, load, norms=norms)
+        info: dict[str, Any] = {"weights_capped": sum(c < weights[d] for d, c in zip(good, capped, strict=True)),
+                                "decoded_at_close": decoded}
+        if aggregator == "fedavg_clipped":
+            info |= {"clip_bound": float(bound), "clipped": sum(s < 1 for s in scales)}
+        return vec / sum(capped), info
+    loads = [lambda d=d: load(d) for d in good]
+    if aggregator in ("median", "trimmed_mean"):
+        lo, hi = window(len(good), aggregator, trim_fraction)
+        return block_window_mean(loads, total_kept, size, lo, hi), {"trimmed_each_end": lo}
+    if aggregator == "multi_krum":
+        chosen = [good[i] for i in krum_select(block_gram(loads, total_kept, size), krum_fraction)]
+        vec = np.zeros(size, dtype=np.float64)
+        for d in chosen:
+            sp = load(d)
+            vec[sp.idx] += sp.vals.astype(np.float64)
+        return vec / len(chosen), {"excluded": [d for d in good if d not in chosen]}
+    raise ValueError(f"unknown aggregator {aggregator!r}")
