@@ -51,6 +51,7 @@ from ..errors import EdgeAgentError, InputError
 from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, UpdateError
 from ..updates.wire import unpack_update
 from .aggregate import apply_delta, check_tensor_table
+from .plateau import check_learning_params, learn
 from .records import (
     MAX_SAMPLES,
     IllegalTransition,
@@ -70,6 +71,7 @@ from .records import (
 from .registry import Registry
 from .robust import AGGREGATORS, arrival_weight, screen_norms
 from .selection import job_needs, sample_devices, select_devices
+from .server_opt import LearningStore
 from .streaming import (
     Layout,
     RunningSum,
@@ -224,6 +226,7 @@ class RoundEngine:
         if "budget_wh" in p and (not isinstance(p["budget_wh"], int | float) or not 0 < p["budget_wh"] < 1e6):
             raise InputError(f"budget_wh must be a positive number of Wh, got {p['budget_wh']!r}")
         self._robust_params(p)
+        check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
         return self.registry.create_job(job_id=job_id or f"job-{secrets.token_hex(6)}", model_name=model_name,
                                         model_version=model_version, selector=selector, rounds=rounds,
                                         min_devices=min_devices, deadline_s=deadline_s, params=p, now=self.clock())
@@ -369,8 +372,11 @@ class RoundEngine:
                                           status or JobStatus.RUNNING))
         return None
 
-    def _job_end(self, job: Job, number: int, *, aggregated: bool) -> tuple[JobStatus | None, str]:
-        """The job's status once round `number` ends (None: more rounds to go)."""
+    def _job_end(self, job: Job, number: int, *, aggregated: bool, stop: str = "") -> tuple[JobStatus | None, str]:
+        """The job's status once round `number` ends (None: more rounds to go); `stop`: the
+        plateau rule ended it (plateau.py)."""
+        if stop and aggregated:
+            return JobStatus.DONE, stop
         if number < job.rounds:
             return None, ""
         if aggregated or any(r.state is RoundState.AGGREGATED for r in self.registry.list_rounds(job.id)):
@@ -607,7 +613,7 @@ class RoundEngine:
                 for d in good or [devices[i] for i in screen.accepted]:
                     verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])
                 good = []
-            new_version, reason, info = None, "", {}
+            new_version, reason, info, learned = None, "", {}, None
             if len(good) < job.min_devices:
                 reason = (f"{len(good)} accepted update(s), need {job.min_devices}; "
                           f"{len(rnd.dropouts)} dropout(s), {len(verdicts)} rejected at screening")
@@ -620,7 +626,13 @@ class RoundEngine:
                     verdicts[d] = (UpdateStatus.REJECTED, "krum_excluded: not among the Multi-Krum selection")
                 good = [d for d in good if d not in verdicts]
                 try:
-                    new_head = apply_delta(base_head, layout.unflatten(vec))
+                    # the server optimiser's step and the plateau rule (server_opt.py, plateau.py)
+                    learned = learn(LearningStore(self.registry.state_dir), job_id, job.params, number,
+                                    rnd.base_version, layout.unflatten(vec),
+                                    [(recs[d].metrics, recs[d].num_samples) for d in good])
+                    info = {**info, **learned.metrics}
+                    new_head = (self._head(job.model_name, learned.restore)[1] if learned.restore
+                                else apply_delta(base_head, learned.step))
                 except InputError as exc:
                     reason = f"aggregate unusable: {exc}"[:1024]
                 else:
@@ -637,7 +649,8 @@ class RoundEngine:
                 verdicts[device_id] = (UpdateStatus.ACCEPTED, "")
                 strikes.setdefault(device_id, None)
             state = RoundState.AGGREGATED if new_version else RoundState.FAILED
-            status, job_reason = self._job_end(job, number, aggregated=new_version is not None)
+            status, job_reason = self._job_end(job, number, aggregated=new_version is not None,
+                                               stop=learned.stop if learned is not None else "")
             self.registry.finish_round(job_id, number, state=state, reason=reason, verdicts=verdicts,
                                        new_version=new_version, job_status=status, job_reason=job_reason, now=now)
             self._forget(job_id, number)
