@@ -46,6 +46,7 @@ examples:
   edge-coordinator model create --mxnet exported/net --split features_gap_fwd \\
       --calib images/ --labels labels.txt --name birds --version 2 --parent-version 1 \\
       --scale 0.00392157 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225 --output birds-2
+  edge-coordinator model nodes resnet18.onnx     # where to --split
   edge-coordinator model inspect models/digits-1.tar.gz
 """
 
@@ -85,28 +86,40 @@ def _labels(value: str) -> list[str]:
     return labels
 
 
+def _mxnet_block(prefix: str, input_name: str) -> Any:
+    import warnings
+
+    import mxnet as mx
+
+    symbol, params = Path(f"{prefix}-symbol.json"), Path(f"{prefix}-0000.params")
+    for path in (symbol, params):
+        if not path.is_file():
+            raise InputError(f"--mxnet {prefix}: {path} not found (HybridBlock.export writes both files)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return mx.gluon.SymbolBlock.imports(str(symbol), [input_name], str(params))
+    except Exception as exc:  # MXNetError / JSON errors from a corrupt export
+        raise InputError(f"--mxnet {prefix}: cannot load the exported block: {str(exc).strip()[:300]}") from None
+
+
+def _mxnet_input_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """--input-shape, else the calibration arrays' (C, H, W)."""
+    from ..int8.bundle_create import calibration_shape
+
+    shape = args.input_shape or (calibration_shape(args.calib) if getattr(args, "calib", None) else None)
+    if shape is None:
+        raise InputError("--mxnet needs --input-shape C,H,W (or --calib with .npz/.npy arrays to take it from)")
+    return shape
+
+
 def _cmd_model_create(args: argparse.Namespace) -> int:
     from ..int8.bundle import pack_bundle
     from ..int8.bundle_create import create_bundle
 
     if args.mxnet:
-        import warnings
-
-        import mxnet as mx
-
-        prefix = args.mxnet
-        symbol, params = Path(f"{prefix}-symbol.json"), Path(f"{prefix}-0000.params")
-        for path in (symbol, params):
-            if not path.is_file():
-                raise InputError(f"--mxnet {prefix}: {path} not found (HybridBlock.export writes both files)")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                source: Any = mx.gluon.SymbolBlock.imports(str(symbol), [args.input_name], str(params))
-        except Exception as exc:  # MXNetError / JSON errors from a corrupt export
-            raise InputError(f"--mxnet {prefix}: cannot load the exported block: {str(exc).strip()[:300]}") from None
-        if args.input_shape is None:
-            raise InputError("--mxnet needs --input-shape C,H,W")
+        source: Any = _mxnet_block(args.mxnet, args.input_name)
+        args.input_shape = _mxnet_input_shape(args)
     else:
         source = Path(args.onnx)
     bundle = create_bundle(
@@ -120,6 +133,30 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
     if args.archive:
         archive = pack_bundle(bundle.path, args.archive)
         print(f"archive {archive} ({archive.stat().st_size} bytes)")
+    return EXIT_OK
+
+
+def _cmd_model_nodes(args: argparse.Namespace) -> int:
+    from ..int8.cut_points import candidate_cuts
+    from ..int8.onnx_import import load_onnx
+
+    if args.mxnet:
+        from ..int8.onnx_export import export_onnx
+
+        model = load_onnx(export_onnx(_mxnet_block(args.mxnet, args.input_name), (1, *_mxnet_input_shape(args))))
+    else:
+        model = load_onnx(args.file)
+    cuts = candidate_cuts(model)
+    if args.json:
+        print(json.dumps([c.to_json() for c in cuts], indent=2))
+        return EXIT_OK
+    if not cuts:
+        print("no single-tensor block boundary found (any node or tensor name can still be given to --split)")
+        return EXIT_OK
+    width = max(len(c.name) for c in cuts)
+    print(f"{'SPLIT':<{width}}  {'SHAPE':<16} KIND")
+    for c in cuts:
+        print(f"{c.name:<{width}}  {c.shape_text():<16} {c.kind}")
     return EXIT_OK
 
 
@@ -170,7 +207,8 @@ def add_model_commands(sub: Any) -> None:
     create.add_argument("--version", required=True, help="this bundle's version")
     create.add_argument("--parent-version", default=None, help="the version this one was derived from")
     create.add_argument("--input-shape", type=_shape, default=None, metavar="C,H,W",
-                        help="input shape (required for --mxnet; checked against the ONNX input otherwise)")
+                        help="input shape (for --mxnet, default: the --calib arrays' shape; "
+                             "checked against the ONNX input otherwise)")
     create.add_argument("--input-name", default="data", help="the MXNet symbol's input name (default: data)")
     create.add_argument("--scale", type=float, default=1.0, help="raw pixel multiplier before mean/std (e.g. 1/255)")
     create.add_argument("--mean", type=_floats, default=None, metavar="M[,M,M]", help="per-channel mean")
@@ -183,6 +221,23 @@ def add_model_commands(sub: Any) -> None:
     create.add_argument("--archive", metavar="FILE", default=None, help="also write the single-file .tar.gz")
     create.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
     create.set_defaults(func=_cmd_model_create)
+    nodes = msub.add_parser(
+        "nodes", help="list candidate split points (block boundaries) with their shapes",
+        description="List where a model can be split into frozen backbone and trainable head: block "
+                    "boundaries (after each residual add, concat / fire block, global pool, flatten, "
+                    "the classifier's input) that every path from input to output goes through, "
+                    "shallow to deep, with their output shapes (NCHW). Give one to `model create --split`.",
+        epilog="examples:\n  edge-coordinator model nodes resnet18.onnx\n"
+               "  edge-coordinator model nodes --mxnet exported/net --input-shape 3,224,224 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    nsrc = nodes.add_mutually_exclusive_group(required=True)
+    nsrc.add_argument("file", nargs="?", metavar="FILE", help="ONNX model file")
+    nsrc.add_argument("--mxnet", metavar="PREFIX", help="exported Gluon block: PREFIX-symbol.json + PREFIX-0000.params")
+    nodes.add_argument("--input-shape", type=_shape, default=None, metavar="C,H,W", help="input shape (for --mxnet)")
+    nodes.add_argument("--calib", metavar="PATH", default=None, help="calibration .npz/folder to take --input-shape from")
+    nodes.add_argument("--input-name", default="data", help="the MXNet symbol's input name (default: data)")
+    nodes.add_argument("--json", action="store_true", help="print the split points as JSON")
+    nodes.set_defaults(func=_cmd_model_nodes)
     inspect = msub.add_parser("inspect", help="verify a bundle (directory or archive) and print its manifest",
                               description="Verify every file's sha256 and print the manifest. Exit 65 if "
                                           "anything does not verify.")
@@ -200,8 +255,14 @@ def _add_fleet(sub: Any) -> None:
     add_fleet_commands(sub)
 
 
+def _add_prune(sub: Any) -> None:
+    from .retention import add_prune_command
+
+    add_prune_command(sub)
+
+
 # Subcommand groups, in help order.
-_GROUPS: list[Callable[[Any], None]] = [_add_fleet, add_model_commands]
+_GROUPS: list[Callable[[Any], None]] = [_add_fleet, add_model_commands, _add_prune]
 
 
 def build_parser() -> argparse.ArgumentParser:

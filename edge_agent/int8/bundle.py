@@ -319,6 +319,10 @@ class Bundle:
 
         sym = mx.sym.load_json(self.read(HEAD_SYMBOL).decode("utf-8"))
         params = mx.nd.load_frombuffer(self.read(HEAD_PARAMS))
+        if isinstance(params, list):  # what mx.nd.save({}) reads back as: a parameter-free head
+            if params:
+                raise BundleError(f"{self.path}: {HEAD_PARAMS} holds unnamed arrays")
+            params = {}
         with warnings.catch_warnings():  # "Cannot decide type": the input's dtype comes at run time
             warnings.simplefilter("ignore", UserWarning)
             block = mx.gluon.SymbolBlock(sym, mx.sym.var(self.manifest.split_tensor))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,42 @@ def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpe
     return np.concatenate(batches, axis=0)
 
 
+def calibration_shape(source: str | os.PathLike[str]) -> tuple[int, int, int] | None:
+    """(C, H, W) of the calibration arrays (an .npz, or the first .npy of a folder), for
+    sources that do not carry their input shape (an MXNet symbol); None for images only."""
+    import zipfile
+
+    path = Path(source)
+    if path.is_file():
+        data = read_limited(path, MAX_FILE_BYTES)
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as zf:
+                if sum(i.file_size for i in zf.infolist()) > MAX_FILE_BYTES:
+                    raise InputError(f"{path}: over the limit of {MAX_FILE_BYTES} bytes uncompressed")
+            npz = np.load(io.BytesIO(data), allow_pickle=False)
+            key = next((k for k in ("x", "data", "images") if k in npz.files),
+                       npz.files[0] if len(npz.files) == 1 else None)
+            shape = npz[key].shape if key else ()
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+            raise InputError(f"{path}: not a readable NPZ file ({exc})") from None
+    elif path.is_dir():
+        visible = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+        files = [p for p in visible if p.is_file()] + [
+            f for d in visible if d.is_dir() for f in sorted(d.iterdir()) if f.is_file()]
+        first = next((f for f in files if f.suffix.lower() == ".npy"), None)
+        if first is None:
+            return None
+        try:
+            shape = np.load(io.BytesIO(read_limited(first, MAX_FILE_BYTES)), allow_pickle=False).shape
+        except ValueError as exc:
+            raise InputError(f"{first}: not a readable .npy array ({exc})") from None
+    else:
+        raise InputError(f"{path}: calibration data not found (need an .npz file or a folder)")
+    if len(shape) not in (3, 4) or min(shape, default=0) <= 0:
+        raise InputError(f"{path}: calibration arrays have shape {tuple(shape)}, not (N, C, H, W)")
+    return tuple(int(v) for v in shape[-3:])  # type: ignore[return-value]
+
+
 def _load_image(path: Path, spec: InputSpec) -> np.ndarray:
     try:
         from PIL import Image
@@ -103,21 +140,20 @@ def _load_image(path: Path, spec: InputSpec) -> np.ndarray:
 
 def _resolve_split(model: Any, split: str | None, default: str | None, where: str) -> tuple[str, str]:
     """Split node or tensor name -> (tensor, node name)."""
-    from .onnx_import import node_name
+    from .onnx_import import node_name, split_hint
 
     nodes = list(model.graph.node)
     wanted = split or default
     if not wanted:
-        raise InputError(f"{where}: name the split node between backbone and head "
-                         f"(e.g. one of: {', '.join(node_name(n) for n in nodes[-6:])})")
+        raise InputError(f"{where}: name the split node between backbone and head with --split; "
+                         f"{split_hint(model)}")
     for node in nodes:
         if node_name(node) == wanted or wanted in node.output:
             tensor = wanted if wanted in node.output else node.output[0]
             if tensor in {o.name for o in model.graph.output}:
                 raise InputError(f"{where}: split {wanted!r} is the model's output: the head would be empty")
             return tensor, node.name
-    names = [node_name(n) for n in nodes]
-    raise InputError(f"{where}: unknown split node {wanted!r}; nodes are: {', '.join(names)[:600]}")
+    raise InputError(f"{where}: unknown split node {wanted!r}; {split_hint(model)}")
 
 
 def _mxnet_compatible(model: Any) -> Any:
@@ -128,6 +164,19 @@ def _mxnet_compatible(model: Any) -> Any:
     for init in model.graph.initializer:
         if init.name not in listed:
             model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    # a Gemm without its optional C input crashes MXNet's linalg_gemm: give it a zero bias
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Gemm" and (len(node.input) < 3 or not node.input[2]) and node.input[1] in dims:
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            units = dims[node.input[1]][0 if trans_b else -1]
+            bias = f"{node.input[1]}__zero_bias"
+            if bias not in dims:
+                model.graph.initializer.append(helper.make_tensor(bias, 1, [units], [0.0] * units))
+                model.graph.input.append(helper.make_tensor_value_info(bias, 1, [units]))
+                dims[bias] = [units]
+            del node.input[2:]
+            node.input.append(bias)
     return model
 
 
@@ -210,6 +259,10 @@ def create_bundle(
     from .tflite_writer import write_tflite
 
     _check_dest(Path(dest), overwrite)
+    labels = list(labels)
+    dupes = sorted(v for v, n in Counter(labels).items() if n > 1)
+    if dupes:
+        raise InputError(f"labels: {', '.join(map(repr, dupes[:5]))} given more than once")
     model, where, origin, default_split = _source_model(source, input_shape)
     tensor, node = _resolve_split(model, split, default_split, where)
     try:
@@ -222,12 +275,14 @@ def create_bundle(
     spec = InputSpec(shape=shape, name=float_graph.input, scale=float(scale),  # type: ignore[arg-type]
                      mean=tuple(mean) or (0.0,) * shape[0], std=tuple(std) or (1.0,) * shape[0])
     manifest = Manifest(
-        name=name, version=version, input=spec, labels=list(labels), split_tensor=tensor,
+        name=name, version=version, input=spec, labels=labels, split_tensor=tensor,
         split_node=node, feature_shape=tuple(int(v) for v in float_graph.output_shape[1:]),
         files={f: FileEntry("0" * 64, 0) for f in REQUIRED_FILES}, parent_version=parent_version,
         source=origin, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     _parse_manifest(manifest.to_json(), "bundle arguments")  # name, version, labels, mean/std: fail early
+    extractor = onnx_utils.Extractor(model)
+    head_sym, head_args, head_aux = _head(extractor, model, tensor, float_graph, labels, where)
     calib = load_calibration(calibration, spec)
     try:
         qgraph = quantize_graph(float_graph, calib, **({"method": method} if method else {}))
@@ -235,9 +290,6 @@ def create_bundle(
         read_tflite(tflite)  # the reader's checks are what every device will run
     except (UnsupportedOpError, GraphError) as exc:
         raise BundleError(f"{where}: cannot quantise the backbone: {exc}") from None
-    extractor = onnx_utils.Extractor(model)
-    head = extractor.extract_model([tensor], [o.name for o in model.graph.output])
-    head_sym, head_args, head_aux = onnx_to_mxnet(head.SerializeToString())
     # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
     # and a check batch, small enough for a Pi's memory.
     keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
@@ -259,6 +311,35 @@ def create_bundle(
             raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
     manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
+
+
+def _head(extractor: Any, model: Any, tensor: str, float_graph: Any, labels: list[str],
+          where: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The head (split -> output) as MXNet symbol + params, checked before any slow work:
+    MXNet can import it, it has something to train, its output size is len(labels)."""
+    from .cut_points import candidate_cuts
+
+    head = extractor.extract_model([tensor], [o.name for o in model.graph.output])
+    try:
+        sym, args, aux = onnx_to_mxnet(head.SerializeToString())
+    except InputError:
+        raise
+    except Exception as exc:  # mxnet.contrib.onnx raises bare KeyError/AttributeError per op
+        raise BundleError(f"{where}: the head after {tensor!r} cannot be imported by MXNet: "
+                          f"{type(exc).__name__}: {str(exc).strip()[:200]}") from None
+    if not args and not aux:
+        before = [c.name for c in candidate_cuts(model) if c.kind == "classifier-input"]
+        hint = f"; split before the classifier, e.g. --split {before[0]}" if before else ""
+        raise BundleError(f"{where}: the head after {tensor!r} has no parameters: nothing to fine-tune{hint}")
+    try:
+        _, (out,), _ = sym.infer_shape(**{tensor: tuple(int(v) for v in float_graph.output_shape)})
+    except Exception as exc:  # MXNetError: the head does not take the backbone's output
+        raise BundleError(f"{where}: the head does not accept the backbone's output "
+                          f"{tuple(float_graph.output_shape)}: {str(exc).strip().splitlines()[0][:200]}") from None
+    classes = int(np.prod(out[1:]))
+    if classes != len(labels):
+        raise InputError(f"{where}: the head outputs {classes} classes but {len(labels)} labels were given")
+    return sym, args, aux
 
 
 def _ndarray_bytes(params: dict[str, Any]) -> bytes:

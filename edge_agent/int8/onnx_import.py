@@ -55,7 +55,7 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
     are read from files in the model's own directory and inlined (the bundle is then
     self-contained), an ir_version newer than the checker's is lowered when nothing in the
     model needs it (see `_lower_ir_version`), and an opset outside MIN_OPSET..MAX_OPSET is
-    converted with onnx.version_converter."""
+    converted with onnx.version_converter (older ones are raised to MIN_OPSET)."""
     import onnx
 
     if isinstance(source, bytes | bytearray | memoryview):
@@ -84,7 +84,10 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
     return _convert_opset(model, where)
 
 
-MIN_OPSET, MAX_OPSET = 11, 18  # the default-domain opsets the converter's handlers know
+# Default-domain opsets taken as they are: the handlers read both spellings where an op
+# changed in that range (Clip's min/max, ReduceMean's axes, Pad's pads as attribute or
+# input); opsets 19-20 (MXNet's exporter writes 20) changed none of their semantics.
+MIN_OPSET, MAX_OPSET = 11, 20
 _IR10_TYPES = {21, 22}  # UINT4, INT4: what ir_version 10 added that an importer could meet
 
 
@@ -179,6 +182,18 @@ def node_names(model: onnx.ModelProto) -> list[str]:
     return [node_name(n) for n in model.graph.node]
 
 
+def split_hint(model: onnx.ModelProto) -> str:
+    """A few useful split points for an error message (not every node name)."""
+    from .cut_points import candidate_cuts, describe
+
+    try:
+        cuts = candidate_cuts(model)
+    except Exception:  # the hint must never hide the error it decorates
+        cuts = []
+    return (f"block boundaries near the head: {describe(cuts)} "
+            "(all of them: edge-coordinator model nodes FILE)")
+
+
 # ------------------------------------------------------------------------- conversion
 def import_onnx(
     source: bytes | str | os.PathLike[str] | onnx.ModelProto,
@@ -241,9 +256,7 @@ class _Converter(StructOps, ElementwiseOps):
             elif split in produced:
                 target = split
             else:
-                raise OnnxImportError(
-                    f"unknown split node {split!r}; valid names: {', '.join(by_name)}"
-                )
+                raise OnnxImportError(f"unknown split node {split!r}; {split_hint(self.model)}")
         producer = {o: n for n in nodes for o in n.output}
         keep: set[int] = set()
         stack = [target]

@@ -95,7 +95,9 @@ def test_unknown_split_node_lists_valid_names(digits) -> None:
     _, whole, _ = digits
     with pytest.raises(OnnxImportError, match="unknown split node 'features_nope'") as err:
         import_onnx(whole, split="features_nope")
-    assert "features_gap_fwd" in str(err.value) and "features_bn2_fwd" in str(err.value)
+    # a few block boundaries with shapes, not every node name
+    assert "features_gap_fwd [pool 1x32x1x1]" in str(err.value) and "model nodes" in str(err.value)
+    assert "features_bn1_fwd" not in str(err.value)
     assert "features_gap_fwd" in node_names(load_onnx(whole))
 
 
