@@ -8,6 +8,7 @@ is browning the device out, so past a limit it fails instead of looping forever.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from ..atomic import CorruptFileError, read_checked, write_checked
+from ..atomic import CorruptFileError, fsync_dir, read_checked, write_checked
 from ..errors import InputError
 
 
@@ -53,6 +54,9 @@ MAX_REENTRIES = 6
 _REENTRANT = (S.PREPARING, S.TRAINING)
 MAX_JOB_BYTES = 256 * 1024
 MAX_HISTORY = 200
+DAY_S = 86400.0
+KEEP_RECORDS = 500  # finished jobs kept: three weeks of hourly rounds, ~1 MB
+KEEP_DAYS = 30.0
 
 
 class IllegalTransition(RuntimeError):
@@ -105,13 +109,40 @@ def transition(job: Job, new: JobState, reason: str = "", *, now: float | None =
     return job
 
 
-class JobStore:
-    """One checksummed file per job under `<state_dir>/jobs/`; corrupt files are quarantined."""
+@dataclass(frozen=True)
+class JobEntry:
+    """What the store's index keeps of a job: enough for the daily-limit count, the active
+    list and pruning, without reading the record again."""
 
-    def __init__(self, directory: str | Path) -> None:
+    job_id: str
+    created: float
+    state: JobState
+    updated: float  # when it last changed state (a finished job's age counts from here)
+
+
+def _entry(job: Job) -> JobEntry:
+    return JobEntry(job.job_id, job.created, job.state, job.history[-1][0] if job.history else job.created)
+
+
+class JobStore:
+    """One checksummed file per job under `<state_dir>/jobs/`; corrupt files are quarantined.
+
+    An in-memory index (one scan of the directory, at first use) answers `entries()` for
+    every command, so a finetune command costs the same after a year as on day one. Finished
+    jobs are pruned as they finish: a record is kept while it is among the newest
+    `keep_records` finished ones and younger than `keep_days` -- and always while it is
+    under a day old (the daily job limit counts those)."""
+
+    def __init__(self, directory: str | Path, *, keep_records: int = KEEP_RECORDS,
+                 keep_days: float = KEEP_DAYS) -> None:
+        if keep_records < 1 or not keep_days > 0:
+            raise ValueError("keep_records must be >= 1 and keep_days > 0")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep_records, self.keep_days = keep_records, keep_days
         self.quarantined: list[str] = []
+        self.pruned = 0
+        self._index: dict[str, JobEntry] | None = None
 
     def _path(self, job_id: str) -> Path:
         if not job_id or "/" in job_id or job_id.startswith("."):
@@ -120,6 +151,8 @@ class JobStore:
 
     def save(self, job: Job) -> None:
         write_checked(self._path(job.job_id), json.dumps(job.to_json(), sort_keys=True).encode())
+        if self._index is not None:
+            self._index[job.job_id] = _entry(job)
 
     def advance(self, job: Job, new: JobState, reason: str = "", *, restart: bool = True) -> Job:
         """Transition and persist before returning, so the next step starts from disk truth.
@@ -133,21 +166,50 @@ class JobStore:
                        f"entered {new.value} {job.entries[new.value]} times: likely a brown-out "
                        "reboot loop; giving up")
         self.save(job)
+        if job.state.terminal:
+            self.prune()
         return job
 
     def load(self, job_id: str) -> Job:
         return Job.from_json(json.loads(read_checked(self._path(job_id), MAX_JOB_BYTES)))
 
     def all(self) -> list[Job]:
-        """Every readable job; unreadable ones are renamed *.corrupt and listed in quarantined."""
+        """Every readable job (reads every record: for start-up and tools, not per command);
+        unreadable ones are renamed *.corrupt and listed in quarantined."""
         jobs = []
         for path in sorted(self.directory.glob("*.job")):
             try:
                 jobs.append(Job.from_json(json.loads(read_checked(path, MAX_JOB_BYTES))))
             except (CorruptFileError, InputError, ValueError, OSError) as exc:
-                path.rename(path.with_suffix(".corrupt"))
+                with contextlib.suppress(OSError):
+                    path.rename(path.with_suffix(".corrupt"))
                 self.quarantined.append(f"{path.name}: {exc}")
-        return sorted(jobs, key=lambda j: j.created)
+        jobs.sort(key=lambda j: j.created)
+        self._index = {j.job_id: _entry(j) for j in jobs}
+        return jobs
+
+    def entries(self) -> list[JobEntry]:
+        """Every job as the index knows it, oldest first (the directory is read once)."""
+        if self._index is None:
+            self.all()
+        assert self._index is not None
+        return sorted(self._index.values(), key=lambda e: e.created)
 
     def active(self) -> list[Job]:
-        return [job for job in self.all() if not job.state.terminal]
+        return [self.load(e.job_id) for e in self.entries() if not e.state.terminal]
+
+    def prune(self, *, now: float | None = None) -> list[str]:
+        """Delete finished jobs' records past the retention (see the class); returns their ids."""
+        now = time.time() if now is None else now
+        finished = sorted((e for e in self.entries() if e.state.terminal), key=lambda e: e.updated, reverse=True)
+        doomed = [e for i, e in enumerate(finished)
+                  if (i >= self.keep_records or e.updated < now - self.keep_days * DAY_S) and e.created < now - DAY_S]
+        for e in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                self._path(e.job_id).unlink()
+            assert self._index is not None
+            self._index.pop(e.job_id, None)
+        if doomed:
+            self.pruned += len(doomed)
+            fsync_dir(self.directory)
+        return [e.job_id for e in doomed]

@@ -42,6 +42,7 @@ from .runner import ChildProcess, describe_exit
 log = logging.getLogger(__name__)
 CURRENT = "current"
 INCOMING = ".incoming"
+MAX_FAILED_FETCHES = 16
 
 
 @dataclass
@@ -205,6 +206,7 @@ class ModelStore:
             self.prune(fetch.name, protect=set(protect))
             log.info("model %s/%s: installed and active", fetch.name, fetch.version)
             self.on_change(fetch)
+            self.fetches.pop((fetch.name, fetch.version), None)  # installed: the disk says so from now on
 
     def _fail(self, fetch: Fetch, why: str) -> None:
         if fetch.base is not None:  # only the patch failed: the full archive may still do
@@ -215,6 +217,9 @@ class ModelStore:
             self._unsubscribe(fetch.download.filter(self.topics))
         log.error("model %s/%s: %s", fetch.name, fetch.version, why)
         self.on_change(fetch)
+        failed = [k for k, f in self.fetches.items() if f.status == "failed"]
+        for key in failed[:-MAX_FAILED_FETCHES]:  # remembered for the jobs waiting on them; bounded
+            del self.fetches[key]
 
     def _set_current(self, name: str, version: str) -> None:
         folder = self.root / name

@@ -12,6 +12,13 @@ so a lost or corrupt archive is rebuilt with the same sha256 the devices were to
 `patch_for` packs such a version's head patch (int8.bundle_patch: the new manifest and
 head.params only), published as `<version>.head` for devices that already run the backbone.
 
+Full archives of head-only versions are built on demand only: a version's patch is built
+from the root bundle and its head directly, and the full archive's sha256 (what a finetune
+command pins) is recorded in `<version>.sha256` without keeping the archive
+(`full_sha256`). `archive_for` builds it when a device needs the whole bundle; once
+published, `drop_full` deletes it again (a rebuild gives the same bytes). Each version
+then costs its head file, a ~2.4 KB patch and 65 bytes of sha256 on disk, not ~83 KB.
+
 No MXNet here: head.params is read and written by mxparams (numpy only).
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +51,7 @@ from .registry import Registry
 
 log = logging.getLogger(__name__)
 BUNDLES = "bundles"
+CACHE_ENTRIES = 64  # artefacts described in memory (a bounded LRU: the coordinator's RSS stays flat)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ class ModelArtefacts:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.root = registry.state_dir / BUNDLES
-        self._cache: dict[tuple[str, str], Artefact] = {}
+        self._cache: OrderedDict[tuple[str, str], Artefact] = OrderedDict()
 
     def archive_path(self, name: str, version: str) -> Path:
         return self.root / check_id(name, "model name") / f"{check_id(version, 'model version')}.tar.gz"
@@ -111,8 +120,8 @@ class ModelArtefacts:
     def archive_for(self, mv: ModelVersion) -> Artefact:
         """The archive of a version: the registered one, or built (once) for a round's head."""
         key = (mv.name, mv.version)
-        cached = self._cache.get(key)
-        if cached is not None and cached.path.exists():
+        cached = self._cached(key)
+        if cached is not None:
             return cached
         if mv.bundle_path is None:
             raise InputError(f"model {mv.name} {mv.version} has no bundle (registered without one)")
@@ -128,8 +137,47 @@ class ModelArtefacts:
             if not target.exists():  # the build is deterministic: the same bytes as the first time
                 self._build(mv, root, target)
             art = self._describe(mv, target)
-        self._cache[key] = art
+        self._remember(key, art)
         return art
+
+    def _cached(self, key: tuple[str, str]) -> Artefact | None:
+        art = self._cache.get(key)
+        if art is None or not art.path.exists():
+            return None
+        self._cache.move_to_end(key)
+        return art
+
+    def _remember(self, key: tuple[str, str], art: Artefact) -> None:
+        self._cache[key] = art
+        self._cache.move_to_end(key)
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+
+    def forget(self, name: str, version: str) -> None:
+        """Drop what is remembered of a version (retention pruned it)."""
+        for key in ((name, version), (name, patch_version(version))):
+            self._cache.pop(key, None)
+
+    def full_sha256(self, mv: ModelVersion) -> str:
+        """The sha256 of a version's full archive, building it only if it was never built
+        (then the archive is deleted again: only its sha256 side file stays)."""
+        if not mv.head_only:
+            return self.archive_for(mv).sha256
+        expected = self._expected_sha(mv)
+        if expected is not None:
+            return expected
+        target = self.archive_path(mv.name, mv.version)
+        kept = target.exists()
+        sha = self.archive_for(mv).sha256
+        if not kept:
+            self.drop_full(mv)
+        return sha
+
+    def drop_full(self, mv: ModelVersion) -> None:
+        """Delete a head-only version's built full archive (its sha256 side file stays)."""
+        if mv.head_only:
+            self.archive_path(mv.name, mv.version).unlink(missing_ok=True)
+            self._cache.pop((mv.name, mv.version), None)
 
     def patch_for(self, mv: ModelVersion) -> Artefact | None:
         """A head-only version's patch on its root bundle, built once; None for a registered
@@ -137,19 +185,23 @@ class ModelArtefacts:
         if not mv.head_only or mv.bundle_path is None or len(patch_version(mv.version)) > 64:
             return None
         key = (mv.name, patch_version(mv.version))
-        cached = self._cache.get(key)
-        if cached is not None and cached.path.exists():
+        cached = self._cached(key)
+        if cached is not None:
             return cached
-        full = self.archive_for(mv)
         target = self.archive_path(*key)
         with tempfile.TemporaryDirectory(prefix="edge-coordinator-patch-") as tmp:
-            new = unpack_bundle(full.path, Path(tmp) / "new")
-            base = unpack_bundle(self._abs(mv.bundle_path), Path(tmp) / "base")
-            _, carried = pack_patch(new.path, base.path, target)  # reproducible: rebuilt the same
-        art = Artefact(mv.name, key[1], target, sha256_file(target), target.stat().st_size, full.head_bytes)
-        log.info("head patch %s for model %s %s: %d bytes (%s), the full archive %d", target.name, mv.name,
-                 mv.version, art.size, ", ".join(carried), full.size)
-        self._cache[key] = art
+            root = self._abs(mv.bundle_path)
+            new = self._build_dir(mv, root, Path(tmp))  # (the root unpacked at tmp/root)
+            _, carried = pack_patch(new.path, Path(tmp) / "root", target)  # reproducible: rebuilt the same
+            head_bytes = new.manifest.files[HEAD_PARAMS].size
+            if self._expected_sha(mv) is None:  # what commands pin; the full archive itself is not kept
+                full = pack_bundle(new.path, Path(tmp) / "full.tar.gz")
+                atomic_write_text(self.archive_path(mv.name, mv.version).with_suffix(".sha256"),
+                                  sha256_file(full) + "\n")
+        art = Artefact(mv.name, key[1], target, sha256_file(target), target.stat().st_size, head_bytes)
+        log.info("head patch %s for model %s %s: %d bytes (%s)", target.name, mv.name, mv.version, art.size,
+                 ", ".join(carried))
+        self._remember(key, art)
         return art
 
     def _expected_sha(self, mv: ModelVersion) -> str | None:
@@ -171,24 +223,27 @@ class ModelArtefacts:
 
     def _build(self, mv: ModelVersion, root_archive: Path, target: Path) -> None:
         """Root bundle + this version's head -> a verified bundle -> a reproducible archive."""
-        head = self.registry.load_head(mv)
         with tempfile.TemporaryDirectory(prefix="edge-coordinator-build-") as tmp:
-            base: Bundle = unpack_bundle(root_archive, Path(tmp) / "base")
-            files = {f: base.read(f) for f in base.manifest.files}
-            base_params, prefixes = split_names(load_params(files[HEAD_PARAMS], where=f"{root_archive}: head"))
-            if set(base_params) != set(head):
-                raise InputError(f"model {mv.name} {mv.version}: head tensors {sorted(head)[:8]} do not match "
-                                 f"the bundle's {sorted(base_params)[:8]}")
-            typed = {n: np.asarray(head[n]).astype(base_params[n].dtype, copy=False) for n in base_params}
-            files[HEAD_PARAMS] = dump_params(join_names(typed, prefixes))
-            manifest = base.manifest
-            manifest.version, manifest.parent_version = mv.version, mv.parent
-            manifest.created = dt.datetime.fromtimestamp(mv.created_at, dt.UTC).isoformat(timespec="seconds")
-            manifest.extra = {**manifest.extra, "head_only": True, "root_bundle": base.sha256,
-                              **({"job": mv.job_id, "round": mv.round} if mv.job_id else {})}
-            built = write_bundle_dir(Path(tmp) / "new", files, manifest)
+            built = self._build_dir(mv, root_archive, Path(tmp))
             pack_bundle(built.path, target)
         atomic_write_text(target.with_suffix(".sha256"), sha256_file(target) + "\n")
         log.info("built bundle %s for model %s %s (head only; backbone of %s)", target.name, mv.name, mv.version,
                  root_archive.name)
 
+    def _build_dir(self, mv: ModelVersion, root_archive: Path, tmp: Path) -> Bundle:
+        """The version's bundle directory under `tmp`: the root's files with this head."""
+        head = self.registry.load_head(mv)
+        base: Bundle = unpack_bundle(root_archive, tmp / "root")
+        files = {f: base.read(f) for f in base.manifest.files}
+        base_params, prefixes = split_names(load_params(files[HEAD_PARAMS], where=f"{root_archive}: head"))
+        if set(base_params) != set(head):
+            raise InputError(f"model {mv.name} {mv.version}: head tensors {sorted(head)[:8]} do not match "
+                             f"the bundle's {sorted(base_params)[:8]}")
+        typed = {n: np.asarray(head[n]).astype(base_params[n].dtype, copy=False) for n in base_params}
+        files[HEAD_PARAMS] = dump_params(join_names(typed, prefixes))
+        manifest = base.manifest
+        manifest.version, manifest.parent_version = mv.version, mv.parent
+        manifest.created = dt.datetime.fromtimestamp(mv.created_at, dt.UTC).isoformat(timespec="seconds")
+        manifest.extra = {**manifest.extra, "head_only": True, "root_bundle": base.sha256,
+                          **({"job": mv.job_id, "round": mv.round} if mv.job_id else {})}
+        return write_bundle_dir(tmp / "new", files, manifest)

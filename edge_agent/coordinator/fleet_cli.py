@@ -71,6 +71,7 @@ def _check_tls_files(args: argparse.Namespace) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..transport.mqtt import TlsConfig
+    from .retention import policy_from_args
     from .rounds import RoundPolicy
     from .service import Coordinator, ServeOptions
 
@@ -94,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            topic_prefix=args.topic_prefix, tls=tls, username=args.username, password=password,
                            auto_approve=args.auto_approve, tick_s=args.tick, policy=policy,
                            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                           ack_interval=args.ack_interval)
+                           ack_interval=args.ack_interval, retention=policy_from_args(args))
     if args.ui_token and not args.ui:
         raise UsageError("--ui-token needs --ui ADDR:PORT")
     if args.ui:

@@ -163,6 +163,9 @@ def add_fleet_commands(sub: Any) -> None:
     s.add_argument("--tick", type=_SECONDS, default=1.0, metavar="S", help="seconds between round steps (default 1)")
     s.add_argument("--ack-interval", type=_SECONDS, default=5.0, metavar="S",
                    help="at most one ack per repeated upload per S seconds (default 5)")
+    from .retention import add_retention_args
+
+    add_retention_args(s, serve=True)  # what serve keeps (edge-coordinator prune explains)
     s.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     s.set_defaults(func=cmd_serve)
 

@@ -57,12 +57,13 @@ from ..protocol import (
     Verifier,
 )
 from ..transport import Channel, MqttClient, OutboxKey, TlsConfig, UpdateReceiver, ack_message
-from ..transport.models import publish_model
+from ..transport.models import publish_model, retract_model
 from ..transport.uplink import CompletedUpload
 from .artefacts import ModelArtefacts
 from .pending import PendingDevices
 from .records import ModelVersion, check_flat
 from .registry import Registry
+from .retention import AutoPrune, RetentionPolicy, needs_full
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
 from .selection import allowance_state, capabilities_from_hello
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
@@ -99,6 +100,7 @@ class ServeOptions:
     backoff_cap: float = 30.0
     ack_interval: float = 5.0  # at most one ack per repeated upload per this many seconds
     model_chunk_bytes: int = 64 * 1024
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept (retention.py)
 
     def __post_init__(self) -> None:
         Topics(fleet=self.fleet, prefix=self.topic_prefix)  # validates both
@@ -140,7 +142,8 @@ class Coordinator:
         self._receipts: OrderedDict[tuple[OutboxKey, str], Receipt] = OrderedDict()
         self._results: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
         self._names: dict[str, str] = {}
-        self._published: set[tuple[str, str]] = set()
+        self._published: set[tuple[str, str]] = set()  # (name, version or patch id) published since connecting
+        self.retention = AutoPrune(self.registry, o.retention, chunk_bytes=o.model_chunk_bytes)
         self._connects = 0
         self._peeks: dict[str, float] = {}
         self._next_beat = 0.0
@@ -383,47 +386,72 @@ class Coordinator:
                      if outcome.new_version else "", len(outcome.accepted), len(outcome.rejected),
                      len(outcome.dropouts), outcome.reason or "ok")
             if outcome.new_version is not None and self.client.connected:
-                self._publish_safely(outcome.new_version)
+                self._publish_safely(outcome.new_version, full=False)  # the full archive: on demand
         for job_id, why in result.failed.items():
             log.error("job %s failed: %s", job_id, why)
         if self.client.connected:
             for plan in self.engine.pending_dispatches():
                 self._dispatch(plan)
+            self._retain()
         if time.monotonic() >= self._next_beat:
             self._heartbeat()
 
-    def _publish_safely(self, mv: ModelVersion) -> bool:
+    def _retain(self) -> None:
+        """Apply the retention policy when due; retract pruned versions' retained messages."""
+        def retract(name: str, pid: str, chunks: int) -> None:
+            retract_model(self.client, self.topics, name=name, version=pid, chunks=chunks, timeout=10.0)
+            self._published.discard((name, pid))
+
         try:
-            self.publish(mv)
+            for vp in self.retention.step(retract):
+                self.artefacts.forget(vp.name, vp.version)
+        except EdgeAgentError as exc:  # the broker went away mid-retraction: the rest stay queued
+            log.warning("retention: %s (retried later)", exc)
+
+    def _publish_safely(self, mv: ModelVersion, *, full: bool = True) -> bool:
+        try:
+            self.publish(mv, full=full)
             return True
         except EdgeAgentError as exc:  # broker gone (retried later) or an unusable bundle (logged)
             log.warning("model %s %s not published: %s", mv.name, mv.version, exc)
             return False
 
-    def publish(self, mv: ModelVersion) -> dict[str, Any]:
-        """Publish a version's bundle archive (retained, signed chunks, then the manifest)."""
-        art = self.artefacts.archive_for(mv)
-        meta = {"parent": mv.parent or "", "head_only": mv.head_only, "head_bytes": art.head_bytes}
-        manifest = publish_model(self.client, self.signer, self.topics, name=mv.name, version=mv.version,
-                                 bundle=art.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
-                                 meta=meta)
+    def publish(self, mv: ModelVersion, *, full: bool = True) -> dict[str, Any]:
+        """Publish a version (retained, signed chunks, then the manifest): its head patch, and
+        its full bundle archive if `full` or it has no patch (built on demand, then deleted:
+        a rebuild gives the same bytes). Returns the full archive's manifest, else the patch's."""
         patch = self.artefacts.patch_for(mv)
+        manifest: dict[str, Any] | None = None
+        size = 0
+        if full or patch is None:
+            art = self.artefacts.archive_for(mv)
+            meta = {"parent": mv.parent or "", "head_only": mv.head_only, "head_bytes": art.head_bytes}
+            manifest = publish_model(self.client, self.signer, self.topics, name=mv.name, version=mv.version,
+                                     bundle=art.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
+                                     meta=meta)
+            size = art.size
+            self._published.add((mv.name, mv.version))
+            self.artefacts.drop_full(mv)
         if patch is not None:  # devices running the backbone already fetch only this
-            publish_model(self.client, self.signer, self.topics, name=mv.name, version=patch.version,
-                          bundle=patch.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
-                          meta={"patch_of": mv.version, "full_sha256": art.sha256})
-        self._published.add((mv.name, mv.version))
-        log.info("published model %s %s: %d bytes (sha256 %s)%s", mv.name, mv.version, art.size, art.sha256[:12],
+            patched = publish_model(self.client, self.signer, self.topics, name=mv.name, version=patch.version,
+                                    bundle=patch.path.read_bytes(), chunk_bytes=self.options.model_chunk_bytes,
+                                    meta={"patch_of": mv.version, "full_sha256": self.artefacts.full_sha256(mv)})
+            manifest = manifest or patched
+            self._published.add((mv.name, patch.version))
+        log.info("published model %s %s: %s%s", mv.name, mv.version, f"{size} bytes" if size else "no full archive",
                  f", head patch {patch.size} bytes" if patch is not None else "")
+        assert manifest is not None
         return manifest
 
     def _dispatch(self, plan: RoundPlan) -> None:
         mv = self.registry.get_model(plan.model_name, plan.model_version)
         try:
-            art = self.artefacts.archive_for(mv)
             patch = self.artefacts.patch_for(mv)
-            if (mv.name, mv.version) not in self._published:
-                self.publish(mv)
+            sha = self.artefacts.full_sha256(mv)  # what the command pins, even if only the patch is sent
+            full = patch is None or needs_full(self.registry, mv.name, list(plan.devices))
+            if (full and (mv.name, mv.version) not in self._published) or \
+                    (patch is not None and (mv.name, patch.version) not in self._published):
+                self.publish(mv, full=full)
         except TransientError as exc:  # the broker did not take it: retried next tick
             log.warning("model %s %s not published yet: %s", mv.name, mv.version, exc)
             return
@@ -439,7 +467,7 @@ class Coordinator:
         ttl = min(86400.0, max(60.0, plan.deadline_at - now))
         for device in plan.devices:
             body = {"cmd_id": plan.cmd_id, "action": "finetune", "job": plan.job_id, "round": plan.round,
-                    "model": plan.model_name, "version": plan.model_version, "sha256": art.sha256, "params": params,
+                    "model": plan.model_name, "version": plan.model_version, "sha256": sha, "params": params,
                     **({"head_sha256": patch.sha256} if patch is not None else {})}
             try:
                 sent = self.channel.send(self.topics.device(device, "cmd"), Kind.CMD, body, ttl=ttl, timeout=10.0)

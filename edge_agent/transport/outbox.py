@@ -247,11 +247,12 @@ class Outbox:
         """The coordinator has it: delete. Returns False if it was not queued."""
         return self._remove(key)
 
-    def drop(self, key: OutboxKey, reason: str) -> bool:
-        """Give up on an item (refused for good, or unreadable); the caller reports `reason`."""
+    def drop(self, key: OutboxKey, reason: str, *, expected: bool = False) -> bool:
+        """Give up on an item (refused for good, or unreadable); the caller reports `reason`.
+        `expected`: an ordinary outcome (the coordinator cancelled the job), logged at INFO."""
         removed = self._remove(key)
         if removed:
-            log.error("outbox: dropped %s: %s", key, reason)
+            log.log(logging.INFO if expected else logging.ERROR, "outbox: dropped %s: %s", key, reason)
         return removed
 
 

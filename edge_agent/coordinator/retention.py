@@ -1,0 +1,460 @@
+"""Retention: what the coordinator keeps of its model versions and received updates.
+
+A fleet that trains every hour makes 8,760 versions a year. Each keeps a head file
+(`models/<name>/<version>/head.*.npz`), a head patch (`bundles/<name>/<version>.head.tar.gz`),
+maybe a full archive, and retained messages on the broker (manifest + chunks of each);
+each round also stores its devices' update payloads (`updates/<job>/r<n>/...`). Retention
+keeps the versions that matter and prunes the rest:
+
+    kept  current   the newest version of each model, the versions active jobs start from
+                    or train now (an open round's base, a running job's latest)
+          in use    every version a device reports running (its state's `models`)
+          tagged    registered bundles (the roots head-only versions are built on) and the
+                    versions listed in `<state>/retention/tags.json` (`prune --tag`)
+          last N    the newest `keep_versions` versions of each model
+    pruned          every other version: its head file, patch, archive and sha256 side
+                    file are deleted, its retained messages are retracted from the broker,
+                    and its registry row is marked `pruned_at` (the row stays: it is the
+                    lineage other rows name, a few hundred bytes)
+    updates         the payload files of rounds that ended more than `keep_update_days`
+                    ago (at once for updates the screening rejected) are deleted and their
+                    row's file reference cleared; the rows stay (sizes, norms, history).
+                    An open or closing round's files are never touched (aggregate.py
+                    rebuilds its sums from them after a restart).
+
+`plan()` decides and is side-effect free (`edge-coordinator prune` prints it: a dry run
+by default); `apply()` carries a plan out: it queues the retractions first (durable, in
+`retention/retract.json`, so a crash never forgets a retained message), then deletes the
+files, then marks the rows. The serving coordinator empties that queue whenever it is
+connected (`RetractQueue.drain`), so `prune --apply` from the CLI works while `serve`
+runs. Defaults are sized for a year unattended (RetentionPolicy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_json, read_limited
+from ..errors import InputError
+from ..protocol.topics import patch_version
+from .records import ModelVersion, check_id
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+DIR = "retention"
+RETRACT_FILE = "retract.json"
+TAGS_FILE = "tags.json"
+DAY_S = 86400.0
+MAX_QUEUE = 100_000
+ENDED = ("aggregated", "failed", "cancelled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """Defaults for a year unattended: with hourly rounds, a day of versions on disk and on
+    the broker (~24 x (head + 2.4 KB patch)), a month of received updates (~30 x 24 x the
+    devices' compressed updates), and a check every 10 minutes."""
+
+    keep_versions: int = 24  # newest versions of each model kept, whatever else
+    keep_update_days: float = 30.0  # received update payloads of rounds ended within this
+    interval_s: float = 600.0  # serve: apply at most this often (0: never automatically)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.keep_versions <= 1_000_000:
+            raise ValueError(f"keep_versions must be 1..1000000, got {self.keep_versions}")
+        if not 0 <= self.keep_update_days <= 36500:
+            raise ValueError(f"keep_update_days must be 0..36500, got {self.keep_update_days}")
+        if not 0 <= self.interval_s <= 30 * DAY_S:
+            raise ValueError(f"interval_s must be 0..30 days, got {self.interval_s}")
+
+
+@dataclass
+class VersionPrune:
+    name: str
+    version: str
+    files: list[tuple[Path, int]]  # what is deleted, and its size
+    retract: list[tuple[str, int]]  # (publication id: version or version.head, chunk count)
+
+
+@dataclass
+class PrunePlan:
+    kept: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (name, version) -> why
+    versions: list[VersionPrune] = field(default_factory=list)
+    updates: list[tuple[int, Path, int]] = field(default_factory=list)  # (row id, file, size)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s for v in self.versions for _, s in v.files) + sum(s for _, _, s in self.updates)
+
+    def summary(self) -> str:
+        return (f"{len(self.versions)} version(s) and {len(self.updates)} update file(s), "
+                f"{self.bytes} bytes; {len(self.kept)} version(s) kept")
+
+    def lines(self) -> list[str]:
+        """What `prune` prints: every kept version with why, every deletion with its size."""
+        out = [f"keep   {n} {v}: {', '.join(why)}" for (n, v), why in sorted(self.kept.items(), key=_order)]
+        for vp in self.versions:
+            size = sum(s for _, s in vp.files)
+            out.append(f"prune  {vp.name} {vp.version}: {len(vp.files)} file(s), {size} bytes; retract "
+                       + (", ".join(f"{pid} ({c} chunk(s))" for pid, c in vp.retract) or "nothing"))
+        for _, path, size in self.updates:
+            out.append(f"prune  update {path.name}: {size} bytes")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kept": [{"name": n, "version": v, "why": why} for (n, v), why in sorted(self.kept.items(), key=_order)],
+                "versions": [{"name": p.name, "version": p.version, "bytes": sum(s for _, s in p.files),
+                              "files": [str(f) for f, _ in p.files], "retract": [pid for pid, _ in p.retract]}
+                             for p in self.versions],
+                "updates": [{"file": str(p), "bytes": s} for _, p, s in self.updates], "bytes": self.bytes}
+
+
+def _order(item: Any) -> Any:
+    (name, version), _ = item
+    return name, version
+
+
+# ---------------------------------------------------------------- tags (kept whatever their age)
+def _dir(registry: Registry) -> Path:
+    return registry.state_dir / DIR
+
+
+def read_tags(registry: Registry) -> set[tuple[str, str]]:
+    path = _dir(registry) / TAGS_FILE
+    try:
+        raw = json.loads(read_limited(path, 1 << 20))
+        return {(str(n), str(v)) for n, v in (t.split("@", 1) for t in raw.get("tags", []) if "@" in t)}
+    except FileNotFoundError:
+        return set()
+    except (OSError, InputError, ValueError, AttributeError) as exc:
+        raise InputError(f"{path}: unreadable tag list ({exc}); fix or delete it") from None
+
+
+def set_tag(registry: Registry, name: str, version: str, *, tagged: bool = True) -> set[tuple[str, str]]:
+    """Tag (or untag) a registered version so retention always keeps it."""
+    registry.get_model(name, version)  # NotFound for a version that does not exist
+    with _locked(registry):
+        tags = read_tags(registry)
+        (tags.add if tagged else tags.discard)((name, version))
+        atomic_write_json(_dir(registry) / TAGS_FILE, {"tags": sorted(f"{n}@{v}" for n, v in tags)})
+    return tags
+
+
+@contextlib.contextmanager
+def _locked(registry: Registry) -> Iterator[None]:
+    folder = _dir(registry)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+# ---------------------------------------------------------------- deciding
+def in_use(registry: Registry) -> dict[tuple[str, str], list[str]]:
+    """(name, version) -> the devices whose last state says they run it."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for dev in registry.list_devices():
+        text = dev.state.get("models")
+        for item in str(text).split(",") if isinstance(text, str) else ():
+            name, sep, version = item.strip().partition("@")
+            if sep and name and version:
+                out.setdefault((name, version), []).append(dev.id)
+    return out
+
+
+def current(registry: Registry) -> set[tuple[str, str]]:
+    """The versions active jobs start from or train now."""
+    found: set[tuple[str, str]] = set()
+    with registry._read() as db:
+        for row in db.execute("SELECT id, model_name, model_version FROM jobs WHERE status IN ('pending', 'running')"):
+            found.add((row["model_name"], row["model_version"]))
+            for r in db.execute("SELECT base_version, aggregated_version FROM rounds WHERE job_id = ?", (row["id"],)):
+                found.update((row["model_name"], v) for v in (r["base_version"], r["aggregated_version"]) if v)
+    return found
+
+
+def plan(registry: Registry, policy: RetentionPolicy, *, now: float | None = None,
+         chunk_bytes: int = 64 * 1024) -> PrunePlan:
+    """What retention would keep and delete now (reads only)."""
+    now = time.time() if now is None else now
+    result = PrunePlan()
+    models = registry.list_models()
+    by_name: dict[str, list[ModelVersion]] = {}
+    for mv in models:
+        by_name.setdefault(mv.name, []).append(mv)
+    using, active, tags = in_use(registry), current(registry), read_tags(registry)
+    for name, versions in by_name.items():
+        versions.sort(key=lambda m: (m.created_at, m.version))
+        live = [m for m in versions if "pruned_at" not in m.metrics]
+        newest = {m.version for m in live[-policy.keep_versions:]}
+        for mv in live:
+            key = (name, mv.version)
+            why = [w for w, hit in (("current", mv is live[-1] or key in active),
+                                    (f"in use on {len(using.get(key, []))} device(s)", key in using),
+                                    ("tagged", key in tags), ("registered bundle", not mv.head_only),
+                                    (f"last {policy.keep_versions}", mv.version in newest)) if hit]
+            if why:
+                result.kept[key] = why
+            else:
+                result.versions.append(_version_files(registry, mv, chunk_bytes))
+    result.updates = _update_files(registry, now - policy.keep_update_days * DAY_S)
+    return result
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _version_files(registry: Registry, mv: ModelVersion, chunk_bytes: int) -> VersionPrune:
+    from .artefacts import ModelArtefacts
+
+    arts = ModelArtefacts(registry)
+    full = arts.archive_path(mv.name, mv.version)
+    patch = arts.archive_path(mv.name, patch_version(mv.version)) if len(patch_version(mv.version)) <= 64 else None
+    candidates = [registry._abs(mv.head_path), full, full.with_suffix(".sha256")]
+    if patch is not None:
+        candidates.append(patch)
+    files = [(p, s) for p in candidates if (s := _size(p)) is not None]
+    # the full archive may have been built, published and deleted (archives are built on
+    # demand): retract as many chunks as the root bundle's archive would need, plus one
+    root = _size(registry._abs(mv.bundle_path)) if mv.bundle_path else None
+    full_bytes = _size(full) or (int(root * 1.1) if root else chunk_bytes)
+    retract = [(mv.version, max(1, math.ceil(full_bytes / chunk_bytes)) + 1)]
+    if patch is not None:
+        retract.append((patch_version(mv.version), max(1, math.ceil((_size(patch) or chunk_bytes) / chunk_bytes))))
+    return VersionPrune(mv.name, mv.version, files, retract)
+
+
+def _update_files(registry: Registry, before: float) -> list[tuple[int, Path, int]]:
+    """Payload files of ended rounds: rejected ones at once, the others once `before` passed."""
+    out = []
+    with registry._read() as db:
+        rows = db.execute(
+            "SELECT u.id, u.delta_path FROM updates u JOIN rounds r ON r.job_id = u.job_id AND r.number = u.round "
+            f"WHERE u.delta_path IS NOT NULL AND r.state IN ({', '.join('?' * len(ENDED))}) "
+            "AND (u.status = 'rejected' OR COALESCE(r.ended_at, r.started_at) < ?) ORDER BY u.id",
+            (*ENDED, before)).fetchall()
+    for row in rows:
+        path = registry._abs(row["delta_path"])
+        out.append((int(row["id"]), path, _size(path) or 0))
+    return out
+
+
+# ---------------------------------------------------------------- doing
+def apply(registry: Registry, result: PrunePlan, *, now: float | None = None) -> int:
+    """Carry out a plan: queue retractions, delete files, mark rows. Returns bytes freed."""
+    now = time.time() if now is None else now
+    queue = RetractQueue(registry)
+    queue.add([(vp.name, pid, chunks) for vp in result.versions for pid, chunks in vp.retract])
+    freed = 0
+    for vp in result.versions:
+        for path, size in vp.files:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                freed += size
+        with contextlib.suppress(OSError):  # the version's own folder, once empty
+            (registry.state_dir / "models" / vp.name / vp.version).rmdir()
+    for _, path, size in result.updates:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            freed += size
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+            path.parent.parent.rmdir()
+    with registry._tx() as db:
+        for vp in result.versions:
+            row = db.execute("SELECT metrics FROM model_versions WHERE name = ? AND version = ?",
+                             (vp.name, vp.version)).fetchone()
+            if row is not None:
+                metrics = {**json.loads(row["metrics"]), "pruned_at": round(now, 3)}
+                db.execute("UPDATE model_versions SET metrics = ? WHERE name = ? AND version = ?",
+                           (json.dumps(metrics, sort_keys=True), vp.name, vp.version))
+        db.executemany("UPDATE updates SET delta_path = NULL WHERE id = ?", [(i,) for i, _, _ in result.updates])
+    if result.versions or result.updates:
+        log.info("retention: pruned %s (%d bytes freed)", result.summary(), freed)
+    return freed
+
+
+class RetractQueue:
+    """Retained publications still to be cleared from the broker (a crash-safe JSON list)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.path = _dir(registry) / RETRACT_FILE
+
+    def _read(self) -> list[tuple[str, str, int]]:
+        try:
+            raw = json.loads(read_limited(self.path, 64 << 20))
+            return [(check_id(str(n), "model name"), str(v), int(c)) for n, v, c in raw.get("pending", [])]
+        except FileNotFoundError:
+            return []
+        except (OSError, InputError, ValueError, TypeError, AttributeError) as exc:
+            log.error("%s: unreadable retraction queue (%s); starting a new one", self.path, exc)
+            return []
+
+    def pending(self) -> list[tuple[str, str, int]]:
+        with _locked(self.registry):
+            return self._read()
+
+    def add(self, items: list[tuple[str, str, int]]) -> None:
+        if not items:
+            return
+        with _locked(self.registry):
+            queued = self._read()
+            have = {(n, v) for n, v, _ in queued}
+            queued += [i for i in items if (i[0], i[1]) not in have]
+            atomic_write_json(self.path, {"pending": [list(i) for i in queued[-MAX_QUEUE:]]})
+
+    def drain(self, retract: Callable[[str, str, int], None], *, limit: int = 50) -> int:
+        """Retract up to `limit` queued publications (`retract(name, pid, chunks)` raises on a
+        broker failure: the rest stay queued). Returns how many were cleared."""
+        done: list[tuple[str, str, int]] = []
+        try:
+            for item in self.pending()[:limit]:
+                retract(*item)
+                done.append(item)
+        finally:
+            if done:
+                with _locked(self.registry):
+                    left = [i for i in self._read() if i not in done]
+                    atomic_write_json(self.path, {"pending": [list(i) for i in left]})
+        return len(done)
+
+
+def needs_full(registry: Registry, name: str, devices: list[str]) -> bool:
+    """Whether any of `devices` runs no version of `name` (so a head patch cannot reach it)."""
+    for device in devices:
+        try:
+            text = registry.get_device(device).state.get("models")
+        except InputError:
+            return True
+        if not isinstance(text, str) or not any(item.strip().startswith(f"{name}@") for item in text.split(",")):
+            return True
+    return False
+
+
+class AutoPrune:
+    """The serving coordinator's retention: `step()` every tick applies the policy when it is
+    due (at most every `interval_s`) and retracts what is queued while the broker is there."""
+
+    def __init__(self, registry: Registry, policy: RetentionPolicy, *, chunk_bytes: int = 64 * 1024,
+                 first_after_s: float = 60.0) -> None:
+        self.registry, self.policy, self.chunk_bytes = registry, policy, chunk_bytes
+        self.queue = RetractQueue(registry)
+        self._due = time.monotonic() + min(first_after_s, policy.interval_s)
+        self._queued = self.queue.path.exists()  # (the CLI's prune --apply adds to it too: seen at the next run)
+
+    def step(self, retract: Callable[[str, str, int], None]) -> list[VersionPrune]:
+        pruned: list[VersionPrune] = []
+        if self.policy.interval_s > 0 and time.monotonic() >= self._due:
+            self._due = time.monotonic() + self.policy.interval_s
+            result = plan(self.registry, self.policy, chunk_bytes=self.chunk_bytes)
+            if result.versions or result.updates:
+                apply(self.registry, result)
+                pruned = result.versions
+            self._queued = self.queue.path.exists()
+        if self._queued:
+            self.queue.drain(retract)
+            self._queued = bool(self.queue.pending())
+        return pruned
+
+
+# ---------------------------------------------------------------- `edge-coordinator prune`
+PRUNE_HELP = """\
+Apply the retention policy to the coordinator's state directory: keep the current version of
+each model, the versions devices report running, tagged versions and registered bundles,
+and the newest --keep-versions; delete every other version's head, patch and archive and
+retract its retained messages from the broker (the serving coordinator does that: the
+retractions are queued in STATE_DIR/retention/retract.json); delete the stored update
+payloads of rounds that ended more than --keep-update-days ago (rejected ones at once).
+
+A dry run unless --apply: it prints what it would keep (and why) and delete (and the bytes).
+`serve` applies the same policy by itself (--keep-versions, --keep-update-days, --prune-every)."""
+
+PRUNE_EPILOG = """\
+examples:
+  edge-coordinator prune                          # what would go, and why the rest stays
+  edge-coordinator prune --apply --keep-versions 48
+  edge-coordinator prune --tag digits@job-5f2c9a1b07de-r12   # always keep this version"""
+
+
+def add_retention_args(p: Any, *, serve: bool = False) -> None:
+    d = RetentionPolicy()
+    p.add_argument("--keep-versions", type=int, default=d.keep_versions, metavar="N",
+                   help=f"newest versions of each model always kept (default {d.keep_versions})")
+    p.add_argument("--keep-update-days", type=float, default=d.keep_update_days, metavar="DAYS",
+                   help=f"keep received update payloads of rounds ended within this (default {d.keep_update_days:g})")
+    if serve:
+        p.add_argument("--prune-every", type=float, default=d.interval_s, metavar="S",
+                       help=f"apply the retention policy every S seconds (default {d.interval_s:g}; 0: never)")
+
+
+def policy_from_args(args: Any) -> RetentionPolicy:
+    from ..errors import UsageError
+
+    try:
+        return RetentionPolicy(keep_versions=args.keep_versions, keep_update_days=args.keep_update_days,
+                               interval_s=getattr(args, "prune_every", RetentionPolicy().interval_s))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _model_ref(text: str) -> tuple[str, str]:
+    name, sep, version = text.partition("@")
+    if not sep:
+        raise InputError(f"{text!r}: expected NAME@VERSION")
+    return check_id(name, "model name"), check_id(version, "model version")
+
+
+def cmd_prune(args: Any) -> int:
+    from .fleet_cli import state_dir
+
+    with Registry(state_dir=state_dir(args)) as reg:
+        for ref, on in [(t, True) for t in args.tag or []] + [(t, False) for t in args.untag or []]:
+            name, version = _model_ref(ref)
+            set_tag(reg, name, version, tagged=on)
+            print(f"{'tagged' if on else 'untagged'} {name} {version}")
+        if args.tag or args.untag:
+            return 0
+        result = plan(reg, policy_from_args(args))
+        freed = apply(reg, result) if args.apply else 0
+        if args.json:
+            print(json.dumps({**result.to_json(), "applied": bool(args.apply), "freed": freed}, indent=2))
+            return 0
+        for line in result.lines():
+            print(line)
+        verb = "pruned" if args.apply else "would prune (dry run; --apply to delete)"
+        print(f"{verb}: {result.summary()}")
+        queued = len(RetractQueue(reg).pending())
+        if args.apply and queued:
+            print(f"{queued} retained publication(s) queued for retraction: the serving coordinator clears them")
+    return 0
+
+
+def add_prune_command(sub: Any) -> None:
+    import argparse
+
+    from .fleet_parser import _state_arg
+
+    p = sub.add_parser("prune", help="delete old model versions and update payloads (dry run unless --apply)",
+                       description=PRUNE_HELP, epilog=PRUNE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _state_arg(p)
+    add_retention_args(p)
+    p.add_argument("--apply", action="store_true", help="delete (default: only print what would go)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--tag", action="append", metavar="NAME@VERSION", help="always keep this version (repeatable)")
+    p.add_argument("--untag", action="append", metavar="NAME@VERSION", help="remove a tag (repeatable)")
+    p.set_defaults(func=cmd_prune)
