@@ -6,8 +6,10 @@ MEAN replaced by the C kernels of the variant dispatched for this CPU (AVX2, NEO
 ADD and MEAN are cheap ops, but in int64 numpy MobileNet's residual ADDs and final MEAN
 cost as much as a quarter of all its convolutions. Weights are packed once at prepare time;
 everything else (pools, PAD, PADV2, GATHER, grouped CONV_2D, broadcasting ADD, ...) stays
-numpy (the reference kernels). Results are bit-identical to the reference, so selection
-checks them in int8 units like tflite.
+numpy (the reference kernels). That is the documented fallback of MobileNetV3 / EfficientNet's
+elementwise ops too: HARD_SWISH and LOGISTIC are 256-entry table lookups already (as fast
+as C would be) and MUL is one vectorised pass (reference_ops_elementwise). Results are
+bit-identical to the reference, so selection checks them in int8 units like tflite.
 """
 
 from __future__ import annotations
