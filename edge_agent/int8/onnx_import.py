@@ -301,6 +301,9 @@ class _Converter(StructOps, ElementwiseOps):
     # -- helpers
     def _act(self, tensor: str, what: str) -> str:
         t = self.alias.get(tensor, tensor)
+        if t in self.pending:  # a 5-D channel split used other than by the shuffle's Transpose
+            raise OnnxImportError(f"{what}: tensor {tensor!r} is a 5-D channel split; supported only as "
+                                  "ShuffleNet's channel shuffle (Reshape -> Transpose(0,2,1,3,4) -> Reshape)")
         if t not in self.shapes:
             raise OnnxImportError(f"{what}: tensor {tensor!r} is not an activation computed here")
         return t
