@@ -14,6 +14,7 @@ Lowerings (TFLite op vocabulary), each exact in float:
   at 127 == 1.0 is the upper clamp. Why not ADD(+3) RELU6 then MUL(1/6): two ops, two
   roundings and only alpha = 1/6; this is one op, any alpha > 0, and it runs on the native
   conv kernels;
+- Sub of a constant -> Add of its negation;
 - Mul of two activations -> MUL with broadcasting ((N,1,1,C) over (N,H,W,C): the SE scale);
   Mul / Div by a constant: folded into the producing conv / depthwise / FC when per-channel
   or scalar (exact), else MUL with an int8 constant operand; Add of a constant that cannot
@@ -61,7 +62,10 @@ class ElementwiseOps:
         """An ONNX constant broadcast against activation x (model layout) -> NHWC layout,
         refused when it would enlarge x (the output must keep x's shape)."""
         nm, model_shape = oi.node_name(node), to_nchw_shape(self.shapes[x])
-        c = np.asarray(value, np.float32)
+        try:
+            c = np.asarray(value, np.float32)
+        except (TypeError, ValueError):
+            raise UnsupportedOpError(nm, node.op_type, f"a constant of type {np.asarray(value).dtype}") from None
         if c.ndim > len(model_shape):
             raise UnsupportedOpError(nm, node.op_type, f"constant of rank {c.ndim} on a rank-{len(model_shape)} input")
         c = c.reshape((1,) * (len(model_shape) - c.ndim) + c.shape)
@@ -137,10 +141,23 @@ class ElementwiseOps:
         nm = oi.node_name(node)
         if node.input[0] in self.consts or node.input[1] not in self.consts:
             raise UnsupportedOpError(nm, "Div", "only an activation divided by a constant")
-        c = np.asarray(self.consts[node.input[1]], np.float64)
+        try:
+            c = np.asarray(self.consts[node.input[1]], np.float64)
+        except (TypeError, ValueError):
+            raise UnsupportedOpError(nm, "Div", "a non-numeric divisor") from None
         if np.any(c == 0) or not np.all(np.isfinite(c)):
             raise UnsupportedOpError(nm, "Div", "a divisor that is zero or not finite")
         self._with_constant(node, "MUL", self._act(node.input[0], f"node {nm!r}"), 1.0 / c)
+
+    def _op_Sub(self, node: onnx.NodeProto) -> None:  # noqa: N802 - input normalisation (x - mean)
+        nm = oi.node_name(node)
+        if node.input[0] in self.consts or node.input[1] not in self.consts:
+            raise UnsupportedOpError(nm, "Sub", "only an activation minus a constant")
+        try:
+            c = -np.asarray(self.consts[node.input[1]], np.float64)
+        except (TypeError, ValueError):
+            raise UnsupportedOpError(nm, "Sub", "a non-numeric constant") from None
+        self._with_constant(node, "ADD", self._act(node.input[0], f"node {nm!r}"), c)
 
     def _elementwise(self, node: onnx.NodeProto, kind: str) -> None:
         nm = oi.node_name(node)
@@ -181,7 +198,10 @@ def _scalar(consts: dict[str, np.ndarray], name: str) -> float | None:
     v = consts.get(name)
     if v is None or np.asarray(v).size != 1:
         return None
-    return float(np.asarray(v).reshape(-1)[0])
+    try:
+        return float(np.asarray(v).reshape(-1)[0])
+    except (TypeError, ValueError):  # a string or other non-numeric constant: no pattern
+        return None
 
 
 def fuse_hard_swish(nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray],

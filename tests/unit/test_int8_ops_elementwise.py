@@ -202,8 +202,9 @@ def test_mul_div_add_with_constants_and_broadcasting_match_onnx() -> None:
                   ["CONV_2D", "MUL"])
     # on the graph input (no producer): MUL / ADD with a constant; Div by a scalar is a MUL
     _matches_onnx(_model([helper.make_node("Div", ["x", "two"], ["d"], name="half"),
-                          helper.make_node("Add", ["d", "s"], ["y"], name="shift")], (1, 3, 5, 5), inits),
-                  ["MUL", "ADD"])
+                          helper.make_node("Add", ["d", "s"], ["a"], name="shift"),
+                          helper.make_node("Sub", ["a", "map"], ["y"], name="minus_map")], (1, 4, 5, 5), inits),
+                  ["MUL", "ADD", "ADD"])
     # SE scale and a broadcast Add: (N,C,1,1) over (N,C,H,W)
     _matches_onnx(_model([conv, helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
                           helper.make_node("Mul", ["c", "p"], ["m"], name="scale"),
@@ -215,6 +216,7 @@ def test_mul_div_add_with_constants_and_broadcasting_match_onnx() -> None:
     ([helper.make_node("HardSigmoid", ["c"], ["y"], name="hs0", alpha=0.0)], {}, "hs0", "HardSigmoid", "alpha > 0"),
     ([helper.make_node("Div", ["k", "c"], ["y"], name="inv")], {"k": np.float32(2)}, "inv", "Div", "divided by a constant"),
     ([helper.make_node("Div", ["c", "z"], ["y"], name="by0")], {"z": np.float32(0)}, "by0", "Div", "zero"),
+    ([helper.make_node("Sub", ["k", "c"], ["y"], name="rsub")], {"k": np.float32(1)}, "rsub", "Sub", "minus a constant"),
     ([helper.make_node("MaxPool", ["c"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
       helper.make_node("Mul", ["c", "p"], ["y"], name="mismatch")], {}, "mismatch", "Mul", "do not broadcast"),
     ([helper.make_node("Mul", ["c", "big"], ["y"], name="grow")], {"big": np.ones((2, 4, 4, 4), np.float32)},
