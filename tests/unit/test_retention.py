@@ -197,7 +197,7 @@ def test_driver_per_job_memory_is_bounded_and_a_cancel_logs_at_info(tmp_path: Pa
     from edge_agent.agent.policy import DeviceLimits
     from edge_agent.agent.state import Readings
     from edge_agent.protocol import Topics
-    from edge_agent.transport.outbox import Outbox, OutboxKey
+    from edge_agent.transport.outbox import Outbox
 
     store = JobStore(tmp_path / "jobs", keep_records=10)
     outbox = Outbox(directory=tmp_path / "outbox", max_bytes=1 << 20)
