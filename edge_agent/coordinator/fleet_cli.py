@@ -405,6 +405,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = read_serve_file(state_dir(args))
         print(f"coordinator: {'serving ' + str(info.get('broker')) if serving(info) else 'not running'}"
               + (f", fleet {info.get('fleet')}" if info else ""))
+        for problem in (info.get("problems") or [])[:10] if serving(info) else []:
+            print(f"PROBLEM: {str(problem)[:1000]}")
         print(table(jobs_table(reg, jobs)) if jobs else "no jobs yet: edge-coordinator train --model NAME ...")
         refusing = refusal_lines(reg.list_devices(), time.time())
         if refusing:

@@ -277,6 +277,8 @@ class Coordinator:
         if job:
             update["job"] = job
         self.registry.record_state(device, online=True, state=update)
+        if phase == "model-downloading" and "fetching the full bundle" in str(b.get("detail", "")):
+            self._full_wanted(str(b["detail"]).split(":", 1)[0])  # its head patch failed (agent models.py)
         if job is None or rnd is None:
             return
         metrics = b.get("metrics") or {}
@@ -407,6 +409,16 @@ class Coordinator:
                 self.artefacts.forget(vp.name, vp.version)
         except EdgeAgentError as exc:  # the broker went away mid-retraction: the rest stay queued
             log.warning("retention: %s (retried later)", exc)
+
+    def _full_wanted(self, ref: str) -> None:
+        """A device asks for a version's whole bundle ("name/version"): build and publish it."""
+        name, _, version = ref.partition("/")
+        try:
+            mv = self.registry.get_model(name, version)
+        except InputError:  # not a version of ours
+            return
+        if (mv.name, mv.version) not in self._published and self.client.connected:
+            self._publish_safely(mv, full=True)
 
     def _publish_safely(self, mv: ModelVersion, *, full: bool = True) -> bool:
         try:

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from edge_agent.agent.jobs import JobState
+from edge_agent.coordinator.artefacts import ModelArtefacts
 from edge_agent.coordinator.records import JobStatus, ParticipantStatus, RoundState, UpdateStatus
 from edge_agent.int8.bundle import load_bundle, unpack_bundle
 from edge_agent.transport import MqttClient
@@ -66,9 +67,9 @@ def test_two_rounds_and_round_two_reaches_the_agents_as_a_head_patch(mosquitto, 
             assert sorted(u.device_id for u in updates) == sorted(a.id for a in agents_)
             assert all(u.status is UpdateStatus.ACCEPTED for u in updates)
         version = first.aggregated_version
-    # what the coordinator published as that version, byte for byte
-    published = unpack_bundle(coordinator.state_dir / "bundles" / "digits" / f"{version}.tar.gz",
-                              tmp_path / "published")
+        # what the coordinator's commands pinned as that version (the full archive: built on demand)
+        archive = ModelArtefacts(reg).archive_for(reg.get_model("digits", version)).path
+    published = unpack_bundle(archive, tmp_path / "published")
     for agent in agents_:
         text = agent.log_tail(10**7)
         assert "model digits/1: fetching the bundle" in text, text  # round 1: nothing to patch yet
