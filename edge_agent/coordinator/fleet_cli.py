@@ -259,6 +259,8 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    if args.name == "rollback" or args.rollback or args.to_best:
+        return _rollback(args)
     with _registry(args) as reg:
         models = reg.list_models(args.name)
         if args.json:
@@ -268,6 +270,19 @@ def cmd_models(args: argparse.Namespace) -> int:
             print("no models registered: edge-coordinator model register BUNDLE --name NAME --version 1")
             return EXIT_OK
         print(table(model_rows(models)))
+    return EXIT_OK
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from .plateau import rollback
+
+    rest = list(args.rollback or [])
+    if args.name != "rollback" or not 1 <= len(rest) <= 2 or (len(rest) == 2) == bool(args.to_best):
+        raise UsageError("usage: edge-coordinator models rollback NAME VERSION | models rollback NAME --to-best JOB")
+    with _registry(args) as reg:
+        mv = rollback(reg, rest[0], rest[1] if len(rest) == 2 else None, best_of=args.to_best)
+        print(f"{mv.name} {mv.version} (the head of {mv.parent}) is now the current version: the next job "
+              f"trains from it, devices fetch it with their next command")
     return EXIT_OK
 
 
@@ -332,6 +347,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, name, None)
         if value is not None:
             params[name] = value
+    params.update(_learning_params(args))
     check_job_params({**params, "budget_wh": args.budget_wh})
     with _registry(args) as reg:
         mv = _model(reg, args.model)
@@ -364,6 +380,23 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"follow it: edge-coordinator status {job.id}")
             return EXIT_OK
         return _follow(reg, job.id, interval=args.poll)
+
+
+def _learning_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The server optimiser and plateau options as job params (server_opt.py, plateau.py)."""
+    from .plateau import check_learning_params
+
+    out: dict[str, Any] = {}
+    for arg, name in (("server_opt", "server_opt"), ("server_lr", "server_lr"), ("momentum", "server_momentum"),
+                      ("patience", "plateau_patience"), ("on_plateau", "on_plateau")):
+        if getattr(args, arg, None) is not None:
+            out[name] = getattr(args, arg)
+    if getattr(args, "min_delta", None) is not None:
+        out["plateau_min_delta"] = args.min_delta / 100.0  # points on the command line, a fraction inside
+    if ("on_plateau" in out or "plateau_min_delta" in out) and "plateau_patience" not in out:
+        raise UsageError("--on-plateau and --min-delta need --patience N (how many versions without improvement)")
+    check_learning_params(out)
+    return out
 
 
 def _follow(reg: Any, job_id: str, *, interval: float) -> int:

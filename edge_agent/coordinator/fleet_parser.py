@@ -102,7 +102,22 @@ from that version. A device that refuses, fails or is silent is a dropout (liste
 its reason); a round with fewer than --min-devices accepted updates fails.
 
 Before queueing, the devices matching --devices are checked now; if too few are eligible
-each one's reason is printed and nothing is queued (unless --wait-for-devices)."""
+each one's reason is printed and nothing is queued (unless --wait-for-devices).
+
+Knowing when to stop. Each device measures the version it is sent on its own validation
+split before training on it, so every round tells the coordinator the previous version's
+global accuracy (weighted by samples; `status JOB` lists it and names the best version).
+With --patience N the job ends once N versions in a row did not beat the best by more
+than --min-delta points, and its last version is the best one restored (the drift after
+the peak is not what the fleet keeps); --on-plateau decay halves the server learning rate
+instead (up to 3 times, then stops). Without --patience the job runs all its rounds.
+`edge-coordinator models rollback NAME --to-best JOB` brings the best version back later.
+
+The server optimiser turns the round's aggregate (the devices' mean update) into the step:
+fedavg adds it as it is (times --server-lr, default 1); fedavgm keeps a momentum across
+rounds (--momentum, default 0.9; smooths the round-to-round pull of non-IID devices);
+fedadam (default --server-lr 0.01) scales each weight's step by its own recent size
+(Reddi et al. 2021, "Adaptive Federated Optimization")."""
 
 TRAIN_EPILOG = """\
 examples:
@@ -111,6 +126,8 @@ examples:
   edge-coordinator train --model birds@2 --devices tag:orchard --rounds 5 --min-devices 10 \\
       --deadline 2h --budget-wh 2 --aggregator trimmed_mean --devices-per-round 20 --detach
   edge-coordinator train --model digits --devices board:raspberry-pi-5 --param patience=2
+  edge-coordinator train --model digits --rounds 300 --patience 20 --min-delta 0.2 \
+      --server-opt fedavgm --server-lr 0.5 --momentum 0.5 --on-plateau decay --detach
 
 Ctrl-C stops watching; the job keeps running (edge-coordinator status JOB / cancel JOB)."""
 
@@ -236,6 +253,18 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default=None, help="aggregation rule")
     t.add_argument("--devices-per-round", type=_COUNT, default=None, metavar="K",
                    help="sample K of the eligible devices each round (default: all)")
+    t.add_argument("--server-opt", choices=("fedavg", "fedavgm", "fedadam"), default=None,
+                   help="server optimiser applied to each round's aggregate (default fedavg)")
+    t.add_argument("--server-lr", type=_number(float, 1e-6, 100.0), default=None, metavar="LR",
+                   help="server learning rate (default 1; fedadam 0.01)")
+    t.add_argument("--momentum", type=_number(float, 0.0, 0.999), default=None, metavar="B",
+                   help="fedavgm's momentum, fedadam's beta1 (default 0.9)")
+    t.add_argument("--patience", type=_number(int, 1, 10_000), default=None, metavar="N",
+                   help="stop (or decay) after N versions without improving the global accuracy (default: off)")
+    t.add_argument("--min-delta", type=_number(float, 0.0, 50.0), default=None, metavar="POINTS",
+                   help="an improvement is a gain of more than this many accuracy points (default 0.2)")
+    t.add_argument("--on-plateau", choices=("stop", "decay"), default=None,
+                   help="at a plateau: stop and restore the best version (default), or halve the server lr")
     t.add_argument("--param", type=_param, action="append", metavar="KEY=VALUE",
                    help="any other job parameter passed to the devices (repeatable)")
     t.add_argument("--wait-for-devices", action="store_true",
@@ -254,12 +283,21 @@ def add_fleet_commands(sub: Any) -> None:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=cmd_status)
 
-    m = sub.add_parser("models", help="list registered and produced model versions",
-                       description="Model versions: registered bundles and the head-only versions rounds produced.",
-                       epilog="examples:\n  edge-coordinator models\n  edge-coordinator models digits --json",
+    m = sub.add_parser("models", help="list model versions; `models rollback` makes an earlier one current again",
+                       description="Model versions: registered bundles and the head-only versions rounds produced.\n\n"
+                                   "`models rollback NAME VERSION` (or `--to-best JOB`: the best version that job "
+                                   "measured) registers a copy of that version's head as the newest version "
+                                   "(VERSION-rbN, parent VERSION): the next job trains from it and devices fetch "
+                                   "it with their next command. Nothing is deleted.",
+                       epilog="examples:\n  edge-coordinator models\n  edge-coordinator models digits --json\n"
+                              "  edge-coordinator models rollback digits job-5f2c9a1b07de-r41\n"
+                              "  edge-coordinator models rollback digits --to-best job-5f2c9a1b07de",
                        formatter_class=fmt)
     _state_arg(m)
-    m.add_argument("name", nargs="?", help="only this model")
+    m.add_argument("name", nargs="?", help="only this model (or `rollback`)")
+    m.add_argument("rollback", nargs="*", metavar="NAME [VERSION]", help="with `rollback`: the model and version")
+    m.add_argument("--to-best", metavar="JOB", default=None,
+                   help="with `rollback`: the best version job JOB measured (its devices' validation accuracy)")
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(func=cmd_models)
 

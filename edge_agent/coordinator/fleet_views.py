@@ -144,7 +144,14 @@ def job_json(reg: Registry, job_id: str) -> dict[str, Any]:
     return {"id": j.id, "model": j.model_name, "version": j.model_version, "selector": j.selector,
             "status": j.status.value, "reason": j.reason, "rounds": j.rounds, "min_devices": j.min_devices,
             "deadline_s": j.deadline_s, "params": j.params, "created_at": j.created_at,
-            "round_results": [round_summary(reg, r) for r in reg.list_rounds(job_id)]}
+            "round_results": [round_summary(reg, r) for r in reg.list_rounds(job_id)],
+            "learning": _learning_json(reg, job_id)}
+
+
+def _learning_json(reg: Registry, job_id: str) -> dict[str, Any] | None:
+    from .plateau import job_learning
+
+    return job_learning(reg.state_dir, job_id)
 
 
 def job_detail(reg: Registry, job_id: str) -> str:
@@ -152,6 +159,7 @@ def job_detail(reg: Registry, job_id: str) -> str:
     lines = [f"job {j.id}: {j.status.value}" + (f" ({j.reason})" if j.reason else ""),
              f"  model {j.model_name} {j.model_version} on {j.selector}; {j.rounds} round(s), >= {j.min_devices} "
              f"device(s), {j.deadline_s:.0f} s per round; params {j.params}"]
+    lines += _learning_lines(reg, j)
     for rnd in reg.list_rounds(job_id):
         s = round_summary(reg, rnd)
         took = f"{rnd.ended_at - rnd.started_at:.0f} s" if rnd.ended_at else "running"
@@ -170,6 +178,24 @@ def job_detail(reg: Registry, job_id: str) -> str:
         for dev, why in s["rejected"].items():
             lines.append(f"    rejected {dev}: {why}")
     return "\n".join(lines)
+
+
+def _learning_lines(reg: Registry, job: Job) -> list[str]:
+    """The best version the job measured (plateau.py) and how to roll the fleet back to it."""
+    from .plateau import job_learning
+
+    learned = job_learning(reg.state_dir, job.id)
+    best = (learned or {}).get("best")
+    if not learned or not best:
+        return []
+    out = [f"  best version {best['version']}: {100 * best['accuracy']:.2f} % global accuracy (the devices' "
+           f"validation splits, weighted by samples; measured in round {best['round']}); "
+           f"{len(learned['history'])} version(s) measured"
+           + (f"; server lr decayed {learned['decays']}x" if learned["decays"] else "")]
+    newest = reg.list_models(job.model_name)
+    if newest and newest[-1].version != best["version"] and newest[-1].metrics.get("restored") != best["version"]:
+        out.append(f"  roll the fleet back to it: edge-coordinator models rollback {job.model_name} --to-best {job.id}")
+    return out
 
 
 def progress_line(reg: Registry, job_id: str, now: float) -> tuple[str, Job]:
