@@ -9,6 +9,12 @@ global held-out accuracy, one round late, at no extra cost and without the coord
 holding device data. (A coordinator-side held-out set would need the backbone and labelled
 data on the coordinator; the demo's report does that for its simulated fleet only.)
 
+One round's measurement comes from the devices that round sampled (non-IID: an easy
+device's 100 % or a hard one's 60 % moves it by points), so the rule and the best version
+use its exponential moving average over versions (plateau_smoothing: the newest
+measurement's weight; 1 = none). Versions change a little per round, so the average is
+their accuracy with the sampling noise of one round divided down, lagging a few rounds.
+
 The rule, checked once per measured version (`PlateauRule`, job params):
     plateau_patience    versions in a row without a gain of more than plateau_min_delta
                         over the best (None: no plateau detection; the best is still tracked)
@@ -44,6 +50,7 @@ class PlateauRule:
     on_plateau: str = "stop"
     decay: float = 0.5
     max_decays: int = 3
+    smoothing: float = 0.3
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> PlateauRule:
@@ -59,7 +66,8 @@ class PlateauRule:
         if isinstance(max_decays, bool) or not isinstance(max_decays, int) or not 0 <= max_decays <= 100:
             raise InputError(f"plateau_max_decays must be an integer in [0, 100], got {str(max_decays)[:40]!r}")
         return cls(patience=patience, min_delta=_fraction(params, "plateau_min_delta", 0.002, 0.0, 0.5),
-                   on_plateau=on, decay=_fraction(params, "plateau_decay", 0.5, 0.01, 0.99), max_decays=max_decays)
+                   on_plateau=on, decay=_fraction(params, "plateau_decay", 0.5, 0.01, 0.99), max_decays=max_decays,
+                   smoothing=_fraction(params, "plateau_smoothing", 0.3, 0.01, 1.0))
 
 
 def _fraction(params: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -87,15 +95,18 @@ def observe(rule: PlateauRule, info: Mapping[str, Any], version: str, accuracy: 
             measured_in: int) -> tuple[dict[str, Any], str]:
     """Add one measured version to the state; returns (new state, "continue"|"decay"|"stop")."""
     out = dict(info)
+    prev = out.get("smoothed")
+    smoothed = float(accuracy) if prev is None else rule.smoothing * accuracy + (1 - rule.smoothing) * float(prev)
+    out["smoothed"] = smoothed
     history = [h for h in out.get("history", []) if h[0] != version][-MAX_HISTORY + 1:]
-    history.append([version, measured_in, round(float(accuracy), 6), int(samples)])
+    history.append([version, measured_in, round(float(accuracy), 6), int(samples), round(smoothed, 6)])
     out["history"] = history
     best = out.get("best")
-    if best is None or accuracy > best["accuracy"]:
-        out["best"] = {"version": version, "accuracy": round(float(accuracy), 6), "round": measured_in}
+    if best is None or smoothed > best["accuracy"]:
+        out["best"] = {"version": version, "accuracy": round(smoothed, 6), "round": measured_in}
     ref = out.get("reference")
-    if ref is None or accuracy > ref + rule.min_delta:
-        out["reference"], out["since_best"] = float(accuracy), 0
+    if ref is None or smoothed > ref + rule.min_delta:
+        out["reference"], out["since_best"] = smoothed, 0
         return out, "continue"
     out["since_best"] = int(out.get("since_best", 0)) + 1
     if rule.patience is None or out["since_best"] < rule.patience:
@@ -163,3 +174,30 @@ def job_learning(state_dir: str | Path, job_id: str) -> dict[str, Any] | None:
         return None
     return {"best": info.get("best"), "history": info.get("history", []), "lr_scale": info.get("lr_scale", 1.0),
             "decays": info.get("decays", 0), "stopped": info.get("stopped", ""), "round": n}
+
+
+def rollback(reg: Any, name: str, version: str | None = None, *, best_of: str | None = None,
+             now: float | None = None) -> Any:
+    """Make `version` (or job `best_of`'s best version) the model's current version again: a
+    new newest version with its head (`<version>-rbN`, parent `version`), so the next job
+    trains from it and devices fetch it with their next command; history is not rewritten.
+    Returns the new ModelVersion; InputError when there is nothing to roll back to."""
+    if best_of is not None:
+        learned = job_learning(reg.state_dir, best_of)
+        job = reg.get_job(best_of)
+        if job.model_name != name:
+            raise InputError(f"job {best_of} trained {job.model_name}, not {name}")
+        if not learned or not learned.get("best"):
+            raise InputError(f"job {best_of} has no measured version (its devices reported no accuracy)")
+        version = str(learned["best"]["version"])
+    if version is None:
+        raise InputError("name the version to roll back to, or --to-best JOB")
+    source = reg.get_model(name, version)
+    versions = reg.list_models(name)
+    if versions and versions[-1].version == version:
+        raise InputError(f"{name} {version} is already the current (newest) version")
+    n = 1 + sum(1 for m in versions if m.version.startswith(f"{version[:56]}-rb"))
+    new = f"{version[:56]}-rb{n}"
+    return reg.add_model_version(name=name, version=new, head=reg.load_head(source), parent=version,
+                                 bundle_path=source.bundle_path, head_only=True, now=now,
+                                 metrics={"rollback_of": version, "replaced": versions[-1].version})
