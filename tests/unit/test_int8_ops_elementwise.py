@@ -341,3 +341,40 @@ def test_blocks_import_quantise_and_agree_with_tflite_and_float(arch: str) -> No
     assert agreement >= 0.93, agreement
     assert np.mean(optimized == ref) >= 0.8
     assert len(set(ref.tolist())) >= 4  # the head really discriminates
+
+
+@pytest.mark.parametrize("gate", ["hard", "sigmoid"])
+def test_gluon_blocks_through_mxnets_exporter_match_mxnet(gate: str) -> None:
+    """A Gluon net with x * clip(x + 3, 0, 6) / 6 or SiLU and an SE block (hard_sigmoid or
+    sigmoid, broadcast_mul), exported by MXNet's own ONNX exporter, imports exactly."""
+    import mxnet as mx
+    from mxnet.gluon import nn
+
+    from edge_agent.int8.onnx_export import export_onnx
+
+    class Net(nn.HybridBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            with self.name_scope():
+                self.stem = nn.Conv2D(8, 3, padding=1, in_channels=3)
+                self.dw = nn.Conv2D(8, 3, padding=1, groups=8, in_channels=8)
+                self.fc1, self.fc2 = nn.Conv2D(4, 1, in_channels=8), nn.Conv2D(8, 1, in_channels=4)
+                self.proj = nn.Conv2D(6, 1, in_channels=8)
+
+        def hybrid_forward(self, F, x):  # noqa: N803 - Gluon's signature
+            x = self.stem(x)
+            x = x * F.clip(x + 3, 0, 6) / 6 if gate == "hard" else x * F.sigmoid(x)
+            x = self.dw(x)
+            w = self.fc2(F.relu(self.fc1(F.contrib.AdaptiveAvgPooling2D(x, output_size=1))))
+            w = F.hard_sigmoid(w, alpha=1 / 6, beta=0.5) if gate == "hard" else F.sigmoid(w)
+            return self.proj(F.broadcast_mul(x, w))
+
+    mx.random.seed(0)
+    net = Net()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    g = import_onnx(export_onnx(net, (1, 3, 8, 8)))
+    kinds = [op.kind for op in g.ops]
+    assert kinds.count("HARD_SWISH" if gate == "hard" else "LOGISTIC") == (1 if gate == "hard" else 2)
+    np.testing.assert_allclose(run_float(g, x), net(mx.nd.array(x)).asnumpy(), rtol=1e-4, atol=1e-5)
