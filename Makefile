@@ -8,12 +8,13 @@ DEMO_ARGS ?=
 ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 DEB_MODE ?= offline
 
-.PHONY: demo test test-arm lint bench deb clean help
+.PHONY: demo test test-arm lint bench soak deb clean help
 
 help:
 	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
 	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
+	@echo "make soak   - a fleet for 1,000 rounds (real mosquitto, 4 agents): growth per round -> BENCHMARKS.md"
 	@echo "make deb    - build dist/edge-agent_<ver>_<arch>.deb (ARCH=arm64, DEB_MODE=thin)"
 	@echo "make test-arm - (root) the .debs installed and run on emulated Raspberry Pi OS arm64 + armhf (qemu-user)"
 
@@ -43,6 +44,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Long: hours on a quiet machine (bench/soak.py). SOAK_ROUNDS=300 for a shorter one.
+SOAK_ROUNDS ?= 1000
+soak: $(STAMP)
+	EDGE_SOAK_ROUNDS=$(SOAK_ROUNDS) $(BIN)/python -m bench.run --only bench_soak
 
 # Root only: debootstrap a Bookworm root per architecture (cached in build/arm/), install
 # the .deb there under qemu-user and run probe, kernels, finetune and a fleet round.
