@@ -65,7 +65,7 @@ def test_logistic_exact(seed: int, in_scale: float) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("operand", ["same", "broadcast", "constant", "constant_map"])
+@pytest.mark.parametrize("operand", ["same", "broadcast", "broadcast_first", "constant", "constant_map"])
 @pytest.mark.parametrize("activation", ["NONE", "RELU", "RELU6"])
 def test_mul_exact(seed: int, operand: str, activation: str) -> None:
     rng = np.random.default_rng(seed)
@@ -73,13 +73,15 @@ def test_mul_exact(seed: int, operand: str, activation: str) -> None:
     x = b.input
     if operand == "same":
         other = b.requantize(x, float(rng.uniform(0.005, 0.1)), int(rng.integers(-60, 60)))
-    elif operand == "broadcast":  # the SE scale: (N,1,1,C) over (N,H,W,C); MEAN + LOGISTIC like EfficientNet
+    elif operand.startswith("broadcast"):  # the SE scale: (N,1,1,C) over (N,H,W,C), MEAN + LOGISTIC
         other = b.logistic(b.mean(x, (1, 2), keep_dims=True))
+        if operand == "broadcast_first":  # torchvision writes scale * input
+            x, other = other, x
     else:
         other = b.int8_constant((1, 1, 1, 6) if operand == "constant" else (1, 4, 5, 6))
     g = b.build(b.mul(x, other, activation=activation))
     agree(g, rng.integers(-128, 128, size=(2, 4, 5, 6), dtype=np.int8),
-          optimized_bound=2 if operand == "broadcast" else 1)  # MEAN's optimized path is 1 off
+          optimized_bound=2 if operand.startswith("broadcast") else 1)  # MEAN's optimized path is 1 off
 
 
 def test_check_graph_refuses_what_tflite_refuses() -> None:
