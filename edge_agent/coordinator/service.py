@@ -282,7 +282,7 @@ class Coordinator:
         if job is None or rnd is None:
             return
         metrics = b.get("metrics") or {}
-        if phase in ("uploading", "done") and metrics:
+        if phase in ("uploading", "done") and metrics and not self.registry.has_update(job, device, rnd):
             self._results[(job, device, rnd)] = {k: metrics[k] for k in RESULT_METRICS if _scalar(metrics.get(k))}
             while len(self._results) > 10_000:
                 self._results.popitem(last=False)
@@ -350,7 +350,7 @@ class Coordinator:
         if (header.job_id, header.device_id, header.round) != (key.job, key.device, key.round):
             return Receipt("rejected", "key_mismatch", f"payload is for {header.key}, chunks say "
                                                        f"{(key.job, key.device, key.round)}")
-        result = self._results.get((key.job, key.device, key.round), {})
+        result = self._results.pop((key.job, key.device, key.round), {})  # read once: memory stays flat
         samples = upload.samples if upload.samples is not None else result.get("num_samples")
         energy = upload.energy_wh if upload.energy_wh is not None else result.get("energy_wh")
         metrics = {k: v for k, v in result.items() if k not in ("num_samples",)}
