@@ -128,7 +128,9 @@ class Daemon:
             label_map=g("data", "label_map"), skip_unknown=bool(g("data", "skip_unknown", False)),
             chunk_size=max(1024, min(64 * 1024, max_message - CHUNK_HEADROOM)),
             progress_interval_s=float(g("service", "progress_interval_s")))
-        self.driver = JobDriver(settings=settings, store=JobStore(sd / "jobs"), models=self.models,
+        self.driver = JobDriver(settings=settings, store=JobStore(
+            sd / "jobs", keep_records=int(g("service", "keep_job_records", 500)),
+            keep_days=float(g("service", "keep_job_days", 30.0))), models=self.models,
                                 outbox=self.outbox, readings=self.device.readings, publish=self.progress)
         self.watchdog = watchdog or Watchdog()
         self.state_interval = float(g("service", "state_interval_s"))

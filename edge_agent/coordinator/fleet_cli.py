@@ -156,6 +156,13 @@ def cmd_key(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- devices and approval
 def cmd_devices(args: argparse.Namespace) -> int:
+    if getattr(args, "release", None):
+        with _registry(args) as reg:
+            dev = _resolve(reg.list_devices(), args.release)
+            was = dev.quarantine_reason or "not quarantined"
+            reg.release_device(dev.id)
+        print(f"released {dev.id} ({was}): it is selected for rounds again")
+        return EXIT_OK
     with _registry(args) as reg:
         devices = reg.list_devices()
         policy = _policy(args)
@@ -169,6 +176,10 @@ def cmd_devices(args: argparse.Namespace) -> int:
         refusing = refusal_lines(devices, time.time())
         if refusing:
             print("\nnot taking jobs now:\n" + "\n".join(refusing))
+        for d in devices:
+            if d.quarantined:
+                print(f"\nQUARANTINED {d.id}: {d.quarantine_reason} -- not selected; "
+                      f"edge-coordinator devices --release {d.id}")
         pending = [d.id for d in devices if not d.approved]
         if pending:
             print(f"\n{len(pending)} waiting for approval: edge-coordinator approve {' '.join(pending[:3])}"

@@ -21,6 +21,7 @@ from .fleet_cli import (
     cmd_train,
 )
 from .records import MAX_ROUNDS
+from .robust import AGGREGATORS
 
 DEFAULT_STATE_DIR = "~/.local/share/edge-coordinator"
 STATE_ENV = "EDGE_COORDINATOR_STATE_DIR"
@@ -173,8 +174,8 @@ def add_fleet_commands(sub: Any) -> None:
                    help="a device is online if heard from within this (default 300 s)")
     s.add_argument("--min-battery", type=_number(float, 0, 100), default=30.0, metavar="PCT",
                    help="select devices with at least this battery, unless on power (default 30)")
-    s.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default="fedavg",
-                   help="default aggregator (a job may choose its own)")
+    s.add_argument("--aggregator", choices=AGGREGATORS, default="fedavg_clipped",
+                   help="default aggregator (a job may choose its own; robust.py explains each)")
     s.add_argument("--max-wait", type=_duration, default=None, metavar="DURATION",
                    help="how long a round waits for enough eligible devices (default: the job's deadline)")
     s.add_argument("--tick", type=_SECONDS, default=1.0, metavar="S", help="seconds between round steps (default 1)")
@@ -202,6 +203,8 @@ def add_fleet_commands(sub: Any) -> None:
                        formatter_class=fmt)
     _state_arg(d)
     d.add_argument("--json", action="store_true", help="print JSON")
+    d.add_argument("--release", metavar="DEVICE", help="lift the quarantine of a device whose updates were "
+                   "repeatedly screened out (it is selected for rounds again)")
     d.set_defaults(func=cmd_devices)
 
     a = sub.add_parser("approve", help="approve (or --revoke) devices so their messages are accepted",
@@ -250,7 +253,8 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--batch-size", type=int, default=None, help="training batch size on each device")
     t.add_argument("--lr", type=float, default=None, help="learning rate")
     t.add_argument("--update-bytes", type=int, default=None, metavar="BYTES", help="byte budget of each update")
-    t.add_argument("--aggregator", choices=("fedavg", "trimmed_mean"), default=None, help="aggregation rule")
+    t.add_argument("--aggregator", choices=AGGREGATORS, default=None,
+                   help="aggregation rule (default: the coordinator's, fedavg_clipped)")
     t.add_argument("--devices-per-round", type=_COUNT, default=None, metavar="K",
                    help="sample K of the eligible devices each round (default: all)")
     t.add_argument("--server-opt", choices=("fedavg", "fedavgm", "fedadam"), default=None,
