@@ -17,7 +17,8 @@ Lowerings (TFLite op vocabulary), each exact in float:
 - Sub of a constant -> Add of its negation;
 - Mul of two activations -> MUL with broadcasting ((N,1,1,C) over (N,H,W,C): the SE scale);
   Mul / Div by a constant: folded into the producing conv / depthwise / FC when per-channel
-  or scalar (exact), else MUL with an int8 constant operand; Add of a constant that cannot
+  or scalar (exact), a positive scalar also after a RELU / RELU6 (the clamp becomes a
+  clip_max), else MUL with an int8 constant operand; Add of a constant that cannot
   fold into a bias, or of two broadcasting activations -> ADD.
 """
 
@@ -48,15 +49,33 @@ class ElementwiseOps:
     alias: dict[str, str]
 
     # -- helpers
-    def _sole_linear_producer(self, x: str) -> FloatOp | None:
-        """The conv / depthwise / FC producing x with no activation, when x is used only once
-        (every alias counts), i.e. when folding an affine map into it changes nothing else."""
+    def _sole_linear_producer(self, x: str, *, activated: bool = False) -> FloatOp | None:
+        """The conv / depthwise / FC producing x, when x is used only once (every alias
+        counts), i.e. when folding a map into it changes nothing else; with no activation,
+        or (activated=True) only with one (RELU, RELU6 or a clip_max)."""
         op = self.producer.get(x)
         uses = self.uses.get(x, 0) + sum(self.uses.get(a, 0) for a, c in self.alias.items() if c == x)
-        if op is None or op.kind not in LINEAR or uses != 1 or op.options.get("activation", "NONE") != "NONE" \
-                or "clip_max" in op.options:
+        if op is None or op.kind not in LINEAR or uses != 1:
             return None
-        return op
+        has_activation = op.options.get("activation", "NONE") != "NONE" or "clip_max" in op.options
+        return op if has_activation == activated else None
+
+    def _scale_activated(self, node: onnx.NodeProto, x: str, c: np.ndarray) -> bool:
+        """x * c for a positive scalar c after a conv / FC with RELU / RELU6: c commutes with
+        the clamp, so fold it (relu6(z) * c = min(relu(c z), 6 c): RELU and clip_max 6c;
+        torch's decomposed hardsigmoid relu6(x + 3) / 6 ends up as one op this way)."""
+        op = self._sole_linear_producer(x, activated=True)
+        if op is None or c.size != 1 or not float(c.reshape(-1)[0]) > 0:
+            return False
+        v = float(c.reshape(-1)[0])
+        top = 6.0 if op.options.get("activation") == "RELU6" else op.options.get("clip_max")
+        op.weight = (op.weight * np.float64(v)).astype(np.float32)
+        op.bias = (op.bias * np.float64(v)).astype(np.float32)
+        op.options["activation"] = "RELU"
+        if top is not None:
+            op.options["clip_max"] = float(top) * v
+        self._rename(op, node.output[0])
+        return True
 
     def _to_nhwc_constant(self, node: onnx.NodeProto, x: str, value: np.ndarray) -> np.ndarray:
         """An ONNX constant broadcast against activation x (model layout) -> NHWC layout,
@@ -107,6 +126,8 @@ class ElementwiseOps:
                 op.weight = (op.weight * v.reshape(shape)).astype(np.float32)
                 op.bias = (op.bias * v).astype(np.float32)
             self._rename(op, node.output[0])
+            return
+        if kind == "MUL" and self._scale_activated(node, x, c):
             return
         nm = oi.node_name(node)
         self._emit(node, FloatOp(kind, nm, [x], node.output[0], {"activation": "NONE"}, c), self.shapes[x])

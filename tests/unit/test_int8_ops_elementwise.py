@@ -181,6 +181,25 @@ def test_hard_swish_decompositions_become_one_op(form: str) -> None:
     assert g.ops[1].name == "hswish"  # the split name of the pattern's last node still works
 
 
+def test_decomposed_hard_sigmoid_gate_folds_into_its_conv() -> None:
+    """SE gate relu6(conv + 3) / 6 (a decomposing exporter's hardsigmoid): bias + 3, RELU6,
+    then / 6 folds too (RELU with clip_max 1): the gate is one CONV_2D, then the MUL."""
+    rng = np.random.default_rng(6)
+    inits = {"w": _w(rng, 4, 4, 1, 1), "b": _w(rng, 4), "three": np.float32(3), "zero": np.float32(0),
+             "six": np.float32(6)}
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["p"], name="gap"), _conv("fc", "p", "c", "w", "b"),
+             helper.make_node("Add", ["c", "three"], ["a"], name="plus3"),
+             helper.make_node("Clip", ["a", "zero", "six"], ["r"], name="relu6"),
+             helper.make_node("Div", ["r", "six"], ["g"], name="over6"),
+             helper.make_node("Mul", ["g", "x"], ["y"], name="scale")]
+    g = _matches_onnx(_model(nodes, (1, 4, 5, 5), inits), ["MEAN", "CONV_2D", "MUL"])
+    assert g.ops[1].options["activation"] == "RELU" and g.ops[1].options["clip_max"] == pytest.approx(1.0)
+    q = quantize_graph(g, (np.random.default_rng(0).normal(size=(16, 4, 5, 5)) * 3).astype(np.float32))
+    gate = q.tensors[g.ops[1].output]
+    assert (float(gate.scale[0]), int(gate.zero_point[0])) == (pytest.approx(1 / 255), -128)
+    agree(q, np.random.default_rng(1).integers(-128, 128, size=(2, 5, 5, 4), dtype=np.int8), optimized_bound=2)
+
+
 def test_a_decomposition_whose_parts_are_used_elsewhere_is_not_fused() -> None:
     rng = np.random.default_rng(3)
     inits = {"w": _w(rng, 4, 3, 1, 1), "three": np.float32(3), "zero": np.float32(0), "six": np.float32(6)}
