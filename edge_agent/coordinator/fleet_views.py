@@ -90,7 +90,8 @@ def devices_json(devices: Sequence[Device], policy: RoundPolicy, now: float) -> 
     return [{"id": d.id, "code": enrolment_code(d), "name": d.state.get("name"), "fleet": d.fleet, "approved": d.approved,
              "online": d.is_online(now, policy.online_within_s), "battery_pct": d.battery_pct, "on_power": d.on_power,
              "energy_wh": d.energy_wh, "board": d.board, "profile": d.profile, "engine": d.engine,
-             "tags": list(d.tags), "state": d.state, "last_seen": d.last_seen, "enrolled_at": d.enrolled_at}
+             "tags": list(d.tags), "state": d.state, "last_seen": d.last_seen, "enrolled_at": d.enrolled_at,
+             "quarantined": d.quarantined, "quarantine_reason": d.quarantine_reason, "strikes": d.strikes}
             for d in devices]
 
 

@@ -15,7 +15,7 @@ Screening (`screen_norms`) works from one update up, in this order:
   2. history: norm > history_k x the median accepted norm of the job's previous rounds.
      This is the only test that can tell which of two updates is the liar.
   3. >= min_updates (3) updates: one-sided modified z-score, norm > center + k x spread,
-     with center = max(median, history median / 2) and spread >= min_spread x center, so
+     with center = max(median, history median) and spread >= min_spread x center, so
      a tiny-norm update (or several) cannot pull the center down far enough to eject an
      honest one once the job has history, and with one liar in three it cannot anyway
      (MAD is taken about the median: one tiny value moves it one rank).
@@ -113,7 +113,7 @@ def screen_norms(norms: Sequence[float], *, history: float | None, k: float = 3.
     fn = np.array([norms[i] for i in live], dtype=np.float64)
     center = float(np.median(fn)) if len(live) else 0.0
     if hist is not None:
-        center = max(center, hist / 2)
+        center = max(center, hist)
     if len(live) >= min_updates:
         med = float(np.median(fn))
         spread = max(MAD_TO_SIGMA * float(np.median(np.abs(fn - med))), min_spread * center, 1e-12)
@@ -130,7 +130,7 @@ def screen_norms(norms: Sequence[float], *, history: float | None, k: float = 3.
             undecidable = (f"undecidable: 2 updates whose norms differ {hi / max(lo, 1e-30):.3g}x "
                            f"(> {small_ratio:g}) and no earlier round to tell which is honest")
     if len(live) == 2 and not undecidable:  # no majority: the smaller norm is the reference
-        center = max(lower_median([norms[i] for i in live]), hist / 2 if hist is not None else 0.0)
+        center = max(lower_median([norms[i] for i in live]), hist if hist is not None else 0.0)
     return NormScreen(live if not undecidable else [], sorted(rejected), undecidable, center, threshold)
 
 
