@@ -97,6 +97,7 @@ AGENT_SCHEMA: Schema = {
         "upload_retry_max_s": number(0.01, 7 * 86400),
         "keep_job_records": Field(int, minimum=1, maximum=1_000_000),  # finished job records kept (jobs.py)
         "keep_job_days": number(1, 36500),
+        "model_fetch_timeout_s": number(1, 7 * 86400),  # no progress for this long: the fetch fails
     },
 }
 _OVERRIDABLE = ("budget", "thermal", "training", "int8")
@@ -112,7 +113,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "service": {"state_interval_s": 60.0, "progress_interval_s": 30.0, "outbox_max_mb": 64,
                 "upload_ack_timeout_s": 120.0,
                 "upload_retry_min_s": 5.0, "upload_retry_max_s": 3600.0,
-                "keep_job_records": 500, "keep_job_days": 30.0},
+                "keep_job_records": 500, "keep_job_days": 30.0, "model_fetch_timeout_s": 600.0},
 }
 
 

@@ -28,7 +28,9 @@ Test hook (only with EDGE_AGENT_TEST_HOOKS=1 in the environment): while the file
 <state_dir>/debug/hang exists the main loop blocks without calling watchdog.alive(), as a
 hung loop would, so a test can check that the watchdog pings stop; while the file
 <state_dir>/debug/fail exists every iteration fails with an OSError, as a local fault (an
-unwritable state directory) would, so a test can check the exit after a run of failures.
+unwritable state directory) would, so a test can check the exit after a run of failures;
+while <state_dir>/debug/enospc exists every replay-window write fails with ENOSPC, as on a
+full disk, so a test can check that the command is answered with a `local_fault` refusal.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from ..protocol import (
     TrustStore,
     Verifier,
 )
-from ..transport import Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
+from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
 from .jobs import JobStore
 from .lifecycle import DriverSettings, JobDriver
 from .models import ModelStore
@@ -74,6 +76,7 @@ STATE_TTL = 7 * 86400
 HOOKS_ENV = "EDGE_AGENT_TEST_HOOKS"
 HANG_FILE = "debug/hang"
 FAIL_FILE = "debug/fail"
+ENOSPC_FILE = "debug/enospc"  # test hook: while it exists, replay-window writes fail with ENOSPC
 CHUNK_HEADROOM = 4096  # envelope header + signature + topic around an update chunk
 
 
@@ -93,7 +96,11 @@ class Daemon:
         self.signer = Signer(key=self.key, topics=self.topics, sequence=SequenceCounter(path=sd / "keys" / "seq"))
         trust = TrustStore()
         trust.add(config.coordinator_public_key, role="coordinator")
-        self.verifier = Verifier(topics=self.topics, trust=trust, replay=ReplayWindow(directory=sd / "replay"))
+        self.hooks = os.environ.get(HOOKS_ENV) == "1"
+        # strict_missing: a lost window file means "only what is issued from now on", never "empty".
+        window = ReplayWindow(directory=sd / "replay", strict_missing=True,
+                              fault_file=sd / ENOSPC_FILE if self.hooks else None)
+        self.verifier = Verifier(topics=self.topics, trust=trust, replay=window)
         g = config.get
         max_message = int(g("broker", "max_message_bytes"))
         self.client = MqttClient(
@@ -101,6 +108,7 @@ class Daemon:
             clean_session=False, keepalive=int(g("broker", "keepalive_s")), tls=self._tls(),
             username=g("broker", "username"), password=self._password(), will=self._will,
             subscriptions=self.topics.device_subscriptions(self.device_id),
+            admit=Admission(self.verifier),  # signed commands and acks jump any junk flood
             backoff_base=float(g("broker", "reconnect_min_s")), backoff_cap=float(g("broker", "reconnect_max_s")),
             max_payload=max_message)
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.verifier, role="device")
@@ -118,7 +126,8 @@ class Daemon:
         self.device = DeviceState(sysfs_root=root, probe_report=self.probe_report,
                                   idle_w=g("power", "idle_w"), load_w=g("power", "load_w"))
         self.models = ModelStore(root=sd / "models", topics=self.topics, subscribe=self.client.subscribe,
-                                 unsubscribe=self.client.unsubscribe)
+                                 unsubscribe=self.client.unsubscribe,
+                                 fetch_timeout=float(g("service", "model_fetch_timeout_s", 600.0)))
         self.models.on_change = self._model_changed
         settings = DriverSettings(
             device_id=self.device_id, state_dir=sd, limits=DeviceLimits.from_config(config), sysfs_root=root,
@@ -134,7 +143,6 @@ class Daemon:
                                 outbox=self.outbox, readings=self.device.readings, publish=self.progress)
         self.watchdog = watchdog or Watchdog()
         self.state_interval = float(g("service", "state_interval_s"))
-        self.hooks = os.environ.get(HOOKS_ENV) == "1"
         self._stop = threading.Event()
         self._connects = 0
         self._next_state = 0.0
@@ -227,7 +235,11 @@ class Daemon:
         if result.kind is Kind.CMD:
             try:
                 self.command(result)
-            except Exception as exc:  # a local failure (disk full...): say so rather than go silent
+            except OSError as exc:  # a local fault (disk full, read-only, permissions): a reason, no traceback
+                log.error("command %s failed: %s: %s", result.body["cmd_id"], type(exc).__name__, exc)
+                with contextlib.suppress(Exception):
+                    self.refuse(result, Verdict.refuse("local_fault", f"{exc.strerror or exc} ({exc.filename or ''})"))
+            except Exception as exc:  # a bug: say so rather than go silent
                 log.exception("command %s failed", result.body["cmd_id"])
                 with contextlib.suppress(Exception):
                     self.refuse(result, Verdict.refuse("internal_error", f"{type(exc).__name__}: {exc}"))

@@ -17,6 +17,11 @@ few KiB instead of the whole bundle) and the child rebuilds the version from it 
 active version's files (int8.bundle_patch; every file verified as above). A patch that
 does not download, verify or apply falls back to the full archive.
 
+Every fetch has a timeout (`fetch_timeout`, agent.toml [service] model_fetch_timeout_s): no
+verified chunk or manifest for that long (nothing published, or a bundle signed by a key
+other than the coordinator's, whose every message the Verifier refuses), or an activation
+child running that long, fails the fetch with the reason, so no job waits on it forever.
+
 The previous version stays on disk (and any version a job still uses); older ones are
 pruned.
 """
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 CURRENT = "current"
 INCOMING = ".incoming"
 MAX_FAILED_FETCHES = 16
+FETCH_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -57,11 +63,16 @@ class Fetch:
     child: ChildProcess | None = None
     started: float = field(default_factory=time.monotonic)
     chunks: int = 0
+    progress_at: float = field(default_factory=time.monotonic)  # the last verified message of it
 
 
 class ModelStore:
     def __init__(self, *, root: Path, topics: Topics, subscribe: Callable[[str], None],
-                 unsubscribe: Callable[[str], None], python: list[str] | None = None) -> None:
+                 unsubscribe: Callable[[str], None], python: list[str] | None = None,
+                 fetch_timeout: float = FETCH_TIMEOUT_S) -> None:
+        if fetch_timeout <= 0:
+            raise ValueError("fetch_timeout must be positive")
+        self.fetch_timeout = fetch_timeout
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.topics, self._subscribe, self._unsubscribe, self._python = topics, subscribe, unsubscribe, python
@@ -164,6 +175,7 @@ class ModelStore:
             self._fail(fetch, f"cannot store the download: {exc}")
             return
         fetch.chunks += msg.kind is Kind.MODEL_CHUNK
+        fetch.progress_at = time.monotonic()
         if archive is not None:
             self._unsubscribe(fetch.download.filter(self.topics))
             self._activate(fetch, archive)
@@ -184,10 +196,23 @@ class ModelStore:
         self.on_change(fetch)
 
     def poll(self, protect: Iterable[tuple[str, str]] = ()) -> None:
-        """Finish activations whose child has exited. `protect`: versions jobs still use."""
+        """Finish activations whose child has exited, fail fetches that timed out.
+        `protect`: versions jobs still use."""
+        now = time.monotonic()
         for fetch in list(self.fetches.values()):
             child = fetch.child
+            if fetch.status == "downloading" and now - fetch.progress_at > self.fetch_timeout:
+                fetch.progress_at = now  # (a patch falling back to the full bundle gets its own time)
+                self._fail(fetch, f"timed out: no verified part of {fetch.download.name}/{fetch.download.version} "
+                                  f"for {self.fetch_timeout:.0f} s ({fetch.chunks} chunks so far; not published, "
+                                  "or signed by a key other than the coordinator's)")
+                continue
             if child is None:
+                continue
+            if now - child.started_at > self.fetch_timeout and child.poll() is None:
+                child.stop(timeout=10)
+                fetch.child = None
+                self._fail(fetch, f"timed out: activation ran over {self.fetch_timeout:.0f} s")
                 continue
             child.events()
             code = child.poll()

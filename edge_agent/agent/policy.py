@@ -42,7 +42,8 @@ DAY_S = 86400.0
 DEFAULT_MAX_JOBS_PER_DAY = 48
 MAX_UPDATE_BYTES = 64 << 20
 REASONS = ("bad_params", "finetune_disabled", "no_data", "busy", "daily_limit", "battery_low", "too_hot",
-           "budget_exceeded", "power_cap_exceeded", "deadline_passed", "unknown_job", "internal_error")
+           "budget_exceeded", "power_cap_exceeded", "deadline_passed", "unknown_job", "internal_error",
+           "local_fault")
 # Training parameters a command may set: name -> (type, minimum, maximum).
 TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
     "epochs": (int, 1, 10_000),

@@ -56,7 +56,15 @@ from ..protocol import (
     TrustStore,
     Verifier,
 )
-from ..transport import Channel, MqttClient, OutboxKey, TlsConfig, UpdateReceiver, ack_message
+from ..transport import (
+    Admission,
+    Channel,
+    MqttClient,
+    OutboxKey,
+    TlsConfig,
+    UpdateReceiver,
+    ack_message,
+)
 from ..transport.models import publish_model, retract_model
 from ..transport.uplink import CompletedUpload
 from .artefacts import ModelArtefacts
@@ -75,7 +83,11 @@ STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "te
               "job", "job_state", "outbox", "profile", "name")
 RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine",
                   "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits")
-_PROTOCOL_REASONS = frozenset(r.value for r in Reason)  # refusals of the message, not of the job
+# Refusals of the message, not of the job; except local_fault: that device cannot take the job
+# now (disk full...), a dropout rather than a wait until the round's deadline.
+_PROTOCOL_REASONS = frozenset(r.value for r in Reason) - {Reason.LOCAL_FAULT.value}
+_WINDOW_HIGH = re.compile(r"\((?:[0-9]+) below (?P<high>[0-9]{1,16})\)")  # ReplayWindow's "older than" detail
+REPLAYED_WINDOW_S = 900.0
 _CMD_ID = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,47})-r(?P<round>[0-9]{1,10})")
 
 
@@ -110,6 +122,13 @@ class ServeOptions:
             raise ValueError(f"bad broker port {self.port}")
 
 
+# Per-device ingress budget (messages/s, burst), applied in the MQTT network thread: an honest
+# device sends a few chunks per second (and ~1000 for a large update at once); one flooding
+# device's excess is dropped there (counted, one summary log line per 10 s), so it cannot fill
+# the inbox the other devices share or make the broker drop their messages.
+DEVICE_INGRESS = (50.0, 2000)
+
+
 class Coordinator:
     """The serve loop. `run(stop)` until `stop` is set; `close()` releases everything."""
 
@@ -134,7 +153,8 @@ class Coordinator:
             host=o.host, port=o.port, client_id=o.client_id or _client_id(o.fleet, o.topic_prefix),
             clean_session=False, keepalive=o.keepalive, tls=o.tls, username=o.username, password=o.password,
             subscriptions=self.topics.coordinator_subscriptions(), backoff_base=o.backoff_base,
-            backoff_cap=o.backoff_cap, inbox_size=20_000, max_payload=MAX_BINARY_BYTES + 4096)
+            backoff_cap=o.backoff_cap, inbox_size=20_000, max_payload=MAX_BINARY_BYTES + 4096,
+            admit=Admission(self.verifier, priority_channels=("progress", "state"), per_device=DEVICE_INGRESS))
         self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]
                                role="coordinator")
@@ -146,6 +166,8 @@ class Coordinator:
         self.retention = AutoPrune(self.registry, o.retention, chunk_bytes=o.model_chunk_bytes)
         self._connects = 0
         self._peeks: dict[str, float] = {}
+        self._replayed: dict[str, tuple[float, int]] = {}  # device -> (when, its window's high or 0)
+        self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json)
         self._next_beat = 0.0
         self.started_at = time.time()
         self.errors = 0
@@ -271,6 +293,8 @@ class Coordinator:
                                        profile=dev.profile, engine=engine[:128])
 
     def _progress(self, msg: Message, device: str) -> None:
+        if msg.body.get("cmd_id") and self._replayed.pop(device, None):  # it takes our commands again
+            self._check_replayed()
         b = msg.body
         phase, job, rnd = b["phase"], b.get("job"), b.get("round")
         update: dict[str, Any] = {"job_phase": phase[:64], "job_pct": b.get("pct")}
@@ -292,10 +316,35 @@ class Coordinator:
     def _refusal(self, msg: Message, device: str) -> None:
         reason, cmd = msg.body["reason"], msg.body.get("ref_cmd_id") or ""
         log.warning("device %s refused %s: %s: %s", device, cmd or "a message", reason, msg.body["detail"][:200])
+        high = _WINDOW_HIGH.search(msg.body["detail"])
+        if reason == Reason.REPLAYED and msg.body.get("ref_kind") == Kind.CMD and \
+                (high or "already accepted" in msg.body["detail"]):  # not a re-sync after a lost window
+            self._replayed[device] = (time.time(), int(high["high"]) if high else 0)
+            self._check_replayed()
         match = _CMD_ID.fullmatch(cmd)
         if match is None or reason in _PROTOCOL_REASONS:  # a replayed or expired copy is not a "no"
             return
         self._dropout(match["job"], int(match["round"]), device, f"refused:{reason}")
+
+    def _check_replayed(self) -> None:
+        """Several devices (or every device) refusing our commands as replayed means our own
+        counter is behind theirs (keys/seq lost or restored from a backup, or a clock set
+        back): say so in `status`, with the fix (docs/fleet.md, "Lost sequence counter")."""
+        now = time.time()
+        recent = {d: v for d, v in self._replayed.items() if now - v[0] < REPLAYED_WINDOW_S}
+        self._replayed = recent
+        approved = len(self._trusted)
+        self.problems = [p for p in self.problems if not p.startswith("replayed:")]
+        if recent and (len(recent) >= 2 or len(recent) >= approved):
+            high = max(v[1] for v in recent.values())
+            floor = max(high, self.signer.sequence.next()) + 1
+            problem = (f"replayed: {len(recent)} device(s) refuse this coordinator's commands as replayed: its "
+                       f"sequence counter ({self.state_dir / 'keys' / 'seq'}) is behind theirs (lost, restored "
+                       f"from a backup, or the clock was set back). Fix: stop serve, `echo {floor} > "
+                       f"{self.state_dir / 'keys' / 'seq.floor'}`, start serve (docs/fleet.md, Lost sequence counter)")
+            if problem.split(" Fix:")[0] not in " ".join(self.problems):
+                log.error("%s", problem)
+            self.problems.append(problem)
 
     def _dropout(self, job: str, rnd: int, device: str, why: str) -> None:
         try:
@@ -539,7 +588,7 @@ class Coordinator:
             "broker": f"{o.host}:{o.port}", "fleet": o.fleet, "topic_prefix": o.topic_prefix,
             "connected": self.client.connected, "coordinator_key": self.public_key, "key_id": self.key_id,
             "auto_approve": o.auto_approve, "policy": asdict(o.policy), "errors": self.errors,
-            "metrics_port": o.metrics_port}
+            "metrics_port": o.metrics_port, "problems": self.problems[:10]}
         if stopped:
             info["stopped_at"] = time.time()
         atomic_write_json(self.state_dir / SERVE_FILE, info)

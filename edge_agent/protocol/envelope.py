@@ -193,8 +193,8 @@ class Signer:
 class Verifier:
     """Opens incoming messages: returns a `Message`, or a `Rejection` saying why not.
 
-    Untrusted bytes never raise; only a local failure does (e.g. the replay window cannot
-    be persisted), and then nothing was accepted.
+    Untrusted bytes never raise. A local failure to record an authentic message (the replay
+    window cannot be written: disk full) is a `local_fault` Rejection, so the sender hears why.
     """
 
     def __init__(self, *, topics: Topics, trust: TrustStore, replay: ReplayWindow | None,
@@ -217,7 +217,20 @@ class Verifier:
             return Rejection(bad.reason, bad.detail, topic, len(payload), hashlib.sha256(payload).hexdigest(),
                              route=route, **claimed)
 
-    def _open(self, route: Route, payload: bytes, claimed: dict[str, Any]) -> Message:
+    def authentic(self, topic: str, payload: bytes) -> bool:
+        """The cheap part of `open`, for a network thread sorting its inbox: size, topic,
+        parse, schema, a valid signature by a key this side trusts, and the time limits;
+        nothing is recorded (the replay window is `open`'s). Never raises for any bytes."""
+        route = self.topics.parse(topic)
+        if route is None:
+            return False
+        try:
+            self._open(route, bytes(payload), {}, record=False)
+        except _Bad:
+            return False
+        return True
+
+    def _open(self, route: Route, payload: bytes, claimed: dict[str, Any], *, record: bool = True) -> Message:
         limit = max(self._limits[k] for k in route.kinds)
         if len(payload) > limit:
             raise _Bad(Reason.OVERSIZED, f"{len(payload)} bytes is over the {limit}-byte limit of this topic")
@@ -276,8 +289,12 @@ class Verifier:
             raise _Bad(Reason.EXPIRED, f"expired {now - exp:.0f} s ago (at {exp}, local clock {now:.0f})")
         if exp - iat > MAX_TTL[kind] or exp < iat:
             raise _Bad(Reason.TTL_TOO_LONG, f"valid for {exp - iat} s; {kind} allows 0..{MAX_TTL[kind]}")
-        if kind in WINDOWED_KINDS and self.replay is not None:
-            why = self.replay.check_and_record(env["from"], env["seq"], iat)
+        if record and kind in WINDOWED_KINDS and self.replay is not None:
+            try:
+                why = self.replay.check_and_record(env["from"], env["seq"], iat)
+            except OSError as exc:  # authentic, but not recorded: refuse it, and say why
+                raise _Bad(Reason.LOCAL_FAULT, f"cannot record it in the replay window: "
+                                               f"{exc.strerror or exc} ({exc.filename or ''})") from None
             if why:
                 raise _Bad(Reason.REPLAYED, why)
         return Message(kind, route, env["from"], env["seq"], iat, exp, body, data)

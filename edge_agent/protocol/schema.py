@@ -58,6 +58,7 @@ class Reason(StrEnum):
     EXPIRED = "expired"
     TTL_TOO_LONG = "ttl_too_long"
     REPLAYED = "replayed"
+    LOCAL_FAULT = "local_fault"  # the receiver could not record it (disk full...): resend later
 
     @property
     def retryable(self) -> bool:
@@ -66,7 +67,7 @@ class Reason(StrEnum):
 
 
 _RETRYABLE = {Reason.UNKNOWN_KEY, Reason.WRONG_SIGNER, Reason.BAD_SIGNATURE, Reason.NOT_YET_VALID,
-              Reason.EXPIRED, Reason.REPLAYED}
+              Reason.EXPIRED, Reason.REPLAYED, Reason.LOCAL_FAULT}
 
 
 # ---- schemas: field -> (check, required); a check raises ValueError with a short why ----

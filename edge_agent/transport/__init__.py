@@ -10,12 +10,12 @@
 Nothing here imports numpy or MXNet: the idle agent daemon stays small.
 """
 
-from .channel import Channel
+from .channel import Admission, Channel
 from .mqtt import MqttClient, Received, TlsConfig, Will
 from .outbox import Outbox, OutboxFullError, OutboxItem, OutboxKey
 from .uplink import UpdateReceiver, Uploader, ack_message
 
 __all__ = [
-    "Channel", "MqttClient", "Outbox", "OutboxFullError", "OutboxItem", "OutboxKey", "Received",
+    "Admission", "Channel", "MqttClient", "Outbox", "OutboxFullError", "OutboxItem", "OutboxKey", "Received",
     "TlsConfig", "UpdateReceiver", "Uploader", "Will", "ack_message",
 ]

@@ -22,6 +22,7 @@ from .mqtt import MqttClient
 from .uplink import rejection_ack
 
 log = logging.getLogger(__name__)
+SUMMARY_S = 10.0
 
 
 class _Bucket:
@@ -43,9 +44,42 @@ class _Bucket:
             return False
 
 
+class Admission:
+    """Sorts received messages in the MQTT network thread (MqttClient's `admit`): signed
+    messages from trusted keys on `priority_channels` go to the priority lane, so no junk
+    flood can push them out; with `per_device` (rate/s, burst) each device's topics get a
+    token bucket, and messages over it are dropped there (counted by MqttClient, which logs
+    one summary line per interval), so one device cannot flood the receiver's queue."""
+
+    MAX_DEVICES = 100_000  # buckets kept (oldest forgotten first): bounded memory under id floods
+
+    def __init__(self, verifier: Verifier, *, priority_channels: tuple[str, ...] = ("cmd", "ack"),
+                 per_device: tuple[float, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.verifier, self.priority_channels, self.per_device, self._clock = verifier, priority_channels, per_device, clock
+        self._buckets: dict[str, _Bucket] = {}
+        self.dropped: Counter[str] = Counter()  # by device
+
+    def __call__(self, topic: str, payload: bytes) -> str:
+        route = self.verifier.topics.parse(topic)
+        if route is None:
+            return "bulk"
+        if self.per_device is not None and route.device is not None:
+            bucket = self._buckets.get(route.device)
+            if bucket is None:
+                if len(self._buckets) >= self.MAX_DEVICES:
+                    self._buckets.pop(next(iter(self._buckets)))
+                bucket = self._buckets[route.device] = _Bucket(self.per_device[0], self.per_device[1], self._clock)
+            if not bucket.take():
+                self.dropped[route.device] += 1
+                return "drop"
+        if route.channel in self.priority_channels and self.verifier.authentic(topic, payload):
+            return "priority"
+        return "bulk"
+
+
 class Channel:
     def __init__(self, *, client: MqttClient, signer: Signer, verifier: Verifier, role: str,
-                 reply_rate: float = 1.0, reply_burst: int = 5, log_rate: float = 5.0,
+                 reply_rate: float = 1.0, reply_burst: int = 5, log_rate: float = 0.2,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ("device", "coordinator"):
             raise ValueError(f"role must be 'device' or 'coordinator', not {role!r}")
@@ -55,6 +89,9 @@ class Channel:
         self.topics = signer.topics
         self._replies = _Bucket(reply_rate, reply_burst, clock)
         self._logs = _Bucket(log_rate, int(max(log_rate, 1)) * 2, clock)
+        self._clock = clock
+        self._unlogged: Counter[str] = Counter()  # rejections not logged one by one, by reason
+        self._summary_at = clock()
         self.rejected: Counter[str] = Counter()  # by reason
         self.accepted = 0
 
@@ -65,17 +102,32 @@ class Channel:
             return None
         try:
             result = self.verifier.open(rec.topic, rec.payload)
-        except Exception:  # a bug or a failing key store must not kill the receive loop
-            log.exception("verifier failed on a message on %r", rec.topic[:200])
+        except Exception as exc:  # a bug or a failing key store must not kill the receive loop
+            log.error("verifier failed on a message on %r: %s: %s", rec.topic[:200], type(exc).__name__, exc)
             self.rejected["internal_error"] += 1
             return None
         if isinstance(result, Rejection):
             self.rejected[str(result.reason)] += 1
-            if self._logs.take():
+            first = self.rejected[str(result.reason)] == 1
+            if first or self._logs.take():  # the first of each reason, then a few, then summaries
                 log.warning("dropped: %s", result)
+            else:  # counted by reason and claimed sender (the device id, for the operator)
+                self._unlogged[f"{result.reason} from {result.sender or (result.route and result.route.device) or '?'}"] += 1
+            self._summary()
         else:
             self.accepted += 1
         return result
+
+    def _summary(self) -> None:
+        """One line per SUMMARY_S with what was dropped without its own line."""
+        now = self._clock()
+        if self._unlogged and now - self._summary_at >= SUMMARY_S:
+            counts = ", ".join(f"{n} {why}" for why, n in self._unlogged.most_common() if n)
+            if counts:
+                log.warning("dropped %d more messages in the last %.0f s: %s", sum(self._unlogged.values()),
+                            now - self._summary_at, counts)
+            self._unlogged.clear()
+            self._summary_at = now
 
     def send(self, topic: str, kind: Kind, body: Mapping[str, Any], *, ttl: float, retain: bool = False,
              timeout: float = 10.0) -> bool:

@@ -5,18 +5,28 @@ the process, so this wrapper runs a supervisor thread: connect, hand the socket 
 network thread (`loop_start`) until the connection drops, wait a full-jitter backoff, and
 connect again, re-subscribing and re-signing the will each time. Publishing is refused
 (returns None/False) while disconnected, so paho never queues stale messages in memory;
-the caller's on-disk outbox is the queue. Received messages go to a bounded thread-safe
-inbox; nothing raises into paho's thread. Validation of payloads is the protocol's job.
+the caller's on-disk outbox is the queue. Nothing raises into paho's thread. Validation of
+payloads is the protocol's job.
+
+Back-pressure: `admit(topic, payload)`, called in paho's network thread, sorts each message:
+"priority" (cheap checks passed: a valid signature by a trusted key, e.g. the daemon's
+signed commands), "bulk" (anything else), or "drop" (e.g. a device over its ingress budget
+at the coordinator). `get()` still returns messages in arrival order (a command sent after
+others is handled after them), but when the inbox is full the OLDEST BULK message is
+dropped to make room, so a junk flood only ever pushes out older junk, never a signed
+command; only an inbox full of priority messages drops one of those (at most
+`priority_size` of them are kept). Drops are counted and logged as one summary line per
+DROP_LOG_INTERVAL_S, not one line per message.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import ssl
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +37,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from .backoff import full_jitter
 
 log = logging.getLogger(__name__)
+DROP_LOG_INTERVAL_S = 10.0
+LANES = ("priority", "bulk", "drop")
+Admit = Callable[[str, bytes], str]
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,8 @@ class MqttClient:
         backoff_cap: float = 120.0,
         connect_timeout: float = 10.0,
         inbox_size: int = 1000,
+        priority_size: int = 256,
+        admit: Admit | None = None,
         max_payload: int = 256 * 1024,
         max_queued: int = 1000,
         rng: random.Random | None = None,
@@ -88,8 +103,8 @@ class MqttClient:
             raise ValueError("keepalive must be 5..65535 s")
         if not 0 < backoff_base <= backoff_cap:
             raise ValueError("need 0 < backoff_base <= backoff_cap")
-        if connect_timeout <= 0 or inbox_size < 1 or max_payload < 1 or max_queued < 1:
-            raise ValueError("connect_timeout, inbox_size, max_payload and max_queued must be positive")
+        if connect_timeout <= 0 or inbox_size < 1 or priority_size < 1 or max_payload < 1 or max_queued < 1:
+            raise ValueError("connect_timeout, inbox_size, priority_size, max_payload and max_queued must be positive")
         self.host, self.port, self.client_id, self.keepalive = host, port, client_id, keepalive
         self._will = will
         self._on_connected = on_connected
@@ -97,7 +112,13 @@ class MqttClient:
         self._rng = rng or random.Random()
         self._log = logger or log
         self.max_payload = max_payload
-        self._inbox: queue.Queue[Received] = queue.Queue(maxsize=inbox_size)
+        self._admit = admit
+        # Two lanes of (arrival number, message); get() takes the lower number of their heads.
+        self._lanes: dict[str, deque[tuple[int, Received]]] = {"priority": deque(), "bulk": deque()}
+        self._inbox_size, self._priority_size, self._arrivals = inbox_size, priority_size, 0
+        self._ready = threading.Condition(threading.Lock())
+        self._drops: Counter[str] = Counter()  # since the last summary line, by why
+        self._drops_logged_at = 0.0
         self._subs: set[str] = set()
         for topic_filter in subscriptions:
             self._check_filter(topic_filter)
@@ -110,8 +131,9 @@ class MqttClient:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stats = {"connects": 0, "connect_failures": 0, "disconnects": 0, "received": 0,
-                       "dropped_oversize": 0, "dropped_inbox_full": 0, "callback_errors": 0}
+        self._stats = {"connects": 0, "connect_failures": 0, "disconnects": 0, "received": 0, "priority": 0,
+                       "dropped_oversize": 0, "dropped_inbox_full": 0, "dropped_priority_full": 0,
+                       "dropped_admit": 0, "callback_errors": 0}
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
                         protocol=paho.MQTTv311, reconnect_on_failure=False)
         c.connect_timeout = connect_timeout
@@ -268,27 +290,81 @@ class MqttClient:
         try:
             size = len(msg.payload)
             if size > self.max_payload:
-                self._count("dropped_oversize")
-                self._log.warning("mqtt %s: dropped a %d-byte message (limit %d)", self.client_id, size, self.max_payload)
+                self._dropped("dropped_oversize", f"over {self.max_payload} bytes")
                 return
             item = Received(msg.topic, bytes(msg.payload), bool(msg.retain), time.time())
-            try:
-                self._inbox.put_nowait(item)
-                self._count("received")
-            except queue.Full:
-                self._count("dropped_inbox_full")
-                self._log.warning("mqtt %s: inbox full, dropped a message on %r", self.client_id, item.topic[:200])
+            lane = "bulk"
+            if self._admit is not None:
+                try:
+                    lane = self._admit(item.topic, item.payload)
+                except Exception:  # the sorter must not lose messages: treat as unverified
+                    self._count("callback_errors")
+                    lane = "bulk"
+                if lane not in LANES:
+                    lane = "bulk"
+            if lane == "drop":
+                self._dropped("dropped_admit", "over the sender's ingress budget")
+                return
+            victim = None
+            with self._ready:
+                prio, bulk = self._lanes["priority"], self._lanes["bulk"]
+                if lane == "priority" and len(prio) >= self._priority_size:
+                    victim = "priority"
+                elif len(prio) + len(bulk) >= self._inbox_size:
+                    victim = "bulk" if bulk else "priority"  # junk goes first, oldest first
+                if victim is not None:
+                    self._lanes[victim].popleft()
+                self._arrivals += 1
+                self._lanes[lane].append((self._arrivals, item))
+                self._ready.notify()
+            self._count("received")
+            if lane == "priority":
+                self._count("priority")
+            if victim is not None:
+                self._dropped("dropped_priority_full" if victim == "priority" else "dropped_inbox_full",
+                              f"inbox full ({self._inbox_size}), oldest {'signed' if victim == 'priority' else 'unverified'}"
+                              " message dropped")
         except Exception:  # e.g. a topic that is not UTF-8
             self._count("callback_errors")
-            self._log.exception("mqtt %s: dropped an undecodable message", self.client_id)
+            self._dropped("callback_errors", "undecodable")
+
+    def _dropped(self, stat: str, why: str) -> None:
+        """Count a dropped message; log a summary at most once per DROP_LOG_INTERVAL_S."""
+        with self._lock:
+            if stat != "callback_errors":
+                self._stats[stat] += 1
+            self._drops[why] += 1
+        self._log_drops()
+
+    def _log_drops(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if not self._drops or (not force and now - self._drops_logged_at < DROP_LOG_INTERVAL_S):
+                return
+            drops, self._drops = self._drops, Counter()
+            since = now - self._drops_logged_at
+            self._drops_logged_at = now
+        what = ", ".join(f"{n} {why}" for why, n in drops.most_common())
+        self._log.warning("mqtt %s: dropped %d received messages%s: %s", self.client_id, sum(drops.values()),
+                          f" in the last {since:.0f} s" if since < 3600 else "", what)
 
     # ---- user API (any thread) ----
     def get(self, timeout: float | None = None) -> Received | None:
-        """Next received message, or None after `timeout` seconds."""
-        try:
-            return self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """Next received message in arrival order, or None after `timeout` seconds."""
+        self._log_drops()  # a summary still due after a flood ended
+        lanes = self._lanes
+        with self._ready:
+            if not self._ready.wait_for(lambda: lanes["priority"] or lanes["bulk"], timeout):
+                return None
+            prio, bulk = lanes["priority"], lanes["bulk"]
+            first = prio if prio and (not bulk or prio[0][0] < bulk[0][0]) else bulk
+            return first.popleft()[1]
+
+    @property
+    def pending(self) -> int:
+        """Messages received and not yet taken by get()."""
+        with self._ready:
+            return len(self._lanes["priority"]) + len(self._lanes["bulk"])
 
     def subscribe(self, topic_filter: str) -> None:
         """Subscribe now (if connected) and after every reconnect, at QoS 1."""

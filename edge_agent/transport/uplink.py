@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 # The job's facts signed onto every update chunk (protocol.schema UPDATE_CHUNK): what FedAvg
 # weights by, the round's energy, the share of the delta's energy kept, the label set.
 UPDATE_META = ("samples", "energy_wh", "energy_kept", "labels_sha256")
+# A coordinator that verifiably refuses this device's key (revoked, or never approved: only an
+# approved device is sent jobs) will not change its mind by itself: after this many attempts,
+# backing off exponentially in between, the update is dropped instead of resent forever.
+UNTRUSTED_REASONS = frozenset({Reason.UNKNOWN_KEY, Reason.WRONG_SIGNER})
+MAX_UNTRUSTED_ATTEMPTS = 8
 
 
 class Uploader:
@@ -112,6 +117,12 @@ class Uploader:
             default_retry = Reason(reason).retryable
         except ValueError:  # an application reason (e.g. round_closed): final unless it says retry
             default_retry = False
+        if reason in UNTRUSTED_REASONS and item.attempts + 1 >= MAX_UNTRUSTED_ATTEMPTS:
+            self.outbox.drop(key, f"the coordinator refused this device's key {item.attempts + 1} times ({detail}): "
+                                  "revoked? Approve the device again for its next jobs")
+            log.error("upload %s: dropped after %d attempts refused as %s (device revoked?)", key,
+                      item.attempts + 1, reason)
+            return "dropped"
         if body.get("retry", default_retry):
             self.outbox.retry_later(key, at=self._later(item.attempts), error=detail)
             log.warning("upload %s: refused (%s); will retry", key, detail)

@@ -123,7 +123,7 @@ def test_oversized_messages_and_a_full_inbox_are_counted_not_fatal(mosquitto, to
         for i in range(5):
             assert pub.publish_wait(f"{topic_prefix}/small", str(i).encode(), timeout=60)
         assert wait_for(lambda: sub.stats["dropped_inbox_full"] == 3 and sub.stats["dropped_oversize"] == 1, 60)
-        assert [sub.get(60).payload for _ in range(2)] == [b"0", b"1"]
+        assert [sub.get(60).payload for _ in range(2)] == [b"3", b"4"]  # the oldest went, not the newest
         assert pub.publish_wait(f"{topic_prefix}/small", b"still here", timeout=60)
         assert sub.get(60).payload == b"still here" and sub.connected
 
