@@ -229,3 +229,19 @@ def test_driver_per_job_memory_is_bounded_and_a_cancel_logs_at_info(tmp_path: Pa
     dropped = [r for r in caplog.records if "outbox: dropped" in r.getMessage()]
     assert len(dropped) == 100 and all(r.levelno == logging.INFO for r in dropped)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_model_store_forgets_finished_fetches(tmp_path: Path) -> None:
+    from edge_agent.agent.models import MAX_FAILED_FETCHES, ModelStore
+    from edge_agent.protocol import Topics
+
+    subs: list[str] = []
+    store = ModelStore(root=tmp_path / "models", topics=Topics(fleet="f"), subscribe=subs.append,
+                       unsubscribe=subs.remove)
+    for i in range(3 * MAX_FAILED_FETCHES):
+        fetch = store.fetch("digits", f"v{i}", "0" * 64)
+        assert fetch is not None
+        store._fail(fetch, "the published bundle has another sha256")
+    assert len(store.fetches) == MAX_FAILED_FETCHES and not subs  # the newest failures, for jobs waiting on them
+    assert store.status("digits", f"v{3 * MAX_FAILED_FETCHES - 1}")[0] == "failed"
+    assert store.status("digits", "v0") == ("absent", "")  # forgotten: a job asking again fetches again
