@@ -177,7 +177,9 @@ def _mxnet_compatible(model: Any) -> Any:
                 dims[bias] = [units]
             del node.input[2:]
             node.input.append(bias)
-    return model
+    from .onnx_elementwise import decompose_hard_swish
+
+    return decompose_hard_swish(model)  # MXNet's importer knows HardSigmoid and Mul, not HardSwish
 
 
 def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, Any]]:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import onnx_import as oi
 from .float_graph import FloatOp, to_nchw_shape
 from .graph import UnsupportedOpError
 
@@ -37,6 +36,17 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 LINEAR = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED")
 _SIXTH_TOL = 1e-6  # torch writes alpha = 1/6 as float32 0.16666667
+
+
+def _node_name(node: onnx.NodeProto) -> str:
+    """onnx_import.node_name (repeated: importing onnx_import here would be circular)."""
+    return node.name or (node.output[0] if node.output else node.op_type)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 class ElementwiseOps:
@@ -80,7 +90,7 @@ class ElementwiseOps:
     def _to_nhwc_constant(self, node: onnx.NodeProto, x: str, value: np.ndarray) -> np.ndarray:
         """An ONNX constant broadcast against activation x (model layout) -> NHWC layout,
         refused when it would enlarge x (the output must keep x's shape)."""
-        nm, model_shape = oi.node_name(node), to_nchw_shape(self.shapes[x])
+        nm, model_shape = _node_name(node), to_nchw_shape(self.shapes[x])
         try:
             c = np.asarray(value, np.float32)
         except (TypeError, ValueError):
@@ -99,7 +109,7 @@ class ElementwiseOps:
 
     def _binary(self, node: onnx.NodeProto, kind: str, a: str, b: str) -> None:
         """ADD / MUL of two activations, broadcasting like ONNX (same rank only)."""
-        nm, sa, sb = oi.node_name(node), self.shapes[a], self.shapes[b]
+        nm, sa, sb = _node_name(node), self.shapes[a], self.shapes[b]
         try:
             shape = tuple(np.broadcast_shapes(sa, sb)) if len(sa) == len(sb) else None
         except ValueError:
@@ -129,15 +139,15 @@ class ElementwiseOps:
             return
         if kind == "MUL" and self._scale_activated(node, x, c):
             return
-        nm = oi.node_name(node)
+        nm = _node_name(node)
         self._emit(node, FloatOp(kind, nm, [x], node.output[0], {"activation": "NONE"}, c), self.shapes[x])
 
     def _split_constant(self, node: onnx.NodeProto) -> tuple[str | None, np.ndarray | None, list[str]]:
         """(activation input, constant, activations) of a binary node; refuses two constants."""
         consts = [i for i in node.input if i in self.consts]
         if len(consts) == 2:
-            raise UnsupportedOpError(oi.node_name(node), node.op_type, "both inputs are constants")
-        acts = [self._act(i, f"node {oi.node_name(node)!r}") for i in node.input if i not in self.consts]
+            raise UnsupportedOpError(_node_name(node), node.op_type, "both inputs are constants")
+        acts = [self._act(i, f"node {_node_name(node)!r}") for i in node.input if i not in self.consts]
         if consts:
             return acts[0], self.consts[consts[0]], acts
         return None, None, acts
@@ -159,7 +169,7 @@ class ElementwiseOps:
             self._with_constant(node, "MUL", x, c)
 
     def _op_Div(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        nm = oi.node_name(node)
+        nm = _node_name(node)
         if node.input[0] in self.consts or node.input[1] not in self.consts:
             raise UnsupportedOpError(nm, "Div", "only an activation divided by a constant")
         try:
@@ -171,7 +181,7 @@ class ElementwiseOps:
         self._with_constant(node, "MUL", self._act(node.input[0], f"node {nm!r}"), 1.0 / c)
 
     def _op_Sub(self, node: onnx.NodeProto) -> None:  # noqa: N802 - input normalisation (x - mean)
-        nm = oi.node_name(node)
+        nm = _node_name(node)
         if node.input[0] in self.consts or node.input[1] not in self.consts:
             raise UnsupportedOpError(nm, "Sub", "only an activation minus a constant")
         try:
@@ -181,7 +191,7 @@ class ElementwiseOps:
         self._with_constant(node, "ADD", self._act(node.input[0], f"node {nm!r}"), c)
 
     def _elementwise(self, node: onnx.NodeProto, kind: str) -> None:
-        nm = oi.node_name(node)
+        nm = _node_name(node)
         x = self._act(node.input[0], f"node {nm!r}")
         self._emit(node, FloatOp(kind, nm, [x], node.output[0], {}), self.shapes[x])
 
@@ -192,7 +202,7 @@ class ElementwiseOps:
         self._elementwise(node, "LOGISTIC")
 
     def _op_HardSigmoid(self, node: onnx.NodeProto) -> None:  # noqa: N802
-        nm, a = oi.node_name(node), oi._attrs(node)
+        nm, a = _node_name(node), _attrs(node)
         alpha, beta = float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))
         if not (np.isfinite(alpha) and np.isfinite(beta) and alpha > 0):
             raise UnsupportedOpError(nm, "HardSigmoid", f"alpha={alpha}, beta={beta} (supported: alpha > 0)")
@@ -319,6 +329,25 @@ def fuse_hard_swish(nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray],
                     uses[i] = uses.get(i, 0) - 1
             removed.add(id(m))
         uses[x] = uses.get(x, 0) + 1
-        replacement[id(n)] = helper.make_node("HardSwish", [x], [n.output[0]], name=oi.node_name(n))
+        replacement[id(n)] = helper.make_node("HardSwish", [x], [n.output[0]], name=_node_name(n))
     return [replacement.get(id(n), n) for n in nodes if id(n) not in removed or id(n) in replacement]
 
+
+
+def decompose_hard_swish(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite every HardSwish node as x * HardSigmoid(x; 1/6, 1/2), in place: MXNet's ONNX
+    importer (the head's path, bundle_create) knows HardSigmoid and Mul but not HardSwish."""
+    from onnx import helper
+
+    nodes = []
+    for n in model.graph.node:
+        if n.op_type != "HardSwish":
+            nodes.append(n)
+            continue
+        gate = f"{n.output[0]}__hardsigmoid"
+        nodes += [helper.make_node("HardSigmoid", [n.input[0]], [gate], name=f"{_node_name(n)}/gate",
+                                   alpha=1.0 / 6.0, beta=0.5),
+                  helper.make_node("Mul", [n.input[0], gate], [n.output[0]], name=_node_name(n))]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model

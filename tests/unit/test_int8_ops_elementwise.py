@@ -399,3 +399,26 @@ def test_gluon_blocks_through_mxnets_exporter_match_mxnet(gate: str) -> None:
     kinds = [op.kind for op in g.ops]
     assert kinds.count("HARD_SWISH" if gate == "hard" else "LOGISTIC") == (1 if gate == "hard" else 2)
     np.testing.assert_allclose(run_float(g, x), net(mx.nd.array(x)).asnumpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_head_with_hard_swish_imports_into_mxnet() -> None:
+    """torchvision's mobilenet_v3 classifier (Linear, Hardswish, Linear) is the head MXNet
+    trains: its importer has no HardSwish, so bundle_create rewrites it as x * HardSigmoid(x)."""
+    import mxnet as mx
+
+    from edge_agent.int8.bundle_create import onnx_to_mxnet
+
+    rng = np.random.default_rng(8)
+    inits = {"w1": _w(rng, 16, 8), "b1": _w(rng, 16), "w2": _w(rng, 5, 16), "b2": _w(rng, 5)}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("HardSwish", ["h"], ["a"], name="hswish"),
+             helper.make_node("Gemm", ["a", "w2", "b2"], ["y"], name="fc2", transB=1)]
+    model = _model(nodes, (1, 8), inits, out_rank=2)
+    sym, args, aux = onnx_to_mxnet(model.SerializeToString())
+    x = (rng.normal(size=(1, 8)) * 4).astype(np.float32)
+    mod = mx.mod.Module(sym, data_names=["x"], label_names=None)
+    mod.bind([("x", (1, 8))], for_training=False)
+    mod.set_params(args, aux)
+    mod.forward(mx.io.DataBatch([mx.nd.array(x)]))
+    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(mod.get_outputs()[0].asnumpy(), expected, rtol=1e-4, atol=1e-5)
