@@ -55,6 +55,7 @@ RETRACT_FILE = "retract.json"
 TAGS_FILE = "tags.json"
 DAY_S = 86400.0
 MAX_QUEUE = 100_000
+RECENT_JOBS = 5  # finished jobs whose best version stays (for `models rollback --to-best JOB`)
 ENDED = ("aggregated", "failed", "cancelled")
 
 
@@ -172,14 +173,38 @@ def in_use(registry: Registry) -> dict[tuple[str, str], list[str]]:
 
 
 def current(registry: Registry) -> set[tuple[str, str]]:
-    """The versions active jobs start from or train now."""
+    """The versions active jobs start from or train now: the start, the open round's base,
+    the latest version (not every version a long job made on the way)."""
     found: set[tuple[str, str]] = set()
     with registry._read() as db:
         for row in db.execute("SELECT id, model_name, model_version FROM jobs WHERE status IN ('pending', 'running')"):
             found.add((row["model_name"], row["model_version"]))
-            for r in db.execute("SELECT base_version, aggregated_version FROM rounds WHERE job_id = ?", (row["id"],)):
+            for r in db.execute("SELECT base_version, aggregated_version FROM rounds WHERE job_id = ? AND "
+                                "(state IN ('open', 'closing') OR number = (SELECT MAX(number) FROM rounds "
+                                "WHERE job_id = ? AND aggregated_version IS NOT NULL))", (row["id"], row["id"])):
                 found.update((row["model_name"], v) for v in (r["base_version"], r["aggregated_version"]) if v)
     return found
+
+
+def best_versions(registry: Registry, recent: int = RECENT_JOBS) -> dict[tuple[str, str], str]:
+    """(name, version) -> job, for the best version (plateau.py) of every active job (a stop
+    restores it) and of the newest `recent` jobs (`models rollback --to-best JOB`)."""
+    from .plateau import job_learning
+
+    with registry._read() as db:
+        jobs = db.execute("SELECT id, model_name, status FROM jobs ORDER BY created_at DESC").fetchall()
+    out: dict[tuple[str, str], str] = {}
+    for i, job in enumerate(jobs):
+        if i >= recent and job["status"] not in ("pending", "running"):
+            continue
+        try:
+            best = (job_learning(registry.state_dir, job["id"]) or {}).get("best") or {}
+        except Exception as exc:  # an unreadable learning file must not stop retention: keep everything of it
+            log.warning("retention: job %s: learning state unreadable (%s)", job["id"], exc)
+            continue
+        if isinstance(best, dict) and isinstance(best.get("version"), str):
+            out.setdefault((job["model_name"], best["version"]), job["id"])
+    return out
 
 
 def plan(registry: Registry, policy: RetentionPolicy, *, now: float | None = None,
@@ -191,7 +216,7 @@ def plan(registry: Registry, policy: RetentionPolicy, *, now: float | None = Non
     by_name: dict[str, list[ModelVersion]] = {}
     for mv in models:
         by_name.setdefault(mv.name, []).append(mv)
-    using, active, tags = in_use(registry), current(registry), read_tags(registry)
+    using, active, tags, best = in_use(registry), current(registry), read_tags(registry), best_versions(registry)
     for name, versions in by_name.items():
         versions.sort(key=lambda m: (m.created_at, m.version))
         live = [m for m in versions if "pruned_at" not in m.metrics]
@@ -201,6 +226,7 @@ def plan(registry: Registry, policy: RetentionPolicy, *, now: float | None = Non
             why = [w for w, hit in (("current", mv is live[-1] or key in active),
                                     (f"in use on {len(using.get(key, []))} device(s)", key in using),
                                     ("tagged", key in tags), ("registered bundle", not mv.head_only),
+                                    (f"best of job {best.get(key)}", key in best),
                                     (f"last {policy.keep_versions}", mv.version in newest)) if hit]
             if why:
                 result.kept[key] = why
