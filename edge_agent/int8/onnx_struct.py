@@ -10,8 +10,10 @@ Lowerings, each exact in float and in int8:
 - a BatchNormalization that cannot fold into its producer (pre-activation ResNet v2,
   DenseNet): a 1x1 DEPTHWISE_CONV_2D with weight gamma/sqrt(var+eps) and bias
   beta - mean*weight (2-D input: RESHAPE around it); a following Relu fuses into it;
-- Identity of a constant (torch's legacy exporter shares weights that way) is a constant;
+- Identity of a constant (torch's legacy exporter shares weights that way) is a constant, and
+  so are Transpose / Reshape of one (dynamo's transposed Linear weights);
 - Gemm / MatMul on a constant right operand: FULLY_CONNECTED (missing bias = zeros);
+- Flatten, Reshape to (N, -1) / (0, -1), Squeeze of (N, C, 1, 1), Unsqueeze / Reshape back;
 - channel shuffle, Reshape (N,g,C/g,H,W) -> Transpose(0,2,1,3,4) -> Reshape (N,C,H,W): one
   GATHER of the permuted channels (NHWC axis 3); Split along channels: a GATHER per part.
 """
@@ -220,6 +222,10 @@ class StructOps:
 
     def _op_Reshape(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm = oi.node_name(node)
+        if node.input[0] in self.consts:  # a weight reshaped by the exporter: fold it
+            value = self.consts[node.input[0]]
+            self.consts[node.output[0]] = value.reshape(self._target_shape(node, value.shape))
+            return
         if node.input[0] in self.pending:
             self._end_shuffle(node)
             return
@@ -244,6 +250,9 @@ class StructOps:
         nm = oi.node_name(node)
         perm = tuple(int(p) for p in oi._attrs(node).get("perm", []))
         src = node.input[0]
+        if src in self.consts:  # torch's dynamo exporter transposes Linear weights: fold it
+            self.consts[node.output[0]] = np.transpose(self.consts[src], perm or None)
+            return
         if src in self.pending and perm == (0, 2, 1, 3, 4):
             p = self.pending[src]
             n, g, cg, h, w = p["shape"]
@@ -269,6 +278,32 @@ class StructOps:
         g, c = p.get("groups", p["shape"][2]), src[1]
         perm = np.arange(c).reshape(g, c // g).T.reshape(-1)  # output channel a*g+b <- input b*(C/g)+a
         self._emit(node, FloatOp("GATHER", nm, [x], node.output[0], {"axis": 3, "indices": perm}), self.shapes[x])
+
+    def _squeeze_axes(self, node: onnx.NodeProto) -> list[int] | None:
+        axes = oi._attrs(node).get("axes")
+        if axes is None and len(node.input) > 1 and node.input[1]:  # opset 13 moved axes to an input
+            axes = self._const(node, 1).reshape(-1).tolist()
+        return None if axes is None else [int(a) for a in axes]
+
+    def _op_Squeeze(self, node: onnx.NodeProto) -> None:  # noqa: N802
+        """(N, C, 1, 1) -> (N, C): a flatten variant (after a global pool)."""
+        nm = oi.node_name(node)
+        x = self._act(node.input[0], f"node {nm!r}")
+        shape, axes = self.shapes[x], self._squeeze_axes(node)
+        if len(shape) != 4 or shape[1:3] != (1, 1) or sorted(a % 4 for a in (axes or [2, 3])) != [2, 3]:
+            raise UnsupportedOpError(nm, "Squeeze", f"axes {axes} of {to_nchw_shape(shape)} "
+                                     "(supported: the 1x1 spatial axes 2, 3 of (N, C, 1, 1))")
+        self._flatten_to(node, x)
+
+    def _op_Unsqueeze(self, node: onnx.NodeProto) -> None:  # noqa: N802
+        """(N, C) -> (N, C, 1, 1)."""
+        nm = oi.node_name(node)
+        x = self._act(node.input[0], f"node {nm!r}")
+        shape, axes = self.shapes[x], self._squeeze_axes(node)
+        if len(shape) != 2 or axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+            raise UnsupportedOpError(nm, "Unsqueeze", f"axes {axes} of {shape} (supported: (N, C) -> (N, C, 1, 1))")
+        self._emit(node, FloatOp("RESHAPE", nm, [x], node.output[0], {"new_shape": (-1, 1, 1, shape[1])}),
+                   (shape[0], 1, 1, shape[1]))
 
     def _op_Split(self, node: onnx.NodeProto) -> None:  # noqa: N802
         nm, a = oi.node_name(node), oi._attrs(node)

@@ -153,6 +153,26 @@ def test_identity_of_an_initializer_and_gemm_variants() -> None:
         import_onnx(_model(bad, (1, 3, 1, 1), {"w": _w(4, 3, 1, 1), "g": _w(1, 4)}))
 
 
+def test_exporter_constant_folding_and_squeeze_unsqueeze() -> None:
+    # torch dynamo style: weights reshaped / transposed by nodes, Squeeze after the global pool,
+    # MatMul + Add bias, Unsqueeze back to a map for a 1x1 conv
+    nodes = [helper.make_node("Reshape", ["w_flat", "w_shape"], ["w"], name="w_view"),
+             _conv("c0", "x", "c", "w", pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+             helper.make_node("Squeeze", ["p", "hw"], ["f"], name="squeeze"),
+             helper.make_node("Transpose", ["lin_w"], ["lin_wt"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["f", "lin_wt"], ["m"], name="linear"),
+             helper.make_node("Add", ["m", "lin_b"], ["mb"], name="linear_bias"),
+             helper.make_node("Unsqueeze", ["mb", "hw"], ["u"], name="unsqueeze"),
+             _conv("c1", "u", "y", "w1")]
+    inits = {"w_flat": _w(6 * 3 * 3 * 3), "w_shape": np.array([6, 3, 3, 3], np.int64),
+             "hw": np.array([2, 3], np.int64), "lin_w": _w(5, 6), "lin_b": _w(5), "w1": _w(4, 5, 1, 1)}
+    model = _model(nodes, (1, 3, 5, 5), inits)
+    kinds = [op.kind for op in import_onnx(model).ops]
+    assert kinds == ["CONV_2D", "MEAN", "RESHAPE", "FULLY_CONNECTED", "RESHAPE", "CONV_2D"]
+    end_to_end(model)
+
+
 # ------------------------------------------------------------------------ grouped conv, shuffle, split
 @pytest.mark.parametrize(("cin", "cout", "group", "stride"), [(8, 8, 2, 1), (12, 6, 3, 2), (8, 16, 4, 1)])
 def test_grouped_convolution_is_one_conv_2d(cin: int, cout: int, group: int, stride: int) -> None:
