@@ -1,9 +1,16 @@
-"""Aggregation maths as pure numpy functions (Flower's `aggregate.py`; no I/O, no state).
+"""Aggregation maths as pure numpy functions over dense deltas (Flower's `aggregate.py`; no
+I/O, no state): the batch reference the streaming coordinator is tested against.
 
     screen_updates(deltas, k=...)          -> Screening: which updates to use, why others not
     fedavg([(delta, num_samples), ...])    -> sample-weighted mean (McMahan et al. 2017)
     trimmed_mean([(delta, n), ...], beta)  -> coordinate-wise beta-trimmed mean (Yin et al. 2018)
+    coordinate_median([(delta, n), ...])   -> coordinate-wise median
     apply_delta(base, delta)               -> new parameters, in the base's dtypes
+
+The coordinator itself aggregates with streaming.py (running sums, coordinate blocks over
+the stored compressed updates) under the robust rules of robust.py (bounded sample
+weights, clipping, screening from 2 updates, Multi-Krum); robust.py documents what each
+aggregator does with few updates.
 
 A "delta" (or "weights") is a mapping tensor name -> ndarray, as `updates.decode_update`
 returns it. Arithmetic is float64 and the results are cast back (float32 deltas), so the
@@ -148,6 +155,16 @@ def trimmed_mean(updates: Sequence[tuple[Weights, float]], trim_fraction: float)
     for name in names:
         stack = np.sort(np.stack([np.asarray(d[name], dtype=np.float64) for d, _ in updates]), axis=0)
         out[name] = stack[cut:n - cut].mean(axis=0).astype(np.asarray(updates[0][0][name]).dtype)
+    return out
+
+
+def coordinate_median(updates: Sequence[tuple[Weights, float]]) -> dict[str, np.ndarray]:
+    """Coordinate-wise median (mean of the two middle values for an even count), unweighted."""
+    names, _ = _checked(updates)
+    out = {}
+    for name in names:
+        stack = np.stack([np.asarray(d[name], dtype=np.float64) for d, _ in updates])
+        out[name] = np.median(stack, axis=0).astype(np.asarray(updates[0][0][name]).dtype)
     return out
 
 
