@@ -215,3 +215,32 @@ def test_fetching_a_bundle_signed_by_another_key_times_out(mosquitto, fleet, age
     assert "digits/9" in detail and "timed out" in detail, detail
     assert "unknown_key" in agent.log_tail(200_000)  # the rogue chunks were refused, not installed
     assert not (agent.state_dir / "models" / "digits" / "9").exists()
+
+
+def test_devices_refusing_every_command_as_replayed_show_in_status_with_the_fix(
+        mosquitto, fleet, serve, agents, tmp_path, digits_bundle) -> None:  # noqa: ANN001
+    import json
+
+    from edge_agent.atomic import write_checked
+    from tests.integration.agents import SHORT_ROUND
+    from tests.integration.conftest import device_data, online_devices, register_digits
+
+    coordinator = serve(mosquitto.port).start()
+    register_digits(coordinator, digits_bundle[1], tmp_path)
+    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board", battery_pct=90),
+                   data_dir=device_data(tmp_path / "data"))
+    # The device's window for the coordinator is 20 h ahead of the coordinator's counter (what
+    # 22 restarts with the old hour-long lease did): it refuses every command as replayed.
+    ahead = (int(time.time()) + 20 * 3600) * 10**6
+    write_checked(agent.state_dir / "replay" / f"{fleet.coord_id}.replay",
+                  json.dumps({"high": ahead, "mask": "1", "floor": 0}).encode(), mode=0o600)
+    agent.start()
+    assert wait_for(lambda: online_devices(coordinator) == [agent.id], 90), coordinator.log_tail()
+    coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--deadline", "600s",
+                    *SHORT_ROUND, "--detach")
+    assert wait_for(lambda: "PROBLEM: replayed" in coordinator.cli("status").stdout, 90), \
+        coordinator.log_tail() + agent.log_tail()
+    status = coordinator.cli("status").stdout
+    assert "1 device(s) refuse this coordinator's commands as replayed" in status, status
+    assert f"echo {ahead + 1} > {coordinator.state_dir.resolve() / 'keys' / 'seq.floor'}" in status, status
+    assert "replayed" in coordinator.log_tail(10**6) and "Lost sequence counter" in coordinator.log_tail(10**6)
