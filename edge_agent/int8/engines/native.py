@@ -5,9 +5,9 @@ CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, same-shape ADD and the global-avera
 MEAN replaced by the C kernels of the variant dispatched for this CPU (AVX2, NEON+SDOT, ...):
 ADD and MEAN are cheap ops, but in int64 numpy MobileNet's residual ADDs and final MEAN
 cost as much as a quarter of all its convolutions. Weights are packed once at prepare time;
-everything else (pools, PAD, PADV2, GATHER, grouped CONV_2D, broadcasting ADD, ...) stays
-numpy (the reference kernels). That is the documented fallback of MobileNetV3 / EfficientNet's
-elementwise ops too: HARD_SWISH and LOGISTIC are 256-entry table lookups already (as fast
+a grouped CONV_2D is one native conv per group. Everything else (pools, PAD, PADV2, GATHER,
+broadcasting ADD, ...) stays numpy (the reference kernels). That is the documented
+fallback of MobileNetV3 / EfficientNet's elementwise ops too: HARD_SWISH and LOGISTIC are 256-entry table lookups already (as fast
 as C would be) and MUL is one vectorised pass (reference_ops_elementwise). Results are
 bit-identical to the reference, so selection checks them in int8 units like tflite.
 """
@@ -90,7 +90,7 @@ def fuse_pads(graph: QGraph) -> QGraph:
         pads = np.asarray(graph.tensor(op.inputs[1]).data).reshape(-1, 2)
         src, dst = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
         if (conv.kind not in ("CONV_2D", "DEPTHWISE_CONV_2D") or conv.inputs[0] != op.outputs[0]
-                or _grouped(graph, conv)  # runs on the reference, which knows no native_pad
+                or _grouped(graph, conv)  # kept simple: grouped convs take no folded pads
                 or conv.options.get("padding") != "VALID" or "native_pad" in conv.options
                 or pads.shape != (4, 2) or pads[0].any() or pads[3].any() or (pads < 0).any()
                 or ops.zp_of(src) != ops.zp_of(dst)):
@@ -105,7 +105,7 @@ def fuse_pads(graph: QGraph) -> QGraph:
 
 
 def _grouped(graph: QGraph, op: QOp) -> bool:
-    """A grouped CONV_2D (ResNeXt, ShuffleNet v1): runs on the numpy reference."""
+    """A grouped CONV_2D (ResNeXt, ShuffleNet v1): one native conv per group."""
     return op.kind == "CONV_2D" and graph.tensor(op.inputs[0]).shape[3] != graph.tensor(op.inputs[1]).shape[3]
 
 
@@ -118,9 +118,12 @@ class NativeOps:
         self._prepared: dict[int, _Prepared] = {}
         self._add: dict[int, native.AddParams | None] = {}
         self._mean: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        self._groups: dict[int, list[_Prepared]] = {}
         for op in graph.ops:
             if op.kind in NATIVE_OPS and not _grouped(graph, op):
                 self._prepared[id(op)] = self._prepare(graph, op)
+            elif op.kind in NATIVE_OPS:
+                self._groups[id(op)] = self._prepare_groups(graph, op)
 
     def _prepare(self, graph: QGraph, op: QOp) -> _Prepared:
         w = graph.tensor(op.inputs[1]).data
@@ -140,6 +143,31 @@ class NativeOps:
         bias32 = None if bias is None else np.ascontiguousarray(bias, dtype=np.int32)
         return _Prepared(filt, requant, bias32, -p.input_offset)
 
+    def _prepare_groups(self, graph: QGraph, op: QOp) -> list[_Prepared]:
+        """A grouped CONV_2D as one ordinary conv per group: filter rows, requantisation and
+        bias of the group's output channels (reference_ops_struct states the grouping)."""
+        w = graph.tensor(op.inputs[1]).data
+        bias = graph.tensor(op.inputs[2]).data if len(op.inputs) > 2 and op.inputs[2] else None
+        groups = graph.tensor(op.inputs[0]).shape[3] // w.shape[3]
+        per = w.shape[0] // groups
+        p = ops.conv_params(graph, op)
+        m, sh = np.broadcast_to(p.multiplier, (w.shape[0],)), np.broadcast_to(p.shift, (w.shape[0],))
+        out = []
+        for g in range(groups):
+            rows = slice(g * per, (g + 1) * per)
+            requant = native.Requant.make(m[rows], sh[rows], p.output_zero_point, p.act_min, p.act_max, channels=per)
+            b = None if bias is None else np.ascontiguousarray(bias[rows], dtype=np.int32)
+            out.append(_Prepared(self.kernels.conv_filter(np.ascontiguousarray(w[rows])), requant, b, -p.input_offset))
+        return out
+
+    def _grouped_conv(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
+        if id(op) not in self._groups:
+            self._groups[id(op)] = self._prepare_groups(graph, op)
+        parts, x = self._groups[id(op)], args[0]
+        cin = x.shape[3] // len(parts)
+        return np.concatenate([self._run_conv(p, op, np.ascontiguousarray(x[..., g * cin:(g + 1) * cin]))
+                               for g, p in enumerate(parts)], axis=-1)
+
     def _get(self, graph: QGraph, op: QOp) -> _Prepared:
         prepared = self._prepared.get(id(op))
         if prepared is None:  # an op this runner was not prepared with: pack it now, once
@@ -147,9 +175,11 @@ class NativeOps:
         return prepared
 
     def _conv(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
-        if _grouped(graph, op):  # the C kernels take one group: the documented reference fallback
-            return ops.KERNELS[op.kind](graph, op, args)
-        p, x = self._get(graph, op), np.ascontiguousarray(args[0])
+        if _grouped(graph, op):  # one C conv per group
+            return self._grouped_conv(graph, op, args)
+        return self._run_conv(self._get(graph, op), op, np.ascontiguousarray(args[0]))
+
+    def _run_conv(self, p: _Prepared, op: QOp, x: np.ndarray) -> np.ndarray:
         plan = p.plans.get(x.shape)
         if plan is None:  # first call at this batch size: validate and bind once
             o = op.options
