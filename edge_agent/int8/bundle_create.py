@@ -164,9 +164,13 @@ def _mxnet_compatible(model: Any) -> Any:
     for init in model.graph.initializer:
         if init.name not in listed:
             model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    # a Gemm without its optional C input crashes MXNet's linalg_gemm: give it a zero bias
+    # a Gemm without its optional C input crashes MXNet's linalg_gemm: give it a zero bias;
+    # a Conv without kernel_shape (optional: the weight has it) is a KeyError in the importer
     dims = {i.name: list(i.dims) for i in model.graph.initializer}
     for node in model.graph.node:
+        if node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in dims and \
+                not any(a.name == "kernel_shape" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("kernel_shape", dims[node.input[1]][2:]))
         if node.op_type == "Gemm" and (len(node.input) < 3 or not node.input[2]) and node.input[1] in dims:
             trans_b = any(a.name == "transB" and a.i for a in node.attribute)
             units = dims[node.input[1]][0 if trans_b else -1]
@@ -283,7 +287,10 @@ def create_bundle(
         source=origin, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     _parse_manifest(manifest.to_json(), "bundle arguments")  # name, version, labels, mean/std: fail early
-    extractor = onnx_utils.Extractor(model)
+    try:
+        extractor = onnx_utils.Extractor(model)  # runs strict shape inference
+    except Exception as exc:  # onnx InferenceError names the op and node
+        raise BundleError(f"{where}: ONNX shape inference fails: {str(exc).strip()[:300]}") from None
     head_sym, head_args, head_aux = _head(extractor, model, tensor, float_graph, labels, where)
     calib = load_calibration(calibration, spec)
     try:

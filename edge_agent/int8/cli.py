@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_OK, InputError
-from .engine import ENV_FORCE_BACKEND
+from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG
 
 DESCRIPTION = """\
 List every int8 engine for a model's frozen backbone on this device: whether it is
@@ -36,9 +36,11 @@ examples:
   edge-agent kernels --model digits-3.tar.gz --bench --batch-size 32
   edge-agent kernels --model digits-3 --bench --backends tflite,reference --json
   {ENV_FORCE_BACKEND}=reference edge-agent kernels --model digits-3 --bench
+  edge-agent kernels --model digits-3 --engine tflite --force-engine
 
 exit codes: 0 ok, 64 bad command line (an unknown engine in --backends, a count < 1),
-65 bad bundle, 69 no engine (or not the forced one) can run the model, 78 {ENV_FORCE_BACKEND}
+65 bad bundle, 69 no engine (or not the forced one) can run the model, or the forced one
+disagrees with the reference (without --force-engine), 78 {ENV_FORCE_BACKEND} / --engine
 names an unknown engine.
 """
 
@@ -82,6 +84,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--backends", type=_backends, default=None, metavar="A,B,...",
                         help="candidates in preference order (default: the board profile's int8.backends, "
                              "else every engine)")
+    parser.add_argument("--engine", default=None, metavar="NAME",
+                        help=f"check and time only this engine and choose it (like {ENV_FORCE_BACKEND}); "
+                             "an engine that disagrees with the reference is an error (exit 69)")
+    parser.add_argument("--force-engine", action="store_true",
+                        help=f"with --engine (or {ENV_FORCE_BACKEND}): use it even if it disagrees with "
+                             f"the reference, with a warning ({ENV_FORCE_WRONG}=1)")
     parser.add_argument("--repeats", type=_at_least_one, default=5, metavar="N", help="timed runs per engine (median)")
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="where the decision is cached (default: $EDGE_AGENT_STATE_DIR, "
@@ -130,9 +138,14 @@ def run_kernels(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="edge-agent-kernels-") as tmp:
         model = Path(args.model)
         bundle = unpack_bundle(model, Path(tmp) / "bundle") if model.is_file() else load_bundle(model)
-        if args.bench:
+        env = dict(os.environ)
+        if args.engine:
+            env[ENV_FORCE_BACKEND] = args.engine
+        if args.force_engine:
+            env[ENV_FORCE_WRONG] = "1"
+        if args.bench or args.engine:
             selection, _ = sel.select_engine(bundle, probe=report, preference=preference,
-                                             batch_size=batch_size, threads=threads,
+                                             batch_size=batch_size, threads=threads, env=env,
                                              state_dir=state_dir, repeats=args.repeats, use_cache=False)
             rows = selection.candidates
         else:
@@ -148,7 +161,7 @@ def run_kernels(args: argparse.Namespace) -> int:
         info = {"model": bundle.manifest.name, "version": bundle.manifest.version, "sha256": bundle.sha256,
                 "batch_size": batch_size, "threads": threads, "profile": profile.get("profile"),
                 "hardware": sel.hardware_fingerprint(report), "state_dir": str(state_dir)}
-    forced = os.environ.get(ENV_FORCE_BACKEND, "").strip() or None
+    forced = env.get(ENV_FORCE_BACKEND, "").strip() or None
     if args.json:
         print(json.dumps({**info, "forced": forced, "chosen": selection.chosen if selection else None,
                           "cached": bool(selection and selection.cached),

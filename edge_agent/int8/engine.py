@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # numpy only for annotations: the CLI and idle daemon must no
     import numpy as np
 
 ENV_FORCE_BACKEND = "EDGE_AGENT_INT8_BACKEND"
+# "1": run the forced engine even when it fails the agreement check (with a warning);
+# without it a forced engine marked wrong is an error (exit 69). --force-engine sets it.
+ENV_FORCE_WRONG = "EDGE_AGENT_INT8_FORCE"
 
 
 @dataclass

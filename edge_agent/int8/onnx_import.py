@@ -21,6 +21,7 @@ protobuf parse and onnx.checker, each failure an OnnxImportError that says where
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +80,11 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
     try:
         onnx.checker.check_model(model)
     except Exception as exc:  # onnx.checker.ValidationError and C++ errors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        ctx = re.search(r"Name: (\S*) OpType: (\S+)", text)  # the checker's context: which node
+        if ctx:
+            first = f"node {ctx.group(1)!r} (op {ctx.group(2)}): {first}"
         raise OnnxImportError(f"{where}: invalid ONNX model (truncated or corrupt?): {first}") from None
     return _convert_opset(model, where)
 
@@ -182,6 +187,11 @@ def node_names(model: onnx.ModelProto) -> list[str]:
     return [node_name(n) for n in model.graph.node]
 
 
+def supported_ops() -> list[str]:
+    """The ONNX op types the importer has a handler for."""
+    return sorted({"Constant"} | {m[4:] for m in dir(_Converter) if m.startswith("_op_")})
+
+
 def split_hint(model: onnx.ModelProto) -> str:
     """A few useful split points for an error message (not every node name)."""
     from .cut_points import candidate_cuts, describe
@@ -228,6 +238,10 @@ class _Converter(StructOps, ElementwiseOps):
         if len(inputs) != 1:
             raise OnnxImportError(f"model must have exactly one data input, found {[i.name for i in inputs]}")
         dims = inputs[0].type.tensor_type.shape.dim
+        dynamic = [d.dim_param or "?" for d in list(dims)[1:] if not d.HasField("dim_value")]
+        if dynamic:  # only the batch may be dynamic: a made-up H or W would import a different net
+            raise OnnxImportError(f"input {inputs[0].name!r}: dimensions {', '.join(dynamic)} are dynamic; "
+                                  "export the model with a fixed C, H and W")
         shape = tuple(d.dim_value if d.HasField("dim_value") else 1 for d in dims)
         if len(shape) != 4 or min(shape[1:], default=0) <= 0:
             raise OnnxImportError(f"input {inputs[0].name!r}: need a fixed NCHW shape, got {shape}")
@@ -283,9 +297,16 @@ class _Converter(StructOps, ElementwiseOps):
                 self._constant(node)
                 continue
             handler = getattr(self, f"_op_{node.op_type}", None)
-            if handler is None:
-                raise UnsupportedOpError(node_name(node), node.op_type)
-            handler(node)
+            if handler is None or node.domain not in ("", "ai.onnx"):
+                raise UnsupportedOpError(node_name(node), f"{node.domain + '.' if node.domain else ''}{node.op_type}",
+                                         f"supported ops: {', '.join(supported_ops())}")
+            try:
+                handler(node)
+            except (UnsupportedOpError, InputError):
+                raise
+            except Exception as exc:  # a malformed node (missing input/attribute, odd shape): no traceback
+                raise UnsupportedOpError(node_name(node), node.op_type,
+                                         f"malformed node ({type(exc).__name__}: {str(exc)[:160]})") from None
         out = self._act(target, "graph output")
         if out == self.input:
             raise OnnxImportError(f"split {split!r} leaves no operations in the backbone")

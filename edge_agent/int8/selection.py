@@ -27,7 +27,8 @@ The decision and its timings are cached in the state directory per (int8 backbon
 hardware fingerprint, edge-agent version) -- plus batch size, threads and the candidate
 list, which also change the answer. Not per bundle: engines run only the backbone, so a new
 head version reuses the decision. `EDGE_AGENT_INT8_BACKEND=<name>` forces one engine (only
-it is probed, checked and timed; never cached). MXNet is imported only when an engine or a
+it is probed, checked and timed; never cached); a forced engine that fails the check is an
+error (exit 69) unless `EDGE_AGENT_INT8_FORCE=1` (--force-engine) says to run it anyway. MXNet is imported only when an engine or a
 head that is more than one dense layer needs it.
 """
 
@@ -51,7 +52,7 @@ from ..atomic import atomic_write_json, read_limited
 from ..errors import EXIT_UNAVAILABLE, ConfigError, EdgeAgentError, InputError
 from . import engines as registry
 from .bundle import BACKBONE_INT8
-from .engine import ENV_FORCE_BACKEND, Int8Engine, Runner
+from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engines._common import thread_count
 
 _log = logging.getLogger(__name__)
@@ -385,7 +386,15 @@ def select_engine(
             why = (row.error or row.reason) if row else "not loaded"
             raise EngineUnavailableError(f"{ENV_FORCE_BACKEND}={forced}: engine cannot run this model: {why}")
         if not row.correct:
-            selection.notes.append(f"forced engine {forced} disagrees with the reference; used anyway")
+            what = f"{row.agreement} max {row.max_diff:.3g}/{row.tolerance:g}, top-1 {row.top1_match}" \
+                if row.max_diff is not None else "no agreement figures"
+            if env.get(ENV_FORCE_WRONG, "").strip() not in ("1", "true", "yes"):
+                raise EngineUnavailableError(
+                    f"{ENV_FORCE_BACKEND}={forced}: the engine disagrees with the reference on this model "
+                    f"({what}), so it is not run; --force-engine ({ENV_FORCE_WRONG}=1) runs it anyway")
+            note = f"forced engine {forced} disagrees with the reference ({what}); used anyway ({ENV_FORCE_WRONG}=1)"
+            _log.warning("%s", note)
+            selection.notes.append(note)
         selection.chosen = forced
     else:
         correct = [c for c in rows if c.correct and c.latency_ms is not None]

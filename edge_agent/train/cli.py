@@ -122,6 +122,10 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     from .job import run_finetune
 
     state_dir = Path(args.state_dir) if args.state_dir else _default_state_dir(args.model, args.data)
+    if args.force_engine:  # the job reads the environment (as the agent's child does)
+        from ..int8.engine import ENV_FORCE_WRONG
+
+        os.environ[ENV_FORCE_WRONG] = "1"
     bar = None if args.quiet else ProgressBar(sys.stderr)
     report = run_finetune(
         model=args.model, data=args.data, state_dir=state_dir, cache_dir=args.cache_dir,
@@ -226,7 +230,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--cache-dir", metavar="DIR", help="feature cache and engine choice (default: STATE_DIR/cache)")
     s.add_argument("--checkpoint-every", type=_positive(int), default=50, metavar="N", help="steps (default 50)")
     o = p.add_argument_group("device")
-    o.add_argument("--engine", help="force an int8 engine (tflite, native, mxnet-onednn, reference, edgetpu)")
+    o.add_argument("--engine", help="force an int8 engine (tflite, native, mxnet-onednn, reference, edgetpu); "
+                                    "one that disagrees with the reference is an error (exit 69)")
+    o.add_argument("--force-engine", action="store_true",
+                   help="use --engine even if it disagrees with the reference, with a warning")
     o.add_argument("--threads", type=_positive(int), help="CPU threads (default: the board profile's)")
     o.add_argument("--profile", help="board profile name (default: matched from the hardware probe)")
     o.add_argument("--power-root", default="/", metavar="ROOT",

@@ -89,7 +89,7 @@ def test_model_create_bad_input_is_one_clear_line(workdir, capsys, args, message
     for flag in ("--onnx", "--calib"):
         if flag not in args:
             args += [flag, base[flag]]
-    rc = coordinator_main(["model", "create", *args, "--labels", "0,1", "--name", "x", "--version", "1",
+    rc = coordinator_main(["model", "create", *args, "--labels", ",".join("0123456789"), "--name", "x", "--version", "1",
                            "--output", str(workdir / "never")])
     err = capsys.readouterr().err
     assert rc == EXIT_DATAERR and err.startswith("edge-coordinator: error: ") and message in err

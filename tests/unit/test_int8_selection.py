@@ -16,7 +16,13 @@ from edge_agent import models
 from edge_agent.errors import EXIT_UNAVAILABLE, ConfigError
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import selection as sel
-from edge_agent.int8.engine import ENV_FORCE_BACKEND, Availability, Int8Engine, Runner
+from edge_agent.int8.engine import (
+    ENV_FORCE_BACKEND,
+    ENV_FORCE_WRONG,
+    Availability,
+    Int8Engine,
+    Runner,
+)
 from edge_agent.int8.engines.edgetpu import EdgeTpuEngine
 from edge_agent.int8.engines.reference import QGraphRunner, ReferenceEngine
 
@@ -169,8 +175,12 @@ def test_forced_engine_is_used_checked_and_never_cached(bundle, tmp_path):
     assert selection.forced and selection.chosen == "reference" and fast.prepared == 0
     assert "not tried" in selection.candidate("fast").reason
     assert selection.candidate("reference").correct and not (tmp_path / sel.CACHE_DIR).exists()
+    # an engine marked wrong is never run unless forced anyway, and then with a warning
+    with pytest.raises(sel.EngineUnavailableError, match="wrong: the engine disagrees.*--force-engine") as err:
+        _select(bundle, [("wrong", FakeEngine("wrong", shift=4))], tmp_path, env={ENV_FORCE_BACKEND: "wrong"})
+    assert err.value.exit_code == EXIT_UNAVAILABLE
     wrong = _select(bundle, [("wrong", FakeEngine("wrong", shift=4))], tmp_path,
-                    env={ENV_FORCE_BACKEND: "wrong"})
+                    env={ENV_FORCE_BACKEND: "wrong", ENV_FORCE_WRONG: "1"})
     assert wrong.chosen == "wrong" and "disagrees" in wrong.notes[0]
 
 

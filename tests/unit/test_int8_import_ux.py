@@ -1,0 +1,338 @@
+"""Importing models nobody here wrote: ONNX files as exporters write them (ir_version 10,
+old opsets, external data), split points (`model nodes`, candidate_cuts), `model create`'s
+checks, heads that are not one dense layer, forced engines marked wrong, and odd graphs
+that must be exit 65 with the node and op named, never a traceback.
+
+Models are hand-built with onnx.helper (tiny, random weights); commands run as the user
+runs them (the CLIs' main), against real MXNet, onnx and the reference engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_agent.atomic import FileTooLargeError
+from edge_agent.cli import main as agent_main
+from edge_agent.coordinator.cli import main as coordinator_main
+from edge_agent.errors import EXIT_DATAERR, EXIT_OK, EXIT_UNAVAILABLE
+from edge_agent.int8 import engines as registry
+from edge_agent.int8.bundle import load_bundle
+from edge_agent.int8.cut_points import candidate_cuts
+from edge_agent.int8.engine import Availability, Int8Engine, Runner
+from edge_agent.int8.engines.reference import QGraphRunner
+from edge_agent.int8.onnx_import import OnnxImportError, import_onnx, load_onnx
+
+PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}}, "accelerators": [],
+         "board": {"model": "test board"}, "profile": {"name": None}}
+RNG = np.random.default_rng(0)
+
+
+def _w(*shape: int) -> np.ndarray:
+    return (RNG.standard_normal(shape) * 0.3).astype(np.float32)
+
+
+def _graph(nodes: list, inits: dict[str, np.ndarray], *, shape=(1, 3, 8, 8), out="y", out_shape=None,
+           opset: int = 13, ir: int = 8, in_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    out_shape = out_shape or ["n", "c", "h", "w"]  # the checker wants a shape, even symbolic
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", in_type, list(shape))],
+                          [helper.make_tensor_value_info(out, TensorProto.FLOAT, out_shape)],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir)
+
+
+def _resnetish(classes: int = 4) -> onnx.ModelProto:
+    """stem conv -> residual block (conv-relu-conv + skip, add, relu) -> GAP -> flatten -> Gemm."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["s"], name="stem", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["s"], ["s_r"], name="stem_relu"),
+        helper.make_node("Conv", ["s_r", "w1", "b1"], ["c1"], name="block/conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["c1_r"], name="block/relu1"),
+        helper.make_node("Conv", ["c1_r", "w2", "b2"], ["c2"], name="block/conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "s_r"], ["sum"], name="block/add"),
+        helper.make_node("Relu", ["sum"], ["block_out"], name="block/relu2"),
+        helper.make_node("GlobalAveragePool", ["block_out"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"], name="fc", transB=1),
+    ]
+    inits = {"w0": _w(8, 3, 3, 3), "b0": _w(8), "w1": _w(8, 8, 3, 3), "b1": _w(8), "w2": _w(8, 8, 3, 3),
+             "b2": _w(8), "fc_w": _w(classes, 8), "fc_b": _w(classes)}
+    return _graph(nodes, inits, out_shape=[1, classes])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("import-ux")
+    onnx.save(_resnetish(), root / "resnetish.onnx")
+    np.savez(root / "calib.npz", x=RNG.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    return root
+
+
+def _create(files: Path, model: str | Path, out: Path, *extra: str, labels: str = "a,b,c,d") -> int:
+    return coordinator_main(["model", "create", "--onnx", str(model), "--calib", str(files / "calib.npz"),
+                             "--labels", labels, "--name", "m", "--version", "1", "--output", str(out),
+                             "--overwrite", *extra])
+
+
+# ----------------------------------------------------------------- load_onnx
+def test_ir_version_10_is_lowered_and_newer_or_4bit_refused(files) -> None:
+    model = _resnetish()
+    model.ir_version = 10
+    assert load_onnx(model.SerializeToString()).ir_version == onnx.IR_VERSION
+    model.ir_version = 11
+    with pytest.raises(OnnxImportError, match="ir_version 11 is newer"):
+        load_onnx(model.SerializeToString())
+    model.ir_version = 10
+    model.graph.value_info.append(helper.make_tensor_value_info("s", 22, [1, 8, 8, 8]))  # INT4
+    with pytest.raises(OnnxImportError, match="4-bit"):
+        load_onnx(model.SerializeToString())
+
+
+def test_old_opset_is_converted_and_imports() -> None:
+    # opset 10: Clip's bounds are attributes, Dropout has a ratio attribute
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Clip", ["c"], ["r"], name="clip", min=0.0, max=6.0),
+             helper.make_node("Dropout", ["r"], ["y"], name="drop", ratio=0.5)]
+    model = _graph(nodes, {"w": _w(4, 3, 1, 1)}, opset=10, ir=5)
+    graph = import_onnx(model.SerializeToString())
+    assert [op.kind for op in graph.ops] == ["CONV_2D"] and graph.ops[0].options["activation"] == "RELU6"
+
+
+def test_external_data_is_inlined_from_the_models_directory(files, tmp_path) -> None:
+    model = _resnetish()
+    onnx.save(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path / "ext.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.onnx.data", size_threshold=0)
+    loaded = load_onnx(tmp_path / "ext.onnx")
+    assert all(t.data_location == TensorProto.DEFAULT and not t.external_data for t in loaded.graph.initializer)
+    np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[0]),
+                                  numpy_helper.to_array(model.graph.initializer[0]))
+    with pytest.raises(FileTooLargeError):
+        load_onnx(tmp_path / "ext.onnx", max_bytes=(tmp_path / "ext.onnx").stat().st_size + 100)
+    # the bundle is self-contained: backbone.onnx carries the weights
+    assert _create(files, tmp_path / "ext.onnx", tmp_path / "b", "--split", "flatten") == EXIT_OK
+    backbone = onnx.load_from_string((tmp_path / "b" / "backbone.onnx").read_bytes())
+    assert not any(t.external_data for t in backbone.graph.initializer)
+    (tmp_path / "ext.onnx.data").unlink()
+    with pytest.raises(OnnxImportError, match="cannot read external data 'ext.onnx.data'"):
+        load_onnx(tmp_path / "ext.onnx")
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "/etc/hostname", "sub/../../x.bin", ""])
+def test_external_data_outside_the_models_directory_is_refused(tmp_path, location) -> None:
+    model = _resnetish()
+    init = model.graph.initializer[0]
+    init.ClearField("raw_data")
+    del init.float_data[:]
+    init.data_location = TensorProto.EXTERNAL
+    init.external_data.add(key="location", value=location)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 4096)
+    onnx.save(model, tmp_path / "m" / "model.onnx")
+    with pytest.raises(OnnxImportError, match="is not a file inside"):
+        load_onnx(tmp_path / "m" / "model.onnx")
+    with pytest.raises(OnnxImportError, match="give the model as a file"):
+        load_onnx((tmp_path / "m" / "model.onnx").read_bytes())
+
+
+# ----------------------------------------------------------------- split points
+def test_candidate_cuts_are_block_boundaries_that_split_the_graph() -> None:
+    cuts = {c.name: c for c in candidate_cuts(_resnetish())}
+    # the residual block's output (after its relu), the pool, the classifier's input
+    assert cuts["block/relu2"].kind == "add" and cuts["block/relu2"].shape == (1, 8, 8, 8)
+    assert cuts["gap"].kind == "pool" and cuts["gap"].shape == (1, 8, 1, 1)
+    assert cuts["flatten"].kind == "classifier-input" and cuts["flatten"].shape == (1, 8)
+    # inside the block the skip path also needs stem_relu: not a valid single-tensor cut
+    assert not {"block/conv1", "block/relu1", "block/conv2", "block/add", "fc"} & set(cuts)
+    assert [c.index for c in cuts.values()] == sorted(c.index for c in cuts.values())
+
+
+def test_model_nodes_lists_split_points(files, capsys) -> None:
+    assert coordinator_main(["model", "nodes", str(files / "resnetish.onnx")]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["SPLIT", "SHAPE", "KIND"]
+    assert ["block/relu2", "1x8x8x8", "add"] in [line.split() for line in lines]
+    assert coordinator_main(["model", "nodes", str(files / "resnetish.onnx"), "--json"]) == EXIT_OK
+    rows = json.loads(capsys.readouterr().out)
+    assert {"name": "gap", "tensor": "gap", "shape": [1, 8, 1, 1], "kind": "pool", "index": 7} in rows
+
+
+def test_unknown_split_names_a_few_useful_candidates(files, tmp_path, capsys) -> None:
+    assert _create(files, files / "resnetish.onnx", tmp_path / "b", "--split", "nope") == EXIT_DATAERR
+    err = capsys.readouterr().err
+    assert "unknown split node 'nope'" in err and "gap [pool 1x8x1x1]" in err and "model nodes" in err
+    assert "block/conv1" not in err and len(err) < 500
+
+
+def test_mxnet_model_nodes_and_create_take_the_shape_from_calib(tmp_path, capsys) -> None:
+    import mxnet as mx
+
+    from edge_agent import models
+
+    net = models.initialize(models.digits_cnn(), seed=0)
+    net.hybridize()
+    net(mx.nd.zeros((1, 1, 8, 8)))
+    net.export(str(tmp_path / "digits"))
+    np.savez(tmp_path / "calib.npz", x=RNG.standard_normal((8, 1, 8, 8)).astype(np.float32))
+    assert coordinator_main(["model", "nodes", "--mxnet", str(tmp_path / "digits"),
+                             "--calib", str(tmp_path / "calib.npz")]) == EXIT_OK
+    assert "features_gap_fwd" in capsys.readouterr().out
+    args = ["model", "create", "--mxnet", str(tmp_path / "digits"), "--split", "features_gap_fwd",
+            "--labels", ",".join("0123456789"), "--name", "d", "--version", "1", "--output", str(tmp_path / "b")]
+    assert coordinator_main([*args, "--calib", str(tmp_path / "calib.npz")]) == EXIT_OK  # no --input-shape
+    assert load_bundle(tmp_path / "b").manifest.input.shape == (1, 8, 8)
+    (tmp_path / "png").mkdir()
+    assert coordinator_main([*args, "--calib", str(tmp_path / "png"), "--overwrite"]) == EXIT_DATAERR
+    assert "--mxnet needs --input-shape" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- model create's checks
+@pytest.mark.parametrize("labels, why", [
+    ("a,b,c", "the head outputs 4 classes but 3 labels were given"),
+    ("a,b,c,d,e", "the head outputs 4 classes but 5 labels were given"),
+    ("a,b,a,c", "labels: 'a' given more than once"),
+])
+def test_labels_must_match_the_head(files, tmp_path, capsys, labels, why) -> None:
+    assert _create(files, files / "resnetish.onnx", tmp_path / "b", "--split", "gap", labels=labels) == EXIT_DATAERR
+    assert why in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_a_parameter_free_head_is_refused(files, tmp_path, capsys) -> None:
+    # squeezenet's pattern: conv classifier, relu, global pool, flatten; cut after the classifier
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], name="features"),
+             helper.make_node("Relu", ["f"], ["f_r"], name="features_relu"),
+             helper.make_node("Conv", ["f_r", "wc", "bc"], ["c"], name="classifier"),
+             helper.make_node("Relu", ["c"], ["c_r"], name="classifier_relu"),
+             helper.make_node("GlobalAveragePool", ["c_r"], ["p"], name="pool"),
+             helper.make_node("Flatten", ["p"], ["y"], name="flatten")]
+    onnx.save(_graph(nodes, {"w0": _w(8, 3, 3, 3), "wc": _w(4, 8, 1, 1), "bc": _w(4)}, out_shape=[1, 4]),
+              tmp_path / "sq.onnx")
+    assert _create(files, tmp_path / "sq.onnx", tmp_path / "b", "--split", "classifier_relu") == EXIT_DATAERR
+    err = capsys.readouterr().err
+    assert "has no parameters: nothing to fine-tune" in err and "--split features_relu" in err
+    # split before the conv classifier: the head is conv + relu + pool + flatten, and the
+    # agent's kernels check runs it (through MXNet: it is not one dense layer)
+    assert _create(files, tmp_path / "sq.onnx", tmp_path / "b", "--split", "features_relu") == EXIT_OK
+    (tmp_path / "probe.json").write_text(json.dumps(PROBE))
+    assert agent_main(["kernels", "--model", str(tmp_path / "b"), "--bench", "--backends", "reference",
+                       "--batch-size", "4", "--repeats", "1", "--state-dir", str(tmp_path / "st"),
+                       "--probe-report", str(tmp_path / "probe.json")]) == EXIT_OK
+    assert "ok: int8 max 0/1 unit" in capsys.readouterr().out
+
+
+def test_gemm_without_bias_in_the_head(files, tmp_path) -> None:
+    model = _resnetish()
+    fc = model.graph.node[-1]
+    del fc.input[2:]
+    onnx.save(model, tmp_path / "nobias.onnx")
+    assert _create(files, tmp_path / "nobias.onnx", tmp_path / "b", "--split", "flatten") == EXIT_OK
+    import mxnet as mx
+
+    feats = RNG.standard_normal((2, 8)).astype(np.float32)
+    out = load_bundle(tmp_path / "b").head_block()(mx.nd.array(feats)).asnumpy()
+    w = numpy_helper.to_array(model.graph.initializer[-2])
+    np.testing.assert_allclose(out, feats @ w.T, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- forced engines
+class ShiftedRunner(QGraphRunner):
+    """The reference, off by 3 int8 units: an engine that fails the agreement check."""
+
+    def _invoke(self, x):
+        return np.clip(super()._invoke(x).astype(np.int16) + 3, -128, 127).astype(np.int8)
+
+
+class ShiftedEngine(Int8Engine):
+    name = "shifted"
+
+    def availability(self, probe=None) -> Availability:
+        return Availability(True, "test engine, 3 units off")
+
+    def prepare(self, model, *, threads=None) -> Runner:
+        return ShiftedRunner(model.qgraph())
+
+
+@pytest.fixture()
+def shifted():
+    registry.register_engine("shifted", f"{__name__}:ShiftedEngine")
+    yield
+    registry.ENGINES[:] = [s for s in registry.ENGINES if s.name != "shifted"]
+
+
+def test_an_engine_marked_wrong_runs_only_with_force_engine(files, tmp_path, capsys, monkeypatch, shifted) -> None:
+    monkeypatch.delenv("EDGE_AGENT_INT8_BACKEND", raising=False)
+    monkeypatch.delenv("EDGE_AGENT_INT8_FORCE", raising=False)
+    assert _create(files, files / "resnetish.onnx", tmp_path / "b", "--split", "gap") == EXIT_OK
+    (tmp_path / "probe.json").write_text(json.dumps(PROBE))
+    args = ["kernels", "--model", str(tmp_path / "b"), "--batch-size", "4", "--repeats", "1",
+            "--state-dir", str(tmp_path / "st"), "--probe-report", str(tmp_path / "probe.json"), "--engine", "shifted"]
+    capsys.readouterr()
+    assert agent_main(args) == EXIT_UNAVAILABLE
+    err = capsys.readouterr().err
+    assert "shifted: the engine disagrees with the reference" in err and "--force-engine" in err
+    assert agent_main([*args, "--force-engine"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "* shifted" in out and "WRONG: int8 max 3/1 unit" in out and "used anyway" in out
+    # finetune refuses it the same way, before any training
+    data = tmp_path / "data.npz"
+    np.savez(data, x=RNG.standard_normal((16, 3, 8, 8)).astype(np.float32), y=np.array(list("abcd") * 4))
+    assert agent_main(["finetune", "--model", str(tmp_path / "b"), "--data", str(data), "--engine", "shifted",
+                       "--state-dir", str(tmp_path / "ft"), "--epochs", "1", "-q"]) == EXIT_UNAVAILABLE, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "disagrees with the reference" in err, err
+
+
+# ----------------------------------------------------------------- odd graphs: exit 65, never a traceback
+def _odd_models() -> list[tuple[str, onnx.ModelProto, list[str]]]:
+    conv = helper.make_node("Conv", ["x", "w"], ["c"], name="conv")
+    w = {"w": _w(4, 3, 1, 1)}
+    cases = [
+        ("unknown op", _graph([conv, helper.make_node("Erf", ["c"], ["y"], name="erf")], w),
+         ["erf", "'Erf'", "supported ops: Add"]),
+        ("custom domain", _graph([conv, helper.make_node("Gelu", ["c"], ["y"], name="gelu", domain="com.x")], w),
+         ["gelu", "com.x.Gelu"]),
+        ("missing input", _graph([helper.make_node("Conv", ["x", "nowhere"], ["y"], name="conv")], {}),
+         ["nowhere"]),
+        ("cycle", _graph([helper.make_node("Add", ["x", "b"], ["a"], name="add1"),
+                          helper.make_node("Relu", ["a"], ["b"], name="relu1"),
+                          helper.make_node("Relu", ["a"], ["y"], name="relu2")], {}), []),
+        ("dynamic shape", _graph([conv, helper.make_node("Relu", ["c"], ["y"], name="r")], w,
+                                 shape=("N", 3, "H", "W")), ["dimensions H, W are dynamic"]),
+        ("int input", _graph([conv, helper.make_node("Relu", ["c"], ["y"], name="r")], w,
+                             in_type=TensorProto.INT64), []),
+        ("zero-size", _graph([conv, helper.make_node("Relu", ["c"], ["y"], name="r")], w, shape=(1, 3, 0, 8)),
+         []),
+        ("huge dims", _graph([conv, helper.make_node("Relu", ["c"], ["y"], name="r")], w,
+                             shape=(1, 3, 1 << 40, 1 << 40)), []),
+        ("conv without weight", _graph([helper.make_node("Conv", ["x"], ["y"], name="conv")], {}), ["conv"]),
+        ("pool without kernel", _graph([conv, helper.make_node("MaxPool", ["c"], ["y"], name="pool")], w),
+         ["node 'pool' (op MaxPool)", "kernel_shape"]),
+        ("wrong weight rank", _graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")],
+                                     {"w": _w(4, 3)}), ["conv"]),
+        ("no nodes", _graph([], {}, out="x"), []),
+        ("two inputs", None, ["exactly one data input"]),
+    ]
+    cases[1][1].opset_import.append(helper.make_opsetid("com.x", 1))
+    two = _graph([conv, helper.make_node("Add", ["c", "x2"], ["y"], name="add")], w)
+    two.graph.input.append(helper.make_tensor_value_info("x2", TensorProto.FLOAT, [1, 4, 8, 8]))
+    cases[-1] = ("two inputs", two, ["exactly one data input"])
+    return cases
+
+
+def test_odd_graphs_are_exit_65_naming_node_and_op(files, tmp_path, capsys) -> None:
+    failures = []
+    for what, model, expect in _odd_models():
+        split = model.graph.output[0].name  # the odd part is the backbone: a tail is the head
+        model.graph.node.append(helper.make_node("Relu", [split], ["z"], name="tail"))
+        model.graph.output[0].name = "z"
+        path = tmp_path / f"{what.replace(' ', '_')}.onnx"
+        path.write_bytes(model.SerializeToString())
+        code = _create(files, path, tmp_path / "b", "--split", split, labels="a")
+        err = capsys.readouterr().err
+        if code != EXIT_DATAERR or "Traceback" in err or not all(e in err for e in expect):
+            failures.append(f"{what}: exit {code}: {err.strip()[:300]}")
+    assert not failures, "\n".join(failures)
