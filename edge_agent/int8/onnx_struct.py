@@ -45,6 +45,9 @@ class StructOps:
         if len(self.shapes[x]) != 4:
             raise UnsupportedOpError(nm, op_type, f"only 2-D pooling of an NCHW map, input {to_nchw_shape(self.shapes[x])}")
         n, h, w, c = self.shapes[x]
+        if len(a.get("kernel_shape", [])) != 2 or len(a.get("strides", [1, 1])) != 2:
+            raise UnsupportedOpError(nm, op_type, f"kernel_shape {a.get('kernel_shape')} / strides "
+                                     f"{a.get('strides')} (supported: 2-D windows)")
         kh, kw = a["kernel_shape"]
         sh, sw = a.get("strides", [1, 1])
         if any(v != 1 for v in a.get("dilations", [1, 1])):

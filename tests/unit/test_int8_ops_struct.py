@@ -242,6 +242,10 @@ def test_densenet_style_repeated_concat_and_flatten_variants() -> None:
      r"node 'mp': op 'MaxPool'.*supported: pads smaller than the kernel"),
     (helper.make_node("Split", ["c"], ["y", "z"], name="sp", axis=2), {},
      r"node 'sp': op 'Split'.*supported: channels"),
+    (helper.make_node("MaxPool", ["c"], ["y"], name="mp1d", kernel_shape=[2]), {},
+     r"node 'mp1d': op 'MaxPool'.*supported: 2-D windows"),
+    (helper.make_node("Gemm", ["c", "w"], ["y"], name="gemm_map", transB=1), {},
+     r"node 'gemm_map': op 'Gemm'"),
 ])
 def test_unsupported_combinations_name_node_op_and_what_is_supported(node, inits, match) -> None:
     model = _model([_conv("c0", "x", "c", "w"), node], (1, 3, 4, 4), {"w": _w(4, 3, 1, 1), **inits})
