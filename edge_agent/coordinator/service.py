@@ -285,7 +285,7 @@ class Coordinator:
                 del state["name"]
         if status != "busy":
             state["job"] = None
-        state.update(allowance_state(msg.body.get("allowance")))  # selection skips a device that would refuse
+        state.update(allowance_state(facts))  # selection skips a device that would refuse
         dev = self.registry.record_state(device, online=status != "offline", state=state)
         engine = state.get("engine")
         if isinstance(engine, str) and engine and engine != dev.engine and engine.isprintable():
