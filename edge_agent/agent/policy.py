@@ -21,8 +21,8 @@ Every refusal is a `Verdict` with one of these codes (an id: it goes into a sign
 `refusal` body) and a sentence for humans. Unknown command parameters are ignored, not
 refused: the coordinator passes its job parameters (aggregator, ...) through unchanged.
 
-`Allowance` is what the device tells the coordinator in every state message (the protocol's
-`allowance` field): jobs left today, when the next one frees up, and a standing refusal
+`Allowance` is what the device tells the coordinator in every state message (entries of
+its `info`, protocol.schema.ALLOWANCE_CHECKS): jobs left today, when the next one frees up, and a standing refusal
 (finetune disabled, no data, daily limit) -- so round selection skips a device that would
 refuse instead of selecting it round after round.
 """
@@ -242,13 +242,13 @@ class Allowance:
     def jobs_left(self) -> int:
         return max(0, self.limit - self.used)
 
-    def to_body(self) -> dict[str, Any]:
-        """The state message's `allowance` field (protocol.schema checks it)."""
-        body: dict[str, Any] = {"jobs_left": min(self.jobs_left, 100_000), "limit": min(self.limit, 100_000)}
+    def to_facts(self) -> dict[str, Any]:
+        """State facts for the state message's `info` (protocol.schema.ALLOWANCE_CHECKS)."""
+        body: dict[str, Any] = {"jobs_left": min(self.jobs_left, 100_000), "jobs_limit": min(self.limit, 100_000)}
         if self.resets_at is not None:
-            body["resets_at"] = int(math.ceil(self.resets_at))
+            body["jobs_reset_at"] = int(math.ceil(self.resets_at))
         if self.refuse:
-            body["refuse"], body["detail"] = self.refuse, self.detail[:200]
+            body["refuse"], body["refuse_detail"] = self.refuse, self.detail[:200]
         return body
 
 

@@ -106,8 +106,8 @@ class DeviceState:
         if facts.get("job"):
             body["job"] = facts["job"]
         body["info"] = dict(facts)
-        if allowance is not None:  # policy.Allowance.to_body: round selection skips a device that would refuse
-            body["allowance"] = dict(allowance)
+        if allowance is not None:  # policy.Allowance.to_facts: round selection skips a device that would refuse
+            body["info"].update(allowance)
         return body
 
 

@@ -52,14 +52,15 @@ def capabilities_from_hello(info: Mapping[str, Any]) -> dict[str, Any]:
 ALLOWANCE_KEYS = ("jobs_left", "jobs_limit", "jobs_reset_at", "refuse", "refuse_detail")
 
 
-def allowance_state(allowance: Any) -> dict[str, Any]:
-    """A state message's `allowance` (schema-checked) as flat registry state keys; every key
-    is present (None when not sent), so an older agent's state clears a stale allowance."""
-    a = allowance if isinstance(allowance, Mapping) else {}
-    detail = a.get("detail")
-    return {"jobs_left": a.get("jobs_left"), "jobs_limit": a.get("limit"), "jobs_reset_at": a.get("resets_at"),
-            "refuse": a.get("refuse") or None,
-            "refuse_detail": detail if isinstance(detail, str) and detail.isprintable() else None}
+def allowance_state(facts: Mapping[str, Any]) -> dict[str, Any]:
+    """The allowance entries of a state's facts (schema-checked: protocol.schema.
+    ALLOWANCE_CHECKS) as registry state keys; every key is present (None when not sent), so
+    an older agent's state clears a stale allowance."""
+    out = {k: facts.get(k) for k in ALLOWANCE_KEYS}
+    out["refuse"] = out["refuse"] or None
+    if not (isinstance(out["refuse_detail"], str) and out["refuse_detail"].isprintable()):
+        out["refuse_detail"] = None
+    return out
 
 
 def refusal(state: Mapping[str, Any], now: float) -> str:

@@ -46,27 +46,31 @@ def test_cancelled_jobs_do_not_count_and_the_allowance_says_when_it_frees(tmp_pa
     assert (a.jobs_left, a.refuse) == (0, "daily_limit")
     assert a.resets_at == now - 4 * 3600 + DAY_S  # the oldest counted job leaves the window
     assert "daily limit 3/3, resets" in a.detail and a.detail.endswith("UTC")
-    body = a.to_body()
-    check_body(Kind.STATE, {"status": "idle", "allowance": body})
-    assert body["refuse"] == "daily_limit" and body["jobs_left"] == 0 and body["limit"] == 3
+    facts = a.to_facts()
+    check_body(Kind.STATE, {"status": "idle", "info": {"name": "pi", **facts}})
+    assert facts["refuse"] == "daily_limit" and facts["jobs_left"] == 0 and facts["jobs_limit"] == 3
     roomy = daily_allowance(dataclasses.replace(lim, max_jobs_per_day=5), counted.values(), now)
-    assert (roomy.jobs_left, roomy.refuse) == (2, "") and "refuse" not in roomy.to_body()
+    assert (roomy.jobs_left, roomy.refuse) == (2, "") and "refuse" not in roomy.to_facts()
     off = daily_allowance(DeviceLimits(accept_finetune=False, data_dir=str(tmp_path)), [], now)
     assert off.refuse == "finetune_disabled" and off.jobs_left == DEFAULT_MAX_JOBS_PER_DAY
 
 
 @pytest.mark.parametrize(("allowance", "words"), [
-    ({"jobs_left": -1, "limit": 3}, "entry jobs_left must be an integer"),
-    ({"limit": 3}, "needs 'jobs_left'"),
-    ({"jobs_left": 1, "limit": 3, "refuse": "no such!"}, "entry refuse must be"),
-    ({"jobs_left": 1, "limit": 3, "detail": "x" * 201}, "at most 200"),
-    ({"jobs_left": 1, "limit": 3, "extra": 1}, "unknown entry"),
-    ("0/3", "must be an object"),
+    ({"jobs_left": -1, "jobs_limit": 3}, "entry jobs_left must be an integer"),
+    ({"jobs_left": 1.5}, "entry jobs_left must be an integer"),
+    ({"jobs_left": 1, "jobs_reset_at": "03:00"}, "entry jobs_reset_at must be an integer"),
+    ({"jobs_left": 1, "jobs_limit": 3, "refuse": "no such!"}, "entry refuse must be"),
+    ({"jobs_left": 1, "jobs_limit": 3, "refuse_detail": "x" * 201}, "at most 200"),
 ])
-def test_the_state_allowance_is_validated(allowance: object, words: str) -> None:
+def test_the_state_allowance_is_validated(allowance: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
-        check_body(Kind.STATE, {"status": "idle", "allowance": allowance})
-    check_body(Kind.STATE, {"status": "idle"})  # an agent that sends none is still valid
+        check_body(Kind.STATE, {"status": "idle", "info": allowance})
+    check_body(Kind.STATE, {"status": "idle", "info": {"name": "pi"}})  # an agent that sends none is valid
+    # and an older coordinator (whose schema only knew a flat `info`) takes a newer agent's state
+    from edge_agent.protocol.schema import _flat
+
+    _flat({"jobs_left": 0, "jobs_limit": 48, "jobs_reset_at": 1_800_000_000, "refuse": "daily_limit",
+           "refuse_detail": "daily limit 48/48, resets 03:00 UTC"})
 
 
 def test_a_driver_counts_accepted_jobs_but_gives_a_cancelled_one_back(tmp_path: Path) -> None:
@@ -76,7 +80,7 @@ def test_a_driver_counts_accepted_jobs_but_gives_a_cancelled_one_back(tmp_path: 
     rig.driver = rig.new_driver()
     assert rig.driver.allowance().jobs_left == 1
     rig.submit("a")
-    assert rig.driver.allowance().to_body()["refuse"] == "daily_limit"
+    assert rig.driver.allowance().to_facts()["refuse"] == "daily_limit"
     assert rig.driver.cancel({"job": "a"}).accept
     assert rig.job("a-r1").state is JobState.CANCELLED
     assert rig.driver.allowance().jobs_left == 1  # the cancel gave it back
@@ -96,18 +100,20 @@ def test_a_driver_counts_accepted_jobs_but_gives_a_cancelled_one_back(tmp_path: 
 
 
 def test_selection_skips_a_device_at_its_limit_until_the_reset_passes() -> None:
-    full = allowance_state({"jobs_left": 0, "limit": 48, "resets_at": int(T0) + 600, "refuse": "daily_limit",
-                            "detail": "daily limit 48/48, resets 03:00 UTC"})
+    full = allowance_state({"jobs_left": 0, "jobs_limit": 48, "jobs_reset_at": int(T0) + 600, "refuse": "daily_limit",
+                            "refuse_detail": "daily limit 48/48, resets 03:00 UTC", "battery_pct": 50})
+    assert set(full) == {"jobs_left", "jobs_limit", "jobs_reset_at", "refuse", "refuse_detail"}
     at_limit = dev(1, state={"battery_pct": 90, **full})
-    roomy = dev(2, state={"battery_pct": 90, **allowance_state({"jobs_left": 7, "limit": 48})})
-    old = dev(3, state={"battery_pct": 90, **allowance_state(None)})  # an agent that does not say
+    roomy = dev(2, state={"battery_pct": 90, **allowance_state({"jobs_left": 7, "jobs_limit": 48})})
+    old = dev(3, state={"battery_pct": 90, **allowance_state({"battery_pct": 90})})  # an agent that does not say
     sel = select_devices([at_limit, roomy, old], "all", now=T0, online_within_s=300, min_battery_pct=30)
     assert sel.eligible == ["d2", "d3"]
     assert sel.ineligible == {"d1": "refuses jobs: daily limit 48/48, resets 03:00 UTC"}
     later = select_devices([dataclasses.replace(at_limit, last_seen=T0 + 600)], "all", now=T0 + 601,
                            online_within_s=300, min_battery_pct=30)
     assert later.eligible == ["d1"]  # its oldest job left the window since it said so
-    no_data = dev(4, state={"battery_pct": 90, **allowance_state({"jobs_left": 3, "limit": 48, "refuse": "no_data"})})
+    no_data = dev(4, state={"battery_pct": 90, **allowance_state({"jobs_left": 3, "jobs_limit": 48,
+                                                                   "refuse": "no_data"})})
     assert refusal(no_data.state, T0 + 10**6) == "refuses jobs: no_data"
     assert refusal_lines([at_limit, roomy], T0) == [
         "  d1 (-): refuses jobs: daily limit 48/48, resets 03:00 UTC -- not selected for rounds"]
@@ -121,8 +127,8 @@ def test_the_round_engine_does_not_select_a_device_at_its_limit(tmp_path: Path, 
         h.setup(softmax_head())
         full = fleet["ids"][0]
         h.reg.record_state(full, online=True, state=allowance_state(
-            {"jobs_left": 0, "limit": 2, "resets_at": int(T0) + 3600, "refuse": "daily_limit",
-             "detail": "daily limit 2/2, resets 01:00 UTC"}))
+            {"jobs_left": 0, "jobs_limit": 2, "jobs_reset_at": int(T0) + 3600, "refuse": "daily_limit",
+             "refuse_detail": "daily limit 2/2, resets 01:00 UTC"}))
         h.engine.start_job(model_name="digits", model_version="1", rounds=1, min_devices=1, deadline_s=60)
         (plan,) = h.engine.tick().opened
         assert full not in plan.devices and sorted(plan.devices) == sorted(fleet["ids"][1:])
@@ -137,5 +143,5 @@ def test_the_round_engine_does_not_select_a_device_at_its_limit(tmp_path: Path, 
 
 def test_time_is_not_read_from_the_wall_clock_in_selection() -> None:
     # the reset check uses the engine's clock (`now`), so a test clock controls it
-    state = allowance_state({"jobs_left": 0, "limit": 1, "resets_at": 10, "refuse": "daily_limit"})
+    state = allowance_state({"jobs_left": 0, "jobs_limit": 1, "jobs_reset_at": 10, "refuse": "daily_limit"})
     assert refusal(state, 9.0) and not refusal(state, 10.0) and time.time() > 10
