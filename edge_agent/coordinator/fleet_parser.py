@@ -107,7 +107,8 @@ each one's reason is printed and nothing is queued (unless --wait-for-devices).
 
 Knowing when to stop. Each device measures the version it is sent on its own validation
 split before training on it, so every round tells the coordinator the previous version's
-global accuracy (weighted by samples; `status JOB` lists it and names the best version).
+global accuracy (weighted by samples, averaged over the last few versions to smooth out
+which devices took part; `status JOB` names the best version).
 With --patience N the job ends once N versions in a row did not beat the best by more
 than --min-delta points, and its last version is the best one restored (the drift after
 the peak is not what the fleet keeps); --on-plateau decay halves the server learning rate
