@@ -168,6 +168,7 @@ class Coordinator:
         self._peeks: dict[str, float] = {}
         self._replayed: dict[str, tuple[float, int]] = {}  # device -> (when, its window's high or 0)
         self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json)
+        self._reject_log = (0.0, 0, 0)  # rejected-update log lines: (minute start, lines, not logged)
         self._next_beat = 0.0
         self.started_at = time.time()
         self.errors = 0
@@ -365,6 +366,8 @@ class Coordinator:
                 self.receiver = self._new_receiver()
                 raise
             self._receipts[slot] = receipt
+            if receipt.status == "rejected":
+                self._warn_rejected(got.key, receipt)
             while len(self._receipts) > 10_000:
                 self._receipts.popitem(last=False)
         elif got.status == "duplicate" and got.ack_due:
@@ -378,6 +381,21 @@ class Coordinator:
         else:
             return
         self._ack(got.key, got.upload, receipt)
+
+    def _warn_rejected(self, key: OutboxKey, receipt: Receipt) -> None:
+        """Every rejected update at WARNING with its device and reason; at most 20 lines a
+        minute (the rest are counted into the next line), so a hostile device cannot flood the log."""
+        now = time.monotonic()
+        start, lines, hidden = self._reject_log
+        if now - start >= 60.0:
+            start, lines = now, 0
+        if lines >= 20:
+            self._reject_log = (start, lines, hidden + 1)
+            return
+        more = f" ({hidden} more rejected updates not logged)" if hidden else ""
+        log.warning("rejected update %s round %d from device %s: %s: %s%s", key.job, key.round, key.device,
+                    receipt.reason, receipt.detail[:300], more)
+        self._reject_log = (start, lines + 1, 0)
 
     def receive(self, upload: CompletedUpload) -> Receipt:
         """Reassemble, check and store one complete upload; returns what to acknowledge."""

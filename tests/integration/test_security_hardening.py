@@ -244,3 +244,16 @@ def test_devices_refusing_every_command_as_replayed_show_in_status_with_the_fix(
     assert "1 device(s) refuse this coordinator's commands as replayed" in status, status
     assert f"echo {ahead + 1} > {coordinator.state_dir.resolve() / 'keys' / 'seq.floor'}" in status, status
     assert "replayed" in coordinator.log_tail(10**6) and "Lost sequence counter" in coordinator.log_tail(10**6)
+
+    # A stolen key (the approved device's) sending an update that is not one: the coordinator
+    # says so at WARNING, naming the device and the reason.
+    from edge_agent.transport import Outbox, OutboxKey
+    from tests.integration.conftest import DeviceLoop
+
+    stolen = fleet.device(mosquitto.port, name="stolen", key=agent.key)
+    outbox = Outbox(directory=tmp_path / "stolen-outbox")
+    outbox.put(OutboxKey("job-x", agent.id, 1), [b"not an update" * 50], meta={"samples": 10})
+    DeviceLoop(fleet, stolen, outbox).start()
+    assert wait_for(lambda: f"rejected update job-x round 1 from device {agent.id}: malformed"
+                    in coordinator.log_tail(10**6), 90), coordinator.log_tail()
+    assert "WARNING" in next(ln for ln in coordinator.log_tail(10**6).splitlines() if "rejected update job-x" in ln)
