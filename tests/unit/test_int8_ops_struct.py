@@ -280,10 +280,10 @@ def test_gluon_resnet18_imports_quantises_and_runs_on_tflite(name: str, new_kind
     g = import_onnx(export_onnx(net, (1, 3, 32, 32)))
     assert new_kinds <= {op.kind for op in g.ops}
     rng = np.random.default_rng(1)
-    x = rng.normal(0, 1, (4, 3, 32, 32)).astype(np.float32)
+    x = rng.normal(0, 1, (2, 3, 32, 32)).astype(np.float32)
     logits = net(mx.nd.array(x)).asnumpy()
     np.testing.assert_allclose(run_float(g, x), logits, rtol=1e-3, atol=1e-4)
-    q = quantize_graph(g, np.concatenate([x, rng.normal(0, 1, (12, 3, 32, 32)).astype(np.float32)]))
+    q = quantize_graph(g, np.concatenate([x, rng.normal(0, 1, (6, 3, 32, 32)).astype(np.float32)]))
     tfl = write_tflite(q)
     xi = quantize_input(x, q)
     ours = run_graph(q, xi)
