@@ -38,7 +38,7 @@ Head = dict[str, np.ndarray]
 class PlateauSim:
     rounds: int = 300
     n_devices: int = 10
-    per_round: int = 5  # devices sampled per round (devices_per_round): a noisy fleet
+    per_round: int = 10  # devices per round (devices_per_round); 10: the whole fleet, like the soak's
     alpha: float = 0.3  # Dirichlet label skew: non-IID
     local_epochs: int = 2
     lr: float = 0.5
@@ -163,7 +163,7 @@ def simulate(sim: PlateauSim, state_dir: Path | None = None) -> SimResult:
 OPTS: dict[str, dict[str, Any]] = {
     "fedavg": {"server_opt": "fedavg"},
     "fedavgm": {"server_opt": "fedavgm", "server_lr": 0.5, "server_momentum": 0.5},
-    "fedadam": {"server_opt": "fedadam", "server_lr": 0.01},
+    "fedadam": {"server_opt": "fedadam", "server_lr": 0.03},
 }
 PLATEAU = {"plateau_patience": 20, "plateau_min_delta": 0.002}
 
@@ -186,14 +186,18 @@ def run(quick: bool = False) -> str:
         "## Plateau detection and server optimisers (bench_plateau)",
         "",
         f"A {rounds}-round federated job on the simulated digits fleet (10 devices, Dirichlet alpha 0.3 label "
-        "skew, 5 sampled per round, softmax-regression head, 2 local epochs of SGD at lr 0.5), driven through "
-        "the real RoundEngine, registry and update wire format. Devices report their validation accuracy of "
+        "skew, all taking part in every round, softmax-regression head, 2 local epochs of SGD at lr 0.5), driven "
+        "through the real RoundEngine (default fedavg_clipped aggregation and norm screening; strikes, quarantine "
+        "and the direction check off: an honest fleet), registry and update wire format. Devices report their "
+        "validation accuracy (20 % of their data, never trained on) of "
         "the version they were sent (`accuracy_before`); the plateau rule uses only that. The accuracies below "
-        "are on the coordinator-side test set (digits no device holds). Best: the best version of the job; "
+        "are on the coordinator-side test set (the 450 digits no device holds: one digit is 0.22 points). Best: "
+        "the best of all the versions the job produced; "
         "published: the job's last version (with plateau detection, the best version by the devices' reports, "
-        f"restored). Plateau: `--patience {PLATEAU['plateau_patience']} --min-delta "
-        f"{PLATEAU['plateau_min_delta']}`; decay halves the server lr, twice at most, then stops. "
-        "fedavgm: server lr 0.5, momentum 0.5; fedadam: server lr 0.01 (beta1 0.9, beta2 0.99, tau 1e-3).",
+        f"restored). Plateau: `train --patience {PLATEAU['plateau_patience']} --min-delta "
+        f"{100 * PLATEAU['plateau_min_delta']:g}` (points; the rule reads a moving average, weight 0.3, of the "
+        "reported accuracy); decay (`--on-plateau decay`) halves the server lr, twice at most, then stops. "
+        "fedavgm: server lr 0.5, momentum 0.5; fedadam: server lr 0.03 (beta1 0.9, beta2 0.99, tau 1e-3).",
         "",
         "| server opt | plateau | rounds run | best test acc % (round) | published acc % | gap (points) "
         "| lr decays | time |",
