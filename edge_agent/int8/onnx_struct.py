@@ -58,6 +58,9 @@ class StructOps:
                       ((h, t, b, kh, sh), (w, left, r, kw, sw)))
         else:
             oh, ow = ((h + t + b - kh) // sh + 1), ((w + left + r - kw) // sw + 1)
+        if min(oh, ow, kh, kw, sh, sw) < 1:
+            raise UnsupportedOpError(nm, op_type, f"window {kh}x{kw} stride {sh}x{sw} on a {h}x{w} map with pads "
+                                     f"{pads} (supported: positive windows that fit the padded input)")
         same = tuple(p for dim in zip(same_pads(h, kh, sh, 1), same_pads(w, kw, sw, 1), strict=True) for p in dim)
         include_pad = bool(a.get("count_include_pad", 0))
         exact = (oh, ow) == (out_size(h, kh, sh, 1, "VALID"), out_size(w, kw, sw, 1, "VALID"))

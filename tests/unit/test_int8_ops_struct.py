@@ -244,6 +244,8 @@ def test_densenet_style_repeated_concat_and_flatten_variants() -> None:
      r"node 'sp': op 'Split'.*supported: channels"),
     (helper.make_node("MaxPool", ["c"], ["y"], name="mp1d", kernel_shape=[2]), {},
      r"node 'mp1d': op 'MaxPool'.*supported: 2-D windows"),
+    (helper.make_node("AveragePool", ["c"], ["y"], name="ap_big", kernel_shape=[5, 5]), {},
+     r"node 'ap_big': op 'AveragePool'.*supported: positive windows"),
     (helper.make_node("Gemm", ["c", "w"], ["y"], name="gemm_map", transB=1), {},
      r"node 'gemm_map': op 'Gemm'"),
 ])
