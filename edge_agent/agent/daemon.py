@@ -47,7 +47,7 @@ from typing import Any
 from .. import __version__
 from ..config import AgentConfig, load_identity, public_key_text
 from ..errors import EXIT_FAILURE, EXIT_OK, ConfigError, InputError
-from ..keys import enrolment_code
+from ..keys import enrolment_code, fingerprint
 from ..protocol import (
     MAX_BINARY_BYTES,
     Kind,
@@ -99,6 +99,7 @@ class Daemon:
         self.hooks = os.environ.get(HOOKS_ENV) == "1"
         # strict_missing: a lost window file means "only what is issued from now on", never "empty".
         window = ReplayWindow(directory=sd / "replay", strict_missing=True,
+                              known_senders=(fingerprint(config.coordinator_public_key),),
                               fault_file=sd / ENOSPC_FILE if self.hooks else None)
         self.verifier = Verifier(topics=self.topics, trust=trust, replay=window)
         g = config.get

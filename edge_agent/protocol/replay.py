@@ -99,14 +99,16 @@ class ReplayWindow:
     exists): only messages issued after this process started are accepted. That is the
     re-synchronisation: the refused command is answered with a `replayed` refusal saying so,
     and the coordinator's next command (issued now) is accepted. The very first start of a
-    device (no marker yet) accepts what was queued for it.
+    device (no marker yet) creates an empty window for each of `known_senders` (so what is
+    queued for it, then or after later restarts, is accepted).
 
     `fault_file` is a test hook (the daemon passes it only with EDGE_AGENT_TEST_HOOKS=1):
     while that file exists every write fails with ENOSPC, as on a full disk.
     """
 
     def __init__(self, *, directory: str | Path, size: int = 1024, clock: Clock = time.time,
-                 strict_missing: bool = False, fault_file: Path | None = None) -> None:
+                 strict_missing: bool = False, known_senders: tuple[str, ...] = (),
+                 fault_file: Path | None = None) -> None:
         if not 1 <= size <= 65536:
             raise ValueError("size must be 1..65536")
         self.directory, self.size, self._clock = Path(directory), size, clock
@@ -119,8 +121,14 @@ class ReplayWindow:
             marker = self.directory / INIT_MARKER
             used = marker.exists() or any(self.directory.glob("*.replay"))
             self._strict = used
-            if not marker.exists():
-                write_checked(marker, str(self._started).encode(), mode=0o600)
+            try:
+                if not used:  # first start: the senders we expect get a window now, so a missing one is lost
+                    for sender in known_senders:
+                        self._save(validate_id(sender, "sender"), (0, 0, 0))
+                if not marker.exists():
+                    write_checked(marker, str(self._started).encode(), mode=0o600)
+            except OSError as exc:  # (disk full at first start: a missing window is then treated as lost)
+                log.error("replay window: cannot initialise %s: %s", self.directory, exc.strerror or exc)
 
     def _load(self, sender: str) -> tuple[int, int, int]:
         if sender in self._state:

@@ -257,3 +257,23 @@ def test_devices_refusing_every_command_as_replayed_show_in_status_with_the_fix(
     assert wait_for(lambda: f"rejected update job-x round 1 from device {agent.id}: malformed"
                     in coordinator.log_tail(10**6), 90), coordinator.log_tail()
     assert "WARNING" in next(ln for ln in coordinator.log_tail(10**6).splitlines() if "rejected update job-x" in ln)
+
+
+def test_a_missing_window_is_lost_only_after_the_first_start(tmp_path: Path) -> None:
+    """Files, no broker: the first start makes the coordinator's window (so commands queued
+    for a device that never had one are taken); after that a missing window means lost."""
+    from edge_agent import keys
+    from edge_agent.protocol import ReplayWindow
+
+    coord = keys.fingerprint(keys.generate_private_key())
+    clock = Clock(1_800_000_000.0)
+    ReplayWindow(directory=tmp_path, strict_missing=True, known_senders=(coord,), clock=clock)  # first start
+    assert (tmp_path / f"{coord}.replay").exists() and (tmp_path / ".initialised").exists()
+    clock.t += 100
+    restarted = ReplayWindow(directory=tmp_path, strict_missing=True, known_senders=(coord,), clock=clock)
+    assert restarted.check_and_record(coord, 5 * 10**15, int(clock.t) - 50) is None  # queued while it was down
+    (tmp_path / f"{coord}.replay").unlink()  # lost
+    clock.t += 100
+    again = ReplayWindow(directory=tmp_path, strict_missing=True, known_senders=(coord,), clock=clock)
+    assert "window was reset" in again.check_and_record(coord, 6 * 10**15, int(clock.t) - 50)
+    assert again.check_and_record(coord, 6 * 10**15 + 1, int(clock.t)) is None  # re-synchronised
