@@ -125,3 +125,15 @@ def test_a_federated_job_stops_at_its_plateau_with_the_best_version_published(tm
     assert main(["models", "rollback", "digits", "--to-best", job.id, "--state-dir", str(tmp_path)]) == 0
     assert f"digits {best}-rb1 (the head of {best}) is now the current version" in capsys.readouterr().out
     assert main(["models", "rollback", "digits", "--state-dir", str(tmp_path)]) != 0  # neither VERSION nor --to-best
+
+
+def test_train_refuses_plateau_options_without_patience_and_bad_values(tmp_path: Path, capsys) -> None:
+    base = ["train", "--model", "digits", "--state-dir", str(tmp_path)]
+    assert main([*base, "--on-plateau", "decay"]) == 64
+    assert "--on-plateau and --min-delta need --patience N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: out of range
+        main([*base, "--patience", "0"])
+    from edge_agent.coordinator.rounds import RoundEngine
+
+    with Registry(state_dir=tmp_path) as reg, pytest.raises(InputError, match="server_opt must be one of"):
+        RoundEngine(registry=reg).start_job(model_name="digits", model_version="1", params={"server_opt": "sgd"})
