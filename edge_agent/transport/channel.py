@@ -71,7 +71,7 @@ class Admission:
                 bucket = self._buckets[route.device] = _Bucket(self.per_device[0], self.per_device[1], self._clock)
             if not bucket.take():
                 self.dropped[route.device] += 1
-                return "drop"
+                return f"drop:over the ingress budget of device {route.device}"
         if route.channel in self.priority_channels and self.verifier.authentic(topic, payload):
             return "priority"
         return "bulk"

@@ -10,8 +10,8 @@ payloads is the protocol's job.
 
 Back-pressure: `admit(topic, payload)`, called in paho's network thread, sorts each message:
 "priority" (cheap checks passed: a valid signature by a trusted key, e.g. the daemon's
-signed commands), "bulk" (anything else), or "drop" (e.g. a device over its ingress budget
-at the coordinator). `get()` still returns messages in arrival order (a command sent after
+signed commands), "bulk" (anything else), or "drop[:why]" (e.g. a device over its ingress
+budget at the coordinator). `get()` still returns messages in arrival order (a command sent after
 others is handled after them), but when the inbox is full the OLDEST BULK message is
 dropped to make room, so a junk flood only ever pushes out older junk, never a signed
 command; only an inbox full of priority messages drops one of those (at most
@@ -300,11 +300,11 @@ class MqttClient:
                 except Exception:  # the sorter must not lose messages: treat as unverified
                     self._count("callback_errors")
                     lane = "bulk"
+                if lane.startswith("drop"):  # "drop" or "drop:<why>"
+                    self._dropped("dropped_admit", lane[5:][:200] or "refused by admit")
+                    return
                 if lane not in LANES:
                     lane = "bulk"
-            if lane == "drop":
-                self._dropped("dropped_admit", "over the sender's ingress budget")
-                return
             victim = None
             with self._ready:
                 prio, bulk = self._lanes["priority"], self._lanes["bulk"]

@@ -277,3 +277,32 @@ def test_a_missing_window_is_lost_only_after_the_first_start(tmp_path: Path) -> 
     again = ReplayWindow(directory=tmp_path, strict_missing=True, known_senders=(coord,), clock=clock)
     assert "window was reset" in again.check_and_record(coord, 6 * 10**15, int(clock.t) - 50)
     assert again.check_and_record(coord, 6 * 10**15 + 1, int(clock.t)) is None  # re-synchronised
+
+
+def test_one_flooding_device_is_cut_to_its_budget_and_others_still_get_through(mosquitto, fleet, caplog) -> None:  # noqa: ANN001
+    """The coordinator's per-device ingress bucket, in its MQTT network thread (here 5 at once
+    and a negligible refill, so the count does not depend on the machine's speed)."""
+    import logging
+
+    from edge_agent.protocol import TrustStore, Verifier
+    from edge_agent.transport import Admission
+
+    admission = Admission(Verifier(topics=fleet.topics, trust=TrustStore(), replay=None),
+                          priority_channels=("progress", "state"), per_device=(0.001, 5))
+    coord = fleet.coordinator(mosquitto.port, admit=admission)
+    flooder, honest = fleet.device(mosquitto.port, name="flooder"), fleet.device(mosquitto.port, name="honest")
+    with caplog.at_level(logging.WARNING, logger="edge_agent.transport.mqtt"):
+        for i in range(300):
+            assert flooder.client.publish(fleet.topics.device(flooder.id, "update"), b"chunk %d" % i) is not None
+        assert flooder.client.publish_wait(fleet.topics.device(flooder.id, "update"), b"last", timeout=60)
+        assert honest.client.publish_wait(fleet.topics.device(honest.id, "update"), b"honest", timeout=60)
+        got = []
+        while not any(r.payload == b"honest" for r in got):
+            r = coord.client.get(60)
+            assert r is not None, f"the honest device's message never came ({len(got)} others)"
+            got.append(r)
+        assert wait_for(lambda: coord.client.stats["dropped_admit"] == 301 - 5, 60), coord.client.stats
+    assert len([r for r in got if flooder.id in r.topic]) == 5
+    assert admission.dropped[flooder.id] == 296 and admission.dropped[honest.id] == 0
+    lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert lines and f"over the ingress budget of device {flooder.id}" in lines[0] and len(lines) <= 3
