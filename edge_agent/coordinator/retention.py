@@ -18,8 +18,10 @@ keeps the versions that matter and prunes the rest:
                     lineage other rows name, a few hundred bytes)
     updates         the payload files of rounds that ended more than `keep_update_days`
                     ago (at once for updates the screening rejected) are deleted and their
-                    row's file reference cleared; the rows stay (sizes, norms, history).
-                    An open or closing round's files are never touched (aggregate.py
+                    row's file reference cleared; once the job has finished, those rounds'
+                    update and participant rows go too, except each device's newest 10
+                    accepted updates (the screening's history). Job, round and version rows
+                    stay. An open or closing round's files are never touched (rounds.py
                     rebuilds its sums from them after a restart).
 
 `plan()` decides and is side-effect free (`edge-coordinator prune` prints it: a dry run
@@ -55,6 +57,7 @@ RETRACT_FILE = "retract.json"
 TAGS_FILE = "tags.json"
 DAY_S = 86400.0
 MAX_QUEUE = 100_000
+KEEP_DEVICE_UPDATES = 10  # each device's newest accepted update rows (the screening's history)
 RECENT_JOBS = 5  # finished jobs whose best version stays (for `models rollback --to-best JOB`)
 ENDED = ("aggregated", "failed", "cancelled")
 
@@ -91,6 +94,8 @@ class PrunePlan:
     kept: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (name, version) -> why
     versions: list[VersionPrune] = field(default_factory=list)
     updates: list[tuple[int, Path, int]] = field(default_factory=list)  # (row id, file, size)
+    update_rows: list[int] = field(default_factory=list)  # rows of finished jobs' old rounds
+    participant_rows: list[tuple[str, int]] = field(default_factory=list)  # (job, round)
 
     @property
     def bytes(self) -> int:
@@ -98,7 +103,8 @@ class PrunePlan:
 
     def summary(self) -> str:
         return (f"{len(self.versions)} version(s) and {len(self.updates)} update file(s), "
-                f"{self.bytes} bytes; {len(self.kept)} version(s) kept")
+                f"{self.bytes} bytes, {len(self.update_rows)} update row(s), {len(self.participant_rows)} "
+                f"round(s)' participant rows; {len(self.kept)} version(s) kept")
 
     def lines(self) -> list[str]:
         """What `prune` prints: every kept version with why, every deletion with its size."""
@@ -109,6 +115,9 @@ class PrunePlan:
                        + (", ".join(f"{pid} ({c} chunk(s))" for pid, c in vp.retract) or "nothing"))
         for _, path, size in self.updates:
             out.append(f"prune  update {path.name}: {size} bytes")
+        if self.update_rows or self.participant_rows:
+            out.append(f"prune  {len(self.update_rows)} update row(s) and the participant rows of "
+                       f"{len(self.participant_rows)} round(s) of finished jobs")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -116,7 +125,8 @@ class PrunePlan:
                 "versions": [{"name": p.name, "version": p.version, "bytes": sum(s for _, s in p.files),
                               "files": [str(f) for f, _ in p.files], "retract": [pid for pid, _ in p.retract]}
                              for p in self.versions],
-                "updates": [{"file": str(p), "bytes": s} for _, p, s in self.updates], "bytes": self.bytes}
+                "updates": [{"file": str(p), "bytes": s} for _, p, s in self.updates], "bytes": self.bytes,
+                "update_rows": len(self.update_rows), "participant_rows": len(self.participant_rows)}
 
 
 def _order(item: Any) -> Any:
@@ -233,6 +243,7 @@ def plan(registry: Registry, policy: RetentionPolicy, *, now: float | None = Non
             else:
                 result.versions.append(_version_files(registry, mv, chunk_bytes))
     result.updates = _update_files(registry, now - policy.keep_update_days * DAY_S)
+    result.update_rows, result.participant_rows = _old_rows(registry, now - policy.keep_update_days * DAY_S)
     return result
 
 
@@ -261,6 +272,25 @@ def _version_files(registry: Registry, mv: ModelVersion, chunk_bytes: int) -> Ve
     if patch is not None:
         retract.append((patch_version(mv.version), max(1, math.ceil((_size(patch) or chunk_bytes) / chunk_bytes))))
     return VersionPrune(mv.name, mv.version, files, retract)
+
+
+def _old_rows(registry: Registry, before: float) -> tuple[list[int], list[tuple[str, int]]]:
+    """Update and participant rows of finished jobs' rounds that ended before `before` --
+    except each device's newest accepted updates, which screening compares new ones with
+    (aggregate/rounds: the last 10). Jobs, rounds and version rows stay: the lineage."""
+    old = (f"r.state IN ({', '.join('?' * len(ENDED))}) AND COALESCE(r.ended_at, r.started_at) < ? AND "
+           "j.status NOT IN ('pending', 'running')")
+    with registry._read() as db:
+        updates = [int(row[0]) for row in db.execute(
+            "SELECT u.id FROM updates u JOIN rounds r ON r.job_id = u.job_id AND r.number = u.round "
+            f"JOIN jobs j ON j.id = u.job_id WHERE {old} AND u.id NOT IN (SELECT id FROM (SELECT id, ROW_NUMBER() "
+            "OVER (PARTITION BY device_id ORDER BY received_at DESC, id DESC) AS n FROM updates "
+            f"WHERE status = 'accepted') WHERE n <= {KEEP_DEVICE_UPDATES}) ORDER BY u.id", (*ENDED, before))]
+        rounds = [(str(row[0]), int(row[1])) for row in db.execute(
+            f"SELECT r.job_id, r.number FROM rounds r JOIN jobs j ON j.id = r.job_id WHERE {old} AND EXISTS "
+            "(SELECT 1 FROM participants p WHERE p.job_id = r.job_id AND p.round = r.number) "
+            "ORDER BY r.started_at", (*ENDED, before))]
+    return updates, rounds
 
 
 def _update_files(registry: Registry, before: float) -> list[tuple[int, Path, int]]:
@@ -308,7 +338,9 @@ def apply(registry: Registry, result: PrunePlan, *, now: float | None = None) ->
                 db.execute("UPDATE model_versions SET metrics = ? WHERE name = ? AND version = ?",
                            (json.dumps(metrics, sort_keys=True), vp.name, vp.version))
         db.executemany("UPDATE updates SET delta_path = NULL WHERE id = ?", [(i,) for i, _, _ in result.updates])
-    if result.versions or result.updates:
+        db.executemany("DELETE FROM updates WHERE id = ?", [(i,) for i in result.update_rows])
+        db.executemany("DELETE FROM participants WHERE job_id = ? AND round = ?", result.participant_rows)
+    if result.versions or result.updates or result.update_rows or result.participant_rows:
         log.info("retention: pruned %s (%d bytes freed)", result.summary(), freed)
     return freed
 
@@ -399,7 +431,7 @@ class AutoPrune:
         if self.policy.interval_s > 0 and time.monotonic() >= self._due:
             self._due = time.monotonic() + self.policy.interval_s
             result = plan(self.registry, self.policy, chunk_bytes=self.chunk_bytes)
-            if result.versions or result.updates:
+            if result.versions or result.updates or result.update_rows or result.participant_rows:
                 apply(self.registry, result)
                 pruned = result.versions
             truncate_wal(self.registry)

@@ -155,7 +155,11 @@ def test_update_payloads_of_ended_rounds_are_pruned_after_the_retention(digits_b
     assert [p for _, p, _ in later.updates] == [path]
     apply(reg, later)
     assert not path.exists() and reg.list_updates(job.id)[0].delta_path is None
-    assert reg.list_updates(job.id)[0].wire_bytes == rec.wire_bytes  # the row (history) stays
+    # the job has finished: its old rounds' participant rows go; the update row is the device's
+    # newest accepted one, which screening compares new updates with: it stays
+    assert reg.list_updates(job.id)[0].wire_bytes == rec.wire_bytes
+    assert later.participant_rows == [(job.id, opened.round)] and not later.update_rows
+    assert reg.get_round(job.id, opened.round).participants == {}
     reg.close()
 
 
