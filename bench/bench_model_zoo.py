@@ -1,0 +1,114 @@
+"""The model-zoo matrix as figures: per architecture, int8 engine speeds vs MXNet fp32,
+int8-vs-fp32 top-1 agreement, and the engine selection would choose on this machine.
+
+Architectures and measurements are those of tests/unit/test_model_zoo.py (defined in
+tests/fixtures/models/zoo.py): the Gluon model zoo built at the smallest width and a small
+input, and torchvision's exports (legacy and dynamo exporters) committed as fixtures.
+Speeds come from the engine selection itself (`select_engine`, batch 32, interleaved
+rounds, median), divided by 32 for ms per image; MXNet fp32 is the backbone in MXNet
+(Gluon: the net's `.features`, hybridised; ONNX: MXNet's ONNX importer on backbone.onnx,
+"n/a" where it lacks an op), timed in the same process right after. Agreement is on
+held-out digits through a linear head fitted on the fp32 features (random weights make
+top-1 otherwise meaningless).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BATCH = 32
+ENGINES = ("native", "tflite", "mxnet-onednn", "reference")
+
+
+def _fp32_ms(run: Callable[[np.ndarray], np.ndarray] | None, x: np.ndarray, rounds: int) -> float | None:
+    if run is None:
+        return None
+    run(x)  # warm-up (hybridisation, allocation)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000.0 / len(x)
+
+
+def _hybridised(built: Any) -> Callable[[np.ndarray], np.ndarray] | None:
+    """Gluon: the backbone hybridised with static memory (how MXNet runs at its best)."""
+    if built.arch.source != "gluon":
+        return built.mxnet_fp32
+    import mxnet as mx
+
+    features = built.net.features
+    features.hybridize(static_alloc=True, static_shape=True)
+    return lambda x: features(mx.nd.array(x)).asnumpy()
+
+
+def _row(arch: Any, rounds: int) -> tuple[str, str]:
+    from tests.fixtures.models import zoo
+
+    with tempfile.TemporaryDirectory(prefix="bench-zoo-") as tmp:
+        built = zoo.build(arch, Path(tmp) / "bundle")
+        result = zoo.measure(built, batch_size=BATCH, repeats=rounds)
+        x = zoo.digits(arch.size)[2][:BATCH]
+        fp32 = _fp32_ms(_hybridised(built), x, rounds)
+    by_name = {c.name: c for c in result.candidates}
+    cells = []
+    for name in ENGINES:
+        c = by_name.get(name)
+        if c is None or not c.available:
+            cells.append("-")
+        elif c.error or c.latency_ms is None:
+            cells.append("fails")
+        else:
+            ms = c.latency_ms / BATCH
+            ratio = f" ({fp32 / ms:.1f}x)" if fp32 else ""
+            cells.append(f"{ms:.2f}{ratio}{'' if c.correct else ' WRONG'}")
+    notes = [f"{c.name}: {c.error[:120]}" for c in result.candidates if c.error]
+    line = (f"| {arch.id} | {arch.size} | {f'{fp32:.2f}' if fp32 else 'n/a'} | " + " | ".join(cells)
+            + f" | {result.chosen} | {result.agreement:.1%} | {result.fp32_accuracy:.1%} / {result.int8_accuracy:.1%}"
+            f" | {result.finetune_before:.1%} -> {result.finetune_after:.1%} |")
+    return line, "; ".join(notes)
+
+
+def run(quick: bool = False) -> str:
+    from edge_agent.int8.engines._common import usable_cpus
+    from tests.fixtures.models import zoo
+
+    rounds = 2 if quick else 5
+    archs = zoo.all_archs()
+    if quick:
+        archs = archs[::4]
+    out = ["## Model zoo: int8 engines vs MXNet fp32 per architecture", "",
+           f"Per-image milliseconds at batch {BATCH} ({usable_cpus()} threads), median of {rounds} interleaved "
+           "rounds from the engine selection itself; (Nx) = speed-up over MXNet fp32. 'chosen' is the "
+           "engine `select_engine` picks here (fastest that passes the agreement check). Agreement: int8 "
+           "top-1 == fp32 top-1 on 320 held-out digits (upsampled to the input size, 3 channels) "
+           "through a linear head fitted on the fp32 backbone's features; accuracy of that head on "
+           "fp32 / int8 features; fine-tune: the bundle's own head trained on int8 features (12 epochs, "
+           "320 digits). Random weights in the ordered regime (see tests/fixtures/models/zoo.py). "
+           "Command: `python -m bench.run --only bench_model_zoo`.", "",
+           "| architecture | input | MXNet fp32 | " + " | ".join(ENGINES)
+           + " | chosen | top-1 agreement | accuracy fp32 / int8 | fine-tune |",
+           "|---|---|---|" + "---|" * len(ENGINES) + "---|---|---|---|"]
+    failed = []
+    notes = []
+    for arch in archs:
+        try:
+            line, note = _row(arch, rounds)
+            out.append(line)
+            if note:
+                notes.append(f"- {arch.id}: {note}")
+        except Exception as exc:  # an architecture that does not import yet is a line, not a crash
+            failed.append(f"- {arch.id}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
+    if notes:
+        out += ["", "Engine errors:", *notes]
+    if failed:
+        out += ["", "Not imported yet:", *failed]
+    return "\n".join(out) + "\n"
