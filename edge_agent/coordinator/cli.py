@@ -71,7 +71,11 @@ def _shape(text: str) -> tuple[int, int, int]:
 def _labels(value: str) -> list[str]:
     """A file with one label per line, or a comma-separated list."""
     path = Path(value)
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # a long comma-separated list is not a file name (ENAMETOOLONG)
+        is_file = False
+    if is_file:
         from ..atomic import read_limited
 
         try:

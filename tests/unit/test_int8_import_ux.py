@@ -238,6 +238,65 @@ def test_gemm_without_bias_in_the_head(files, tmp_path) -> None:
     np.testing.assert_allclose(out, feats @ w.T, rtol=1e-5, atol=1e-5)
 
 
+# ----------------------------------------------------------------- deep graphs: whose int8 is right
+def _deep_residual(blocks: int = 12, c: int = 16) -> onnx.ModelProto:
+    """MobileNetV2-like inverted residuals as torch exports them (Clip(0, 6) with min/max
+    inputs, no BatchNorm), random weights: deep enough that 1-unit rounding differences
+    per op add up to several units at the output."""
+    rng = np.random.default_rng(1)
+
+    def w(*s: int) -> np.ndarray:
+        return (rng.standard_normal(s) * 1.5 / np.sqrt(np.prod(s[1:]))).astype(np.float32)
+
+    nodes = [helper.make_node("Conv", ["x", "w_stem"], ["t"], name="stem", pads=[1, 1, 1, 1])]
+    inits = {"w_stem": w(c, 3, 3, 3), "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    cur = "t"
+    for i in range(blocks):
+        inits |= {f"wa{i}": w(2 * c, c, 1, 1), f"wb{i}": w(2 * c, 1, 3, 3), f"wc{i}": w(c, 2 * c, 1, 1)}
+        nodes += [helper.make_node("Conv", [cur, f"wa{i}"], [f"a{i}"], name=f"b{i}/expand"),
+                  helper.make_node("Clip", [f"a{i}", "lo", "hi"], [f"ar{i}"], name=f"b{i}/relu6a"),
+                  helper.make_node("Conv", [f"ar{i}", f"wb{i}"], [f"d{i}"], name=f"b{i}/dw", group=2 * c,
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Clip", [f"d{i}", "lo", "hi"], [f"dr{i}"], name=f"b{i}/relu6b"),
+                  helper.make_node("Conv", [f"dr{i}", f"wc{i}"], [f"p{i}"], name=f"b{i}/project"),
+                  helper.make_node("Add", [f"p{i}", cur], [f"s{i}"], name=f"b{i}/add")]
+        cur = f"s{i}"
+    nodes += [helper.make_node("GlobalAveragePool", [cur], ["gap"], name="gap"),
+              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+              helper.make_node("Gemm", ["flat", "fc"], ["y"], name="fc", transB=1)]
+    inits["fc"] = w(4, c)
+    return _graph(nodes, inits, shape=(1, 3, 8, 8), out_shape=[1, 4])
+
+
+def test_deep_graph_tflite_agrees_within_the_graphs_rounding_sensitivity(tmp_path, capsys) -> None:
+    """torchvision mobilenet_v2 had tflite 'WRONG: int8 max 23/1 unit'. The reference is
+    right: TFLite's own reference kernels match it bit for bit; the optimized kernels differ
+    by 1 unit per op in a few outputs, which a deep graph amplifies. The int8 tolerance is
+    now that measured amplification, so tflite passes while every engine is still checked."""
+    from edge_agent.int8 import selection as sel
+    from edge_agent.int8.engines.reference import ReferenceEngine
+    from edge_agent.int8.engines.tflite import TfliteEngine
+    from edge_agent.int8.testing import run_tflite
+
+    onnx.save(_deep_residual(), tmp_path / "deep.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(2).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    assert coordinator_main(["model", "create", "--onnx", str(tmp_path / "deep.onnx"), "--calib",
+                             str(tmp_path / "calib.npz"), "--labels", "a,b,c,d", "--name", "deep", "--version", "1",
+                             "--split", "flatten", "--output", str(tmp_path / "b")]) == EXIT_OK
+    bundle = load_bundle(tmp_path / "b")
+    oracle = sel.Oracle(bundle, sel.check_batch_for(bundle, 8))
+    tflite_ref = run_tflite(bundle.read("backbone_int8.tflite"), oracle.q, reference_kernels=True)
+    np.testing.assert_array_equal(tflite_ref, oracle.int8)  # TFLite's reference == ours
+    optimized = run_tflite(bundle.read("backbone_int8.tflite"), oracle.q, reference_kernels=False)
+    off = int(np.abs(optimized.astype(int) - oracle.int8.astype(int)).max())
+    assert off > sel.INT8_TOLERANCE_UNITS  # what the old 1-unit rule called WRONG
+    assert off <= oracle.int8_tolerance() <= 4 * max(off, 1)
+    selection, _ = sel.select_engine(bundle, probe=PROBE, batch_size=8, repeats=1, env={}, use_cache=False,
+                                     engines=[("tflite", TfliteEngine()), ("reference", ReferenceEngine())])
+    rows = {c.name: c for c in selection.candidates}
+    assert rows["tflite"].correct and rows["reference"].max_diff == 0
+
+
 # ----------------------------------------------------------------- forced engines
 class ShiftedRunner(QGraphRunner):
     """The reference, off by 3 int8 units: an engine that fails the agreement check."""
