@@ -360,6 +360,7 @@ class UpdateRecord:
     norm: float | None = None  # L2 norm of the decoded delta (None: a legacy row)
     weight: float | None = None  # num_samples after the device / job caps at arrival
     kept: int | None = None  # non-zero entries of the decoded delta
+    direction: float | None = None  # cosine with the job's previous published step (None: no such step)
 
     def validate(self) -> None:
         check_id(self.job_id, "job id", limit=MAX_JOB_ID)
@@ -378,7 +379,7 @@ class UpdateRecord:
         return cls(row["job_id"], row["device_id"], row["round"], row["num_samples"], row["wire_bytes"],
                    row["fp32_bytes"], row["sha256"], row["received_at"], UpdateStatus(row["status"]), row["reason"],
                    row["delta_path"], row["energy_wh"], json.loads(row["metrics"]),
-                   *((row["norm"], row["weight"], row["kept"]) if "norm" in row.keys() else ()))  # noqa: SIM118
+                   *((row["norm"], row["weight"], row["kept"], row["direction"]) if "norm" in row.keys() else ()))  # noqa: SIM118
 
 
 @dataclass(frozen=True)

@@ -509,12 +509,13 @@ class Registry(FleetReports):
         when = self._now(now)
         with self._tx() as db:
             rnd = self._round(db, job_id, number)
-            for device_id, (status, why) in (verdicts or {}).items():
-                cur = db.execute("UPDATE updates SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND "
-                                 "device_id = ?", (UpdateStatus(status).value, check_text(why, "reason", limit=512),
-                                                   job_id, number, device_id))
-                if cur.rowcount != 1:
-                    raise NotFound(f"no update from {device_id!r} in job {job_id} round {number}")
+            rows = [(UpdateStatus(status).value, check_text(why, "reason", limit=512), job_id, number, device_id)
+                    for device_id, (status, why) in (verdicts or {}).items()]
+            cur = db.executemany("UPDATE updates SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND "
+                                 "device_id = ?", rows)
+            if rows and cur.rowcount != len(rows):
+                missing = [r[4] for r in rows if not self._has_update(db, job_id, r[4], number)]
+                raise NotFound(f"no update from {', '.join(map(repr, missing[:5]))} in job {job_id} round {number}")
             if new_version is not None:
                 self._insert_model(db, new_version)
             self._set_round(db, rnd, state, reason=reason, ended_at=when,
@@ -527,7 +528,7 @@ class Registry(FleetReports):
     def add_update(self, *, job_id: str, device_id: str, round: int, num_samples: int, wire_bytes: int,
                    fp32_bytes: int, sha256: str, deltas: Mapping[str, np.ndarray] | None = None,
                    payload: bytes | None = None, norm: float | None = None, weight: float | None = None,
-                   kept: int | None = None, status: UpdateStatus = UpdateStatus.PENDING, reason: str = "",
+                   kept: int | None = None, direction: float | None = None, status: UpdateStatus = UpdateStatus.PENDING, reason: str = "",
                    energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None,
                    now: float | None = None) -> str:
         """Store one received update: its `payload` as received (or, legacy, dense `deltas`)
@@ -562,11 +563,12 @@ class Registry(FleetReports):
                 write_checked(path, bytes(payload) if payload is not None else dump_arrays(deltas or {}))
             try:
                 db.execute("INSERT INTO updates (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, "
-                           "sha256, received_at, status, reason, delta_path, energy_wh, metrics, norm, weight, kept) "
-                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           "sha256, received_at, status, reason, delta_path, energy_wh, metrics, norm, weight, kept, "
+                           "direction) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, sha256, rec.received_at,
                             rec.status.value, rec.reason, path and self._rel(path), energy_wh,
-                            json.dumps(rec.metrics, sort_keys=True), norm, weight, kept))
+                            json.dumps(rec.metrics, sort_keys=True), norm, weight, kept,
+                            None if direction is None or not -1.01 <= direction <= 1.01 else float(direction)))
                 if part is not None and part.status in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
                     self._move_participant(db, rnd, device_id, ParticipantStatus.REPORTED, rec.status.value,
                                            rec.received_at)
@@ -625,6 +627,15 @@ class Registry(FleetReports):
                                                        before_round - rounds))
             return [float(r[0]) for r in rows]
 
+    def device_directions(self, job_id: str, device_id: str, before_round: int, *, limit: int = 2) -> list[float]:
+        """The device's `direction` (cosine with the job's previous step) in its last `limit`
+        updates of this job before `before_round` (the (job, device, round) key's index)."""
+        with self._read() as db:
+            rows = db.execute("SELECT direction FROM updates WHERE job_id = ? AND device_id = ? AND round < ? AND "
+                              "direction IS NOT NULL ORDER BY round DESC LIMIT ?",
+                              (job_id, device_id, before_round, limit))
+            return [float(r[0]) for r in rows]
+
     def device_samples_history(self, device_id: str, *, limit: int = 10) -> int | None:
         """The most samples the device reported in its last `limit` accepted updates."""
         with self._read() as db:
@@ -639,8 +650,12 @@ class Registry(FleetReports):
         Returns the devices this quarantined (strikes reached `quarantine_after`)."""
         when = self._now(now)
         out = []
-        with self._tx() as db:
+        with self._tx() as db:  # an accepted update costs one cheap statement (most devices have no strike)
+            db.executemany("UPDATE devices SET strikes = strikes - 1 WHERE id = ? AND strikes > 0",
+                           [(check_id(d, "device id"),) for d, why in strikes.items() if not why])
             for device_id, why in strikes.items():
+                if not why:
+                    continue
                 dev = self._device(db, device_id)
                 n = dev.strikes + 1 if why else max(0, dev.strikes - 1)
                 db.execute("UPDATE devices SET strikes = ? WHERE id = ?", (n, device_id))

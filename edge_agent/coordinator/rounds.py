@@ -110,8 +110,13 @@ class RoundPolicy:
     samples_growth: float = 2.0  # ... and at this x the device's largest recent accepted count
     history_k: float = 10.0  # norm > this x the job's past accepted median: rejected
     small_ratio: float = 3.0  # two updates, no history: norms must agree within this ratio
-    min_cosine: float = 0.0  # direction check against the round's coordinate-wise median
-    direction_max_n: int = 20  # ... in rounds of at most this many updates
+    # Off by default (-1): the mean cosine of a device's last `direction_rounds` updates with the
+    # job's last published step, below this: rejected, a strike. It separates sign flips only while
+    # that step is clean; on federated digits a poisoned first round made honest devices look hostile.
+    min_direction: float = -1.0
+    direction_rounds: int = 3
+    min_cosine: float = 0.0  # small rounds: cosine with the round's coordinate-wise median
+    direction_max_n: int = 5  # ... in rounds of at most this many updates (non-IID: a weak signal)
     krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
     max_abs_delta: float = 1e6  # any |value| above this: refused at arrival
     quarantine_after: int = 3  # strikes (screened-out updates, net of accepted ones)
@@ -126,6 +131,8 @@ class RoundPolicy:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 1):
                 raise ValueError(f"{name} must be a finite number >= 1, got {value}")
+        if not -1 <= self.min_direction <= 1 or self.direction_rounds < 1:
+            raise ValueError("need -1 <= min_direction <= 1 and direction_rounds >= 1")
         if not -1 <= self.min_cosine <= 1 or self.direction_max_n < 0 or self.quarantine_after < 1 \
                 or not 0 <= self.krum_fraction < 0.5:
             raise ValueError("need -1 <= min_cosine <= 1, direction_max_n >= 0, quarantine_after >= 1, "
@@ -210,6 +217,7 @@ class RoundEngine:
         self._sums: dict[tuple[str, int], RunningSum] = {}  # open rounds' running sums (streaming.py)
         self._unreadable: dict[tuple[str, int], dict[str, str]] = {}  # stored updates a rebuild could not read
         self._history: dict[tuple[str, int], float | None] = {}  # (job, round) -> past accepted median norm
+        self._steps: dict[tuple[str, str], np.ndarray | None] = {}  # (model, version) -> its unit step
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
@@ -533,6 +541,8 @@ class RoundEngine:
                         "non_finite" if isinstance(exc, NonFiniteDeltaError) else "malformed")
                 detail = str(exc)[:512]
         status = UpdateStatus.REJECTED if code else UpdateStatus.PENDING
+        step = self._step(job.id, job.model_name, rnd.base_version) if not code and sp is not None else None
+        direction = sp.dot_dense(step) / sp.norm if step is not None and sp is not None and sp.norm > 0 else None
         weight = None
         if not code and sp is not None:
             cap, _, _ = self._robust_params(job.params)
@@ -541,7 +551,8 @@ class RoundEngine:
             job_id=job_id, device_id=sender, round=number, num_samples=num_samples if samples_ok else 0, wire_bytes=wire, fp32_bytes=fp32,
             sha256=hashlib.sha256(payload).hexdigest(), payload=None if code else payload, status=status,
             reason=code and f"{code}: {detail}", energy_wh=energy_wh, metrics=metrics, now=now,
-            norm=None if code or sp is None else sp.norm, weight=weight, kept=None if sp is None else sp.kept)
+            norm=None if code or sp is None else sp.norm, weight=weight, kept=None if sp is None else sp.kept,
+            direction=direction)
         if stored == "duplicate":
             return Receipt("duplicate")
         if stored != "inserted":
@@ -597,7 +608,8 @@ class RoundEngine:
                 verdicts[devices[i]] = (UpdateStatus.REJECTED, why[:512])
                 strikes[devices[i]] = why
             undecidable = screen.undecidable
-            good = [devices[i] for i in screen.accepted]
+            good = self._against_progress([devices[i] for i in screen.accepted], job_id, number, recs, verdicts,
+                                          strikes)
             cache: dict[str, Sparse] = {}
 
             def load(device: str) -> Sparse:
@@ -719,6 +731,46 @@ class RoundEngine:
         for cache in (self._sums, self._unreadable, self._history):
             cache.pop((job_id, number), None)
 
+    def _step(self, job_id: str, model: str, version: str) -> np.ndarray | None:
+        """The unit vector of the step that produced `version` (version - its parent), when
+        this job published it; None otherwise (a job's first round)."""
+        key = (model, version)
+        if key not in self._steps:
+            if len(self._steps) > 16:
+                self._steps.clear()
+            mv, step = self.registry.get_model(model, version), None
+            if mv.job_id == job_id and mv.parent is not None:
+                layout = self._layout(model, version)
+                new, old = self._head(model, version)[1], self._head(model, mv.parent)[1]
+                vec = np.concatenate([np.asarray(new[n], np.float64).ravel() - np.asarray(old[n], np.float64).ravel()
+                                      for n in layout.names])
+                size = float(np.linalg.norm(vec))
+                step = vec / size if size > 0 and math.isfinite(size) else None
+            self._steps[key] = step
+        return self._steps[key]
+
+    def _against_progress(self, good: list[str], job_id: str, number: int, recs: Mapping[str, UpdateRecord],
+                          verdicts: dict[str, tuple[UpdateStatus, str]], strikes: dict[str, str | None]) -> list[str]:
+        """Reject updates that keep pointing against the job's last published step: the mean
+        cosine of the device's last `direction_rounds` updates of this job (this one included)
+        below `min_direction`. One round's cosine is noisy on non-IID data (honest ones dip
+        to about -0.2); a sign-flipping device's mean stays below. A strike each time."""
+        pol, out = self.policy, []
+        for d in good:
+            raw = recs[d].direction
+            if raw is None:
+                out.append(d)
+                continue
+            seen = [raw, *self.registry.device_directions(job_id, d, number, limit=pol.direction_rounds - 1)]
+            mean = sum(seen) / len(seen)
+            if mean < pol.min_direction:
+                why = (f"direction_outlier: against the job's last published step (cosine {raw:.3f}; mean of the "
+                       f"device's last {len(seen)}: {mean:.3f} < {pol.min_direction:g})")
+                verdicts[d], strikes[d] = (UpdateStatus.REJECTED, why), why
+            else:
+                out.append(d)
+        return out
+
     def _device_cap(self, device_id: str) -> float | None:
         """The most samples this device may claim: `samples_growth` x the largest count of
         its recent accepted updates, or of the data size its state reports (None: unknown)."""
@@ -748,9 +800,8 @@ class RoundEngine:
         kept, rejected, undecidable = direction_check(
             good, load, {d: recs[d].norm for d in good}, layout.size,
             sum(recs[d].kept or layout.size for d in good), self.policy.min_cosine)
-        for d, why in rejected.items():
+        for d, why in rejected.items():  # no strike: non-IID honest updates can point away too
             verdicts[d] = (UpdateStatus.REJECTED, why[:512])
-            strikes[d] = why
         return kept, undecidable
 
     def _aggregate(self, aggregator: str, good: list[str], recs: Mapping[str, UpdateRecord],

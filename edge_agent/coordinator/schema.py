@@ -71,11 +71,13 @@ MIGRATIONS: list[tuple[str, ...]] = [
     ),
     (  # 3 -> 4: streaming, robust aggregation (issues 17, 18). An update row names its stored
         # payload (delta_path: the .eaup wire bytes), its norm, its arrival weight (samples
-        # after the device / job caps) and its kept entries; devices carry their screening
+        # after the device / job caps), its kept entries and its cosine with the job's last
+        # published step (direction); devices carry their screening
         # strikes and quarantine; the round's and the device's update reads are indexed.
         "ALTER TABLE updates ADD COLUMN norm REAL",
         "ALTER TABLE updates ADD COLUMN weight REAL",
         "ALTER TABLE updates ADD COLUMN kept INTEGER",
+        "ALTER TABLE updates ADD COLUMN direction REAL",
         "ALTER TABLE devices ADD COLUMN strikes INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE devices ADD COLUMN quarantined_at REAL",
         "ALTER TABLE devices ADD COLUMN quarantine_reason TEXT NOT NULL DEFAULT ''",

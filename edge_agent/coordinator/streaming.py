@@ -60,7 +60,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Sparse:
-    """One decoded update: sorted unique flat positions, their float32 values, its norm."""
+    """One decoded update: sorted unique flat positions (int32 below 2**31 coordinates), their
+    float32 values, its norm."""
 
     idx: np.ndarray
     vals: np.ndarray
@@ -102,14 +103,18 @@ def decode_sparse(encoded: Sequence[EncodedTensor], layout: Layout) -> Sparse:
         parts_v.append(vals)
     idx = np.concatenate(parts_i) if parts_i else np.empty(0, np.int64)
     vals = np.concatenate(parts_v) if parts_v else np.empty(0, np.float32)
-    return _stats(idx.astype(np.int64), vals.astype(np.float32))
+    return _stats(idx.astype(_index_dtype(layout.size)), vals.astype(np.float32))
+
+
+def _index_dtype(size: int) -> type:
+    return np.int32 if size < 2**31 else np.int64  # 8 bytes per kept entry instead of 12
 
 
 def sparse_from_dense(delta: Mapping[str, np.ndarray], layout: Layout) -> Sparse:
     """A dense delta (a legacy stored .npz) as a Sparse over the layout."""
     flat = np.concatenate([np.asarray(delta[n], np.float32).ravel() for n in layout.names]) if layout.names \
         else np.empty(0, np.float32)
-    idx = np.flatnonzero(flat).astype(np.int64)
+    idx = np.flatnonzero(flat).astype(_index_dtype(layout.size))
     return _stats(idx, flat[idx])
 
 
@@ -166,7 +171,7 @@ def _blocks(size: int, entries: int, n: int, block_bytes: int) -> list[tuple[int
 
 
 def _source(loads: Sequence[Callable[[], Sparse]], kept: int, cache_bytes: int) -> Callable[[int], Sparse]:
-    if 8 * kept <= cache_bytes:
+    if 8 * kept <= cache_bytes:  # int32 position + float32 value per entry
         cache = [load() for load in loads]
         return lambda i: cache[i]
     return lambda i: loads[i]()

@@ -163,7 +163,8 @@ def assert_not_poisoned(fleet: Fleet, out: object, mean: dict, max_norm: float, 
 def test_every_attack_after_an_honest_round(state_dir: Path, aggregator: str, n: int) -> None:
     """Round 1 is honest (history); rounds 2.. each carry one attack by 1 device (n < 10) or
     2 devices (n = 10, 20 %). Nothing poisoned is ever published, honest devices are never
-    ejected by screening, and every attack except a harmless tiny update is refused."""
+    ejected by screening, and every attack is refused -- except sign flips among 10, which the
+    honest majority outvotes (and the weight cap bounds) rather than screening detecting them."""
     fleet = Fleet(state_dir, n, quarantine_after=1000)
     attackers = 2 if n == 10 else 1
     fleet.start(1 + len(ATTACKS), aggregator)
@@ -174,7 +175,7 @@ def test_every_attack_after_an_honest_round(state_dir: Path, aggregator: str, n:
         out, mean, max_norm = fleet.run_round(attack, attackers)
         assert_not_poisoned(fleet, out, mean, max_norm, attackers)
         liars = set(fleet.ids[:attackers])
-        if attack != "tiny_norm":
+        if attack not in ("sign_flip", "inflated_samples") or n <= 5:  # n = 10: outvoted, weight-capped, not refused
             assert not liars & set(out.accepted), (attack, out.rejected)
         screened = {d: why for d, why in out.rejected.items() if d not in liars}
         assert all(why.startswith(("krum_excluded", "undecidable")) for why in screened.values()), (attack, screened)
@@ -274,7 +275,8 @@ def test_screen_norms_small_rounds_and_history() -> None:
     # with history the liar is told apart, and a tiny update cannot eject the honest one
     s = screen_norms([1.0, 100.0], history=1.1)
     assert s.accepted == [0] and s.rejected[0][0] == 1 and "previous rounds" in s.rejected[0][1]
-    assert screen_norms([1e-6, 1.0], history=1.1).accepted == [0, 1]
+    s = screen_norms([1e-6, 1.0], history=1.1)  # ... and a tiny one is refused: it only dilutes
+    assert s.accepted == [1] and s.rejected[0][1].startswith("norm_tiny")
     # three updates, two tiny liars: history keeps the center up, the honest one stays
     assert 2 in screen_norms([1e-6, 1e-6, 1.2], history=1.0).accepted
     # one update with history: judged against it
