@@ -1,9 +1,10 @@
 """int8 reference kernels of the elementwise ops MobileNetV3 / EfficientNet need: MUL,
 HARD_SWISH and LOGISTIC, bit-exact with tflite-runtime 2.14 (reference and default resolvers).
 
-Registered into `reference_ops.KERNELS`. HARD_SWISH and LOGISTIC depend only on the int8
-input value, so each is evaluated once for all 256 values (a table, cached per quantisation)
-and then indexed: exact and as fast as a native kernel would be, which is why the native
+Registered into `reference_ops.KERNELS`. Every output depends only on the int8 input
+value(s), so each op is evaluated once for all of them (HARD_SWISH and LOGISTIC: 256
+values, MUL: 256 x 256 pairs; a table cached per quantisation) and then gathered by the
+inputs' bytes: exact and about as fast as a native kernel would be, which is why the native
 engine uses these kernels as its documented fallback.
 
 This module must not import reference_ops (which imports it): the two helpers below repeat
@@ -44,15 +45,32 @@ def mul_params(graph: QGraph, op: QOp) -> tuple[int, int]:
     return int(m), int(s)
 
 
+_BYTE_VALUES = np.arange(256, dtype=np.uint8).view(np.int8)  # the int8 value of each byte
+
+
+def _by_byte(table: np.ndarray) -> np.ndarray:
+    """A table indexed by x + 128 -> indexed by x's byte (x.view(uint8)), no int64 pass."""
+    return np.ascontiguousarray(table[_BYTE_VALUES.astype(np.int64) + 128])
+
+
+@lru_cache(maxsize=512)
+def mul_table(zp1: int, zp2: int, m: int, s: int, zp_out: int, lo: int, hi: int) -> np.ndarray:
+    """MUL's output for every pair of input bytes, (256, 256) int8."""
+    v = _BYTE_VALUES.astype(np.int64)
+    prod = (v[:, None] - zp1) * (v[None, :] - zp2)
+    out = qm.multiply_by_quantized_multiplier(prod, m, s) + zp_out
+    return np.clip(out, lo, hi).astype(np.int8)
+
+
 def mul(graph: QGraph, op: QOp, args: list) -> np.ndarray:
     """MUL, int8 (reference_integer_ops::Mul / BroadcastMul): inputs broadcast numpy-style;
     out = clamp(MBQM((x1 - zp1) * (x2 - zp2), m, s) + zp_out, act_min, act_max)."""
     t1, t2, y = (graph.tensor(n) for n in (op.inputs[0], op.inputs[1], op.outputs[0]))
     m, s = mul_params(graph, op)
-    prod = (args[0].astype(np.int64) - _zp(t1)) * (np.asarray(args[1]).astype(np.int64) - _zp(t2))
-    out = qm.multiply_by_quantized_multiplier(prod, m, s) + _zp(y)
     lo, hi = qm.activation_range(op.options.get("activation", "NONE"), _scale(y), _zp(y))
-    return np.clip(out, lo, hi).astype(np.int8)
+    table = mul_table(_zp(t1), _zp(t2), m, s, _zp(y), lo, hi)
+    a, b = (np.asarray(v, dtype=np.int8).view(np.uint8) for v in args[:2])
+    return table.reshape(-1)[(a.astype(np.intp) << 8) | b]  # one flat gather, broadcasting
 
 
 # ------------------------------------------------------------------------ HARD_SWISH
@@ -130,8 +148,8 @@ def hard_swish_table(s_in: float, zp_in: int, s_out: float, zp_out: int) -> np.n
 def hard_swish(graph: QGraph, op: QOp, args: list) -> np.ndarray:
     """HARD_SWISH, int8: x * relu6(x + 3) / 6 in int16 fixed point (see hard_swish_table)."""
     x, y = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
-    table = hard_swish_table(_scale(x), _zp(x), _scale(y), _zp(y))
-    return table[args[0].astype(np.int64) + 128]
+    table = _byte_table(hard_swish_table, _scale(x), _zp(x), _scale(y), _zp(y))
+    return table[np.asarray(args[0], dtype=np.int8).view(np.uint8)]
 
 
 # -------------------------------------------------------------------------- LOGISTIC
@@ -167,8 +185,13 @@ def logistic_table(s_in: float, zp_in: int, s_out: float, zp_out: int) -> np.nda
 def logistic(graph: QGraph, op: QOp, args: list) -> np.ndarray:
     """LOGISTIC, int8: a 256-entry table (see logistic_table); output scale 1/256, zp -128."""
     x, y = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
-    table = logistic_table(_scale(x), _zp(x), _scale(y), _zp(y))
-    return table[args[0].astype(np.int64) + 128]
+    table = _byte_table(logistic_table, _scale(x), _zp(x), _scale(y), _zp(y))
+    return table[np.asarray(args[0], dtype=np.int8).view(np.uint8)]
+
+
+@lru_cache(maxsize=512)
+def _byte_table(make: Callable[..., np.ndarray], *key: float) -> np.ndarray:
+    return _by_byte(make(*key))
 
 
 KERNELS = {"MUL": mul, "HARD_SWISH": hard_swish, "LOGISTIC": logistic}
