@@ -419,6 +419,14 @@ def _tmp_dir_for(dest: Path) -> Path:
     return tmp
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _commit_dir(tmp: Path, dest: Path, *, overwrite: bool) -> None:
     """Rename a fully written (and fsynced) temp directory to `dest`."""
     fsync_dir(tmp)
@@ -505,7 +513,7 @@ def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str],
                     data = handle.read(member.size + 1) if handle else b""
                     if len(data) != member.size:
                         raise BundleError(f"{where}: truncated ({len(data)} of {member.size} bytes)")
-                    atomic_write_bytes(tmp / member.name, data)
+                    (tmp / member.name).write_bytes(data)  # fsynced below, once verified
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
             why = ("not a tar archive, plain or compressed" if "could not be opened" in str(exc)
                    else " ".join(str(exc).split())[:200])  # tarfile's own text spans lines
@@ -514,6 +522,8 @@ def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str],
             complete(tmp)
         try:
             load_bundle(tmp)
+            for path in tmp.iterdir():  # durable before the rename publishes them; a refused
+                _fsync_file(path)  # archive costs no fsync (an SD card pays ms for each)
         except BundleError as exc:  # name the user's archive, not our temp directory
             raise type(exc)(str(exc).replace(f"{tmp}/", f"{src}: member ").replace(str(tmp), str(src))) from None
         _commit_dir(tmp, target, overwrite=overwrite)
