@@ -66,20 +66,17 @@ from .records import (
     UpdateStatus,
     check_id,
     check_text,
-    load_arrays,
 )
 from .registry import Registry
 from .robust import AGGREGATORS, arrival_weight, screen_norms
+from .robust_rounds import RobustRounds
 from .selection import job_needs, sample_devices, select_devices
 from .server_opt import LearningStore
 from .streaming import (
     Layout,
     RunningSum,
     Sparse,
-    aggregate_updates,
     decode_sparse,
-    direction_check,
-    sparse_from_dense,
 )
 
 if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
@@ -200,7 +197,7 @@ class TickResult:
 
 
 # ---------------------------------------------------------------- the engine
-class RoundEngine:
+class RoundEngine(RobustRounds):
     def __init__(self, *, registry: Registry, policy: RoundPolicy | None = None,
                  clock: Callable[[], float] = time.time, metrics: CoordinatorMetrics | None = None) -> None:
         if not isinstance(registry, Registry):
@@ -217,7 +214,7 @@ class RoundEngine:
         self._sums: dict[tuple[str, int], RunningSum] = {}  # open rounds' running sums (streaming.py)
         self._unreadable: dict[tuple[str, int], dict[str, str]] = {}  # stored updates a rebuild could not read
         self._history: dict[tuple[str, int], float | None] = {}  # (job, round) -> past accepted median norm
-        self._steps: dict[tuple[str, str], np.ndarray | None] = {}  # (model, version) -> its unit step
+        self._steps: dict[tuple[str, str, str], np.ndarray | None] = {}  # (job, model, version) -> unit step
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
@@ -620,7 +617,7 @@ class RoundEngine:
                 return cache[device]
 
             if not undecidable and 2 <= len(good) <= self.policy.direction_max_n:
-                good, undecidable = self._direction(good, recs, load, layout, verdicts, strikes)
+                good, undecidable = self._direction(good, recs, load, layout, verdicts)
             if undecidable:
                 for d in good or [devices[i] for i in screen.accepted]:
                     verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])
@@ -669,150 +666,6 @@ class RoundEngine:
             self._strike(strikes)
             self._count_round(state)
             return self._outcome(job_id, number)
-
-    # ---- streaming state and screening helpers (streaming.py, robust.py)
-    def _layout(self, name: str, version: str) -> Layout:
-        if (name, version) not in self._layouts:
-            if len(self._layouts) > 16:
-                self._layouts.clear()
-            self._layouts[(name, version)] = Layout(self._head(name, version)[1])
-        return self._layouts[(name, version)]
-
-    def _sparse(self, rec: UpdateRecord, layout: Layout) -> Sparse:
-        """A stored update, decoded (CorruptFileError / InputError if it cannot be)."""
-        data = self.registry.load_payload(rec)
-        try:
-            if rec.delta_path is not None and rec.delta_path.endswith(".npz"):  # a pre-streaming row
-                delta = load_arrays(data, where=rec.delta_path)
-                check_tensor_table(delta, layout.shapes)
-                return sparse_from_dense(delta, layout)
-            _, encoded = unpack_update(data, max_bytes=self.policy.max_update_bytes)
-            check_tensor_table({e.spec.name: e.spec.shape for e in encoded}, layout.shapes)
-            return decode_sparse(encoded, layout)
-        except UpdateError as exc:
-            raise CorruptFileError(f"{rec.delta_path}: stored update does not decode ({exc})") from None
-
-    def _past_norm(self, job_id: str, number: int) -> float | None:
-        """Median accepted norm of the job's previous rounds (None: no history yet)."""
-        key = (job_id, number)
-        if key not in self._history:
-            norms = self.registry.job_norm_history(job_id, number)
-            self._history[key] = float(np.median(norms)) if norms else None
-        return self._history[key]
-
-    def _foldable(self, job_id: str, number: int, norm: float) -> bool:
-        """Not folded: an update screening will reject on history alone (keeps the sum clean)."""
-        past = self._past_norm(job_id, number)
-        return past is None or norm <= self.policy.history_k * past
-
-    def _running(self, job_id: str, number: int, layout: Layout) -> RunningSum:
-        """The round's running sum; rebuilt from the stored payloads when this process has
-        none (after a restart): O(N) once, then O(1) per update."""
-        key = (job_id, number)
-        if key not in self._sums:
-            acc, bad = RunningSum(layout.size), {}
-            for rec in self.registry.list_updates(job_id, number, UpdateStatus.PENDING):
-                if rec.norm is None or not self._foldable(job_id, number, rec.norm):
-                    continue  # legacy rows and history outliers are handled at close
-                try:
-                    acc.fold(rec.device_id, self._sparse(rec, layout),
-                             rec.weight if rec.weight is not None else float(rec.num_samples))
-                except (CorruptFileError, InputError) as exc:
-                    bad[rec.device_id] = str(exc)
-            self._sums[key], self._unreadable[key] = acc, bad
-        return self._sums[key]
-
-    def _fold(self, job: Job, base_version: str, number: int, device: str, sp: Sparse, weight: float) -> None:
-        acc = self._running(job.id, number, self._layout(job.model_name, base_version))
-        if self._foldable(job.id, number, sp.norm):
-            acc.fold(device, sp, weight)
-
-    def _forget(self, job_id: str, number: int) -> None:
-        for cache in (self._sums, self._unreadable, self._history):
-            cache.pop((job_id, number), None)
-
-    def _step(self, job_id: str, model: str, version: str) -> np.ndarray | None:
-        """The unit vector of the step that produced `version` (version - its parent), when
-        this job published it; None otherwise (a job's first round)."""
-        key = (model, version)
-        if key not in self._steps:
-            if len(self._steps) > 16:
-                self._steps.clear()
-            mv, step = self.registry.get_model(model, version), None
-            if mv.job_id == job_id and mv.parent is not None:
-                layout = self._layout(model, version)
-                new, old = self._head(model, version)[1], self._head(model, mv.parent)[1]
-                vec = np.concatenate([np.asarray(new[n], np.float64).ravel() - np.asarray(old[n], np.float64).ravel()
-                                      for n in layout.names])
-                size = float(np.linalg.norm(vec))
-                step = vec / size if size > 0 and math.isfinite(size) else None
-            self._steps[key] = step
-        return self._steps[key]
-
-    def _against_progress(self, good: list[str], job_id: str, number: int, recs: Mapping[str, UpdateRecord],
-                          verdicts: dict[str, tuple[UpdateStatus, str]], strikes: dict[str, str | None]) -> list[str]:
-        """Reject updates that keep pointing against the job's last published step: the mean
-        cosine of the device's last `direction_rounds` updates of this job (this one included)
-        below `min_direction`. One round's cosine is noisy on non-IID data (honest ones dip
-        to about -0.2); a sign-flipping device's mean stays below. A strike each time."""
-        pol, out = self.policy, []
-        for d in good:
-            raw = recs[d].direction
-            if raw is None:
-                out.append(d)
-                continue
-            seen = [raw, *self.registry.device_directions(job_id, d, number, limit=pol.direction_rounds - 1)]
-            mean = sum(seen) / len(seen)
-            if mean < pol.min_direction:
-                why = (f"direction_outlier: against the job's last published step (cosine {raw:.3f}; mean of the "
-                       f"device's last {len(seen)}: {mean:.3f} < {pol.min_direction:g})")
-                verdicts[d], strikes[d] = (UpdateStatus.REJECTED, why), why
-            else:
-                out.append(d)
-        return out
-
-    def _device_cap(self, device_id: str) -> float | None:
-        """The most samples this device may claim: `samples_growth` x the largest count of
-        its recent accepted updates, or of the data size its state reports (None: unknown)."""
-        caps = []
-        past = self.registry.device_samples_history(device_id)
-        if past:
-            caps.append(self.policy.samples_growth * past)
-        size = self.registry.get_device(device_id).state.get("data_samples")
-        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-            caps.append(self.policy.samples_growth * size)
-        return min(caps) if caps else None
-
-    def _strike(self, strikes: Mapping[str, str | None]) -> None:
-        """Count screened-out updates per device; quarantine the repeat offenders, loudly."""
-        if not strikes:
-            return
-        for dev in self.registry.apply_strikes(strikes, quarantine_after=self.policy.quarantine_after,
-                                               now=self.clock()):
-            log.warning("device %s quarantined: %s; it is not selected for rounds until "
-                        "`edge-coordinator devices --release %s`", dev.id, dev.quarantine_reason, dev.id)
-            if self.metrics is not None and hasattr(self.metrics, "device_quarantined"):
-                self.metrics.device_quarantined()
-
-    def _direction(self, good: list[str], recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
-                   layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]],
-                   strikes: dict[str, str | None]) -> tuple[list[str], str]:
-        kept, rejected, undecidable = direction_check(
-            good, load, {d: recs[d].norm for d in good}, layout.size,
-            sum(recs[d].kept or layout.size for d in good), self.policy.min_cosine)
-        for d, why in rejected.items():  # no strike: non-IID honest updates can point away too
-            verdicts[d] = (UpdateStatus.REJECTED, why[:512])
-        return kept, undecidable
-
-    def _aggregate(self, aggregator: str, good: list[str], recs: Mapping[str, UpdateRecord],
-                   load: Callable[[str], Sparse], acc: RunningSum, layout: Layout, *, center: float,
-                   clip_mult: float, trim: float, krum_fraction: float) -> tuple[np.ndarray, dict[str, Any]]:
-        return aggregate_updates(
-            aggregator, good, weights={d: recs[d].weight if recs[d].weight is not None else float(recs[d].num_samples)
-                                       for d in recs},
-            norms={d: recs[d].norm for d in recs}, kept={d: recs[d].kept or layout.size for d in recs}, load=load,
-            acc=acc, size=layout.size, center=center, clip_mult=clip_mult, samples_mult=self.policy.samples_mult,
-            trim_fraction=trim, krum_fraction=krum_fraction)
 
     def _outcome(self, job_id: str, number: int) -> RoundOutcome:
         rnd, job = self.registry.get_round(job_id, number), self.registry.get_job(job_id)
