@@ -194,4 +194,50 @@ def _byte_table(make: Callable[..., np.ndarray], *key: float) -> np.ndarray:
     return _by_byte(make(*key))
 
 
+# ----------------------------------------------------------- SiLU for the native engine
+LOOKUP = "LOOKUP_TABLE"  # an engine-internal op (never written to .tflite): out = table[byte]
+
+
+def fuse_silu(graph: QGraph) -> QGraph:
+    """A copy of `graph` where each LOGISTIC whose output feeds only a MUL with the LOGISTIC's
+    own input (SiLU / Swish, x * sigmoid(x): EfficientNet's activation) is folded with that
+    MUL into one LOOKUP_TABLE op: both are functions of x's byte alone, so the composite
+    256-entry table is exact and costs one gather instead of two ops and a temporary."""
+    consumers: dict[str, list[int]] = {}
+    for i, op in enumerate(graph.ops):
+        for n in op.inputs:
+            consumers.setdefault(n, []).append(i)
+    drop: set[int] = set()
+    fused: dict[int, QOp] = {}
+    for i, op in enumerate(graph.ops):
+        users = consumers.get(op.outputs[0], [])
+        if op.kind != "LOGISTIC" or op.outputs[0] in graph.outputs or len(users) != 1:
+            continue
+        mul_op = graph.ops[users[0]]
+        x, sig = op.inputs[0], op.outputs[0]
+        if mul_op.kind != "MUL" or sorted(mul_op.inputs) != sorted([x, sig]) or users[0] in fused:
+            continue
+        tx, ts, y = graph.tensor(x), graph.tensor(sig), graph.tensor(mul_op.outputs[0])
+        if tuple(tx.shape) != tuple(y.shape):
+            continue
+        sig_bytes = _byte_table(logistic_table, _scale(tx), _zp(tx), _scale(ts), _zp(ts)).view(np.uint8)
+        m, s = mul_params(graph, mul_op)
+        lo, hi = qm.activation_range(mul_op.options.get("activation", "NONE"), _scale(y), _zp(y))
+        both = mul_table(_zp(graph.tensor(mul_op.inputs[0])), _zp(graph.tensor(mul_op.inputs[1])), m, s, _zp(y), lo, hi)
+        byte = np.arange(256)
+        table = both[byte, sig_bytes] if mul_op.inputs[0] == x else both[sig_bytes, byte]
+        drop.add(i)
+        fused[users[0]] = QOp(LOOKUP, [x], list(mul_op.outputs), {"table": np.ascontiguousarray(table)},
+                              name=mul_op.name)
+    ops = [fused.get(j, op) for j, op in enumerate(graph.ops) if j not in drop]
+    return QGraph(dict(graph.tensors), ops, list(graph.inputs), list(graph.outputs), graph.name)
+
+
+def lookup_table(graph: QGraph, op: QOp, args: list) -> np.ndarray:
+    return op.options["table"][np.asarray(args[0], dtype=np.int8).view(np.uint8)]
+
+
+NATIVE_KERNELS = {LOOKUP: lookup_table}  # for engines that run fuse_silu's graphs
+
+
 KERNELS = {"MUL": mul, "HARD_SWISH": hard_swish, "LOGISTIC": logistic}

@@ -20,7 +20,7 @@ from edge_agent.int8.graph import QGraph, UnsupportedOpError
 from edge_agent.int8.onnx_import import import_onnx
 from edge_agent.int8.quantize import quantize_graph, quantize_input
 from edge_agent.int8.reference import GraphError, check_graph, run_graph
-from edge_agent.int8.reference_ops_elementwise import hard_swish_params
+from edge_agent.int8.reference_ops_elementwise import fuse_silu, hard_swish_params
 from edge_agent.int8.testing import GraphBuilder, run_tflite
 from edge_agent.int8.tflite_reader import read_tflite
 from edge_agent.int8.tflite_writer import write_tflite
@@ -353,6 +353,9 @@ def test_blocks_import_quantise_and_agree_with_tflite_and_float(arch: str) -> No
     xq = quantize_input(held_out, q)
     ours = agree(q, xq, optimized_bound=None)
     np.testing.assert_array_equal(NativeRunner(q).run_int8(xq), ours)  # native: C kernels + these fallbacks
+    # the native engine runs each SiLU (LOGISTIC + MUL of its input) as one table lookup
+    fused = [op.kind for op in fuse_silu(q).ops]
+    assert fused.count("LOOKUP_TABLE") == (0 if arch == "mobilenet_v3" else 4)
     ref = run_float(g, held_out).argmax(1)
     agreement = float(np.mean(ours.argmax(1) == ref))
     # TFLite's default resolver: its optimized MEAN rounds ~0.3-0.4 units higher on average

@@ -24,6 +24,7 @@ import numpy as np
 from .. import native
 from .. import quant_math as qm
 from .. import reference_ops as ops
+from .. import reference_ops_elementwise as elementwise
 from ..engine import Availability, Int8Engine, Runner
 from ..graph import QGraph, QOp
 from ._common import check_batch, dequantize, nhwc_to_nchw
@@ -241,9 +242,9 @@ class NativeRunner(QGraphRunner):
                  threads: int | None = None) -> None:
         self.native = kernels or native.NativeKernels()
         self.variant = self.native.name
-        graph = fuse_pads(graph)
+        graph = elementwise.fuse_silu(fuse_pads(graph))  # SiLU pairs -> one table (reference_ops_elementwise)
         self._ops = NativeOps(self.native, graph, threads=threads)
-        super().__init__(graph, kernels=self._ops.table())
+        super().__init__(graph, kernels={**self._ops.table(), **elementwise.NATIVE_KERNELS})
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         """As QGraphRunner.run, with the input's quantisation and NCHW -> NHWC in one C pass."""
