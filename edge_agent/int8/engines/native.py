@@ -7,9 +7,10 @@ ADD and MEAN are cheap ops, but in int64 numpy MobileNet's residual ADDs and fin
 cost as much as a quarter of all its convolutions. Weights are packed once at prepare time;
 a grouped CONV_2D is one native conv per group. Everything else (pools, PAD, PADV2, GATHER,
 broadcasting ADD, ...) stays numpy (the reference kernels). That is the documented
-fallback of MobileNetV3 / EfficientNet's elementwise ops too: HARD_SWISH and LOGISTIC are 256-entry table lookups already (as fast
-as C would be) and MUL is one vectorised pass (reference_ops_elementwise). Results are
-bit-identical to the reference, so selection checks them in int8 units like tflite.
+fallback of MobileNetV3 / EfficientNet's elementwise ops too: HARD_SWISH and LOGISTIC are
+256-entry table lookups, MUL a 256 x 256 one, and a SiLU pair (LOGISTIC + MUL) is fused
+into one table (reference_ops_elementwise). Results are bit-identical to the reference, so
+selection checks them in int8 units like tflite.
 """
 
 from __future__ import annotations
