@@ -425,3 +425,22 @@ def test_a_head_with_hard_swish_imports_into_mxnet() -> None:
     mod.forward(mx.io.DataBatch([mx.nd.array(x)]))
     expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
     np.testing.assert_allclose(mod.get_outputs()[0].asnumpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("fixture", "split", "counts"), [
+    ("mobilenet_v3_small.legacy.onnx", "/avgpool/GlobalAveragePool", {"HARD_SWISH": 18, "MUL": 9, "LOGISTIC": 0}),
+    ("efficientnet_b0_w025.legacy.onnx", "/avgpool/GlobalAveragePool", {"LOGISTIC": 41, "MUL": 41}),
+])
+def test_torchvision_exports_import_and_match_tflite(fixture: str, split: str, counts: dict) -> None:
+    """torchvision's mobilenet_v3_small and efficientnet_b0 (legacy exporter, committed by
+    tests/fixtures/models/make_torch_fixtures.py): every HardSwish / HardSigmoid / Sigmoid /
+    Mul imports, and the int8 backbone is exact against tflite-runtime's reference kernels."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "models" / fixture
+    g = import_onnx(path, split=split)
+    kinds = [op.kind for op in g.ops]
+    assert {k: kinds.count(k) for k in counts} == counts
+    rng = np.random.default_rng(9)
+    q = quantize_graph(g, rng.normal(size=(16, 3, 32, 32)).astype(np.float32))
+    agree(q, quantize_input(rng.normal(size=(2, 3, 32, 32)).astype(np.float32), q), optimized_bound=None)
