@@ -297,6 +297,68 @@ def test_deep_graph_tflite_agrees_within_the_graphs_rounding_sensitivity(tmp_pat
     assert rows["tflite"].correct and rows["reference"].max_diff == 0
 
 
+# ----------------------------------------------------------------- mxnet-onednn on imported graphs
+def _torch_style() -> onnx.ModelProto:
+    """What torch's legacy exporter writes: Clip bounds from Constant nodes (the old
+    mxnet.contrib.onnx import died on them with KeyError '.../Constant'), a stride-2 conv
+    with TFLite-asymmetric SAME padding, a squeeze-and-excitation Sigmoid * Mul, HardSwish,
+    a fire-style Concat, an explicit-pad MaxPool, then pool, flatten and a bias-free Gemm."""
+    const = [helper.make_node("Constant", [], [n], name=f"/c/{n}", value=numpy_helper.from_array(np.array(v, np.float32)))
+             for n, v in (("lo", 0.0), ("hi", 6.0))]
+    nodes = [*const,
+             helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="/stem/Conv", strides=[2, 2], pads=[0, 0, 1, 1]),
+             helper.make_node("Clip", ["c0", "lo", "hi"], ["r0"], name="/stem/Clip"),
+             helper.make_node("GlobalAveragePool", ["r0"], ["se_p"], name="/se/pool"),
+             helper.make_node("Conv", ["se_p", "w_se", "b_se"], ["se_c"], name="/se/fc"),
+             helper.make_node("Sigmoid", ["se_c"], ["se_s"], name="/se/sigmoid"),
+             helper.make_node("Mul", ["r0", "se_s"], ["se"], name="/se/mul"),
+             helper.make_node("Conv", ["se", "w1", "b1"], ["e1"], name="/fire/e1"),
+             helper.make_node("Conv", ["se", "w3", "b3"], ["e3"], name="/fire/e3", pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["e1", "e3"], ["cat"], name="/fire/concat", axis=1),
+             helper.make_node("HardSwish", ["cat"], ["hs"], name="/hs"),
+             helper.make_node("MaxPool", ["hs"], ["mp"], name="/pool", kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["mp"], ["gap"], name="/gap"),
+             helper.make_node("Flatten", ["gap"], ["flat"], name="/flatten"),
+             helper.make_node("Gemm", ["flat", "fc"], ["y"], name="/fc", transB=1)]
+    inits = {"w0": _w(8, 3, 3, 3), "b0": _w(8), "w_se": _w(8, 8, 1, 1), "b_se": _w(8), "w1": _w(4, 8, 1, 1),
+             "b1": _w(4), "w3": _w(4, 8, 3, 3), "b3": _w(4), "fc": _w(4, 8)}
+    return _graph(nodes, inits, shape=(1, 3, 12, 12), out_shape=[1, 4], opset=14)
+
+
+@pytest.mark.parametrize("make, split", [(_torch_style, None), (_resnetish, None), (_deep_residual, "flatten")])
+def test_mxnet_symbol_from_the_float_graph_matches_run_float(make, split) -> None:
+    import mxnet as mx
+
+    from edge_agent.int8.float_graph import run_float
+    from edge_agent.int8.mxnet_graph import float_graph_to_mxnet
+
+    graph = import_onnx(make().SerializeToString(), split=split)
+    sym, params = float_graph_to_mxnet(graph, mx)
+    x = RNG.standard_normal((3, *graph.input_shape[1:])).astype(np.float32)
+    exe = sym.bind(mx.cpu(), {graph.input: mx.nd.array(x), **params})
+    np.testing.assert_allclose(exe.forward()[0].asnumpy(), run_float(graph, x), rtol=1e-4, atol=1e-5)
+
+
+def test_mxnet_onednn_runs_a_torch_style_import(files, tmp_path) -> None:
+    from edge_agent.int8.engines.mxnet_onednn import MxnetOnednnEngine
+    from edge_agent.int8.float_graph import run_float
+
+    onnx.save(_torch_style(), tmp_path / "t.onnx")
+    np.savez(tmp_path / "calib.npz", x=RNG.standard_normal((32, 3, 12, 12)).astype(np.float32))
+    assert coordinator_main(["model", "create", "--onnx", str(tmp_path / "t.onnx"), "--calib", str(tmp_path / "calib.npz"),
+                             "--labels", "a,b,c,d", "--name", "t", "--version", "1", "--split", "/gap",
+                             "--output", str(tmp_path / "b")]) == EXIT_OK
+    bundle = load_bundle(tmp_path / "b")
+    runner = MxnetOnednnEngine().prepare(bundle, threads=1)
+    x = bundle.calibration()[:8]
+    fp32 = run_float(import_onnx(bundle.onnx_bytes()), x)
+    out = runner.run(x)
+    assert out.shape == fp32.shape == (8, 8, 1, 1)
+    # int8 with its own calibration: close to fp32 relative to the feature range
+    assert np.abs(out - fp32).max() < 0.1 * np.abs(fp32).max()
+
+
 # ----------------------------------------------------------------- forced engines
 class ShiftedRunner(QGraphRunner):
     """The reference, off by 3 int8 units: an engine that fails the agreement check."""

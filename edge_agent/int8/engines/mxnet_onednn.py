@@ -1,6 +1,9 @@
 """MXNet's own int8 path: the fp32 ONNX backbone quantised on the device by
 mxnet.contrib.quantization.quantize_net and run by oneDNN (MKLDNN in MXNet 1.x).
 
+The MXNet symbol is built from the project's float graph (onnx_import -> mxnet_graph), not
+by mxnet.contrib.onnx: any backbone the project imports runs here too.
+
 It calibrates its own activation ranges (min/max over the bundle's calibration samples), so
 its int8 scales differ from the bundle's .tflite: agreement with the reference is checked in
 float, not in int8 units (see selection.py). MXNet is imported only in availability() and
@@ -20,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import InputError
 from ..engine import Availability, Int8Engine, Runner
 from ._common import EngineError, check_batch, thread_count
 
@@ -58,37 +62,51 @@ class MxnetOnednnEngine(Int8Engine):
         import mxnet as mx
         from mxnet.contrib.quantization import quantize_net
 
-        from ..bundle_create import onnx_to_mxnet
+        from ..graph import UnsupportedOpError
+        from ..mxnet_graph import MxnetGraphError, float_graph_to_mxnet
+        from ..onnx_import import import_onnx
 
         os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")  # no "backend MKLDNN is activated" lines
         mx.base.check_call(mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(thread_count(threads))))  # noqa: SLF001
         spec = model.manifest.input
-        try:
-            sym, args, auxs = onnx_to_mxnet(model.onnx_bytes())
-        except Exception as exc:  # the importer raises bare KeyError/AttributeError per op
-            raise EngineError(f"{model.path}: mxnet.contrib.onnx cannot import backbone.onnx: "
-                              f"{type(exc).__name__}: {exc}") from None
+        try:  # the project's own importer, then one MXNet mapping per float-graph op kind
+            sym, args = float_graph_to_mxnet(import_onnx(model.onnx_bytes()), mx)
+        except (UnsupportedOpError, MxnetGraphError, InputError) as exc:
+            raise EngineError(f"{model.path}: backbone.onnx has no MXNet form here: {exc}") from None
         with warnings.catch_warnings():  # "Cannot decide type": the input's dtype comes at run time
             warnings.simplefilter("ignore", UserWarning)
             block = mx.gluon.SymbolBlock(sym, mx.sym.var(spec.name))
         params = block.collect_params()
-        for name, value in {**args, **auxs}.items():
-            if name in params:
-                params[name]._load_init(value, mx.cpu())  # noqa: SLF001 - no public by-name setter
+        for name, value in args.items():
+            params[name]._load_init(value, mx.cpu())  # noqa: SLF001 - no public by-name setter
         calib = model.calibration()
         batch = min(CALIB_BATCH, len(calib))
         calib = calib[: len(calib) // batch * batch]  # whole batches: the iterator would pad
         data = mx.io.NDArrayIter(data={spec.name: calib}, batch_size=batch)
-        # quantize_net logs through the root logger and warns about its own deprecation
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            try:
-                qnet = quantize_net(block, quantized_dtype="auto", quantize_mode="full",
-                                    calib_mode="naive", calib_data=data,
-                                    num_calib_examples=len(calib), ctx=mx.cpu())
-            except Exception as exc:  # MXNetError from an op oneDNN cannot quantise
-                raise EngineError(f"{model.path}: quantize_net failed: {type(exc).__name__}: "
-                                  f"{str(exc).strip().splitlines()[0][:300]}") from None
-        qnet.hybridize(static_alloc=True, static_shape=True)
-        _log.debug("mxnet-onednn: quantised %s on %d samples", model.manifest.name, len(calib))
-        return MxnetRunner(qnet, mx, spec.shape)
+        # "auto" (uint8 after ReLU) is fastest, but some op mixes in imported graphs (SE
+        # multiply, concat of signed and unsigned branches) fail at run time: then int8
+        errors = []
+        for dtype in ("auto", "int8"):
+            data.reset()
+            # quantize_net logs through the root logger and warns about its own deprecation
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                try:
+                    qnet = quantize_net(block, quantized_dtype=dtype, quantize_mode="full",
+                                        calib_mode="naive", calib_data=data,
+                                        num_calib_examples=len(calib), ctx=mx.cpu())
+                    qnet.hybridize(static_alloc=True, static_shape=True)
+                    qnet(mx.nd.array(calib[:batch])).wait_to_read()  # type errors surface on the first run
+                except Exception as exc:  # MXNetError from an op oneDNN cannot quantise
+                    errors.append(f"{dtype}: {type(exc).__name__}: {_first_line(exc)}")
+                    continue
+            _log.debug("mxnet-onednn: quantised %s (%s) on %d samples", model.manifest.name, dtype, len(calib))
+            return MxnetRunner(qnet, mx, spec.shape)
+        raise EngineError(f"{model.path}: quantize_net failed: {'; '.join(errors)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """MXNet errors start with a C++ traceback: the line that says what failed."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "Check failed" in ln or ln.startswith("MXNetError")]
+    return (useful or lines or [type(exc).__name__])[-1][:300]
