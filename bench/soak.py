@@ -120,6 +120,7 @@ class Fleet:
         self.coord_dir = out / "coordinator"
         self.agent_dirs: dict[str, Path] = {}
         self.cli = [PY, "-m", "edge_agent.coordinator.cli"]
+        self.releases = 0  # screening quarantines the soak lifted
 
     def start(self) -> None:
         from edge_agent import keys
@@ -226,11 +227,16 @@ def registry_counts(coord_dir: Path) -> dict[str, Any]:
         up = db.execute("SELECT COUNT(*), COALESCE(SUM(wire_bytes), 0) FROM updates").fetchone()
         models = db.execute("SELECT COUNT(*) FROM model_versions").fetchone()[0]
         active = db.execute("SELECT COUNT(*) FROM jobs WHERE status IN ('pending', 'running')").fetchone()[0]
+        try:
+            quarantined = [r[0] for r in db.execute("SELECT id FROM devices WHERE quarantined_at IS NOT NULL")]
+        except sqlite3.OperationalError:  # a registry without quarantine
+            quarantined = []
     finally:
         db.close()
     by_state = dict(rounds)
     return {"finished": sum(v for k, v in by_state.items() if k not in ("open", "closing")), "by_state": by_state,
-            "updates": up[0], "update_wire_bytes": up[1], "model_rows": models, "active_jobs": active}
+            "updates": up[0], "update_wire_bytes": up[1], "model_rows": models, "active_jobs": active,
+            "quarantined": quarantined}
 
 
 def drive(fleet: Fleet, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
@@ -257,6 +263,7 @@ def drive(fleet: Fleet, args: argparse.Namespace, log: Any) -> list[dict[str, An
         if done >= next_sample:
             row = fleet.sample(done, jobs)
             row.update({k: counts[k] for k in ("updates", "update_wire_bytes", "model_rows")})
+            row["failed_rounds"] = counts["by_state"].get("failed", 0)
             samples.append(row)
             log(f"round {done}/{args.rounds} ({time.monotonic() - started:.0f} s): coord "
                 f"{row.get('coordinator.rss_mib', 0):.1f} MiB {row['coordinator.disk'] / 1e6:.2f} MB, agent1 "
@@ -267,9 +274,13 @@ def drive(fleet: Fleet, args: argparse.Namespace, log: Any) -> list[dict[str, An
             if samples[-1]["round"] != done:
                 row = fleet.sample(done, jobs)
                 row.update({k: counts[k] for k in ("updates", "update_wire_bytes", "model_rows")})
+                row["failed_rounds"] = counts["by_state"].get("failed", 0)
                 samples.append(row)
             return samples
         fleet.check()
+        for device in counts["quarantined"]:  # robust screening may bench an honest tiny-data device
+            fleet.run([*fleet.cli, "devices", "--release", device, "--state-dir", str(fleet.coord_dir)])
+            fleet.releases += 1
         if not counts["active_jobs"]:
             n = min(args.rounds_per_job, args.rounds - done)
             jobs += 1
@@ -319,6 +330,7 @@ def analyse(samples: list[dict[str, Any]], agents: list[str], warmup: float) -> 
     after = [s for s in samples if s["round"] >= warmup * last] or samples
     xs = [float(s["round"]) for s in after]
     res: dict[str, Any] = {"rounds": last, "warmup_round": after[0]["round"], "samples": len(samples)}
+    res["failed_rounds"] = samples[-1].get("failed_rounds", 0)
 
     def per_k(key: str) -> float:
         ys = [float(s.get(key, float("nan"))) for s in after]
@@ -397,6 +409,10 @@ def section(res: dict[str, Any], args: argparse.Namespace, agents: list[str], wa
             f"{a} {1000 * res[f'{a}.cpu_per_round'][0]:.0f} -> {1000 * res[f'{a}.cpu_per_round'][1]:.0f}"
             for a in agents) + ".",
         "",
+        f"Rounds that ended failed: {res.get('failed_rounds', 0)}; screening quarantines the soak lifted: "
+        f"{res.get('quarantines_lifted', 0)} (an honest device's tiny-data update can be screened out; the soak "
+        "releases it so all 4 keep working).",
+        "",
         "RSS is VmRSS of the long-running processes (not the per-job training children); disk is the apparent "
         "size of every file under each state directory; retained messages are counted by a fresh subscriber. "
         "Growth is the least-squares slope over the samples after warm-up, scaled to 1,000 rounds.",
@@ -424,6 +440,7 @@ def soak(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     (out / "samples.json").write_text(json.dumps(samples, indent=1))
     agents = sorted(fleet.agent_dirs)
     res = analyse(samples, agents, args.warmup)
+    res["quarantines_lifted"] = fleet.releases
     (out / "result.json").write_text(json.dumps(res, indent=1))
     return section(res, args, agents, time.monotonic() - t0), res
 
