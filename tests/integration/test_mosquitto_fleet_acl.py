@@ -360,3 +360,26 @@ def test_make_certs_acl_refuses_a_fleet_that_is_no_topic_level(tmp_path: Path) -
         proc = make_certs("acl", "--fleet", bad, "--dir", tmp_path)
         assert proc.returncode == 65, (bad, proc.stderr)
     assert not (tmp_path / "acl").exists()
+
+
+def test_the_coordinators_queue_holds_a_devices_burst_and_other_devices_messages(peers, fleet: str) -> None:  # noqa: ANN001
+    """The coordinator away (persistent session) while one device sends 1500 chunks: the
+    broker keeps them all and another device's message after them (the old queue limit,
+    1000 messages, dropped the rest: what the coordinator would then have missed)."""
+    away = peers("coordinator", clean_session=False)
+    assert away.start() and away.subscribe(f"{fleet}/devices/+/update") == [1]
+    away.stop()
+    assert away.disconnected.wait(TIMEOUT)
+    a, b = (connected(peers, n) for n in (A, B))
+    topic = f"{fleet}/devices/{A}/update"
+    for i in range(1500):
+        a.client.publish(topic, b"chunk %d" % i, qos=1)
+    a.publish(topic, b"last chunk")
+    b.publish(f"{fleet}/devices/{B}/update", b"b after the burst")
+    back = peers("coordinator", clean_session=False)
+    assert back.start()
+    seen = back.wait_for(f"{fleet}/devices/{B}/update", b"b after the burst")
+    with back.cond:
+        assert back.cond.wait_for(lambda: (topic, b"last chunk") in back.messages, TIMEOUT)
+        from_a = [p for t, p in back.messages if t == topic]
+    assert len(from_a) == 1501 and seen[-1] == (f"{fleet}/devices/{B}/update", b"b after the burst")
