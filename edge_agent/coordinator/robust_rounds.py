@@ -29,6 +29,7 @@ from .streaming import (
     aggregate_updates,
     decode_sparse,
     direction_check,
+    norm2,
     sparse_from_dense,
 )
 
@@ -127,7 +128,7 @@ class RobustRounds:
                 new, old = self._head(model, version)[1], self._head(model, mv.parent)[1]
                 vec = np.concatenate([np.asarray(new[n], np.float64).ravel() - np.asarray(old[n], np.float64).ravel()
                                       for n in layout.names])
-                size = float(np.linalg.norm(vec))
+                size = norm2(vec)
                 step = vec / size if size > 0 and math.isfinite(size) else None
             self._steps[key] = step
         return self._steps[key]
