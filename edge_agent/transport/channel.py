@@ -102,8 +102,12 @@ class Channel:
             return None
         try:
             result = self.verifier.open(rec.topic, rec.payload)
-        except Exception as exc:  # a bug or a failing key store must not kill the receive loop
+        except OSError as exc:  # a local fault the verifier did not turn into a refusal: one line
             log.error("verifier failed on a message on %r: %s: %s", rec.topic[:200], type(exc).__name__, exc)
+            self.rejected["internal_error"] += 1
+            return None
+        except Exception:  # a bug must not kill the receive loop (its traceback is worth having)
+            log.exception("verifier failed on a message on %r", rec.topic[:200])
             self.rejected["internal_error"] += 1
             return None
         if isinstance(result, Rejection):
