@@ -99,6 +99,7 @@ class Channel:
         """The next message, verified; None if nothing arrived within `timeout`."""
         rec = self.client.get(timeout)
         if rec is None:
+            self._summary()  # what a flood that has ended left unsaid
             return None
         try:
             result = self.verifier.open(rec.topic, rec.payload)
