@@ -260,7 +260,7 @@ def _add_fleet(sub: Any) -> None:
 
 
 def _add_prune(sub: Any) -> None:
-    from .retention import add_prune_command
+    from .retention_cli import add_prune_command
 
     add_prune_command(sub)
 
