@@ -285,7 +285,7 @@ def drive(fleet: Fleet, args: argparse.Namespace, log: Any) -> list[dict[str, An
             n = min(args.rounds_per_job, args.rounds - done)
             jobs += 1
             text = fleet.run([*fleet.cli, "train", "--model", "digits", "--devices", "all", "--rounds", str(n),
-                              "--min-devices", str(args.agents), "--deadline", "120s", "--epochs", "1",
+                              "--min-devices", str(args.min_devices or max(1, args.agents - 1)), "--deadline", "120s", "--epochs", "1",
                               "--batch-size", "16", "--budget-wh", "0.05", "--update-bytes", "2048",
                               "--wait-for-devices", "--detach", "--state-dir", str(fleet.coord_dir)])
             job_id = text.split()[1].rstrip(":")
@@ -450,6 +450,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1000)
     p.add_argument("--minutes", type=float, default=600.0, help="stop after this long, whatever the count")
     p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--min-devices", type=int, default=None,
+                   help="accepted updates a round needs (default: all agents but one: one update screened out "
+                        "does not fail the round)")
     p.add_argument("--rounds-per-job", type=int, default=25)
     p.add_argument("--cancel-every", type=int, default=5, help="cancel every Nth job after its first round (0: never)")
     p.add_argument("--samples", type=int, default=48, help="training samples per device")
