@@ -456,4 +456,8 @@ def test_odd_graphs_are_exit_65_naming_node_and_op(files, tmp_path, capsys) -> N
         err = capsys.readouterr().err
         if code != EXIT_DATAERR or "Traceback" in err or not all(e in err for e in expect):
             failures.append(f"{what}: exit {code}: {err.strip()[:300]}")
+        code = coordinator_main(["model", "nodes", str(path)])  # listing: a list or one clear line
+        err = capsys.readouterr().err
+        if code not in (EXIT_OK, EXIT_DATAERR) or "Traceback" in err:
+            failures.append(f"model nodes {what}: exit {code}: {err.strip()[:300]}")
     assert not failures, "\n".join(failures)
