@@ -210,7 +210,8 @@ def test_a_round_over_mutual_tls_with_the_shipped_broker_config(topic_prefix, fl
     certs = tmp_path / "fleet-certs"
     agent = agents(tmp_path, 0, name="agent0", sysfs_root=board_tree(tmp_path / "board0", battery_pct=90),
                    data_dir=device_data(tmp_path / "data0", device=0))
-    for args in (["init"], ["server", "127.0.0.1"], ["coordinator"], ["device", agent.id]):
+    for args in (["init"], ["server", "127.0.0.1"], ["coordinator"], ["device", agent.id],
+                 ["acl", "--fleet", fleet.topics.fleet, "--prefix", fleet.topics.prefix]):  # the ACL pinned to the fleet
         made = make_certs(*args, "--dir", certs)
         assert made.returncode == 0, made.stderr
     broker = FleetBroker(workdir=tmp_path / "mosquitto", cert_dir=certs)
