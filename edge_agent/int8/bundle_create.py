@@ -181,9 +181,26 @@ def _mxnet_compatible(model: Any) -> Any:
                 dims[bias] = [units]
             del node.input[2:]
             node.input.append(bias)
+    _free_batch_reshapes(model)
     from .onnx_elementwise import decompose_hard_swish
 
     return decompose_hard_swish(model)  # MXNet's importer knows HardSigmoid and Mul, not HardSwish
+
+
+def _free_batch_reshapes(model: Any) -> None:
+    """torch's dynamo exporter writes x.view(1, -1) (traced at batch 1) as Reshape(x, [1, C]):
+    MXNet aborts the process on any other batch. Make that leading 1 a -1 (the batch)."""
+    from onnx import numpy_helper
+
+    consts = {i.name: i for i in model.graph.initializer}
+    users = Counter(i for n in model.graph.node for i in n.input)
+    for node in model.graph.node:
+        if node.op_type != "Reshape" or len(node.input) < 2 or users[node.input[1]] != 1 or node.input[1] not in consts:
+            continue
+        shape = numpy_helper.to_array(consts[node.input[1]])
+        if shape.ndim == 1 and len(shape) >= 2 and shape[0] == 1 and not np.any(shape[1:] <= 0):
+            fixed = np.concatenate([[-1], shape[1:]]).astype(shape.dtype)
+            consts[node.input[1]].CopyFrom(numpy_helper.from_array(fixed, node.input[1]))
 
 
 def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, Any]]:

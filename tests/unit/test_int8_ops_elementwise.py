@@ -412,18 +412,25 @@ def test_a_head_with_hard_swish_imports_into_mxnet() -> None:
     from edge_agent.int8.bundle_create import onnx_to_mxnet
 
     rng = np.random.default_rng(8)
-    inits = {"w1": _w(rng, 16, 8), "b1": _w(rng, 16), "w2": _w(rng, 5, 16), "b2": _w(rng, 5)}
-    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+    inits = {"w1": _w(rng, 16, 8), "b1": _w(rng, 16), "w2": _w(rng, 5, 16), "b2": _w(rng, 5),
+             "shape": np.array([1, 8], np.int64)}
+    # torch's dynamo exporter: x.view(1, -1) traced at batch 1 is Reshape(x, [1, 8])
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["f"], name="view", allowzero=1),
+             helper.make_node("Gemm", ["f", "w1", "b1"], ["h"], name="fc1", transB=1),
              helper.make_node("HardSwish", ["h"], ["a"], name="hswish"),
              helper.make_node("Gemm", ["a", "w2", "b2"], ["y"], name="fc2", transB=1)]
-    model = _model(nodes, (1, 8), inits, out_rank=2)
+    graph = helper.make_graph(
+        nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 1, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
     sym, args, aux = onnx_to_mxnet(model.SerializeToString())
-    x = (rng.normal(size=(1, 8)) * 4).astype(np.float32)
+    x = (rng.normal(size=(3, 8, 1, 1)) * 4).astype(np.float32)  # a batch of 3: the reshape's 1 is freed
     mod = mx.mod.Module(sym, data_names=["x"], label_names=None)
-    mod.bind([("x", (1, 8))], for_training=False)
+    mod.bind([("x", x.shape)], for_training=False)
     mod.set_params(args, aux)
     mod.forward(mx.io.DataBatch([mx.nd.array(x)]))
-    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    expected = np.concatenate([ReferenceEvaluator(model).run(None, {"x": x[i:i + 1]})[0] for i in range(3)])
     np.testing.assert_allclose(mod.get_outputs()[0].asnumpy(), expected, rtol=1e-4, atol=1e-5)
 
 
