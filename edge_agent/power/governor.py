@@ -206,6 +206,15 @@ class BudgetGovernor:
             self.clock.sleep(max(nap, 1e-3))
             napped = True
 
+    def charge_overhead(self) -> float:
+        """Sample now, outside any step, and return the budget's energy used so far (J).
+
+        Work done before training (int8 engine selection) is integrated like a step but
+        not counted as one: no duty-cycle gap, no step statistics."""
+        if self._step_start is None:
+            self._sample(hold_end=True)
+        return self._used_j()
+
     def cancel(self, detail: str = "") -> None:
         """Ask the job to stop (safe from another thread or a signal handler)."""
         self._cancel_detail = detail
