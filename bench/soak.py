@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,7 +160,9 @@ class Fleet:
                                  coordinator_public_key=public_key_text(coord_key), state_dir=state,
                                  device_id=keys.fingerprint(key), sysfs_root=str(root), data_dir=str(data),
                                  topic_prefix=self.prefix)
-            text = text.replace("max_jobs_per_day = 24", "max_jobs_per_day = 1000")
+            text, n = re.subn(r"max_jobs_per_day = [0-9]+", "max_jobs_per_day = 1000", text)  # a year in an hour
+            if n != 1:
+                raise RuntimeError("agent.toml has no max_jobs_per_day line to raise")
             text += ("\n[service]\nstate_interval_s = 30\nprogress_interval_s = 5\nupload_ack_timeout_s = 5\n"
                      "upload_retry_min_s = 0.5\nupload_retry_max_s = 5\n")
             (home / "agent.toml").write_text(text)
