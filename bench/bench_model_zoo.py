@@ -25,6 +25,8 @@ import numpy as np
 
 BATCH = 32
 ENGINES = ("native", "tflite", "mxnet-onednn", "reference")
+QUICK = {"gluon-resnet18_v1", "gluon-squeezenet1.1", "gluon-mobilenetv2_0.25", "torch-resnet18-legacy",
+         "torch-mobilenet_v2-legacy", "torch-mobilenet_v3_small-legacy"}  # one per family
 
 
 def _fp32_ms(run: Callable[[np.ndarray], np.ndarray] | None, x: np.ndarray, rounds: int) -> float | None:
@@ -64,12 +66,16 @@ def _row(arch: Any, rounds: int) -> tuple[str, str]:
         c = by_name.get(name)
         if c is None or not c.available:
             cells.append("-")
-        elif c.error or c.latency_ms is None:
+        elif c.error:
             cells.append("fails")
+        elif c.correct is False:  # not timed: selection never runs a wrong engine
+            unit = "units" if c.agreement == "int8" else "steps"
+            cells.append(f"WRONG ({c.max_diff:.0f} {unit})" if c.max_diff is not None else "WRONG")
+        elif c.latency_ms is None:
+            cells.append("oracle" if name == "reference" else "not timed")
         else:
             ms = c.latency_ms / BATCH
-            ratio = f" ({fp32 / ms:.1f}x)" if fp32 else ""
-            cells.append(f"{ms:.2f}{ratio}{'' if c.correct else ' WRONG'}")
+            cells.append(f"{ms:.2f}" + (f" ({fp32 / ms:.1f}x)" if fp32 else ""))
     notes = [f"{c.name}: {c.error[:120]}" for c in result.candidates if c.error]
     line = (f"| {arch.id} | {arch.size} | {f'{fp32:.2f}' if fp32 else 'n/a'} | " + " | ".join(cells)
             + f" | {result.chosen} | {result.agreement:.1%} | {result.fp32_accuracy:.1%} / {result.int8_accuracy:.1%}"
@@ -82,17 +88,17 @@ def run(quick: bool = False) -> str:
     from tests.fixtures.models import zoo
 
     rounds = 2 if quick else 5
-    archs = zoo.all_archs()
-    if quick:
-        archs = archs[::4]
+    archs = [a for a in zoo.all_archs() if not quick or a.id in QUICK]
     out = ["## Model zoo: int8 engines vs MXNet fp32 per architecture", "",
            f"Per-image milliseconds at batch {BATCH} ({usable_cpus()} threads), median of {rounds} interleaved "
            "rounds from the engine selection itself; (Nx) = speed-up over MXNet fp32. 'chosen' is the "
-           "engine `select_engine` picks here (fastest that passes the agreement check). Agreement: int8 "
-           "top-1 == fp32 top-1 on 320 held-out digits (upsampled to the input size, 3 channels) "
+           "engine `select_engine` picks here (from the engines that pass its agreement check); "
+           "'WRONG (n units/steps)': flagged by that check (max distance to the reference), so never run; "
+           "'oracle': the numpy reference, which the others are checked against. Agreement: int8 "
+           f"top-1 == fp32 top-1 on {zoo.N_TEST} held-out digits (upsampled to the input size, 3 channels) "
            "through a linear head fitted on the fp32 backbone's features; accuracy of that head on "
            "fp32 / int8 features; fine-tune: the bundle's own head trained on int8 features (12 epochs, "
-           "320 digits). Random weights in the ordered regime (see tests/fixtures/models/zoo.py). "
+           f"{zoo.N_TRAIN} digits). Random weights in the ordered regime (see tests/fixtures/models/zoo.py). "
            "Command: `python -m bench.run --only bench_model_zoo`.", "",
            "| architecture | input | MXNet fp32 | " + " | ".join(ENGINES)
            + " | chosen | top-1 agreement | accuracy fp32 / int8 | fine-tune |",
