@@ -32,6 +32,11 @@ Screening (`screen_norms`) works from one update up, in this order:
      federated digits), which is also why larger rounds skip it and rely on the majority,
      clipping and the weight cap.
 
+Rounds of 2 or 3 updates have no majority to outvote a liar, so there the weight cap is
+1x the lower median and the clip bound 1x the center: no update weighs more
+or reaches further than a typical honest one (one liar among 3 moves the FedAvg aggregate
+less than the two honest updates do).
+
 Aggregators (job param `aggregator`), and what they do with few updates (N):
   fedavg_clipped (default): sum_i w_i s_i d_i / sum_i w_i, w_i the bounded sample count,
      s_i = min(1, C / ||d_i||), C = clip_mult x center (the screening center). Any N >= 1;
