@@ -60,6 +60,48 @@ class JobStateError(EdgeAgentError):
     exit_code = 64
 
 
+def _feature_key(backbone_sha256: str, engine: str | None) -> str:
+    """The feature cache's namespace: the backbone's hash, and the engine unless it is the
+    reference (bit-exact: its features are the backbone's own)."""
+    import hashlib
+
+    if not engine or engine == "reference":
+        return backbone_sha256
+    return hashlib.sha256(f"{backbone_sha256}:{engine}".encode()).hexdigest()
+
+
+class _GovernorMeter:
+    """Engine selection's meter inside a job: every phase is metered by the budget governor
+    and charged to the job; a budget too small for the predicted selection plus a batch
+    stops the job before it is spent (BudgetTooSmallError), a phase that would overshoot it
+    stops the selection (SelectionStopped)."""
+
+    def __init__(self, job: _Job, gov: Any) -> None:
+        self.job, self.gov = job, gov
+        self._start = 0.0
+
+    def before(self, phase: str, predicted_j: float) -> None:
+        from ..int8.engine_cost import BudgetTooSmallError, SelectionStopped
+
+        used = self._start = self.gov.charge_overhead()
+        budget_j = self.job.budget.budget_j
+        if budget_j is None or used + predicted_j <= budget_j:
+            return
+        if phase == "selection":
+            raise BudgetTooSmallError(
+                f"--budget-wh {self.job.budget.budget_wh:g} is too small for this job: choosing the int8 engine "
+                f"for this model on this device needs ~{predicted_j / 3600.0:.4g} Wh (predicted from a probe) plus "
+                f"one batch, and {used / 3600.0:.4g} Wh is spent already; give a larger budget, or run "
+                f"`edge-agent kernels --model {self.job.args['model']} --bench` once (its choice is cached and reused)")
+        raise SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase}: "
+                               f"~{predicted_j / 3600.0:.4g} Wh more; {used / 3600.0:.4g} of "
+                               f"{self.job.budget.budget_wh:g} Wh used)")
+
+    def after(self, phase: str, cpu_s: float) -> float:
+        self.job._work_done()  # a virtual test clock charges the phase here
+        return self.gov.charge_overhead() - self._start
+
+
 class _Stopped(Exception):
     """Raised inside feature extraction when the governor says stop."""
 
@@ -144,6 +186,7 @@ def _profile_values(profile: str | None, probe_report: dict[str, Any]) -> dict[s
             "thermal_limit_c": data.get("thermal", {}).get("limit_c"),
             "threads": data.get("training", {}).get("threads"),
             "batch_size": data.get("training", {}).get("batch_size"),
+            "memory_cap_mb": data.get("training", {}).get("memory_cap_mb"),
             "backends": data.get("int8", {}).get("backends")}
 
 
@@ -328,21 +371,8 @@ class _Job:
                              balance=a["balance"], seed=a["seed"], train_last=a["train_last"])
         symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
 
-        # features for every usable sample, through the selected int8 engine and the cache
-        from ..int8.selection import select_engine
-        from .feature_cache import FeatureCache
-
-        cache_root = Path(a["cache_dir"]) if a["cache_dir"] else self.state / "cache"
-        env = dict(os.environ)
-        if a["engine"]:
-            env["EDGE_AGENT_INT8_BACKEND"] = a["engine"]
-        selection, runner = select_engine(bundle, probe=probe_report, batch_size=batch_size, threads=threads,
-                                          state_dir=cache_root, env=env, keep_runner=True,
-                                          preference=prof["backends"])
-        assert runner is not None
-        cache = FeatureCache(cache_root / "features", max_bytes=int(a["cache_max_mb"] * (1 << 20)))
-        # The meter starts here: features and training are charged to the budget; engine
-        # selection (once per device and model, then cached) and imports are not.
+        # The meter starts here: engine selection (or the re-check of a cached choice),
+        # features and training are all charged to the budget.
         from ..power import BudgetGovernor, PowerMonitor, ThermalMonitor
 
         monitor = PowerMonitor.discover(a["power_root"], idle_w=prof["idle_w"], load_w=prof["load_w"])
@@ -350,11 +380,35 @@ class _Job:
         self.gov = gov = BudgetGovernor(budget=budget, sources=monitor, thermal=ThermalMonitor(a["power_root"]),
                                         clock=self.clock, max_threads=threads, poll_s=a["poll_s"],
                                         resume_from=gov_state if isinstance(gov_state, dict) else None)
+
+        # features for every usable sample, through the selected int8 engine and the cache
+        from ..int8.cli import default_state_dir
+        from ..int8.selection import select_engine
+        from .feature_cache import FeatureCache
+
+        cache_root = Path(a["cache_dir"]) if a["cache_dir"] else self.state / "cache"
+        env = dict(os.environ)
+        if a["engine"]:
+            env["EDGE_AGENT_INT8_BACKEND"] = a["engine"]
+        cores = max(1, int((probe_report.get("cpu") or {}).get("count") or os.cpu_count() or 1))
+        wpc = (prof["load_w"] - prof["idle_w"]) / cores if prof["load_w"] and prof["idle_w"] is not None else None
+        used_before = gov.charge_overhead()
+        # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
+        selection, runner = select_engine(bundle, probe=probe_report, batch_size=batch_size, threads=threads,
+                                          state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(),
+                                          env=env, keep_runner=True, preference=prof["backends"],
+                                          images=len(dataset), meter=_GovernorMeter(self, gov), watts_per_cpu=wpc,
+                                          mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True)
+        assert runner is not None
+        self.selection_j = gov.charge_overhead() - used_before
+        cache = FeatureCache(cache_root / "features", max_bytes=int(a["cache_max_mb"] * (1 << 20)))
         stop_reason: str | None = None
         with _cancel_on_signals(gov.cancel):
             try:
+                # keyed by backbone and engine: the head trains on the features of the engine
+                # that will run under it (engines differ by a few output steps)
                 features, cache_stats = cache.features(
-                    bundle.manifest.files[BACKBONE_INT8].sha256, dataset.hashes, dataset.x,
+                    _feature_key(bundle.manifest.files[BACKBONE_INT8].sha256, selection.chosen), dataset.hashes, dataset.x,
                     self._governed(runner.run), batch_size=batch_size,
                     feature_shape=tuple(bundle.manifest.feature_shape),
                     progress=lambda done, total: self.emit("features", detail=f"{done}/{total} new samples"))
@@ -505,7 +559,10 @@ class _Job:
             "schema": REPORT_SCHEMA,
             "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": bundle.sha256},
             "data": dataset.report.to_json(),
-            "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached)},
+            "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
+                       "threads": selection.threads, "images": selection.images,
+                       "selection_wh": round(getattr(self, "selection_j", 0.0) / 3600.0, 9),
+                       "notes": list(selection.notes)},
             "trainer": self.trainer.backend,
             "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
             "accuracy": {"before": num(before[1]), "after": num(after[1]), "validation_samples": dataset.report.validation},

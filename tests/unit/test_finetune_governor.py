@@ -114,8 +114,9 @@ def cache(bundle: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """Engine choice and features computed once, so the budgets below pay for training only
     (a first job on a device pays for engine selection and features too, and is charged for it)."""
     root = tmp_path_factory.mktemp("gov-cache")
+    Board(root / "board")  # the same simulated board as the tests: the same hardware fingerprint
     run_finetune(model=bundle, data=data, state_dir=root / "warm", cache_dir=root, epochs=1,
-                 profile="raspberry-pi-4", batch_size=8)
+                 profile="raspberry-pi-4", batch_size=8, power_root=root / "board")
     return root
 
 
