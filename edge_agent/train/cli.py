@@ -189,7 +189,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, metavar="DIR", help="image folder, .csv or .npz (see above)")
     g = p.add_argument_group("power budget")
     g.add_argument("--budget-wh", type=_positive(float), metavar="X",
-                   help="energy budget in Wh (above idle; see --budget-basis); stop before exceeding it")
+                   help="energy budget in Wh (above idle; see --budget-basis); stop before exceeding it. "
+                        "Choosing the int8 engine is charged too (once per model and device; `edge-agent "
+                        "kernels --bench` does it ahead, in the same cache); a budget too small for it "
+                        "plus one batch exits 64 before starting")
     g.add_argument("--budget-basis", choices=("job", "total"), default="job",
                    help="'job': energy above idle (default); 'total': all energy drawn while the job runs")
     g.add_argument("--power-cap-w", type=_positive(float), metavar="Y", help="average power cap in W (duty-cycled)")
