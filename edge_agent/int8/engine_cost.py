@@ -33,17 +33,19 @@ import numpy as np
 from ..errors import EdgeAgentError, UsageError
 
 # An engine may agree with fp32 on this many fewer samples, as a fraction, than the
-# reference (0.5 points), but always on one sample fewer: with the 32-256 samples a bundle
-# carries one sample is 0.4-3 points, and the reference itself flips single samples
-# between seeds of the rounding flip test. Measured on the camera MobileNetV2: tflite and
-# mxnet-onednn agree within 0-2 samples of the reference (BENCHMARKS.md, bench_engine_cost).
+# reference (0.5 points, the figure), but always on one sample fewer: with the
+# 32-256 samples a bundle carries, one sample is 0.4-3 points. Measured (bench_engine_cost,
+# camera MobileNetV2 0.5@96, 128 samples; the reference agrees with fp32 on 97.7 %):
+# tflite/XNNPACK 98.4 % (14 int8 units off the reference at most), native 97.7 %
+# (bit-exact) -- accepted; mxnet-onednn 89.1 % (naive calibration; 84.4 % with entropy) --
+# refused: 11 more samples flip, a real loss, not rounding.
 AGREEMENT_SLACK = 0.005
 AGREEMENT_MIN_SAMPLES = 32
 AGREEMENT_MAX_SAMPLES = 256
-# Mean |engine - reference| over all features, in output quantisation steps. Legitimate
-# engines: tflite 0.0-0.3, mxnet-onednn (own calibration) 0.5-2; a transposed layout or a
-# wrong scale is 10-100.
-SANITY_MEAN_STEPS = 6.0
+# Mean |engine - reference| over all features, in output quantisation steps: a gross-bug
+# bound only (a transposed layout or a wrong scale is tens of steps and more). Measured on
+# the camera bundle: tflite 1.4, native 0, mxnet-onednn (its own calibration) 6.3.
+SANITY_MEAN_STEPS = 10.0
 DEFAULT_WATTS_PER_CPU = 2.0  # no profile: a typical small-board core above idle
 RECHECK_BATCHES = 3
 # A cached choice is re-timed at job start; slower than this factor x its cached batch time
