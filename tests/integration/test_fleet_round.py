@@ -43,7 +43,9 @@ def run_round(coordinator, agents_, tmp_path, archive):
 
 def check_round(coordinator, agents_, stdout):
     """The job ran one aggregated round from 3 accepted updates, and the new head is exactly
-    base + the sample-weighted mean of the stored deltas."""
+    base + the sample-weighted mean of the stored deltas, under the default robust rule for a
+    3-update round (robust.py): weights capped at the lower-median count, each delta clipped
+    to the median norm."""
     assert "round 1/1 open" in stdout and "-> new version" in stdout, stdout
     with coordinator.registry() as reg:
         (job,) = reg.list_jobs()
@@ -56,7 +58,12 @@ def check_round(coordinator, agents_, stdout):
         assert all(0 <= u.metrics["accuracy_after"] <= 1 for u in updates)  # the device's result rode along
         base, new = reg.get_model("digits", "1"), reg.get_model("digits", rnd.aggregated_version)
         assert new.head_only and new.parent == "1" and new.metrics["updates"] == 3
-        expected = apply_delta(reg.load_head(base), fedavg([(reg.load_delta(u), u.num_samples) for u in updates]))
+        deltas = [reg.load_delta(u) for u in updates]
+        cap = sorted(u.num_samples for u in updates)[1]
+        clip = float(np.median([u.norm for u in updates]))
+        expected = apply_delta(reg.load_head(base), fedavg(
+            [({k: v * min(1.0, clip / u.norm) for k, v in d.items()}, min(u.num_samples, cap))
+             for d, u in zip(deltas, updates, strict=True)]))
         head = reg.load_head(new)
         for name, value in expected.items():
             np.testing.assert_allclose(head[name], value, rtol=1e-6, atol=1e-7)
