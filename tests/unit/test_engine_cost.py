@@ -61,20 +61,27 @@ def test_the_choice_minimises_the_predicted_job_energy() -> None:
 
 
 class Burner(QGraphRunner):
-    """The reference's output after burning `cost / threads` CPU-seconds per batch, or 10x
-    that once the engine is `contended` (when it runs on more than one thread, or always)."""
+    """The reference's output after burning `cost / threads` CPU-seconds and waiting WAIT_S
+    per batch (so that its wall time hardly depends on the machine's load); `contended`:
+    the wait grows 5x on more than one thread ("threads"), or 5x on two and 10x on one
+    thread ("always": the whole machine is busy)."""
+
+    WAIT_S = 0.06
 
     def __init__(self, graph, engine: CostlyEngine, threads: int) -> None:
         super().__init__(graph)
         self.engine, self.threads = engine, threads
 
     def _invoke(self, x):
-        burn = self.engine.cost / self.threads
-        if self.engine.contended == "always" or (self.engine.contended == "threads" and self.threads > 1):
-            burn *= 10
-        end = time.process_time() + burn
+        end = time.process_time() + self.engine.cost / self.threads
         while time.process_time() < end:
             pass
+        wait = self.WAIT_S
+        if self.engine.contended == "threads" and self.threads > 1:
+            wait *= 5
+        elif self.engine.contended == "always":
+            wait *= 5 if self.threads > 1 else 10
+        time.sleep(wait)
         return super()._invoke(x)
 
 
@@ -96,7 +103,7 @@ def test_a_cached_choice_is_rechecked_and_falls_back_under_contention(bundle_dir
     monkeypatch.setattr(sel, "AGREEMENT_MAX_SAMPLES", 32)  # the verdict is not under test here
     bundle = load_bundle(bundle_dir)
     engine = CostlyEngine(0.04)
-    kw = dict(engines=[("costly", engine)], state_dir=tmp_path, repeats=2, batch_size=8, probe=PROBE, env={})
+    kw = dict(engines=[("costly", engine)], state_dir=tmp_path, repeats=2, batch_size=2, probe=PROBE, env={})
     first, _ = sel.select_engine(bundle, **kw)
     assert first.threads == 2 and engine.prepared == [2, 1]  # both thread counts measured
     assert set(first.candidate("costly").by_threads) == {"1", "2"}
