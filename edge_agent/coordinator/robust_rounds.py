@@ -51,6 +51,7 @@ class RobustRounds:
     _unreadable: dict[tuple[str, int], dict[str, str]]
     _history: dict[tuple[str, int], float | None]
     _steps: dict[tuple[str, str, str], np.ndarray | None]
+    _cosines: dict[tuple[str, str], list[float]]
 
     def _head(self, name: str, version: str) -> tuple[Any, dict[str, np.ndarray]]:
         raise NotImplementedError
@@ -176,13 +177,33 @@ class RobustRounds:
             log.warning("device %s quarantined: %s; it is not selected for rounds until "
                         "`edge-coordinator devices --release %s`", dev.id, dev.quarantine_reason, dev.id)
 
-    def _direction(self, good: list[str], recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
-                   layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]]) -> tuple[list[str], str]:
-        kept, rejected, undecidable = direction_check(
+    def _direction(self, good: list[str], job_id: str, recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
+                   layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]],
+                   strikes: dict[str, str | None]) -> tuple[list[str], str]:
+        """Step 5 of robust.py: cosine with the round's coordinate-wise median. Small rounds
+        (<= direction_max_n): below min_cosine rejected, no strike. Larger ones: below
+        min_median_cosine rejected, and a strike when the mean of the device's last
+        `direction_rounds` cosines (kept in memory: a restart only delays a quarantine) is
+        below strike_median_cosine; one low round is not enough, honest non-IID updates dip."""
+        pol = self.policy
+        small = len(good) <= pol.direction_max_n
+        floor = pol.min_cosine if small else pol.min_median_cosine
+        kept, rejected, undecidable, cosines = direction_check(
             good, load, {d: recs[d].norm for d in good}, layout.size,
-            sum(recs[d].kept or layout.size for d in good), self.policy.min_cosine)
-        for d, why in rejected.items():  # no strike: non-IID honest updates can point away too
+            sum(recs[d].kept or layout.size for d in good), floor)
+        for d, why in rejected.items():
             verdicts[d] = (UpdateStatus.REJECTED, why[:512])
+        if small:
+            return kept, undecidable
+        if len(self._cosines) > 100_000:
+            self._cosines.clear()
+        for d, c in cosines.items():
+            seen = self._cosines.setdefault((job_id, d), [])
+            seen[:] = [*seen, c][-pol.direction_rounds:]
+            mean = sum(seen) / len(seen)
+            if d in rejected and len(seen) >= pol.direction_rounds and mean < pol.strike_median_cosine:
+                strikes[d] = (f"direction_outlier: mean cosine with the round's coordinate-wise median over the "
+                              f"device's last {len(seen)} updates {mean:.3f} < {pol.strike_median_cosine:g}")
         return kept, undecidable
 
     def _aggregate(self, aggregator: str, good: list[str], recs: Mapping[str, UpdateRecord],

@@ -114,6 +114,9 @@ class RoundPolicy:
     direction_rounds: int = 3
     min_cosine: float = 0.0  # small rounds: cosine with the round's coordinate-wise median
     direction_max_n: int = 5  # ... in rounds of at most this many updates (non-IID: a weak signal)
+    min_median_cosine: float = 0.0  # larger rounds: below it rejected (no strike) ...
+    strike_median_cosine: float = -0.15  # ... a strike when the mean of the device's last
+    # `direction_rounds` cosines is below this (robust.py step 5 has the measured distributions)
     krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
     max_abs_delta: float = 1e6  # any |value| above this: refused at arrival
     quarantine_after: int = 3  # strikes (screened-out updates, net of accepted ones)
@@ -130,7 +133,8 @@ class RoundPolicy:
                 raise ValueError(f"{name} must be a finite number >= 1, got {value}")
         if not -1 <= self.min_direction <= 1 or self.direction_rounds < 1:
             raise ValueError("need -1 <= min_direction <= 1 and direction_rounds >= 1")
-        if not -1 <= self.min_cosine <= 1 or self.direction_max_n < 0 or self.quarantine_after < 1 \
+        if not -1 <= self.min_cosine <= 1 or not -1 <= self.min_median_cosine <= 1 \
+                or not -1 <= self.strike_median_cosine <= 1 or self.direction_max_n < 0 or self.quarantine_after < 1 \
                 or not 0 <= self.krum_fraction < 0.5:
             raise ValueError("need -1 <= min_cosine <= 1, direction_max_n >= 0, quarantine_after >= 1, "
                              "0 <= krum_fraction < 0.5")
@@ -215,6 +219,7 @@ class RoundEngine(RobustRounds):
         self._unreadable: dict[tuple[str, int], dict[str, str]] = {}  # stored updates a rebuild could not read
         self._history: dict[tuple[str, int], float | None] = {}  # (job, round) -> past accepted median norm
         self._steps: dict[tuple[str, str, str], np.ndarray | None] = {}  # (job, model, version) -> unit step
+        self._cosines: dict[tuple[str, str], list[float]] = {}  # (job, device) -> recent median cosines
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
@@ -616,8 +621,8 @@ class RoundEngine(RobustRounds):
                     cache[device] = self._sparse(recs[device], layout)
                 return cache[device]
 
-            if not undecidable and 2 <= len(good) <= self.policy.direction_max_n:
-                good, undecidable = self._direction(good, recs, load, layout, verdicts)
+            if not undecidable and len(good) >= 2:
+                good, undecidable = self._direction(good, job_id, recs, load, layout, verdicts, strikes)
             if undecidable:
                 for d in good or [devices[i] for i in screen.accepted]:
                     verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])

@@ -225,27 +225,30 @@ Load = Callable[[str], Sparse]
 
 
 def direction_check(good: Sequence[str], load: Load, norms: Mapping[str, float], size: int, kept: int,
-                    min_cosine: float) -> tuple[list[str], dict[str, str], str]:
-    """Step 5 of robust.py's screening: (kept devices, device -> why rejected, undecidable)."""
+                    min_cosine: float) -> tuple[list[str], dict[str, str], str, dict[str, float]]:
+    """Step 5 of robust.py's screening: (kept devices, device -> why rejected, undecidable,
+    device -> cosine with the round's coordinate-wise median; empty with 2 updates)."""
     if len(good) == 2:
         a, b = good
         c = cosine(load(a).dot(load(b)), norms[a], norms[b])
         if c < min_cosine:
             return [], {}, (f"undecidable: the 2 updates point apart (cosine {c:.3f} < {min_cosine:g}) and "
-                            "there is no majority to tell which is honest")
-        return list(good), {}, ""
+                            "there is no majority to tell which is honest"), {}
+        return list(good), {}, "", {}
     lo, hi = window(len(good), "median", 0.0)
     med = block_window_mean([lambda d=d: load(d) for d in good], kept, size, lo, hi)
     med_norm = norm2(med)
-    out, rejected = [], {}
+    out, rejected, cosines = [], {}, {}
     for d in good:
         c = cosine(load(d).dot_dense(med), norms[d], med_norm)
+        if med_norm > 0:
+            cosines[d] = c
         if c < min_cosine and med_norm > 0:
             rejected[d] = (f"direction_outlier: cosine {c:.3f} with the round's coordinate-wise median "
                            f"< {min_cosine:g}")
         else:
             out.append(d)
-    return out, rejected, ""
+    return out, rejected, "", cosines
 
 
 def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[str, float],

@@ -163,8 +163,8 @@ def assert_not_poisoned(fleet: Fleet, out: object, mean: dict, max_norm: float, 
 def test_every_attack_after_an_honest_round(state_dir: Path, aggregator: str, n: int) -> None:
     """Round 1 is honest (history); rounds 2.. each carry one attack by 1 device (n < 10) or
     2 devices (n = 10, 20 %). Nothing poisoned is ever published, honest devices are never
-    ejected by screening, and every attack is refused -- except sign flips among 10, which the
-    honest majority outvotes (and the weight cap bounds) rather than screening detecting them."""
+    ejected by screening, and every attack is refused (sign flips among 10: by the cosine with
+    the round's coordinate-wise median)."""
     fleet = Fleet(state_dir, n, quarantine_after=1000)
     attackers = 2 if n == 10 else 1
     fleet.start(1 + len(ATTACKS), aggregator)
@@ -175,8 +175,7 @@ def test_every_attack_after_an_honest_round(state_dir: Path, aggregator: str, n:
         out, mean, max_norm = fleet.run_round(attack, attackers)
         assert_not_poisoned(fleet, out, mean, max_norm, attackers)
         liars = set(fleet.ids[:attackers])
-        if attack not in ("sign_flip", "inflated_samples") or n <= 5:  # n = 10: outvoted, weight-capped, not refused
-            assert not liars & set(out.accepted), (attack, out.rejected)
+        assert not liars & set(out.accepted), (attack, out.rejected)
         screened = {d: why for d, why in out.rejected.items() if d not in liars}
         assert all(why.startswith(("krum_excluded", "undecidable")) for why in screened.values()), (attack, screened)
         if n >= 3 or attack in ("scale100", "nan", "inf", "huge"):  # a majority, or a refusal that needs none
@@ -230,6 +229,61 @@ def test_repeat_offender_is_quarantined_logged_listed_and_released(state_dir: Pa
     assert f"released {liar}" in capsys.readouterr().out
     dev = fleet.reg.get_device(liar)  # the CLI wrote through its own connection (WAL: visible here)
     assert not dev.quarantined and dev.strikes == 0
+
+
+def test_sign_flips_among_10_are_rejected_every_round_and_struck_on_their_mean(state_dir: Path) -> None:
+    """Default policy: a flipped update points against the round's coordinate-wise median
+    (which the 8 honest devices control), so it is rejected from the first round; strikes come
+    only once the mean of the device's last 3 cosines is below too, then quarantine."""
+    fleet = Fleet(state_dir, 10)
+    liars = set(fleet.ids[:2])
+    fleet.start(6, "fedavg_clipped")
+    for rnd in range(5):
+        out, mean, max_norm = fleet.run_round("sign_flip", 2)
+        fleet.clock.t += 1
+        assert_not_poisoned(fleet, out, mean, max_norm, 2)
+        assert out.state is RoundState.AGGREGATED and set(out.accepted) == set(fleet.ids[2:])
+        assert all(out.rejected[d].startswith("direction_outlier") for d in liars), out.rejected
+        strikes = {fleet.reg.get_device(d).strikes for d in liars}
+        assert strikes == ({0} if rnd < 2 else {rnd - 1}), (rnd, strikes)  # from the 3rd round on
+    assert all(fleet.reg.get_device(d).quarantined for d in liars)
+    assert "direction_outlier: mean cosine" in fleet.reg.get_device(fleet.ids[0]).quarantine_reason
+    assert fleet.ids[0] not in fleet.next_plan().devices  # round 6 opened without them
+    assert all(fleet.reg.get_device(d).strikes == 0 for d in fleet.ids[2:])
+
+
+def test_honest_updates_pointing_away_from_the_median_are_not_struck(state_dir: Path) -> None:
+    """Non-IID: one honest device's update points away from the fleet's in most rounds
+    (cosine about -0.2 with the median: rejected for that round) and with it in others (about
+    +0.3: accepted); the mean of its last 3 never stays below the strike threshold, so it
+    takes no strike and is never quarantined (quarantine_after=1 here)."""
+    fleet = Fleet(state_dir, 10, quarantine_after=1)
+    u = flat(fleet.direction) / flat_norm(fleet.direction)
+    v = fleet.rng.normal(size=u.size)
+    v = (v - (v @ u) * u) / np.linalg.norm(v - (v @ u) * u)
+    sizes = [int(np.prod(s)) for s in SHAPES.values()]
+
+    def pointing(c: float) -> dict[str, np.ndarray]:
+        vec = 0.05 * flat_norm(fleet.direction) * (c * u + math.sqrt(1 - c * c) * v)
+        parts = np.split(vec, np.cumsum(sizes)[:-1])
+        return {k: p.reshape(s).astype(np.float32) for (k, s), p in zip(SHAPES.items(), parts, strict=True)}
+
+    fleet.start(8, "fedavg_clipped")
+    odd = fleet.ids[2]
+    for rnd, c in enumerate((-0.2, 0.3, -0.2, -0.2, 0.3, -0.2, -0.2, 0.3)):
+        plan = fleet.next_plan()
+        for i in range(10):
+            fleet.send(plan, i, pointing(c) if i == 2 else fleet.honest())
+        result = fleet.engine.tick()
+        (out,) = result.closed
+        fleet.opened = result.opened
+        fleet.clock.t += 1
+        if c > 0:
+            assert odd in out.accepted, (rnd, out.rejected)
+        else:
+            assert out.rejected[odd].startswith("direction_outlier: cosine"), (rnd, out.rejected)
+        assert len(out.accepted) >= 9 and out.state is RoundState.AGGREGATED
+        assert not fleet.reg.get_device(odd).quarantined and fleet.reg.get_device(odd).strikes == 0
 
 
 def test_an_accepted_update_takes_a_strike_off(state_dir: Path) -> None:
