@@ -10,6 +10,17 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Nothing a test runs may write the machine's own state directory (/var/lib/edge-agent
+    as root, ~/.local/state otherwise): `kernels` and `finetune` without --cache-dir cache
+    the engine choice there. One throw-away directory per test session instead."""
+    import os
+    import tempfile
+
+    if "EDGE_AGENT_STATE_DIR" not in os.environ:
+        os.environ["EDGE_AGENT_STATE_DIR"] = tempfile.mkdtemp(prefix="edge-agent-test-state-")
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
