@@ -128,11 +128,11 @@ def _job(bundle_dir: Path, data: Path, tmp_path: Path, clock: BoardClock, budget
 
 def test_a_budget_smaller_than_selection_stops_before_starting(bundle_dir: Path, data: Path, tmp_path: Path) -> None:
     clock = BoardClock(Board(tmp_path / "root"))
-    budget_wh = 20 * STEP_J / 3600.0
+    budget_wh = 40 * STEP_J / 3600.0
     with pytest.raises(ec.BudgetTooSmallError, match="too small for this job.*kernels --model") as err:
         _job(bundle_dir, data, tmp_path, clock, budget_wh)
     assert err.value.exit_code == EXIT_USAGE
-    assert clock.work_steps == 1  # only the probe (one reference image) was spent: 5 % of the budget
+    assert clock.work_steps == 2  # only the probe (a warm-up image, then 4 priced) was spent: 5 % of the budget
     assert clock.work_steps * STEP_J <= 0.05 * budget_wh * 3600.0 + 1e-12
 
 
