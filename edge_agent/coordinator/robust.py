@@ -30,11 +30,11 @@ Screening (`screen_norms`) works from one update up, in this order:
      updates (a minority cannot steer the median; computed by coordinate blocks, streaming.py):
      - rounds of <= direction_max_n (5) updates: below min_cosine (0.0) rejected (with 2
        updates: cosine with the other one, below: undecidable). No strike.
-     - larger rounds: below min_median_cosine (0.0) rejected for that round, no strike; a
+     - larger rounds: below min_median_cosine (0.05) rejected for that round, no strike; a
        strike when the mean of the device's last direction_rounds (3) cosines is below
-       strike_median_cosine (-0.15). Catches sign flips, which have an honest norm.
+       strike_median_cosine (-0.1). Catches sign flips, which have an honest norm.
      Measured on bench_poisoning (federated digits, 10 devices, 30 rounds unless said; cosine
-     of the dense delta with the median of all the round's updates):
+     of the dense delta with the median of all the round's updates; rule at 0.0 / -0.15):
        honest, Dirichlet 1.0, clean:  min -0.082, 1 % -0.046, 5 % 0.115, median 0.448
        honest, Dirichlet 0.5, clean:  min -0.075, 1 % 0.030, 5 % 0.083, median 0.248
        honest, Dirichlet 1.0, 200 rounds clean: min -0.559, 1 % -0.361, 5 % -0.184, median
@@ -43,11 +43,12 @@ Screening (`screen_norms`) works from one update up, in this order:
        flipped (2 of 10), Dirichlet 0.5: min -0.412, 5 % -0.252, median -0.032, max 0.145
        (with the rule off, flipped updates sit lower: median -0.51, as the poisoned model
        drifts; with it on, the honest ones get a clean model and the flips track them).
-     The two overlap per update, so one round is never a strike: an honest update below 0
-     costs only its own round. On Dirichlet 1.0 one flipper's mean stayed below -0.15 (it
-     was quarantined in round ~5); the other, whose own data points almost orthogonally to
-     the fleet's, stays near 0 and is rejected in the rounds it points against the median,
-     never quarantined. No honest device has been struck by this rule in these runs.
+     The two overlap per update, so one round is never a strike: an honest update below the
+     floor costs only its own round. At 0.0 / -0.15 one flipper of two was quarantined and
+     the other (its data nearly orthogonal to the fleet's, cosines near 0) escaped most
+     rounds: 83.7 % vs 85.7 % clean. At 0.05 / -0.1 (the defaults) both are quarantined,
+     84.9 % vs 86.0 % clean (Dirichlet 1.0); the clean 30-round runs (both splits) and
+     200-round honest runs (Dirichlet 1.0: 93.1 %, 0.5: 92.0 %) quarantined nobody.
 
 Rounds of 2 or 3 updates have no majority to outvote a liar, so there the weight cap is
 1x the lower median and the clip bound 1x the center: no update weighs more

@@ -114,8 +114,8 @@ class RoundPolicy:
     direction_rounds: int = 3
     min_cosine: float = 0.0  # small rounds: cosine with the round's coordinate-wise median
     direction_max_n: int = 5  # ... in rounds of at most this many updates (non-IID: a weak signal)
-    min_median_cosine: float = 0.0  # larger rounds: below it rejected (no strike) ...
-    strike_median_cosine: float = -0.15  # ... a strike when the mean of the device's last
+    min_median_cosine: float = 0.05  # larger rounds: below it rejected (no strike) ...
+    strike_median_cosine: float = -0.1  # ... a strike when the mean of the device's last
     # `direction_rounds` cosines is below this (robust.py step 5 has the measured distributions)
     krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
     max_abs_delta: float = 1e6  # any |value| above this: refused at arrival
