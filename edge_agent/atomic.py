@@ -79,6 +79,17 @@ def read_limited(path: str | os.PathLike[str], max_bytes: int) -> bytes:
     return data
 
 
+def read_json_object(path: str | os.PathLike[str], max_bytes: int, what: str) -> dict[str, Any]:
+    """A size-limited JSON file that must hold an object; InputError naming `what` otherwise."""
+    try:
+        obj = json.loads(read_limited(path, max_bytes))
+    except (OSError, ValueError) as exc:  # FileTooLargeError is an InputError, not an OSError
+        raise InputError(f"{path}: not a readable {what} ({str(exc)[:200]})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{path}: {what} is not a JSON object")
+    return obj
+
+
 def frame_checked(payload: bytes) -> bytes:
     """Frame `payload` with magic, length and sha256 so corruption is detectable."""
     return _CHECKED_HEADER.pack(_CHECKED_MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload

@@ -25,7 +25,6 @@ server_opt, server_lr, server_momentum, server_beta2, server_tau.
 from __future__ import annotations
 
 import io
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write_json, read_checked, read_limited, write_checked
+from ..atomic import atomic_write_json, read_checked, read_json_object, write_checked
 from ..errors import InputError
 
 SERVER_OPTS = ("fedavg", "fedavgm", "fedadam")
@@ -127,12 +126,7 @@ class LearningStore:
             return 0, {}, {}
         n = rounds[-1]
         path = self._dir(job_id) / f"r{n}.json"
-        try:
-            info = json.loads(read_limited(path, 1 << 20))
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{path}: unreadable learning state ({str(exc)[:200]})") from None
-        if not isinstance(info, dict):
-            raise InputError(f"{path}: learning state is not an object")
+        info = read_json_object(path, 1 << 20, "learning state")
         moments: Tensors = {}
         if info.get("moments"):
             raw = read_checked(self._dir(job_id) / f"r{n}.npz", MAX_STATE_BYTES)

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_OK, InputError
+from ..errors import EXIT_OK
 from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG
 
 DESCRIPTION = """\
@@ -121,15 +121,9 @@ def default_state_dir() -> Path:
 
 
 def _read_probe(path: str) -> dict[str, Any]:
-    from ..atomic import read_limited
+    from ..atomic import read_json_object
 
-    try:
-        report = json.loads(read_limited(path, 4 << 20))
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: not a readable probe report ({exc})") from None
-    if not isinstance(report, dict):
-        raise InputError(f"{path}: a probe report must be a JSON object")
-    return report
+    return read_json_object(path, 4 << 20, "probe report")
 
 
 def run_kernels(args: argparse.Namespace) -> int:

@@ -85,5 +85,5 @@ def test_a_corrupt_state_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InputError):
         store.load("job-b")
     (tmp_path / "learning" / "job-b" / "r1.json").write_text("[1, 2")
-    with pytest.raises(InputError, match="unreadable learning state"):
+    with pytest.raises(InputError, match="not a readable learning state"):
         store.load("job-b")
