@@ -140,8 +140,10 @@ class ReplayWindow:
         except FileNotFoundError:
             state = (0, 0, 0)
             if self._strict:  # lost, not new: re-synchronise on what is issued from now on
-                state = (0, 0, self._started)
-                log.warning("replay window of %s is missing: accepting only messages issued from %d on",
+                # issued *after* the second this process started: iat has 1 s resolution, and a
+                # message captured earlier in that same second must not pass as new
+                state = (0, 0, self._started + 1)
+                log.warning("replay window of %s is missing: accepting only messages issued after %d",
                             sender, self._started)
         except (InputError, ValueError, KeyError, TypeError):
             state = (0, 0, int(self._clock()))  # unknown history: only trust what is issued from now

@@ -25,11 +25,14 @@ _DAY = 86400
 
 
 def unb64(text: str) -> bytes:
-    """Strict base64 decode; b"" for anything invalid."""
+    """Strict, canonical base64 decode; b"" for anything invalid. Canonical: the unused low
+    bits of the last character must be zero, else two texts would carry one signature (a bit
+    flip there decoded to the same bytes and the flipped message verified)."""
     try:
-        return base64.b64decode(text, validate=True)
+        data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         return b""
+    return data if base64.b64encode(data).decode("ascii") == text else b""
 
 
 class Kind(StrEnum):

@@ -13,6 +13,7 @@ raises EFBIG, not ENOSPC.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from pathlib import Path
@@ -152,6 +153,10 @@ def test_lost_replay_window_and_lost_coordinator_counter(agent_and_watcher, tmp_
     body = refusal(watcher, "old-ping")
     assert body["reason"] == "replayed" and "window was reset" in body["detail"], body
     assert len([m for m in watcher.by_phase("pong") if m.body.get("cmd_id") == "old-ping"]) == 1
+    # commands issued after the restart's second go through (iat has 1 s resolution: one
+    # captured earlier in that second must not pass as new, so the window starts after it)
+    reset_at = int(re.search(r"reset at (\d+)", body["detail"]).group(1))
+    assert wait_for(lambda: time.time() >= reset_at, 10)
     watcher.command(agent, {"cmd_id": "resync", "action": "ping"})
     assert wait_for(lambda: answered(watcher, "resync"), 60), agent.log_tail()
     seq = int(read_checked(agent.state_dir / "keys" / "seq", 64).decode())
@@ -276,7 +281,7 @@ def test_a_missing_window_is_lost_only_after_the_first_start(tmp_path: Path) -> 
     clock.t += 100
     again = ReplayWindow(directory=tmp_path, strict_missing=True, known_senders=(coord,), clock=clock)
     assert "window was reset" in again.check_and_record(coord, 6 * 10**15, int(clock.t) - 50)
-    assert again.check_and_record(coord, 6 * 10**15 + 1, int(clock.t)) is None  # re-synchronised
+    assert again.check_and_record(coord, 6 * 10**15 + 1, int(clock.t) + 1) is None  # issued after the restart second: taken
 
 
 def test_one_flooding_device_is_cut_to_its_budget_and_others_still_get_through(mosquitto, fleet, caplog) -> None:  # noqa: ANN001
