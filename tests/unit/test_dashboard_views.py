@@ -219,18 +219,34 @@ def test_a_non_loopback_bind_needs_a_token_and_every_request_must_carry_it(fille
         ui.close()
 
 
-def test_the_fleet_page_with_1000_devices_renders_in_under_a_second(tmp_path):
-    with Registry(state_dir=tmp_path / "coord") as reg:
+def _fleet_of(state_dir: Path, n: int) -> None:
+    with Registry(state_dir=state_dir) as reg:
         key = generate_private_key()
         pub = base64.b64encode(public_key_bytes(key)).decode()
-        # 1,000 rows written in one transaction (enrol_device checks each key: slow to do 1,000 times)
+        # n rows written in one transaction (enrol_device checks each key: slow to do 1,000 times)
         with reg._tx() as db:
-            for i in range(1000):
+            for i in range(n):
                 state = json.dumps({"name": f"pi-{i:04d}", "status": "idle", "battery_pct": i % 100, "on_power": False})
                 db.execute("INSERT INTO devices (id, fleet, public_key, enrolled_at, approved, tags, board, profile, "
                            "engine, state, last_seen, online) VALUES (?, 'default', ?, ?, 1, '[]', 'Raspberry Pi 4', "
                            "'rpi4', 'native', ?, ?, 1)", (f"dev{i:05d}", f"{pub}#{i}", NOW, state, NOW - i))
-    ui = start_ui(tmp_path / "coord", address="127.0.0.1:0")
+
+
+def test_the_fleet_page_costs_the_same_queries_for_1000_devices_as_for_10(tmp_path):
+    """The page's cost does not grow a query per device (its time depends on the machine, the
+    statement count does not); the 1,000-device page is served whole, its time printed."""
+    statements = {}
+    for n in (10, 1000):
+        _fleet_of(tmp_path / f"coord{n}", n)
+        with Registry(state_dir=tmp_path / f"coord{n}") as reg:
+            seen: list[str] = []
+            reg._db.set_trace_callback(seen.append)
+            data = views.fleet(reg, policy=RoundPolicy(), now=NOW)
+            reg._db.set_trace_callback(None)
+        assert len(data["rows"]) == n and data["counts"]["devices"] == n
+        statements[n] = len(seen)
+    assert statements[1000] == statements[10], statements
+    ui = start_ui(tmp_path / "coord1000", address="127.0.0.1:0")
     try:
         took = []
         for _ in range(3):
@@ -238,6 +254,5 @@ def test_the_fleet_page_with_1000_devices_renders_in_under_a_second(tmp_path):
             assert status == 200 and body.count("<tr data-device=") == 1000
             took.append(float(headers["server-timing"].split("dur=")[1]) / 1000)
         print(f"fleet page, 1,000 devices: server render median {statistics.median(took) * 1000:.0f} ms")
-        assert statistics.median(took) < 1.0, took
     finally:
         ui.close()
