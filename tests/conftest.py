@@ -18,7 +18,16 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     if "EDGE_AGENT_STATE_DIR" not in os.environ:
-        os.environ["EDGE_AGENT_STATE_DIR"] = tempfile.mkdtemp(prefix="edge-agent-test-state-")
+        config._edge_state_dir = tempfile.mkdtemp(prefix="edge-agent-test-state-")  # type: ignore[attr-defined]
+        os.environ["EDGE_AGENT_STATE_DIR"] = config._edge_state_dir  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    made = getattr(config, "_edge_state_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
