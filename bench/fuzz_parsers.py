@@ -148,6 +148,9 @@ class Target:
     def judge(self, data: Any) -> str:
         raise NotImplementedError
 
+    def refusal_verdict(self, exc: BaseException) -> str:
+        return type(exc).__name__
+
     def close(self) -> None:
         pass
 
@@ -282,7 +285,7 @@ class CommandTarget(Target):
         verdict = check_finetune(req, self.limits, Conditions(battery_pct=80.0), active=[], accepted_last_day=0)
         return "accepted:finetune" if verdict.accept else f"refused:{verdict.reason}"
 
-    def judge_refusal(self, exc: BaseException) -> str:
+    def refusal_verdict(self, exc: BaseException) -> str:
         return "bad_params"
 
     def close(self) -> None:
@@ -418,11 +421,12 @@ def fuzz(target: Target, cases: int, *, seed: int = 0, first: int = 0,
         try:
             verdict = target.judge(data)
         except target.refusals as exc:
-            verdict = getattr(target, "judge_refusal", lambda e: type(e).__name__)(exc)
+            verdict = target.refusal_verdict(exc)
         except Exception as exc:  # the finding: anything undocumented
             verdict = "CRASH"
             shown = data if isinstance(data, bytes) else json.dumps(data, default=str).encode()
             result.crashes.append((i, f"{type(exc).__name__}: {str(exc)[:200]}", shown[:300].hex()))
+        # verdict labels carry details after ':'; past 40 distinct labels count by kind only
         result.verdicts[verdict.split(":")[0] if len(result.verdicts) > 40 else verdict] += 1
         result.cases += 1
         if progress and result.cases % 10_000 == 0:
