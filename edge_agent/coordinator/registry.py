@@ -2,7 +2,10 @@
 
 One SQLite file (`<state_dir>/registry.sqlite3`, WAL, foreign keys on, synchronous=FULL;
 schema and migrations in schema.py, record types and validators in records.py) plus
-crash-safe array files next to it:
+crash-safe array files next to it. This module holds the connection, transactions and
+migrations, devices, jobs, rounds and participants; mixins hold the rest: model versions
+(registry_models.py), received updates, screening history and strikes
+(registry_updates.py), read models for the CLI and dashboard (registry_reports.py).
 
     <state_dir>/updates/<job>/r<round>/<device>.<sha256[:16]>.eaup  the update payload as received
                                                                     (legacy rows: .npz dense deltas)
@@ -31,7 +34,6 @@ every statement is parameterised.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import threading
@@ -41,9 +43,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..atomic import CorruptFileError, read_checked, write_checked
 from ..errors import ConfigError
 from .records import (
     JOB_TRANSITIONS,
@@ -59,7 +58,6 @@ from .records import (
     ParticipantStatus,
     RoundRecord,
     RoundState,
-    UpdateRecord,
     UpdateStatus,
     check_flat,
     check_id,
@@ -67,18 +65,17 @@ from .records import (
     check_tags,
     check_text,
     check_time,
-    dump_arrays,
-    load_arrays,
 )
+from .registry_models import MAX_ARRAY_FILE_BYTES, ModelStore
 from .registry_reports import HISTORY_KEYS, FleetReports
+from .registry_updates import UpdateStore
 from .schema import MIGRATIONS
 
 DB_NAME = "registry.sqlite3"
-MAX_ARRAY_FILE_BYTES = 1 << 30
-__all__ = ["DB_NAME", "MIGRATIONS", "Registry"]
+__all__ = ["DB_NAME", "MAX_ARRAY_FILE_BYTES", "MIGRATIONS", "Registry"]
 
 
-class Registry(FleetReports):
+class Registry(ModelStore, UpdateStore, FleetReports):
     """The SQLite registry under `state_dir`. Thread-safe (one lock around one connection)."""
 
     def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
@@ -274,71 +271,6 @@ class Registry(FleetReports):
             raise NotFound(f"device {device_id!r} is not enrolled")
         return Device.from_row(row)
 
-    # ------------------------------------------------------------------ model versions
-    def write_head(self, name: str, version: str, head: Mapping[str, np.ndarray]) -> tuple[str, str]:
-        """Write head parameters crash-safe; returns (path relative to state_dir, sha256).
-        The file name carries the digest, so a registered version's file is never replaced."""
-        check_id(name, "model name")
-        check_id(version, "model version")
-        data = dump_arrays(head)
-        sha = hashlib.sha256(data).hexdigest()
-        path = self.state_dir / "models" / name / version / f"head.{sha[:16]}.npz"
-        write_checked(path, data)
-        return self._rel(path), sha
-
-    def add_model_version(self, *, name: str, version: str, head: Mapping[str, np.ndarray],
-                          parent: str | None = None, bundle_path: str | None = None, head_only: bool = False,
-                          metrics: Mapping[str, Any] | None = None, now: float | None = None) -> ModelVersion:
-        """Register a model version (a base bundle's head, or a published one). The head's
-        arrays are stored as numpy; `bundle_path` names the bundle that holds the backbone."""
-        rel, sha = self.write_head(name, version, head)
-        mv = ModelVersion(name=name, version=version, parent=parent, created_at=self._now(now),
-                          bundle_path=bundle_path, head_path=rel, head_sha256=sha, head_only=head_only,
-                          metrics=check_flat(dict(metrics or {}), "metrics"))
-        with self._tx() as db:
-            return self._insert_model(db, mv)
-
-    def _insert_model(self, db: sqlite3.Connection, mv: ModelVersion) -> ModelVersion:
-        if mv.parent is not None:
-            check_id(mv.parent, "parent version")
-        if mv.bundle_path is not None:
-            check_text(mv.bundle_path, "bundle path", limit=4096)
-        old = db.execute("SELECT * FROM model_versions WHERE name = ? AND version = ?", (mv.name, mv.version)).fetchone()
-        if old is not None:
-            if old["head_sha256"] == mv.head_sha256:  # re-aggregation after a crash: same result
-                return ModelVersion.from_row(old)
-            raise IllegalTransition(f"model {mv.name} version {mv.version} already exists with other parameters")
-        try:
-            db.execute("INSERT INTO model_versions (name, version, parent, created_at, bundle_path, head_path, "
-                       "head_sha256, head_only, metrics, job_id, round) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (mv.name, mv.version, mv.parent, mv.created_at, mv.bundle_path, mv.head_path,
-                        mv.head_sha256, int(mv.head_only), json.dumps(mv.metrics, sort_keys=True), mv.job_id, mv.round))
-        except sqlite3.IntegrityError:
-            raise NotFound(f"model {mv.name}: parent version {mv.parent!r} is not registered") from None
-        return mv
-
-    def get_model(self, name: str, version: str) -> ModelVersion:
-        with self._read() as db:
-            return self._model(db, name, version)
-
-    def _model(self, db: sqlite3.Connection, name: str, version: str) -> ModelVersion:
-        check_id(name, "model name")
-        check_id(version, "model version")
-        row = db.execute("SELECT * FROM model_versions WHERE name = ? AND version = ?", (name, version)).fetchone()
-        if row is None:
-            raise NotFound(f"model {name} version {version} is not registered")
-        return ModelVersion.from_row(row)
-
-    def list_models(self, name: str | None = None) -> list[ModelVersion]:
-        with self._read() as db:
-            rows = db.execute("SELECT * FROM model_versions WHERE ? IS NULL OR name = ? ORDER BY name, created_at, "
-                              "version", (name, name))
-            return [ModelVersion.from_row(r) for r in rows]
-
-    def load_head(self, mv: ModelVersion) -> dict[str, np.ndarray]:
-        """The version's head parameters (integrity-checked)."""
-        return load_arrays(read_checked(self._abs(mv.head_path), MAX_ARRAY_FILE_BYTES), where=mv.head_path)
-
     # ------------------------------------------------------------------ jobs
     def create_job(self, *, job_id: str, model_name: str, model_version: str, selector: str, rounds: int,
                    min_devices: int, deadline_s: float, params: Mapping[str, Any] | None = None,
@@ -523,153 +455,3 @@ class Registry(FleetReports):
             if job_status is not None:
                 self._set_job(db, job_id, job_status, job_reason, when)
             return self._round(db, job_id, number)
-
-    # ------------------------------------------------------------------ updates
-    def add_update(self, *, job_id: str, device_id: str, round: int, num_samples: int, wire_bytes: int,
-                   fp32_bytes: int, sha256: str, deltas: Mapping[str, np.ndarray] | None = None,
-                   payload: bytes | None = None, norm: float | None = None, weight: float | None = None,
-                   kept: int | None = None, direction: float | None = None, status: UpdateStatus = UpdateStatus.PENDING, reason: str = "",
-                   energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None,
-                   now: float | None = None) -> str:
-        """Store one received update: its `payload` as received (or, legacy, dense `deltas`)
-        and what the engine measured of it (norm, arrival weight, kept entries). Returns
-        "inserted"; "duplicate" if (job, device, round) is already stored (the first one is
-        kept untouched); "round_not_open" / "not_participant" if a PENDING update arrives for
-        a round or device that cannot take it (nothing is stored then). The participant
-        becomes REPORTED. O(1) in the round's size: only this participant's row is read."""
-        rec = UpdateRecord(job_id=job_id, device_id=device_id, round=round, num_samples=num_samples,
-                           wire_bytes=wire_bytes, fp32_bytes=fp32_bytes, sha256=sha256,
-                           received_at=self._now(now), status=UpdateStatus(status),
-                           reason=check_text(reason, "reason", limit=512), delta_path=None, energy_wh=energy_wh,
-                           metrics=check_flat(dict(metrics or {}), "metrics"))
-        rec.validate()
-        for value, what in ((norm, "norm"), (weight, "weight")):
-            if value is not None:
-                check_time(value, what)  # finite and >= 0
-        with self._tx() as db:
-            if self._has_update(db, job_id, device_id, round):
-                return "duplicate"
-            rnd = self._round(db, job_id, round, only=device_id)
-            part = rnd.participants.get(device_id)
-            if rec.status is UpdateStatus.PENDING:
-                if rnd.state is not RoundState.OPEN:
-                    return "round_not_open"
-                if part is None or part.status not in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
-                    return "not_participant"
-            path = None
-            if payload is not None or deltas is not None:  # the file first: a committed row names a complete file
-                where = self.state_dir / "updates" / job_id / f"r{round}"
-                path = where / f"{device_id}.{sha256[:16]}.{'eaup' if payload is not None else 'npz'}"
-                write_checked(path, bytes(payload) if payload is not None else dump_arrays(deltas or {}))
-            try:
-                db.execute("INSERT INTO updates (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, "
-                           "sha256, received_at, status, reason, delta_path, energy_wh, metrics, norm, weight, kept, "
-                           "direction) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                           (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, sha256, rec.received_at,
-                            rec.status.value, rec.reason, path and self._rel(path), energy_wh,
-                            json.dumps(rec.metrics, sort_keys=True), norm, weight, kept,
-                            None if direction is None or not -1.01 <= direction <= 1.01 else float(direction)))
-                if part is not None and part.status in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
-                    self._move_participant(db, rnd, device_id, ParticipantStatus.REPORTED, rec.status.value,
-                                           rec.received_at)
-            except BaseException:
-                if path is not None:
-                    path.unlink(missing_ok=True)
-                raise
-            return "inserted"
-
-    def has_update(self, job_id: str, device_id: str, round: int) -> bool:
-        with self._read() as db:
-            return self._has_update(db, job_id, device_id, round)
-
-    @staticmethod
-    def _has_update(db: sqlite3.Connection, job_id: str, device_id: str, round: int) -> bool:
-        return db.execute("SELECT 1 FROM updates WHERE job_id = ? AND device_id = ? AND round = ?",
-                          (job_id, device_id, round)).fetchone() is not None
-
-    def list_updates(self, job_id: str, round: int | None = None,
-                     status: UpdateStatus | None = None) -> list[UpdateRecord]:
-        with self._read() as db:
-            rows = db.execute("SELECT * FROM updates WHERE job_id = ? AND (? IS NULL OR round = ?) AND "
-                              "(? IS NULL OR status = ?) ORDER BY round, device_id",
-                              (job_id, round, round, status and status.value, status and status.value))
-            return [UpdateRecord.from_row(r) for r in rows]
-
-    def load_payload(self, rec: UpdateRecord) -> bytes:
-        """The stored file of an update: the payload as received (.eaup) or, for a legacy row,
-        the dense .npz (integrity-checked; CorruptFileError if not, or if it is gone)."""
-        if rec.delta_path is None:
-            raise NotFound(f"update from {rec.device_id} in job {rec.job_id} round {rec.round} has no stored delta")
-        try:
-            return read_checked(self._abs(rec.delta_path), MAX_ARRAY_FILE_BYTES)
-        except FileNotFoundError:
-            raise CorruptFileError(f"{rec.delta_path}: the stored update is missing") from None
-
-    def load_delta(self, rec: UpdateRecord) -> dict[str, np.ndarray]:
-        """The stored update as a dense delta (decoded from its payload; CorruptFileError if
-        the file is damaged or does not decode)."""
-        data = self.load_payload(rec)
-        if rec.delta_path is not None and rec.delta_path.endswith(".npz"):
-            return load_arrays(data, where=rec.delta_path)
-        from ..updates.errors import UpdateError
-        from ..updates.wire import decode_update
-        try:
-            return decode_update(data).deltas
-        except UpdateError as exc:
-            raise CorruptFileError(f"{rec.delta_path}: stored payload does not decode ({exc})") from None
-
-    # ------------------------------------------------------------------ screening history, reputation
-    def job_norm_history(self, job_id: str, before_round: int, *, rounds: int = 3) -> list[float]:
-        """Norms of the accepted updates of the job's last `rounds` rounds before `before_round`."""
-        with self._read() as db:
-            rows = db.execute("SELECT norm FROM updates WHERE job_id = ? AND status = ? AND round < ? AND round >= ? "
-                              "AND norm IS NOT NULL", (job_id, UpdateStatus.ACCEPTED.value, before_round,
-                                                       before_round - rounds))
-            return [float(r[0]) for r in rows]
-
-    def device_directions(self, job_id: str, device_id: str, before_round: int, *, limit: int = 2) -> list[float]:
-        """The device's `direction` (cosine with the job's previous step) in its last `limit`
-        updates of this job before `before_round` (the (job, device, round) key's index)."""
-        with self._read() as db:
-            rows = db.execute("SELECT direction FROM updates WHERE job_id = ? AND device_id = ? AND round < ? AND "
-                              "direction IS NOT NULL ORDER BY round DESC LIMIT ?",
-                              (job_id, device_id, before_round, limit))
-            return [float(r[0]) for r in rows]
-
-    def device_samples_history(self, device_id: str, *, limit: int = 10) -> int | None:
-        """The most samples the device reported in its last `limit` accepted updates."""
-        with self._read() as db:
-            rows = db.execute("SELECT num_samples FROM updates WHERE device_id = ? AND status = ? "
-                              "ORDER BY round DESC LIMIT ?", (device_id, UpdateStatus.ACCEPTED.value, limit))
-            counts = [int(r[0]) for r in rows]
-            return max(counts) if counts else None
-
-    def apply_strikes(self, strikes: Mapping[str, str | None], *, quarantine_after: int,
-                      now: float | None = None) -> list[Device]:
-        """device -> why it was screened out (a strike) or None (accepted: one strike off).
-        Returns the devices this quarantined (strikes reached `quarantine_after`)."""
-        when = self._now(now)
-        out = []
-        with self._tx() as db:  # an accepted update costs one cheap statement (most devices have no strike)
-            db.executemany("UPDATE devices SET strikes = strikes - 1 WHERE id = ? AND strikes > 0",
-                           [(check_id(d, "device id"),) for d, why in strikes.items() if not why])
-            for device_id, why in strikes.items():
-                if not why:
-                    continue
-                dev = self._device(db, device_id)
-                n = dev.strikes + 1 if why else max(0, dev.strikes - 1)
-                db.execute("UPDATE devices SET strikes = ? WHERE id = ?", (n, device_id))
-                if why and n >= quarantine_after and not dev.quarantined:
-                    db.execute("UPDATE devices SET quarantined_at = ?, quarantine_reason = ? WHERE id = ?",
-                               (when, check_text(f"{n} updates screened out; last: {why}"[:512], "reason",
-                                                 limit=512), device_id))
-                    out.append(self._device(db, device_id))
-        return out
-
-    def release_device(self, device_id: str) -> Device:
-        """Lift a quarantine (and clear the strikes): the device is selectable again."""
-        with self._tx() as db:
-            self._device(db, device_id)
-            db.execute("UPDATE devices SET quarantined_at = NULL, quarantine_reason = '', strikes = 0 WHERE id = ?",
-                       (device_id,))
-            return self._device(db, device_id)

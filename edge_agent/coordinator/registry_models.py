@@ -1,0 +1,121 @@
+"""The registry's model versions: a job's base and every version a round published, each
+a row in `model_versions` plus its head parameters in a crash-safe array file
+
+    <state_dir>/models/<name>/<version>/head.<sha256[:16]>.npz
+
+written (`atomic.write_checked`) before the row that names it is committed. A mixin of
+`Registry`, separate because it is the one table the round logic only appends to (a
+version is never changed, and `finish_round` inserts the round's new one through
+`_insert_model` inside its own transaction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import read_checked, write_checked
+from .records import (
+    IllegalTransition,
+    ModelVersion,
+    NotFound,
+    check_flat,
+    check_id,
+    check_text,
+    dump_arrays,
+    load_arrays,
+)
+
+MAX_ARRAY_FILE_BYTES = 1 << 30  # the most the registry reads back of any array file (heads, update payloads)
+
+
+class ModelStore:
+    """Model versions and their head files (needs the host's `state_dir`, `_tx`, `_read`,
+    `_now`, `_rel`, `_abs`)."""
+
+    state_dir: Path  # provided by Registry
+
+    def _tx(self, mode: str = "IMMEDIATE") -> Any:  # provided by Registry
+        raise NotImplementedError
+
+    def _read(self) -> Any:  # provided by Registry
+        raise NotImplementedError
+
+    def _now(self, now: float | None) -> float:  # provided by Registry
+        raise NotImplementedError
+
+    def _rel(self, path: Path) -> str:  # provided by Registry
+        raise NotImplementedError
+
+    def _abs(self, rel: str) -> Path:  # provided by Registry
+        raise NotImplementedError
+
+    def write_head(self, name: str, version: str, head: Mapping[str, np.ndarray]) -> tuple[str, str]:
+        """Write head parameters crash-safe; returns (path relative to state_dir, sha256).
+        The file name carries the digest, so a registered version's file is never replaced."""
+        check_id(name, "model name")
+        check_id(version, "model version")
+        data = dump_arrays(head)
+        sha = hashlib.sha256(data).hexdigest()
+        path = self.state_dir / "models" / name / version / f"head.{sha[:16]}.npz"
+        write_checked(path, data)
+        return self._rel(path), sha
+
+    def add_model_version(self, *, name: str, version: str, head: Mapping[str, np.ndarray],
+                          parent: str | None = None, bundle_path: str | None = None, head_only: bool = False,
+                          metrics: Mapping[str, Any] | None = None, now: float | None = None) -> ModelVersion:
+        """Register a model version (a base bundle's head, or a published one). The head's
+        arrays are stored as numpy; `bundle_path` names the bundle that holds the backbone."""
+        rel, sha = self.write_head(name, version, head)
+        mv = ModelVersion(name=name, version=version, parent=parent, created_at=self._now(now),
+                          bundle_path=bundle_path, head_path=rel, head_sha256=sha, head_only=head_only,
+                          metrics=check_flat(dict(metrics or {}), "metrics"))
+        with self._tx() as db:
+            return self._insert_model(db, mv)
+
+    def _insert_model(self, db: sqlite3.Connection, mv: ModelVersion) -> ModelVersion:
+        if mv.parent is not None:
+            check_id(mv.parent, "parent version")
+        if mv.bundle_path is not None:
+            check_text(mv.bundle_path, "bundle path", limit=4096)
+        old = db.execute("SELECT * FROM model_versions WHERE name = ? AND version = ?", (mv.name, mv.version)).fetchone()
+        if old is not None:
+            if old["head_sha256"] == mv.head_sha256:  # re-aggregation after a crash: same result
+                return ModelVersion.from_row(old)
+            raise IllegalTransition(f"model {mv.name} version {mv.version} already exists with other parameters")
+        try:
+            db.execute("INSERT INTO model_versions (name, version, parent, created_at, bundle_path, head_path, "
+                       "head_sha256, head_only, metrics, job_id, round) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (mv.name, mv.version, mv.parent, mv.created_at, mv.bundle_path, mv.head_path,
+                        mv.head_sha256, int(mv.head_only), json.dumps(mv.metrics, sort_keys=True), mv.job_id, mv.round))
+        except sqlite3.IntegrityError:
+            raise NotFound(f"model {mv.name}: parent version {mv.parent!r} is not registered") from None
+        return mv
+
+    def get_model(self, name: str, version: str) -> ModelVersion:
+        with self._read() as db:
+            return self._model(db, name, version)
+
+    def _model(self, db: sqlite3.Connection, name: str, version: str) -> ModelVersion:
+        check_id(name, "model name")
+        check_id(version, "model version")
+        row = db.execute("SELECT * FROM model_versions WHERE name = ? AND version = ?", (name, version)).fetchone()
+        if row is None:
+            raise NotFound(f"model {name} version {version} is not registered")
+        return ModelVersion.from_row(row)
+
+    def list_models(self, name: str | None = None) -> list[ModelVersion]:
+        with self._read() as db:
+            rows = db.execute("SELECT * FROM model_versions WHERE ? IS NULL OR name = ? ORDER BY name, created_at, "
+                              "version", (name, name))
+            return [ModelVersion.from_row(r) for r in rows]
+
+    def load_head(self, mv: ModelVersion) -> dict[str, np.ndarray]:
+        """The version's head parameters (integrity-checked)."""
+        return load_arrays(read_checked(self._abs(mv.head_path), MAX_ARRAY_FILE_BYTES), where=mv.head_path)
