@@ -35,7 +35,7 @@ from .streaming import (
 
 if TYPE_CHECKING:
     from .registry import Registry
-    from .rounds import RoundPolicy
+    from .round_types import RoundPolicy
 
 log = logging.getLogger("edge_agent.coordinator.rounds")  # the engine's log: one place to watch
 

@@ -28,29 +28,28 @@ How the transport side drives it (one thread or several: the engine serialises c
     UpdateReceiver(is_known=lambda k: registry.has_update(k.job, k.device, k.round))
 
 Selection (`select_devices`) and aggregation (`aggregate.py`) are pure functions; the
-engine is the thin class around them. Time comes from the injectable `clock`.
+engine is the thin class around them. Time comes from the injectable `clock`. The engine's
+parts: round_types.py (the policy and the values returned), round_intake.py (the receive
+path), robust_rounds.py (the running sums and the screening at close); this module holds
+jobs, the tick that opens and closes rounds, dispatch bookkeeping and closing a round.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..atomic import CorruptFileError
 from ..errors import EdgeAgentError, InputError
-from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, UpdateError
-from ..updates.wire import unpack_update
-from .aggregate import apply_delta, check_tensor_table
+from .aggregate import apply_delta
 from .plateau import check_learning_params, learn
 from .records import (
     MAX_SAMPLES,
@@ -64,144 +63,27 @@ from .records import (
     RoundState,
     UpdateRecord,
     UpdateStatus,
-    check_id,
     check_text,
 )
 from .registry import Registry
-from .robust import AGGREGATORS, arrival_weight, screen_norms
-from .robust_rounds import RobustRounds
+from .robust import AGGREGATORS, screen_norms
+from .round_intake import UpdateIntake
+from .round_types import Receipt, RoundOutcome, RoundPlan, RoundPolicy, TickResult, check_options
 from .selection import job_needs, sample_devices, select_devices
 from .server_opt import LearningStore
-from .streaming import (
-    Layout,
-    RunningSum,
-    Sparse,
-    decode_sparse,
-)
+from .streaming import Layout, RunningSum, Sparse
 
 if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
     from .metrics import CoordinatorMetrics
 
 _LIVE = (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED)
 log = logging.getLogger(__name__)
-__all__ = ["AGGREGATORS", "Receipt", "RoundEngine", "RoundOutcome", "RoundPlan", "RoundPolicy", "TickResult"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoundPolicy:
-    """Fleet-wide defaults; a job's params may override aggregator, trim_fraction, norm_k,
-    min_battery_pct, devices_per_round, max_samples, clip_mult and krum_fraction. The
-    robust-aggregation knobs are explained in robust.py."""
-
-    online_within_s: float = 300.0  # "online" = online flag and heard from within this
-    min_battery_pct: float = 30.0  # unless on external power
-    allow_unknown_power: bool = True  # devices reporting no battery at all (mains-powered)
-    aggregator: str = "fedavg_clipped"
-    trim_fraction: float = 0.2
-    norm_k: float = 3.5
-    norm_min_updates: int = 3
-    max_wait_s: float | None = None  # wait for enough eligible devices; None: the job's deadline
-    max_update_bytes: int = 64 << 20
-    clip_mult: float = 2.0  # clip each delta to this x the round's reference norm
-    samples_mult: float = 2.0  # weights capped at this x the round's lower-median weight
-    samples_growth: float = 2.0  # ... and at this x the device's largest recent accepted count
-    history_k: float = 10.0  # norm > this x the job's past accepted median: rejected
-    small_ratio: float = 3.0  # two updates, no history: norms must agree within this ratio
-    # Off by default (-1): the mean cosine of a device's last `direction_rounds` updates with the
-    # job's last published step, below this: rejected, a strike. It separates sign flips only while
-    # that step is clean; on federated digits a poisoned first round made honest devices look hostile.
-    min_direction: float = -1.0
-    direction_rounds: int = 3
-    min_cosine: float = 0.0  # small rounds: cosine with the round's coordinate-wise median
-    direction_max_n: int = 5  # ... in rounds of at most this many updates (non-IID: a weak signal)
-    min_median_cosine: float = 0.05  # larger rounds: below it rejected (no strike) ...
-    strike_median_cosine: float = -0.1  # ... a strike when the mean of the device's last
-    # `direction_rounds` cosines is below this (robust.py step 5 has the measured distributions)
-    krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
-    max_abs_delta: float = 1e6  # any |value| above this: refused at arrival
-    quarantine_after: int = 3  # strikes (screened-out updates, net of accepted ones)
-
-    def __post_init__(self) -> None:
-        check_options(self.aggregator, self.trim_fraction, self.norm_k, self.min_battery_pct)
-        if not (math.isfinite(self.online_within_s) and self.online_within_s > 0):
-            raise ValueError(f"online_within_s must be > 0, got {self.online_within_s}")
-        if self.norm_min_updates < 1 or not 0 < self.max_update_bytes <= 1 << 30:
-            raise ValueError("norm_min_updates must be >= 1 and max_update_bytes in (0, 1 GiB]")
-        for name in ("clip_mult", "samples_mult", "samples_growth", "history_k", "small_ratio", "max_abs_delta"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 1):
-                raise ValueError(f"{name} must be a finite number >= 1, got {value}")
-        if not -1 <= self.min_direction <= 1 or self.direction_rounds < 1:
-            raise ValueError("need -1 <= min_direction <= 1 and direction_rounds >= 1")
-        if not -1 <= self.min_cosine <= 1 or not -1 <= self.min_median_cosine <= 1 \
-                or not -1 <= self.strike_median_cosine <= 1 or self.direction_max_n < 0 or self.quarantine_after < 1 \
-                or not 0 <= self.krum_fraction < 0.5:
-            raise ValueError("need -1 <= min_cosine <= 1, direction_max_n >= 0, quarantine_after >= 1, "
-                             "0 <= krum_fraction < 0.5")
-        if self.max_wait_s is not None and not (math.isfinite(self.max_wait_s) and self.max_wait_s >= 0):
-            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
-
-
-def check_options(aggregator: Any, trim_fraction: Any, norm_k: Any, min_battery_pct: Any) -> None:
-    if aggregator not in AGGREGATORS:
-        raise InputError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
-    for name, value, lo, hi in (("trim_fraction", trim_fraction, 0.0, 0.49), ("norm_k", norm_k, 0.1, 1e6),
-                                ("min_battery_pct", min_battery_pct, 0.0, 100.0)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-            raise InputError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
-
-
-# ---------------------------------------------------------------- results
-@dataclass(frozen=True)
-class RoundPlan:
-    """A round's dispatch: send a signed `finetune` command to each of `devices`."""
-
-    job_id: str
-    round: int
-    model_name: str
-    model_version: str  # the version devices train from (fetch it first if they lack it)
-    deadline_at: float
-    devices: tuple[str, ...]
-    params: dict[str, Any] = field(default_factory=dict)  # job params (budget_wh, epochs...)
-
-    @property
-    def cmd_id(self) -> str:
-        return f"{self.job_id}-r{self.round}"
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    job_id: str
-    round: int
-    state: RoundState
-    reason: str
-    new_version: ModelVersion | None
-    accepted: tuple[str, ...]
-    rejected: dict[str, str]  # device -> reason (at receipt or at screening)
-    dropouts: dict[str, str]  # device -> reason: failures are data
-    job_status: JobStatus
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """What to ack: status "accepted" (stored; screened at close), "duplicate" or "rejected"
-    with an id-like `reason` (ack schema) and a human `detail`."""
-
-    status: str
-    reason: str = ""
-    detail: str = ""
-
-
-@dataclass
-class TickResult:
-    opened: list[RoundPlan] = field(default_factory=list)
-    closed: list[RoundOutcome] = field(default_factory=list)
-    cancelled: list[RoundPlan] = field(default_factory=list)  # tell these devices to stop
-    failed: dict[str, str] = field(default_factory=dict)  # job id -> why it failed in this tick
+__all__ = ["AGGREGATORS", "Receipt", "RoundEngine", "RoundOutcome", "RoundPlan", "RoundPolicy", "TickResult",
+           "check_options"]  # the values are defined in round_types.py
 
 
 # ---------------------------------------------------------------- the engine
-class RoundEngine(RobustRounds):
+class RoundEngine(UpdateIntake):
     def __init__(self, *, registry: Registry, policy: RoundPolicy | None = None,
                  clock: Callable[[], float] = time.time, metrics: CoordinatorMetrics | None = None) -> None:
         if not isinstance(registry, Registry):
@@ -429,144 +311,6 @@ class RoundEngine(RobustRounds):
                 return False
             self.registry.set_participant(job_id, round, device_id, status, reason, now=self.clock())
             return True
-
-    # ---- updates
-    def _head(self, name: str, version: str) -> tuple[ModelVersion, dict[str, np.ndarray]]:
-        mv = self.registry.get_model(name, version)
-        if (name, version) not in self._heads:
-            if len(self._heads) > 8:
-                self._heads.clear()
-            self._heads[(name, version)] = self.registry.load_head(mv)
-        return mv, self._heads[(name, version)]
-
-    def _labels_digest(self, mv: ModelVersion) -> str | None:
-        """edge_agent.labels.label_set_digest of a version's bundle labels (None: no bundle, or
-        unreadable: then updates are not checked against it). Read once per bundle."""
-        if mv.bundle_path is None:
-            return None
-        if mv.bundle_path not in self._label_digests:
-            import json
-            import tarfile
-
-            from ..int8.bundle import MANIFEST, MAX_MANIFEST_BYTES
-            from ..labels import label_set_digest
-
-            digest = None
-            try:
-                with tarfile.open(self.registry.state_dir / mv.bundle_path, mode="r:*") as tar:
-                    member = tar.getmember(MANIFEST)
-                    handle = tar.extractfile(member) if member.size <= MAX_MANIFEST_BYTES else None
-                    labels = json.loads(handle.read()).get("labels") if handle is not None else None
-                if isinstance(labels, list) and all(isinstance(x, str) for x in labels):
-                    digest = label_set_digest(labels)
-            except (OSError, KeyError, ValueError, tarfile.TarError):
-                digest = None
-            self._label_digests[mv.bundle_path] = digest
-        return self._label_digests[mv.bundle_path]
-
-    def receive_update(self, payload: bytes, *, sender: str, num_samples: int, wire_bytes: int | None = None,
-                       energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None,
-                       energy_kept: float | None = None, labels_sha256: str | None = None) -> Receipt:
-        """Verify, de-duplicate and store one complete update payload from `sender` (the
-        verified signer). Stored updates are screened when the round closes.
-        `energy_kept` (the share of the delta's energy the update kept) is recorded in the
-        update's metrics; an update whose `labels_sha256` is not the round's model's label
-        set is refused ("wrong_labels")."""
-        if energy_kept is not None and not (isinstance(energy_kept, int | float) and 0 <= energy_kept <= 1):
-            energy_kept = None  # a bogus figure must not cost the update
-        if energy_kept is not None:
-            metrics = {**(metrics or {}), "energy_kept": round(float(energy_kept), 6)}
-        with self._lock:
-            try:
-                return self._receive(bytes(payload), sender, num_samples, wire_bytes, energy_wh, metrics,
-                                     labels_sha256)
-            except NotFound as exc:
-                return Receipt("rejected", "unknown_round", str(exc)[:512])
-            except InputError as exc:  # an id in the header that the registry refuses
-                return Receipt("rejected", "invalid", str(exc)[:512])
-
-    def _receive(self, payload: bytes, sender: str, num_samples: Any, wire_bytes: int | None,
-                 energy_wh: float | None, metrics: Mapping[str, Any] | None,
-                 labels_sha256: str | None = None) -> Receipt:
-        now = self.clock()
-        if len(payload) > self.policy.max_update_bytes:
-            return Receipt("rejected", "oversized", f"{len(payload)} bytes > {self.policy.max_update_bytes}")
-        try:
-            header, encoded = unpack_update(payload, max_bytes=self.policy.max_update_bytes)
-        except UpdateError as exc:
-            return Receipt("rejected", "malformed", str(exc)[:512])
-        if header.device_id != sender:
-            return Receipt("rejected", "wrong_device", f"update names device {header.device_id}, sent by {sender}")
-        job_id, number = header.job_id, header.round
-        check_id(job_id, "job id")
-        if self.registry.has_update(job_id, sender, number):
-            return Receipt("duplicate")
-        job, rnd = self.registry.get_job(job_id), self.registry.get_round_for(job_id, number, sender)
-        part = rnd.participants.get(sender)
-        if part is None:
-            return Receipt("rejected", "not_selected", f"{sender} is not in job {job_id} round {number}")
-        if rnd.state is not RoundState.OPEN:
-            return Receipt("rejected", "round_closed", f"round {number} is {rnd.state}")
-        if part.status is ParticipantStatus.DROPPED:
-            return Receipt("rejected", "dropped_out", f"{sender} dropped out: {part.reason}")
-        if now > rnd.deadline_at:
-            self.registry.set_participant(job_id, number, sender, ParticipantStatus.DROPPED, "late_update", now=now)
-            return Receipt("rejected", "late", f"round {number} deadline passed {now - rnd.deadline_at:.0f} s ago")
-        wire = len(payload) if wire_bytes is None else wire_bytes
-        fp32 = 4 * sum(e.spec.numel for e in encoded)
-        sp: Sparse | None = None
-        code, detail = "", ""
-        mv, head = self._head(job.model_name, rnd.base_version)
-        expected_labels = self._labels_digest(mv) if labels_sha256 is not None else None
-        samples_ok = not isinstance(num_samples, bool) and isinstance(num_samples, int) and 1 <= num_samples <= MAX_SAMPLES
-        if energy_wh is not None and not (isinstance(energy_wh, int | float) and 0 <= energy_wh < 1e6):
-            energy_wh = None  # a bogus energy report must not cost the update
-        if (header.model_name, header.model_version) != (job.model_name, rnd.base_version):
-            code, detail = "wrong_model", (f"update is for {header.model_name} {header.model_version}, round {number} "
-                                           f"trains {job.model_name} {rnd.base_version}")
-        elif expected_labels is not None and labels_sha256 != expected_labels:
-            code, detail = "wrong_labels", (f"update was trained on another label set (sha256 {str(labels_sha256)[:12]}), "
-                                            f"not {job.model_name} {rnd.base_version}'s ({expected_labels[:12]})")
-        elif not samples_ok:
-            code, detail = "bad_samples", f"num_samples {str(num_samples)[:40]!r} not in 1..{MAX_SAMPLES}"
-        else:
-            try:
-                check_tensor_table({e.spec.name: e.spec.shape for e in encoded}, head)  # before decoding
-                sp = decode_sparse(encoded, self._layout(job.model_name, rnd.base_version))
-                if not math.isfinite(sp.norm):
-                    code, detail = "non_finite", f"the update's norm overflows float64 (max |value| {sp.max_abs:.3g})"
-                elif sp.max_abs > self.policy.max_abs_delta:
-                    code, detail = "out_of_bounds", (f"a value of magnitude {sp.max_abs:.3g} "
-                                                     f"(> {self.policy.max_abs_delta:g}) in the delta")
-            except UpdateError as exc:
-                code = ("bad_table" if isinstance(exc, TensorTableMismatchError) else
-                        "non_finite" if isinstance(exc, NonFiniteDeltaError) else "malformed")
-                detail = str(exc)[:512]
-        status = UpdateStatus.REJECTED if code else UpdateStatus.PENDING
-        step = self._step(job.id, job.model_name, rnd.base_version) if not code and sp is not None else None
-        direction = sp.dot_dense(step) / sp.norm if step is not None and sp is not None and sp.norm > 0 else None
-        weight = None
-        if not code and sp is not None:
-            cap, _, _ = self._robust_params(job.params)
-            weight = arrival_weight(num_samples, self._device_cap(sender), cap)
-        stored = self.registry.add_update(
-            job_id=job_id, device_id=sender, round=number, num_samples=num_samples if samples_ok else 0, wire_bytes=wire, fp32_bytes=fp32,
-            sha256=hashlib.sha256(payload).hexdigest(), payload=None if code else payload, status=status,
-            reason=code and f"{code}: {detail}", energy_wh=energy_wh, metrics=metrics, now=now,
-            norm=None if code or sp is None else sp.norm, weight=weight, kept=None if sp is None else sp.kept,
-            direction=direction)
-        if stored == "duplicate":
-            return Receipt("duplicate")
-        if stored != "inserted":
-            return Receipt("rejected", stored, f"job {job_id} round {number}")
-        if code in ("non_finite", "out_of_bounds"):
-            self._strike({sender: f"{code}: {detail}"[:300]})
-        elif sp is not None and weight is not None:
-            self._fold(job, rnd.base_version, number, sender, sp, weight)
-        if self.metrics is not None:
-            self.metrics.observe_update(wire_bytes=wire, fp32_bytes=fp32, energy_wh=energy_wh,
-                                        status=status.value if code else "accepted")
-        return Receipt("rejected", code, detail) if code else Receipt("accepted")
 
     # ---- closing
     def close_round(self, job_id: str, number: int) -> RoundOutcome:
