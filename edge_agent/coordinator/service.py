@@ -19,6 +19,9 @@ with clean_session=False).
                   each version a round uses is published (retained, chunked, signed)
                   before its commands, and each new version as soon as it is aggregated
 
+The per-message handlers (hello .. update) are in service_messages.py (a mixin); this
+module holds the loop, the tick, model publishing, dispatch, trust and the heartbeat.
+
 Files in the state directory besides the registry: keys/coordinator.key (0600, made on
 first start), coordinator.pub (its public key, base64: `edge-agent init
 --coordinator-key`), keys/seq, replay/, bundles/, and serve.json (pid, broker, policy and
@@ -31,7 +34,6 @@ import base64
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -46,9 +48,6 @@ from ..protocol import (
     DEFAULT_PREFIX,
     MAX_BINARY_BYTES,
     Kind,
-    Message,
-    Reason,
-    Rejection,
     ReplayWindow,
     SequenceCounter,
     Signer,
@@ -63,32 +62,19 @@ from ..transport import (
     OutboxKey,
     TlsConfig,
     UpdateReceiver,
-    ack_message,
 )
 from ..transport.models import publish_model, retract_model
-from ..transport.uplink import CompletedUpload
 from .artefacts import ModelArtefacts
 from .pending import PendingDevices
-from .records import ModelVersion, check_flat
+from .records import ModelVersion
 from .registry import Registry
 from .retention import AutoPrune, RetentionPolicy, needs_full
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
-from .selection import allowance_state, capabilities_from_hello
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
+from .service_messages import DeviceMessages, _scalar
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
-# Device state facts kept in the registry (agent/state.py's names); absent ones are cleared.
-STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c", "engine", "models",
-              "job", "job_state", "outbox", "profile", "name")
-RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine",
-                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits")
-# Refusals of the message, not of the job; except local_fault: that device cannot take the job
-# now (disk full...), a dropout rather than a wait until the round's deadline.
-_PROTOCOL_REASONS = frozenset(r.value for r in Reason) - {Reason.LOCAL_FAULT.value}
-_WINDOW_HIGH = re.compile(r"\((?:[0-9]+) below (?P<high>[0-9]{1,16})\)")  # ReplayWindow's "older than" detail
-REPLAYED_WINDOW_S = 900.0
-_CMD_ID = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,47})-r(?P<round>[0-9]{1,10})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +115,7 @@ class ServeOptions:
 DEVICE_INGRESS = (50.0, 2000)
 
 
-class Coordinator:
+class Coordinator(DeviceMessages):
     """The serve loop. `run(stop)` until `stop` is set; `close()` releases everything."""
 
     def __init__(self, options: ServeOptions, *, metrics: Any = None) -> None:
@@ -208,236 +194,6 @@ class Coordinator:
         self.client.stop()
         self.registry.close()
         os.close(self._lock_fd)
-
-    # ------------------------------------------------------------------ messages
-    def handle(self, result: Message | Rejection) -> None:
-        if isinstance(result, Rejection):
-            self.channel.reply_to(result)  # a refused update chunk gets a `rejected, retry` ack
-            return
-        device = result.route.device
-        if device is None:
-            return
-        if result.kind is not Kind.HELLO and device not in self._trusted:  # pending approval
-            reply = self.pending.heard(self.registry, result)
-            if reply is not None:
-                self.channel.reply_to(reply)  # its update: `rejected, retry` (approval may come)
-            return
-        try:
-            if result.kind is Kind.HELLO:
-                self._hello(result, device)
-            elif result.kind is Kind.STATE:
-                self._state(result, device)
-            elif result.kind is Kind.PROGRESS:
-                self._progress(result, device)
-            elif result.kind is Kind.REFUSAL:
-                self._refusal(result, device)
-            elif result.kind is Kind.UPDATE_CHUNK:
-                self._chunk(result)
-        except InputError as exc:  # verified but unacceptable content (an id the registry refuses...)
-            log.warning("%s from %s not recorded: %s", result.kind, device, exc)
-
-    def _hello(self, msg: Message, device: str) -> None:
-        info = msg.body.get("info") or {}
-        text = {k: str(info.get(k) or "")[:128] for k in ("board", "profile", "name")}
-        if text["name"]:
-            self._names[device] = text["name"][:64]
-        try:
-            existing = self.registry.get_device(device)
-        except InputError:
-            existing = None
-        printable = {k: v if v.isprintable() else "" for k, v in text.items()}
-        dev = self.registry.enrol_device(device_id=device, public_key=msg.body["public_key"], fleet=self.topics.fleet,
-                                         board=printable["board"], profile=printable["profile"],
-                                         engine=existing.engine if existing else "", approved=self.options.auto_approve)
-        if self.options.auto_approve and not dev.approved:
-            dev = self.registry.set_approved(device, True)
-        heard = min(float(msg.issued_at), time.time())  # a retained hello may be old news
-        name = printable["name"][:64]  # shown for pending devices too: their states are not taken
-        state = {"name": name} if name else {}
-        state.update(capabilities_from_hello(info))  # round selection reads them (selection.py)
-        self.registry.record_heard(device, at=heard, state=state or None)
-        if dev.approved:
-            if existing is None:
-                log.info("device %s (%s, %s) enrolled", device, printable["name"] or "?", printable["board"] or "?")
-        else:
-            self.pending.add(device, dev.public_key)
-            self.pending.announce(self.registry, device, name=printable["name"], board=printable["board"],
-                                  enrolled=existing is None)
-        if dev.approved and device not in self._trusted:
-            self._sync_trust()
-
-    def _state(self, msg: Message, device: str) -> None:
-        # numpy-free: the device's own encoding of its facts
-        from ..agent.state import facts_from_state
-
-        facts = facts_from_state(msg.body)
-        status = msg.body["status"]
-        state: dict[str, Any] = {"status": status}
-        if status == "offline":  # its last will or its goodbye: keep what it last reported
-            self.registry.record_state(device, online=False, state=state)
-            return
-        for key in STATE_KEYS:
-            value = facts.get(key)
-            state[key] = value if _scalar(value) else None
-        if not state.get("name"):  # cut from a long detail: the hello's, else keep the stored one
-            if device in self._names:
-                state["name"] = self._names[device]
-            else:
-                del state["name"]
-        if status != "busy":
-            state["job"] = None
-        state.update(allowance_state(facts))  # selection skips a device that would refuse
-        dev = self.registry.record_state(device, online=status != "offline", state=state)
-        engine = state.get("engine")
-        if isinstance(engine, str) and engine and engine != dev.engine and engine.isprintable():
-            self.registry.enrol_device(device_id=device, public_key=dev.public_key, fleet=dev.fleet, board=dev.board,
-                                       profile=dev.profile, engine=engine[:128])
-
-    def _progress(self, msg: Message, device: str) -> None:
-        if msg.body.get("cmd_id") and self._replayed.pop(device, None):  # it takes our commands again
-            self._check_replayed()
-        b = msg.body
-        phase, job, rnd = b["phase"], b.get("job"), b.get("round")
-        update: dict[str, Any] = {"job_phase": phase[:64], "job_pct": b.get("pct")}
-        if job:
-            update["job"] = job
-        self.registry.record_state(device, online=True, state=update)
-        if phase == "model-downloading" and "fetching the full bundle" in str(b.get("detail", "")):
-            self._full_wanted(str(b["detail"]).split(":", 1)[0])  # its head patch failed (agent models.py)
-        if job is None or rnd is None:
-            return
-        metrics = b.get("metrics") or {}
-        if phase in ("uploading", "done") and metrics and not self.registry.has_update(job, device, rnd):
-            self._results[(job, device, rnd)] = {k: metrics[k] for k in RESULT_METRICS if _scalar(metrics.get(k))}
-            while len(self._results) > 10_000:
-                self._results.popitem(last=False)
-        if phase == "failed":
-            self._dropout(job, rnd, device, f"failed: {str(b.get('detail', ''))[:400]}")
-
-    def _refusal(self, msg: Message, device: str) -> None:
-        reason, cmd = msg.body["reason"], msg.body.get("ref_cmd_id") or ""
-        log.warning("device %s refused %s: %s: %s", device, cmd or "a message", reason, msg.body["detail"][:200])
-        high = _WINDOW_HIGH.search(msg.body["detail"])
-        if reason == Reason.REPLAYED and msg.body.get("ref_kind") == Kind.CMD and \
-                (high or "already accepted" in msg.body["detail"]):  # not a re-sync after a lost window
-            self._replayed[device] = (time.time(), int(high["high"]) if high else 0)
-            self._check_replayed()
-        match = _CMD_ID.fullmatch(cmd)
-        if match is None or reason in _PROTOCOL_REASONS:  # a replayed or expired copy is not a "no"
-            return
-        self._dropout(match["job"], int(match["round"]), device, f"refused:{reason}")
-
-    def _check_replayed(self) -> None:
-        """Several devices (or every device) refusing our commands as replayed means our own
-        counter is behind theirs (keys/seq lost or restored from a backup, or a clock set
-        back): say so in `status`, with the fix (docs/fleet.md, "Lost sequence counter")."""
-        now = time.time()
-        recent = {d: v for d, v in self._replayed.items() if now - v[0] < REPLAYED_WINDOW_S}
-        self._replayed = recent
-        approved = len(self._trusted)
-        self.problems = [p for p in self.problems if not p.startswith("replayed:")]
-        if recent and (len(recent) >= 2 or len(recent) >= approved):
-            high = max(v[1] for v in recent.values())
-            floor = max(high, self.signer.sequence.next()) + 1
-            problem = (f"replayed: {len(recent)} device(s) refuse this coordinator's commands as replayed: its "
-                       f"sequence counter ({self.state_dir / 'keys' / 'seq'}) is behind theirs (lost, restored "
-                       f"from a backup, or the clock was set back). Fix: stop serve, `echo {floor} > "
-                       f"{self.state_dir / 'keys' / 'seq.floor'}`, start serve (docs/fleet.md, Lost sequence counter)")
-            if problem.split(" Fix:")[0] not in " ".join(self.problems):
-                log.error("%s", problem)
-            self.problems.append(problem)
-
-    def _dropout(self, job: str, rnd: int, device: str, why: str) -> None:
-        try:
-            if self.engine.record_dropout(job, rnd, device, why):
-                log.info("job %s round %d: device %s dropped out (%s)", job, rnd, device, why)
-        except InputError:  # not a participant of that round (or no such job): nothing to record
-            pass
-
-    # ------------------------------------------------------------------ updates
-    def _chunk(self, msg: Message) -> None:
-        got = self.receiver.add(msg)
-        slot = (got.key, got.upload)
-        if got.status == "complete" and got.update is not None:
-            try:
-                receipt = self.receive(got.update)
-            except Exception:
-                # Not stored and not acked: forget it was complete, so the device's resend is taken.
-                self.receiver = self._new_receiver()
-                raise
-            self._receipts[slot] = receipt
-            if receipt.status == "rejected":
-                self._warn_rejected(got.key, receipt)
-            while len(self._receipts) > 10_000:
-                self._receipts.popitem(last=False)
-        elif got.status == "duplicate" and got.ack_due:
-            receipt = self._receipts.get(slot)
-            if receipt is None and self.registry.has_update(got.key.job, got.key.device, got.key.round):
-                receipt = Receipt("duplicate")
-            if receipt is None:
-                return
-            if receipt.status == "accepted":
-                receipt = Receipt("duplicate")
-        else:
-            return
-        self._ack(got.key, got.upload, receipt)
-
-    def _warn_rejected(self, key: OutboxKey, receipt: Receipt) -> None:
-        """Every rejected update at WARNING with its device and reason; at most 20 lines a
-        minute (the rest are counted into the next line), so a hostile device cannot flood the log."""
-        now = time.monotonic()
-        start, lines, hidden = self._reject_log
-        if now - start >= 60.0:
-            start, lines = now, 0
-        if lines >= 20:
-            self._reject_log = (start, lines, hidden + 1)
-            return
-        more = f" ({hidden} more rejected updates not logged)" if hidden else ""
-        log.warning("rejected update %s round %d from device %s: %s: %s%s", key.job, key.round, key.device,
-                    receipt.reason, receipt.detail[:300], more)
-        self._reject_log = (start, lines + 1, 0)
-
-    def receive(self, upload: CompletedUpload) -> Receipt:
-        """Reassemble, check and store one complete upload; returns what to acknowledge."""
-        from ..updates import Reassembler, UpdateError
-        from ..updates.wire import unpack_update
-
-        key = upload.key
-        payload = None
-        try:
-            reassembler = Reassembler()
-            for chunk in upload.chunks:
-                done = reassembler.add(chunk)
-                payload = done.payload if done is not None else payload
-            if payload is None:
-                return Receipt("rejected", "malformed", "the chunks do not make a complete update")
-            header, _ = unpack_update(payload)
-        except UpdateError as exc:
-            return Receipt("rejected", "malformed", str(exc)[:512])
-        if (header.job_id, header.device_id, header.round) != (key.job, key.device, key.round):
-            return Receipt("rejected", "key_mismatch", f"payload is for {header.key}, chunks say "
-                                                       f"{(key.job, key.device, key.round)}")
-        result = self._results.pop((key.job, key.device, key.round), {})  # read once: memory stays flat
-        samples = upload.samples if upload.samples is not None else result.get("num_samples")
-        energy = upload.energy_wh if upload.energy_wh is not None else result.get("energy_wh")
-        metrics = {k: v for k, v in result.items() if k not in ("num_samples",)}
-        try:
-            metrics = check_flat(metrics, "metrics")
-        except InputError:
-            metrics = {}
-        receipt = self.engine.receive_update(payload, sender=key.device, num_samples=samples,
-                                             wire_bytes=sum(len(c) for c in upload.chunks), energy_wh=energy,
-                                             metrics=metrics, energy_kept=upload.energy_kept,
-                                             labels_sha256=upload.labels_sha256)
-        log.info("update %s round %d from %s: %s%s", key.job, key.round, key.device, receipt.status,
-                 f" ({receipt.reason}: {receipt.detail[:200]})" if receipt.reason else "")
-        return receipt
-
-    def _ack(self, key: OutboxKey, upload: str, receipt: Receipt) -> None:
-        topic, payload = ack_message(self.signer, self.topics, key, upload, receipt.status,
-                                     reason=receipt.reason or None, detail=receipt.detail or None)
-        if not self.client.publish_wait(topic, payload, timeout=10.0):
-            log.warning("ack for %s not delivered to the broker; the device will send again", key)
 
     # ------------------------------------------------------------------ the periodic step
     def tick(self) -> None:
@@ -619,10 +375,3 @@ def _client_id(fleet: str, prefix: str) -> str:
     if prefix == DEFAULT_PREFIX:
         return f"edge-coordinator-{fleet}"
     return f"edge-coordinator-{fleet}-{hashlib.sha256(prefix.encode()).hexdigest()[:8]}"
-
-
-def _scalar(value: Any) -> bool:
-    if isinstance(value, str):
-        return len(value) <= 256 and value.isprintable()
-    return value is None or isinstance(value, bool | int) or (isinstance(value, float) and value == value
-                                                              and abs(value) != float("inf"))
