@@ -2,106 +2,88 @@
 
 Candidates come from the board profile's preference list (default: every registered engine)
 and are filtered by availability on the probe report. Each available one is prepared on the
-actual bundle and checked; the correct ones are timed side by side at the job's batch size
-and at each thread count (interleaved rounds, median). The winner is the correct engine
-with the least predicted energy for the job's size (engine_cost: prepare + images x
-per-image, within the profile's memory cap). The reference is prepared and timed only when
-no other engine is correct (its answers are the oracle's anyway).
+actual bundle and checked (agreement.py says what correct means); the correct ones are timed
+side by side at the job's batch size and at each thread count (interleaved rounds, median).
+The winner is the correct engine with the least predicted energy for the job's size
+(engine_cost: prepare + images x per-image, within the profile's memory cap). The reference
+is prepared and timed only when no other engine is correct (its answers are the oracle's
+anyway).
 
-Correct means task-level agreement (engine_cost.agreement_verdict): top-1 through the head
-agrees with the fp32 model on the bundle's calibration samples at most max(0.5 points, one
-sample) less often than the bit-exact reference, with the features within a loose sanity
-bound of the reference's. The int8-unit / output-step distance below is kept as a
-diagnostic (`kernels --bench` prints it), and is the rule only for bundles with fewer than
-AGREEMENT_MIN_SAMPLES calibration samples:
-- engines that run the bundle's own .tflite (`run_int8` works): every output within 1 int8
-  unit of the reference, or within the graph's measured rounding sensitivity where that is
-  larger (deep nets: see ROUNDING_FLIP_RATE);
-- engines with their own calibration (mxnet-onednn): float features within
-  FLOAT_TOLERANCE_STEPS of the reference's output quantisation step;
-- and for both, the head's top-1 equal to the reference's on every check sample that is not
-  a near-tie (Oracle.decided).
+The decision and its timings are cached in the state directory (selection_cache.py).
+`EDGE_AGENT_INT8_BACKEND=<name>` forces one engine (only it is probed, checked and timed;
+never cached); a forced engine that fails the check is an error (exit 69) unless
+`EDGE_AGENT_INT8_FORCE=1` (--force-engine) says to run it anyway. MXNet is imported only
+when an engine or a head that is more than one dense layer needs it.
 
-FLOAT_TOLERANCE_STEPS is derived from measurements of mxnet-onednn against the reference:
-two independent 8-bit calibrations of the same backbone differ by up to 4-5 output steps on
-the digits CNN and 1.3-2.1 on MobileNetV2 (0.35@96, 0.5@128); 12 leaves ~2.5x headroom. It
-is looser than the int8 check by nature (different scales), so an engine off by a few steps
-passes it; layout, weight or scale bugs are off by tens to hundreds of steps, and the top-1
-check backs it up.
-
-The decision and its timings are cached in the state directory per (int8 backbone sha256,
-hardware fingerprint, edge-agent version) -- plus batch size, threads and the candidate
-list, which also change the answer (not the job size: the cached rows are re-chosen for
-each job's size). Not per bundle: engines run only the backbone, so a new head version
-reuses the decision. `kernels --bench` and `finetune` share the directory. `EDGE_AGENT_INT8_BACKEND=<name>` forces one engine (only
-it is probed, checked and timed; never cached); a forced engine that fails the check is an
-error (exit 69) unless `EDGE_AGENT_INT8_FORCE=1` (--force-engine) says to run it anyway. MXNet is imported only when an engine or a
-head that is more than one dense layer needs it.
+The records, the cache and the agreement check are re-exported here: callers import them
+from this module.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import logging
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import __version__
-from ..atomic import atomic_write_json, read_limited
-from ..errors import EXIT_UNAVAILABLE, ConfigError, EdgeAgentError, InputError
+from ..atomic import atomic_write_json
+from ..errors import EXIT_UNAVAILABLE, ConfigError, EdgeAgentError
 from . import engines as registry
-from .bundle import BACKBONE_INT8
+from .agreement import (
+    FLOAT_TOLERANCE_STEPS,
+    INT8_TOLERANCE_UNITS,
+    ROUNDING_FLIP_RATE,
+    ROUNDING_SAMPLES,
+    ROUNDING_SEEDS,
+    Oracle,
+    check_batch_for,
+    disagreement,
+)
 from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
     AGREEMENT_MAX_SAMPLES,
-    AGREEMENT_MIN_SAMPLES,
     DEFAULT_WATTS_PER_CPU,
-    SANITY_MEAN_STEPS,
     CpuMeter,
     Meter,
-    agreement_verdict,
     choose,
-    fp32_features,
     measured,
     predict_job,
     recheck,
     time_rounds,
-    top1_agreement,
 )
 from .engines._common import thread_count
+from .selection_cache import (
+    CACHE_DIR,
+    CACHE_FORMAT,
+    MAX_CACHE_BYTES,
+    Candidate,
+    Selection,
+    cache_key,
+    cache_path,
+    cached_selection,
+    default_probe,
+    hardware_fingerprint,
+    load_cached,
+)
+
+__all__ = [
+    "CACHE_DIR", "CACHE_FORMAT", "FLOAT_TOLERANCE_STEPS", "INT8_TOLERANCE_UNITS", "MAX_CACHE_BYTES",
+    "PREDICT_IMAGES", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
+    "VARIANT_PREPARE_MAX_S", "Candidate", "EngineUnavailableError", "Oracle", "Selection",
+    "availability_report", "cache_key", "cache_path", "cached_selection", "check_batch_for",
+    "default_probe", "hardware_fingerprint", "load_cached", "profile_settings", "select_engine",
+    "time_side_by_side",
+]
 
 _log = logging.getLogger(__name__)
 
-INT8_TOLERANCE_UNITS = 1
-# Legitimate per-op rounding differences (TFLite's optimized kernels vs its reference ones:
-# at most 1 unit, in well under 1 % of a conv's outputs) grow with depth. How much is
-# measured on the graph itself: the reference re-run with a 1-unit flip in ROUNDING_FLIP_RATE
-# of every int8 op output (ROUNDING_SEEDS patterns); the int8 tolerance is the largest
-# output change seen, at least INT8_TOLERANCE_UNITS. Shallow nets stay at 1-3 units (the
-# digits CNN: 2; MXNet MobileNetV2 0.35: 2); a random-init torchvision mobilenet_v2 at
-# 32x32 moves by ~50 units, where tflite/XNNPACK was 31-44 units off a reference that
-# TFLite's own reference kernels match bit for bit.
-# mxnet-onednn's float tolerance scales the same way: FLOAT_TOLERANCE_STEPS * sensitivity / 2
-# (deep random nets: mxnet-onednn 19-65 steps off where the sensitivity is 5-51 units).
-ROUNDING_FLIP_RATE = 0.05
-ROUNDING_SEEDS = 3
 PROBE_SAMPLES = 4  # priced after a warm-up call: one cold image cost ~200x a warm one
-ROUNDING_SAMPLES = 8
-FLOAT_TOLERANCE_STEPS = 12.0
 VARIANT_PREPARE_MAX_S = 2.0  # other thread counts are tried for engines this cheap to prepare
-CACHE_DIR = "int8-selection"
-CACHE_FORMAT = 2  # 2: task-level agreement and costs
 PREDICT_IMAGES = (100, 1000, 10000)
-MAX_CACHE_BYTES = 256 * 1024
 
 
 class EngineUnavailableError(EdgeAgentError):
@@ -110,92 +92,7 @@ class EngineUnavailableError(EdgeAgentError):
     exit_code = EXIT_UNAVAILABLE
 
 
-@dataclass
-class Candidate:
-    """One engine's row in the decision: availability, agreement, timing."""
-
-    name: str
-    available: bool
-    reason: str  # what was found, or why not
-    agreement: str = ""  # "int8" (units) | "float" (output steps) | ""
-    max_diff: float | None = None  # in int8 units or in output quantisation steps
-    tolerance: float | None = None
-    top1_match: float | None = None  # fraction of decided samples with the reference's top-1
-    top1_checked: int | None = None  # decided samples (near-ties excluded, see Oracle.decided)
-    correct: bool | None = None
-    latency_ms: float | None = None  # median per batch
-    images_per_s: float | None = None
-    chosen: bool = False
-    error: str = ""  # prepare/run failure
-    # task-level agreement (engine_cost.agreement_verdict): top-1 through the head vs fp32
-    agreement_samples: int | None = None
-    top1_fp32: float | None = None  # this engine's agreement with the fp32 model
-    reference_top1_fp32: float | None = None  # the reference's (the baseline)
-    mean_steps: float | None = None  # mean |engine - reference| in output steps (sanity bound)
-    # cost (engine_cost): per engine at its best thread count
-    threads: int | None = None
-    prepare_s: float | None = None
-    prepare_cpu_s: float | None = None
-    prepare_j: float | None = None
-    per_image_s: float | None = None
-    per_image_cpu_s: float | None = None
-    per_image_j: float | None = None
-    peak_mb: float | None = None  # peak RSS growth over prepare + runs
-    by_threads: dict[str, float] = field(default_factory=dict)  # threads -> per-image J
-    predicted_j: dict[str, float] = field(default_factory=dict)  # images -> job J
-
-
-@dataclass
-class Selection:
-    chosen: str | None
-    candidates: list[Candidate]
-    key: dict[str, Any]
-    batch_size: int
-    cached: bool = False
-    forced: bool = False
-    created: str = ""
-    cache_file: str = ""
-    notes: list[str] = field(default_factory=list)
-    images: int = 0  # the job size the choice minimised the cost of
-    threads: int | None = None  # the chosen engine's thread count
-    energy_j: float = 0.0  # what this selection (or re-check) cost
-    chosen_for: dict[str, str] = field(default_factory=dict)  # images -> engine (PREDICT_IMAGES)
-
-    def candidate(self, name: str) -> Candidate | None:
-        return next((c for c in self.candidates if c.name == name), None)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": CACHE_FORMAT, "chosen": self.chosen, "key": self.key,
-                "batch_size": self.batch_size, "created": self.created, "threads": self.threads,
-                "images": self.images, "chosen_for": self.chosen_for,
-                "candidates": [asdict(c) for c in self.candidates]}
-
-
-# ---------------------------------------------------------------- hardware identity
-
-
-def default_probe() -> dict[str, Any]:
-    """This device's hardware probe report (edge_agent.hardware.probe: files only, fast)."""
-    from ..hardware.probe import probe
-
-    return probe()
-
-
-def hardware_fingerprint(report: Mapping[str, Any]) -> str:
-    """What makes engine timings comparable (board, CPU, int8 features, accelerators)."""
-    from ..hardware.probe import hardware_fingerprint as fingerprint
-
-    return str(fingerprint(dict(report)))
-
-
-# ---------------------------------------------------------------- checking and timing
-
-
-def check_batch_for(bundle: Any, batch_size: int) -> np.ndarray:
-    """The bundle's first calibration samples, repeated up to `batch_size`."""
-    calib = bundle.calibration()
-    reps = -(-batch_size // len(calib))
-    return np.ascontiguousarray(np.concatenate([calib] * reps)[:batch_size])
+# ---------------------------------------------------------------- timing
 
 
 def time_side_by_side(runners: Mapping[str, Runner], x: np.ndarray, *, repeats: int) -> dict[str, float]:
@@ -214,154 +111,11 @@ def time_side_by_side(runners: Mapping[str, Runner], x: np.ndarray, *, repeats: 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# ---------------------------------------------------------------- selection
+
+
 def _row(rows: list[Candidate], name: str) -> Candidate | None:
     return next((c for c in rows if c.name == name), None)
-
-
-class Oracle:
-    """The reference's answers on the check batch, and the head that turns features into
-    logits for the top-1 check (numpy for a dense head, else MXNet; loaded on first use)."""
-
-    def __init__(self, bundle: Any, x: np.ndarray, *,
-                 logits: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        from .engines.reference import QGraphRunner
-        from .quant_math import quantize
-
-        self.runner = QGraphRunner(bundle.qgraph())
-        graph = self.runner.graph
-        tin, tout = graph.tensor(graph.inputs[0]), graph.tensor(graph.outputs[0])
-        self.x = x
-        self.q = quantize(x.transpose(0, 2, 3, 1), float(tin.scale[0]), int(tin.zero_point[0])) \
-            if self.runner.int8_io else None
-        self.out_scale = float(tout.scale[0]) if tout.scale is not None else 1.0
-        self.int8 = self.runner.run_int8(self.q) if self.q is not None else None
-        self._int8_tolerance: float | None = None
-        self.float = self.runner.run(x)
-        self._logits = logits or _head_logits(bundle)
-        self.ref_logits = self._logits(self.float)
-        self.top1 = self.ref_logits.argmax(axis=1)
-        # task level: top-1 vs the fp32 model on the bundle's calibration samples
-        calib = bundle.calibration()
-        self.samples = np.ascontiguousarray(calib[:AGREEMENT_MAX_SAMPLES])
-        # the fp32 model runs from backbone.onnx, which needs the onnx package: 32-bit ARM has
-        # no wheel for it (nor MXNet), so there the unit-level rule decides
-        self.task_level = len(self.samples) >= AGREEMENT_MIN_SAMPLES and importlib.util.find_spec("onnx") is not None
-        if self.task_level:
-            self.fp32_top1 = self._logits(fp32_features(bundle)(self.samples)).argmax(axis=1)
-            self.ref_samples = self.runner.run(self.samples)
-            self.ref_agreement = top1_agreement(self._logits(self.ref_samples).argmax(axis=1), self.fp32_top1)
-
-    def int8_tolerance(self) -> float:
-        """INT8_TOLERANCE_UNITS, or this graph's measured rounding sensitivity if larger."""
-        if self._int8_tolerance is None:
-            from .reference import run_graph
-            from .reference_ops import KERNELS
-
-            rng = np.random.default_rng(0)
-
-            def flipping(kernel: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-                def run(graph: Any, op: Any, args: list[Any]) -> np.ndarray:
-                    y = kernel(graph, op, args)
-                    if y.dtype != np.int8:
-                        return y
-                    flip = (rng.random(y.shape) < ROUNDING_FLIP_RATE) * rng.choice(np.array([-1, 1], np.int16), y.shape)
-                    return np.clip(y.astype(np.int16) + flip, -128, 127).astype(np.int8)
-                return run
-
-            q = self.q[:ROUNDING_SAMPLES]
-            clean = self.int8[:ROUNDING_SAMPLES].astype(np.int32)
-            kernels = {kind: flipping(k) for kind, k in KERNELS.items()}
-            worst = 0
-            for _ in range(ROUNDING_SEEDS):
-                out = run_graph(self.runner.graph, q, kernels=kernels)
-                out = out if isinstance(out, np.ndarray) else out[self.runner.graph.outputs[0]]
-                worst = max(worst, int(np.max(np.abs(out.astype(np.int32) - clean))))
-            self._int8_tolerance = float(max(INT8_TOLERANCE_UNITS, worst))
-        return self._int8_tolerance
-
-    def decided(self, steps: float) -> np.ndarray:
-        """Samples whose top-1 cannot flip when every feature moves by `steps` output steps.
-
-        The head's sensitivity is measured, not assumed: the reference's features are moved
-        by +-steps (four random sign patterns) and a sample is a near-tie when its top-1
-        margin is under twice the largest logit change seen."""
-        rng = np.random.default_rng(0)
-        worst = np.zeros(len(self.float))
-        for _ in range(4):
-            delta = rng.choice(np.array([-1.0, 1.0], np.float32), size=self.float.shape) * (steps * self.out_scale)
-            moved = self._logits((self.float + delta).astype(np.float32))
-            worst = np.maximum(worst, np.abs(moved - self.ref_logits).max(axis=1))
-        top2 = np.sort(self.ref_logits, axis=1)[:, -2:] if self.ref_logits.shape[1] > 1 else None
-        if top2 is None:
-            return np.ones(len(self.float), bool)
-        return (top2[:, 1] - top2[:, 0]) > 2.0 * worst
-
-    def check(self, runner: Runner, cand: Candidate) -> None:
-        """Fill the candidate's agreement fields."""
-        out_int8 = None
-        if self.q is not None:
-            try:
-                out_int8 = runner.run_int8(self.q)
-            except NotImplementedError:
-                out_int8 = None
-        features = runner.run(self.x)
-        if features.shape != self.float.shape:
-            raise EdgeAgentError(f"output shape {features.shape}, reference {self.float.shape}")
-        if out_int8 is not None:
-            # the rounding sensitivity costs 24 reference runs: only where it is the rule
-            cand.agreement, cand.tolerance = "int8", None if self.task_level else self.int8_tolerance()
-            cand.max_diff = float(np.max(np.abs(out_int8.astype(np.int32) - self.int8.astype(np.int32))))
-        else:
-            # FLOAT_TOLERANCE_STEPS was measured on nets whose rounding sensitivity is ~2
-            # units; a graph that amplifies rounding more gets proportionally more room
-            cand.agreement, cand.tolerance = "float", None
-            if not self.task_level:
-                sensitivity = self.int8_tolerance() if self.q is not None else 2.0
-                cand.tolerance = FLOAT_TOLERANCE_STEPS * max(1.0, sensitivity / 2.0)
-            cand.max_diff = float(np.max(np.abs(features - self.float)) / self.out_scale)
-        mask = self.decided(max(cand.max_diff, 1.0))
-        same = self._logits(features).argmax(axis=1) == self.top1
-        cand.top1_checked = int(mask.sum())
-        cand.top1_match = float(same[mask].mean()) if mask.any() else 1.0
-        if not self.task_level:  # too few samples for a task-level figure: the unit-level rule
-            cand.correct = bool(cand.max_diff <= cand.tolerance and cand.top1_match == 1.0)
-            return
-        out = runner.run(self.samples)
-        if out.shape != self.ref_samples.shape:
-            raise EdgeAgentError(f"output shape {out.shape}, reference {self.ref_samples.shape}")
-        cand.mean_steps = float(np.mean(np.abs(out - self.ref_samples)) / self.out_scale)
-        cand.agreement_samples = len(self.samples)
-        cand.reference_top1_fp32 = self.ref_agreement
-        cand.top1_fp32 = top1_agreement(self._logits(out).argmax(axis=1), self.fp32_top1)
-        ok, _ = agreement_verdict(cand.top1_fp32, self.ref_agreement, len(self.samples))
-        cand.correct = bool(ok and np.isfinite(out).all() and cand.mean_steps <= SANITY_MEAN_STEPS)
-
-
-def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """The bundle head's logits: numpy for a one-dense-layer head, else its MXNet block."""
-    head = None
-
-    def logits(features: np.ndarray) -> np.ndarray:
-        nonlocal head
-        if head is None:
-            from ..train.dense_head import dense_head_logits
-
-            head = dense_head_logits(bundle) or _mxnet_head(bundle)
-        return head(features).reshape(len(features), -1)
-
-    return logits
-
-
-def _mxnet_head(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    from ..train.mxnet_import import mxnet
-
-    mx = mxnet()  # MXNetUnavailableError (one line, exit 69) where it cannot load: 32-bit ARM
-
-    block = bundle.head_block()
-    return lambda features: block(mx.nd.array(features)).asnumpy()
-
-
-# ---------------------------------------------------------------- selection
 
 
 def _load_engines(names: list[str]) -> list[tuple[str, Int8Engine | None]]:
@@ -388,42 +142,6 @@ def availability_report(preference: list[str] | None = None, probe: dict[str, An
         except Exception as exc:  # a probing engine must never take the others down
             rows.append(Candidate(name, False, f"availability check failed: {type(exc).__name__}: {exc}"))
     return rows
-
-
-def cache_key(bundle: Any, fingerprint: str, *, batch_size: int, threads: int | None,
-              preference: list[str]) -> dict[str, Any]:
-    # keyed on the int8 backbone, not the whole bundle: every engine runs only the backbone,
-    # so a new head version (each federated round) reuses the decision instead of spending
-    # a re-selection (tens of CPU-seconds, every candidate prepared) on every device
-    return {"backbone_sha256": bundle.manifest.files[BACKBONE_INT8].sha256, "hardware": fingerprint, "edge_agent": __version__,
-            "batch_size": batch_size, "threads": threads, "candidates": list(preference)}
-
-
-def _cache_path(state_dir: str | os.PathLike[str], key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return Path(state_dir) / CACHE_DIR / f"{digest}.json"
-
-
-def load_cached(path: Path, key: dict[str, Any]) -> Selection | None:
-    """A cached decision for exactly this key, or None (absent, corrupt or stale)."""
-    try:
-        obj = json.loads(read_limited(path, MAX_CACHE_BYTES))
-        if obj.get("format") != CACHE_FORMAT or obj.get("key") != key:
-            return None
-        cands = [Candidate(**c) for c in obj["candidates"]]
-        chosen = obj["chosen"]
-        if chosen not in {c.name for c in cands if c.correct}:
-            return None
-        threads = obj.get("threads")
-        return Selection(chosen, cands, key, int(obj["batch_size"]), cached=True,
-                         created=str(obj.get("created", "")), cache_file=str(path),
-                         threads=int(threads) if isinstance(threads, int) else None,
-                         images=int(obj.get("images", 0)), chosen_for=dict(obj.get("chosen_for", {})))
-    except FileNotFoundError:
-        return None
-    except (OSError, InputError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        _log.warning("ignoring unreadable int8 selection cache %s: %s", path, exc)
-        return None
 
 
 def select_engine(
@@ -471,7 +189,7 @@ def select_engine(
         loaded = [*loaded, (forced, registry.load_engine(forced))]  # forced but outside the profile
     key = cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=threads,
                     preference=[n for n, _ in loaded])
-    path = _cache_path(state_dir, key) if state_dir is not None else None
+    path = cache_path(state_dir, key) if state_dir is not None else None
     by_name = dict(loaded)
     if not forced and use_cache and path is not None:
         cached = load_cached(path, key)
@@ -586,7 +304,7 @@ def select_engine(
             why = (row.error or row.reason) if row else "not loaded"
             raise EngineUnavailableError(f"{ENV_FORCE_BACKEND}={forced}: engine cannot run this model: {why}")
         if not row.correct:
-            what = _disagreement(row)
+            what = disagreement(row)
             if env.get(ENV_FORCE_WRONG, "").strip() not in ("1", "true", "yes"):
                 raise EngineUnavailableError(
                     f"{ENV_FORCE_BACKEND}={forced}: the engine disagrees with the reference on this model "
@@ -599,7 +317,7 @@ def select_engine(
         best_row = choose(rows, images, mem_cap_mb) or choose(rows, images)
         if best_row is None:
             raise EngineUnavailableError("no int8 engine is both available and correct here: " + "; ".join(
-                f"{c.name}: {c.error or c.reason}" + (f" ({_disagreement(c)})" if c.correct is False and not c.error else "")
+                f"{c.name}: {c.error or c.reason}" + (f" ({disagreement(c)})" if c.correct is False and not c.error else "")
                 for c in rows))
         if mem_cap_mb is not None and choose(rows, images, mem_cap_mb) is None:
             selection.notes.append(f"no correct engine fits the {mem_cap_mb:g} MB memory cap; cheapest used")
@@ -617,16 +335,6 @@ def select_engine(
     for runner in runners.values():
         runner.close()
     return selection, keep
-
-
-def _disagreement(row: Candidate) -> str:
-    if row.top1_fp32 is not None and row.reference_top1_fp32 is not None:
-        return (f"top-1 agreement with fp32 {row.top1_fp32:.1%} vs the reference's {row.reference_top1_fp32:.1%} "
-                f"on {row.agreement_samples} samples, mean {row.mean_steps:.3g} steps off")
-    if row.max_diff is not None:
-        return f"{row.agreement} max {row.max_diff:.3g}/{row.tolerance:g}, top-1 {row.top1_match}"
-    return "no agreement figures"
-
 
 def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine | None], probe: dict[str, Any], *,
                 images: int, mem_cap_mb: float | None, keep_runner: bool,
@@ -707,13 +415,3 @@ def profile_settings(report: Mapping[str, Any]) -> dict[str, Any]:
         cores = max(1, int((report.get("cpu") or {}).get("count") or os.cpu_count() or 1))
         found["watts_per_cpu"] = (float(load) - float(idle)) / cores
     return {k: v for k, v in found.items() if v is not None}
-
-
-def cached_selection(bundle: Any, *, probe: dict[str, Any], preference: list[str] | None = None,
-                     batch_size: int = 32, threads: int | None = None,
-                     state_dir: str | os.PathLike[str]) -> Selection | None:
-    """The cached decision for this bundle and device, without preparing anything."""
-    names = registry.candidates(preference)
-    key = cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=thread_count(threads),
-                    preference=names)
-    return load_cached(_cache_path(state_dir, key), key)

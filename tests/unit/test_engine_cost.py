@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from edge_agent.errors import EXIT_USAGE
+from edge_agent.int8 import agreement
 from edge_agent.int8 import engine_cost as ec
 from edge_agent.int8 import selection as sel
 from edge_agent.int8.bundle import load_bundle
@@ -101,6 +102,7 @@ def test_a_cached_choice_is_rechecked_and_falls_back_under_contention(bundle_dir
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sel, "thread_count", lambda _t: 2)  # two threads whatever this machine has
     monkeypatch.setattr(sel, "AGREEMENT_MAX_SAMPLES", 32)  # the verdict is not under test here
+    monkeypatch.setattr(agreement, "AGREEMENT_MAX_SAMPLES", 32)  # (the Oracle's samples; sel's prices them)
     bundle = load_bundle(bundle_dir)
     engine = CostlyEngine(0.04)
     kw = dict(engines=[("costly", engine)], state_dir=tmp_path, repeats=2, batch_size=2, probe=PROBE, env={})

@@ -16,6 +16,7 @@ from edge_agent import models
 from edge_agent.errors import EXIT_UNAVAILABLE, ConfigError
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import selection as sel
+from edge_agent.int8 import selection_cache
 from edge_agent.int8.engine import (
     ENV_FORCE_BACKEND,
     ENV_FORCE_WRONG,
@@ -141,7 +142,7 @@ def test_the_cache_is_reused_and_invalidated(made, tmp_path, monkeypatch):
     assert engine.prepared == 2
     _select(v1, engines, tmp_path, probe={**PROBE, "cpu": {**PROBE["cpu"], "int8_features": {"avx2": True, "avx512_vnni": True}}})
     assert engine.prepared == 3
-    monkeypatch.setattr(sel, "__version__", "99.0")
+    monkeypatch.setattr(selection_cache, "__version__", "99.0")  # the cache key's version
     _select(v1, engines, tmp_path)
     assert engine.prepared == 4
     monkeypatch.undo()

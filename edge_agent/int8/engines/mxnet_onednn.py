@@ -6,7 +6,7 @@ by mxnet.contrib.onnx: any backbone the project imports runs here too.
 
 It calibrates its own activation ranges (min/max over the bundle's calibration samples), so
 its int8 scales differ from the bundle's .tflite: agreement with the reference is checked in
-float, not in int8 units (see selection.py). MXNet is imported only in availability() and
+float, not in int8 units (see agreement.py). MXNet is imported only in availability() and
 prepare(), never when this module is imported.
 """
 
