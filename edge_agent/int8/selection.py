@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -76,7 +75,6 @@ __all__ = [
     "VARIANT_PREPARE_MAX_S", "Candidate", "EngineUnavailableError", "Oracle", "Selection",
     "availability_report", "cache_key", "cache_path", "cached_selection", "check_batch_for",
     "default_probe", "hardware_fingerprint", "load_cached", "profile_settings", "select_engine",
-    "time_side_by_side",
 ]
 
 _log = logging.getLogger(__name__)
@@ -90,25 +88,6 @@ class EngineUnavailableError(EdgeAgentError):
     """No engine (or not the forced one) can run this model here."""
 
     exit_code = EXIT_UNAVAILABLE
-
-
-# ---------------------------------------------------------------- timing
-
-
-def time_side_by_side(runners: Mapping[str, Runner], x: np.ndarray, *, repeats: int) -> dict[str, float]:
-    """Median seconds per `run(x)` for each runner, after one untimed warm-up run each.
-
-    Rounds are interleaved (every runner once per round) so that load drifting on a shared
-    machine affects all engines alike, as DESIGN.md asks of every comparison."""
-    for runner in runners.values():
-        runner.run(x)
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(max(1, repeats)):
-        for name, runner in runners.items():
-            start = time.perf_counter()
-            runner.run(x)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------- selection
