@@ -12,6 +12,15 @@ A bundle is a flat directory (and, for transfer, a single tar.gz archive of it):
                             that quantise on the device (mxnet-onednn) and the check batch
                             for agreement
     backbone_int8_edgetpu.tflite   optional: the int8 model compiled by edgetpu_compiler
+    depth<k>-backbone_int8.tflite  optional, k = 1..8: the int8 prefix up to depth k's cut
+    depth<k>-head-symbol.json      and the fp32 tail from that cut to the outputs
+
+A multi-depth bundle (`manifest.depths`, see int8/depth_cuts.py) lets a device train
+deeper than the head: depth 0 is the split above, depth k starts k block boundaries
+earlier. head.params then holds the parameters of the deepest tail (every depth's tail
+reads the subset it names), and `Bundle.at_depth(k)` is the bundle as seen at depth k:
+the same object with depth k's prefix as its backbone and its tail as its head, so
+engines, selection and the feature cache work at any depth unchanged.
 
 Everything read from a bundle is untrusted: sizes are checked before reading, the manifest
 is validated field by field, and every file's sha256 is verified before use -- and again on
@@ -25,6 +34,7 @@ verifying and packing, here, do not (the idle daemon imports this module).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -55,6 +65,14 @@ HEAD_PARAMS = "head.params"
 CALIBRATION = "calibration.npz"
 REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBRATION)
 OPTIONAL_FILES = (BACKBONE_EDGETPU,)
+MAX_DEPTH = 8
+_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json)$")
+_COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements")
+
+
+def depth_file(depth: int, fname: str) -> str:
+    """The bundle file holding depth `depth`'s BACKBONE_INT8 or HEAD_SYMBOL."""
+    return fname if depth == 0 else f"depth{depth}-{fname}"
 
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILE_BYTES = 256 << 20  # a MobileNetV2 1.0 fp32 ONNX is ~14 MB; leave ample room
@@ -115,6 +133,24 @@ class FileEntry:
     size: int
 
 
+@dataclass(frozen=True)
+class Depth:
+    """One trainable depth of a multi-depth bundle (int8/depth_cuts.py): the tail starts at
+    `tensor`; `costs` are per-sample counts (prefix_macs, tail_macs, tail_params,
+    tail_activations, cut_elements) for the device's planner."""
+
+    depth: int
+    tensor: str
+    kind: str
+    feature_shape: tuple[int, ...]
+    node: str = ""
+    costs: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"depth": self.depth, "tensor": self.tensor, "node": self.node, "kind": self.kind,
+                "feature_shape": list(self.feature_shape), "costs": dict(self.costs)}
+
+
 @dataclass
 class Manifest:
     name: str
@@ -130,9 +166,11 @@ class Manifest:
     source: str = ""  # "gluon" or "onnx:<file name>"
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. quantisation method
+    depths: list[Depth] = field(default_factory=list)  # empty: head-only bundle
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        # "depths" only when there are any: a head-only bundle's manifest bytes (its identity) stay as they were
+        return ({"depths": [d.to_json() for d in self.depths]} if self.depths else {}) | {
             "format_version": self.format_version,
             "name": self.name,
             "version": self.version,
@@ -232,7 +270,7 @@ def _parse_manifest(obj: Any, where: str) -> Manifest:
     files_obj = _field(obj, "files", dict, where)
     files: dict[str, FileEntry] = {}
     for fname, entry in files_obj.items():
-        if fname not in REQUIRED_FILES + OPTIONAL_FILES:
+        if fname not in REQUIRED_FILES + OPTIONAL_FILES and not _DEPTH_FILE_RE.match(fname):
             raise ManifestError(f"{where}: files: unexpected file name {fname!r:.80}")
         if not isinstance(entry, dict):
             raise ManifestError(f"{where}: files.{fname}: must be an object with sha256 and size")
@@ -249,6 +287,7 @@ def _parse_manifest(obj: Any, where: str) -> Manifest:
     extra = obj.get("extra", {})
     if not isinstance(extra, dict):
         raise ManifestError(f"{where}: field 'extra' must be an object")
+    depths = _parse_depths(obj.get("depths", []), files, where)
     return Manifest(
         name=name, version=version, parent_version=parent, input=spec, labels=list(labels),
         split_tensor=_field(split, "tensor", str, f"{where}: split"),
@@ -256,8 +295,37 @@ def _parse_manifest(obj: Any, where: str) -> Manifest:
         feature_shape=_ints(_field(split, "feature_shape", list, f"{where}: split"),
                             f"{where}: split.feature_shape", limit=1 << 20),
         files=files, created=str(obj.get("created", "")), source=str(obj.get("source", "")),
-        format_version=fmt, extra=extra,
+        format_version=fmt, extra=extra, depths=depths,
     )
+
+
+def _parse_depths(value: Any, files: dict[str, FileEntry], where: str) -> list[Depth]:
+    """manifest.depths: depth 0..n in order, each deeper one with both of its files."""
+    if not isinstance(value, list) or len(value) > MAX_DEPTH + 1:
+        raise ManifestError(f"{where}: depths must be a list of at most {MAX_DEPTH + 1} objects")
+    depths = []
+    for k, item in enumerate(value):
+        at = f"{where}: depths[{k}]"
+        if not isinstance(item, dict):
+            raise ManifestError(f"{at}: must be an object")
+        if _field(item, "depth", int, at) != k:
+            raise ManifestError(f"{at}: depth must be {k} (depths are listed in order from 0)")
+        tensor, kind, node = (_field(item, key, str, at) for key in ("tensor", "kind", "node"))
+        if not tensor or max(len(tensor), len(kind), len(node)) > 256:
+            raise ManifestError(f"{at}: tensor, kind and node must be strings of 1-256 characters")
+        costs = _field(item, "costs", dict, at)
+        if set(costs) - set(_COST_KEYS) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 50 for v in costs.values()):
+            raise ManifestError(f"{at}: costs must map {', '.join(_COST_KEYS)} to non-negative integers")
+        for fname in (BACKBONE_INT8, HEAD_SYMBOL):
+            if depth_file(k, fname) not in files:
+                raise ManifestError(f"{at}: files: missing {depth_file(k, fname)}")
+        depths.append(Depth(k, tensor, kind, _ints(_field(item, "feature_shape", list, at), f"{at}.feature_shape",
+                                                    limit=1 << 20), node, dict(costs)))
+    listed = {int(m.group(1)) for f in files if (m := _DEPTH_FILE_RE.match(f))}
+    if listed - set(range(1, len(depths))):
+        raise ManifestError(f"{where}: files: depth files for depths the manifest does not list")
+    return depths
 
 
 # ---------------------------------------------------------------- loading
@@ -271,16 +339,37 @@ class Bundle:
     path: Path
     manifest: Manifest
     sha256: str
+    depth: int = 0
+    aliases: dict[str, str] = field(default_factory=dict)  # at depth k: BACKBONE_INT8 -> depth<k>-...
 
     def has(self, fname: str) -> bool:
         return fname in self.manifest.files
+
+    def at_depth(self, depth: int) -> Bundle:
+        """This bundle seen at training depth `depth` (module doc); 0 is the bundle itself."""
+        if depth == self.depth:
+            return self
+        if self.depth != 0:
+            raise BundleError(f"{self.path}: a depth view cannot be viewed at another depth")
+        if not 0 <= depth < len(self.manifest.depths):
+            have = len(self.manifest.depths) - 1 if self.manifest.depths else 0
+            raise BundleError(f"{self.path}: the bundle has no depth {depth} (its depths: 0..{have}; "
+                              "build it with `edge-coordinator model create --depths N`)")
+        spec = self.manifest.depths[depth]
+        aliases = {f: depth_file(depth, f) for f in (BACKBONE_INT8, HEAD_SYMBOL)}
+        files = {f: e for f, e in self.manifest.files.items() if f != BACKBONE_EDGETPU}  # compiled for depth 0
+        files.update({f: self.manifest.files[real] for f, real in aliases.items()})
+        manifest = dataclasses.replace(self.manifest, split_tensor=spec.tensor, split_node=spec.node,
+                                       feature_shape=spec.feature_shape, files=files)
+        view_sha = hashlib.sha256(f"{self.sha256}:depth{depth}".encode()).hexdigest()
+        return Bundle(self.path, manifest, view_sha, depth=depth, aliases=aliases)
 
     def read(self, fname: str) -> bytes:
         """The bytes of one bundle file, verified against the manifest on these very bytes."""
         entry = self.manifest.files.get(fname)
         if entry is None:
             raise BundleError(f"{self.path}: bundle has no file {fname!r}")
-        where = self.path / fname
+        where = self.path / self.aliases.get(fname, fname)
         try:
             data = read_limited(where, max(entry.size, 0))
         except FileNotFoundError:

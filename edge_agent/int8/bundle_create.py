@@ -27,10 +27,12 @@ from .bundle import (
     HEAD_SYMBOL,
     MAX_CALIBRATION_BYTES,
     MAX_CALIBRATION_SAMPLES,
+    MAX_DEPTH,
     MAX_FILE_BYTES,
     REQUIRED_FILES,
     Bundle,
     BundleError,
+    Depth,
     FileEntry,
     InputSpec,
     Manifest,
@@ -38,6 +40,7 @@ from .bundle import (
     _load_npz_array,
     _parse_manifest,
     check_calibration,
+    depth_file,
     write_bundle_dir,
 )
 
@@ -261,6 +264,7 @@ def create_bundle(
     method: str | None = None,
     edgetpu_model: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
+    depths: int = 0,
 ) -> Bundle:
     """Build a bundle from a Gluon HybridBlock or an ONNX model (path or bytes).
 
@@ -269,6 +273,9 @@ def create_bundle(
     post-training quantisation on `calibration` (see `load_calibration`), backbone_int8.tflite;
     the head becomes an MXNet symbol + params. Inputs are validated before any work; the
     bundle is written to a temp directory, verified, then renamed to `dest`.
+    `depths` > 0 also records up to that many deeper training depths (int8/depth_cuts.py):
+    for each, the int8 prefix up to its cut and the fp32 tail from it; head.params then
+    holds the deepest tail's parameters.
     """
     import datetime
 
@@ -308,14 +315,20 @@ def create_bundle(
         extractor = onnx_utils.Extractor(model)  # runs strict shape inference
     except Exception as exc:  # onnx InferenceError names the op and node
         raise BundleError(f"{where}: ONNX shape inference fails: {str(exc).strip()[:300]}") from None
-    head_sym, head_args, head_aux = _head(extractor, model, tensor, float_graph, labels, where)
+    head_sym, head_args, head_aux = _head(extractor, model, tensor, tuple(float_graph.output_shape), labels, where)
     calib = load_calibration(calibration, spec)
-    try:
-        qgraph = quantize_graph(float_graph, calib, **({"method": method} if method else {}))
-        tflite = write_tflite(qgraph)
-        read_tflite(tflite)  # the reader's checks are what every device will run
-    except (UnsupportedOpError, GraphError) as exc:
-        raise BundleError(f"{where}: cannot quantise the backbone: {exc}") from None
+
+    def int8_prefix(graph: Any, what: str) -> bytes:
+        try:
+            tfl = write_tflite(quantize_graph(graph, calib, **({"method": method} if method else {})))
+            read_tflite(tfl)  # the reader's checks are what every device will run
+        except (UnsupportedOpError, GraphError) as exc:
+            raise BundleError(f"{where}: cannot quantise the {what}: {exc}") from None
+        return tfl
+
+    tflite = int8_prefix(float_graph, "backbone")
+    deep_files, deep_specs, params = _deeper(model, extractor, tensor, depths, labels, where, int8_prefix,
+                                             ({**head_args}, {**head_aux}))
     # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
     # and a check batch, small enough for a Pi's memory.
     keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
@@ -327,19 +340,51 @@ def create_bundle(
         BACKBONE_ONNX: extractor.extract_model([float_graph.input], [tensor]).SerializeToString(),
         BACKBONE_INT8: tflite,
         HEAD_SYMBOL: head_sym.tojson().encode(),
-        HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in head_args.items()}
-                                    | {f"aux:{k}": v for k, v in head_aux.items()}),
+        HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
+                                    | {f"aux:{k}": v for k, v in params[1].items()}),
         CALIBRATION: npz.getvalue(),
+        **deep_files,
     }
     if edgetpu_model is not None:
         files[BACKBONE_EDGETPU] = read_limited(edgetpu_model, MAX_FILE_BYTES)
         if files[BACKBONE_EDGETPU][4:8] != b"TFL3":
             raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
     manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
+    if deep_specs:
+        from .depth_cuts import depth_costs
+
+        head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, depth_costs(model, tensor))
+        manifest.depths = [head_depth, *deep_specs]
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
 
 
-def _head(extractor: Any, model: Any, tensor: str, float_graph: Any, labels: list[str],
+def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[str], where: str,
+            int8_prefix: Any, head_params: tuple[dict[str, Any], dict[str, Any]]
+            ) -> tuple[dict[str, bytes], list[Depth], tuple[dict[str, Any], dict[str, Any]]]:
+    """Files, manifest entries and head.params for the depths below the head split: per
+    depth its int8 prefix and fp32 tail; the parameters of every tail, which agree where
+    they overlap (each is imported from the same ONNX initialisers)."""
+    from .depth_cuts import depth_costs, depth_cuts
+    from .onnx_import import import_onnx
+
+    if not isinstance(depths, int) or isinstance(depths, bool) or not 0 <= depths <= MAX_DEPTH:
+        raise InputError(f"depths: must be an integer 0..{MAX_DEPTH}, got {depths!r}")
+    files: dict[str, bytes] = {}
+    specs: list[Depth] = []
+    args, aux = head_params
+    for k, cut in enumerate(depth_cuts(model, split, depths) if depths else [], start=1):
+        graph = import_onnx(model, split=cut.tensor)
+        shape = tuple(int(v) for v in graph.output_shape)
+        sym, t_args, t_aux = _head(extractor, model, cut.tensor, shape, labels, where)
+        files[depth_file(k, BACKBONE_INT8)] = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
+        files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
+        args.update(t_args)
+        aux.update(t_aux)
+        specs.append(Depth(k, cut.tensor, cut.kind, shape[1:], cut.node, depth_costs(model, cut.tensor)))
+    return files, specs, (args, aux)
+
+
+def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...], labels: list[str],
           where: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The head (split -> output) as MXNet symbol + params, checked before any slow work:
     MXNet can import it, it has something to train, its output size is len(labels)."""
@@ -358,10 +403,10 @@ def _head(extractor: Any, model: Any, tensor: str, float_graph: Any, labels: lis
         hint = f"; split before the classifier, e.g. --split {before[0]}" if before else ""
         raise BundleError(f"{where}: the head after {tensor!r} has no parameters: nothing to fine-tune{hint}")
     try:
-        _, (out,), _ = sym.infer_shape(**{tensor: tuple(int(v) for v in float_graph.output_shape)})
+        _, (out,), _ = sym.infer_shape(**{tensor: input_shape})
     except Exception as exc:  # MXNetError: the head does not take the backbone's output
         raise BundleError(f"{where}: the head does not accept the backbone's output "
-                          f"{tuple(float_graph.output_shape)}: {str(exc).strip().splitlines()[0][:200]}") from None
+                          f"{input_shape}: {str(exc).strip().splitlines()[0][:200]}") from None
     classes = int(np.prod(out[1:]))
     if classes != len(labels):
         raise InputError(f"{where}: the head outputs {classes} classes but {len(labels)} labels were given")
