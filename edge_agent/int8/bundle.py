@@ -66,7 +66,7 @@ CALIBRATION = "calibration.npz"
 REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBRATION)
 OPTIONAL_FILES = (BACKBONE_EDGETPU,)
 MAX_DEPTH = 8
-_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json)$")
+_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json)\Z")  # \Z: no "\n" after
 _COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements")
 
 
@@ -587,11 +587,12 @@ def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str],
         total = 0
         try:
             with tarfile.open(src, mode="r:*") as tar:
-                for member in tar:  # known names, each once: at most len(allowed) members
+                for member in tar:  # known names (depth files too), each once
                     where = f"{src}: member {member.name!r:.80}"
                     if not member.isreg():
                         raise BundleError(f"{where}: not a regular file (links and devices are refused)")
-                    if "/" in member.name or "\\" in member.name or member.name not in allowed:
+                    if "/" in member.name or "\\" in member.name or (
+                            member.name not in allowed and not _DEPTH_FILE_RE.match(member.name)):
                         raise BundleError(f"{where}: unexpected name (paths and unknown files are refused)")
                     if (tmp / member.name).exists():
                         raise BundleError(f"{where}: appears twice")

@@ -99,8 +99,9 @@ def depth_cuts(model: onnx.ModelProto, split_tensor: str, max_depths: int = 4) -
             found.setdefault(out, "add")
         elif n.op_type == "Concat":
             found.setdefault(out, "concat")
-        users = [nodes[c].op_type for c in consumers.get(out, [])]
-        if "Add" in users and len(users) > 1:
+        users = [nodes[c] for c in consumers.get(out, [])]
+        residual = any(u.op_type == "Add" and not any(i in consts for i in u.input) for u in users)
+        if residual and len(users) > 1:  # an Add of a constant (hard-swish's x + 3) is no skip
             found.setdefault(out, "block-input")
         elif plain and any(_depthwise(nodes[c], dims) for c in consumers.get(out, [])):
             found.setdefault(out, "stage")  # a plain chain (MobileNet v1): each separable block
@@ -154,9 +155,15 @@ def _trans_b(node: Any) -> bool:
 def depth_costs(model: onnx.ModelProto, cut_tensor: str) -> dict[str, int]:
     """Per-sample counts for training from `cut_tensor` to the outputs (see module doc):
     prefix_macs, tail_macs, tail_params, tail_activations, cut_elements."""
+    import onnx
+
     nodes, producer, _, consts = _graph_maps(model)
     shapes = _shapes(model)
     dims = {i.name: [int(d) for d in i.dims] for i in model.graph.initializer}
+    # parameters are float tensors with a shape: Clip's scalar bounds and the integer shape /
+    # axes / pads inputs of Reshape, Pad, Slice... are configuration, nothing to train or store
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+    weights = {i.name for i in model.graph.initializer if i.dims and i.data_type in floats}
     cut_at = producer.get(cut_tensor, -1)
     prefix_macs = tail_macs = tail_acts = 0
     tail_params: set[str] = set()
@@ -166,7 +173,7 @@ def depth_costs(model: onnx.ModelProto, cut_tensor: str) -> dict[str, int]:
             prefix_macs += macs
             continue
         tail_macs += macs
-        tail_params.update(i for i in n.input if i in dims)
+        tail_params.update(i for i in n.input if i in weights)
         for o in n.output:
             s = shapes.get(o)
             if s is not None:
