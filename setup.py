@@ -103,7 +103,7 @@ class BuildKernels(build_ext):
             objects.append(str(obj))
         target.parent.mkdir(parents=True, exist_ok=True)
         link = getattr(self.compiler, "linker_so", None) or [base[0], "-shared"]
-        cmd = [*link, *objects, "-o", str(target)]
+        cmd = [*link, *objects, "-pthread", "-o", str(target)]  # graph.c's thread pool
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"link failed: {proc.stderr.strip()[:300]}")

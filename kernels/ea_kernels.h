@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define EA_ABI_VERSION 4
+#define EA_ABI_VERSION 5
 
 #define EA_OK 0
 #define EA_EINVAL (-1) /* bad argument (sizes, strides, shift out of range, NULL) */
@@ -123,6 +123,41 @@ EA_API int ea_quantize_nchw(int64_t batch, int64_t c, int64_t hw, const float *x
 EA_API int ea_requantize(const ea_variant *v, int64_t n, const int32_t *acc, const int32_t *mult,
                          const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
                          int8_t *out);
+
+/* ---- whole-graph execution (graph.c) ----------------------------------------------------
+ * A run of int8 ops executed in one call, each op's rows split across a small thread pool of
+ * the library's own (`threads` includes the caller). Tensors live in caller-owned buffers
+ * named by slot index: slots[i] is a pointer the caller sets before each run (the input and
+ * output of the batch change, the intermediate buffers are reused). Ops run in order with a
+ * barrier between them; the first failing op stops the run and its error code is returned.
+ * Weights and requantisation arrays are read in place, so they must outlive the run. */
+#define EA_OP_CONV 1      /* conv params, w = packed filter, colsum, bias, mult, shift */
+#define EA_OP_DEPTHWISE 2 /* conv params, w = int16 taps, bias, mult, shift */
+#define EA_OP_GEMM 3      /* gemm params (m rows of in0, c_stride_m = n), w = packed B, ... */
+#define EA_OP_ADD 4       /* add params, n[0] elements of in0 + in1 */
+#define EA_OP_MEAN 5      /* n = batch, hw, c; q = in_zp, mult, shift, out_zp */
+#define EA_OP_QUANTIZE 6  /* float32 NCHW in0 -> int8 NHWC; n = batch, c, hw; q[0] = zp; scale */
+#define EA_OP_COPY 7      /* n[0] bytes (RESHAPE) */
+
+typedef struct ea_op {
+    int32_t kind;
+    int32_t in0, in1, out; /* slot indices (in1: ADD only) */
+    ea_conv_params conv;
+    ea_gemm_params gemm;
+    ea_add_params add;
+    int64_t n[3];
+    int32_t q[4];
+    float scale;
+    const void *w;
+    const int32_t *colsum, *bias, *mult, *shift;
+} ea_op;
+
+EA_API int ea_run_ops(const ea_variant *v, const ea_op *ops, int32_t n_ops, void *const *slots,
+                      int32_t threads);
+/* Worker threads the pool holds (started on first use, kept for the process's life). */
+EA_API int ea_pool_size(void);
+/* sizeof(ea_op), so a binding can check its mirror of the struct. */
+EA_API int ea_op_size(void);
 
 #ifdef __cplusplus
 }

@@ -381,6 +381,9 @@ class ConvPlan:
         self._keep = (f, requant, self._bias)  # the C call reads their memory
         self._head = (kernels._v, ctypes.byref(self.params))
         self._tail = (*weights, _ptr(self._bias), _ptr(requant.multiplier), _ptr(requant.shift))
+        self.pointers = self._tail  # (weights[, colsum], bias, mult, shift) for an ea_op
+        if len(self.pointers) == 4:
+            self.pointers = (self._tail[0], None, *self._tail[1:])
         self._rows = batch * oh * ow
         self._parts = max(1, min(threads or 1, self._rows // 64))  # below ~64 rows a split costs more
         self._kernels = kernels
@@ -430,6 +433,7 @@ class GemmPlan:
         self._b = (_ptr(b.data), _ptr(b.colsum), _ptr(self._bias),
                    None if self.int32 else _ptr(requant.multiplier), None if self.int32 else _ptr(requant.shift))
         self._strides: tuple[int, int] | None = None
+        self.pointers = self._b  # (packed B, colsum, bias, mult, shift) for an ea_op
 
     def __call__(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if not isinstance(a, np.ndarray) or a.dtype != _INT8 or a.shape != (self.rows, self.k):

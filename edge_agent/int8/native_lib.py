@@ -18,7 +18,7 @@ from ..errors import EXIT_UNAVAILABLE, EdgeAgentError
 from ..hardware.cpu import kernels_library_path
 
 ENV_VARIANT = "EDGE_AGENT_NATIVE_VARIANT"
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_K = 1 << 15  # the library's limit: int32 sums of (a - za)(b - zb) stay exact below it
 
 _ERRORS = {-1: "invalid argument", -2: "out of memory"}
@@ -52,6 +52,18 @@ class AddParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "zp1", "mult1", "shift1", "zp2", "mult2", "shift2", "out_mult", "out_shift", "out_zp",
         "act_min", "act_max")]
+
+
+OP_CONV, OP_DEPTHWISE, OP_GEMM, OP_ADD, OP_MEAN, OP_QUANTIZE, OP_COPY = range(1, 8)
+
+
+class OpStruct(ctypes.Structure):
+    """Mirror of ea_op: one op of a whole-graph run (ea_run_ops, kernels/graph.c)."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("in0", ctypes.c_int32), ("in1", ctypes.c_int32), ("out", ctypes.c_int32),
+                ("conv", ConvParams), ("gemm", GemmParams), ("add", AddParams), ("n", ctypes.c_int64 * 3),
+                ("q", ctypes.c_int32 * 4), ("scale", ctypes.c_float),
+                *((name, ctypes.c_void_p) for name in ("w", "colsum", "bias", "mult", "shift"))]
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ea_add": (ctypes.c_int, [vp, i64, vp, vp, ctypes.POINTER(AddParams), vp]),
         "ea_mean_hw": (ctypes.c_int, [i64, i64, i64, vp, i32, i32, i32, i32, vp]),
         "ea_quantize_nchw": (ctypes.c_int, [i64, i64, i64, vp, ctypes.c_float, i32, vp]),
+        "ea_run_ops": (ctypes.c_int, [vp, vp, i32, vp, i32]),
+        "ea_pool_size": (ctypes.c_int, []),
+        "ea_op_size": (ctypes.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -119,6 +134,9 @@ def load_library() -> ctypes.CDLL:
                     abi = lib.ea_abi_version()
                     if abi != ABI_VERSION:
                         raise OSError(f"ABI version {abi}, expected {ABI_VERSION}: rebuild the package")
+                    if lib.ea_op_size() != ctypes.sizeof(OpStruct):
+                        raise OSError(f"ea_op is {lib.ea_op_size()} bytes, the binding's mirror "
+                                      f"{ctypes.sizeof(OpStruct)}: rebuild the package")
                     _lib = lib
                     return lib
                 except (OSError, AttributeError) as exc:

@@ -29,6 +29,7 @@ from .. import reference_ops_elementwise as elementwise
 from ..engine import Availability, Int8Engine, Runner
 from ..graph import QGraph, QOp
 from ._common import check_batch, dequantize, nhwc_to_nchw
+from .native_program import Program, record_shapes
 from .reference import QGraphRunner
 
 NATIVE_OPS = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED")
@@ -182,35 +183,58 @@ class NativeOps:
         return self._run_conv(self._get(graph, op), op, np.ascontiguousarray(args[0]))
 
     def _run_conv(self, p: _Prepared, op: QOp, x: np.ndarray) -> np.ndarray:
-        plan = p.plans.get(x.shape)
-        if plan is None:  # first call at this batch size: validate and bind once
+        return self.conv_plan_for(p, op, x.shape)(x)
+
+    def conv_plan_for(self, p: _Prepared, op: QOp, shape: tuple[int, ...]) -> native.ConvPlan:
+        """The op's ConvPlan at this input shape, validated and bound once."""
+        plan = p.plans.get(shape)
+        if plan is None:
             o = op.options
-            plan = p.plans[x.shape] = self.kernels.conv_plan(
-                p.filt, p.requant, input_shape=x.shape, input_zero_point=p.input_zero_point, bias=p.bias,
+            plan = p.plans[shape] = self.kernels.conv_plan(
+                p.filt, p.requant, input_shape=shape, input_zero_point=p.input_zero_point, bias=p.bias,
                 stride=(o["stride_h"], o["stride_w"]), dilation=(o.get("dilation_h", 1), o.get("dilation_w", 1)),
                 padding=o["padding"], pads=o.get("native_pad"), threads=self.threads)
-        return plan(x)
+        return plan
+
+    def gemm_plan_for(self, p: _Prepared, rows: int) -> native.GemmPlan:
+        """A FULLY_CONNECTED's GemmPlan for `rows` rows of A."""
+        plan = p.plans.get((rows, p.filt.k))
+        if plan is None:
+            plan = p.plans[(rows, p.filt.k)] = self.kernels.gemm_plan(
+                p.filt, p.requant, rows=rows, bias=p.bias, a_zero_point=p.input_zero_point)
+        return plan
+
+    def add_params_for(self, graph: QGraph, op: QOp) -> native.AddParams | None:
+        if id(op) not in self._add:
+            self._add[id(op)] = add_params(graph, op)
+        return self._add[id(op)]
+
+    def mean_params_for(self, graph: QGraph, op: QOp, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+        """(zp_in, m', s', zp_out) of a MEAN over H and W at input shape NHWC `shape`."""
+        key = (id(op), shape[1] * shape[2])
+        if key not in self._mean:
+            tx, ty = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
+            self._mean[key] = (*mean_params(graph, op, key[1]), ops.zp_of(tx), ops.zp_of(ty))
+        m, s, zp_in, zp_out = self._mean[key]
+        return zp_in, m, s, zp_out
+
+    @staticmethod
+    def grouped(graph: QGraph, op: QOp) -> bool:
+        return _grouped(graph, op)
 
     conv_2d = depthwise_conv_2d = _conv
 
     def fully_connected(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
         p, x = self._get(graph, op), args[0]
         rows = np.ascontiguousarray(x).reshape(-1, p.filt.k)
-        plan = p.plans.get(rows.shape)
-        if plan is None:
-            plan = p.plans[rows.shape] = self.kernels.gemm_plan(
-                p.filt, p.requant, rows=rows.shape[0], bias=p.bias, a_zero_point=p.input_zero_point)
-        out = plan(rows)
+        out = self.gemm_plan_for(p, rows.shape[0])(rows)
         if op.options.get("keep_num_dims", False):
             return out.reshape(*x.shape[:-1], p.filt.n)
         return out
 
     def add(self, graph: QGraph, op: QOp, args: list) -> np.ndarray:
         a, b = args[0], args[1]
-        key = id(op)
-        if key not in self._add:
-            self._add[key] = add_params(graph, op)
-        params = self._add[key]
+        params = self.add_params_for(graph, op)
         if params is None or a.shape != b.shape:  # broadcasting or an unusual scale ratio
             return ops.KERNELS["ADD"](graph, op, args)
         return self.kernels.add(np.ascontiguousarray(a), np.ascontiguousarray(b), params)
@@ -222,11 +246,7 @@ class NativeOps:
         axes = sorted({int(a) % x.ndim for a in np.asarray(args[1]).reshape(-1)}) if x.ndim else []
         if x.ndim != 4 or axes != [1, 2]:
             return ops.KERNELS["MEAN"](graph, op, args)
-        key = (id(op), x.shape[1] * x.shape[2])
-        if key not in self._mean:  # (m', s', zp_in, zp_out): derived once per op and window
-            tx, ty = graph.tensor(op.inputs[0]), graph.tensor(op.outputs[0])
-            self._mean[key] = (*mean_params(graph, op, key[1]), ops.zp_of(tx), ops.zp_of(ty))
-        m, s, zp_in, zp_out = self._mean[key]
+        zp_in, m, s, zp_out = self.mean_params_for(graph, op, x.shape)
         y = self.kernels.mean_hw(np.ascontiguousarray(x), input_zero_point=zp_in, multiplier=m, shift=s,
                                  output_zero_point=zp_out)
         return y if op.options.get("keep_dims", False) else y.reshape(x.shape[0], x.shape[3])
@@ -237,15 +257,37 @@ class NativeOps:
 
 
 class NativeRunner(QGraphRunner):
-    """A QGraph on the native kernels; `variant` names the dispatched kernel variant."""
+    """A QGraph on the native kernels; `variant` names the dispatched kernel variant.
+
+    With `whole_graph` (the default) each input shape gets a native_program.Program: the
+    graph in one C call per batch, on the library's thread pool. Without it, every op is
+    its own call through the reference walker (kept for comparisons and as the recorder of
+    a program's shapes)."""
+
+    MAX_PROGRAMS = 8  # input shapes kept (a job's last batch is usually smaller)
 
     def __init__(self, graph: QGraph, *, kernels: native.NativeKernels | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, whole_graph: bool = True) -> None:
         self.native = kernels or native.NativeKernels()
         self.variant = self.native.name
         graph = elementwise.fuse_silu(fuse_pads(graph))  # SiLU pairs -> one table (reference_ops_elementwise)
         self._ops = NativeOps(self.native, graph, threads=threads)
+        self._threads, self.whole_graph = max(1, threads or 1), whole_graph
+        self._programs: dict[tuple[int, ...], Program] = {}
         super().__init__(graph, kernels={**self._ops.table(), **elementwise.NATIVE_KERNELS})
+
+    def _invoke(self, x: np.ndarray) -> np.ndarray:
+        if not self.whole_graph or not isinstance(x, np.ndarray) or x.dtype != np.int8:
+            return super()._invoke(x)
+        program = self._programs.get(x.shape)
+        if program is None:  # first batch of this shape: the walker runs it and records shapes
+            out, shapes = record_shapes(self.graph, self._kernels, x, self._run_graph)
+            if len(self._programs) >= self.MAX_PROGRAMS:
+                self._programs.pop(next(iter(self._programs)))
+            self._programs[x.shape] = Program(self._ops, self.graph, self._kernels, x.shape, shapes,
+                                              threads=self._threads)
+            return out if isinstance(out, np.ndarray) else out[self._dst]
+        return program(x)
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         """As QGraphRunner.run, with the input's quantisation and NCHW -> NHWC in one C pass."""
@@ -258,6 +300,7 @@ class NativeRunner(QGraphRunner):
         return nhwc_to_nchw(np.asarray(y, np.float32))
 
     def close(self) -> None:
+        self._programs.clear()
         self._ops._prepared.clear()  # packed weights
 
 

@@ -1,0 +1,270 @@
+/* Whole-graph execution: a run of ops in one call (ea_run_ops), each op's rows split across
+ * a small pool of worker threads owned by the library.
+ *
+ * Why in C: walking MobileNet's ~60 ops from Python costs ~15-25 us of interpreter and ctypes
+ * work per op, which is a fifth of the whole backbone at a fine-tuning batch; and a Python
+ * thread pool adds a future and a wake-up per op and part.
+ *
+ * Pool design, chosen for a shared 2-4 core device rather than an idle benchmark box:
+ *  - one mailbox per worker (sequence number + job), so the caller hands out exactly the
+ *    parts an op has and never rewrites a job a worker may still be reading;
+ *  - a worker spins on its mailbox for a short while (ops follow each other within
+ *    microseconds inside a run), yielding the core while it spins, then sleeps on a condition
+ *    variable: when the threads share one core, spinning must not starve the thread that
+ *    holds the work (XNNPACK's pool was measured at 30x slower in that situation);
+ *  - the caller takes part 0 itself and then waits for the others the same way;
+ *  - one run at a time uses the pool; a concurrent caller runs its ops on its own thread.
+ * Each part calls the same public entry points as single-op callers do, on a row range, so
+ * threading cannot change a result: every output element is computed by exactly one part.
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define EA_MAX_THREADS 16
+#define SPIN_NS 200000 /* a worker spins this long for the next op before sleeping */
+
+typedef struct part_job {
+    const ea_variant *v;
+    const ea_op *op;
+    void *const *slots;
+    int part, parts;
+} part_job;
+
+typedef struct mailbox {
+    _Atomic unsigned seq;  /* bumped by the caller for each job posted */
+    _Atomic unsigned done; /* set to seq by the worker when the job is finished */
+    _Atomic int rc;
+    part_job job;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thread;
+} mailbox;
+
+static struct {
+    pthread_mutex_t mu; /* guards starting workers */
+    pthread_mutex_t run_mu; /* one ea_run_ops uses the pool at a time */
+    int started;
+    pid_t pid; /* a forked child has no workers: it starts its own */
+    mailbox box[EA_MAX_THREADS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, 0, {{0}}};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* ------------------------------------------------------------------ one part of one op */
+
+static int64_t op_rows(const ea_op *op) {
+    switch (op->kind) {
+    case EA_OP_CONV:
+    case EA_OP_DEPTHWISE:
+        return (int64_t)op->conv.batch * op->conv.out_h * op->conv.out_w;
+    case EA_OP_GEMM:
+        return op->gemm.m;
+    case EA_OP_ADD:
+        return op->n[0];
+    case EA_OP_MEAN:
+    case EA_OP_QUANTIZE:
+        return op->n[0];
+    default:
+        return 1;
+    }
+}
+
+/* How many parts an op is worth splitting into: below ~64 output rows (or ~16 K added
+ * elements) a part costs less than handing it to another thread. */
+static int op_parts(const ea_op *op, int threads) {
+    int64_t rows = op_rows(op), unit;
+    switch (op->kind) {
+    case EA_OP_CONV:
+    case EA_OP_DEPTHWISE:
+    case EA_OP_GEMM:
+        unit = 64;
+        break;
+    case EA_OP_ADD:
+        unit = 16384;
+        break;
+    case EA_OP_MEAN:
+    case EA_OP_QUANTIZE:
+        unit = 1;
+        break;
+    default:
+        return 1;
+    }
+    int64_t parts = rows / unit;
+    if (parts > threads) parts = threads;
+    return parts < 1 ? 1 : (int)parts;
+}
+
+/* Row range of part i of n over `rows`, aligned to 16 rows (GEMM tiles) but the last. */
+static void part_range(int64_t rows, int i, int n, int64_t *lo, int64_t *hi) {
+    int64_t a = rows * i / n, b = rows * (i + 1) / n;
+    if (n > 1 && rows >= 16 * n) {
+        a = i == 0 ? 0 : (a + 15) / 16 * 16;
+        b = i == n - 1 ? rows : (b + 15) / 16 * 16;
+    }
+    *lo = a;
+    *hi = b;
+}
+
+static int run_part(const part_job *j) {
+    const ea_op *op = j->op;
+    void *const *s = j->slots;
+    const void *in0 = s[op->in0];
+    void *out = s[op->out];
+    int64_t lo, hi;
+    part_range(op_rows(op), j->part, j->parts, &lo, &hi);
+    if (hi <= lo) return EA_OK;
+    switch (op->kind) {
+    case EA_OP_CONV:
+        return ea_conv2d(j->v, &op->conv, (const int8_t *)in0, op->w, op->colsum, op->bias,
+                         op->mult, op->shift, (int8_t *)out, lo, hi);
+    case EA_OP_DEPTHWISE:
+        return ea_depthwise_conv2d(j->v, &op->conv, (const int8_t *)in0, (const int16_t *)op->w,
+                                   op->bias, op->mult, op->shift, (int8_t *)out, lo, hi);
+    case EA_OP_GEMM: {
+        ea_gemm_params g = op->gemm;
+        g.m = hi - lo;
+        const size_t elem = g.out_int32 ? 4 : 1;
+        return ea_gemm(j->v, &g, (const int8_t *)in0 + lo * g.a_stride_m, op->w, op->colsum,
+                       op->bias, op->mult, op->shift,
+                       (char *)out + (size_t)(lo * g.c_stride_m) * elem);
+    }
+    case EA_OP_ADD:
+        return ea_add(j->v, hi - lo, (const int8_t *)in0 + lo, (const int8_t *)s[op->in1] + lo,
+                      &op->add, (int8_t *)out + lo);
+    case EA_OP_MEAN: {
+        const int64_t hw = op->n[1], c = op->n[2];
+        return ea_mean_hw(hi - lo, hw, c, (const int8_t *)in0 + lo * hw * c, op->q[0], op->q[1],
+                          op->q[2], op->q[3], (int8_t *)out + lo * c);
+    }
+    case EA_OP_QUANTIZE: {
+        const int64_t c = op->n[1], hw = op->n[2];
+        return ea_quantize_nchw(hi - lo, c, hw, (const float *)in0 + lo * c * hw, op->scale,
+                                op->q[0], (int8_t *)out + lo * c * hw);
+    }
+    case EA_OP_COPY:
+        if (op->n[0] < 0) return EA_EINVAL;
+        if (out != in0) memmove(out, in0, (size_t)op->n[0]);
+        return EA_OK;
+    default:
+        return EA_EINVAL;
+    }
+}
+
+/* ------------------------------------------------------------------ the pool */
+
+static void *worker_main(void *arg) {
+    mailbox *b = (mailbox *)arg;
+    unsigned last = 0; /* seq when the thread was created: a job may be posted before it runs */
+    for (;;) {
+        unsigned seq;
+        int64_t t0 = now_ns();
+        int spins = 0;
+        while ((seq = atomic_load_explicit(&b->seq, memory_order_acquire)) == last) {
+            cpu_relax();
+            if (++spins % 64 == 0) {
+                if (now_ns() - t0 > SPIN_NS) break;
+                sched_yield(); /* let a thread sharing this core run */
+            }
+        }
+        if (seq == last) {
+            pthread_mutex_lock(&b->mu);
+            while ((seq = atomic_load_explicit(&b->seq, memory_order_acquire)) == last)
+                pthread_cond_wait(&b->cv, &b->mu);
+            pthread_mutex_unlock(&b->mu);
+        }
+        last = seq;
+        atomic_store_explicit(&b->rc, run_part(&b->job), memory_order_relaxed);
+        atomic_store_explicit(&b->done, seq, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Workers 1..n-1 running (worker 0 is the caller); returns how many threads are usable. */
+static int ensure_workers(int n) {
+    if (n > EA_MAX_THREADS) n = EA_MAX_THREADS;
+    pthread_mutex_lock(&pool.mu);
+    const pid_t pid = getpid();
+    if (pool.pid != pid) { /* first use, or a forked child: the parent's threads are gone */
+        memset(pool.box, 0, sizeof(pool.box));
+        pool.started = 1;
+        pool.pid = pid;
+    }
+    while (pool.started < n) {
+        mailbox *b = &pool.box[pool.started];
+        pthread_mutex_init(&b->mu, NULL);
+        pthread_cond_init(&b->cv, NULL);
+        atomic_store(&b->seq, 0);
+        atomic_store(&b->done, 0);
+        if (pthread_create(&b->thread, NULL, worker_main, b) != 0) break;
+        pthread_detach(b->thread);
+        pool.started++;
+    }
+    const int usable = pool.started < n ? pool.started : n;
+    pthread_mutex_unlock(&pool.mu);
+    return usable;
+}
+
+int ea_op_size(void) { return (int)sizeof(ea_op); }
+
+int ea_pool_size(void) { return pool.started > 0 ? pool.started - 1 : 0; }
+
+static void post(mailbox *b, const part_job *j) {
+    b->job = *j;
+    pthread_mutex_lock(&b->mu); /* under the lock, so a worker about to sleep cannot miss it */
+    atomic_fetch_add_explicit(&b->seq, 1, memory_order_release);
+    pthread_cond_signal(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+static int wait_done(mailbox *b) {
+    const unsigned seq = atomic_load_explicit(&b->seq, memory_order_relaxed);
+    int spins = 0;
+    while (atomic_load_explicit(&b->done, memory_order_acquire) != seq) {
+        cpu_relax();
+        if (++spins > 256) sched_yield();
+    }
+    return atomic_load_explicit(&b->rc, memory_order_relaxed);
+}
+
+int ea_run_ops(const ea_variant *v, const ea_op *ops, int32_t n_ops, void *const *slots,
+               int32_t threads) {
+    if (!v || !ops || !slots || n_ops < 0 || threads < 1) return EA_EINVAL;
+    int usable = 1;
+    const int pooled = threads > 1 && pthread_mutex_trylock(&pool.run_mu) == 0;
+    if (pooled) usable = ensure_workers(threads);
+    int rc = EA_OK;
+    for (int32_t i = 0; i < n_ops && rc == EA_OK; i++) {
+        const int parts = op_parts(&ops[i], usable);
+        part_job j = {v, &ops[i], slots, 0, parts};
+        for (int p = 1; p < parts; p++) {
+            j.part = p;
+            post(&pool.box[p], &j);
+        }
+        j.part = 0;
+        rc = run_part(&j);
+        for (int p = 1; p < parts; p++) {
+            const int prc = wait_done(&pool.box[p]);
+            if (rc == EA_OK) rc = prc;
+        }
+    }
+    if (pooled) pthread_mutex_unlock(&pool.run_mu);
+    return rc;
+}
