@@ -1,4 +1,9 @@
-/* x86-64 AVX2 variant: vpmaddwd + vpaddd (16 exact int8 MACs per pair of instructions). */
+/* x86-64 AVX2 variant. Weights without -128 (all of TFLite's symmetric ones) take the u8 x s8
+ * path: vpsignb + vpmaddubsw + vpmaddwd(ones) + vpaddd per 32 MACs, exact (x86_common.h);
+ * others the int16 path: vpmaddwd + vpaddd per 16 MACs. Both need the same multiply-port
+ * slots per MAC (measured: no faster on Zen 2), but the u8 path reads A as int8 in place
+ * (no widening pass) and halves B's bytes -- and it is the data path the VNNI variants run,
+ * which no machine or emulator here can execute, tested here one instruction short. */
 #if !defined(__x86_64__) || !defined(__AVX2__)
 #error "avx2.c needs an x86-64 compiler with -mavx2"
 #endif
@@ -8,4 +13,7 @@
 #define EA_X86_VARIANT ea_variant_avx2
 #define EA_X86_NAME "avx2"
 #define EA_X86_FEATURES "avx2"
+#define EA_X86_QMR8 8
+#define EA_X86_QMR16 4
+#define EA_X86_DOT4(acc, ua, sb) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((ua), (sb)), ones16))
 #include "x86_common.h"

@@ -1,6 +1,9 @@
 /* x86-64 AVX512-VNNI variant (Ice Lake, Zen 4 and later): the EVEX vpdpwssd on 256-bit
  * registers (AVX512VL) with 32 registers, so taller 12-row tiles; 256-bit vectors avoid the
- * clock penalty some CPUs take on 512-bit ones. */
+ * clock penalty some CPUs take on 512-bit ones.
+ *
+ * u8 x s8: vpdpbusd on |a| and sign(a) * b, one instruction per 32 MACs where AVX2 needs
+ * vpmaddubsw + vpmaddwd + vpaddd (x86_common.h states why it is exact). */
 #if !defined(__x86_64__) || !defined(__AVX512VNNI__) || !defined(__AVX512VL__)
 #error "avx512vnni.c needs an x86-64 compiler with -mavx512vnni -mavx512vl"
 #endif
@@ -10,4 +13,7 @@
 #define EA_X86_VARIANT ea_variant_avx512vnni
 #define EA_X86_NAME "avx512_vnni"
 #define EA_X86_FEATURES "avx2 avx512f avx512bw avx512vl avx512_vnni"
+#define EA_X86_QMR8 12
+#define EA_X86_QMR16 12
+#define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_epi32((acc), (ua), (sb))
 #include "x86_common.h"

@@ -1,4 +1,7 @@
-/* x86-64 AVX-VNNI variant (Alder Lake and later): vpdpwssd fuses vpmaddwd + vpaddd. */
+/* x86-64 AVX-VNNI variant (Alder Lake and later): vpdpwssd fuses vpmaddwd + vpaddd.
+ *
+ * u8 x s8: vpdpbusd on |a| and sign(a) * b, one instruction per 32 MACs where AVX2 needs
+ * vpmaddubsw + vpmaddwd + vpaddd (x86_common.h states why it is exact). */
 #if !defined(__x86_64__) || !defined(__AVXVNNI__)
 #error "avxvnni.c needs an x86-64 compiler with -mavxvnni"
 #endif
@@ -8,4 +11,7 @@
 #define EA_X86_VARIANT ea_variant_avxvnni
 #define EA_X86_NAME "avx_vnni"
 #define EA_X86_FEATURES "avx2 avx_vnni"
+#define EA_X86_QMR8 8
+#define EA_X86_QMR16 6
+#define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_avx_epi32((acc), (ua), (sb))
 #include "x86_common.h"

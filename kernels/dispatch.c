@@ -50,6 +50,12 @@ const char *ea_variant_name(const ea_variant *v) { return v ? v->name : ""; }
 const char *ea_variant_features(const ea_variant *v) { return v ? v->features : ""; }
 
 void ea_variant_geometry(const ea_variant *v, int32_t out[3]) {
+    if (v->qgemm) { /* the u8 x s8 kernels weights use (see ea_pack_b) */
+        out[0] = (int32_t)(v->qmr2 > v->qmr ? v->qmr2 : v->qmr);
+        out[1] = (int32_t)(v->qgemm2 ? 2 * v->nr : v->nr);
+        out[2] = 4;
+        return;
+    }
     out[0] = (int32_t)(v->mr2 > v->mr ? v->mr2 : v->mr);
     out[1] = (int32_t)(v->gemm2 ? 2 * v->nr : v->nr);
     out[2] = (int32_t)v->kc;
@@ -96,15 +102,71 @@ int ea_variant_runnable(const ea_variant *v) {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* Packed B starts with this header: the layout is chosen per matrix, because the u8 x s8
+ * kernels are exact only for a B without -128 (see x86_common.h). */
+#define EA_PACK_MAGIC 0x42504145u /* "EAPB" */
+#define EA_PACK_HEADER 64
+#define EA_LAYOUT_NATIVE 1 /* the variant's own kc / b_elem */
+#define EA_LAYOUT_QUAD 2   /* int8 [K/4][nr][4] for qgemm / qgemm2 */
+
+typedef struct pack_header {
+    uint32_t magic, layout;
+    int64_t n, k;
+} pack_header;
+
+typedef struct layout {
+    int64_t kc, b_elem, a_elem;
+    uint32_t mr, mr2;
+    ea_gemm_ukernel gemm, gemm2;
+} layout;
+
+static layout layout_of(const ea_variant *v, uint32_t kind) {
+    layout l;
+    if (kind == EA_LAYOUT_QUAD) {
+        l.kc = 4, l.b_elem = 1, l.a_elem = 1, l.mr = v->qmr, l.mr2 = v->qmr2;
+        l.gemm = v->qgemm, l.gemm2 = v->qgemm2;
+    } else {
+        l.kc = v->kc, l.b_elem = v->b_elem, l.a_elem = v->a_elem, l.mr = v->mr, l.mr2 = v->mr2;
+        l.gemm = v->gemm, l.gemm2 = v->gemm2;
+    }
+    return l;
+}
+
+static size_t layout_bytes(const layout *l, int64_t nr, int64_t n, int64_t k) {
+    return (size_t)(ceil_div(n, nr) * nr * ceil_div(k, l->kc) * l->kc * l->b_elem);
+}
+
 size_t ea_packed_b_size(const ea_variant *v, int64_t n, int64_t k) {
     if (!v || n <= 0 || k <= 0) return 0;
-    return (size_t)(ceil_div(n, v->nr) * v->nr * ceil_div(k, v->kc) * v->kc * v->b_elem);
+    const layout native = layout_of(v, EA_LAYOUT_NATIVE), quad = layout_of(v, EA_LAYOUT_QUAD);
+    size_t bytes = layout_bytes(&native, v->nr, n, k);
+    if (v->qgemm && layout_bytes(&quad, v->nr, n, k) > bytes) bytes = layout_bytes(&quad, v->nr, n, k);
+    return EA_PACK_HEADER + bytes;
 }
 
 int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_t stride_n,
               int64_t stride_k, void *packed, int32_t *colsum) {
     if (!v || !b || !packed || !colsum || n <= 0 || k <= 0 || k > EA_MAX_K) return EA_EINVAL;
-    const int64_t nr = v->nr, kc = v->kc, kpad = ceil_div(k, kc) * kc;
+    int has_min = 0;
+    for (int64_t col = 0; col < n; col++) {
+        int32_t s = 0;
+        for (int64_t kx = 0; kx < k; kx++) {
+            const int8_t val = b[col * stride_n + kx * stride_k];
+            s += val;
+            has_min |= val == -128;
+        }
+        colsum[col] = s;
+    }
+    /* EDGE_AGENT_NATIVE_INT16=1 keeps the int16 layout (benchmarks compare the two). */
+    const char *int16_only = getenv("EDGE_AGENT_NATIVE_INT16");
+    const int quad_ok = v->qgemm && !has_min && !(int16_only && int16_only[0] == '1');
+    const uint32_t kind = quad_ok ? EA_LAYOUT_QUAD : EA_LAYOUT_NATIVE;
+    const layout l = layout_of(v, kind);
+    pack_header h = {EA_PACK_MAGIC, kind, n, k};
+    memset(packed, 0, EA_PACK_HEADER);
+    memcpy(packed, &h, sizeof(h));
+    unsigned char *dst = (unsigned char *)packed + EA_PACK_HEADER;
+    const int64_t nr = v->nr, kc = l.kc, kpad = ceil_div(k, kc) * kc;
     const int64_t panels = ceil_div(n, nr);
     size_t idx = 0;
     for (int64_t p = 0; p < panels; p++) {
@@ -114,18 +176,13 @@ int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_
                 for (int64_t kk = 0; kk < kc; kk++, idx++) {
                     const int64_t kx = q + kk;
                     const int8_t val = (col < n && kx < k) ? b[col * stride_n + kx * stride_k] : 0;
-                    if (v->b_elem == 2)
-                        ((int16_t *)packed)[idx] = val;
+                    if (l.b_elem == 2)
+                        ((int16_t *)dst)[idx] = val;
                     else
-                        ((int8_t *)packed)[idx] = val;
+                        ((int8_t *)dst)[idx] = val;
                 }
             }
         }
-    }
-    for (int64_t col = 0; col < n; col++) {
-        int32_t s = 0;
-        for (int64_t kx = 0; kx < k; kx++) s += b[col * stride_n + kx * stride_k];
-        colsum[col] = s;
     }
     return EA_OK;
 }
@@ -226,10 +283,16 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
                      const int32_t *colsum, const int32_t *bias, const int32_t *mult,
                      const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
                      int out_int32, void *c, int64_t ldc) {
-    const int64_t nr = v->nr, kc = v->kc, ae = v->a_elem;
+    if (m_end <= m_begin) return EA_OK;
+    pack_header h;
+    memcpy(&h, packed_b, sizeof(h));
+    if (h.magic != EA_PACK_MAGIC || h.n != n || h.k != k) return EA_EINVAL;
+    const layout lay = layout_of(v, h.layout);
+    if (!lay.gemm) return EA_EINVAL;
+    packed_b = (const unsigned char *)packed_b + EA_PACK_HEADER;
+    const int64_t nr = v->nr, kc = lay.kc, ae = lay.a_elem;
     const int64_t kpad = ceil_div(k, kc) * kc, panels = ceil_div(n, nr);
     const size_t elem = out_int32 ? 4 : 1;
-    if (m_end <= m_begin) return EA_OK;
 
     /* A 1x1 unpadded convolution reads its rows straight from the input pixels. */
     int conv_inplace = 0;
@@ -242,7 +305,7 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
     /* int8 kernels can even use those rows without a copy when K needs no padding. */
     const int direct = ae == 1 && kpad == k && (src->conv ? conv_inplace : src->sk == 1);
     /* Block of rows whose A data (~32 KiB) stays in cache while every B panel passes over it. */
-    const int64_t mr_max = v->mr2 > v->mr ? v->mr2 : v->mr;
+    const int64_t mr_max = lay.mr2 > lay.mr ? lay.mr2 : lay.mr;
     int64_t mc = (32768 / (kpad * ae)) / mr_max * mr_max;
     if (mc < mr_max) mc = mr_max;
     if (mc > 240) mc = 240 / mr_max * mr_max;
@@ -317,11 +380,11 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
         }
         for (int64_t i = rows_here; i < rows_here + EA_MAX_MR; i++) rows[i] = rows[rows_here - 1];
         for (int64_t p = 0; p < panels;) {
-            const int wide = v->gemm2 != NULL && p + 1 < panels;
+            const int wide = lay.gemm2 != NULL && p + 1 < panels;
             const int64_t width = wide ? 2 * nr : nr;
-            const ea_gemm_ukernel kernel = wide ? v->gemm2 : v->gemm;
+            const ea_gemm_ukernel kernel = wide ? lay.gemm2 : lay.gemm;
             const int64_t ncols = (n - p * nr) < width ? (n - p * nr) : width;
-            const void *bp = (const unsigned char *)packed_b + (size_t)(p * nr * kpad) * v->b_elem;
+            const void *bp = (const unsigned char *)packed_b + (size_t)(p * nr * kpad) * lay.b_elem;
             ea_epilogue ep = {bias_eff + p * nr, mult_p + p * nr, shift_p + p * nr,
                               b_zp != 0 ? row_add : NULL, out_zp, act_min, act_max, out_int32};
             char *cp = (char *)c + (size_t)(m0 * ldc + p * nr) * elem;

@@ -75,6 +75,12 @@ struct ea_variant {
     ea_dw_ukernel dw;
     ea_requant_fn requant;
     ea_add_fn add;
+    /* Optional u8 x s8 kernels over int8 B packed [K/4][nr][4] ("quad" layout), used for a B
+     * without -128 (ea_pack_b decides and records the layout in the packed header). */
+    uint32_t qmr;
+    ea_gemm_ukernel qgemm;
+    uint32_t qmr2;
+    ea_gemm_ukernel qgemm2; /* qmr2 x 2nr tiles over two adjacent panels */
 };
 
 /* ---- TFLite / gemmlowp fixed-point rules, scalar (the ground truth of every variant) ---- */

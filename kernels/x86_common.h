@@ -202,6 +202,65 @@ static inline __attribute__((always_inline)) void x86_row_out(
 X86_TILE(x86_gemm8, EA_X86_MR8, X86_ROWS(EA_X86_MR8), 1, X86_MAC1, X86_OUT1)
 X86_TILE(x86_gemm16, EA_X86_MR16, X86_ROWS(EA_X86_MR16), 2, X86_MAC2, X86_OUT2)
 
+/* ---- u8 x s8 GEMM ("quad" layout): B panels [K/4][8 columns][4 k] int8, A rows read in
+ * place as int8. Per k-quad the 4 bytes a[m][k..k+3] are broadcast; vpmaddubsw multiplies
+ * unsigned by signed bytes, so the sign goes onto B: |a| (u8, at most 128) times
+ * sign(a) * b (s8, vpsignb). Exact because the packer uses this layout only for B without
+ * -128 (TFLite's symmetric weights are in [-127, 127]): then sign(a) * b is in [-127, 127]
+ * and each int16 pair sum is at most 2 * 128 * 127 = 32512 < 2^15, so vpmaddubsw never
+ * saturates. EA_X86_DOT4 sums the quad into the int32 lane: vpmaddwd with ones + vpaddd on
+ * AVX2, one vpdpbusd on VNNI (same operands, so both variants compute the same integers). */
+static inline __m256i x86_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#define X86_QMAC1(i)                                                    \
+    {                                                                   \
+        const __m256i av = x86_bcast4(a[i] + k);                        \
+        const __m256i ua = _mm256_abs_epi8(av);                         \
+        c##i##a = EA_X86_DOT4(c##i##a, ua, _mm256_sign_epi8(bv0, av));  \
+    }
+#define X86_QMAC2(i)                                                    \
+    {                                                                   \
+        const __m256i av = x86_bcast4(a[i] + k);                        \
+        const __m256i ua = _mm256_abs_epi8(av);                         \
+        c##i##a = EA_X86_DOT4(c##i##a, ua, _mm256_sign_epi8(bv0, av));  \
+        c##i##b = EA_X86_DOT4(c##i##b, ua, _mm256_sign_epi8(bv1, av));  \
+    }
+
+#define X86_QTILE(FN, MR_, ROWS, NV, MAC, OUT)                                                  \
+    static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                   \
+                   const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {           \
+        static const int32_t zero8[16] = {0};                                                   \
+        const int32_t *mult = ep->out_int32 ? zero8 : ep->mult;                                 \
+        const int32_t *shift = ep->out_int32 ? zero8 : ep->shift;                               \
+        const x86_rq q0 = x86_rq_load(ep->bias, mult, shift);                                   \
+        const x86_rq q1 = NV > 1 ? x86_rq_load(ep->bias + NR, mult + NR, shift + NR) : q0;      \
+        const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);                  \
+        const __m256i ones16 = _mm256_set1_epi16(1);                                            \
+        (void)ones16;                                                                           \
+        const int8_t *b0 = (const int8_t *)b_panel;                                            \
+        const int8_t *b1 = b0 + kpad * NR; /* the next panel */                                \
+        for (size_t s = 0; s < m; s += MR_) {                                                   \
+            const int8_t *const *a = (const int8_t *const *)rows + s;                          \
+            const size_t mr = m - s < MR_ ? m - s : MR_;                                        \
+            ROWS(X86_ZERO)                                                                      \
+            for (size_t k = 0; k < kpad; k += 4) {                                              \
+                const __m256i bv0 = _mm256_loadu_si256((const __m256i *)(b0 + k * NR));        \
+                const __m256i bv1 =                                                             \
+                    NV > 1 ? _mm256_loadu_si256((const __m256i *)(b1 + k * NR)) : bv0;          \
+                (void)bv1;                                                                      \
+                ROWS(MAC)                                                                       \
+            }                                                                                   \
+            ROWS(OUT)                                                                           \
+        }                                                                                       \
+    }
+
+X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_OUT1)
+X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_OUT2)
+
 static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -306,7 +365,7 @@ static void x86_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, i
 
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
-    x86_widen, x86_dw, x86_requant_n, x86_add,
+    x86_widen, x86_dw, x86_requant_n, x86_add, EA_X86_QMR8, x86_qgemm8, EA_X86_QMR16, x86_qgemm16,
 };
 
 #endif

@@ -180,6 +180,27 @@ def test_gemm_across_row_blocks_and_long_k(kernels: native.NativeKernels, m: int
     np.testing.assert_array_equal(got, qm.requantize(acc, mult, shift, -3, -128, 127))
 
 
+@pytest.mark.parametrize("name", sorted(ALL_VARIANTS))
+@pytest.mark.parametrize("with_min", [False, True])
+def test_gemm_u8s8_layout_and_its_saturation_edge(name: str, with_min: bool) -> None:
+    """Weights without -128 take the u8 x s8 layout on x86 (vpmaddubsw / vpdpbusd on |a| and
+    sign(a) * b), a B with -128 the int16 one; both exact, including the extreme pair sums
+    (a = -128 against b = +-127: 2 * 128 * 127 per int16 lane) and every K tail."""
+    kernels = _kernels(name)
+    rng = np.random.default_rng(3)
+    for m, n, k in ((37, 24, 64), (5, 17, 7), (16, 33, 130), (3, 8, 4)):
+        a = rng.integers(-128, 128, (m, k), dtype=np.int8)
+        b = rng.integers(-127, 128, (n, k), dtype=np.int8)
+        a[0], b[0], b[1] = -128, -127, 127  # the saturation edge, both signs
+        a[1, ::2] = -128
+        if with_min:
+            b[2 % n, k // 2] = -128
+        za, zb = (int(v) for v in rng.integers(-128, 128, 2))
+        got = kernels.gemm_s32(a, kernels.pack(b), a_zero_point=za, b_zero_point=zb)
+        want = (a.astype(np.int64) - za) @ (b.astype(np.int64) - zb).T
+        np.testing.assert_array_equal(got, want.astype(np.int32))
+
+
 def test_backward_shapes_without_copies(kernels: native.NativeKernels) -> None:
     """dW = X^T . dY and dX = dY . W^T on views of the forward tensors."""
     rng = np.random.default_rng(5)
