@@ -60,6 +60,8 @@ def _engine_runners(bundle: Any, threads: int) -> tuple[dict[str, Any], list[str
                     bundle.tflite_bytes(), threads=threads, delegates=[])  # what the wheel does by default
             else:
                 runners[f"{name}, {threads} threads"] = engine.prepare(bundle, threads=threads)
+                if name == "native" and threads > 1:  # side by side with XNNPACK at 1 thread too
+                    runners["native, 1 thread"] = engine.prepare(bundle, threads=1)
         except Exception as exc:  # a failing engine is a line in the report, not a crash
             missing.append(f"{name}: prepare failed: {type(exc).__name__}: {exc}")
     return runners, missing
@@ -159,7 +161,9 @@ def run(quick: bool = False) -> str:
     threads = usable_cpus()
     rounds = 5 if quick else 15
     configs = CONFIGS[:1] if quick else CONFIGS
-    out = ["## int8 engines vs MXNet fp32", "",
+    from bench.bench_kernels import cpu_line
+
+    out = ["## int8 engines vs MXNet fp32", "", cpu_line(), "",
            f"Batch {BATCH}, {threads} threads for every engine (MXNet: OpenMP), random weights; median of "
            f"{rounds} interleaved rounds (the numpy reference and TFLite's builtin kernels: 3). "
            "Agreement is checked on the bundle's calibration batch (int8 units for engines running "

@@ -100,22 +100,23 @@ def _timeit(fn: Callable[[], object], repeats: int, target_s: float = 0.02) -> f
 
 
 def _timeit_interleaved(fns: dict[str, Callable[[], object]], repeats: int,
-                        target_s: float = 0.05) -> dict[str, float]:
+                        target_s: float = 0.05, clock: Callable[[], float] = time.thread_time) -> dict[str, float]:
     """Like _timeit for several engines, alternating them every repetition so a change in
-    the machine's load hits all of them alike."""
+    the machine's load hits all of them alike. `clock`: thread CPU time unless a row runs
+    threads of its own (then wall time)."""
     inner = {}
     for name, fn in fns.items():
         fn()
-        t0 = time.thread_time()
+        t0 = clock()
         fn()
-        inner[name] = max(1, int(target_s / max(time.thread_time() - t0, 1e-6)))
+        inner[name] = max(1, int(target_s / max(clock() - t0, 1e-6)))
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.thread_time()
+            t0 = clock()
             for _ in range(inner[name]):
                 fn()
-            times[name].append((time.thread_time() - t0) / inner[name])
+            times[name].append((clock() - t0) / inner[name])
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -137,18 +138,67 @@ def _cpu() -> tuple[str, float, set[str]]:
 
 
 def int8_peak_ops_per_cycle(flags: set[str]) -> tuple[int, int, str]:
-    """(theoretical int8 ops/cycle of the widest int8 instruction, ops/cycle of the exact
-    path the kernels use, what was assumed) for one core with 2 vector multiply pipes."""
+    """(theoretical int8 ops/cycle of the widest u8 x s8 instruction, ops/cycle the exact path
+    the kernels use can reach, what was assumed) for one core with 2 vector multiply pipes."""
     if "avx512_vnni" in flags:
-        return 2 * 64 * 2, 2 * 32 * 2, "2 x vpdpbusd zmm (64 MACs) per cycle; kernels: vpdpwssd ymm"
+        return 2 * 64 * 2, 2 * 32 * 2, "2 x vpdpbusd zmm (64 MACs) per cycle; kernels: vpdpbusd ymm"
     if "avx_vnni" in flags:
-        return 2 * 32 * 2, 2 * 16 * 2, "2 x vpdpbusd ymm (32 MACs) per cycle; kernels: vpdpwssd ymm"
+        return 2 * 32 * 2, 2 * 32 * 2, "2 x vpdpbusd ymm (32 MACs) per cycle; kernels: the same"
     if "avx2" in flags:
-        return 2 * 32 * 2, 2 * 16 * 2, ("2 x vpmaddubsw ymm (32 u8*s8 MACs, saturating) per cycle; "
-                                        "kernels: exact vpmaddwd ymm (16 MACs) + vpaddd")
+        return 2 * 32 * 2, 2 * 16 * 2, ("2 x vpmaddubsw ymm (32 u8*s8 MACs, saturating) per cycle; exact "
+                                        "kernels need vpmaddubsw + vpmaddwd per 32 MACs (or vpmaddwd per 16), "
+                                        "i.e. half of it")
     if "asimddp" in flags:
         return 2 * 16 * 2, 2 * 16 * 2, "2 x SDOT (16 MACs) per cycle"
     return 2 * 8 * 2, 2 * 4 * 2, "2 x NEON smull/smlal (8 MACs) per cycle"
+
+
+INT8_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8",
+              "asimd", "asimddp", "i8mm", "sve")
+
+
+def cpu_line() -> str:
+    """The CPU as this run saw it: model, clock, and which int8-relevant flags it has."""
+    model, mhz, flags = _cpu()
+    have = [f for f in INT8_FLAGS if f in flags]
+    lacks = [f for f in INT8_FLAGS if f not in flags and (f.startswith("a") or f in ("fma", "i8mm", "sve"))]
+    return (f"CPU: {model}, {mhz:.0f} MHz reported, {len(__import__('os').sched_getaffinity(0))} usable cores; "
+            f"int8 flags: {' '.join(have) or 'none'} (absent: {' '.join(lacks) or 'none'}).")
+
+
+def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exact_peak: float) -> list[str]:
+    """The square 1024^3 GEMM: the u8 x s8 path (weights in [-127, 127]), the int16 path (a B
+    with -128), numpy fp32 (OpenBLAS, 1 thread)."""
+    import os
+
+    from edge_agent.int8 import native
+
+    m = k = n = 1024
+    a = rng.integers(-128, 128, (m, k), dtype=np.int8)
+    b = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    rq = native.Requant.make(1 << 30, -12, 0, channels=n)
+    out = np.empty((m, n), np.int8)
+    plans = {"int8 u8 x s8 path": kernels.gemm_plan(kernels.pack(b), rq, rows=m)}
+    os.environ["EDGE_AGENT_NATIVE_INT16"] = "1"
+    try:
+        plans["int8 int16 path"] = kernels.gemm_plan(kernels.pack(b), rq, rows=m)
+    finally:
+        del os.environ["EDGE_AGENT_NATIVE_INT16"]
+    af, bf = a.astype(np.float32), b.T.astype(np.float32).copy()
+    outf = np.empty((m, n), np.float32)
+    fns = {name: (lambda p=plan: p(a, out)) for name, plan in plans.items()}
+    fns["fp32 numpy (OpenBLAS)"] = lambda: np.matmul(af, bf, out=outf)
+    times = _timeit_interleaved(fns, max(3, repeats), target_s=0.1)
+    ops = 2 * m * n * k
+    rows = [f"| {name} | {t * 1e3:.1f} | {ops / t / 1e9:.1f} | {ops / t / peak:.0%} | {ops / t / exact_peak:.0%} |"
+            for name, t in times.items()]
+    ratio = times["fp32 numpy (OpenBLAS)"] / times["int8 u8 x s8 path"]
+    frac = ops / times["int8 u8 x s8 path"] / peak
+    return ["### 1024 x 1024 x 1024 GEMM (int8 output, requantised)", "",
+            "| path | ms | GOP/s | of the u8 x s8 peak | of the exact-path ceiling |", "|---|---:|---:|---:|---:|",
+            *rows, "",
+            f"u8 x s8 path: {frac:.0%} of the theoretical u8 x s8 peak (target >= 60 %: "
+            f"{'met' if frac >= 0.6 else 'NOT met'}), {ratio:.2f}x numpy fp32.", ""]
 
 
 def _layer_models(layer: Layer, batch: int, rng: np.random.Generator):
@@ -219,41 +269,66 @@ def _whole_backbone(batch: int, repeats: int, rng: np.random.Generator) -> list[
     graph = b.build(x)
     model = write_tflite(graph)
     xin = rng.integers(-128, 128, (batch, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.int8)
-    runners: dict[str, object] = {"native": NativeRunner(graph, threads=1), "reference": QGraphRunner(graph)}
-    try:
-        runners["tflite/XNNPACK"] = TfliteRunner(model, threads=1, where="backbone")
-    except EngineError as exc:
-        runners["tflite/XNNPACK"] = str(exc)
-    ref = runners["reference"].run_int8(xin)  # type: ignore[union-attr]
+    reference = QGraphRunner(graph)
+    ref = reference.run_int8(xin)
+    # One group per thread count, each timed interleaved, the next group's runners created
+    # only after the previous group is closed: XNNPACK's pool threads spin after each call and
+    # would take a core from whichever row runs next.
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     rows = []
-    fast = {name: (lambda r=runner: r.run_int8(xin)) for name, runner in runners.items()  # type: ignore[union-attr]
-            if name != "reference" and not isinstance(runner, str)}
-    times = _timeit_interleaved(fast, max(1, repeats))
-    times["reference"] = _timeit(lambda: runners["reference"].run_int8(xin), 1, 0.05)  # type: ignore[union-attr]
-    for name, runner in runners.items():
-        if isinstance(runner, str):
-            rows.append(f"| {name} | unavailable: {runner} | | |")
-            continue
-        out = runner.run_int8(xin)  # type: ignore[union-attr]
-        diff = int(np.abs(out.astype(np.int32) - ref.astype(np.int32)).max())
-        t = times[name]
-        rows.append(f"| {name} | {t * 1e3:.1f} | {batch / t:.0f} | {diff} |")
-    ratio = ""
-    if "tflite/XNNPACK" in times:
-        ratio = (f"\nnative / XNNPACK whole-backbone time: {times['native'] / times['tflite/XNNPACK']:.2f}x; "
-                 f"native is {times['reference'] / times['native']:.0f}x faster than the numpy reference.\n")
+    for threads in (1, 2):
+        runners: dict[str, object] = {f"native, {threads} thread(s)": NativeRunner(graph, threads=threads)}
+        try:
+            runners[f"tflite/XNNPACK, {threads} thread(s)"] = TfliteRunner(model, threads=threads, where="backbone")
+        except EngineError as exc:
+            runners[f"tflite/XNNPACK, {threads} thread(s)"] = str(exc)
+        if threads == 1:
+            runners["native per op (walker), 1 thread"] = NativeRunner(graph, threads=1, whole_graph=False)
+        fast = {name: (lambda r=runner: r.run_int8(xin)) for name, runner in runners.items()  # type: ignore[union-attr]
+                if not isinstance(runner, str)}
+        wall.update(_timeit_interleaved(fast, max(3, repeats), clock=time.perf_counter))
+        # 1 thread: thread CPU time; 2 threads: the process's CPU time (all its threads)
+        cpu.update(_timeit_interleaved(fast, max(1, repeats), clock=time.thread_time if threads == 1
+                                       else time.process_time))
+        for name, runner in runners.items():
+            if isinstance(runner, str):
+                rows.append(f"| {name} | unavailable: {runner} | | | |")
+                continue
+            out = runner.run_int8(xin)  # type: ignore[union-attr]
+            diff = int(np.abs(out.astype(np.int32) - ref.astype(np.int32)).max())
+            rows.append(f"| {name} | {wall[name] * 1e3:.2f} | {cpu[name] * 1e3:.2f} | {batch / wall[name]:.0f} | {diff} |")
+            runner.close()  # type: ignore[union-attr]
+        del runners, fast
+    t_ref = _timeit(lambda: reference.run_int8(xin), 1, 0.05)
+    rows.append(f"| numpy reference, 1 thread | - | {t_ref * 1e3:.1f} | {batch / t_ref:.0f} | 0 |")
+    verdicts = []
+    for threads in (1, 2):
+        nat, xnn = f"native, {threads} thread(s)", f"tflite/XNNPACK, {threads} thread(s)"
+        if xnn in wall:
+            basis, ratio = ("CPU", cpu[xnn] / cpu[nat]) if threads == 1 else ("wall", wall[xnn] / wall[nat])
+            other = wall[xnn] / wall[nat] if threads == 1 else cpu[xnn] / cpu[nat]
+            verdicts.append(f"{threads} thread(s): XNNPACK / native {basis} time {ratio:.2f}x "
+                            f"({'native >= XNNPACK' if ratio >= 1 else 'native SLOWER'}; "
+                            f"{'wall' if threads == 1 else 'CPU'} {other:.2f}x)")
     return [
         f"### Whole backbone (MobileNetV2 {WIDTH} @ {INPUT_SIZE}x{INPUT_SIZE}, {len(graph.ops)} ops, batch {batch})",
         "",
-        "Native and XNNPACK repetitions alternate (the reference, ~25x slower, is timed once).",
+        "One process; the 1-thread rows are timed interleaved, then the 2-thread rows (XNNPACK's "
+        "pool threads keep spinning after a call and would slow whichever row ran next). Medians of "
+        "wall time, and of CPU time: the thread's at 1 thread (what the machine's other load cannot "
+        "inflate; the 1-thread verdict), the whole process's at 2 threads. `native` runs the whole "
+        "graph in one C call per batch (kernels/graph.c, its own thread pool); `per op` is the "
+        "previous path, one Python call per op.",
         "",
-        "| engine | ms / batch (CPU) | images/s | max abs diff vs reference (int8 units) |",
-        "|---|---:|---:|---:|",
+        "| engine | ms / batch (wall) | ms / batch (CPU) | images/s (wall) | max abs diff vs reference (int8 units) |",
+        "|---|---:|---:|---:|---:|",
         *rows,
-        ratio,
-        "The native engine runs CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / ADD / MEAN in C, "
-        "one Python call per op through the reference graph walker; XNNPACK requantises in fp32, "
-        "so it may differ from TFLite's integer reference by 1 unit.",
+        "",
+        "Native vs XNNPACK: " + "; ".join(verdicts) + ".",
+        "",
+        "XNNPACK requantises in fp32, so it may differ from TFLite's integer reference by 1 unit; "
+        "native is bit-exact.",
     ]
 
 
@@ -316,6 +391,7 @@ def run(quick: bool = False) -> str:
                     totals[key] += count * val
             xnn.close()
         backbone = _whole_backbone(batch, repeats, rng)
+        big = _gemm_1024(kernels, rng, repeats, peak, exact_cycle * mhz * 1e6 if mhz else math.nan)
 
     co, do = totals["conv_ops"], totals["dw_ops"]
     all_native = totals["conv_native"] + totals["dw_native"]
@@ -327,7 +403,7 @@ def run(quick: bool = False) -> str:
         "## Native int8 kernels (kernels/, `native` engine)",
         "",
         f"Variant dispatched: **{v.name}** (tile {v.geometry[0]}x{v.geometry[1]}, K step {v.geometry[2]}; "
-        f"built: {', '.join(x.name for x in native.variants())}). CPU: {model}, {mhz:.0f} MHz reported. "
+        f"built: {', '.join(x.name for x in native.variants())}). {cpu_line()} "
         f"Batch {batch}, MobileNetV2 {WIDTH} @ {INPUT_SIZE}x{INPUT_SIZE}; repeated blocks share a row "
         f"(`n` = how many layers have that shape). Single thread, thread CPU time, median of {repeats}.",
         "",
@@ -369,6 +445,7 @@ def run(quick: bool = False) -> str:
         f"| **total** | | {do / 1e6:.1f} | {do / totals['dw_native'] / 1e9:.1f} | {do / totals['dw_numpy'] / 1e9:.1f} | "
         f"{do / totals['dw_xnn'] / 1e9:.1f} | **{totals['dw_xnn'] / totals['dw_native']:.2f}** |",
         "",
+        *big,
         *backbone,
         "",
         "How: `python -m bench.run --only bench_kernels` (bench/bench_kernels.py). Native figures include "

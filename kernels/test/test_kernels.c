@@ -7,7 +7,10 @@
  * Kinds: 1 GEMM, 2 CONV_2D, 3 DEPTHWISE_CONV_2D, 4 requantise, 5 ADD, 6 MEAN over H, W,
  * 7 QUANTIZE float32 NCHW -> int8 NHWC.
  * Every runnable variant runs every case; convolutions are split into two row ranges to
- * exercise the threading entry points. Prints one line per variant; exit 0 iff all agree.
+ * exercise the threading entry points, and run again as a one-op graph through ea_run_ops
+ * on 3 threads (the library's pool), as are ADDs on 2: the pool's hand-off is checked on
+ * every target, qemu's emulated ones included. Prints one line per variant; exit 0 iff all
+ * agree.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,10 +55,21 @@ static void conv_from(const int64_t *q, ea_conv_params *p) {
     for (int i = 0; i < (int)(sizeof(*p) / sizeof(int32_t)); i++) f[i] = (int32_t)q[i];
 }
 
+/* op as a one-op graph on `threads` threads: slot 0 input, 1 output, 2 second input. */
+static int run_graph1(const ea_variant *v, ea_op *op, const void *in0, const void *in1, void *out,
+                      int threads) {
+    void *slots[3] = {(void *)in0, out, (void *)in1};
+    op->in0 = 0, op->out = 1, op->in1 = 2;
+    return ea_run_ops(v, op, 1, slots, threads);
+}
+
 /* Runs one case on one variant; returns 1 if the output equals the expected bytes. */
 static int run_case(const ea_variant *v, const tcase *c, int index) {
     const blob *exp = &c->arrays[c->narrays - 1];
     unsigned char *out = (unsigned char *)calloc(exp->n ? exp->n : 1, 1);
+    unsigned char *out2 = NULL; /* the same op through ea_run_ops, where the case has one */
+    ea_op op;
+    memset(&op, 0, sizeof(op));
     int rc = -100;
     if (c->kind == 1) {
         const int64_t *q = c->params;
@@ -88,6 +102,12 @@ static int run_case(const ea_variant *v, const tcase *c, int index) {
             if (rc == 0)
                 rc = ea_conv2d(v, &p, (const int8_t *)c->arrays[0].p, packed, colsum, bias, mult,
                                shift, (int8_t *)out, half, total);
+            if (rc == 0) {
+                op.kind = EA_OP_CONV, op.conv = p, op.w = packed, op.colsum = colsum;
+                op.bias = bias, op.mult = mult, op.shift = shift;
+                out2 = (unsigned char *)calloc(exp->n ? exp->n : 1, 1);
+                rc = run_graph1(v, &op, c->arrays[0].p, NULL, out2, 3);
+            }
             free(packed);
             free(colsum);
         } else {
@@ -99,6 +119,12 @@ static int run_case(const ea_variant *v, const tcase *c, int index) {
             if (rc == 0)
                 rc = ea_depthwise_conv2d(v, &p, (const int8_t *)c->arrays[0].p, w16, bias, mult,
                                          shift, (int8_t *)out, half, total);
+            if (rc == 0) {
+                op.kind = EA_OP_DEPTHWISE, op.conv = p, op.w = w16;
+                op.bias = bias, op.mult = mult, op.shift = shift;
+                out2 = (unsigned char *)calloc(exp->n ? exp->n : 1, 1);
+                rc = run_graph1(v, &op, c->arrays[0].p, NULL, out2, 3);
+            }
             free(w16);
         }
     } else if (c->kind == 4) {
@@ -113,6 +139,11 @@ static int run_case(const ea_variant *v, const tcase *c, int index) {
                            (int32_t)q[9], (int32_t)q[10], (int32_t)q[11]};
         rc = ea_add(v, q[0], (const int8_t *)c->arrays[0].p, (const int8_t *)c->arrays[1].p, &p,
                     (int8_t *)out);
+        if (rc == 0) {
+            op.kind = EA_OP_ADD, op.add = p, op.n[0] = q[0];
+            out2 = (unsigned char *)calloc(exp->n ? exp->n : 1, 1);
+            rc = run_graph1(v, &op, c->arrays[0].p, c->arrays[1].p, out2, 2);
+        }
     } else if (c->kind == 6) {
         const int64_t *q = c->params;
         rc = ea_mean_hw(q[0], q[1], q[2], (const int8_t *)c->arrays[0].p, (int32_t)q[3],
@@ -124,7 +155,7 @@ static int run_case(const ea_variant *v, const tcase *c, int index) {
         rc = ea_quantize_nchw(q[0], q[1], q[2], (const float *)c->arrays[0].p, scale, (int32_t)q[3],
                               (int8_t *)out);
     }
-    int ok = rc == 0 && memcmp(out, exp->p, exp->n) == 0;
+    int ok = rc == 0 && memcmp(out, exp->p, exp->n) == 0 && (!out2 || memcmp(out2, exp->p, exp->n) == 0);
     if (!ok) {
         size_t at = 0;
         while (rc == 0 && at < exp->n && out[at] == exp->p[at]) at++;
@@ -132,6 +163,7 @@ static int run_case(const ea_variant *v, const tcase *c, int index) {
                index, c->kind, rc, at);
     }
     free(out);
+    free(out2);
     return ok;
 }
 
