@@ -7,13 +7,16 @@ multi-depth bundle also records the block boundaries before that split, nearest 
     depth 0   the head split itself (head only; the numpy fast path when it is one layer)
     depth 1   the input of the last conv before the head split when it is a 1x1 conv
               (MobileNetV2's 1280-channel "head conv"): last 1x1 conv + head
-    depth k   the k-th residual / concat block boundary (or plain-chain stage end) before
+    depth k   the k-th residual / concat block boundary (in a plain chain without skips,
+              the input of each conv, after its predecessor's activation or pool) before
               that: the last blocks + 1x1 conv + head
 
 A boundary is a tensor every path from the input to the output goes through (the same
 dominance test as `cut_points`), that is a block's output (Add / Concat, followed through
 its activation) or a residual block's input (consumed by an Add and by a conv path), so the
 blocks without a skip connection (stride 2, channel change) still count once each.
+In a plain chain (MobileNet v1, a small VGG-style CNN) every conv starts a depth: a
+separable block is then two depths (its pointwise conv, then both).
 
 For each depth, `depth_costs` counts what a device's planner needs without running
 anything: multiply-accumulates of the frozen prefix and of the trainable tail per sample,
@@ -103,8 +106,9 @@ def depth_cuts(model: onnx.ModelProto, split_tensor: str, max_depths: int = 4) -
         residual = any(u.op_type == "Add" and not any(i in consts for i in u.input) for u in users)
         if residual and len(users) > 1:  # an Add of a constant (hard-swish's x + 3) is no skip
             found.setdefault(out, "block-input")
-        elif plain and any(_depthwise(nodes[c], dims) for c in consumers.get(out, [])):
-            found.setdefault(out, "stage")  # a plain chain (MobileNet v1): each separable block
+        elif plain and n.op_type not in ("Conv", "BatchNormalization") and any(
+                nodes[c].op_type == "Conv" for c in consumers.get(out, [])):
+            found.setdefault(out, "stage")  # a plain chain (MobileNet v1, VGG-style): each conv's input
     cuts = []
     for tensor, kind in found.items():
         k = producer.get(tensor)
@@ -119,14 +123,6 @@ def depth_cuts(model: onnx.ModelProto, split_tensor: str, max_depths: int = 4) -
         cuts.append(DepthCut(tensor, node_name(node) if node.output[0] == tensor else tensor, kind, k, shape))
     cuts.sort(key=lambda c: -c.index)
     return cuts[:max(0, min(max_depths, MAX_DEPTHS))]
-
-
-def _depthwise(node: Any, dims: dict[str, list[int]]) -> bool:
-    """A conv with one input channel per group (groups > 1)."""
-    if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in dims:
-        return False
-    group = next((a.i for a in node.attribute if a.name == "group"), 1)
-    return group > 1 and dims[node.input[1]][1] == 1
 
 
 def _macs(node: Any, shapes: dict[str, tuple[int, ...]], dims: dict[str, list[int]]) -> int:

@@ -166,22 +166,22 @@ def test_mobilenet_v2_depths_are_the_last_1x1_input_then_block_boundaries(mobile
     assert depth_cuts(mobilenet_v2.model, "no_such_tensor", 4) == []
 
 
-def test_mobilenet_v1_depths_are_the_separable_blocks_of_the_plain_chain(mobilenet_v1):
+def test_mobilenet_v1_depths_are_each_conv_of_the_plain_chain(mobilenet_v1):
     got = _pairs(mobilenet_v1)
-    # conv26 is the last (1x1) conv; before it each separable block is dw conv{2j+1} + pw conv{2j+2}
+    # conv26 is the last (1x1) conv; before it the plain chain alternates dw conv{2j+1} and
+    # pw conv{2j+2}: every conv's input is a depth, so a separable block is two of them
     assert got == [("mobilenet0_relu25_fwd", "1x1-input")] + [
-        (f"mobilenet0_relu{j}_fwd", "stage") for j in (24, 22, 20, 18, 16, 14, 12)]
+        (f"mobilenet0_relu{j}_fwd", "stage") for j in range(24, 17, -1)]
     nodes, _, consumers = _nodes(mobilenet_v1.model)
     weights = {i.name: numpy_helper.to_array(i).shape for i in mobilenet_v1.model.graph.initializer}
-    for tensor, kind in got:
+    kinds = []
+    for tensor, _kind in got:
         (conv,) = consumers[tensor]
         assert conv.op_type == "Conv"
         group = next((a.i for a in conv.attribute if a.name == "group"), 1)
         w = weights[conv.input[1]]
-        if kind == "stage":  # each stage cut feeds a depthwise conv: a separable block starts there
-            assert group > 1 and w[1] == 1 and w[2:] == (3, 3), (tensor, group, w)
-        else:
-            assert group == 1 and w[2:] == (1, 1)
+        kinds.append("dw" if group > 1 and w[1] == 1 and w[2:] == (3, 3) else "pw" if w[2:] == (1, 1) else "?")
+    assert kinds == ["pw", "dw"] * 4, kinds  # nearest first: the last pointwise conv, then its depthwise
 
 
 def test_resnet18_last_add_is_not_a_depth_and_block_inputs_alternate_with_adds(resnet18):
