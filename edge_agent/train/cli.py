@@ -115,6 +115,18 @@ class ProgressBar:
         self._shown = True
 
 
+def _depth(text: str) -> str | int:
+    import argparse
+
+    from ..errors import UsageError
+    from .depth_plan import parse_depth
+
+    try:
+        return parse_depth(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("depth: ")) from None
+
+
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
     from ..data import data_summary
@@ -134,7 +146,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         thermal_limit_c=args.thermal_limit, window=args.window, deadline=args.deadline,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
         weight_decay=args.weight_decay, patience=args.patience, balance=args.balance,
-        train_last=args.train_last, trainer=args.trainer, val_fraction=args.val_fraction, seed=args.seed,
+        train_last=args.train_last, trainer=args.trainer, depth=args.depth, bn=args.bn, tail=args.tail,
+        val_fraction=args.val_fraction, seed=args.seed,
         checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
         label_column=args.label_column, label_map=args.label_map, skip_unknown=args.skip_unknown,
         power_root=args.power_root, profile=args.profile,
@@ -205,7 +218,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=_positive(int), default=20, metavar="N", help="maximum epochs (default 20)")
     t.add_argument("--batch-size", type=_positive(int), metavar="N", help="default: the board profile's (32)")
-    t.add_argument("--lr", type=_positive(float), default=0.01, help="learning rate (default 0.01)")
+    t.add_argument("--lr", type=_positive(float), default=None,
+                   help="learning rate (default 0.01 for the head, 0.001 for a deeper tail)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     t.add_argument("--weight-decay", type=float, default=1e-4, metavar="WD")
     t.add_argument("--patience", type=_positive(int), default=3, metavar="N",
@@ -216,6 +230,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="auto (default): a head that is one dense layer trains in numpy with Gluon's exact "
                         "update rules and no MXNet import (~130 MB, ~2 CPU-s saved); any other head in "
                         "MXNet Gluon. mxnet: always Gluon")
+    t.add_argument("--depth", type=_depth, default="auto", metavar="auto|head|N",
+                   help="how deep to train on a multi-depth bundle (model create --depths): auto (default) "
+                        "plans the deepest depth that fits the profile's training memory cap and --budget-wh "
+                        "(the report's 'depth' says what was chosen and why, predicted and actual Wh and "
+                        "peak RSS); head: the head only; N: the tail from the N-th block boundary down "
+                        "(1: last 1x1 conv + head on a MobileNetV2)")
+    t.add_argument("--bn", choices=("frozen", "update"), default="frozen",
+                   help="BatchNorm in the trained tail: keep the base model's statistics (default) or update "
+                        "them from the local batches")
+    t.add_argument("--tail", choices=("full", "bias"), default="full",
+                   help="full (default): train every tail parameter; bias: only biases and BatchNorm "
+                        "scales/shifts plus the classifier (less memory)")
     t.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
                    help="validation share, chosen by content hash so it is stable as data grows (default 0.2)")
     t.add_argument("--seed", type=int, default=0)

@@ -12,6 +12,12 @@ and its samples recomputed.
 
 Size is bounded by `max_bytes` over all backbones: least recently used segments go first
 (a segment's mtime is its last use; reading it in a job touches it).
+
+Activations at a deep cut are spatial maps, 4x larger as float32 than the int8 the
+prefix computed: given the prefix output's quantisation (`quant=(scale, zero_point)`),
+a segment whose values all lie on that grid is stored as int8 plus the two numbers
+(lossless: the engine's output was (q - zero_point) * scale); off-grid values (an engine
+that calibrates its own scales) stay float32.
 """
 
 from __future__ import annotations
@@ -51,12 +57,31 @@ class CacheStats:
         return asdict(self)
 
 
-def _encode(hashes: Sequence[str], features: np.ndarray) -> bytes:
+def on_grid(features: np.ndarray, quant: tuple[float, int] | None) -> np.ndarray | None:
+    """`features` as int8 on the grid (scale, zero_point), or None if any value is off it."""
+    if quant is None or features.size == 0:
+        return None
+    scale, zero = float(quant[0]), int(quant[1])
+    if not (scale > 0 and np.isfinite(scale)) or not -128 <= zero <= 127:
+        return None
+    q = np.rint(features / np.float32(scale)) + zero
+    if q.min() < -128 or q.max() > 127:
+        return None
+    q8 = q.astype(np.int8)
+    if not np.array_equal((q8.astype(np.float32) - zero) * np.float32(scale), features.astype(np.float32)):
+        return None  # not exactly what an int8 engine at this grid gives back
+    return q8
+
+
+def _encode(hashes: Sequence[str], features: np.ndarray, quant: tuple[float, int] | None = None) -> bytes:
     buf = io.BytesIO()
     # (N, 32) uint8, not an "S32" array: numpy strips trailing NUL bytes from those
     raw = np.frombuffer(b"".join(bytes.fromhex(h) for h in hashes), dtype=np.uint8).reshape(len(hashes), 32)
-    np.savez(buf, hashes=raw,
-             features=np.ascontiguousarray(features, dtype=np.float32))
+    q8 = on_grid(features, quant)
+    if q8 is not None and quant is not None:
+        np.savez(buf, hashes=raw, q=q8, scale=np.float32([quant[0]]), zero_point=np.int32([quant[1]]))
+    else:
+        np.savez(buf, hashes=raw, features=np.ascontiguousarray(features, dtype=np.float32))
     return buf.getvalue()
 
 
@@ -66,7 +91,15 @@ def _decode(payload: bytes, feature_shape: tuple[int, ...] | None, where: str) -
             if sum(i.file_size for i in archive.infolist()) > MAX_SEGMENT_BYTES:
                 raise CorruptFileError(f"{where}: segment too large")
         npz = np.load(io.BytesIO(payload), allow_pickle=False)
-        raw_hashes, features = npz["hashes"], npz["features"]
+        raw_hashes = npz["hashes"]
+        if "q" in npz.files:
+            q, scale, zero = npz["q"], npz["scale"], npz["zero_point"]
+            if q.dtype != np.int8 or scale.shape != (1,) or zero.shape != (1,) or not np.isfinite(scale).all() \
+                    or not scale[0] > 0:
+                raise CorruptFileError(f"{where}: bad int8 segment ({q.dtype}, scale {scale!r:.40})")
+            features = (q.astype(np.float32) - np.float32(zero[0])) * np.float32(scale[0])
+        else:
+            features = npz["features"]
     except CorruptFileError:
         raise
     except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as exc:
@@ -114,11 +147,13 @@ class FeatureCache:
         batch_size: int = 64,
         feature_shape: tuple[int, ...] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        quant: tuple[float, int] | None = None,
     ) -> tuple[np.ndarray, CacheStats]:
         """Features for samples `x` (content hashes `hashes`), computing only the missing.
 
         `compute` is the backbone (e.g. `Runner.run`): float32 batch -> float32 features.
-        `progress(done, total)` is called after each computed batch.
+        `progress(done, total)` is called after each computed batch. `quant`: the backbone
+        output's (scale, zero_point), to store on-grid features as int8 (module doc).
         """
         if len(hashes) != len(x):
             raise ValueError(f"{len(hashes)} hashes for {len(x)} samples")
@@ -168,20 +203,21 @@ class FeatureCache:
             pending_hashes.extend(hashes[i] for i in idx)
             pending.append(feats)
             if len(pending_hashes) >= self.segment_samples:
-                self._flush(namespace, pending_hashes, pending, stats)
+                self._flush(namespace, pending_hashes, pending, stats, quant)
                 pending_hashes, pending = [], []
             if progress is not None:
                 progress(start + len(idx), len(missing))
         if pending_hashes:
-            self._flush(namespace, pending_hashes, pending, stats)
+            self._flush(namespace, pending_hashes, pending, stats, quant)
         self._evict(stats)
         if out is None:  # no samples at all
             out = np.empty((0, *(feature_shape or ())), np.float32)
         return out, stats
 
-    def _flush(self, namespace: Path, hashes: list[str], parts: list[np.ndarray], stats: CacheStats) -> None:
+    def _flush(self, namespace: Path, hashes: list[str], parts: list[np.ndarray], stats: CacheStats,
+               quant: tuple[float, int] | None) -> None:
         name = f"seg-{time.time_ns()}-{os.getpid()}.feat"
-        write_checked(namespace / name, _encode(hashes, np.concatenate(parts)))
+        write_checked(namespace / name, _encode(hashes, np.concatenate(parts), quant))
         stats.segments_written += 1
 
     def _evict(self, stats: CacheStats) -> None:

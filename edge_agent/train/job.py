@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 JOB_FILE = "job.json"
 REPORT_FILE = "report.json"
 HEAD_FILE = "head.params"
+HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: the head alone, a deeper tail
 INLINE_PARAM_LIMIT = 50_000  # head parameters listed in the JSON report up to this many values
 REPORT_SCHEMA = "edge-agent.finetune/1"
 
@@ -100,6 +101,30 @@ class _GovernorMeter:
     def after(self, phase: str, cpu_s: float) -> float:
         self.job._work_done()  # a virtual test clock charges the phase here
         return self.gov.charge_overhead() - self._start
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (MB), the planner's starting point."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _output_grid(bundle: Any) -> tuple[float, int] | None:
+    """The int8 prefix output's (scale, zero_point): cached activations are stored as int8
+    when the engine's output lies on it (train/feature_cache.py)."""
+    try:
+        graph = bundle.qgraph()
+        out = graph.tensor(graph.outputs[0])
+        if out.scale is None or out.zero_point is None or out.scale.size != 1:
+            return None
+        return float(out.scale.reshape(-1)[0]), int(out.zero_point.reshape(-1)[0])
+    except Exception:  # the grid is an optimisation: never fail a job over it
+        return None
 
 
 class _Stopped(Exception):
@@ -206,13 +231,16 @@ def run_finetune(
     deadline: float | str | None = None,
     epochs: int = 20,
     batch_size: int | None = None,
-    lr: float = 0.01,
+    lr: float | None = None,
     optimizer: str = "adam",
     weight_decay: float = 1e-4,
     patience: int = 3,
     balance: bool = False,
     train_last: int | None = None,
     trainer: str = "auto",
+    depth: str | int = "auto",
+    bn: str = "frozen",
+    tail: str = "full",
     val_fraction: float = 0.2,
     seed: int = 0,
     checkpoint_every: int = 50,
@@ -240,12 +268,20 @@ def run_finetune(
     `model` is a bundle directory or its .tar.gz archive (unpacked, verified, for the run).
     `label_map`: a `--label-map` spec (edge_agent.labels.parse_label_map) or its parsed form;
     data labels matching no model label are an InputError unless `skip_unknown`.
+    `depth`: how deep to train on a multi-depth bundle: "auto" (train/depth_plan.py: the
+    deepest that fits the memory cap and the budget), "head" or a depth number; `bn`:
+    BatchNorm in the tail keeps its statistics ("frozen") or updates them ("update");
+    `tail`: train every tail parameter ("full") or only biases and BatchNorm scales plus
+    the classifier ("bias"). `lr` defaults to 0.01 for the head and 0.001 deeper (pre-trained
+    conv layers want a smaller step: bench_depth).
     """
     from ..labels import parse_label_map
     from ..power import Budget
+    from .depth_plan import parse_depth
 
     if isinstance(label_map, str):
         label_map = parse_label_map(label_map)
+    depth = parse_depth(depth)
     # validate everything cheap before touching the state directory
     budget = Budget(budget_wh=budget_wh, budget_basis=budget_basis, power_cap_w=power_cap_w,
                     battery_floor_pct=battery_floor_pct, battery_resume_pct=battery_resume_pct,
@@ -261,7 +297,8 @@ def run_finetune(
         job = _Job(state=state, budget=budget, progress=progress, clock=clock, args=dict(
             model=str(model), data=str(data), cache_dir=str(cache_dir) if cache_dir else None,
             epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
-            patience=patience, balance=balance, train_last=train_last, trainer=trainer, val_fraction=val_fraction, seed=seed,
+            patience=patience, balance=balance, train_last=train_last, trainer=trainer, depth=depth, bn=bn, tail=tail,
+            val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
             threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s))
@@ -330,7 +367,7 @@ class _Job:
                              f"({idle:g} W; `edge-agent profiles show {prof['name']}`); no duty cycle can meet it: "
                              "give a cap above it")
         bundle = self._open_bundle(stack)
-        self.bundle = bundle
+        self.bundle, self.root_sha256 = bundle, bundle.sha256
         store = CheckpointStore(self.state / "checkpoints")
         previous = _read_job(self.state)
         checkpoint: Checkpoint | None = None
@@ -366,10 +403,23 @@ class _Job:
 
         from .trainer import TrainConfig, head_from_bundle
 
-        config = TrainConfig(optimizer=a["optimizer"], lr=a["lr"], weight_decay=a["weight_decay"],
-                             batch_size=batch_size, epochs=a["epochs"], patience=a["patience"],
-                             balance=a["balance"], seed=a["seed"], train_last=a["train_last"])
+        def train_config(lr: float) -> TrainConfig:
+            return TrainConfig(optimizer=a["optimizer"], lr=lr, weight_decay=a["weight_decay"],
+                               batch_size=batch_size, epochs=a["epochs"], patience=a["patience"],
+                               balance=a["balance"], seed=a["seed"], train_last=a["train_last"], bn=a["bn"],
+                               tail=a["tail"])
+
+        config = train_config(a["lr"] or HEAD_LR)  # validated before any planning
+        cores = max(1, int((probe_report.get("cpu") or {}).get("count") or os.cpu_count() or 1))
+        wpc = (prof["load_w"] - prof["idle_w"]) / cores if prof["load_w"] and prof["idle_w"] is not None else None
+        cache_root = Path(a["cache_dir"]) if a["cache_dir"] else self.state / "cache"
+        self.plan = self._plan_depth(bundle, checkpoint, dataset, train, val, config, prof, wpc, cache_root,
+                                     probe_report, threads)
+        bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth
+        if a["lr"] is None and self.plan.depth > 0:
+            config = train_config(TAIL_LR)
         symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
+        self.base_params = base_params
 
         # The meter starts here: engine selection (or the re-check of a cached choice),
         # features and training are all charged to the budget.
@@ -386,13 +436,11 @@ class _Job:
         from ..int8.selection import select_engine
         from .feature_cache import FeatureCache
 
-        cache_root = Path(a["cache_dir"]) if a["cache_dir"] else self.state / "cache"
         env = dict(os.environ)
         if a["engine"]:
             env["EDGE_AGENT_INT8_BACKEND"] = a["engine"]
-        cores = max(1, int((probe_report.get("cpu") or {}).get("count") or os.cpu_count() or 1))
-        wpc = (prof["load_w"] - prof["idle_w"]) / cores if prof["load_w"] and prof["idle_w"] is not None else None
         used_before = gov.charge_overhead()
+        cpu_start = time.process_time()
         # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
         selection, runner = select_engine(bundle, probe=probe_report, batch_size=batch_size, threads=threads,
                                           state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(),
@@ -401,6 +449,9 @@ class _Job:
                                           mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True)
         assert runner is not None
         self.selection_j = gov.charge_overhead() - used_before
+        self.selection_cached = bool(selection.cached)
+        self.cpu = {"selection_s": time.process_time() - cpu_start}
+        cpu_start = time.process_time()
         cache = FeatureCache(cache_root / "features", max_bytes=int(a["cache_max_mb"] * (1 << 20)))
         stop_reason: str | None = None
         with _cancel_on_signals(gov.cancel):
@@ -411,7 +462,8 @@ class _Job:
                     _feature_key(bundle.manifest.files[BACKBONE_INT8].sha256, selection.chosen), dataset.hashes, dataset.x,
                     self._governed(runner.run), batch_size=batch_size,
                     feature_shape=tuple(bundle.manifest.feature_shape),
-                    progress=lambda done, total: self.emit("features", detail=f"{done}/{total} new samples"))
+                    progress=lambda done, total: self.emit("features", detail=f"{done}/{total} new samples"),
+                    quant=_output_grid(bundle))
             except _Stopped:
                 features, cache_stats = None, None
             finally:
@@ -421,7 +473,12 @@ class _Job:
             # the backbone's peak and MXNet's (~130 MB import) do not stack up in one process.
             dataset, train, val = dataset.without_pixels(), train.without_pixels(), val.without_pixels()
             gc.collect()
+            self.cpu["features_s"] = time.process_time() - cpu_start
+            self.cpu["feature_images"] = cache_stats.computed if cache_stats is not None else 0
+            cpu_start = time.process_time()
             trainer = self._make_trainer(symbol_json, base_params, config, train.y, threads)
+            self.cpu["setup_s"] = time.process_time() - cpu_start
+            cpu_start = time.process_time()
             index = {h: i for i, h in enumerate(dataset.hashes)}
             f_val = features[[index[h] for h in val.hashes]] if features is not None else None
             before = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
@@ -439,8 +496,66 @@ class _Job:
             else:
                 f_train = features[[index[h] for h in train.hashes]]
                 stop_reason = self._train(f_train, train.y, f_val, val.y)
+            self.cpu["train_s"] = time.process_time() - cpu_start
+            self.stop_reason = stop_reason
         after = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
+        self._learn_rates(cache_root, len(train), len(val))
         return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
+
+    def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
+                    config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,
+                    probe_report: dict[str, Any], threads: int) -> Any:
+        """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
+        from ..int8.cli import default_state_dir
+        from ..int8.selection import cached_selection
+        from .dense_head import dense_head_form
+        from .depth_plan import load_rates, plan_depth
+        from .trainer import head_from_bundle
+
+        request = self.args["depth"]
+        if checkpoint is not None and isinstance(checkpoint.meta.get("depth"), int):
+            request = checkpoint.meta["depth"]
+        self.rates = load_rates(cache_root)
+        symbol_json, _ = head_from_bundle(bundle)
+        dense = self.args["trainer"] != "mxnet" and dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
+        plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
+                          epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
+                          mem_cap_mb=prof["memory_cap_mb"],
+                          budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
+                          watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates,
+                          selection_cached=lambda depth: cached_selection(
+                              bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
+                              batch_size=config.batch_size, threads=threads,
+                              state_dir=Path(self.args["cache_dir"]) if self.args["cache_dir"] else default_state_dir(),
+                          ) is not None)
+        if bundle.manifest.depths:
+            self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
+        return plan
+
+    def _learn_rates(self, cache_root: Path, n_train: int, n_val: int) -> None:
+        """This job's measured CPU rates into the planner's per-device record."""
+        from .depth_plan import learn_rates
+
+        costs = self.bundle.manifest.depths[self.plan.depth].costs if self.bundle.manifest.depths else {}
+        measured: dict[str, float] = {}
+        images = self.cpu.get("feature_images", 0)
+        if images and costs.get("prefix_macs"):
+            measured["s_per_int8_mac"] = self.cpu["features_s"] / (images * costs["prefix_macs"])
+        samples = self.pos["step"] * self.trainer.config.batch_size
+        if samples and costs.get("tail_macs") and self.pos["step"] > 5 and self.plan.depth > 0:
+            per_sample = self.cpu.get("train_s", 0.0) / samples
+            measured["s_per_fp32_mac"] = max(per_sample - self.rates["s_per_sample"], 1e-9) / (3 * costs["tail_macs"])
+        if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
+            measured["mxnet_import_s"] = self.cpu["setup_s"]
+        if not self.selection_cached and self.cpu.get("selection_s"):
+            measured["selection_s"] = self.cpu["selection_s"]
+        if self.pos["epoch"] and self.stop_reason in ("done", "early-stopped"):
+            measured["epoch_fraction"] = self.pos["epoch"] / self.trainer.config.epochs
+        if measured:
+            try:
+                self.rates = learn_rates(cache_root, self.rates, measured)
+            except OSError as exc:  # a read-only cache: plan with the defaults next time
+                log.warning("planner rates not saved: %s", exc)
 
     def _make_trainer(self, symbol_json: str, params: dict[str, np.ndarray], config: Any, train_labels: np.ndarray,
                       threads: int) -> Any:
@@ -476,7 +591,7 @@ class _Job:
         meta, arrays = self.trainer.state()
         pos = dict(self.pos, elapsed_s=self.pos["elapsed_s"] + (time.monotonic() - self.started))
         ckpt = Checkpoint(step=int(self.pos["step"]), arrays=arrays, meta={
-            "model": self.bundle.sha256, "trainer": meta, "position": pos, "why": why,
+            "model": self.root_sha256, "depth": int(self.bundle.depth), "trainer": meta, "position": pos, "why": why,
             "governor": self.gov.state(), "before": list(self.before) if all(map(math.isfinite, self.before)) else None,
             "energy_wh": self.gov.state()["energy_j_job"] / 3600.0,
         })
@@ -534,11 +649,15 @@ class _Job:
     # ------------------------------------------------------------------ report
 
     def _write_head(self) -> tuple[Path, str]:
-        from ..mxparams import dump_params
-
         # MXNet's own file layout (arg:/aux: names), written with numpy: crash-safe in one step
-        params = self.trainer.params()
-        aux = self.trainer.aux_names()
+        from ..int8.bundle import HEAD_PARAMS
+        from ..mxparams import dump_params, load_params, split_names
+
+        # every tensor of the bundle's head.params: the tail's trained, the rest as they were
+        # (a deeper bundle's params serve every depth; an update's delta is zero for the rest)
+        _, prefixes = split_names(load_params(self.bundle.read(HEAD_PARAMS), where=HEAD_PARAMS))
+        params = {**self.base_params, **self.trainer.params()}
+        aux = self.trainer.aux_names() | {n for n, p in prefixes.items() if p == "aux"}
         blob = dump_params({f"{'aux' if n in aux else 'arg'}:{n}": np.asarray(v, np.float32) for n, v in params.items()})
         target = self.state / HEAD_FILE
         atomic_write_bytes(target, blob)
@@ -547,7 +666,7 @@ class _Job:
     def _finish(self, bundle: Any, dataset: Any, selection: Any, cache_stats: Any, before: tuple[float, float],
                 after: tuple[float, float], stop_reason: str | None, prof: dict[str, Any]) -> dict[str, Any]:
         head_path, head_sha = self._write_head()
-        params = self.trainer.params()
+        params = self.trainer.params()  # the trained tail (head.params holds every tensor)
         inline = sum(v.size for v in params.values()) <= INLINE_PARAM_LIMIT
 
         def num(value: float) -> float | None:
@@ -557,7 +676,11 @@ class _Job:
         duration = time.monotonic() - self.started
         report = {
             "schema": REPORT_SCHEMA,
-            "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": bundle.sha256},
+            "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
+            "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"],
+                      "actual_wh": gov["energy_wh_job"],
+                      "actual_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+                      "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
             "data": dataset.report.to_json(),
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
                        "threads": selection.threads, "images": selection.images,
@@ -589,7 +712,7 @@ class _Job:
         atomic_write_json(self.state / REPORT_FILE, report)
         finished = stop_reason in ("done", "early-stopped", "budget-exhausted", "deadline")
         atomic_write_json(self.state / JOB_FILE, {"status": "done" if finished else "stopped",
-                                                  "stop_reason": stop_reason, "model_sha256": bundle.sha256,
+                                                  "stop_reason": stop_reason, "model_sha256": self.root_sha256,
                                                   "data": self.args["data"], "report": str(self.state / REPORT_FILE)})
         self.emit("done", step=int(self.pos["step"]), detail=str(stop_reason))
         return report

@@ -30,6 +30,26 @@ import numpy as np
 from ..errors import ConfigError, InputError
 
 OPTIMIZERS = ("adam", "sgd")
+BN_MODES = ("frozen", "update")
+TAIL_MODES = ("full", "bias")
+
+
+def freeze_batchnorm(symbol_json: str) -> str:
+    """The symbol with every BatchNorm using its stored statistics (use_global_stats): a
+    tail trained on a small local set keeps the statistics the base model learnt, and its
+    scale and shift still train."""
+    try:
+        graph = json.loads(symbol_json)
+        nodes = graph["nodes"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"head symbol: not MXNet symbol JSON ({exc})") from None
+    changed = False
+    for node in nodes:
+        if isinstance(node, dict) and node.get("op") == "BatchNorm":
+            attrs = node.setdefault("attrs", {})
+            attrs["use_global_stats"] = "True"
+            changed = True
+    return json.dumps(graph) if changed else symbol_json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +67,8 @@ class TrainConfig:
     balance: bool = False  # weight each class by 1 / its frequency
     seed: int = 0
     train_last: int | None = None  # train only the last N parameterised head layers
+    bn: str = "frozen"  # BatchNorm in the head: "frozen" statistics (use_global_stats) or "update"
+    tail: str = "full"  # "bias": only 1-D parameters (biases, BN scale/shift) and the last layer train
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -61,6 +83,10 @@ class TrainConfig:
                 raise ConfigError(f"{key}: must be an integer >= {low}, got {value!r}")
         if self.train_last is not None and (not isinstance(self.train_last, int) or self.train_last < 1):
             raise ConfigError(f"train_last: must be an integer >= 1, got {self.train_last!r}")
+        if self.bn not in BN_MODES:
+            raise ConfigError(f"bn: expected one of {', '.join(BN_MODES)}, got {self.bn!r}")
+        if self.tail not in TAIL_MODES:
+            raise ConfigError(f"tail: expected one of {', '.join(TAIL_MODES)}, got {self.tail!r}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,6 +266,8 @@ class HeadTrainer(TrainerCommon):
         super().__init__(config, num_classes, train_labels)
         if threads:
             self.set_threads(threads)
+        if config.bn == "frozen":
+            symbol_json = freeze_batchnorm(symbol_json)
         try:
             sym = mx.sym.load_json(symbol_json)
         except mx.base.MXNetError as exc:
@@ -262,6 +290,11 @@ class HeadTrainer(TrainerCommon):
         self.layers = head_layers(symbol_json, trainable)
         if config.train_last is not None:
             keep = {n for layer in self.layers[-config.train_last:] for n in layer}
+            for name in trainable - keep:
+                own[name].grad_req = "null"
+            trainable &= keep
+        if config.tail == "bias" and self.layers:  # TinyTL: biases need no stored input activations
+            keep = {n for n in trainable if np.ndim(params[n]) <= 1} | set(self.layers[-1])
             for name in trainable - keep:
                 own[name].grad_req = "null"
             trainable &= keep

@@ -1,0 +1,191 @@
+"""How deep a fine-tune trains: the device's choice among a bundle's depths.
+
+A multi-depth bundle (int8/bundle.py, int8/depth_cuts.py) lists, per depth, per-sample
+counts: the frozen int8 prefix's MACs, the trainable tail's MACs, parameters and the
+activations its backward pass keeps, and the size of the activation at the cut. With the
+job's data size, epochs and batch, and this device's measured rates, each depth gets a
+predicted CPU time (so energy, on the profile's power model) and peak memory:
+
+    cpu_s  = [engine selection, if this device has no cached choice for the depth's prefix]
+           + images x prefix_macs x s_per_int8_mac              (features, once)
+           + [MXNet import, if the tail is not one dense layer]
+           + epochs x f x (train x 3 + val) x tail_macs x s_per_fp32_mac (forward + backward)
+           + epochs x f x train x s_per_sample                  (framework overhead)
+
+where f is the share of its epochs a job here ran before early stopping.
+    rss_mb = the process now + [MXNet] + images x cut_elements x 4 B (cached activations)
+           + tail_params x 16 B (weights, gradients, Adam's two moments)
+           + batch x tail_activations x 12 B (forward outputs, their gradients, workspace)
+
+`auto` picks the deepest depth up to AUTO_MAX_DEPTH that fits the profile's training
+memory cap and the energy budget (with a margin for the prediction's error); a bundle
+without depths, or a device without MXNet, trains the head. The rates start from
+conservative defaults and are learned per device: after every job the measured CPU time
+of its phases updates `planner-rates.json` in the job's cache directory.
+
+Why deeper is the default direction: measured on the camera scenario (bench_finetune),
+the last block(s) of MobileNetV2 trained over cached int8 activations gain 10-15 points of
+held-out accuracy over the head alone for ~4x its CPU time, still a fraction of full
+fine-tuning; AUTO_MAX_DEPTH keeps auto where that trade was measured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_json, read_limited
+from ..errors import UsageError
+
+AUTO_MAX_DEPTH = 2
+ENERGY_MARGIN = 1.25  # the plan must fit the budget with this much to spare
+RATES_FILE = "planner-rates.json"
+# Starting rates (CPU-seconds), ~1.5x what a loaded 2-core x86 machine measured
+# (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
+DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
+                 "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s": 30.0, "epoch_fraction": 1.0}
+
+
+@dataclass
+class DepthOption:
+    depth: int
+    kind: str
+    tail_params: int
+    needs_mxnet: bool
+    predicted_cpu_s: float
+    predicted_wh: float | None
+    predicted_rss_mb: float
+    fits: bool = True
+    why_not: str = ""
+
+
+@dataclass
+class DepthPlan:
+    depth: int
+    requested: str
+    reason: str
+    options: list[DepthOption] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> DepthOption | None:
+        return next((o for o in self.options if o.depth == self.depth), None)
+
+    def to_json(self) -> dict[str, Any]:
+        chosen = self.chosen
+        return {"depth": self.depth, "requested": self.requested, "reason": self.reason,
+                "predicted_wh": chosen.predicted_wh if chosen else None,
+                "predicted_cpu_s": chosen.predicted_cpu_s if chosen else None,
+                "predicted_peak_rss_mb": chosen.predicted_rss_mb if chosen else None,
+                "options": [asdict(o) for o in self.options]}
+
+
+def parse_depth(value: Any) -> str | int:
+    """`--depth` / the job parameter: 'auto', 'head' or a depth number 0..8."""
+    if isinstance(value, bool):
+        raise UsageError(f"depth: expected auto, head or a number 0..8, got {value!r}")
+    if isinstance(value, int):
+        depth = value
+    elif isinstance(value, str) and value in ("auto", "head"):
+        return value
+    elif isinstance(value, str) and value.isdigit() and len(value) < 3:
+        depth = int(value)
+    else:
+        raise UsageError(f"depth: expected auto, head or a number 0..8, got {value!r:.40}")
+    if not 0 <= depth <= 8:
+        raise UsageError(f"depth: {depth} is outside 0..8")
+    return depth
+
+
+def load_rates(cache_dir: Path | None) -> dict[str, float]:
+    rates = dict(DEFAULT_RATES)
+    if cache_dir is None:
+        return rates
+    try:
+        stored = json.loads(read_limited(cache_dir / RATES_FILE, 64 << 10))
+    except (OSError, ValueError, Exception):  # absent or damaged: the defaults
+        return rates
+    if isinstance(stored, dict):
+        for key in rates:
+            value = stored.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e6:
+                rates[key] = float(value)
+    return rates
+
+
+def learn_rates(cache_dir: Path, rates: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+    """Blend one job's measured rates in (half weight: one noisy job does not rule)."""
+    new = dict(rates)
+    for key, value in measured.items():
+        if key in new and isinstance(value, float) and math.isfinite(value) and value > 0:
+            new[key] = math.sqrt(new[key] * value)  # geometric mean: rates span orders of magnitude
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(cache_dir / RATES_FILE, new)
+    return new
+
+
+def mxnet_available() -> bool:
+    return importlib.util.find_spec("mxnet") is not None
+
+
+def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val: int, epochs: int,
+               batch_size: int, dense_head: bool, mem_cap_mb: float | None, budget_wh: float | None,
+               watts_per_cpu: float | None, base_rss_mb: float, rates: dict[str, float],
+               has_mxnet: bool | None = None, selection_cached: Any = None) -> DepthPlan:
+    """Choose the training depth (module doc); `dense_head`: depth 0 trains in numpy;
+    `selection_cached(depth) -> bool`: this device has an engine choice for that prefix."""
+    depths = list(bundle.manifest.depths)
+    has_mxnet = mxnet_available() if has_mxnet is None else has_mxnet
+    request_text = str(request)
+    if not depths:
+        if request not in ("auto", "head", 0):
+            raise UsageError(f"depth {request}: this bundle records no deeper depths (head only); build it with "
+                             "`edge-coordinator model create --depths N`")
+        return DepthPlan(0, request_text, "the bundle records only the head")
+    options = []
+    for d in depths:
+        costs = d.costs
+        mx = d.depth > 0 or not dense_head
+        cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else rates["selection_s"]
+        cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
+        cpu += (rates["mxnet_import_s"] if mx else 0.0)
+        run_epochs = epochs * min(1.0, rates["epoch_fraction"])
+        cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates["s_per_fp32_mac"]
+        cpu += run_epochs * train * rates["s_per_sample"]
+        rss = (base_rss_mb + (rates["mxnet_mb"] if mx else 0.0)
+               + (images * costs.get("cut_elements", 0) * 4
+                  + costs.get("tail_params", 0) * 16 + batch_size * costs.get("tail_activations", 0) * 12) / 2**20)
+        wh = cpu * watts_per_cpu / 3600.0 if watts_per_cpu is not None else None
+        opt = DepthOption(d.depth, d.kind, int(costs.get("tail_params", 0)), mx, round(cpu, 3),
+                          None if wh is None else round(wh, 7), round(rss, 1))
+        if mx and not has_mxnet:
+            opt.fits, opt.why_not = False, "needs MXNet, which this device does not have"
+        elif mem_cap_mb is not None and rss > mem_cap_mb:
+            opt.fits, opt.why_not = False, f"needs ~{rss:.0f} MB, over the profile's {mem_cap_mb:g} MB training cap"
+        elif budget_wh is not None and wh is not None and wh * ENERGY_MARGIN > budget_wh:
+            opt.fits, opt.why_not = False, (f"needs ~{wh:.4g} Wh (+{ENERGY_MARGIN - 1:.0%} margin), over the "
+                                            f"{budget_wh:g} Wh budget")
+        options.append(opt)
+    last = len(depths) - 1
+    if request == "head":
+        request = 0
+    if isinstance(request, int):
+        if request > last:
+            raise UsageError(f"depth {request}: this bundle's depths are 0..{last}")
+        opt = options[request]
+        if opt.needs_mxnet and not has_mxnet:
+            raise UsageError(f"depth {request}: {opt.why_not}")
+        reason = "asked for" + (f" (planner: {opt.why_not})" if not opt.fits else "")
+        return DepthPlan(request, request_text, reason, options)
+    fitting = [o for o in options if o.fits and o.depth <= AUTO_MAX_DEPTH]
+    if not fitting:
+        return DepthPlan(0, request_text, "no depth fits: " + options[0].why_not, options)
+    best = fitting[-1]
+    held = [f"depth {o.depth}: {o.why_not}" for o in options if o.depth > best.depth and not o.fits]
+    limit = "" if held else (f"; auto stops at depth {AUTO_MAX_DEPTH}" if last > AUTO_MAX_DEPTH else "")
+    reason = (f"deepest that fits ({best.kind}, {best.tail_params} trainable parameters)"
+              + (f"; {held[0]}" if held else limit))
+    return DepthPlan(best.depth, request_text, reason, options)
