@@ -45,6 +45,7 @@ from ..int8.bundle import (
     write_bundle_dir,
 )
 from ..int8.bundle_patch import PATCH_SUFFIX, pack_patch, patch_version
+from ..int8.requantize import refresh_prefixes
 from ..mxparams import dump_params, join_names, load_params, split_names
 from .records import ModelVersion, check_id
 from .registry import Registry
@@ -241,9 +242,15 @@ class ModelArtefacts:
                              f"the bundle's {sorted(base_params)[:8]}")
         typed = {n: np.asarray(head[n]).astype(base_params[n].dtype, copy=False) for n in base_params}
         files[HEAD_PARAMS] = dump_params(join_names(typed, prefixes))
+        # a multi-depth bundle trained below a prefix's cut: that int8 prefix is rebuilt
+        rebuilt = refresh_prefixes(files, base.manifest, typed)
+        if rebuilt:
+            log.info("model %s %s: re-quantised %s (weights inside them changed)", mv.name, mv.version,
+                     ", ".join(rebuilt))
         manifest = base.manifest
         manifest.version, manifest.parent_version = mv.version, mv.parent
         manifest.created = dt.datetime.fromtimestamp(mv.created_at, dt.UTC).isoformat(timespec="seconds")
-        manifest.extra = {**manifest.extra, "head_only": True, "root_bundle": base.sha256,
+        manifest.extra = {**manifest.extra, "head_only": not rebuilt, "root_bundle": base.sha256,
+                          **({"requantised": rebuilt} if rebuilt else {}),
                           **({"job": mv.job_id, "round": mv.round} if mv.job_id else {})}
         return write_bundle_dir(tmp / "new", files, manifest)

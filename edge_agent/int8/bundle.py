@@ -387,7 +387,13 @@ class Bundle:
         return self.read(BACKBONE_INT8)
 
     def onnx_bytes(self) -> bytes:
-        return self.read(BACKBONE_ONNX)
+        """The fp32 backbone; in a multi-depth bundle with head.params' values written in
+        (a federated version changes weights inside the backbone: int8/requantize.py)."""
+        if not self.manifest.depths:
+            return self.read(BACKBONE_ONNX)
+        from .requantize import patched_backbone
+
+        return patched_backbone(self)
 
     def calibration(self) -> np.ndarray:
         """The stored normalised NCHW float32 samples (validated again: shape and finiteness)."""

@@ -70,7 +70,7 @@ class MxnetOnednnEngine(Int8Engine):
         mx.base.check_call(mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(thread_count(threads))))  # noqa: SLF001
         spec = model.manifest.input
         try:  # the project's own importer, then one MXNet mapping per float-graph op kind
-            sym, args = float_graph_to_mxnet(import_onnx(model.onnx_bytes()), mx)
+            sym, args = float_graph_to_mxnet(import_onnx(model.onnx_bytes(), split=model.manifest.split_tensor), mx)
         except (UnsupportedOpError, MxnetGraphError, InputError) as exc:
             raise EngineError(f"{model.path}: backbone.onnx has no MXNet form here: {exc}") from None
         with warnings.catch_warnings():  # "Cannot decide type": the input's dtype comes at run time
