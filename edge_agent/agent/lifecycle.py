@@ -294,7 +294,8 @@ class JobDriver:
                 "battery_resume_pct": self.s.battery_resume_pct, "thermal_limit_c": self.s.thermal_limit_c,
                 "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size,
                 "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown}
-        for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes"):
+        for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes", "depth", "bn",
+                    "tail"):
             if p.get(key) is not None:
                 spec[key] = p[key]
         return spec

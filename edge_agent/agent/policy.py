@@ -54,6 +54,9 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
     "seed": (int, 0, 2**31 - 1),
     "update_bytes": (int, 256, MAX_UPDATE_BYTES),
 }
+# Training choices a command may set: name -> the values accepted (depth: also 0..8).
+TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),
+                                              "tail": ("full", "bias")}
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,16 @@ def parse_finetune(body: dict[str, Any], limits: DeviceLimits, *, now: float | N
         value = _number(params, name, kind, lo, hi)
         if value is not None:
             train[name] = value
+    for name, choices in TRAIN_CHOICES.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        a_depth = name == "depth" and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 8
+        if a_depth or (isinstance(value, str) and value in choices):
+            train[name] = value
+        else:
+            more = " or a depth 0..8" if name == "depth" else ""
+            raise BadParams(f"params.{name} must be one of {', '.join(choices)}{more}, got {value!r:.40}")
     budget_wh = _number(params, "budget_wh", float, 1e-6, 1e6)
     power_cap_w = _number(params, "power_cap_w", float, 1e-3, 1e4)
     deadline = _number(params, "deadline", float, 0, 1 << 40)

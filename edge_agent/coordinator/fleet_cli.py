@@ -354,7 +354,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .service_files import read_serve_file, serving
 
     params: dict[str, Any] = dict(args.param or [])
-    for name in ("epochs", "batch_size", "lr", "update_bytes", "power_cap_w", "aggregator", "devices_per_round"):
+    for name in ("epochs", "batch_size", "lr", "update_bytes", "power_cap_w", "aggregator", "devices_per_round",
+                 "depth", "bn", "tail"):
         value = getattr(args, name, None)
         if value is not None:
             params[name] = value

@@ -60,6 +60,17 @@ _COUNT = _number(int, 1, 1_000_000)  # the registry's limit on min_devices
 _SECONDS = _number(float, 0.001, 86400)
 
 
+def _depth(text: str) -> str | int:
+    """--depth: auto, head or a number 0..8 (the agent's own parser says what is wrong)."""
+    from ..errors import UsageError
+    from ..train.depth_plan import parse_depth
+
+    try:
+        return parse_depth(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("depth: ")) from None
+
+
 def _param(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
@@ -251,6 +262,14 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--budget-wh", type=float, default=None, metavar="WH", help="energy each device may spend")
     t.add_argument("--power-cap-w", type=float, default=None, metavar="W", help="average power cap on devices")
     t.add_argument("--epochs", type=int, default=None, help="training epochs on each device")
+    t.add_argument("--depth", type=_depth, default=None, metavar="auto|head|N",
+                   help="how deep each device trains a multi-depth model (model create --depths): auto "
+                        "(the device plans from its memory cap and budget; the agent's default), head, or "
+                        "a depth N. A fleet at one fixed depth aggregates like-for-like updates")
+    t.add_argument("--bn", choices=("frozen", "update"), default=None,
+                   help="BatchNorm statistics in the trained tail (device default: frozen)")
+    t.add_argument("--tail", choices=("full", "bias"), default=None,
+                   help="train every tail parameter (device default) or only biases/BN and the classifier")
     t.add_argument("--batch-size", type=int, default=None, help="training batch size on each device")
     t.add_argument("--lr", type=float, default=None, help="learning rate")
     t.add_argument("--update-bytes", type=int, default=None, metavar="BYTES", help="byte budget of each update")
