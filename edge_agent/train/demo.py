@@ -207,7 +207,7 @@ def camera_scenario(*, size: int = 96, n_devices: int = 3, base_devices: int = 3
 
 
 def train_mobilenet(x: np.ndarray, y: np.ndarray, *, width: float, epochs: int, batch_size: int = 32,
-                    lr: float = 0.003, seed: int = 0, bn_samples: int = 128) -> Any:
+                    lr: float = 0.003, seed: int = 0, bn_samples: int = 128, num_classes: int = len(LABELS)) -> Any:
     """A MobileNetV2-style net (models.mobilenet_v2) trained from scratch on (x, y) with
     Adam; BatchNorm statistics refreshed on `bn_samples` samples at the end (one batch:
     `models.fit_classifier` refreshes on up to 2048, too much memory at camera size)."""
@@ -217,7 +217,7 @@ def train_mobilenet(x: np.ndarray, y: np.ndarray, *, width: float, epochs: int, 
     from ..models import initialize, mobilenet_v2, refresh_batchnorm
 
     x = np.ascontiguousarray(x, np.float32)
-    net = initialize(mobilenet_v2(width, num_classes=len(LABELS), input_size=int(x.shape[-1])), seed=seed)
+    net = initialize(mobilenet_v2(width, num_classes=num_classes, input_size=int(x.shape[-1])), seed=seed)
     net.hybridize(static_alloc=True)
     rng = np.random.RandomState(seed)
     mx.random.seed(seed)
@@ -238,22 +238,24 @@ def train_mobilenet(x: np.ndarray, y: np.ndarray, *, width: float, epochs: int, 
 def build_mobilenet_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, *, width: float,
                            epochs: int, seed: int = 0, lr: float = 0.003, calibration_samples: int = 128,
                            name: str = "digits-mobilenet", version: str = "1", overwrite: bool = False,
-                           save_params: str | os.PathLike[str] | None = None) -> Any:
+                           save_params: str | os.PathLike[str] | None = None, depths: int = 0,
+                           labels: list[str] = LABELS) -> Any:
     """Train `train_mobilenet` on (x in [0, 1], y: camera-sized, 3 channels) and write it
     as a bundle at `dest` (and, with `save_params`, the whole fp32 Gluon net there)."""
     from ..int8.bundle_create import create_bundle
 
-    net = train_mobilenet(x, y, width=width, epochs=epochs, seed=seed, lr=lr)
+    net = train_mobilenet(x, y, width=width, epochs=epochs, seed=seed, lr=lr, num_classes=len(labels))
     if save_params is not None:
         net.save_parameters(str(save_params))
     spread = np.linspace(0, len(x) - 1, min(calibration_samples, len(x))).astype(np.int64)  # every camera
     calib = to_pixels(x[spread]).astype(np.float32) * np.float32(PIXEL_SCALE)
-    return create_bundle(net, dest, calibration=calib, labels=LABELS, name=name, version=version,
-                         input_shape=tuple(int(v) for v in x.shape[1:]), scale=PIXEL_SCALE, overwrite=overwrite)
+    return create_bundle(net, dest, calibration=calib, labels=labels, name=name, version=version,
+                         input_shape=tuple(int(v) for v in x.shape[1:]), scale=PIXEL_SCALE, overwrite=overwrite,
+                         depths=depths)
 
 
 def ensure_mobilenet_bundle(dest: str | os.PathLike[str], *, width: float = 0.5, size: int = 96,
-                            epochs: int = 3, seed: int = 0) -> tuple[Path, Path, bool]:
+                            epochs: int = 3, seed: int = 0, depths: int = 0) -> tuple[Path, Path, bool]:
     """The camera scenario's base MobileNetV2 bundle at `dest` and its whole fp32 net at
     `<dest>.params`, built once per (width, size, epochs, seed) and reused while the bundle
     verifies (`<dest>.key.json` records the key; bump CAMERA_BUNDLE_FORMAT when the scenario
@@ -267,7 +269,8 @@ def ensure_mobilenet_bundle(dest: str | os.PathLike[str], *, width: float = 0.5,
     target = Path(dest)
     params = target.with_name(target.name + ".params")
     key_file = target.with_name(target.name + ".key.json")
-    key = {"width": width, "size": size, "epochs": epochs, "seed": seed, "format": CAMERA_BUNDLE_FORMAT}
+    key = {"width": width, "size": size, "epochs": epochs, "seed": seed, "format": CAMERA_BUNDLE_FORMAT,
+           **({"depths": depths} if depths else {})}
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -281,6 +284,6 @@ def ensure_mobilenet_bundle(dest: str | os.PathLike[str], *, width: float = 0.5,
         key_file.unlink(missing_ok=True)  # a build cut short must not pass for a finished one
         sc = camera_scenario(size=size, seed=seed)
         build_mobilenet_bundle(target, sc.base_x, sc.base_y, width=width, epochs=epochs, seed=seed,
-                               overwrite=True, save_params=params)
+                               overwrite=True, save_params=params, depths=depths)
         atomic_write_text(key_file, json.dumps(key))
     return target, params, True
