@@ -3,7 +3,11 @@
  * others the int16 path: vpmaddwd + vpaddd per 16 MACs. Both need the same multiply-port
  * slots per MAC (measured: no faster on Zen 2), but the u8 path reads A as int8 in place
  * (no widening pass) and halves B's bytes -- and it is the data path the VNNI variants run,
- * which no machine or emulator here can execute, tested here one instruction short. */
+ * which no machine or emulator here can execute, tested here one instruction short.
+ * Measured on Zen 2 (bench/int8_ports.c): vpmaddubsw and vpmaddwd issue at half the FMA rate,
+ * so both exact paths reach fp32 FMA's MAC rate; the u8 path wins while the widening pass it
+ * skips matters (K <= 64, MobileNet's thin 1x1 layers), the int16 one above (its tile has
+ * two fewer ops per step). */
 #if !defined(__x86_64__) || !defined(__AVX2__)
 #error "avx2.c needs an x86-64 compiler with -mavx2"
 #endif
@@ -15,5 +19,6 @@
 #define EA_X86_FEATURES "avx2"
 #define EA_X86_QMR8 8
 #define EA_X86_QMR16 4
+#define EA_X86_QMAXK 64
 #define EA_X86_DOT4(acc, ua, sb) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((ua), (sb)), ones16))
 #include "x86_common.h"

@@ -15,5 +15,6 @@
 #define EA_X86_FEATURES "avx2 avx512f avx512bw avx512vl avx512_vnni"
 #define EA_X86_QMR8 12
 #define EA_X86_QMR16 12
+#define EA_X86_QMAXK 0 /* one vpdpbusd per 32 MACs: always worth it */
 #define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_epi32((acc), (ua), (sb))
 #include "x86_common.h"

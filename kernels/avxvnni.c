@@ -13,5 +13,6 @@
 #define EA_X86_FEATURES "avx2 avx_vnni"
 #define EA_X86_QMR8 8
 #define EA_X86_QMR16 6
+#define EA_X86_QMAXK 0 /* one vpdpbusd per 32 MACs: always worth it */
 #define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_avx_epi32((acc), (ua), (sb))
 #include "x86_common.h"

@@ -157,9 +157,13 @@ int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_
         }
         colsum[col] = s;
     }
-    /* EDGE_AGENT_NATIVE_INT16=1 keeps the int16 layout (benchmarks compare the two). */
-    const char *int16_only = getenv("EDGE_AGENT_NATIVE_INT16");
-    const int quad_ok = v->qgemm && !has_min && !(int16_only && int16_only[0] == '1');
+    /* EDGE_AGENT_NATIVE_LAYOUT=int16 | u8s8 overrides the variant's choice by K (benchmarks
+     * compare the two; tests run the u8 x s8 path at every K, as the VNNI variants do). */
+    const char *force = getenv("EDGE_AGENT_NATIVE_LAYOUT");
+    const int want_int16 = force && strcmp(force, "int16") == 0;
+    const int want_quad = force && strcmp(force, "u8s8") == 0;
+    const int by_k = v->qmax_k == 0 || k <= (int64_t)v->qmax_k;
+    const int quad_ok = v->qgemm && !has_min && !want_int16 && (by_k || want_quad);
     const uint32_t kind = quad_ok ? EA_LAYOUT_QUAD : EA_LAYOUT_NATIVE;
     const layout l = layout_of(v, kind);
     pack_header h = {EA_PACK_MAGIC, kind, n, k};

@@ -81,6 +81,7 @@ struct ea_variant {
     ea_gemm_ukernel qgemm;
     uint32_t qmr2;
     ea_gemm_ukernel qgemm2; /* qmr2 x 2nr tiles over two adjacent panels */
+    uint32_t qmax_k;        /* 0: the u8 x s8 layout whenever it is exact; else only up to this K */
 };
 
 /* ---- TFLite / gemmlowp fixed-point rules, scalar (the ground truth of every variant) ---- */

@@ -182,10 +182,14 @@ def test_gemm_across_row_blocks_and_long_k(kernels: native.NativeKernels, m: int
 
 @pytest.mark.parametrize("name", sorted(ALL_VARIANTS))
 @pytest.mark.parametrize("with_min", [False, True])
-def test_gemm_u8s8_layout_and_its_saturation_edge(name: str, with_min: bool) -> None:
+@pytest.mark.parametrize("layout", ["u8s8", "int16", ""])
+def test_gemm_u8s8_layout_and_its_saturation_edge(name: str, with_min: bool, layout: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights without -128 take the u8 x s8 layout on x86 (vpmaddubsw / vpdpbusd on |a| and
-    sign(a) * b), a B with -128 the int16 one; both exact, including the extreme pair sums
-    (a = -128 against b = +-127: 2 * 128 * 127 per int16 lane) and every K tail."""
+    sign(a) * b) -- forced at every K here, as the VNNI variants use it, or left to the
+    variant's choice by K -- a B with -128 the int16 one; all exact, including the extreme
+    pair sums (a = -128 against b = +-127: 2 * 128 * 127 per int16 lane) and every K tail."""
+    monkeypatch.setenv("EDGE_AGENT_NATIVE_LAYOUT", layout)
     kernels = _kernels(name)
     rng = np.random.default_rng(3)
     for m, n, k in ((37, 24, 64), (5, 17, 7), (16, 33, 130), (3, 8, 4)):

@@ -33,8 +33,12 @@ def _mixed_graph(rng: np.random.Generator, batch: int):
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_program_matches_the_reference(variant: str, threads: int) -> None:
+@pytest.mark.parametrize(("threads", "layout"), [(1, ""), (2, ""), (3, ""), (2, "u8s8"), (1, "int16")])
+def test_program_matches_the_reference(variant: str, threads: int, layout: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every thread count; on x86 also with every weight in the u8 x s8 layout (the VNNI
+    variants' data path, which AVX2 otherwise uses only up to K = 64) or in the int16 one."""
+    monkeypatch.setenv("EDGE_AGENT_NATIVE_LAYOUT", layout)
     rng = np.random.default_rng(threads)
     kernels = native.NativeKernels(variant)
     for graph in (mobilenet_v2_graph(rng, batch=3, jitter=0.2), plain_cnn_graph(rng, batch=3, jitter=0.2),
