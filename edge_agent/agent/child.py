@@ -100,6 +100,8 @@ def _head_params(data: bytes) -> dict[str, Any]:
 
 
 def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    import numpy as np
+
     from ..int8.bundle import load_bundle
     from ..labels import label_set_digest
     from ..train.trainer import head_from_bundle
@@ -115,6 +117,10 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
     _, base = head_from_bundle(bundle)
     trained = _head_params(read_limited(report["head"]["file"], 256 << 20))
     delta = compute_delta({n: trained[n] for n in base if n in trained}, base)
+    # a job at one depth of a multi-depth model trains some tensors: send only those (the
+    # coordinator takes a left-out tensor as a zero delta); at least one, to say "no change"
+    moved = {n: d for n, d in delta.items() if np.any(d)}
+    delta = moved or dict(list(delta.items())[:1])
     budget = spec.get("update_bytes")
     policy = CompressionPolicy(budget_bytes=int(budget)) if budget else CompressionPolicy()
     store = ResidualStore(spec["residual_file"])
@@ -179,7 +185,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
                "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
-               "resumed": report["resumed"]}
+               "resumed": report["resumed"], "depth": int(report["depth"]["depth"])}
     if report["stop_reason"] not in FINISHED:
         atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
         return EXIT_STOPPED

@@ -46,11 +46,14 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, tuple) else tuple(np.shape(x))
 
 
-def check_tensor_table(params: Mapping[str, Any], base: Mapping[str, Any], *, what: str = "update") -> None:
+def check_tensor_table(params: Mapping[str, Any], base: Mapping[str, Any], *, what: str = "update",
+                       subset: bool = False) -> None:
     """Names and shapes of `params` must be exactly those of `base` (dtypes may differ:
     deltas are float32 whatever the model's dtype). Values are arrays or shape tuples (so
-    a received table is checked before anything is allocated). Lists every difference."""
-    problems = [f"missing tensor {n!r}" for n in base if n not in params]
+    a received table is checked before anything is allocated). Lists every difference.
+    `subset`: a received update may leave tensors out (a job at one depth of a multi-depth
+    model trains some of them; the rest have a zero delta), but not all of them."""
+    problems = [] if subset and params else [f"missing tensor {n!r}" for n in base if n not in params]
     problems += [f"unexpected tensor {n!r}" for n in params if n not in base]
     problems += [f"tensor {n!r}: shape {_shape(params[n])} in {what}, model has {_shape(base[n])}"
                  for n in base if n in params and _shape(params[n]) != _shape(base[n])]

@@ -98,11 +98,14 @@ def _stats(idx: np.ndarray, vals: np.ndarray) -> Sparse:
 
 def decode_sparse(encoded: Sequence[EncodedTensor], layout: Layout) -> Sparse:
     """The sparse flat vector of a received update (its table already checked against the
-    head's). Raises UpdateFormatError for bad codes (NaN/Inf raw values included)."""
+    head's). A tensor the update leaves out has a zero delta (a job at one depth of a
+    multi-depth model). Raises UpdateFormatError for bad codes (NaN/Inf raw values included)."""
     by_name = {e.spec.name: e for e in encoded}
     parts_i, parts_v = [], []
     for name in layout.names:
-        e = by_name[name]
+        e = by_name.get(name)
+        if e is None:
+            continue
         n = e.spec.numel
         if not 0 <= e.k <= n:
             raise UpdateFormatError(f"tensor {name!r}: k={e.k} is outside 0..{n}")
