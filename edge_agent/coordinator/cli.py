@@ -27,6 +27,13 @@ ONNX and as int8 TFLite (post-training quantisation on the calibration data), th
 every file's sha256. The bundle is written to a temp directory, verified, then renamed,
 so a failure never leaves a half-written bundle.
 
+Training depths (--depths N, default 3): below the split the bundle also records up to N
+block boundaries (the last 1x1 conv's input, then residual / concat block boundaries, or
+each conv of a plain chain), each with its own int8 prefix and fp32 tail. A device then
+trains as deep as its memory cap and energy budget allow (`edge-agent finetune --depth
+auto`): the last block or two trained over cached int8 activations beats the head alone
+by 5-15 points of held-out accuracy (BENCHMARKS.md, bench_depth).
+
 Sources (one of):
   --onnx FILE                    an ONNX model (opset as exported by MXNet or PyTorch)
   --mxnet PREFIX                 an exported Gluon HybridBlock: PREFIX-symbol.json and
@@ -49,6 +56,14 @@ examples:
   edge-coordinator model nodes resnet18.onnx     # where to --split
   edge-coordinator model inspect models/digits-1.tar.gz
 """
+
+
+def _depth_count(text: str) -> int:
+    from ..int8.bundle import MAX_DEPTH
+
+    if not text.isdigit() or not 0 <= int(text) <= MAX_DEPTH:
+        raise argparse.ArgumentTypeError(f"expected a whole number 0..{MAX_DEPTH}, got {text!r}")
+    return int(text)
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -130,14 +145,23 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
         source, args.output, calibration=args.calib, labels=_labels(args.labels), name=args.name,
         version=args.version, split=args.split, input_shape=args.input_shape, scale=args.scale,
         mean=args.mean or (), std=args.std or (), parent_version=args.parent_version,
-        method=args.method, edgetpu_model=args.edgetpu_model, overwrite=args.overwrite)
+        method=args.method, edgetpu_model=args.edgetpu_model, overwrite=args.overwrite, depths=args.depths)
     print(f"bundle {bundle.path}: {bundle.manifest.name} {bundle.manifest.version} "
           f"(sha256 {bundle.sha256[:16]}...), split at {bundle.manifest.split_tensor!r}, "
           f"features {tuple(bundle.manifest.feature_shape)}")
+    for line in _depth_lines(bundle.manifest):
+        print(line)
     if args.archive:
         archive = pack_bundle(bundle.path, args.archive)
         print(f"archive {archive} ({archive.stat().st_size} bytes)")
     return EXIT_OK
+
+
+def _depth_lines(m: Any) -> list[str]:
+    """One line per training depth of a multi-depth bundle."""
+    return [f"depth {d.depth}: from {d.tensor!r} [{d.kind}, {'x'.join(map(str, d.feature_shape))}], "
+            f"{d.costs.get('tail_params', 0):,} trainable parameters, "
+            f"{d.costs.get('tail_macs', 0) / 1e6:.2f} M tail MACs per sample" for d in m.depths]
 
 
 def _cmd_model_nodes(args: argparse.Namespace) -> int:
@@ -184,6 +208,7 @@ def _cmd_model_inspect(args: argparse.Namespace) -> int:
         f"x = (raw * {spec.scale:g} - mean {list(spec.mean)}) / std {list(spec.std)}",
         f"split:     {m.split_tensor!r} (node {m.split_node or '-'}) -> features {tuple(m.feature_shape)}",
         f"labels:    {len(m.labels)}: {', '.join(m.labels[:12])}{' ...' if len(m.labels) > 12 else ''}",
+        *(["depths:"] + [f"  {line}" for line in _depth_lines(m)] if m.depths else []),
         "files:",
     ]
     lines += [f"  {name:<30} {entry.size:>10} B  sha256 {entry.sha256[:16]}..."
@@ -217,6 +242,10 @@ def add_model_commands(sub: Any) -> None:
     create.add_argument("--scale", type=float, default=1.0, help="raw pixel multiplier before mean/std (e.g. 1/255)")
     create.add_argument("--mean", type=_floats, default=None, metavar="M[,M,M]", help="per-channel mean")
     create.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std")
+    create.add_argument("--depths", type=_depth_count, default=3, metavar="N",
+                        help="also record up to N training depths below the split (default 3; 0: head only): "
+                             "the last 1x1 conv, then the last blocks; each gets its int8 prefix and fp32 "
+                             "tail, and a device's `finetune --depth auto` picks how deep it can afford")
     create.add_argument("--method", choices=("minmax", "percentile", "entropy"), default=None,
                         help="activation range calibration (default: the quantiser's, min/max)")
     create.add_argument("--edgetpu-model", metavar="FILE", default=None,

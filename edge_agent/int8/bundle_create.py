@@ -8,6 +8,7 @@ packing bundles (edge_agent.int8.bundle) do not, so the idle daemon never pulls 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import tempfile
 from collections import Counter
@@ -43,6 +44,8 @@ from .bundle import (
     depth_file,
     write_bundle_dir,
 )
+
+log = logging.getLogger(__name__)
 
 
 def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpec, *,
@@ -373,9 +376,13 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
     specs: list[Depth] = []
     args, aux = head_params
     for k, cut in enumerate(depth_cuts(model, split, depths) if depths else [], start=1):
-        graph = import_onnx(model, split=cut.tensor)
-        shape = tuple(int(v) for v in graph.output_shape)
-        sym, t_args, t_aux = _head(extractor, model, cut.tensor, shape, labels, where)
+        try:
+            graph = import_onnx(model, split=cut.tensor)
+            shape = tuple(int(v) for v in graph.output_shape)
+            sym, t_args, t_aux = _head(extractor, model, cut.tensor, shape, labels, where)
+        except (InputError, ValueError) as exc:  # e.g. a tail MXNet cannot import: the depths so far stand
+            log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
+            break
         files[depth_file(k, BACKBONE_INT8)] = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
         files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
         args.update(t_args)
