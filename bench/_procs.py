@@ -139,6 +139,8 @@ def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
         "profile": report["profile"]["name"],
         "train": report["data"]["train"],
         "validation": report["data"]["validation"],
+        "depth": report["depth"],
+        "head": {"file": report["head"]["file"]},
     }
 
 

@@ -98,19 +98,22 @@ def wait_for(what: str, predicate: Any, timeout: float, procs: Processes) -> Non
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+DEMO_DEPTHS = 2  # the digits CNN's two convs below the pool: a device may train them too (--depth)
+
+
 def build_base(out: Path, n_devices: int) -> Path:
     from ..int8.bundle import load_bundle
     from ..train import demo
 
     target = out / "base-bundle"
     with contextlib.suppress(Exception):
-        load_bundle(target)
-        say(f"base model: reusing {target} (delete it to train again)")
-        return target
+        if len(load_bundle(target).manifest.depths) == DEMO_DEPTHS + 1:  # built by this demo version
+            say(f"base model: reusing {target} (delete it to train again)")
+            return target
     say("training the base model (digits CNN on clean digits, no device camera) ...")
     sc = demo.scenario(n_devices=n_devices)  # the base shares: no device's data, no held-out digit
-    demo.build_bundle(target, sc.base_x, sc.base_y, name="digits", version="1", overwrite=True)
-    say(f"base model: bundle at {target} (int8 backbone + MXNet head)")
+    demo.build_bundle(target, sc.base_x, sc.base_y, name="digits", version="1", overwrite=True, depths=DEMO_DEPTHS)
+    say(f"base model: bundle at {target} (int8 backbone + MXNet head; {DEMO_DEPTHS} deeper training depths)")
     return target
 
 
@@ -156,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-devices", type=int, default=None,
                    help="accepted updates a round needs (default: all devices but one, at least 1)")
     p.add_argument("--epochs", type=int, default=3, help="local epochs per round (default 3)")
-    p.add_argument("--update-bytes", type=int, default=384, help="byte budget of each update (default 384)")
+    p.add_argument("--depth", default="auto", metavar="auto|head|N",
+                   help="how deep the devices train (default auto: each device's planner decides)")
+    p.add_argument("--update-bytes", type=int, default=None,
+                   help="byte budget of each update (default: the agent's, which adapts to the trained tensors)")
     p.add_argument("--deadline", default="150s", help="per-round deadline (default 150s)")
     p.add_argument("--out", default="demo-out", help="working directory (default ./demo-out)")
     p.add_argument("--ui", default="auto", metavar="ADDR:PORT|auto|off",
@@ -247,8 +253,9 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
         say(f"{len(devices)} devices enrolled and online; `edge-coordinator train` (its live progress follows):")
         train = [*cli, "train", "--model", "digits@1", "--devices", "all", "--rounds", str(args.rounds),
                  "--min-devices", str(args.min_devices), "--deadline", args.deadline, "--budget-wh", "0.05",
-                 "--epochs", str(args.epochs), "--update-bytes", str(args.update_bytes), "--batch-size", "16",
-                 "--state-dir", str(coord)]
+                 "--epochs", str(args.epochs), "--batch-size", "16",
+                 *(["--update-bytes", str(args.update_bytes)] if args.update_bytes else []),
+                 *(["--depth", args.depth] if args.depth != "auto" else []), "--state-dir", str(coord)]
         print("  $ edge-coordinator " + " ".join(train[3:]), flush=True)
         code = subprocess.run(train, check=False).returncode
         if code != 0:

@@ -151,7 +151,11 @@ class GlobalEvaluator:
         from ..int8.selection import select_engine
         from ..train.demo import to_pixels
 
-        self.bundle = load_bundle(bundle_dir)
+        root = load_bundle(bundle_dir)
+        # the deepest depth's prefix is frozen for every device at every depth: its features stay
+        # valid while versions change the tensors after it, which its fp32 tail then applies
+        self.bundle = root.at_depth(max(0, len(root.manifest.depths) - 1))
+        self.depth = self.bundle.depth
         raw = to_pixels(x).astype(np.float32)  # what the devices store; the bundle normalises it
         normalised = self.bundle.manifest.input.normalise(raw)
         selection, runner = select_engine(self.bundle, keep_runner=True, state_dir=cache_dir, threads=1)
@@ -168,6 +172,7 @@ class GlobalEvaluator:
 
         params = self.block.collect_params()
         for name, value in head.items():
-            params[name].set_data(mx.nd.array(value, dtype=value.dtype))
+            if name in params:
+                params[name].set_data(mx.nd.array(value, dtype=value.dtype))
         logits = self.block(mx.nd.array(self.features)).asnumpy()
         return float((logits.argmax(axis=1) == self.y).mean())

@@ -44,6 +44,7 @@ def collect(reg: Registry, evaluator: Any, *, devices: dict[str, Any]) -> dict[s
             "dropouts": {names.get(d, d): why for d, why in s["dropouts"].items()},
             "local_acc_before": _mean([m.get("accuracy_before") for m in accepted]),
             "local_acc_after": _mean([m.get("accuracy_after") for m in accepted]),
+            "depths": sorted({int(m["depth"]) for m in accepted if isinstance(m.get("depth"), int)}),
             "global_acc": round(evaluator.accuracy(reg.load_head(new)), 4) if new else None,
             "bytes_up": s["wire_bytes"], "bytes_fp32": s["fp32_bytes"],
             "bytes_down": art.size * (len(sent) - len(patched)) + (patch.size * len(patched) if patch else 0),
@@ -67,11 +68,12 @@ def _kb(n: int) -> str:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    head = ["round", "devices", "local acc before", "local acc after", "global acc", "bytes up", "bytes down",
-            "compression", "energy Wh"]
-    rows = [["base", "-", "-", "-", _pct(report["global_acc_base"]), "-", "-", "-", "-"]]
+    head = ["round", "devices", "depth", "local acc before", "local acc after", "global acc", "bytes up",
+            "bytes down", "compression", "energy Wh"]
+    rows = [["base", "-", "-", "-", "-", _pct(report["global_acc_base"]), "-", "-", "-", "-"]]
     for r in report["rounds"]:
-        rows.append([str(r["round"]), f"{r['devices']}/{r['selected']}", _pct(r["local_acc_before"]),
+        rows.append([str(r["round"]), f"{r['devices']}/{r['selected']}",
+                     ",".join(map(str, r.get("depths") or [])) or "-", _pct(r["local_acc_before"]),
                      _pct(r["local_acc_after"]), _pct(r["global_acc"]), _kb(r["bytes_up"]), _kb(r["bytes_down"]),
                      f"x{r['compression']:.1f}" if r["compression"] else "-",
                      f"{r['energy_wh']:.4f}" if r["energy_wh"] is not None else "-"])
@@ -90,7 +92,7 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"round {r['round']}: {dev} dropped out: {why}")
     full = sum(r["full_bytes_down"] for r in report["rounds"])
     print("bytes down: the whole bundle to a device that has no version of the model yet, else the version's "
-          f"head patch (manifest + head.params): {_kb(sum(r['bytes_down'] for r in report['rounds']))} in all, "
+          f"patch (manifest, head.params and any int8 prefix re-quantised because weights inside it changed): {_kb(sum(r['bytes_down'] for r in report['rounds']))} in all, "
           f"{_kb(full)} with whole bundles")
     batt = ", ".join(f"{n} {d['battery']:.0f}%->{d['battery_end']:.0f}%" for n, d in report["devices"].items())
     print(f"batteries (simulated {report['battery_wh']} Wh packs, drained at {report['load_w']} W while a training "

@@ -78,7 +78,7 @@ def to_pixels(images: np.ndarray) -> np.ndarray:
 
 def build_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, *, epochs: int = 8,
                  seed: int = 0, name: str = "digits-cnn", version: str = "1", overwrite: bool = False,
-                 save_params: str | os.PathLike[str] | None = None) -> Any:
+                 save_params: str | os.PathLike[str] | None = None, depths: int = 0) -> Any:
     """Train the digits CNN on (x in [0, 1], y) and write it as a bundle at `dest`
     (and, with `save_params`, the fp32 Gluon parameters of the whole net there)."""
     from ..int8.bundle_create import create_bundle
@@ -91,7 +91,7 @@ def build_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, *, 
     # stored data is raw pixels (0..255); the bundle normalises them to what the net saw
     calib = to_pixels(x[:256]).astype(np.float32) * np.float32(PIXEL_SCALE)
     return create_bundle(net, dest, calibration=calib, labels=LABELS, name=name, version=version,
-                         input_shape=(1, 8, 8), scale=PIXEL_SCALE, overwrite=overwrite)
+                         input_shape=(1, 8, 8), scale=PIXEL_SCALE, overwrite=overwrite, depths=depths)
 
 
 def write_data(dest: str | os.PathLike[str], images: np.ndarray, labels: np.ndarray, fmt: str) -> Path:
@@ -123,8 +123,9 @@ def write_data(dest: str | os.PathLike[str], images: np.ndarray, labels: np.ndar
     raise ValueError(f"unknown format {fmt!r}; use images, csv or npz")
 
 
-def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0) -> Path:
-    """The scenario's base bundle at `dest`, built once (reused while it verifies)."""
+def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0, depths: int = 0) -> Path:
+    """The scenario's base bundle at `dest`, built once (reused while it verifies and has
+    the `depths` asked for)."""
     import fcntl
 
     from ..errors import InputError
@@ -135,10 +136,11 @@ def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0) -> Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build it once
         try:
-            load_bundle(target)
+            if len(load_bundle(target).manifest.depths) != (depths + 1 if depths else 0):
+                raise InputError("other depths")
         except (InputError, OSError):
             sc = scenario(seed=seed)
-            build_bundle(target, sc.base_x, sc.base_y, seed=seed, overwrite=True)
+            build_bundle(target, sc.base_x, sc.base_y, seed=seed, overwrite=True, depths=depths)
     return target
 
 
