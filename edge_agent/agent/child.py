@@ -62,7 +62,7 @@ from .runner import (
 log = logging.getLogger("edge_agent.agent.child")
 FINISHED = ("done", "early-stopped", "budget-exhausted", "deadline")  # these produce an update
 _PR_SET_PDEATHSIG = 1
-TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "depth", "bn", "tail")
+TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "depth", "bn", "tail", "augment")
 
 
 class Events:

@@ -295,7 +295,7 @@ class JobDriver:
                 "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size,
                 "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown}
         for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes", "depth", "bn",
-                    "tail"):
+                    "tail", "augment"):
             if p.get(key) is not None:
                 spec[key] = p[key]
         return spec

@@ -53,6 +53,7 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
     "checkpoint_every": (int, 1, 1_000_000),
     "seed": (int, 0, 2**31 - 1),
     "update_bytes": (int, 256, MAX_UPDATE_BYTES),
+    "augment": (int, 0, 8),
 }
 # Training choices a command may set: name -> the values accepted (depth: also 0..8).
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),

@@ -355,7 +355,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     params: dict[str, Any] = dict(args.param or [])
     for name in ("epochs", "batch_size", "lr", "update_bytes", "power_cap_w", "aggregator", "devices_per_round",
-                 "depth", "bn", "tail"):
+                 "depth", "bn", "tail", "augment"):
         value = getattr(args, name, None)
         if value is not None:
             params[name] = value

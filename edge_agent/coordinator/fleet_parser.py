@@ -266,6 +266,8 @@ def add_fleet_commands(sub: Any) -> None:
                    help="how deep each device trains a multi-depth model (model create --depths): auto "
                         "(the device plans from its memory cap and budget; the agent's default), head, or "
                         "a depth N. A fleet at one fixed depth aggregates like-for-like updates")
+    t.add_argument("--augment", type=_number(int, 0, 8), default=None, metavar="K",
+                   help="K augmented views of each training image on the devices (crop, brightness)")
     t.add_argument("--bn", choices=("frozen", "update"), default=None,
                    help="BatchNorm statistics in the trained tail (device default: frozen)")
     t.add_argument("--tail", choices=("full", "bias"), default=None,

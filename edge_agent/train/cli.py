@@ -115,6 +115,14 @@ class ProgressBar:
         self._shown = True
 
 
+def _views(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) > 8:
+        raise argparse.ArgumentTypeError(f"expected a whole number 0..8, got {text!r}")
+    return int(text)
+
+
 def _depth(text: str) -> str | int:
     import argparse
 
@@ -147,6 +155,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
         weight_decay=args.weight_decay, patience=args.patience, balance=args.balance,
         train_last=args.train_last, trainer=args.trainer, depth=args.depth, bn=args.bn, tail=args.tail,
+        augment=args.augment, augment_kinds=args.augment_kinds,
         val_fraction=args.val_fraction, seed=args.seed,
         checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
         label_column=args.label_column, label_map=args.label_map, skip_unknown=args.skip_unknown,
@@ -242,6 +251,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--tail", choices=("full", "bias"), default="full",
                    help="full (default): train every tail parameter; bias: only biases and BatchNorm "
                         "scales/shifts plus the classifier (less memory)")
+    t.add_argument("--augment", type=_views, default=0, metavar="K",
+                   help="K extra views of every training image (0-8, default 0), made before the int8 "
+                        "prefix and cached like the images (views of the same image are the same every job)")
+    t.add_argument("--augment-kinds", default="crop,brightness", metavar="LIST",
+                   help="what a view changes: crop (a shift of up to 1/8), brightness (+-15 %%), flip "
+                        "(horizontal; not for digits or text) (default crop,brightness)")
     t.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
                    help="validation share, chosen by content hash so it is stable as data grows (default 0.2)")
     t.add_argument("--seed", type=int, default=0)

@@ -241,6 +241,8 @@ def run_finetune(
     depth: str | int = "auto",
     bn: str = "frozen",
     tail: str = "full",
+    augment: int = 0,
+    augment_kinds: str | tuple[str, ...] = ("crop", "brightness"),
     val_fraction: float = 0.2,
     seed: int = 0,
     checkpoint_every: int = 50,
@@ -273,7 +275,9 @@ def run_finetune(
     BatchNorm in the tail keeps its statistics ("frozen") or updates them ("update");
     `tail`: train every tail parameter ("full") or only biases and BatchNorm scales plus
     the classifier ("bias"). `lr` defaults to 0.01 for the head and 0.001 deeper (pre-trained
-    conv layers want a smaller step: bench_depth).
+    conv layers want a smaller step: bench_depth). `augment`: K extra views of every
+    training image (`augment_kinds` of crop, brightness, flip; train/augment.py), made
+    before the int8 prefix and cached like the images themselves.
     """
     from ..labels import parse_label_map
     from ..power import Budget
@@ -282,6 +286,11 @@ def run_finetune(
     if isinstance(label_map, str):
         label_map = parse_label_map(label_map)
     depth = parse_depth(depth)
+    from .augment import MAX_VIEWS, parse_kinds
+
+    augment_kinds = parse_kinds(augment_kinds)
+    if isinstance(augment, bool) or not isinstance(augment, int) or not 0 <= augment <= MAX_VIEWS:
+        raise UsageError(f"augment: expected 0..{MAX_VIEWS} views per image, got {augment!r}")
     # validate everything cheap before touching the state directory
     budget = Budget(budget_wh=budget_wh, budget_basis=budget_basis, power_cap_w=power_cap_w,
                     battery_floor_pct=battery_floor_pct, battery_resume_pct=battery_resume_pct,
@@ -298,6 +307,7 @@ def run_finetune(
             model=str(model), data=str(data), cache_dir=str(cache_dir) if cache_dir else None,
             epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
             patience=patience, balance=balance, train_last=train_last, trainer=trainer, depth=depth, bn=bn, tail=tail,
+            augment=augment, augment_kinds=augment_kinds,
             val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
@@ -391,6 +401,13 @@ class _Job:
             self.emit("data", detail=line)
         if len(train) == 0:
             raise InputError(f"{a['data']}: all {len(dataset)} usable samples fell into the validation split")
+        if a["augment"]:
+            from .augment import augmented_views, concat
+
+            views = augmented_views(train, a["augment"], kinds=a["augment_kinds"], seed=a["seed"])
+            train, dataset = concat(train, views), concat(dataset, views)
+            self.emit("data", detail=f"{len(views)} augmented views ({'+'.join(a['augment_kinds'])}) "
+                                     f"join the {len(train) - len(views)} training images")
 
         batch_size = a["batch_size"] or prof["batch_size"] or 32
         threads = a["threads"] or prof["threads"] or os.cpu_count() or 1
@@ -547,8 +564,11 @@ class _Job:
             measured["s_per_fp32_mac"] = max(per_sample - self.rates["s_per_sample"], 1e-9) / (3 * costs["tail_macs"])
         if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
             measured["mxnet_import_s"] = self.cpu["setup_s"]
-        if not self.selection_cached and self.cpu.get("selection_s"):
-            measured["selection_s"] = self.cpu["selection_s"]
+        if not self.selection_cached and self.cpu.get("selection_s") and costs.get("prefix_macs"):
+            from .depth_plan import SELECTION_FIXED_S
+
+            spent = max(self.cpu["selection_s"] - SELECTION_FIXED_S, 0.05 * self.cpu["selection_s"])
+            measured["selection_s_per_mac"] = spent / costs["prefix_macs"]
         if self.pos["epoch"] and self.stop_reason in ("done", "early-stopped"):
             measured["epoch_fraction"] = self.pos["epoch"] / self.trainer.config.epochs
         if measured:
@@ -650,12 +670,12 @@ class _Job:
 
     def _write_head(self) -> tuple[Path, str]:
         # MXNet's own file layout (arg:/aux: names), written with numpy: crash-safe in one step
-        from ..int8.bundle import HEAD_PARAMS
-        from ..mxparams import dump_params, load_params, split_names
+        from ..int8.bundle import bundle_params
+        from ..mxparams import dump_params
 
         # every tensor of the bundle's head.params: the tail's trained, the rest as they were
         # (a deeper bundle's params serve every depth; an update's delta is zero for the rest)
-        _, prefixes = split_names(load_params(self.bundle.read(HEAD_PARAMS), where=HEAD_PARAMS))
+        _, prefixes = bundle_params(self.bundle)
         params = {**self.base_params, **self.trainer.params()}
         aux = self.trainer.aux_names() | {n for n, p in prefixes.items() if p == "aux"}
         blob = dump_params({f"{'aux' if n in aux else 'arg'}:{n}": np.asarray(v, np.float32) for n, v in params.items()})
