@@ -39,14 +39,15 @@ from ..int8.bundle import (
     HEAD_PARAMS,
     MAX_ARCHIVE_BYTES,
     Bundle,
+    bundle_params,
     load_bundle,
     pack_bundle,
+    params_files,
     unpack_bundle,
     write_bundle_dir,
 )
 from ..int8.bundle_patch import PATCH_SUFFIX, pack_patch, patch_version
 from ..int8.requantize import refresh_prefixes
-from ..mxparams import dump_params, join_names, load_params, split_names
 from .records import ModelVersion, check_id
 from .registry import Registry
 
@@ -95,7 +96,7 @@ class ModelArtefacts:
             version = check_id(version or bundle.manifest.version, "model version")
             if version.endswith(PATCH_SUFFIX):
                 raise InputError(f"model version {version!r}: the suffix {PATCH_SUFFIX!r} is reserved for head patches")
-            head, _ = split_names(load_params(bundle.read(HEAD_PARAMS), where=f"{src}: {HEAD_PARAMS}"))
+            head, _ = bundle_params(bundle)
             if not head:
                 raise InputError(f"{src}: the head has no parameters to train")
             target = self.archive_path(name, version)
@@ -236,12 +237,13 @@ class ModelArtefacts:
         head = self.registry.load_head(mv)
         base: Bundle = unpack_bundle(root_archive, tmp / "root")
         files = {f: base.read(f) for f in base.manifest.files}
-        base_params, prefixes = split_names(load_params(files[HEAD_PARAMS], where=f"{root_archive}: head"))
+        base_params, prefixes = bundle_params(base)
         if set(base_params) != set(head):
             raise InputError(f"model {mv.name} {mv.version}: head tensors {sorted(head)[:8]} do not match "
                              f"the bundle's {sorted(base_params)[:8]}")
         typed = {n: np.asarray(head[n]).astype(base_params[n].dtype, copy=False) for n in base_params}
-        files[HEAD_PARAMS] = dump_params(join_names(typed, prefixes))
+        # per depth file: a version that changed only the head differs from its root in head.params
+        files.update(params_files(typed, prefixes, base.manifest, files))
         # a multi-depth bundle trained below a prefix's cut: that int8 prefix is rebuilt
         rebuilt = refresh_prefixes(files, base.manifest, typed)
         if rebuilt:

@@ -14,11 +14,14 @@ A bundle is a flat directory (and, for transfer, a single tar.gz archive of it):
     backbone_int8_edgetpu.tflite   optional: the int8 model compiled by edgetpu_compiler
     depth<k>-backbone_int8.tflite  optional, k = 1..8: the int8 prefix up to depth k's cut
     depth<k>-head-symbol.json      and the fp32 tail from that cut to the outputs
+    depth<k>-head.params           the parameters depth k's tail adds to depth k-1's
 
 A multi-depth bundle (`manifest.depths`, see int8/depth_cuts.py) lets a device train
 deeper than the head: depth 0 is the split above, depth k starts k block boundaries
-earlier. head.params then holds the parameters of the deepest tail (every depth's tail
-reads the subset it names), and `Bundle.at_depth(k)` is the bundle as seen at depth k:
+earlier. Its parameters are split by depth -- head.params holds the head's, each
+depth<k>-head.params what depth k's tail adds -- so a version that changed only the head
+differs from its root in head.params alone and its patch stays small; `bundle_params`
+reads them all. `Bundle.at_depth(k)` is the bundle as seen at depth k:
 the same object with depth k's prefix as its backbone and its tail as its head, so
 engines, selection and the feature cache work at any depth unchanged.
 
@@ -66,7 +69,7 @@ CALIBRATION = "calibration.npz"
 REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBRATION)
 OPTIONAL_FILES = (BACKBONE_EDGETPU,)
 MAX_DEPTH = 8
-_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json)\Z")  # \Z: no "\n" after
+_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json|head\.params)\Z")  # \Z: no "\n" after
 _COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements")
 
 
@@ -413,7 +416,11 @@ class Bundle:
         import mxnet as mx
 
         sym = mx.sym.load_json(self.read(HEAD_SYMBOL).decode("utf-8"))
-        params = mx.nd.load_frombuffer(self.read(HEAD_PARAMS))
+        if self.manifest.depths:  # the parameters are split by depth
+            arrays, prefixes = bundle_params(self)
+            params = {f"{prefixes.get(n, 'arg')}:{n}": mx.nd.array(v) for n, v in arrays.items()}
+        else:
+            params = mx.nd.load_frombuffer(self.read(HEAD_PARAMS))
         if isinstance(params, list):  # what mx.nd.save({}) reads back as: a parameter-free head
             if params:
                 raise BundleError(f"{self.path}: {HEAD_PARAMS} holds unnamed arrays")
@@ -427,6 +434,52 @@ class Bundle:
             if name in own:
                 own[name]._load_init(value, mx.cpu())  # noqa: SLF001 - SymbolBlock has no public setter by name
         return block
+
+
+def symbol_variables(symbol_json: bytes | str) -> set[str]:
+    """The variable (parameter and input) names of an MXNet symbol JSON."""
+    try:
+        nodes = json.loads(symbol_json)["nodes"]
+        return {str(n["name"]) for n in nodes if n.get("op") == "null"}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BundleError(f"{HEAD_SYMBOL}: not MXNet symbol JSON ({exc})") from None
+
+
+def bundle_params(bundle: Bundle) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every parameter of the bundle by bare name, and its arg:/aux: prefix: head.params
+    and, in a multi-depth bundle, each depth<k>-head.params (module doc)."""
+    from ..mxparams import load_params, split_names
+
+    merged: dict[str, np.ndarray] = {}
+    for k in range(max(1, len(bundle.manifest.depths))):
+        fname = depth_file(k, HEAD_PARAMS)
+        if bundle.has(fname):
+            merged.update(load_params(bundle.read(fname), where=f"{bundle.path}: {fname}"))
+    return split_names(merged)
+
+
+def params_files(params: dict[str, np.ndarray], prefixes: dict[str, str], manifest: Manifest,
+                 symbols: dict[str, bytes]) -> dict[str, bytes]:
+    """`params` (bare names) split into head.params and depth<k>-head.params: each depth's
+    file holds the parameters its tail names that shallower tails do not. `symbols`: the
+    bundle's files by name (its head symbols are read). A head-only bundle: head.params."""
+    from ..mxparams import dump_params, join_names
+
+    if not manifest.depths:
+        return {HEAD_PARAMS: dump_params(join_names(params, prefixes))}
+    out: dict[str, bytes] = {}
+    placed: set[str] = set()
+    for d in manifest.depths:
+        names = symbol_variables(symbols[depth_file(d.depth, HEAD_SYMBOL)]) - placed
+        part = {n: v for n, v in params.items() if n in names}
+        if d.depth > 0 and not part:
+            continue
+        placed |= part.keys()
+        out[depth_file(d.depth, HEAD_PARAMS)] = part  # type: ignore[assignment]
+    rest = {n: v for n, v in params.items() if n not in placed}  # named by no tail: kept with the head
+    head = {**out.get(HEAD_PARAMS, {}), **rest}  # type: ignore[dict-item]
+    out[HEAD_PARAMS] = head  # type: ignore[assignment]
+    return {f: dump_params(join_names(p, prefixes)) for f, p in out.items()}  # type: ignore[arg-type]
 
 
 def parse_manifest(raw: bytes, where: str = MANIFEST) -> Manifest:

@@ -42,6 +42,7 @@ from .bundle import (
     _parse_manifest,
     check_calibration,
     depth_file,
+    params_files,
     write_bundle_dir,
 )
 
@@ -358,6 +359,9 @@ def create_bundle(
 
         head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, depth_costs(model, tensor))
         manifest.depths = [head_depth, *deep_specs]
+        arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
+        kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
+        files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
 
 

@@ -20,7 +20,6 @@ Needs onnx (the coordinator has it, and so does a device that checks engine agre
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,16 +33,8 @@ from .bundle import (
     BundleError,
     Manifest,
     depth_file,
+    symbol_variables,
 )
-
-
-def symbol_variables(symbol_json: bytes | str) -> set[str]:
-    """The variable (parameter and input) names of an MXNet symbol JSON."""
-    try:
-        nodes = json.loads(symbol_json)["nodes"]
-        return {str(n["name"]) for n in nodes if n.get("op") == "null"}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise BundleError(f"{HEAD_SYMBOL}: not MXNet symbol JSON ({exc})") from None
 
 
 def with_parameters(onnx_bytes: bytes, params: Mapping[str, np.ndarray]) -> tuple[bytes, set[str]]:
@@ -100,11 +91,9 @@ def refresh_prefixes(files: dict[str, bytes], manifest: Manifest, params: Mappin
 def patched_backbone(bundle: Any) -> bytes:
     """A bundle's backbone.onnx with its head.params values: the fp32 model the bundle's
     parameters describe (a device's agreement check compares engines against it)."""
-    from ..mxparams import load_params, split_names
-    from .bundle import HEAD_PARAMS
+    from .bundle import bundle_params
 
     raw = bundle.read(BACKBONE_ONNX)
     if not bundle.manifest.depths:
         return raw
-    params, _ = split_names(load_params(bundle.read(HEAD_PARAMS), where=f"{bundle.path}: {HEAD_PARAMS}"))
-    return with_parameters(raw, params)[0]
+    return with_parameters(raw, bundle_params(bundle)[0])[0]

@@ -95,11 +95,10 @@ class TrainConfig:
 def head_from_bundle(bundle: Any) -> tuple[str, dict[str, np.ndarray]]:
     """(symbol JSON, parameters by bare name) of a bundle's head, from its verified files.
     numpy only: no MXNet import."""
-    from ..int8.bundle import HEAD_PARAMS, HEAD_SYMBOL
-    from ..mxparams import load_params, split_names
+    from ..int8.bundle import HEAD_SYMBOL, bundle_params
 
     symbol_json = bundle.read(HEAD_SYMBOL).decode("utf-8")
-    params, _ = split_names(load_params(bundle.read(HEAD_PARAMS), where=f"{bundle.path}: {HEAD_PARAMS}"))
+    params, _ = bundle_params(bundle)  # every depth's: a deeper tail's job writes them all back
     return symbol_json, params
 
 
@@ -294,7 +293,10 @@ class HeadTrainer(TrainerCommon):
                 own[name].grad_req = "null"
             trainable &= keep
         if config.tail == "bias" and self.layers:  # TinyTL: biases need no stored input activations
-            keep = {n for n in trainable if np.ndim(params[n]) <= 1} | set(self.layers[-1])
+            # the classifier: the last layer with a weight (an ONNX Gemm imports as a matrix
+            # product and a separate bias add, so the last op alone may hold only the bias)
+            weighted = [layer for layer in self.layers if any(np.ndim(params[n]) > 1 for n in layer)]
+            keep = {n for n in trainable if np.ndim(params[n]) <= 1} | set(weighted[-1] if weighted else self.layers[-1])
             for name in trainable - keep:
                 own[name].grad_req = "null"
             trainable &= keep

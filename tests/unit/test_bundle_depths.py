@@ -90,7 +90,7 @@ def _raw(bundle: B.Bundle) -> dict:
 
 
 def _depth_files(n: int) -> list[str]:
-    return [B.depth_file(k, f) for k in range(1, n + 1) for f in (B.BACKBONE_INT8, B.HEAD_SYMBOL)]
+    return [B.depth_file(k, f) for k in range(1, n + 1) for f in (B.BACKBONE_INT8, B.HEAD_SYMBOL, B.HEAD_PARAMS)]
 
 
 # ------------------------------------------------------------------ creation
@@ -133,7 +133,7 @@ def test_each_depth_fp32_prefix_then_its_tail_is_the_whole_net(deep, fp32_prefix
     np.testing.assert_allclose(out, logits, rtol=1e-4, atol=1e-4)
     # the tail is depth k's and not another's: besides parameters it reads this cut's tensor only
     sym = mx.sym.load_json(view.read(B.HEAD_SYMBOL).decode())
-    stored = {key.split(":", 1)[1] for key in mx.nd.load(str(deep.path / B.HEAD_PARAMS))}
+    stored = set(B.bundle_params(deep)[0])
     assert [i for i in sym.list_inputs() if i not in stored] == [spec.tensor]
 
 
@@ -154,10 +154,15 @@ def test_each_int8_prefix_is_its_own_depths_prefix(deep, fp32_prefixes, x):
                 assert float(np.abs(q - fp32_prefixes[j]).max()) / scale > 10 * err, (k, j)
 
 
-def test_head_params_hold_every_tail_with_the_nets_values(deep, net):
+def test_the_params_files_hold_every_tail_with_the_nets_values_split_by_depth(deep, net):
     import mxnet as mx
 
-    stored = {key.split(":", 1)[1]: v.asnumpy() for key, v in mx.nd.load(str(deep.path / B.HEAD_PARAMS)).items()}
+    stored = B.bundle_params(deep)[0]
+    # split by depth: head.params the head's, depth<k>-head.params what depth k adds (disjoint)
+    parts = [set(k.split(":", 1)[1] for k in mx.nd.load(str(deep.path / B.depth_file(d, B.HEAD_PARAMS))))
+             for d in range(DEPTHS + 1)]
+    assert sum(map(len, parts)) == len(set().union(*parts)) == len(stored)
+    assert parts[0] == {"output_fc_weight", "output_fc_bias"}
     gluon = {name: p.data().asnumpy() for name, p in net.collect_params().items()}
     needed: set[str] = set()
     for k, blocks in enumerate(TAIL_BLOCKS):
@@ -168,6 +173,7 @@ def test_head_params_hold_every_tail_with_the_nets_values(deep, net):
         # exactly the Gluon parameters after the cut: the blocks the tail starts after
         assert names == {n for n in gluon if n.startswith(tuple(b + "_" for b in blocks))}, k
         assert set(view.head_block().collect_params()) == names
+        assert names == set().union(*parts[:k + 1]), k  # depth k's tail: the files of depths 0..k
         needed |= names
     assert set(stored) == needed  # the deepest tail's, nothing else
     for name, value in stored.items():
