@@ -76,9 +76,9 @@ HELPER = textwrap.dedent(r'''
             report = run_finetune(model=cfg["bundle"], data=cfg["data"], state_dir=state_dir,
                                   cache_dir=cfg["cache"], resume=True, epochs=cfg["epochs"], patience=100,
                                   batch_size=8, checkpoint_every=3, profile="raspberry-pi-4", trainer=cfg["trainer"],
-                                  progress=progress)
+                                  depth=cfg["depth"], progress=progress)
             send({"phase": "report", "report": {k: report[k] for k in ("accuracy", "steps", "stop_reason", "head",
-                                                                        "checkpoint_problems")}})
+                                                                        "checkpoint_problems", "depth")}})
             os._exit(0)
         except BaseException as exc:
             send({"phase": "error", "detail": f"{type(exc).__name__}: {exc}"})
@@ -163,17 +163,19 @@ HELPER = textwrap.dedent(r'''
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
+    # the digits CNN with its two convs below the pool as training depths 1 and 2
+    return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle-depths", depths=2)
 
 
-@pytest.mark.parametrize("trainer", ["numpy", "mxnet"])  # both head trainers' checkpoints
-def test_kill_9_during_training_and_checkpoint_writes(bundle: Path, tmp_path: Path, trainer: str) -> None:
+# both head trainers' checkpoints, and a deep tail (two convs with BatchNorm + the head, MXNet)
+@pytest.mark.parametrize(("trainer", "depth"), [("numpy", 0), ("mxnet", 0), ("mxnet", 2)])
+def test_kill_9_during_training_and_checkpoint_writes(bundle: Path, tmp_path: Path, trainer: str, depth: int) -> None:
     sc = demo.scenario()
     dev = sc.devices[2]
     data = demo.write_data(tmp_path / "data", dev.images, dev.labels, "npz")
     cfg = {"bundle": str(bundle), "data": str(data), "cache": str(tmp_path / "cache"), "seed": 1234,
            "state": str(tmp_path / "state"), "reference_state": str(tmp_path / "reference"),
-           "kills": KILLS, "epochs": 40, "trainer": trainer}
+           "kills": KILLS, "epochs": 40 if depth == 0 else 12, "trainer": trainer, "depth": depth}
     proc = subprocess.run([sys.executable, "-c", HELPER, json.dumps(cfg)], capture_output=True, text=True,
                           timeout=240, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,6 +200,7 @@ def test_kill_9_during_training_and_checkpoint_writes(bundle: Path, tmp_path: Pa
     print(f"\n{len(rounds)} kills; {sum(r['mid_write'] for r in rounds)} inside a checkpoint write "
           f"(temp file left); resumed at steps {[r['resumed_from'] for r in rounds]}")
     assert final is not None and final["checkpoint_problems"] == []
+    assert final["depth"]["depth"] == reference["depth"]["depth"] == depth  # every resume kept the depth
     assert final["stop_reason"] == reference["stop_reason"] and final["steps"] == reference["steps"]
     assert abs(final["accuracy"]["after"] - reference["accuracy"]["after"]) <= ACCURACY_TOLERANCE
     diffs = [max(abs(a - b) for a, b in zip(p["values"], final["head"]["params"][n]["values"], strict=True))
