@@ -67,6 +67,20 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def graph_maps(model: onnx.ModelProto) -> tuple[list[Any], dict[str, int], dict[str, list[int]], set[str]]:
+    """(nodes, producer index of each tensor, consumer indices of each tensor, constant
+    tensors) of the first MAX_CUT_NODES nodes."""
+    nodes = list(model.graph.node)[:MAX_CUT_NODES]
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    consumers: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in n.input:
+            if i:
+                consumers.setdefault(i, []).append(k)
+    consts = {i.name for i in model.graph.initializer} | {o for n in nodes if n.op_type == "Constant" for o in n.output}
+    return nodes, producer, consumers, consts
+
+
 def _node_name(node: onnx.NodeProto) -> str:
     from .onnx_import import node_name
 
@@ -76,14 +90,7 @@ def _node_name(node: onnx.NodeProto) -> str:
 def candidate_cuts(model: onnx.ModelProto) -> list[Cut]:
     """Block boundaries of `model` that are valid cuts, in graph order (see module doc)."""
     g = model.graph
-    nodes = list(g.node)[:MAX_CUT_NODES]
-    consts = {i.name for i in g.initializer} | {o for n in nodes if n.op_type == "Constant" for o in n.output}
-    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
-    consumers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for i in n.input:
-            if i:
-                consumers.setdefault(i, []).append(k)
+    nodes, producer, consumers, consts = graph_maps(model)
     outputs = {o.name for o in g.output}
     shapes = _shapes(model)
 

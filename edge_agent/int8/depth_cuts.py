@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .cut_points import _dominates, _resolve, _shapes
+from .cut_points import _dominates, _resolve, _shapes, graph_maps
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import onnx
@@ -53,23 +53,11 @@ class DepthCut:
     shape: tuple[int, ...] | None
 
 
-def _graph_maps(model: onnx.ModelProto) -> tuple[list[Any], dict[str, int], dict[str, list[int]], set[str]]:
-    nodes = list(model.graph.node)
-    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
-    consumers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for i in n.input:
-            if i:
-                consumers.setdefault(i, []).append(k)
-    consts = {i.name for i in model.graph.initializer} | {o for n in nodes if n.op_type == "Constant" for o in n.output}
-    return nodes, producer, consumers, consts
-
-
 def depth_cuts(model: onnx.ModelProto, split_tensor: str, max_depths: int = 4) -> list[DepthCut]:
     """The depths below `split_tensor`, nearest first (depth 1 first), at most `max_depths`."""
     from .onnx_import import node_name
 
-    nodes, producer, consumers, consts = _graph_maps(model)
+    nodes, producer, consumers, consts = graph_maps(model)
     if split_tensor not in producer:
         return []
     split_at = producer[_resolve(split_tensor, producer, nodes)]
@@ -153,7 +141,7 @@ def depth_costs(model: onnx.ModelProto, cut_tensor: str) -> dict[str, int]:
     prefix_macs, tail_macs, tail_params, tail_activations, cut_elements."""
     import onnx
 
-    nodes, producer, _, consts = _graph_maps(model)
+    nodes, producer, _, consts = graph_maps(model)
     shapes = _shapes(model)
     dims = {i.name: [int(d) for d in i.dims] for i in model.graph.initializer}
     # parameters are float tensors with a shape: Clip's scalar bounds and the integer shape /
