@@ -184,8 +184,68 @@ static void arm_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, i
                              ep->act_max);
 }
 
+#if defined(EA_ARM_MMLA)
+/* SMMLA (i8mm: Neoverse N2/V1, Cortex-A710 and later; not the Pi 5's A76): one instruction
+ * multiplies a 2x8 block of A by an 8x2 block of B into a 2x2 int32 block, 32 exact MACs.
+ * B packed [K/8][4 columns][8 k], so 16 bytes are the column pairs (0,1) and (2,3); A rows
+ * are paired per 8 k. Compiled for i8mm here only; ea_pack_b picks this layout only on a
+ * CPU whose HWCAP2 says i8mm. */
+#define MMLA_TARGET __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
+MMLA_TARGET static void arm_mmla_tile(size_t mr, size_t nr, size_t kpad, const int8_t *const *a,
+                                      const void *b_panel, const ea_epilogue *ep, void *c,
+                                      size_t ldc) {
+    int32x4_t c00 = vdupq_n_s32(0), c01 = c00, c10 = c00, c11 = c00; /* row pair, column pair */
+    const int8_t *b = (const int8_t *)b_panel;
+    for (size_t k = 0; k < kpad; k += 8, b += 32) {
+        const int8x16_t a01 = vcombine_s8(vld1_s8(a[0] + k), vld1_s8(a[1] + k));
+        const int8x16_t a23 = vcombine_s8(vld1_s8(a[2] + k), vld1_s8(a[3] + k));
+        const int8x16_t b01 = vld1q_s8(b), b23 = vld1q_s8(b + 16);
+        c00 = vmmlaq_s32(c00, a01, b01);
+        c01 = vmmlaq_s32(c01, a01, b23);
+        c10 = vmmlaq_s32(c10, a23, b01);
+        c11 = vmmlaq_s32(c11, a23, b23);
+    }
+    /* c00 = [r0c0 r0c1 r1c0 r1c1], c01 = [r0c2 r0c3 r1c2 r1c3]: one int32x4 per row */
+    const int32x4_t rows[4] = {vcombine_s32(vget_low_s32(c00), vget_low_s32(c01)),
+                               vcombine_s32(vget_high_s32(c00), vget_high_s32(c01)),
+                               vcombine_s32(vget_low_s32(c10), vget_low_s32(c11)),
+                               vcombine_s32(vget_high_s32(c10), vget_high_s32(c11))};
+    const int32x4_t bias = vld1q_s32(ep->bias), mult = vld1q_s32(ep->mult);
+    const int32x4_t shift = vld1q_s32(ep->shift), zp = vdupq_n_s32(ep->out_zp);
+    const int32x4_t lo = vdupq_n_s32(ep->act_min), hi = vdupq_n_s32(ep->act_max);
+    for (size_t i = 0; i < mr; i++) {
+        int32x4_t s = vaddq_s32(rows[i], bias);
+        if (ep->row_add) s = vaddq_s32(s, vdupq_n_s32(ep->row_add[i]));
+        if (ep->out_int32) {
+            int32_t tmp[4];
+            vst1q_s32(tmp, s);
+            memcpy((int32_t *)c + i * ldc, tmp, nr * sizeof(int32_t));
+        } else {
+            const int32x4_t q = arm_requant(s, mult, shift, zp, lo, hi);
+            arm_store_s8((int8_t *)c + i * ldc, q, q, nr);
+        }
+    }
+}
+
+MMLA_TARGET static void arm_mmla_gemm(size_t m, size_t nr, size_t kpad, const void *const *rows,
+                                      const void *b_panel, const ea_epilogue *ep, void *c,
+                                      size_t ldc) {
+    const size_t elem = ep->out_int32 ? 4 : 1;
+    for (size_t s = 0; s < m; s += 4) {
+        ea_epilogue e = *ep;
+        if (ep->row_add) e.row_add = ep->row_add + s;
+        arm_mmla_tile(m - s < 4 ? m - s : 4, nr, kpad, (const int8_t *const *)rows + s, b_panel, &e,
+                      (char *)c + s * ldc * elem, ldc);
+    }
+}
+#define EA_ARM_QUAD EA_Q_I8MM, 8, 4, arm_mmla_gemm, 0, NULL, 0
+#else
+#define EA_ARM_QUAD 0, 0, 0, NULL, 0, NULL, 0
+#endif
+
 const ea_variant EA_ARM_VARIANT = {
     EA_ARM_NAME, EA_ARM_FEATURES, MR, NR, KC, 1, 1, arm_gemm, 0, NULL, NULL, arm_dw, arm_requant_n, arm_add,
+    EA_ARM_QUAD,
 };
 
 #endif

@@ -49,11 +49,13 @@ const ea_variant *ea_variant_at(int index) {
 const char *ea_variant_name(const ea_variant *v) { return v ? v->name : ""; }
 const char *ea_variant_features(const ea_variant *v) { return v ? v->features : ""; }
 
+static int quad_runnable(const ea_variant *v);
+
 void ea_variant_geometry(const ea_variant *v, int32_t out[3]) {
-    if (v->qgemm) { /* the u8 x s8 kernels weights use (see ea_pack_b) */
+    if (v->qgemm && quad_runnable(v)) { /* the kernels weights use (see ea_pack_b) */
         out[0] = (int32_t)(v->qmr2 > v->qmr ? v->qmr2 : v->qmr);
         out[1] = (int32_t)(v->qgemm2 ? 2 * v->nr : v->nr);
-        out[2] = 4;
+        out[2] = (int32_t)v->qkc;
         return;
     }
     out[0] = (int32_t)(v->mr2 > v->mr ? v->mr2 : v->mr);
@@ -123,7 +125,7 @@ typedef struct layout {
 static layout layout_of(const ea_variant *v, uint32_t kind) {
     layout l;
     if (kind == EA_LAYOUT_QUAD) {
-        l.kc = 4, l.b_elem = 1, l.a_elem = 1, l.mr = v->qmr, l.mr2 = v->qmr2;
+        l.kc = v->qkc, l.b_elem = 1, l.a_elem = 1, l.mr = v->qmr, l.mr2 = v->qmr2;
         l.gemm = v->qgemm, l.gemm2 = v->qgemm2;
     } else {
         l.kc = v->kc, l.b_elem = v->b_elem, l.a_elem = v->a_elem, l.mr = v->mr, l.mr2 = v->mr2;
@@ -134,6 +136,16 @@ static layout layout_of(const ea_variant *v, uint32_t kind) {
 
 static size_t layout_bytes(const layout *l, int64_t nr, int64_t n, int64_t k) {
     return (size_t)(ceil_div(n, nr) * nr * ceil_div(k, l->kc) * l->kc * l->b_elem);
+}
+
+/* The quad kernels' own CPU needs beyond the variant's (AArch64 i8mm: HWCAP2_I8MM). */
+static int quad_runnable(const ea_variant *v) {
+    if (!(v->qflags & EA_Q_I8MM)) return 1;
+#if defined(__linux__) && defined(__aarch64__)
+    return (getauxval(AT_HWCAP2) & (1UL << 13)) != 0;
+#else
+    return 0;
+#endif
 }
 
 size_t ea_packed_b_size(const ea_variant *v, int64_t n, int64_t k) {
@@ -163,7 +175,8 @@ int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_
     const int want_int16 = force && strcmp(force, "int16") == 0;
     const int want_quad = force && strcmp(force, "u8s8") == 0;
     const int by_k = v->qmax_k == 0 || k <= (int64_t)v->qmax_k;
-    const int quad_ok = v->qgemm && !has_min && !want_int16 && (by_k || want_quad);
+    const int quad_ok = v->qgemm && quad_runnable(v) && !(has_min && (v->qflags & EA_Q_NO_MIN)) &&
+                        !want_int16 && (by_k || want_quad);
     const uint32_t kind = quad_ok ? EA_LAYOUT_QUAD : EA_LAYOUT_NATIVE;
     const layout l = layout_of(v, kind);
     pack_header h = {EA_PACK_MAGIC, kind, n, k};

@@ -24,6 +24,8 @@
 #include "ea_kernels.h"
 
 #define EA_MAX_MR 16
+#define EA_Q_NO_MIN 1u
+#define EA_Q_I8MM 2u
 
 /* Epilogue of one tile, pointers already offset to the tile's first column / row. */
 typedef struct ea_epilogue {
@@ -75,8 +77,12 @@ struct ea_variant {
     ea_dw_ukernel dw;
     ea_requant_fn requant;
     ea_add_fn add;
-    /* Optional u8 x s8 kernels over int8 B packed [K/4][nr][4] ("quad" layout), used for a B
-     * without -128 (ea_pack_b decides and records the layout in the packed header). */
+    /* Optional second GEMM path over int8 B packed [K/qkc][nr][qkc] (the "quad" layout): x86's
+     * u8 x s8 kernels (qkc 4, exact for a B without -128), AArch64's SMMLA ones (qkc 8, needs
+     * i8mm at run time). ea_pack_b decides per matrix and records the layout in the packed
+     * header, so one variant serves CPUs with and without the extension. */
+    uint32_t qflags; /* EA_Q_NO_MIN: B must not hold -128; EA_Q_I8MM: CPU must have i8mm */
+    uint32_t qkc;
     uint32_t qmr;
     ea_gemm_ukernel qgemm;
     uint32_t qmr2;

@@ -195,6 +195,9 @@ int main(int argc, char **argv) {
             printf("variant %s skipped (CPU lacks: %s)\n", ea_variant_name(v), ea_variant_features(v));
             continue;
         }
+        int32_t geo[3];
+        ea_variant_geometry(v, geo); /* K step 8 on neon_dot: the SMMLA (i8mm) kernels run */
+        printf("geometry %s %d %d %d\n", ea_variant_name(v), geo[0], geo[1], geo[2]);
         int bad = 0;
         for (uint32_t i = 0; i < count; i++) bad += !run_case(v, &cases[i], (int)i);
         printf("variant %s cases %u failures %d\n", ea_variant_name(v), count, bad);

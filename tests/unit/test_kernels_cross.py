@@ -6,7 +6,8 @@ written to a binary case file that kernels/test/test_kernels.c reads; the progra
 every case on every variant the (emulated) CPU supports and prints one line per variant.
 Variants are compiled exactly as setup.py does, from kernels/variants.json (flag sets
 tried in order), so a variant the cross compiler refuses would show up as missing.
-qemu's `-cpu max` has NEON and the dot-product extension, so neon_dot runs too.
+qemu's `-cpu max` has NEON, the dot-product extension and i8mm, so neon_dot runs too, its
+GEMMs and convolutions on the SMMLA kernels.
 """
 
 from __future__ import annotations
@@ -285,6 +286,20 @@ def test_cross_compiled_variants_agree_under_qemu(target: str, case_file: tuple[
     for variant, (cases, failures) in results.items():
         assert cases == case_file[1] and failures == 0, f"{target}/{variant}:\n{output}"
     assert rc == 0, output
+    if target == "aarch64":  # qemu's -cpu max has i8mm: neon_dot's GEMMs ran on SMMLA (K step 8)
+        assert "geometry neon_dot 4 4 8" in output and "geometry neon 4 4 16" in output, output
+
+
+def test_neon_dot_without_i8mm_keeps_the_sdot_kernels(case_file: tuple[Path, int], tmp_path: Path) -> None:
+    """The Raspberry Pi 5's Cortex-A76 has SDOT but no i8mm: neon_dot must pack for its SDOT
+    kernels (K step 16), never the SMMLA ones, and agree on every case."""
+    t = TARGETS["aarch64"]
+    assert shutil.which(t.cc) and shutil.which(t.runner[0]), "run .ci/run's apt-get line"
+    program = tmp_path / "test_kernels_aarch64"
+    build_test_program(t.cc, program)
+    rc, results, output = _run_program(["qemu-aarch64", "-cpu", "cortex-a76"], program, case_file[0])
+    assert "geometry neon_dot 4 4 16" in output, output
+    assert results.get("neon_dot") == (case_file[1], 0) and rc == 0, output
 
 
 def test_host_build_of_the_c_test_agrees(case_file: tuple[Path, int], host_program: tuple[Path, list[str]]) -> None:
