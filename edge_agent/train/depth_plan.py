@@ -91,7 +91,7 @@ def parse_depth(value: Any) -> str | int:
         depth = value
     elif isinstance(value, str) and value in ("auto", "head"):
         return value
-    elif isinstance(value, str) and value.isdigit() and len(value) < 3:
+    elif isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 3:  # not "²" or "٣"
         depth = int(value)
     else:
         raise UsageError(f"depth: expected auto, head or a number 0..8, got {value!r:.40}")
