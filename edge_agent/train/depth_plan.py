@@ -6,7 +6,8 @@ activations its backward pass keeps, and the size of the activation at the cut. 
 job's data size, epochs and batch, and this device's measured rates, each depth gets a
 predicted CPU time (so energy, on the profile's power model) and peak memory:
 
-    cpu_s  = [engine selection, if this device has no cached choice for the depth's prefix]
+    cpu_s  = [engine selection, if this device has no cached choice for the depth's prefix:
+              SELECTION_FIXED_S + prefix_macs x selection_s_per_mac]
            + images x prefix_macs x s_per_int8_mac              (features, once)
            + [MXNet import, if the tail is not one dense layer]
            + epochs x f x (train x 3 + val) x tail_macs x s_per_fp32_mac (forward + backward)
@@ -47,7 +48,8 @@ RATES_FILE = "planner-rates.json"
 # Starting rates (CPU-seconds), ~1.5x what a loaded 2-core x86 machine measured
 # (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
 DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
-                 "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s": 30.0, "epoch_fraction": 1.0}
+                 "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s_per_mac": 1.5e-6, "epoch_fraction": 1.0}
+SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
 
 
 @dataclass
@@ -149,7 +151,8 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
     for d in depths:
         costs = d.costs
         mx = d.depth > 0 or not dense_head
-        cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else rates["selection_s"]
+        cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else (
+            SELECTION_FIXED_S + costs.get("prefix_macs", 0) * rates["selection_s_per_mac"])
         cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
         cpu += (rates["mxnet_import_s"] if mx else 0.0)
         run_epochs = epochs * min(1.0, rates["epoch_fraction"])
