@@ -6,16 +6,20 @@
  * thread pool adds a future and a wake-up per op and part.
  *
  * Pool design, chosen for a shared 2-4 core device rather than an idle benchmark box:
- *  - one mailbox per worker (sequence number + job), so the caller hands out exactly the
- *    parts an op has and never rewrites a job a worker may still be reading;
+ *  - an op is cut into a few chunks of rows (about two per thread) that the caller and the
+ *    workers claim from an atomic counter: a thread that is descheduled (another process
+ *    holds its core) simply claims fewer, so a run is never held up by more than the chunk
+ *    that thread is in, and at worst runs at the single-thread speed -- a static split would
+ *    wait for the slowest thread at every one of MobileNet's ~60 ops;
+ *  - one mailbox per worker: the caller posts an op only to a worker that has finished its
+ *    last one (a late worker is left out of this op), so it never rewrites a job in use;
  *  - a worker spins on its mailbox for a short while (ops follow each other within
  *    microseconds inside a run), yielding the core while it spins, then sleeps on a condition
  *    variable: when the threads share one core, spinning must not starve the thread that
  *    holds the work (XNNPACK's pool was measured at 30x slower in that situation);
- *  - the caller takes part 0 itself and then waits for the others the same way;
  *  - one run at a time uses the pool; a concurrent caller runs its ops on its own thread.
- * Each part calls the same public entry points as single-op callers do, on a row range, so
- * threading cannot change a result: every output element is computed by exactly one part.
+ * Each chunk calls the same public entry points as single-op callers do, on a row range, so
+ * threading cannot change a result: every output element is computed by exactly one chunk.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -29,17 +33,24 @@
 #define EA_MAX_THREADS 16
 #define SPIN_NS 200000 /* a worker spins this long for the next op before sleeping */
 
+/* The chunks of one op in one run, claimed by whichever thread gets there first. */
+typedef struct op_state {
+    _Atomic int next;     /* next chunk to claim */
+    _Atomic int finished; /* chunks done */
+    _Atomic int rc;       /* first error */
+    int chunks;
+} op_state;
+
 typedef struct part_job {
     const ea_variant *v;
     const ea_op *op;
     void *const *slots;
-    int part, parts;
+    op_state *st;
 } part_job;
 
 typedef struct mailbox {
     _Atomic unsigned seq;  /* bumped by the caller for each job posted */
     _Atomic unsigned done; /* set to seq by the worker when the job is finished */
-    _Atomic int rc;
     part_job job;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -87,32 +98,43 @@ static int64_t op_rows(const ea_op *op) {
     }
 }
 
-/* How many parts an op is worth splitting into: below ~64 output rows (or ~16 K added
- * elements) a part costs less than handing it to another thread. */
-static int op_parts(const ea_op *op, int threads) {
-    int64_t rows = op_rows(op), unit;
+/* How many chunks an op is worth cutting into: about two per thread, each worth at least
+ * ~64 K multiply-adds (a few microseconds; less costs more to hand over than it saves) and
+ * 16 rows (a GEMM tile). By work, not rows: MobileNet's last blocks have few rows (3x3
+ * pixels) but hundreds of channels. */
+static int op_chunks(const ea_op *op, int threads) {
+    if (threads < 2) return 1;
+    const int64_t rows = op_rows(op);
+    int64_t per_row, min_rows = 16;
     switch (op->kind) {
     case EA_OP_CONV:
+        per_row = (int64_t)op->conv.k_h * op->conv.k_w * op->conv.in_c * op->conv.out_c;
+        break;
     case EA_OP_DEPTHWISE:
+        per_row = (int64_t)op->conv.k_h * op->conv.k_w * op->conv.out_c;
+        break;
     case EA_OP_GEMM:
-        unit = 64;
+        per_row = op->gemm.k * op->gemm.n;
         break;
     case EA_OP_ADD:
-        unit = 16384;
+        per_row = 4, min_rows = 1024;
         break;
     case EA_OP_MEAN:
+        per_row = op->n[1] * op->n[2], min_rows = 1;
+        break;
     case EA_OP_QUANTIZE:
-        unit = 1;
+        per_row = op->n[1] * op->n[2] * 4, min_rows = 1;
         break;
     default:
         return 1;
     }
-    int64_t parts = rows / unit;
-    if (parts > threads) parts = threads;
-    return parts < 1 ? 1 : (int)parts;
+    int64_t chunks = rows * per_row / 65536;
+    if (chunks > rows / min_rows) chunks = rows / min_rows;
+    if (chunks > 2 * threads) chunks = 2 * threads;
+    return chunks < 1 ? 1 : (int)chunks;
 }
 
-/* Row range of part i of n over `rows`, aligned to 16 rows (GEMM tiles) but the last. */
+/* Row range of chunk i of n over `rows`, aligned to 16 rows (GEMM tiles) but the last. */
 static void part_range(int64_t rows, int i, int n, int64_t *lo, int64_t *hi) {
     int64_t a = rows * i / n, b = rows * (i + 1) / n;
     if (n > 1 && rows >= 16 * n) {
@@ -123,31 +145,29 @@ static void part_range(int64_t rows, int i, int n, int64_t *lo, int64_t *hi) {
     *hi = b;
 }
 
-static int run_part(const part_job *j) {
-    const ea_op *op = j->op;
-    void *const *s = j->slots;
+static int run_rows(const ea_variant *v, const ea_op *op, void *const *s, int part, int parts) {
     const void *in0 = s[op->in0];
     void *out = s[op->out];
     int64_t lo, hi;
-    part_range(op_rows(op), j->part, j->parts, &lo, &hi);
+    part_range(op_rows(op), part, parts, &lo, &hi);
     if (hi <= lo) return EA_OK;
     switch (op->kind) {
     case EA_OP_CONV:
-        return ea_conv2d(j->v, &op->conv, (const int8_t *)in0, op->w, op->colsum, op->bias,
+        return ea_conv2d(v, &op->conv, (const int8_t *)in0, op->w, op->colsum, op->bias,
                          op->mult, op->shift, (int8_t *)out, lo, hi);
     case EA_OP_DEPTHWISE:
-        return ea_depthwise_conv2d(j->v, &op->conv, (const int8_t *)in0, (const int16_t *)op->w,
+        return ea_depthwise_conv2d(v, &op->conv, (const int8_t *)in0, (const int16_t *)op->w,
                                    op->bias, op->mult, op->shift, (int8_t *)out, lo, hi);
     case EA_OP_GEMM: {
         ea_gemm_params g = op->gemm;
         g.m = hi - lo;
         const size_t elem = g.out_int32 ? 4 : 1;
-        return ea_gemm(j->v, &g, (const int8_t *)in0 + lo * g.a_stride_m, op->w, op->colsum,
+        return ea_gemm(v, &g, (const int8_t *)in0 + lo * g.a_stride_m, op->w, op->colsum,
                        op->bias, op->mult, op->shift,
                        (char *)out + (size_t)(lo * g.c_stride_m) * elem);
     }
     case EA_OP_ADD:
-        return ea_add(j->v, hi - lo, (const int8_t *)in0 + lo, (const int8_t *)s[op->in1] + lo,
+        return ea_add(v, hi - lo, (const int8_t *)in0 + lo, (const int8_t *)s[op->in1] + lo,
                       &op->add, (int8_t *)out + lo);
     case EA_OP_MEAN: {
         const int64_t hw = op->n[1], c = op->n[2];
@@ -165,6 +185,21 @@ static int run_part(const part_job *j) {
         return EA_OK;
     default:
         return EA_EINVAL;
+    }
+}
+
+/* Claims and runs chunks of j's op until none is left. */
+static void run_chunks(const part_job *j) {
+    op_state *st = j->st;
+    for (;;) {
+        const int c = atomic_fetch_add_explicit(&st->next, 1, memory_order_relaxed);
+        if (c >= st->chunks) return;
+        const int rc = run_rows(j->v, j->op, j->slots, c, st->chunks);
+        if (rc != EA_OK) {
+            int ok = EA_OK;
+            atomic_compare_exchange_strong(&st->rc, &ok, rc);
+        }
+        atomic_fetch_add_explicit(&st->finished, 1, memory_order_release);
     }
 }
 
@@ -191,7 +226,7 @@ static void *worker_main(void *arg) {
             pthread_mutex_unlock(&b->mu);
         }
         last = seq;
-        atomic_store_explicit(&b->rc, run_part(&b->job), memory_order_relaxed);
+        run_chunks(&b->job);
         atomic_store_explicit(&b->done, seq, memory_order_release);
     }
     return NULL;
@@ -234,15 +269,26 @@ static void post(mailbox *b, const part_job *j) {
     pthread_mutex_unlock(&b->mu);
 }
 
-static int wait_done(mailbox *b) {
-    const unsigned seq = atomic_load_explicit(&b->seq, memory_order_relaxed);
+static int idle(mailbox *b) {
+    return atomic_load_explicit(&b->done, memory_order_acquire) ==
+           atomic_load_explicit(&b->seq, memory_order_relaxed);
+}
+
+/* Spin, then yield, until cond(arg) holds. */
+static void wait_until(int (*cond)(void *), void *arg) {
     int spins = 0;
-    while (atomic_load_explicit(&b->done, memory_order_acquire) != seq) {
+    while (!cond(arg)) {
         cpu_relax();
         if (++spins > 256) sched_yield();
     }
-    return atomic_load_explicit(&b->rc, memory_order_relaxed);
 }
+
+static int chunks_finished(void *arg) {
+    op_state *st = (op_state *)arg;
+    return atomic_load_explicit(&st->finished, memory_order_acquire) == st->chunks;
+}
+
+static int box_idle(void *arg) { return idle((mailbox *)arg); }
 
 int ea_run_ops(const ea_variant *v, const ea_op *ops, int32_t n_ops, void *const *slots,
                int32_t threads) {
@@ -250,21 +296,27 @@ int ea_run_ops(const ea_variant *v, const ea_op *ops, int32_t n_ops, void *const
     int usable = 1;
     const int pooled = threads > 1 && pthread_mutex_trylock(&pool.run_mu) == 0;
     if (pooled) usable = ensure_workers(threads);
+    /* one state per op, alive until every worker posted in this run has finished */
+    op_state *states = usable > 1 ? (op_state *)calloc((size_t)(n_ops ? n_ops : 1), sizeof(op_state)) : NULL;
+    if (usable > 1 && !states) usable = 1;
     int rc = EA_OK;
     for (int32_t i = 0; i < n_ops && rc == EA_OK; i++) {
-        const int parts = op_parts(&ops[i], usable);
-        part_job j = {v, &ops[i], slots, 0, parts};
-        for (int p = 1; p < parts; p++) {
-            j.part = p;
-            post(&pool.box[p], &j);
+        const int chunks = op_chunks(&ops[i], usable);
+        if (chunks == 1) {
+            rc = run_rows(v, &ops[i], slots, 0, 1);
+            continue;
         }
-        j.part = 0;
-        rc = run_part(&j);
-        for (int p = 1; p < parts; p++) {
-            const int prc = wait_done(&pool.box[p]);
-            if (rc == EA_OK) rc = prc;
-        }
+        op_state *st = &states[i];
+        st->chunks = chunks;
+        const part_job j = {v, &ops[i], slots, st};
+        for (int p = 1; p < usable && p < chunks; p++)
+            if (idle(&pool.box[p])) post(&pool.box[p], &j); /* a late worker sits this op out */
+        run_chunks(&j);
+        wait_until(chunks_finished, st); /* only chunks already claimed are outstanding */
+        rc = atomic_load_explicit(&st->rc, memory_order_relaxed);
     }
+    for (int p = 1; p < usable; p++) wait_until(box_idle, &pool.box[p]); /* before states go */
+    free(states);
     if (pooled) pthread_mutex_unlock(&pool.run_mu);
     return rc;
 }
