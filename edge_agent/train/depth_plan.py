@@ -45,6 +45,7 @@ from ..errors import UsageError
 AUTO_MAX_DEPTH = 2
 ENERGY_MARGIN = 1.25  # the plan must fit the budget with this much to spare
 RATES_FILE = "planner-rates.json"
+LEARN_WEIGHT = 0.7
 # Starting rates (CPU-seconds), ~1.5x what a loaded 2-core x86 machine measured
 # (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
 DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
@@ -119,11 +120,13 @@ def load_rates(cache_dir: Path | None) -> dict[str, float]:
 
 
 def learn_rates(cache_dir: Path, rates: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
-    """Blend one job's measured rates in (half weight: one noisy job does not rule)."""
+    """Blend one job's measured rates in, in log space (rates span orders of magnitude):
+    LEARN_WEIGHT on the new measurement, so a first job moves a default most of the way
+    and one noisy job does not rule."""
     new = dict(rates)
     for key, value in measured.items():
         if key in new and isinstance(value, float) and math.isfinite(value) and value > 0:
-            new[key] = math.sqrt(new[key] * value)  # geometric mean: rates span orders of magnitude
+            new[key] = math.exp((1 - LEARN_WEIGHT) * math.log(new[key]) + LEARN_WEIGHT * math.log(value))
     cache_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(cache_dir / RATES_FILE, new)
     return new

@@ -139,8 +139,9 @@ def test_learn_rates_blends_and_a_corrupt_rates_file_falls_back_to_the_defaults(
     measured = {"s_per_int8_mac": rates["s_per_int8_mac"] * 4, "mxnet_import_s": float("nan"),
                 "s_per_sample": -1.0, "not_a_rate": 1.0, "epoch_fraction": 0.25, "mxnet_mb": 7}
     new = DP.learn_rates(cache, rates, measured)
-    assert new["s_per_int8_mac"] == pytest.approx(rates["s_per_int8_mac"] * 2)  # half-way, geometrically
-    assert new["epoch_fraction"] == pytest.approx(0.5)
+    w = DP.LEARN_WEIGHT  # in log space: LEARN_WEIGHT of the way to the measurement
+    assert new["s_per_int8_mac"] == pytest.approx(rates["s_per_int8_mac"] * 4 ** w)
+    assert new["epoch_fraction"] == pytest.approx(0.25 ** w)
     for key in ("mxnet_import_s", "s_per_sample", "mxnet_mb"):  # NaN, negative, not a float: ignored
         assert new[key] == rates[key]
     assert "not_a_rate" not in new
@@ -164,7 +165,7 @@ def test_learn_rates_blends_and_a_corrupt_rates_file_falls_back_to_the_defaults(
     assert DP.load_rates(cache) == {**DP.DEFAULT_RATES, "s_per_sample": 1e-3}
     path.write_bytes(b"\x00garbage{")
     healed = DP.learn_rates(cache, DP.load_rates(cache), {"s_per_sample": 2e-3})  # a new job rewrites it
-    assert DP.load_rates(cache) == healed and healed["s_per_sample"] == pytest.approx((3e-4 * 2e-3) ** 0.5)
+    assert DP.load_rates(cache) == healed and healed["s_per_sample"] == pytest.approx(3e-4 ** (1 - DP.LEARN_WEIGHT) * 2e-3 ** DP.LEARN_WEIGHT)
 
 
 def test_an_uncached_engine_choice_adds_the_selection_to_the_prediction(deep):
