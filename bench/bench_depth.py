@@ -237,8 +237,8 @@ def run(quick: bool = False) -> str:
     def wh(cpu_s: float) -> float:
         return (load_w - idle_w) * cpu_s / threads / 3600.0
 
-    seeds = [0] if quick else [0, 1]
-    n_devices = 1 if quick else 3
+    seeds = [0] if quick else list(range(int(os.environ.get("EDGE_BENCH_DEPTH_SEEDS", "2"))))
+    n_devices = 1 if quick else int(os.environ.get("EDGE_BENCH_DEPTH_DEVICES", "3"))
     out = ["## How deep to fine-tune: every depth vs full fp32 fine-tuning (bench_depth)", "",
            __doc__.split("\n\n", 1)[1].strip().replace("\n", " ").replace("- ", "\n- ") if __doc__ else "", "",
            f"{len(seeds)} seed(s) x {n_devices} device(s) per data set; energy and RSS are medians over all runs "
