@@ -11,8 +11,8 @@ Data sets, both non-IID across 3 devices, each device with its own camera:
 
 Per device and seed (the job's batch order; the baseline's too), in fresh processes
 measured the same way (bench/_procs.py): `run_finetune` at each depth -- head, last 1x1
-conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm updated
-over 1 block, `--depth auto`, and auto with 2 augmented views per image (crop + brightness,
+conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm statistics
+frozen over 1 block (the default updates them), `--depth auto`, and auto with 2 augmented views per image (crop + brightness,
 cached) -- and the baseline, every layer of the fp32 net trained
 with Gluon Adam for BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
 job's head.params (edge_agent.train.infer). Energy above idle: the raspberry-pi-4 profile's
@@ -48,7 +48,7 @@ JOB = {"epochs": 30, "patience": 5, "batch_size": 32, "val_fraction": 0.3, "prof
 BASELINE_EPOCHS, BASELINE_LR = 5, 1e-3
 VARIANTS = [("head", {"depth": "head"}), ("last 1x1", {"depth": 1}), ("last 1 block", {"depth": 2}),
             ("last 2 blocks", {"depth": 3}), ("last 3 blocks", {"depth": 4}),
-            ("bias-only, 2 blocks", {"depth": 3, "tail": "bias"}), ("BN updated, 1 block", {"depth": 2, "bn": "update"}),
+            ("bias-only, 2 blocks", {"depth": 3, "tail": "bias"}), ("BN frozen, 1 block", {"depth": 2, "bn": "frozen"}),
             ("auto", {"depth": "auto"}), ("auto + 2 augmented views", {"depth": "auto", "augment": 2})]
 TARGETS = {"accuracy": 0.0, "energy": 4.0, "rss": 3.0}
 

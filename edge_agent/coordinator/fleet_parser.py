@@ -269,7 +269,7 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--augment", type=_number(int, 0, 8), default=None, metavar="K",
                    help="K augmented views of each training image on the devices (crop, brightness)")
     t.add_argument("--bn", choices=("frozen", "update"), default=None,
-                   help="BatchNorm statistics in the trained tail (device default: frozen)")
+                   help="BatchNorm statistics in the trained tail (device default: update)")
     t.add_argument("--tail", choices=("full", "bias"), default=None,
                    help="train every tail parameter (device default) or only biases/BN and the classifier")
     t.add_argument("--batch-size", type=int, default=None, help="training batch size on each device")

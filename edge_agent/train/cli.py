@@ -245,9 +245,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(the report's 'depth' says what was chosen and why, predicted and actual Wh and "
                         "peak RSS); head: the head only; N: the tail from the N-th block boundary down "
                         "(1: last 1x1 conv + head on a MobileNetV2)")
-    t.add_argument("--bn", choices=("frozen", "update"), default="frozen",
-                   help="BatchNorm in the trained tail: keep the base model's statistics (default) or update "
-                        "them from the local batches")
+    t.add_argument("--bn", choices=("frozen", "update"), default="update",
+                   help="BatchNorm in the trained tail: update its statistics from the local batches (default: "
+                        "a device's own camera shifts them; bench_depth measures it) or keep the base model's")
     t.add_argument("--tail", choices=("full", "bias"), default="full",
                    help="full (default): train every tail parameter; bias: only biases and BatchNorm "
                         "scales/shifts plus the classifier (less memory)")

@@ -239,7 +239,7 @@ def run_finetune(
     train_last: int | None = None,
     trainer: str = "auto",
     depth: str | int = "auto",
-    bn: str = "frozen",
+    bn: str = "update",
     tail: str = "full",
     augment: int = 0,
     augment_kinds: str | tuple[str, ...] = ("crop", "brightness"),
@@ -272,7 +272,8 @@ def run_finetune(
     data labels matching no model label are an InputError unless `skip_unknown`.
     `depth`: how deep to train on a multi-depth bundle: "auto" (train/depth_plan.py: the
     deepest that fits the memory cap and the budget), "head" or a depth number; `bn`:
-    BatchNorm in the tail keeps its statistics ("frozen") or updates them ("update");
+    BatchNorm in the tail updates its statistics from the local batches ("update", the
+    default: a device's own camera shifts them) or keeps the base model's ("frozen");
     `tail`: train every tail parameter ("full") or only biases and BatchNorm scales plus
     the classifier ("bias"). `lr` defaults to 0.01 for the head and 0.001 deeper (pre-trained
     conv layers want a smaller step: bench_depth). `augment`: K extra views of every

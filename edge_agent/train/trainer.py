@@ -67,7 +67,7 @@ class TrainConfig:
     balance: bool = False  # weight each class by 1 / its frequency
     seed: int = 0
     train_last: int | None = None  # train only the last N parameterised head layers
-    bn: str = "frozen"  # BatchNorm in the head: "frozen" statistics (use_global_stats) or "update"
+    bn: str = "update"  # BatchNorm in the head: "update" its statistics, or keep them "frozen" (use_global_stats)
     tail: str = "full"  # "bias": only 1-D parameters (biases, BN scale/shift) and the last layer train
 
     def __post_init__(self) -> None:

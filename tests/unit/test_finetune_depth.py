@@ -36,7 +36,7 @@ FAST = dict(epochs=8, patience=4, val_fraction=0.3, profile="raspberry-pi-4", ba
 # the >1-D (weight) tensors of each tail; the classifier is output_fc
 CONV2, CONV3, FC = "features_conv2_weight", "features_conv3_weight", "output_fc_weight"
 STATS = ("running_mean", "running_var")
-JOBS = {"d2": dict(depth=2), "d1": dict(depth=1), "head": dict(depth="head"), "d2-update": dict(depth=2, bn="update"),
+JOBS = {"d2": dict(depth=2, bn="frozen"), "d1": dict(depth=1, bn="frozen"), "head": dict(depth="head"), "d2-update": dict(depth=2, bn="update"),
         "d2-bias": dict(depth=2, tail="bias")}
 
 
@@ -233,7 +233,7 @@ def test_a_resumed_job_keeps_its_checkpoints_depth(job, bundle, data, cache, bas
         if ev.phase == "train" and ev.step == 7:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    common = dict(model=bundle, data=data, state_dir=tmp_path / "cut", cache_dir=cache, **FAST)
+    common = dict(model=bundle, data=data, state_dir=tmp_path / "cut", cache_dir=cache, bn="frozen", **FAST)
     stopped = run_finetune(progress=sigterm_at_step_7, **{**common, "depth": 1})
     assert stopped["stop_reason"] == "cancelled" and stopped["steps"] == 7 and stopped["depth"]["depth"] == 1
     resumed = run_finetune(resume=True, **{**common, "depth": 2})  # asked for another depth
