@@ -8,8 +8,8 @@ Speeds come from the engine selection itself (`select_engine`, batch 32, interle
 rounds, median), divided by 32 for ms per image; MXNet fp32 is the backbone in MXNet
 (Gluon: the net's `.features`, hybridised; ONNX: MXNet's ONNX importer on backbone.onnx,
 "n/a" where it lacks an op), timed in the same process right after. Agreement is on
-held-out digits through a linear head fitted on the fp32 features (random weights make
-top-1 otherwise meaningless).
+held-out digits through a linear head fitted on the fp32 features, on briefly trained nets
+(tests/fixtures/models/zoo.py).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def run(quick: bool = False) -> str:
            f"top-1 == fp32 top-1 on {zoo.N_TEST} held-out digits (upsampled to the input size, 3 channels) "
            "through a linear head fitted on the fp32 backbone's features; accuracy of that head on "
            "fp32 / int8 features; fine-tune: the bundle's own head trained on int8 features (12 epochs, "
-           f"{zoo.N_TRAIN} digits). Random weights in the ordered regime (see tests/fixtures/models/zoo.py). "
+           f"{zoo.N_TRAIN} digits). Nets briefly trained on the training digits, classifier re-initialised "
+           "(Gluon: `zoo.train_gluon`; torchvision: make_torch_fixtures.py). "
            "Command: `python -m bench.run --only bench_model_zoo`.", "",
            "| architecture | input | MXNet fp32 | " + " | ".join(ENGINES)
            + " | chosen | top-1 agreement | accuracy fp32 / int8 | fine-tune |",

@@ -9,15 +9,16 @@ int8 top-1 agrees with fp32 on >= 99 % of held-out digits through a head fitted 
 features (random weights would make top-1 meaningless); a short fine-tune of the bundle's
 own head on int8 features raises held-out accuracy. See tests/fixtures/models/zoo.py.
 
-Thresholds: random weights (tests/fixtures/models/zoo.py) give features whose class signal
-is small next to their common part, and the int8 backbone's error is 13-20 % of the
-features' spread on these nets; the issue's 99 % top-1 agreement needs briefly *trained*
-nets (too slow to train in the suite on 2 cores). So this asserts agreement >= 85 % and
-int8 accuracy within 8 points of fp32; bench_model_zoo reports the measured agreement.
+The nets are briefly trained on the training digits (Gluon: here, `zoo.train_gluon`, a few
+seconds each; torchvision: by make_torch_fixtures.py), their classifiers re-initialised.
+Trained features keep int8's rounding away from the decision boundaries, so the issue's
+99 % agreement holds (measured on all 719 held-out digits).
 
 MATRIX lists the architectures that pass today; bench_model_zoo builds and measures all of
-them (torchvision mobilenet_v2, shufflenet_v2, squeezenet and efficientnet, Gluon squeezenet
-and mobilenetv2_0.5 are not in MATRIX yet: see the issue's report for why).
+them. Not in MATRIX (see the issue's report): the Gluon MobileNets and SqueezeNets and the
+torchvision squeezenet, shufflenet and efficientnet, which a few seconds (Gluon) or epochs
+(torch) of training leave at 25-90 % held-out accuracy, so their int8/fp32 agreement is
+93-97 %, not 99 %.
 
 Then hand-built ONNX graphs, one per exporter quirk, against onnx's ReferenceEvaluator.
 """
@@ -37,18 +38,11 @@ from edge_agent.int8.float_graph import run_float
 from edge_agent.int8.onnx_import import import_onnx, load_onnx
 from tests.fixtures.models import zoo
 
-MATRIX = {"gluon-resnet18_v1", "gluon-resnet18_v2", "gluon-mobilenet0.25", "gluon-mobilenet0.5",
-          "gluon-mobilenetv2_0.25", "torch-resnet18-legacy", "torch-resnet18-dynamo",
+MATRIX = {"gluon-resnet18_v1", "gluon-resnet18_v2", "torch-resnet18-legacy", "torch-resnet18-dynamo",
           "torch-mobilenet_v3_small-legacy", "torch-mobilenet_v3_small-dynamo"}
-# Engines the selection's agreement check flags on an architecture today (so they are never
-# chosen there): mxnet-onednn is 88-255 output steps off on every net here, tflite 32-52
-# int8 units on the MobileNets and pre-activation ResNet (the tolerance is the graph's
-# measured rounding sensitivity; 30-41 units pass on others). Reported to the importer's
-# owners; an engine flagged anywhere else fails the test.
-ENGINE_GAPS = {arch: {"mxnet-onednn"} for arch in MATRIX} | {
-    arch: {"mxnet-onednn", "tflite"} for arch in ("gluon-resnet18_v2", "gluon-mobilenet0.25", "gluon-mobilenet0.5",
-                                                  "gluon-mobilenetv2_0.25", "torch-mobilenet_v3_small-legacy",
-                                                  "torch-mobilenet_v3_small-dynamo")}
+# Engines the selection's agreement check may flag on an architecture (so they are never
+# chosen there). On the trained nets of MATRIX none is flagged: an engine flagged there fails.
+ENGINE_GAPS: dict[str, set[str]] = {}
 ARCHS = [a for a in zoo.all_archs() if a.id in MATRIX]
 CORE_ENGINES = {"reference", "native", "tflite"}  # installed with the test extras
 
@@ -65,13 +59,13 @@ def test_architecture_imports_quantises_and_finetunes(arch: zoo.Arch, tmp_path: 
     for cand in available:  # selection's own check: int8 units / output steps and top-1
         assert not cand.error, (cand.name, cand.error)
         if cand.correct is False:  # flagged: must be a known gap, and never chosen
-            assert cand.name in ENGINE_GAPS[arch.id] and not cand.chosen, (cand.name, cand.max_diff)
+            assert cand.name in ENGINE_GAPS.get(arch.id, set()) and not cand.chosen, (cand.name, cand.max_diff)
     assert {c.name: c.correct for c in available}["native"] is True  # the project's own kernels
     assert result.chosen in {c.name for c in available if c.correct}
     # the fitted head really classifies (else agreement would be about noise)
-    assert result.fp32_accuracy >= 0.5
-    assert result.agreement >= 0.85, f"int8 top-1 agrees with fp32 on {result.agreement:.1%} of held-out digits"
-    assert result.int8_accuracy >= result.fp32_accuracy - 0.08
+    assert result.fp32_accuracy >= 0.9
+    assert result.agreement >= 0.99, f"int8 top-1 agrees with fp32 on {result.agreement:.1%} of held-out digits"
+    assert result.int8_accuracy >= result.fp32_accuracy - 0.01
     # the bundle's own (random) head, fine-tuned on int8 features with the project's trainer
     assert result.finetune_after >= max(0.5, result.finetune_before + 0.25), \
         (result.finetune_before, result.finetune_after)
