@@ -186,7 +186,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
                "resumed": report["resumed"], "depth": int(report["depth"]["depth"])}
-    if report["stop_reason"] not in FINISHED:
+    if report["stop_reason"] not in FINISHED or not report["steps"]:  # nothing trained: nothing to send
         atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
         return EXIT_STOPPED
     events.send({"phase": "encoding", "detail": "delta -> compressed update"})

@@ -460,11 +460,16 @@ class _Job:
         used_before = gov.charge_overhead()
         cpu_start = time.process_time()
         # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
-        selection, runner = select_engine(bundle, probe=probe_report, batch_size=batch_size, threads=threads,
-                                          state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(),
-                                          env=env, keep_runner=True, preference=prof["backends"],
-                                          images=len(dataset), meter=_GovernorMeter(self, gov), watts_per_cpu=wpc,
-                                          mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True)
+        from ..int8.engine_cost import SelectionStopped
+
+        try:
+            selection, runner = select_engine(
+                bundle, probe=probe_report, batch_size=batch_size, threads=threads,
+                state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(), env=env, keep_runner=True,
+                preference=prof["backends"], images=len(dataset), meter=_GovernorMeter(self, gov),
+                watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True)
+        except SelectionStopped as exc:  # the budget ran out choosing the engine: a stop, not a failure
+            return self._stopped_in_selection(bundle, dataset, prof, str(exc))
         assert runner is not None
         self.selection_j = gov.charge_overhead() - used_before
         self.selection_cached = bool(selection.cached)
@@ -519,6 +524,36 @@ class _Job:
         after = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
         self._learn_rates(cache_root, len(train), len(val))
         return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
+
+    def _stopped_in_selection(self, bundle: Any, dataset: Any, prof: dict[str, Any], detail: str) -> dict[str, Any]:
+        """The report of a job whose budget ran out while the engine was being chosen:
+        stop reason budget-exhausted, nothing trained (steps 0: no update is sent), the
+        energy spent reported; a later job with a budget reuses the probes already cached."""
+        from ..power import StopReason
+
+        self.gov.finish(StopReason.BUDGET_EXHAUSTED, detail)
+        gov = self.gov.report()
+        report = {
+            "schema": REPORT_SCHEMA,
+            "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
+            "data": dataset.report.to_json(), "engine": {"name": None, "notes": [detail]}, "trainer": None,
+            "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"]},
+            "accuracy": {"before": None, "after": None, "validation_samples": dataset.report.validation},
+            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
+                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
+                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
+            "power": gov, "profile": prof, "steps": 0, "epochs_done": 0,
+            "stop_reason": StopReason.BUDGET_EXHAUSTED.value, "stop_detail": detail,
+            "duration_s": round(time.monotonic() - self.started, 3),
+            "duration_s_all_runs": round(time.monotonic() - self.started, 3), "resumed": bool(self.args["resume"]),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1), "head": None,
+        }
+        atomic_write_json(self.state / REPORT_FILE, report)
+        atomic_write_json(self.state / JOB_FILE, {"status": "done", "stop_reason": report["stop_reason"],
+                                                  "model_sha256": self.root_sha256, "data": self.args["data"],
+                                                  "report": str(self.state / REPORT_FILE)})
+        self.emit("done", step=0, detail=f"budget-exhausted: {detail}")
+        return report
 
     def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
                     config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,

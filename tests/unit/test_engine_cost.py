@@ -149,3 +149,33 @@ def test_a_first_job_pays_for_selection_within_its_budget(bundle_dir: Path, data
     assert used <= budget_wh * 1.05 and used >= budget_wh * 0.95, (used, budget_wh)
     assert report["steps"] < clock.work_steps - 4  # selection phases and feature batches came first
     assert np.isfinite(report["accuracy"]["after"])
+
+
+def test_a_budget_that_runs_out_during_selection_ends_the_job_cleanly(bundle_dir: Path, data: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The governor's meter stops the selection at its first timed phase (as when the probe
+    under-predicted): the job ends budget-exhausted with a report, not a traceback, and
+    nothing trained; the state directory takes the next job."""
+    import json
+
+    from edge_agent.train import job as job_module
+
+    real = job_module._GovernorMeter.before  # noqa: SLF001 - the project's own meter interface
+
+    def before(self: object, phase: str, predicted_j: float) -> None:
+        real(self, phase, predicted_j)
+        if phase != "selection":
+            raise ec.SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase})")
+
+    monkeypatch.setattr(job_module._GovernorMeter, "before", before)  # noqa: SLF001
+    clock = BoardClock(Board(tmp_path / "root"))
+    report = _job(bundle_dir, data, tmp_path, clock, 1000 * STEP_J / 3600.0)
+    assert report["stop_reason"] == "budget-exhausted" and report["steps"] == 0 and report["head"] is None
+    assert "while choosing the int8 engine" in report["stop_detail"]
+    assert report["energy"]["wh"] == pytest.approx(clock.work_steps * STEP_J / 3600.0)  # the probe was charged
+    saved = json.loads((tmp_path / "state" / "report.json").read_text())
+    assert saved["stop_reason"] == "budget-exhausted"
+    assert json.loads((tmp_path / "state" / "job.json").read_text())["status"] == "done"
+    monkeypatch.undo()
+    again = _job(bundle_dir, data, tmp_path, clock, 1000 * STEP_J / 3600.0)
+    assert again["steps"] > 0  # the next job in the same state directory runs
