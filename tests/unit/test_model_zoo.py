@@ -17,8 +17,8 @@ Trained features keep int8's rounding away from the decision boundaries, so the 
 MATRIX lists the architectures that pass today; bench_model_zoo builds and measures all of
 them. Not in MATRIX (see the issue's report): the Gluon MobileNets and SqueezeNets and the
 torchvision squeezenet, shufflenet and efficientnet, which a few seconds (Gluon) or epochs
-(torch) of training leave at 25-90 % held-out accuracy, so their int8/fp32 agreement is
-93-97 %, not 99 %.
+(torch) of training leave at 70-90 % held-out accuracy, so their int8/fp32 agreement is
+91-97 %, not 99 % (BENCHMARKS.md, model-zoo section).
 
 Then hand-built ONNX graphs, one per exporter quirk, against onnx's ReferenceEvaluator.
 """
