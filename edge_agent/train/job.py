@@ -1,5 +1,6 @@
 """The fine-tune job: local data -> int8 backbone features (cached) -> head training under
-the power budget governor -> checkpoints -> a JSON report.
+the power budget governor -> checkpoints -> a JSON report. How deep it trains is decided
+in job_depth.py, what it writes at the end in job_report.py (mixins of _Job).
 
 `run_finetune(...)` takes plain arguments and a progress callback and returns the report;
 it is what `edge-agent finetune` runs in-process and what the agent daemon runs in a child
@@ -30,7 +31,6 @@ import gc
 import logging
 import math
 import os
-import resource
 import signal
 import threading
 import time
@@ -41,18 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write_bytes, atomic_write_json, read_limited, sha256_file
+from ..atomic import atomic_write_json, read_limited
 from ..errors import ConfigError, EdgeAgentError, InputError, UsageError
 from .checkpoints import Checkpoint, CheckpointStore
+from .job_depth import DepthPlanning, _output_grid
+from .job_report import JOB_FILE, REPORT_FILE, REPORT_SCHEMA, JobReport  # noqa: F401 - the file names, for callers
 
 log = logging.getLogger(__name__)
 
-JOB_FILE = "job.json"
-REPORT_FILE = "report.json"
-HEAD_FILE = "head.params"
 HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: the head alone, a deeper tail
-INLINE_PARAM_LIMIT = 50_000  # head parameters listed in the JSON report up to this many values
-REPORT_SCHEMA = "edge-agent.finetune/1"
 
 
 class JobStateError(EdgeAgentError):
@@ -101,30 +98,6 @@ class _GovernorMeter:
     def after(self, phase: str, cpu_s: float) -> float:
         self.job._work_done()  # a virtual test clock charges the phase here
         return self.gov.charge_overhead() - self._start
-
-
-def _rss_mb() -> float:
-    """This process's resident memory now (MB), the planner's starting point."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _output_grid(bundle: Any) -> tuple[float, int] | None:
-    """The int8 prefix output's (scale, zero_point): cached activations are stored as int8
-    when the engine's output lies on it (train/feature_cache.py)."""
-    try:
-        graph = bundle.qgraph()
-        out = graph.tensor(graph.outputs[0])
-        if out.scale is None or out.zero_point is None or out.scale.size != 1:
-            return None
-        return float(out.scale.reshape(-1)[0]), int(out.zero_point.reshape(-1)[0])
-    except Exception:  # the grid is an optimisation: never fail a job over it
-        return None
 
 
 class _Stopped(Exception):
@@ -316,7 +289,7 @@ def run_finetune(
         return job.run()
 
 
-class _Job:
+class _Job(DepthPlanning, JobReport):
     """One run of run_finetune (internal: the function is the API)."""
 
     def __init__(self, *, state: Path, budget: Any, progress: ProgressCallback | None, clock: Any,
@@ -525,94 +498,6 @@ class _Job:
         self._learn_rates(cache_root, len(train), len(val))
         return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
 
-    def _stopped_in_selection(self, bundle: Any, dataset: Any, prof: dict[str, Any], detail: str) -> dict[str, Any]:
-        """The report of a job whose budget ran out while the engine was being chosen:
-        stop reason budget-exhausted, nothing trained (steps 0: no update is sent), the
-        energy spent reported; a later job with a budget reuses the probes already cached."""
-        from ..power import StopReason
-
-        self.gov.finish(StopReason.BUDGET_EXHAUSTED, detail)
-        gov = self.gov.report()
-        report = {
-            "schema": REPORT_SCHEMA,
-            "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
-            "data": dataset.report.to_json(), "engine": {"name": None, "notes": [detail]}, "trainer": None,
-            "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"]},
-            "accuracy": {"before": None, "after": None, "validation_samples": dataset.report.validation},
-            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
-                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
-                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
-            "power": gov, "profile": prof, "steps": 0, "epochs_done": 0,
-            "stop_reason": StopReason.BUDGET_EXHAUSTED.value, "stop_detail": detail,
-            "duration_s": round(time.monotonic() - self.started, 3),
-            "duration_s_all_runs": round(time.monotonic() - self.started, 3), "resumed": bool(self.args["resume"]),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1), "head": None,
-        }
-        atomic_write_json(self.state / REPORT_FILE, report)
-        atomic_write_json(self.state / JOB_FILE, {"status": "done", "stop_reason": report["stop_reason"],
-                                                  "model_sha256": self.root_sha256, "data": self.args["data"],
-                                                  "report": str(self.state / REPORT_FILE)})
-        self.emit("done", step=0, detail=f"budget-exhausted: {detail}")
-        return report
-
-    def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
-                    config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,
-                    probe_report: dict[str, Any], threads: int) -> Any:
-        """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
-        from ..int8.cli import default_state_dir
-        from ..int8.selection import cached_selection
-        from .dense_head import dense_head_form
-        from .depth_plan import load_rates, plan_depth
-        from .trainer import head_from_bundle
-
-        request = self.args["depth"]
-        if checkpoint is not None and isinstance(checkpoint.meta.get("depth"), int):
-            request = checkpoint.meta["depth"]
-        self.rates = load_rates(cache_root)
-        symbol_json, _ = head_from_bundle(bundle)
-        dense = self.args["trainer"] != "mxnet" and dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
-        plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
-                          epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
-                          mem_cap_mb=prof["memory_cap_mb"],
-                          budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
-                          watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates,
-                          selection_cached=lambda depth: cached_selection(
-                              bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
-                              batch_size=config.batch_size, threads=threads,
-                              state_dir=Path(self.args["cache_dir"]) if self.args["cache_dir"] else default_state_dir(),
-                          ) is not None)
-        if bundle.manifest.depths:
-            self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
-        return plan
-
-    def _learn_rates(self, cache_root: Path, n_train: int, n_val: int) -> None:
-        """This job's measured CPU rates into the planner's per-device record."""
-        from .depth_plan import learn_rates
-
-        costs = self.bundle.manifest.depths[self.plan.depth].costs if self.bundle.manifest.depths else {}
-        measured: dict[str, float] = {}
-        images = self.cpu.get("feature_images", 0)
-        if images and costs.get("prefix_macs"):
-            measured["s_per_int8_mac"] = self.cpu["features_s"] / (images * costs["prefix_macs"])
-        samples = self.pos["step"] * self.trainer.config.batch_size
-        if samples and costs.get("tail_macs") and self.pos["step"] > 5 and self.plan.depth > 0:
-            per_sample = self.cpu.get("train_s", 0.0) / samples
-            measured["s_per_fp32_mac"] = max(per_sample - self.rates["s_per_sample"], 1e-9) / (3 * costs["tail_macs"])
-        if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
-            measured["mxnet_import_s"] = self.cpu["setup_s"]
-        if not self.selection_cached and self.cpu.get("selection_s") and costs.get("prefix_macs"):
-            from .depth_plan import SELECTION_FIXED_S
-
-            spent = max(self.cpu["selection_s"] - SELECTION_FIXED_S, 0.05 * self.cpu["selection_s"])
-            measured["selection_s_per_mac"] = spent / costs["prefix_macs"]
-        if self.pos["epoch"] and self.stop_reason in ("done", "early-stopped"):
-            measured["epoch_fraction"] = self.pos["epoch"] / self.trainer.config.epochs
-        if measured:
-            try:
-                self.rates = learn_rates(cache_root, self.rates, measured)
-            except OSError as exc:  # a read-only cache: plan with the defaults next time
-                log.warning("planner rates not saved: %s", exc)
-
     def _make_trainer(self, symbol_json: str, params: dict[str, np.ndarray], config: Any, train_labels: np.ndarray,
                       threads: int) -> Any:
         from .dense_head import make_head_trainer  # MXNet Gluon unless the head is one dense layer
@@ -702,73 +587,3 @@ class _Job:
         gov.finish(StopReason.DONE)
         return StopReason.DONE.value
 
-    # ------------------------------------------------------------------ report
-
-    def _write_head(self) -> tuple[Path, str]:
-        # MXNet's own file layout (arg:/aux: names), written with numpy: crash-safe in one step
-        from ..int8.bundle import bundle_params
-        from ..mxparams import dump_params
-
-        # every tensor of the bundle's head.params: the tail's trained, the rest as they were
-        # (a deeper bundle's params serve every depth; an update's delta is zero for the rest)
-        _, prefixes = bundle_params(self.bundle)
-        params = {**self.base_params, **self.trainer.params()}
-        aux = self.trainer.aux_names() | {n for n, p in prefixes.items() if p == "aux"}
-        blob = dump_params({f"{'aux' if n in aux else 'arg'}:{n}": np.asarray(v, np.float32) for n, v in params.items()})
-        target = self.state / HEAD_FILE
-        atomic_write_bytes(target, blob)
-        return target, sha256_file(target)
-
-    def _finish(self, bundle: Any, dataset: Any, selection: Any, cache_stats: Any, before: tuple[float, float],
-                after: tuple[float, float], stop_reason: str | None, prof: dict[str, Any]) -> dict[str, Any]:
-        head_path, head_sha = self._write_head()
-        params = self.trainer.params()  # the trained tail (head.params holds every tensor)
-        inline = sum(v.size for v in params.values()) <= INLINE_PARAM_LIMIT
-
-        def num(value: float) -> float | None:
-            return None if value is None or not math.isfinite(value) else round(float(value), 6)
-
-        gov = self.gov.report()
-        duration = time.monotonic() - self.started
-        report = {
-            "schema": REPORT_SCHEMA,
-            "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
-            "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"],
-                      "actual_wh": gov["energy_wh_job"],
-                      "actual_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-                      "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
-            "data": dataset.report.to_json(),
-            "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
-                       "threads": selection.threads, "images": selection.images,
-                       "selection_wh": round(getattr(self, "selection_j", 0.0) / 3600.0, 9),
-                       "notes": list(selection.notes)},
-            "trainer": self.trainer.backend,
-            "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
-            "accuracy": {"before": num(before[1]), "after": num(after[1]), "validation_samples": dataset.report.validation},
-            "loss": {"before": num(before[0]), "after": num(after[0])},
-            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
-                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
-                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
-            "power": gov,
-            "profile": prof,
-            "duration_s": round(duration, 3),
-            "duration_s_all_runs": round(self.pos["elapsed_s"] + duration, 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-            "steps": int(self.pos["step"]),
-            "epochs_done": int(self.pos["epoch"]),
-            "stop_reason": stop_reason,
-            "resumed": bool(self.args["resume"]),
-            "checkpoint": str(self.store.paths()[0]) if self.store.paths() else None,
-            "checkpoint_problems": list(self.store.problems),
-            "config": {**self.trainer.config.to_json(), "budget": self.budget.to_config()},
-            "head": {"file": str(head_path), "sha256": head_sha,
-                     "params": {n: {"shape": list(v.shape), **({"values": v.reshape(-1).tolist()} if inline else {})}
-                                for n, v in params.items()}},
-        }
-        atomic_write_json(self.state / REPORT_FILE, report)
-        finished = stop_reason in ("done", "early-stopped", "budget-exhausted", "deadline")
-        atomic_write_json(self.state / JOB_FILE, {"status": "done" if finished else "stopped",
-                                                  "stop_reason": stop_reason, "model_sha256": self.root_sha256,
-                                                  "data": self.args["data"], "report": str(self.state / REPORT_FILE)})
-        self.emit("done", step=int(self.pos["step"]), detail=str(stop_reason))
-        return report

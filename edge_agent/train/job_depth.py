@@ -1,0 +1,112 @@
+"""The fine-tune job's depth decision (train/depth_plan.py does the arithmetic): the plan
+at job start -- a resumed job keeps its checkpoint's depth -- and, at the end, this job's
+measured CPU rates learnt into the device's record. A mixin of job._Job."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (MB), the planner's starting point."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _output_grid(bundle: Any) -> tuple[float, int] | None:
+    """The int8 prefix output's (scale, zero_point): cached activations are stored as int8
+    when the engine's output lies on it (train/feature_cache.py)."""
+    try:
+        graph = bundle.qgraph()
+        out = graph.tensor(graph.outputs[0])
+        if out.scale is None or out.zero_point is None or out.scale.size != 1:
+            return None
+        return float(out.scale.reshape(-1)[0]), int(out.zero_point.reshape(-1)[0])
+    except Exception:  # the grid is an optimisation: never fail a job over it
+        return None
+
+
+class DepthPlanning:
+    """_Job's depth planning and rate learning (uses its args, budget, plan, cpu, pos)."""
+
+    args: dict[str, Any]
+    budget: Any
+    bundle: Any
+    plan: Any
+    cpu: dict[str, float]
+    pos: dict[str, Any]
+    trainer: Any
+    rates: dict[str, float]
+    selection_cached: bool
+    stop_reason: str | None
+
+    emit: Any  # _Job.emit
+    def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
+                    config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,
+                    probe_report: dict[str, Any], threads: int) -> Any:
+        """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
+        from ..int8.cli import default_state_dir
+        from ..int8.selection import cached_selection
+        from .dense_head import dense_head_form
+        from .depth_plan import load_rates, plan_depth
+        from .trainer import head_from_bundle
+
+        request = self.args["depth"]
+        if checkpoint is not None and isinstance(checkpoint.meta.get("depth"), int):
+            request = checkpoint.meta["depth"]
+        self.rates = load_rates(cache_root)
+        symbol_json, _ = head_from_bundle(bundle)
+        dense = self.args["trainer"] != "mxnet" and dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
+        plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
+                          epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
+                          mem_cap_mb=prof["memory_cap_mb"],
+                          budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
+                          watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates,
+                          selection_cached=lambda depth: cached_selection(
+                              bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
+                              batch_size=config.batch_size, threads=threads,
+                              state_dir=Path(self.args["cache_dir"]) if self.args["cache_dir"] else default_state_dir(),
+                          ) is not None)
+        if bundle.manifest.depths:
+            self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
+        return plan
+
+    def _learn_rates(self, cache_root: Path, n_train: int, n_val: int) -> None:
+        """This job's measured CPU rates into the planner's per-device record."""
+        from .depth_plan import learn_rates
+
+        costs = self.bundle.manifest.depths[self.plan.depth].costs if self.bundle.manifest.depths else {}
+        measured: dict[str, float] = {}
+        images = self.cpu.get("feature_images", 0)
+        if images and costs.get("prefix_macs"):
+            measured["s_per_int8_mac"] = self.cpu["features_s"] / (images * costs["prefix_macs"])
+        samples = self.pos["step"] * self.trainer.config.batch_size
+        if samples and costs.get("tail_macs") and self.pos["step"] > 5 and self.plan.depth > 0:
+            per_sample = self.cpu.get("train_s", 0.0) / samples
+            measured["s_per_fp32_mac"] = max(per_sample - self.rates["s_per_sample"], 1e-9) / (3 * costs["tail_macs"])
+        if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
+            measured["mxnet_import_s"] = self.cpu["setup_s"]
+        if not self.selection_cached and self.cpu.get("selection_s") and costs.get("prefix_macs"):
+            from .depth_plan import SELECTION_FIXED_S
+
+            spent = max(self.cpu["selection_s"] - SELECTION_FIXED_S, 0.05 * self.cpu["selection_s"])
+            measured["selection_s_per_mac"] = spent / costs["prefix_macs"]
+        if self.pos["epoch"] and self.stop_reason in ("done", "early-stopped"):
+            measured["epoch_fraction"] = self.pos["epoch"] / self.trainer.config.epochs
+        if measured:
+            try:
+                self.rates = learn_rates(cache_root, self.rates, measured)
+            except OSError as exc:  # a read-only cache: plan with the defaults next time
+                log.warning("planner rates not saved: %s", exc)
