@@ -57,17 +57,17 @@ class DepthPlanning:
                     config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,
                     probe_report: dict[str, Any], threads: int) -> Any:
         """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
+        from ..int8.bundle import HEAD_SYMBOL
         from ..int8.cli import default_state_dir
         from ..int8.selection import cached_selection
         from .dense_head import dense_head_form
         from .depth_plan import load_rates, plan_depth
-        from .trainer import head_from_bundle
 
         request = self.args["depth"]
         if checkpoint is not None and isinstance(checkpoint.meta.get("depth"), int):
             request = checkpoint.meta["depth"]
         self.rates = load_rates(cache_root)
-        symbol_json, _ = head_from_bundle(bundle)
+        symbol_json = bundle.read(HEAD_SYMBOL).decode("utf-8")  # the head's form only: no parameter file read
         dense = self.args["trainer"] != "mxnet" and dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
