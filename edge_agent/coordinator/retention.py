@@ -23,6 +23,10 @@ keeps the versions that matter and prunes the rest:
                     accepted updates (the screening's history). Job, round and version rows
                     stay. An open or closing round's files are never touched (rounds.py
                     rebuilds its sums from them after a restart).
+    learning        a finished job's server-optimiser state (`learning/<job>/`: moments,
+                    the plateau history its report shows) once its last round ended more
+                    than `keep_update_days` ago -- except the newest RECENT_JOBS jobs',
+                    which `models rollback --to-best JOB` reads
 
 `plan()` decides and is side-effect free (`edge-coordinator prune` prints it: a dry run
 by default); `apply()` carries a plan out: it queues the retractions first (durable, in
@@ -96,15 +100,18 @@ class PrunePlan:
     updates: list[tuple[int, Path, int]] = field(default_factory=list)  # (row id, file, size)
     update_rows: list[int] = field(default_factory=list)  # rows of finished jobs' old rounds
     participant_rows: list[tuple[str, int]] = field(default_factory=list)  # (job, round)
+    learning: list[tuple[str, Path, int]] = field(default_factory=list)  # (job, learning/<job>, size)
 
     @property
     def bytes(self) -> int:
-        return sum(s for v in self.versions for _, s in v.files) + sum(s for _, _, s in self.updates)
+        return (sum(s for v in self.versions for _, s in v.files) + sum(s for _, _, s in self.updates)
+                + sum(s for _, _, s in self.learning))
 
     def summary(self) -> str:
         return (f"{len(self.versions)} version(s) and {len(self.updates)} update file(s), "
                 f"{self.bytes} bytes, {len(self.update_rows)} update row(s), {len(self.participant_rows)} "
-                f"round(s)' participant rows; {len(self.kept)} version(s) kept")
+                f"round(s)' participant rows, {len(self.learning)} finished job(s)' learning state; "
+                f"{len(self.kept)} version(s) kept")
 
     def lines(self) -> list[str]:
         """What `prune` prints: every kept version with why, every deletion with its size."""
@@ -118,6 +125,8 @@ class PrunePlan:
         if self.update_rows or self.participant_rows:
             out.append(f"prune  {len(self.update_rows)} update row(s) and the participant rows of "
                        f"{len(self.participant_rows)} round(s) of finished jobs")
+        for job_id, _, size in self.learning:
+            out.append(f"prune  learning state of finished job {job_id}: {size} bytes")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -126,7 +135,8 @@ class PrunePlan:
                               "files": [str(f) for f, _ in p.files], "retract": [pid for pid, _ in p.retract]}
                              for p in self.versions],
                 "updates": [{"file": str(p), "bytes": s} for _, p, s in self.updates], "bytes": self.bytes,
-                "update_rows": len(self.update_rows), "participant_rows": len(self.participant_rows)}
+                "update_rows": len(self.update_rows), "participant_rows": len(self.participant_rows),
+                "learning": [{"job": j, "bytes": s} for j, _, s in self.learning]}
 
 
 def _order(item: Any) -> Any:
@@ -244,6 +254,7 @@ def plan(registry: Registry, policy: RetentionPolicy, *, now: float | None = Non
                 result.versions.append(_version_files(registry, mv, chunk_bytes))
     result.updates = _update_files(registry, now - policy.keep_update_days * DAY_S)
     result.update_rows, result.participant_rows = _old_rows(registry, now - policy.keep_update_days * DAY_S)
+    result.learning = _old_learning(registry, now - policy.keep_update_days * DAY_S)
     return result
 
 
@@ -293,6 +304,26 @@ def _old_rows(registry: Registry, before: float) -> tuple[list[int], list[tuple[
     return updates, rounds
 
 
+def _old_learning(registry: Registry, before: float, recent: int = RECENT_JOBS) -> list[tuple[str, Path, int]]:
+    """learning/<job> directories of finished jobs whose last round ended before `before`,
+    except the newest `recent` jobs' (their best version stays reachable by rollback)."""
+    root = registry.state_dir / "learning"
+    if not root.is_dir():
+        return []
+    with registry._read() as db:
+        rows = db.execute(
+            "SELECT j.id, j.status, MAX(COALESCE(r.ended_at, r.started_at, j.updated_at)) AS last, "
+            "ROW_NUMBER() OVER (ORDER BY j.created_at DESC, j.id DESC) AS n FROM jobs j "
+            "LEFT JOIN rounds r ON r.job_id = j.id GROUP BY j.id").fetchall()
+    out = []
+    for row in rows:
+        path = root / str(row["id"])
+        if (row["n"] > recent and row["status"] not in ("pending", "running")
+                and (row["last"] or 0.0) < before and path.is_dir()):
+            out.append((str(row["id"]), path, sum(_size(p) or 0 for p in path.iterdir())))
+    return out
+
+
 def _update_files(registry: Registry, before: float) -> list[tuple[int, Path, int]]:
     """Payload files of ended rounds: rejected ones at once, the others once `before` passed."""
     out = []
@@ -329,6 +360,13 @@ def apply(registry: Registry, result: PrunePlan, *, now: float | None = None) ->
         with contextlib.suppress(OSError):
             path.parent.rmdir()
             path.parent.parent.rmdir()
+    for _, path, size in result.learning:
+        for child in list(path.iterdir()) if path.is_dir() else []:
+            with contextlib.suppress(FileNotFoundError):
+                child.unlink()
+        with contextlib.suppress(OSError):
+            path.rmdir()
+            freed += size
     with registry._tx() as db:
         for vp in result.versions:
             row = db.execute("SELECT metrics FROM model_versions WHERE name = ? AND version = ?",
@@ -340,7 +378,7 @@ def apply(registry: Registry, result: PrunePlan, *, now: float | None = None) ->
         db.executemany("UPDATE updates SET delta_path = NULL WHERE id = ?", [(i,) for i, _, _ in result.updates])
         db.executemany("DELETE FROM updates WHERE id = ?", [(i,) for i in result.update_rows])
         db.executemany("DELETE FROM participants WHERE job_id = ? AND round = ?", result.participant_rows)
-    if result.versions or result.updates or result.update_rows or result.participant_rows:
+    if result.versions or result.updates or result.update_rows or result.participant_rows or result.learning:
         log.info("retention: pruned %s (%d bytes freed)", result.summary(), freed)
     return freed
 
@@ -431,7 +469,7 @@ class AutoPrune:
         if self.policy.interval_s > 0 and time.monotonic() >= self._due:
             self._due = time.monotonic() + self.policy.interval_s
             result = plan(self.registry, self.policy, chunk_bytes=self.chunk_bytes)
-            if result.versions or result.updates or result.update_rows or result.participant_rows:
+            if result.versions or result.updates or result.update_rows or result.participant_rows or result.learning:
                 apply(self.registry, result)
                 pruned = result.versions
             truncate_wal(self.registry)

@@ -163,6 +163,46 @@ def test_update_payloads_of_ended_rounds_are_pruned_after_the_retention(digits_b
     reg.close()
 
 
+def test_learning_state_of_old_finished_jobs_is_pruned_but_the_newest_jobs_keep_theirs(
+        digits_bundle: Path, tmp_path: Path) -> None:
+    from edge_agent.coordinator.plateau import job_learning
+    from edge_agent.coordinator.retention import RECENT_JOBS
+    from edge_agent.coordinator.rounds import RoundEngine
+    from edge_agent.updates import UpdateEncoder
+
+    reg = Registry(state_dir=tmp_path)
+    ModelArtefacts(reg).register_bundle(digits_bundle, name="digits", version="1")
+    dev = _device(reg, "digits@1")
+    reg.record_state(dev, online=True, state={"on_power": True})
+    engine = RoundEngine(registry=reg)
+    jobs = []
+    for _ in range(RECENT_JOBS + 1):
+        base = reg.list_models()[-1]
+        head = reg.load_head(base)
+        job = engine.start_job(model_name="digits", model_version=base.version, rounds=1, min_devices=1,
+                               deadline_s=600)
+        (opened,) = engine.tick().opened
+        delta = {k: np.full(v.shape, 0.01, np.float32) for k, v in head.items()}
+        update = UpdateEncoder(model_name="digits", device_id=dev).encode(
+            delta, job_id=job.id, round=opened.round, model_version=base.version)
+        assert engine.receive_update(update.payload, sender=dev, num_samples=20).status == "accepted"
+        engine.tick()
+        assert reg.get_job(job.id).status.value == "done" and job_learning(tmp_path, job.id)
+        jobs.append(job.id)
+        time.sleep(0.01)  # distinct created_at: "newest" is well defined
+    policy = RetentionPolicy(keep_update_days=1)
+    assert not plan(reg, policy).learning  # within the retention
+    later = plan(reg, policy, now=time.time() + 2 * DAY)
+    assert [j for j, _, _ in later.learning] == jobs[:1]  # the newest RECENT_JOBS keep theirs
+    assert all(size > 0 for _, _, size in later.learning)
+    assert any("learning state of finished job" in line for line in later.lines())
+    apply(reg, later)
+    assert not (tmp_path / "learning" / jobs[0]).exists() and job_learning(tmp_path, jobs[0]) is None
+    assert all(job_learning(tmp_path, j) for j in jobs[1:])
+    assert not plan(reg, policy, now=time.time() + 2 * DAY).learning  # nothing left to prune
+    reg.close()
+
+
 # ---------------------------------------------------------------- the agent
 def _finished(store: JobStore, job_id: str, created: float) -> None:
     job = Job(job_id=job_id, round=1, model="digits@1", params={"job": job_id}, created=created)
