@@ -145,7 +145,7 @@ class Coordinator(DeviceMessages):
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]
                                role="coordinator")
         self.receiver = self._new_receiver()
-        self._receipts: OrderedDict[tuple[OutboxKey, str], Receipt] = OrderedDict()
+        self._receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]] = OrderedDict()
         self._results: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
         self._names: dict[str, str] = {}
         self._published: set[tuple[str, str]] = set()  # (name, version or patch id) published since connecting

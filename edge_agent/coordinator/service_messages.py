@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError
 from ..protocol import Kind, Message, Reason, Rejection, Signer, Topics
 from ..transport import Channel, MqttClient, OutboxKey, UpdateReceiver, ack_message
-from ..transport.uplink import CompletedUpload
+from ..transport.uplink import CompletedUpload, expire
 from .pending import PendingDevices
 from .records import check_flat
 from .registry import Registry
@@ -43,6 +43,10 @@ RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh
 _PROTOCOL_REASONS = frozenset(r.value for r in Reason) - {Reason.LOCAL_FAULT.value}
 _WINDOW_HIGH = re.compile(r"\((?:[0-9]+) below (?P<high>[0-9]{1,16})\)")  # ReplayWindow's "older than" detail
 REPLAYED_WINDOW_S = 900.0
+# What an upload was told is re-sent to its repeats for this long (the receiver remembers
+# completed uploads as long); later repeats get the registry's answer or are judged again.
+RECEIPT_KEEP_S = 600.0
+MAX_RECEIPTS = 10_000
 _CMD_ID = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,47})-r(?P<round>[0-9]{1,10})")
 
 
@@ -62,7 +66,7 @@ class DeviceMessages:
     problems: list[str]
     _trusted: dict[str, str]
     _names: dict[str, str]
-    _receipts: OrderedDict[tuple[OutboxKey, str], Receipt]
+    _receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]]  # slot -> (when, receipt)
     _results: OrderedDict[tuple[str, str, int], dict[str, Any]]
     _replayed: dict[str, tuple[float, int]]
     _reject_log: tuple[float, int, int]
@@ -232,13 +236,17 @@ class DeviceMessages:
                 # Not stored and not acked: forget it was complete, so the device's resend is taken.
                 self.receiver = self._new_receiver()
                 raise
-            self._receipts[slot] = receipt
+            now = time.monotonic()
+            self._receipts[slot] = (now, receipt)
+            self._receipts.move_to_end(slot)
             if receipt.status == "rejected":
                 self._warn_rejected(got.key, receipt)
-            while len(self._receipts) > 10_000:
+            expire(self._receipts, now, RECEIPT_KEEP_S, lambda v: v[0])
+            while len(self._receipts) > MAX_RECEIPTS:
                 self._receipts.popitem(last=False)
         elif got.status == "duplicate" and got.ack_due:
-            receipt = self._receipts.get(slot)
+            kept = self._receipts.get(slot)
+            receipt = kept[1] if kept is not None else None
             if receipt is None and self.registry.has_update(got.key.job, got.key.device, got.key.round):
                 receipt = Receipt("duplicate")
             if receipt is None:

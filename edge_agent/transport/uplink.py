@@ -160,21 +160,39 @@ class _Partial:
     nbytes: int = 0
 
 
+def expire(entries: OrderedDict[Any, Any], now: float, keep_s: float, at: Callable[[Any], float]) -> None:
+    """Drop the oldest entries of a last-touched-last OrderedDict until the first is younger
+    than `keep_s` (`at(value)` is when an entry was last touched)."""
+    while entries and at(next(iter(entries.values()))) < now - keep_s:
+        entries.popitem(last=False)
+
+
 class UpdateReceiver:
-    """Coordinator side. Memory-bounded; `is_known(key)` consults the coordinator's registry
-    so that repeats after a coordinator restart are still recognised as duplicates."""
+    """Coordinator side. Memory-bounded in count and in time: which uploads completed is
+    remembered for `remember_s` (a fast path: `is_known(key)` consults the coordinator's
+    registry, so repeats after that, or after a restart, are still recognised as duplicates;
+    an upload the registry never stored -- one refused on arrival -- is reassembled and
+    judged again, with the same verdict), when each upload was last acked for
+    `ack_interval`, the only time it is used. A fleet's steady state costs a few minutes of
+    uploads, not the last `remember` whatever their age."""
 
     def __init__(self, *, max_pending: int = 256, max_pending_bytes: int = 256 << 20,
                  is_known: Callable[[OutboxKey], bool] | None = None, ack_interval: float = 30.0,
-                 remember: int = 10000, clock: Callable[[], float] = time.monotonic) -> None:
-        if max_pending < 1 or max_pending_bytes < 1 or remember < 1 or ack_interval < 0:
+                 remember: int = 10000, remember_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_pending < 1 or max_pending_bytes < 1 or remember < 1 or ack_interval < 0 or remember_s < 0:
             raise ValueError("limits must be positive")
         self.max_pending, self.max_pending_bytes, self.ack_interval = max_pending, max_pending_bytes, ack_interval
-        self._is_known, self._clock, self._remember = is_known, clock, remember
+        self._is_known, self._clock, self._remember, self._remember_s = is_known, clock, remember, remember_s
         self._pending: OrderedDict[tuple[OutboxKey, str], _Partial] = OrderedDict()
-        self._done: OrderedDict[OutboxKey, None] = OrderedDict()
+        self._done: OrderedDict[OutboxKey, float] = OrderedDict()
         self._last_ack: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.evicted = 0
+
+    @property
+    def remembered(self) -> int:
+        """Entries held for completed uploads and their acks (what the time bound keeps small)."""
+        return len(self._done) + len(self._last_ack)
 
     def ack_due(self, device: str, upload: str) -> bool:
         """At most one ack per (device, upload) per `ack_interval` (repeats come in bursts)."""
@@ -182,11 +200,15 @@ class UpdateReceiver:
         last = self._last_ack.get(slot)
         if last is not None and now - last < self.ack_interval:
             return False
+        self._touch_ack(slot, now)
+        return True
+
+    def _touch_ack(self, slot: tuple[str, str], now: float) -> None:
         self._last_ack[slot] = now
         self._last_ack.move_to_end(slot)
+        expire(self._last_ack, now, self.ack_interval, float)
         while len(self._last_ack) > self._remember:
             self._last_ack.popitem(last=False)
-        return True
 
     def add(self, msg: Message) -> ReceiveResult:
         """Take one verified `update_chunk` message."""
@@ -211,14 +233,16 @@ class UpdateReceiver:
         for other in [s for s in self._pending if s[0] == key]:
             del self._pending[other]
         self._remember_done(key)
-        self._last_ack[(key.device, upload)] = self._clock()
+        self._touch_ack((key.device, upload), self._clock())
         chunks = [part.parts[i] for i in range(part.count)]
         done = CompletedUpload(key, upload, chunks, **{k: b.get(k) for k in UPDATE_META})
         return ReceiveResult("complete", key, upload, True, done)
 
     def _remember_done(self, key: OutboxKey) -> None:
-        self._done[key] = None
+        now = self._clock()
+        self._done[key] = now
         self._done.move_to_end(key)
+        expire(self._done, now, self._remember_s, float)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)
 

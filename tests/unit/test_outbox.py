@@ -250,3 +250,31 @@ def test_the_receiver_delivers_each_key_once(wire):
     for r in range(1, 5):  # memory bound: only the newest partial uploads are kept
         rx.add(chunk("j", r, 0, 2, b"x"))
     assert rx.evicted == 2
+
+
+def test_the_receiver_forgets_completed_uploads_after_a_while_and_judges_late_repeats_again(wire):
+    """Steady-state memory: what completed is remembered for `remember_s`, acks for
+    `ack_interval`; a repeat after that is a duplicate if the registry has it, else it is
+    reassembled (an upload refused on arrival gets the same verdict again, not silence)."""
+    dev, topics, _, device, verifier, _, _ = wire
+    now = [0.0]
+    stored: set[OutboxKey] = set()
+    rx = UpdateReceiver(ack_interval=10.0, remember_s=60.0, is_known=stored.__contains__, clock=lambda: now[0])
+    topic = topics.device(dev, "update")
+
+    def chunk(job, rnd):
+        body = {"job": job, "round": rnd, "upload": f"{rnd:064x}", "index": 0, "count": 1}
+        return verifier.open(topic, device.binary(topic, Kind.UPDATE_CHUNK, body, b"x", ttl=60))
+
+    for r in range(1, 201):  # 200 uploads, one a second
+        now[0] = float(r)
+        assert rx.add(chunk("j", r)).status == "complete"
+        if r % 2:
+            stored.add(OutboxKey("j", dev, r))  # the odd ones were stored; the even ones refused
+        assert rx.remembered <= 2 * 61  # a minute of uploads, whatever ran before
+    assert rx.add(chunk("j", 200)).status == "duplicate"  # recent: remembered
+    now[0] = 1000.0
+    assert rx.add(chunk("j", 199)).status == "duplicate"  # long ago, and stored: the registry says so
+    again = rx.add(chunk("j", 198))  # long ago, never stored: judged again
+    assert again.status == "complete" and again.ack_due
+    assert rx.remembered == 2 + 2  # the two just seen (done + ack each)
