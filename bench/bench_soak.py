@@ -22,6 +22,9 @@ def run(quick: bool = False) -> str:
     minutes = float(os.environ.get("EDGE_SOAK_MINUTES", "600"))
     # a short run shows retention only if it prunes within it: keep 6 versions, check every minute
     keep = ["--serve-arg=--keep-versions", "--serve-arg=6"] if rounds < 200 else []
+    # fast-forward: a soak round takes seconds, a field round an hour, so received updates are
+    # kept ~7 minutes (~100 soak rounds) instead of 30 days, or no row would ever be pruned
+    keep += ["--serve-arg=--keep-update-days", "--serve-arg=0.005"]
     with tempfile.TemporaryDirectory(prefix="edge-soak-") as tmp:
         args = soak.parser().parse_args([
             "--rounds", str(rounds), "--minutes", str(minutes), "--sample-every", str(max(2, rounds // 50)),

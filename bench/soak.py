@@ -163,8 +163,10 @@ class Fleet:
             text, n = re.subn(r"max_jobs_per_day = [0-9]+", "max_jobs_per_day = 1000", text)  # a year in an hour
             if n != 1:
                 raise RuntimeError("agent.toml has no max_jobs_per_day line to raise")
+            # keep_job_records: the same bound as the default 500, reached within the soak (a
+            # year in an hour would otherwise spend half the run filling it)
             text += ("\n[service]\nstate_interval_s = 30\nprogress_interval_s = 5\nupload_ack_timeout_s = 5\n"
-                     "upload_retry_min_s = 0.5\nupload_retry_max_s = 5\n")
+                     f"upload_retry_min_s = 0.5\nupload_retry_max_s = 5\nkeep_job_records = {a.keep_job_records}\n")
             (home / "agent.toml").write_text(text)
             self.agent_dirs[name] = state
             self.spawn(name, [PY, "-m", "edge_agent.agent.cli", "run", "--config", str(home / "agent.toml")],
@@ -374,7 +376,8 @@ def section(res: dict[str, Any], args: argparse.Namespace, agents: list[str], wa
         f"th job cancelled after its first round), {len(agents)} `edge-agent run` daemons, one "
         f"`edge-coordinator serve`, real mosquitto; digits bundle, {args.samples} samples per device, 1 epoch; "
         f"sampled every {args.sample_every} rounds; lines fitted after round {res['warmup_round']} (warm-up); "
-        f"{wall_s / 60:.0f} min wall. `serve` options: {' '.join(args.serve_arg) or '(defaults)'}.",
+        f"{wall_s / 60:.0f} min wall. `serve` options: {' '.join(args.serve_arg) or '(defaults)'}; agents: "
+        f"`max_jobs_per_day = 1000`, `keep_job_records = {args.keep_job_records}`.",
         "",
         "| series (after warm-up) | range | growth per 1,000 rounds | target |",
         "|---|---|---|---|",
@@ -459,6 +462,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds-per-job", type=int, default=25)
     p.add_argument("--cancel-every", type=int, default=5, help="cancel every Nth job after its first round (0: never)")
     p.add_argument("--samples", type=int, default=48, help="training samples per device")
+    p.add_argument("--keep-job-records", type=int, default=100,
+                   help="agents' [service] keep_job_records (default 500 in the field)")
     p.add_argument("--sample-every", type=int, default=10, help="rounds between samples")
     p.add_argument("--warmup", type=float, default=0.2, help="share of the run left out of the fits")
     p.add_argument("--out", default="/tmp/edge-soak")

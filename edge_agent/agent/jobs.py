@@ -124,14 +124,20 @@ def _entry(job: Job) -> JobEntry:
     return JobEntry(job.job_id, job.created, job.state, job.history[-1][0] if job.history else job.created)
 
 
+LEDGER_FILE = "pruned-today.json"
+
+
 class JobStore:
     """One checksummed file per job under `<state_dir>/jobs/`; corrupt files are quarantined.
 
     An in-memory index (one scan of the directory, at first use) answers `entries()` for
     every command, so a finetune command costs the same after a year as on day one. Finished
     jobs are pruned as they finish: a record is kept while it is among the newest
-    `keep_records` finished ones and younger than `keep_days` -- and always while it is
-    under a day old (the daily job limit counts those)."""
+    `keep_records` finished ones and younger than `keep_days`. What the daily job limit
+    needs of a pruned job under a day old -- its id, creation time and final state -- stays
+    in a small ledger (`pruned-today.json`, written before the record is deleted), so the
+    records on disk and in memory are bounded by `keep_records` however many jobs a day the
+    policy allows."""
 
     def __init__(self, directory: str | Path, *, keep_records: int = KEEP_RECORDS,
                  keep_days: float = KEEP_DAYS) -> None:
@@ -143,6 +149,7 @@ class JobStore:
         self.quarantined: list[str] = []
         self.pruned = 0
         self._index: dict[str, JobEntry] | None = None
+        self._ledger: dict[str, JobEntry] | None = None  # pruned jobs under a day old
 
     def _path(self, job_id: str) -> Path:
         if not job_id or "/" in job_id or job_id.startswith("."):
@@ -198,12 +205,37 @@ class JobStore:
     def active(self) -> list[Job]:
         return [self.load(e.job_id) for e in self.entries() if not e.state.terminal]
 
+    def pruned_today(self, *, now: float | None = None) -> list[JobEntry]:
+        """Jobs whose records were pruned though created in the last 24 h (the daily limit's)."""
+        now = time.time() if now is None else now
+        return [e for e in self._read_ledger().values() if e.created >= now - DAY_S]
+
+    def _read_ledger(self) -> dict[str, JobEntry]:
+        if self._ledger is None:
+            self._ledger = {}
+            try:
+                raw = json.loads(read_checked(self.directory / LEDGER_FILE, MAX_JOB_BYTES))
+                for job_id, (created, state) in dict(raw).items():
+                    self._ledger[str(job_id)] = JobEntry(str(job_id), float(created), JobState(state), float(created))
+            except FileNotFoundError:
+                pass
+            except (CorruptFileError, InputError, ValueError, TypeError, OSError) as exc:
+                # losing it only lets today's limit count fewer jobs: say so, start afresh
+                self.quarantined.append(f"{LEDGER_FILE}: {exc}")
+        return self._ledger
+
     def prune(self, *, now: float | None = None) -> list[str]:
         """Delete finished jobs' records past the retention (see the class); returns their ids."""
         now = time.time() if now is None else now
         finished = sorted((e for e in self.entries() if e.state.terminal), key=lambda e: e.updated, reverse=True)
         doomed = [e for i, e in enumerate(finished)
-                  if (i >= self.keep_records or e.updated < now - self.keep_days * DAY_S) and e.created < now - DAY_S]
+                  if i >= self.keep_records or e.updated < now - self.keep_days * DAY_S]
+        ledger = {k: e for k, e in self._read_ledger().items() if e.created >= now - DAY_S}
+        ledger.update({e.job_id: e for e in doomed if e.created >= now - DAY_S})
+        if ledger != self._ledger:  # before any record goes: a crash never forgets a counted job
+            write_checked(self.directory / LEDGER_FILE, json.dumps(
+                {k: [e.created, e.state.value] for k, e in ledger.items()}, sort_keys=True).encode())
+            self._ledger = ledger
         for e in doomed:
             with contextlib.suppress(FileNotFoundError):
                 self._path(e.job_id).unlink()

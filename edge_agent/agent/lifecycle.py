@@ -33,6 +33,7 @@ from typing import Any
 
 from ..atomic import fsync_dir
 from ..errors import InputError, TransientError
+from ..heap import release_freed_memory
 from ..transport.outbox import Outbox, OutboxKey
 from .jobs import Job, JobState, JobStore
 from .models import ModelStore
@@ -137,7 +138,7 @@ class JobDriver:
         """Today's job allowance for the state message (store read once, then kept here)."""
         now = self._clock()
         if self._counted is None:
-            self._counted = counted_jobs(self.store.entries(), now)
+            self._counted = counted_jobs([*self.store.entries(), *self.store.pruned_today(now=now)], now)
         self._counted = {k: t for k, t in self._counted.items() if t >= now - DAY_S}
         return daily_allowance(self.s.limits, self._counted.values(), now)
 
@@ -158,7 +159,8 @@ class JobDriver:
             return Verdict(True, "duplicate", f"job {req.local_id} is already {existing.state.value}"), existing
         jobs = self.store.entries()  # the store's index: no record is read per command
         active = [j.job_id for j in jobs if not j.state.terminal]
-        self._counted = counted_jobs(jobs, now)  # cancelled jobs do not count (policy.counts_against_limit)
+        # cancelled jobs do not count (policy.counts_against_limit); nor are pruned ones forgotten
+        self._counted = counted_jobs([*jobs, *self.store.pruned_today(now=now)], now)
         verdict = check_finetune(req, self.s.limits, self.conditions(), active=active,
                                  accepted_last_day=len(self._counted), now=now)
         if not verdict.accept:
@@ -414,6 +416,7 @@ class JobDriver:
             for per_job in (self._next_spawn, self._last_progress, self._retry_at):
                 per_job.pop(job.job_id, None)
             self._fetching.discard(job.job_id)
+            release_freed_memory()  # fragmentation, not leaks, is what creeps over a year
 
     def _announce(self, job: Job, phase: str) -> None:
         metrics: dict[str, Any] = {}

@@ -43,6 +43,7 @@ from typing import Any
 
 from ..atomic import atomic_write_json
 from ..errors import EdgeAgentError, InputError, TransientError
+from ..heap import release_freed_memory
 from ..keys import fingerprint, public_key_from_bytes
 from ..protocol import (
     DEFAULT_PREFIX,
@@ -214,6 +215,8 @@ class Coordinator(DeviceMessages):
                 self._publish_safely(outcome.new_version, full=False)  # the full archive: on demand
         for job_id, why in result.failed.items():
             log.error("job %s failed: %s", job_id, why)
+        if result.closed:
+            release_freed_memory()  # a round's arrays are gone: give their pages back (flat RSS)
         if self.client.connected:
             for plan in self.engine.pending_dispatches():
                 self._dispatch(plan)

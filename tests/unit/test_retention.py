@@ -204,10 +204,10 @@ def test_learning_state_of_old_finished_jobs_is_pruned_but_the_newest_jobs_keep_
 
 
 # ---------------------------------------------------------------- the agent
-def _finished(store: JobStore, job_id: str, created: float) -> None:
+def _finished(store: JobStore, job_id: str, created: float, state: JobState = JobState.CANCELLED) -> None:
     job = Job(job_id=job_id, round=1, model="digits@1", params={"job": job_id}, created=created)
     store.save(job)
-    store.advance(job, JobState.CANCELLED, "cancelled by the coordinator")
+    store.advance(job, state, "cancelled by the coordinator" if state is JobState.CANCELLED else "failed")
 
 
 def test_agent_job_records_are_pruned_and_indexed(tmp_path: Path) -> None:
@@ -217,10 +217,15 @@ def test_agent_job_records_are_pruned_and_indexed(tmp_path: Path) -> None:
         _finished(store, f"old{i:02d}", old + i)
     files = sorted(p.stem for p in (tmp_path / "jobs").glob("*.job"))
     assert files == [f"old{i:02d}" for i in range(7, 12)]  # the newest 5 finished records
-    for i in range(8):  # (the daily job limit counts the last day's jobs: never pruned)
-        _finished(store, f"new{i}", time.time())
-    # 8 under a day old: kept whatever the count; they push the older ones past the newest 5
-    assert sorted(p.stem for p in (tmp_path / "jobs").glob("*.job")) == [f"new{i}" for i in range(8)]
+    for i in range(8):
+        _finished(store, f"new{i}", time.time(), JobState.FAILED if i % 2 else JobState.CANCELLED)
+    # the records stay bounded however many jobs a day the policy allows ...
+    assert sorted(p.stem for p in (tmp_path / "jobs").glob("*.job")) == [f"new{i}" for i in range(3, 8)]
+    # ... and what the daily limit needs of the pruned ones under a day old stays in the ledger
+    assert [(e.job_id, e.state) for e in sorted(store.pruned_today(), key=lambda e: e.job_id)] == [
+        ("new0", JobState.CANCELLED), ("new1", JobState.FAILED), ("new2", JobState.CANCELLED)]
+    assert {e.job_id for e in JobStore(tmp_path / "jobs").pruned_today()} == {"new0", "new1", "new2"}  # on disk
+    assert not store.pruned_today(now=time.time() + DAY + 1)  # a day later they no longer count
     active = Job(job_id="live", round=1, model="digits@1", params={"job": "live"}, created=old - DAY)
     store.save(active)
     store.prune(now=time.time() + 30 * DAY)
@@ -269,10 +274,38 @@ def test_driver_per_job_memory_is_bounded_and_a_cancel_logs_at_info(tmp_path: Pa
         assert driver.cancel({"job": f"j{i}"}).accept
     assert not driver._last_progress and not driver._fetching and not driver._next_spawn and not driver._retry_at
     assert not driver.active() and len(outbox) == 0
-    assert len(list((tmp_path / "jobs").glob("*.job"))) == 60  # all under a day old: kept (daily limit)
+    assert len(list((tmp_path / "jobs").glob("*.job"))) == 10  # keep_records, whatever their age
+    assert len(store.pruned_today()) == 50  # the daily limit still knows of the other 50
     dropped = [r for r in caplog.records if "outbox: dropped" in r.getMessage()]
     assert len(dropped) == 30 and all(r.levelno == logging.INFO for r in dropped)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_daily_limit_counts_jobs_whose_records_were_pruned(tmp_path: Path) -> None:
+    from edge_agent.agent.lifecycle import DriverSettings, JobDriver
+    from edge_agent.agent.models import ModelStore
+    from edge_agent.agent.policy import DeviceLimits
+    from edge_agent.agent.state import Readings
+    from edge_agent.protocol import Topics
+    from edge_agent.transport.outbox import Outbox
+
+    def driver_for(store: JobStore) -> JobDriver:
+        models = ModelStore(root=tmp_path / "models", topics=Topics(fleet="f"), subscribe=lambda t: None,
+                            unsubscribe=lambda t: None)
+        settings = DriverSettings(device_id="dev", state_dir=tmp_path, limits=DeviceLimits(max_jobs_per_day=6))
+        return JobDriver(settings=settings, store=store, models=models,
+                         outbox=Outbox(directory=tmp_path / "outbox", max_bytes=1 << 20),
+                         readings=lambda **kw: Readings(battery_pct=90.0, charging=True, temp_c=40.0),
+                         publish=lambda phase, **kw: None)
+
+    store = JobStore(tmp_path / "jobs", keep_records=2)
+    for i in range(5):
+        _finished(store, f"f{i}", time.time(), JobState.FAILED)
+    assert len(list((tmp_path / "jobs").glob("*.job"))) == 2
+    allowance = driver_for(store).allowance()
+    assert (allowance.used, allowance.jobs_left) == (5, 1)
+    # a restarted daemon reads the ledger: still 5 used today
+    assert driver_for(JobStore(tmp_path / "jobs", keep_records=2)).allowance().used == 5
 
 
 def test_model_store_forgets_finished_fetches(tmp_path: Path) -> None:
