@@ -219,4 +219,4 @@ class RobustRounds:
             norms={d: recs[d].norm for d in recs}, kept={d: recs[d].kept or layout.size for d in recs}, load=load,
             acc=acc, size=layout.size, center=center, clip_mult=1.0 if small else clip_mult,
             samples_mult=1.0 if small else self.policy.samples_mult,
-            trim_fraction=trim, krum_fraction=krum_fraction)
+            trim_fraction=trim, krum_fraction=krum_fraction, layout=layout)

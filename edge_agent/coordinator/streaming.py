@@ -67,6 +67,7 @@ class Sparse:
     vals: np.ndarray
     norm: float  # float64 L2 norm (inf if it overflows)
     max_abs: float
+    present: tuple[int, ...] | None = None  # the layout's tensors it carries (None: all)
 
     @property
     def kept(self) -> int:
@@ -89,17 +90,18 @@ def norm2(vec: np.ndarray) -> float:
     return math.sqrt(_dot(vec, vec))
 
 
-def _stats(idx: np.ndarray, vals: np.ndarray) -> Sparse:
+def _stats(idx: np.ndarray, vals: np.ndarray, present: tuple[int, ...] | None = None) -> Sparse:
     v64 = vals.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         norm = math.sqrt(_dot(v64, v64)) if v64.size else 0.0
-    return Sparse(idx, vals, norm, float(np.abs(v64).max()) if v64.size else 0.0)
+    return Sparse(idx, vals, norm, float(np.abs(v64).max()) if v64.size else 0.0, present)
 
 
 def decode_sparse(encoded: Sequence[EncodedTensor], layout: Layout) -> Sparse:
     """The sparse flat vector of a received update (its table already checked against the
-    head's). A tensor the update leaves out has a zero delta (a job at one depth of a
-    multi-depth model). Raises UpdateFormatError for bad codes (NaN/Inf raw values included)."""
+    head's). A tensor the update leaves out (a job at one depth of a multi-depth model) has
+    no values and is not in `present`, so FedAvg averages it over the updates that trained
+    it (`per_tensor_mean`), not as a zero. Raises UpdateFormatError for bad codes (NaN/Inf raw values included)."""
     by_name = {e.spec.name: e for e in encoded}
     parts_i, parts_v = [], []
     for name in layout.names:
@@ -115,7 +117,9 @@ def decode_sparse(encoded: Sequence[EncodedTensor], layout: Layout) -> Sparse:
         parts_v.append(vals)
     idx = np.concatenate(parts_i) if parts_i else np.empty(0, np.int64)
     vals = np.concatenate(parts_v) if parts_v else np.empty(0, np.float32)
-    return _stats(idx.astype(_index_dtype(layout.size)), vals.astype(np.float32))
+    present = None if all(n in by_name for n in layout.names) else \
+        tuple(i for i, n in enumerate(layout.names) if n in by_name)
+    return _stats(idx.astype(_index_dtype(layout.size)), vals.astype(np.float32), present)
 
 
 def _index_dtype(size: int) -> type:
@@ -136,14 +140,17 @@ class RunningSum:
     def __init__(self, size: int) -> None:
         self.vec = np.zeros(size, dtype=np.float64)
         self.members: dict[str, float] = {}  # device -> the weight it was folded with
+        self.present: dict[str, tuple[int, ...] | None] = {}  # device -> the tensors it carried
 
     def fold(self, device: str, sp: Sparse, weight: float) -> None:
         if device in self.members:
             return
         self.vec[sp.idx] += weight * sp.vals.astype(np.float64)
         self.members[device] = float(weight)
+        self.present[device] = sp.present
 
     def unfold(self, device: str, sp: Sparse) -> None:
+        self.present.pop(device, None)
         weight = self.members.pop(device, None)
         if weight is not None:
             self.vec[sp.idx] -= weight * sp.vals.astype(np.float64)
@@ -254,10 +261,25 @@ def direction_check(good: Sequence[str], load: Load, norms: Mapping[str, float],
     return out, rejected, "", cosines
 
 
+def per_tensor_mean(vec: np.ndarray, weights: Mapping[str, float], present: Mapping[str, tuple[int, ...] | None],
+                    layout: Layout) -> np.ndarray:
+    """sum_i w_i d_i divided, tensor by tensor, by the weight of the updates that carry that
+    tensor (HeteroFL's rule): in a round where some devices trained only the head and others
+    the last blocks too, the blocks get the mean of those who trained them, not a mean
+    diluted by the head-only devices' absent (zero) deltas."""
+    out = vec.copy()
+    for t, name in enumerate(layout.names):
+        total = sum(w for d, w in weights.items() if present.get(d) is None or t in present[d])
+        lo = layout.offsets[name]
+        hi = lo + math.prod(layout.shapes[name])
+        out[lo:hi] = out[lo:hi] / total if total > 0 else 0.0
+    return out
+
+
 def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[str, float],
                       norms: Mapping[str, float], kept: Mapping[str, int], load: Load, acc: RunningSum, size: int,
                       center: float, clip_mult: float, samples_mult: float, trim_fraction: float,
-                      krum_fraction: float) -> tuple[np.ndarray, dict[str, Any]]:
+                      krum_fraction: float, layout: Layout | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """The aggregate delta (flat float64) of the screened updates `good`, and what to record
     of it (metrics; "excluded": devices Multi-Krum left out)."""
     total_kept = sum(kept.get(d) or size for d in good)
@@ -271,6 +293,10 @@ def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[
                                 "decoded_at_close": decoded}
         if aggregator == "fedavg_clipped":
             info |= {"clip_bound": float(bound), "clipped": sum(s < 1 for s in scales)}
+        present = {d: acc.present[d] if d in acc.present else load(d).present for d in good}
+        if layout is not None and any(p is not None for p in present.values()):
+            info["partial_updates"] = sum(p is not None for p in present.values())
+            return per_tensor_mean(vec, dict(zip(good, capped, strict=True)), present, layout), info
         return vec / sum(capped), info
     loads = [lambda d=d: load(d) for d in good]
     if aggregator in ("median", "trimmed_mean"):

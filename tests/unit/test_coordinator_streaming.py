@@ -196,6 +196,35 @@ def test_streaming_close_equals_the_batch_aggregate(state_dir: Path, aggregator:
         np.testing.assert_allclose(got[k], expected[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_tensor_only_some_updates_carry_is_averaged_over_those(state_dir: Path, restart: bool) -> None:
+    """A round at mixed depths: devices 0-2 trained `w` and `b`, devices 3-5 only `b` (their
+    updates leave `w` out). `w` is the weighted mean of the three that trained it -- not that
+    mean diluted by three absent (zero) deltas -- and `b` the mean of all six; the same after
+    a restart rebuilds the running sum from the stored payloads."""
+    c = Coordinator(state_dir, 6, direction_max_n=0)
+    plan = c.start("fedavg")
+    sent = []
+    for i, d in enumerate(deltas(6, 4)):
+        part = d if i < 3 else {"b": d["b"]}
+        header = UpdateHeader("m", "1", plan.job_id, IDS[i], plan.round)
+        payload, samples = encode_update(header, part, density=1.0, bits=8), 100 + 20 * i
+        assert c.receive(payload, i, samples) == "accepted"
+        sent.append((decode_update(payload).deltas, samples))
+        if restart and i == 3:
+            c.reopen()
+    out = c.close()
+    assert out.state is RoundState.AGGREGATED and len(out.accepted) == 6
+    assert out.new_version.metrics["partial_updates"] == 3
+    want_w = fedavg([(d, n) for d, n in sent if "w" in d])["w"]
+    want_b = fedavg([({"b": d["b"]}, n) for d, n in sent])["b"]
+    got = published(c, out)
+    np.testing.assert_allclose(got["w"], c.base["w"] + want_w, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got["b"], c.base["b"] + want_b, rtol=1e-6, atol=1e-7)
+    diluted = c.base["w"] + want_w * sum(n for _, n in sent[:3]) / sum(n for _, n in sent)
+    assert np.abs(got["w"] - diluted).max() > 1e-3  # the old rule would have given this
+
+
 def test_a_clean_fedavg_close_reads_no_stored_update_and_an_outlier_costs_one(state_dir: Path) -> None:
     c = Coordinator(state_dir, 8)
     plan = c.start("fedavg_clipped")
