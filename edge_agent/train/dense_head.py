@@ -1,24 +1,33 @@
-"""A one-dense-layer head trained in numpy, step for step what Gluon does.
+"""The numpy trainers: a one-dense-layer head, and a deeper tail of the ops numpy_tail.py
+computes -- step for step what Gluon does, without MXNet.
 
 Most bundles' heads are a single affine layer on the backbone's features (MobileNet's
 classifier). Training that with MXNet costs the training child MXNet's import -- measured
 ~1.9 CPU-s and ~130 MB, more than the int8 feature pass and the whole head training
-together on a device's few hundred samples -- for a (K x D) matrix and a bias. So when the
-head's MXNet symbol is recognisably one affine layer, `make_head_trainer` trains it here
-with the same mathematics as `HeadTrainer` (Gluon `SoftmaxCrossEntropyLoss` with sample
-weights, `Trainer.step(batch)` rescaling, MXNet 1.9's Adam and SGD-momentum updates with
-weight decay on every parameter), in float32; tests check the two agree step by step. Any
-other head -- several layers, BatchNorm, `train_last` over backbone layers -- trains with
-MXNet Gluon.
+together on a device's few hundred samples -- for a (K x D) matrix and a bias. A deeper
+tail (the last blocks of MobileNetV2 + its 1x1 conv + head: a few million MACs per sample)
+costs less to train than MXNet costs to load, too. So `make_head_trainer` trains in numpy
+whenever it can, with the same mathematics as `HeadTrainer`: Gluon `SoftmaxCrossEntropyLoss`
+with sample weights, `Trainer.step(batch)` rescaling, MXNet 1.9's Adam and SGD-momentum
+updates with weight decay on every trained parameter, the same trainable set
+(trainer.select_trainable: train_last, tail="bias"), in float32; tests check the two agree
+step by step. Anything else trains with MXNet Gluon.
 
-Two symbol forms are recognised (everything else is refused here):
+Two dense symbol forms are recognised (DenseHeadTrainer):
 - `FullyConnected(Flatten*(x), W, b)` (flatten=True, a bias), as Gluon's `Dense` exports;
 - the ONNX importer's Gemm: `broadcast_add(_linalg_gemm2(Flatten*(x), W, transpose_b=1,
   alpha=a), _mul_scalar(b, s))` -- what this project's bundles hold.
+Any other head goes to NumpyTailTrainer when numpy_tail computes all of it on the job's
+input shape (checked at construction, so an unfit tail never fails mid-training).
+
+Both are deterministic, so a checkpointed run resumes bit for bit. The tail's products run
+on one BLAS thread (BLAS_THREADS): the budget is energy, and at these sizes more threads
+spend more CPU-seconds, not fewer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 from collections.abc import Mapping
@@ -28,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InputError
-from .trainer import HeadTrainer, TrainConfig, TrainerCommon
+from .numpy_tail import AUX_SUFFIXES, TailProgram, UnsupportedTail
+from .trainer import HeadTrainer, TrainConfig, TrainerCommon, freeze_batchnorm, select_trainable
 
 BACKENDS = ("auto", "numpy", "mxnet")
 ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8  # MXNet 1.9 Adam defaults
@@ -102,6 +112,53 @@ def dense_head_form(symbol_json: str, input_name: str) -> DenseForm | None:
     return None
 
 
+def softmax_loss(logits: np.ndarray, y: np.ndarray, class_weight: np.ndarray) -> tuple[float, np.ndarray]:
+    """(mean weighted cross-entropy, its gradient d(sum of weighted losses)/d logits rescaled
+    by 1/batch as Gluon's Trainer.step(batch) does)."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    sample_w = class_weight[y].astype(np.float32)
+    rows = np.arange(len(y))
+    value = float((-log_p[rows, y] * sample_w).mean())
+    if not math.isfinite(value):
+        raise FloatingPointError("training loss became non-finite; lower the learning rate")
+    g = np.exp(log_p)
+    g[rows, y] -= 1.0
+    g *= (sample_w / np.float32(len(y)))[:, None]
+    return value, g
+
+
+def optimizer_update(cfg: TrainConfig, t: int, weights: Mapping[str, np.ndarray], m: Mapping[str, np.ndarray],
+                     v: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
+    """MXNet 1.9's update of each parameter in `grads`, in place, at update count t (every
+    trained parameter moves on every step, so one count serves all): Adam, or SGD with
+    momentum, weight decay added to the (already batch-rescaled) gradient."""
+    lr, wd = np.float32(cfg.lr), np.float32(cfg.weight_decay)
+    for name, grad in grads.items():
+        w, mean = weights[name], m[name]
+        g = np.multiply(w, wd)  # in place from here: a deep tail's update is otherwise mostly allocation
+        g += grad
+        tmp = np.empty_like(g)
+        if cfg.optimizer == "adam":
+            var = v[name]
+            mean *= np.float32(ADAM_BETA1)
+            mean += np.multiply(g, np.float32(1 - ADAM_BETA1), out=tmp)
+            var *= np.float32(ADAM_BETA2)
+            np.multiply(g, np.float32(1 - ADAM_BETA2), out=tmp)
+            tmp *= g
+            var += tmp
+            lr_t = np.float32(cfg.lr * math.sqrt(1 - ADAM_BETA2 ** t) / (1 - ADAM_BETA1 ** t))
+            np.sqrt(var, out=tmp)
+            tmp += np.float32(ADAM_EPSILON)
+            np.multiply(mean, lr_t, out=g)
+            g /= tmp
+            w -= g
+        else:  # MXNet sgd_mom_update: mom = momentum * mom - lr * (grad + wd * w); w += mom
+            mean *= np.float32(cfg.momentum)
+            mean -= np.multiply(g, lr, out=tmp)
+            w += mean
+
+
 def _input(nodes: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return next((n for n in nodes if n["op"] == "null" and n["name"] == name), None)
 
@@ -143,36 +200,10 @@ class DenseHeadTrainer(TrainerCommon):
         x2 = np.ascontiguousarray(x, np.float32).reshape(len(x), -1)
         if x2.shape[1] != self._w[f.weight].shape[1]:
             raise InputError(f"features have {x2.shape[1]} values, the head takes {self._w[f.weight].shape[1]}")
-        logits = self._logits(x2)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        sample_w = self.class_weight[y].astype(np.float32)
-        rows = np.arange(len(y))
-        value = float((-log_p[rows, y] * sample_w).mean())
-        if not math.isfinite(value):
-            raise FloatingPointError("training loss became non-finite; lower the learning rate")
-        # d(sum of weighted losses)/d logits, rescaled by 1/batch as Trainer.step(batch) does
-        g = np.exp(log_p)
-        g[rows, y] -= 1.0
-        g *= (sample_w / np.float32(len(y)))[:, None]
+        value, g = softmax_loss(self._logits(x2), y, self.class_weight)
         grads = {f.weight: (g.T @ x2) * np.float32(f.alpha), f.bias: g.sum(axis=0) * np.float32(f.bias_scale)}
         self._t += 1
-        lr, wd = np.float32(cfg.lr), np.float32(cfg.weight_decay)
-        for name, grad in grads.items():
-            w, m = self._w[name], self._m[name]
-            grad = grad.astype(np.float32) + wd * w
-            if cfg.optimizer == "adam":
-                v = self._v[name]
-                m *= np.float32(ADAM_BETA1)
-                m += np.float32(1 - ADAM_BETA1) * grad
-                v *= np.float32(ADAM_BETA2)
-                v += np.float32(1 - ADAM_BETA2) * grad * grad
-                lr_t = np.float32(cfg.lr * math.sqrt(1 - ADAM_BETA2 ** self._t) / (1 - ADAM_BETA1 ** self._t))
-                w -= lr_t * m / (np.sqrt(v) + np.float32(ADAM_EPSILON))
-            else:  # MXNet sgd_mom_update: mom = momentum * mom - lr * (grad + wd * w); w += mom
-                m *= np.float32(cfg.momentum)
-                m -= lr * grad
-                w += m
+        optimizer_update(cfg, self._t, self._w, self._m, self._v, grads)
         return value
 
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
@@ -216,18 +247,170 @@ class DenseHeadTrainer(TrainerCommon):
             raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None
 
 
+# A tail step's products are a few tens of MMACs: OpenBLAS's threads then cost more CPU
+# (energy) in hand-offs and spin-waits than they save -- measured on the loaded 2-core
+# bench machine, 27 CPU-ms per depth-2 step on 2 threads, 18 on one.
+BLAS_THREADS = 1
+
+
+def blas_threads(n: int) -> bool:
+    """Set the thread count of the OpenBLAS numpy uses (its wheels bundle one); False if
+    none is found. Results do not depend on it: OpenBLAS splits a product by rows and
+    columns, never along its sums."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return False
+    done = False
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for symbol in ("openblas_set_num_threads64_", "openblas_set_num_threads"):
+            setter = getattr(lib, symbol, None)
+            if setter is not None:
+                setter(ctypes.c_int(n))
+                done = True
+                break
+    return done
+
+
+class NumpyTailTrainer(TrainerCommon):
+    """`HeadTrainer`'s interface and numbers for a tail numpy_tail computes. The trained
+    tensors (and their gradients and optimiser moments) are views of one flat buffer: the
+    update is a dozen passes over one array, not a dozen per tensor."""
+
+    backend = "numpy"
+
+    def __init__(self, *, symbol_json: str, params: Mapping[str, np.ndarray], input_name: str, num_classes: int,
+                 config: TrainConfig, train_labels: np.ndarray | None = None,
+                 input_shape: tuple[int, ...] | None = None) -> None:
+        super().__init__(config, num_classes, train_labels)
+        if config.bn == "frozen":
+            symbol_json = freeze_batchnorm(symbol_json)
+        self.program = prog = TailProgram(symbol_json, input_name)
+        names = prog.arg_names + prog.aux_names
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise InputError(f"head parameters missing: {', '.join(missing[:8])}")
+        trainable = select_trainable(symbol_json, set(prog.arg_names), params, config)
+        prog.set_trainable(trainable)
+        self.trainable = [n for n in names if n in trainable]
+        sizes = [int(np.size(params[n])) for n in self.trainable]
+        self._flat = {k: np.zeros(sum(sizes), np.float32) for k in ("w", "g", "m", "v")}
+        self._views: dict[str, dict[str, np.ndarray]] = {k: {} for k in self._flat}
+        offset = 0
+        for name, size in zip(self.trainable, sizes, strict=True):
+            for k, flat in self._flat.items():
+                self._views[k][name] = flat[offset:offset + size].reshape(np.shape(params[name]))
+            offset += size
+        self._w = {n: self._views["w"][n] if n in trainable else np.array(params[n], np.float32) for n in names}
+        self.set_params(params)
+        self._m, self._v = self._views["m"], self._views["v"]  # Adam mean (SGD momentum) / Adam variance
+        self._t = 0
+        blas_threads(BLAS_THREADS)
+        if input_shape is not None:  # shapes are checked now, so an unfit tail goes to MXNet at once
+            out = self.predict(np.zeros((2, *input_shape), np.float32))
+            if out.shape[1] != num_classes:
+                raise UnsupportedTail(f"the tail gives {out.shape[1]} outputs, the model has {num_classes} classes")
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One optimiser step on a batch; returns its mean (weighted) loss."""
+        logits, values, caches = self.program.forward(self._w, x, train=True)
+        value, g = softmax_loss(logits, y, self.class_weight)
+        grads = self.program.backward(values, caches, g.astype(np.float32))
+        self.program.update_statistics(self._w, caches)
+        flat_g = self._flat["g"]
+        flat_g[:] = 0
+        for name, grad in grads.items():
+            self._views["g"][name][...] = grad
+        self._t += 1
+        flat = self._flat
+        optimizer_update(self.config, self._t, {"": flat["w"]}, {"": flat["m"]}, {"": flat["v"]}, {"": flat_g})
+        return value
+
+    def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
+        outs = [self.program.forward(self._w, x[i:i + batch_size], train=False)[0]
+                for i in range(0, len(x), batch_size)]
+        return np.concatenate(outs) if outs else np.empty((0, self.num_classes), np.float32)
+
+    def set_threads(self, threads: int) -> None:
+        """The governor's thread advice: the tail already runs on one BLAS thread (module doc),
+        the least it can be lowered to."""
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {n: v.copy() for n, v in self._w.items()}
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        for name, current in self._w.items():
+            value = np.asarray(params[name], np.float32)
+            if value.shape != current.shape:
+                raise InputError(f"parameter {name}: shape {value.shape}, head has {current.shape}")
+            if name in self.program.trainable:
+                current[...] = value  # a view of the flat buffer
+            else:
+                self._w[name] = value.copy()
+
+    def aux_names(self) -> set[str]:
+        return {n for n in self.program.aux_names if n.endswith(AUX_SUFFIXES)}
+
+    def signature(self) -> str:
+        """Names and shapes of the tail's parameters, in HeadTrainer's order and format."""
+        return ";".join(f"{n}:{'x'.join(map(str, v.shape))}" for n, v in self._w.items())
+
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        meta, arrays = self._record_state()
+        for name in self.trainable:
+            arrays[f"opt/{name}/m"] = self._m[name].copy()
+            arrays[f"opt/{name}/v"] = self._v[name].copy()
+        meta.update({"opt_t": self._t, "signature": self.signature(), "tail": "numpy"})
+        return meta, arrays
+
+    def load_state(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        if meta.get("signature") != self.signature() or meta.get("tail") != "numpy":
+            raise InputError("checkpoint is for a head with other parameters")
+        self._check_state(meta)
+        try:
+            self._load_record(meta, arrays)
+            for name in self.trainable:
+                m, v = (np.asarray(arrays[f"opt/{name}/{k}"], np.float32) for k in ("m", "v"))
+                if m.shape != self._w[name].shape or v.shape != self._w[name].shape:
+                    raise ValueError(f"optimiser state for {name} has shape {m.shape} / {v.shape}")
+                self._m[name][...], self._v[name][...] = m, v
+            self._t = int(meta["opt_t"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None
+
+
 def make_head_trainer(*, symbol_json: str, params: Mapping[str, np.ndarray], input_name: str, num_classes: int,
                       config: TrainConfig, train_labels: np.ndarray | None = None, threads: int | None = None,
-                      backend: str = "auto") -> TrainerCommon:
-    """The head's trainer: numpy for one affine layer (unless backend="mxnet"), else MXNet Gluon."""
+                      backend: str = "auto", input_shape: tuple[int, ...] | None = None) -> TrainerCommon:
+    """The head's trainer. numpy unless backend="mxnet": one affine layer here; given the
+    input's shape (per sample), a tail of the ops numpy_tail computes, checked on that shape
+    at construction so that no unfit tail fails mid-training; anything else MXNet Gluon."""
     if backend not in BACKENDS:
         raise ConfigError(f"trainer: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     form = dense_head_form(symbol_json, input_name) if backend != "mxnet" else None
     if form is not None:
         return DenseHeadTrainer(form=form, params=params, num_classes=num_classes, config=config,
                                 train_labels=train_labels)
+    why = "no input shape to check a deeper tail on"
+    if backend != "mxnet" and input_shape is not None:
+        try:
+            trainer = NumpyTailTrainer(symbol_json=symbol_json, params=params, input_name=input_name,
+                                       num_classes=num_classes, config=config, train_labels=train_labels,
+                                       input_shape=input_shape)
+        except UnsupportedTail as exc:
+            why = str(exc)
+        else:
+            if threads:
+                trainer.set_threads(threads)
+            return trainer
     if backend == "numpy":
-        raise ConfigError("trainer 'numpy' trains only a one-dense-layer head; this head needs 'mxnet' (or 'auto')")
+        raise ConfigError(f"trainer 'numpy' trains a one-dense-layer head, or a tail of the ops numpy_tail "
+                          f"computes ({why}); this head needs 'mxnet' (or 'auto')")
     return HeadTrainer(symbol_json=symbol_json, params=params, input_name=input_name, num_classes=num_classes,
                        config=config, train_labels=train_labels, threads=threads)
 

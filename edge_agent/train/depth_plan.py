@@ -9,20 +9,27 @@ predicted CPU time (so energy, on the profile's power model) and peak memory:
     cpu_s  = [engine selection, if this device has no cached choice for the depth's prefix:
               SELECTION_FIXED_S + prefix_macs x selection_s_per_mac]
            + images x prefix_macs x s_per_int8_mac              (features, once)
-           + [MXNet import, if the tail is not one dense layer]
+           + [MXNet import, if the tail trains in MXNet]
            + epochs x f x (train x 3 + val) x tail_macs x s_per_fp32_mac (forward + backward)
            + epochs x f x train x s_per_sample                  (framework overhead)
 
-where f is the share of its epochs a job here ran before early stopping.
+where f is the share of its epochs a job here ran before early stopping, and the two
+training rates are the numpy trainer's (numpy_s_per_fp32_mac, numpy_s_per_sample) or
+MXNet's, whichever trains the depth.
     rss_mb = the process now + [MXNet] + images x cut_elements x 4 B (cached activations)
            + tail_params x 16 B (weights, gradients, Adam's two moments)
            + batch x tail_activations x 12 B (forward outputs, their gradients, workspace)
 
+A tail trains in numpy -- without MXNet's import (~2 CPU-s, ~130 MB) -- when it is one dense
+layer (dense_head.py) or every op of its symbol is one numpy_tail.py computes (the job
+passes `numpy_tail(depth)`); otherwise, or with --trainer mxnet, in MXNet Gluon.
+
 `auto` picks the deepest depth up to AUTO_MAX_DEPTH that fits the profile's training
 memory cap and the energy budget (with a margin for the prediction's error); a bundle
-without depths, or a device without MXNet, trains the head. The rates start from
-conservative defaults and are learned per device: after every job the measured CPU time
-of its phases updates `planner-rates.json` in the job's cache directory.
+without depths trains the head, and a device without MXNet only the depths numpy trains.
+The rates start from conservative defaults and are learned per device: after every job
+the measured CPU time of its phases updates `planner-rates.json` in the job's cache
+directory (the training rates under the keys of the trainer that ran).
 
 Why deeper is the default direction: measured on the camera scenario (bench_finetune),
 the last block(s) of MobileNetV2 trained over cached int8 activations gain 10-15 points of
@@ -35,6 +42,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +57,13 @@ LEARN_WEIGHT = 0.7
 # Starting rates (CPU-seconds), ~1.5x what a loaded 2-core x86 machine measured
 # (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
 DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
+                 "numpy_s_per_fp32_mac": 3.5e-10, "numpy_s_per_sample": 1e-4,
                  "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s_per_mac": 1.5e-6, "epoch_fraction": 1.0}
+
+
+def rate_key(key: str, backend: str) -> str:
+    """The rates file's key for a training rate (s_per_fp32_mac, s_per_sample) of `backend`."""
+    return f"numpy_{key}" if backend == "numpy" else key
 SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
 
 
@@ -139,8 +153,10 @@ def mxnet_available() -> bool:
 def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val: int, epochs: int,
                batch_size: int, dense_head: bool, mem_cap_mb: float | None, budget_wh: float | None,
                watts_per_cpu: float | None, base_rss_mb: float, rates: dict[str, float],
-               has_mxnet: bool | None = None, selection_cached: Any = None) -> DepthPlan:
+               has_mxnet: bool | None = None, selection_cached: Any = None,
+               numpy_tail: Callable[[int], bool] | None = None) -> DepthPlan:
     """Choose the training depth (module doc); `dense_head`: depth 0 trains in numpy;
+    `numpy_tail(depth) -> bool`: that depth's tail trains in numpy (numpy_tail.py);
     `selection_cached(depth) -> bool`: this device has an engine choice for that prefix."""
     depths = list(bundle.manifest.depths)
     has_mxnet = mxnet_available() if has_mxnet is None else has_mxnet
@@ -153,14 +169,15 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
     options = []
     for d in depths:
         costs = d.costs
-        mx = d.depth > 0 or not dense_head
+        mx = not ((d.depth == 0 and dense_head) or (numpy_tail is not None and numpy_tail(d.depth)))
+        backend = "mxnet" if mx else "numpy"
         cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else (
             SELECTION_FIXED_S + costs.get("prefix_macs", 0) * rates["selection_s_per_mac"])
         cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
         cpu += (rates["mxnet_import_s"] if mx else 0.0)
         run_epochs = epochs * min(1.0, rates["epoch_fraction"])
-        cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates["s_per_fp32_mac"]
-        cpu += run_epochs * train * rates["s_per_sample"]
+        cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates[rate_key("s_per_fp32_mac", backend)]
+        cpu += run_epochs * train * rates[rate_key("s_per_sample", backend)]
         rss = (base_rss_mb + (rates["mxnet_mb"] if mx else 0.0)
                + (images * costs.get("cut_elements", 0) * 4
                   + costs.get("tail_params", 0) * 16 + batch_size * costs.get("tail_activations", 0) * 12) / 2**20)

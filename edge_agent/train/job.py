@@ -472,7 +472,7 @@ class _Job(DepthPlanning, JobReport):
             self.cpu["features_s"] = time.process_time() - cpu_start
             self.cpu["feature_images"] = cache_stats.computed if cache_stats is not None else 0
             cpu_start = time.process_time()
-            trainer = self._make_trainer(symbol_json, base_params, config, train.y, threads)
+            trainer = self._make_trainer(symbol_json, base_params, config, train.y, threads, checkpoint)
             self.cpu["setup_s"] = time.process_time() - cpu_start
             cpu_start = time.process_time()
             index = {h: i for i, h in enumerate(dataset.hashes)}
@@ -499,13 +499,18 @@ class _Job(DepthPlanning, JobReport):
         return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
 
     def _make_trainer(self, symbol_json: str, params: dict[str, np.ndarray], config: Any, train_labels: np.ndarray,
-                      threads: int) -> Any:
-        from .dense_head import make_head_trainer  # MXNet Gluon unless the head is one dense layer
+                      threads: int, checkpoint: Checkpoint | None) -> Any:
+        # numpy unless the tail holds an op only MXNet computes
+        from .dense_head import make_head_trainer
 
         manifest = self.bundle.manifest
+        backend = self.args["trainer"]
+        written = checkpoint.meta.get("trainer") if checkpoint is not None else None
+        if backend == "auto" and isinstance(written, dict) and written.get("backend") == "mxnet":  # a job started before its tail trained in numpy
+            backend = "mxnet"
         return make_head_trainer(symbol_json=symbol_json, params=params, input_name=manifest.split_tensor,
                                  num_classes=len(manifest.labels), config=config, train_labels=train_labels,
-                                 threads=threads, backend=self.args["trainer"])
+                                 threads=threads, backend=backend, input_shape=tuple(manifest.feature_shape))
 
     def _governed(self, compute: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
         """The backbone, run under the governor like a training step (it costs energy too)."""

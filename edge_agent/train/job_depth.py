@@ -57,11 +57,12 @@ class DepthPlanning:
                     config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,
                     probe_report: dict[str, Any], threads: int) -> Any:
         """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
-        from ..int8.bundle import HEAD_SYMBOL
+        from ..int8.bundle import HEAD_SYMBOL, depth_file
         from ..int8.cli import default_state_dir
         from ..int8.selection import cached_selection
         from .dense_head import dense_head_form
         from .depth_plan import load_rates, plan_depth
+        from .numpy_tail import unsupported
 
         request = self.args["depth"]
         if checkpoint is not None and isinstance(checkpoint.meta.get("depth"), int):
@@ -69,11 +70,17 @@ class DepthPlanning:
         self.rates = load_rates(cache_root)
         symbol_json = bundle.read(HEAD_SYMBOL).decode("utf-8")  # the head's form only: no parameter file read
         dense = self.args["trainer"] != "mxnet" and dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
+
+        def numpy_tail(depth: int) -> bool:  # every op of the depth's symbol is one numpy_tail computes
+            if self.args["trainer"] == "mxnet":
+                return False
+            text = bundle.read(depth_file(depth, HEAD_SYMBOL)).decode("utf-8")
+            return not unsupported(text, bundle.manifest.depths[depth].tensor)
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
-                          watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates,
+                          watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates, numpy_tail=numpy_tail,
                           selection_cached=lambda depth: cached_selection(
                               bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
                               batch_size=config.batch_size, threads=threads,
@@ -94,8 +101,12 @@ class DepthPlanning:
             measured["s_per_int8_mac"] = self.cpu["features_s"] / (images * costs["prefix_macs"])
         samples = self.pos["step"] * self.trainer.config.batch_size
         if samples and costs.get("tail_macs") and self.pos["step"] > 5 and self.plan.depth > 0:
+            from .depth_plan import rate_key
+
             per_sample = self.cpu.get("train_s", 0.0) / samples
-            measured["s_per_fp32_mac"] = max(per_sample - self.rates["s_per_sample"], 1e-9) / (3 * costs["tail_macs"])
+            overhead = self.rates[rate_key("s_per_sample", self.trainer.backend)]
+            measured[rate_key("s_per_fp32_mac", self.trainer.backend)] = (max(per_sample - overhead, 1e-9)
+                                                                          / (3 * costs["tail_macs"]))
         if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
             measured["mxnet_import_s"] = self.cpu["setup_s"]
         if not self.selection_cached and self.cpu.get("selection_s") and costs.get("prefix_macs"):

@@ -135,6 +135,25 @@ def head_layers(symbol_json: str, param_names: set[str]) -> list[list[str]]:
     return layers
 
 
+def select_trainable(symbol_json: str, weights: set[str], params: Mapping[str, np.ndarray],
+                     config: TrainConfig) -> set[str]:
+    """Which of the head's weights (its non-auxiliary parameters) train under `config`:
+    all, the last `train_last` layers', or with tail="bias" the 1-D ones and the classifier's.
+    Both head trainers use it, so they train the same tensors."""
+    trainable = set(weights)
+    layers = head_layers(symbol_json, trainable)
+    if config.train_last is not None:
+        trainable &= {n for layer in layers[-config.train_last:] for n in layer}
+    if config.tail == "bias" and layers:  # TinyTL: biases need no stored input activations
+        # the classifier: the last layer with a weight (an ONNX Gemm imports as a matrix
+        # product and a separate bias add, so the last op alone may hold only the bias)
+        weighted = [layer for layer in layers if any(np.ndim(params[n]) > 1 for n in layer)]
+        trainable &= {n for n in trainable if np.ndim(params[n]) <= 1} | set(weighted[-1] if weighted else layers[-1])
+    if not trainable:
+        raise InputError("the head has no trainable parameters")
+    return trainable
+
+
 def class_weights(labels: np.ndarray, num_classes: int) -> np.ndarray:
     """n / (k * count_c) for the k classes present; 0 for absent ones."""
     counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
@@ -285,23 +304,11 @@ class HeadTrainer(TrainerCommon):
             p.shape = value.shape
             p._load_init(mx.nd.array(value), mx.cpu())  # noqa: SLF001 - SymbolBlock has no public setter
         self.param_names = list(own)
-        trainable = {name for name, p in own.items() if p.grad_req != "null"}
-        self.layers = head_layers(symbol_json, trainable)
-        if config.train_last is not None:
-            keep = {n for layer in self.layers[-config.train_last:] for n in layer}
-            for name in trainable - keep:
-                own[name].grad_req = "null"
-            trainable &= keep
-        if config.tail == "bias" and self.layers:  # TinyTL: biases need no stored input activations
-            # the classifier: the last layer with a weight (an ONNX Gemm imports as a matrix
-            # product and a separate bias add, so the last op alone may hold only the bias)
-            weighted = [layer for layer in self.layers if any(np.ndim(params[n]) > 1 for n in layer)]
-            keep = {n for n in trainable if np.ndim(params[n]) <= 1} | set(weighted[-1] if weighted else self.layers[-1])
-            for name in trainable - keep:
-                own[name].grad_req = "null"
-            trainable &= keep
-        if not trainable:
-            raise InputError("the head has no trainable parameters")
+        weights = {name for name, p in own.items() if p.grad_req != "null"}
+        self.layers = head_layers(symbol_json, weights)
+        trainable = select_trainable(symbol_json, weights, params, config)
+        for name in weights - trainable:
+            own[name].grad_req = "null"
         self.trainable = [name for name in self.param_names if name in trainable]
         opt_params: dict[str, Any] = {"learning_rate": config.lr, "wd": config.weight_decay}
         if config.optimizer == "sgd":

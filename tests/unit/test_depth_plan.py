@@ -104,6 +104,27 @@ def test_without_mxnet_only_the_dense_head_trains(deep):
     assert none.depth == 0 and none.reason.startswith("no depth fits") and all(o.needs_mxnet for o in none.options)
 
 
+def test_a_tail_numpy_trains_is_not_charged_mxnet_and_trains_without_it(deep):
+    mx = plan(deep)
+    np_ = plan(deep, numpy_tail=lambda depth: True)
+    assert [o.needs_mxnet for o in np_.options] == [False, False, False]
+    rates = DP.DEFAULT_RATES
+    for a, b in zip(mx.options[1:], np_.options[1:], strict=True):
+        assert a.predicted_rss_mb - b.predicted_rss_mb == pytest.approx(rates["mxnet_mb"], abs=0.1)
+        assert a.predicted_cpu_s > b.predicted_cpu_s  # no import, and numpy's own training rates
+    # numpy's learnt rates price numpy's depths, MXNet's price MXNet's
+    slow = dict(rates, numpy_s_per_fp32_mac=rates["numpy_s_per_fp32_mac"] * 10)
+    assert plan(deep, numpy_tail=lambda d: True, rates=slow).options[2].predicted_cpu_s > np_.options[2].predicted_cpu_s
+    assert plan(deep, rates=slow).options[2].predicted_cpu_s == mx.options[2].predicted_cpu_s
+    assert DP.rate_key("s_per_fp32_mac", "numpy") == "numpy_s_per_fp32_mac"
+    assert DP.rate_key("s_per_sample", "mxnet") == "s_per_sample"
+    # a device without MXNet trains the depths numpy computes, and only those
+    assert plan(deep, has_mxnet=False, numpy_tail=lambda d: True).depth == 2
+    p = plan(deep, has_mxnet=False, numpy_tail=lambda d: d == 1)
+    assert p.depth == 1 and [o.fits for o in p.options] == [True, True, False]
+    assert plan(deep, 1, has_mxnet=False, numpy_tail=lambda d: d == 1).depth == 1
+
+
 def test_explicit_depths(deep, bundles):
     _, flat = bundles
     assert plan(deep, "head").depth == 0 and plan(deep, 0).depth == 0
