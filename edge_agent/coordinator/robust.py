@@ -33,6 +33,10 @@ Screening (`screen_norms`) works from one update up, in this order:
      - larger rounds: below min_median_cosine (0.05) rejected for that round, no strike; a
        strike when the mean of the device's last direction_rounds (3) cosines is below
        strike_median_cosine (-0.1). Catches sign flips, which have an honest norm.
+     - either size: if the rejections would leave fewer updates than the job's min_devices,
+       rejected ones at or above strike_median_cosine are kept, best first, until it is met:
+       late in a converged job honest updates are mostly noise (the 1,000-round soak's 4
+       honest devices sat at -0.004..-0.013 and failed 70 % of rounds); flips sit lower.
      Measured on bench_poisoning (federated digits, 10 devices, 30 rounds unless said; cosine
      of the dense delta with the median of all the round's updates; rule at 0.0 / -0.15):
        honest, Dirichlet 1.0, clean:  min -0.082, 1 % -0.046, 5 % 0.115, median 0.448

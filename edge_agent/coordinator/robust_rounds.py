@@ -179,18 +179,32 @@ class RobustRounds:
 
     def _direction(self, good: list[str], job_id: str, recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
                    layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]],
-                   strikes: dict[str, str | None]) -> tuple[list[str], str]:
+                   strikes: dict[str, str | None], quorum: int = 1) -> tuple[list[str], str]:
         """Step 5 of robust.py: cosine with the round's coordinate-wise median. Small rounds
         (<= direction_max_n): below min_cosine rejected, no strike. Larger ones: below
         min_median_cosine rejected, and a strike when the mean of the device's last
         `direction_rounds` cosines (kept in memory: a restart only delays a quarantine) is
-        below strike_median_cosine; one low round is not enough, honest non-IID updates dip."""
+        below strike_median_cosine; one low round is not enough, honest non-IID updates dip.
+        Near zero is no signal, not hostility: once a job has converged, honest updates are
+        mostly noise (cosines of +-0.01 in the year-long soak), so when the rejections would
+        leave fewer than the job's `quorum` updates, those at or above strike_median_cosine
+        are taken back, the best first, until the quorum is met (sign flips sit lower:
+        robust.py's measured distributions); the weight cap and clipping still bound them."""
         pol = self.policy
         small = len(good) <= pol.direction_max_n
         floor = pol.min_cosine if small else pol.min_median_cosine
         kept, rejected, undecidable, cosines = direction_check(
             good, load, {d: recs[d].norm for d in good}, layout.size,
             sum(recs[d].kept or layout.size for d in good), floor)
+        if len(kept) < quorum and rejected and not undecidable:
+            weak = sorted((d for d in rejected if cosines.get(d, -1.0) >= pol.strike_median_cosine),
+                          key=lambda d: -cosines[d])
+            back = weak[:quorum - len(kept)]
+            if back:
+                log.info("job %s: %d near-zero-cosine update(s) kept to meet the round's quorum of %d (%s)", job_id,
+                         len(back), quorum, ", ".join(f"{cosines[d]:.3f}" for d in back))
+                kept = [d for d in good if d in kept or d in back]
+                rejected = {d: why for d, why in rejected.items() if d not in back}
         for d, why in rejected.items():
             verdicts[d] = (UpdateStatus.REJECTED, why[:512])
         if small:

@@ -366,7 +366,8 @@ class RoundEngine(UpdateIntake):
                 return cache[device]
 
             if not undecidable and len(good) >= 2:
-                good, undecidable = self._direction(good, job_id, recs, load, layout, verdicts, strikes)
+                good, undecidable = self._direction(good, job_id, recs, load, layout, verdicts, strikes,
+                                                    quorum=job.min_devices)
             if undecidable:
                 for d in good or [devices[i] for i in screen.accepted]:
                     verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])

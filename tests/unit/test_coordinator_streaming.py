@@ -225,6 +225,42 @@ def test_a_tensor_only_some_updates_carry_is_averaged_over_those(state_dir: Path
     assert np.abs(got["w"] - diluted).max() > 1e-3  # the old rule would have given this
 
 
+@pytest.mark.parametrize("other", ["noise", "flipped"])
+def test_near_zero_cosines_are_kept_to_meet_the_quorum_but_sign_flips_are_not(state_dir: Path, other: str) -> None:
+    """A converged job: two of four honest updates are mostly noise, a hair below the small
+    round's cosine floor (0.0). Rejecting both left 2 of the 3 the job needs, so round after
+    round failed (the year-long soak); the best of them is kept to meet the quorum. An update
+    pointing against the round (a sign flip) is never taken back, even if the round fails."""
+    c = Coordinator(state_dir, 4)
+    c.engine.start_job(model_name="m", model_version="1", rounds=1, min_devices=3 if other == "noise" else 4,
+                       deadline_s=100, params={"aggregator": "fedavg_clipped"}, job_id="job")
+    (plan,) = c.engine.tick().opened
+    rng = np.random.default_rng(7)
+    flat = rng.normal(size=sum(int(np.prod(s)) for s in SHAPES.values()))
+    vecs = [flat + 0.1 * rng.normal(size=flat.size) for _ in range(2)]
+    if other == "noise":
+        for _ in range(2):  # orthogonal noise with a small negative part: cosines -0.10..-0.02
+            n = rng.normal(size=flat.size)
+            vecs.append(n - (n @ flat) / (flat @ flat) * flat - 0.5 * flat)
+    else:
+        vecs += [flat + 0.1 * rng.normal(size=flat.size), -flat + 0.1 * rng.normal(size=flat.size)]
+    for i, v in enumerate(vecs):
+        d, off = {}, 0
+        for k, shape in SHAPES.items():
+            d[k] = (0.02 * v[off:off + int(np.prod(shape))]).reshape(shape).astype(np.float32)
+            off += int(np.prod(shape))
+        header = UpdateHeader("m", "1", plan.job_id, IDS[i], plan.round)
+        assert c.receive(encode_update(header, d, density=1.0, bits=8), i, 100) == "accepted"
+    out = c.close()
+    reasons = [str(r) for r in out.rejected.values()]
+    assert len(reasons) == 1 and reasons[0].startswith("direction_outlier")
+    if other == "noise":
+        assert out.state is RoundState.AGGREGATED and len(out.accepted) == 3
+        assert IDS[0] in out.accepted and IDS[1] in out.accepted
+    else:
+        assert out.state is RoundState.FAILED and list(out.rejected) == [IDS[3]]
+
+
 def test_a_clean_fedavg_close_reads_no_stored_update_and_an_outlier_costs_one(state_dir: Path) -> None:
     c = Coordinator(state_dir, 8)
     plan = c.start("fedavg_clipped")
