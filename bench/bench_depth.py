@@ -12,9 +12,11 @@ Data sets, both non-IID across 3 devices, each device with its own camera:
 Per device and seed (the job's batch order; the baseline's too), in fresh processes
 measured the same way (bench/_procs.py): `run_finetune` at each depth -- head, last 1x1
 conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm statistics
-frozen over 1 block (the default updates them), `--depth auto`, and auto with 2 augmented views per image (crop + brightness,
-cached) -- and the baseline, every layer of the fp32 net trained
-with Gluon Adam for BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
+frozen over 1 block (the default updates them), `--depth auto`, auto with 2 augmented views
+per image (crop + brightness, cached), and auto with the tail trained in MXNet Gluon
+(`--trainer mxnet`; every other row trains its tail in numpy, train/numpy_tail.py, without
+importing MXNet) -- and the baseline, every layer of the fp32 net trained with Gluon Adam for
+BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
 job's head.params (edge_agent.train.infer). Energy above idle: the raspberry-pi-4 profile's
 CPU model on each process's own CPU seconds (as in bench_finetune); peak RSS: VmHWM;
 update bytes: the job's delta through the default codec (what the agent would send).
@@ -49,7 +51,8 @@ BASELINE_EPOCHS, BASELINE_LR = 5, 1e-3
 VARIANTS = [("head", {"depth": "head"}), ("last 1x1", {"depth": 1}), ("last 1 block", {"depth": 2}),
             ("last 2 blocks", {"depth": 3}), ("last 3 blocks", {"depth": 4}),
             ("bias-only, 2 blocks", {"depth": 3, "tail": "bias"}), ("BN frozen, 1 block", {"depth": 2, "bn": "frozen"}),
-            ("auto", {"depth": "auto"}), ("auto + 2 augmented views", {"depth": "auto", "augment": 2})]
+            ("auto", {"depth": "auto"}), ("auto + 2 augmented views", {"depth": "auto", "augment": 2}),
+            ("auto, tail in MXNet Gluon", {"depth": "auto", "trainer": "mxnet"})]
 TARGETS = {"accuracy": 0.0, "energy": 4.0, "rss": 3.0}
 
 
