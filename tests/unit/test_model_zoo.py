@@ -14,12 +14,27 @@ seconds each; torchvision: by make_torch_fixtures.py), their classifiers re-init
 Trained features keep int8's rounding away from the decision boundaries, so the issue's
 99 % agreement holds (measured on all 719 held-out digits).
 
+What decides the agreement is how well the net is trained, not the quantiser: on the
+MobileNets, every conv's own int8 error is at int8's floor (about 0.5 % per layer, per-channel
+weights, min/max activation ranges) and compounds over 50+ layers to 7-9 % of the feature
+spread, which flips top-1 only near a decision boundary. Trained with Adam for a few
+seconds / epochs they reached 70-91 % held-out (train 95-100 %: Adam's minimum generalises
+poorly on 1078 digits), so many held-out digits sat near a boundary and agreement was
+91-97 %. Trained with Nesterov SGD + weight decay (Gluon mobilenet0.25, torchvision
+mobilenet_v2, the latter with 1-pixel shifts) or AdamW for longer (torchvision squeezenet1_1,
+no BatchNorm: 40 % held-out after 8 Adam epochs), they reach 95-98 % and agree >= 99 %.
+squeezenet's logits pass a ReLU after its classifier conv: re-initialised with PyTorch's
+default, most start closed and the fine-tune reached only 30 %; make_torch_fixtures.py
+starts it as torchvision does (std 0.01) with a bias of 3.
+
 MATRIX lists the architectures that pass today; bench_model_zoo builds and measures all of
-them. Not in MATRIX: the Gluon MobileNets and SqueezeNets and the torchvision mobilenet_v2,
-squeezenet and efficientnet, which a few seconds (Gluon) or epochs (torch) of training leave
-at 70-90 % held-out accuracy, so their int8/fp32 agreement is 91-97 %, not 99 %
-(BENCHMARKS.md, model-zoo section); torchvision shufflenet_v2, whose Shape subgraphs the
-importer does not fold (refused with exit 65, naming the node).
+them. Not in MATRIX: the Gluon mobilenet0.5 (passes, 99.6 %; left out for
+the suite's time: mobilenet0.25 covers v1), the MobileNetV2s and SqueezeNets (mobilenet v1, v2
+and squeezenet1.1 are covered by gluon-mobilenet0.25 and the torchvision exports; training
+the Gluon MobileNetV2s / SqueezeNets to >= 95 % takes minutes here, too long for the suite)
+and the torchvision efficientnet (Adam-trained, 90 % held-out, agreement below 99 %);
+torchvision shufflenet_v2, whose Shape subgraphs the importer does not fold (refused with
+exit 65, naming the node).
 
 Then hand-built ONNX graphs, one per exporter quirk, against onnx's ReferenceEvaluator.
 """
@@ -39,8 +54,9 @@ from edge_agent.int8.float_graph import run_float
 from edge_agent.int8.onnx_import import import_onnx, load_onnx
 from tests.fixtures.models import zoo
 
-MATRIX = {"gluon-resnet18_v1", "gluon-resnet18_v2", "torch-resnet18-legacy", "torch-resnet18-dynamo",
-          "torch-mobilenet_v3_small-legacy", "torch-mobilenet_v3_small-dynamo"}
+MATRIX = {"gluon-resnet18_v1", "gluon-resnet18_v2", "gluon-mobilenet0.25",
+          "torch-resnet18-legacy", "torch-resnet18-dynamo", "torch-mobilenet_v2-legacy", "torch-mobilenet_v2-dynamo",
+          "torch-mobilenet_v3_small-legacy", "torch-mobilenet_v3_small-dynamo", "torch-squeezenet1_1-legacy"}
 # Engines the selection's agreement check may flag on an architecture (so they are never
 # chosen there). On the trained nets of MATRIX none is flagged: an engine flagged there fails.
 ENGINE_GAPS: dict[str, set[str]] = {}
