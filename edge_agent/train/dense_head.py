@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +169,52 @@ def _affine(form: DenseForm, weight: np.ndarray, bias: np.ndarray, x: np.ndarray
     return (x2 @ weight.T) * np.float32(form.alpha) + bias * np.float32(form.bias_scale)
 
 
-class DenseHeadTrainer(TrainerCommon):
+class NumpyOptimiserState:
+    """Checkpoint state shared by the numpy trainers: weights `_w`, Adam mean (SGD momentum)
+    `_m` and variance `_v` per trained name (restored in place), the update count `_t`.
+    `STATE_TAG` marks whose checkpoint it is (a numpy tail's is not an MXNet tail's)."""
+
+    STATE_TAG: dict[str, str] = {}
+    _w: dict[str, np.ndarray]
+    _m: dict[str, np.ndarray]
+    _v: dict[str, np.ndarray]
+    _t: int
+    _record_state: Any  # TrainerCommon's
+    _check_state: Any
+    _load_record: Any
+
+    def _optimised(self) -> Iterable[str]:
+        return self._w
+
+    def signature(self) -> str:
+        """Names and shapes of the parameters, in HeadTrainer's order and format."""
+        return ";".join(f"{n}:{'x'.join(map(str, v.shape))}" for n, v in self._w.items())
+
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        meta, arrays = self._record_state()
+        for name in self._optimised():
+            arrays[f"opt/{name}/m"] = self._m[name].copy()
+            arrays[f"opt/{name}/v"] = self._v[name].copy()
+        meta.update({"opt_t": self._t, "signature": self.signature(), **self.STATE_TAG})
+        return meta, arrays
+
+    def load_state(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        if meta.get("signature") != self.signature() or any(meta.get(k) != v for k, v in self.STATE_TAG.items()):
+            raise InputError("checkpoint is for a head with other parameters")
+        self._check_state(meta)
+        try:
+            self._load_record(meta, arrays)
+            for name in self._optimised():
+                m, v = (np.asarray(arrays[f"opt/{name}/{k}"], np.float32) for k in ("m", "v"))
+                if m.shape != self._w[name].shape or v.shape != self._w[name].shape:
+                    raise ValueError(f"optimiser state for {name} has shape {m.shape} / {v.shape}")
+                self._m[name][...], self._v[name][...] = m, v
+            self._t = int(meta["opt_t"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None
+
+
+class DenseHeadTrainer(NumpyOptimiserState, TrainerCommon):
     """`HeadTrainer`'s interface and numbers for a one-affine-layer head, numpy only."""
 
     backend = "numpy"
@@ -220,32 +265,6 @@ class DenseHeadTrainer(TrainerCommon):
                 raise InputError(f"parameter {name}: shape {value.shape}, head has {current.shape}")
             self._w[name] = value.copy()
 
-    def signature(self) -> str:
-        return ";".join(f"{n}:{'x'.join(map(str, v.shape))}" for n, v in self._w.items())
-
-    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        meta, arrays = self._record_state()
-        for name in self._w:
-            arrays[f"opt/{name}/m"] = self._m[name].copy()
-            arrays[f"opt/{name}/v"] = self._v[name].copy()
-        meta.update({"opt_t": self._t, "signature": self.signature()})
-        return meta, arrays
-
-    def load_state(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-        if meta.get("signature") != self.signature():
-            raise InputError("checkpoint is for a head with other parameters")
-        self._check_state(meta)
-        try:
-            self._load_record(meta, arrays)
-            for name, w in self._w.items():
-                m, v = (np.asarray(arrays[f"opt/{name}/{k}"], np.float32) for k in ("m", "v"))
-                if m.shape != w.shape or v.shape != w.shape:
-                    raise ValueError(f"optimiser state for {name} has shape {m.shape} / {v.shape}")
-                self._m[name], self._v[name] = m.copy(), v.copy()
-            self._t = int(meta["opt_t"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None
-
 
 # A tail step's products are a few tens of MMACs: OpenBLAS's threads then cost more CPU
 # (energy) in hand-offs and spin-waits than they save -- measured on the loaded 2-core
@@ -277,7 +296,7 @@ def blas_threads(n: int) -> bool:
     return done
 
 
-class NumpyTailTrainer(TrainerCommon):
+class NumpyTailTrainer(NumpyOptimiserState, TrainerCommon):
     """`HeadTrainer`'s interface and numbers for a tail numpy_tail computes. The trained
     tensors (and their gradients and optimiser moments) are views of one flat buffer: the
     update is a dozen passes over one array, not a dozen per tensor."""
@@ -356,32 +375,10 @@ class NumpyTailTrainer(TrainerCommon):
     def aux_names(self) -> set[str]:
         return {n for n in self.program.aux_names if n.endswith(AUX_SUFFIXES)}
 
-    def signature(self) -> str:
-        """Names and shapes of the tail's parameters, in HeadTrainer's order and format."""
-        return ";".join(f"{n}:{'x'.join(map(str, v.shape))}" for n, v in self._w.items())
+    STATE_TAG = {"tail": "numpy"}
 
-    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        meta, arrays = self._record_state()
-        for name in self.trainable:
-            arrays[f"opt/{name}/m"] = self._m[name].copy()
-            arrays[f"opt/{name}/v"] = self._v[name].copy()
-        meta.update({"opt_t": self._t, "signature": self.signature(), "tail": "numpy"})
-        return meta, arrays
-
-    def load_state(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-        if meta.get("signature") != self.signature() or meta.get("tail") != "numpy":
-            raise InputError("checkpoint is for a head with other parameters")
-        self._check_state(meta)
-        try:
-            self._load_record(meta, arrays)
-            for name in self.trainable:
-                m, v = (np.asarray(arrays[f"opt/{name}/{k}"], np.float32) for k in ("m", "v"))
-                if m.shape != self._w[name].shape or v.shape != self._w[name].shape:
-                    raise ValueError(f"optimiser state for {name} has shape {m.shape} / {v.shape}")
-                self._m[name][...], self._v[name][...] = m, v
-            self._t = int(meta["opt_t"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"checkpoint state does not fit this trainer ({type(exc).__name__}: {exc})") from None
+    def _optimised(self) -> Iterable[str]:
+        return self.trainable
 
 
 def make_head_trainer(*, symbol_json: str, params: Mapping[str, np.ndarray], input_name: str, num_classes: int,
