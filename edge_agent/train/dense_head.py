@@ -186,6 +186,9 @@ class NumpyOptimiserState:
     def _optimised(self) -> Iterable[str]:
         return self._w
 
+    def params(self) -> dict[str, np.ndarray]:
+        return {n: v.copy() for n, v in self._w.items()}
+
     def signature(self) -> str:
         """Names and shapes of the parameters, in HeadTrainer's order and format."""
         return ";".join(f"{n}:{'x'.join(map(str, v.shape))}" for n, v in self._w.items())
@@ -254,9 +257,6 @@ class DenseHeadTrainer(NumpyOptimiserState, TrainerCommon):
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
         outs = [self._logits(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
         return np.concatenate(outs) if outs else np.empty((0, self.num_classes), np.float32)
-
-    def params(self) -> dict[str, np.ndarray]:
-        return {n: v.copy() for n, v in self._w.items()}
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
         for name, current in self._w.items():
@@ -358,9 +358,6 @@ class NumpyTailTrainer(NumpyOptimiserState, TrainerCommon):
     def set_threads(self, threads: int) -> None:
         """The governor's thread advice: the tail already runs on one BLAS thread (module doc),
         the least it can be lowered to."""
-
-    def params(self) -> dict[str, np.ndarray]:
-        return {n: v.copy() for n, v in self._w.items()}
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
         for name, current in self._w.items():
