@@ -20,8 +20,9 @@ BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
 job's head.params (edge_agent.train.infer). Energy above idle: the raspberry-pi-4 profile's
 CPU model on each process's own CPU seconds (as in bench_finetune); peak RSS: VmHWM;
 update bytes: the job's delta through the default codec (what the agent would send).
-Each depth's one-time engine selection and the planner's learnt rates come from warm-up
-jobs (a device's first job), so the measured jobs are those of a device in service.
+Each depth's one-time engine selection (made on the first device) and each device's learnt
+planner rates come from warm-up jobs, one per depth on that device's own data with another
+batch order (its earlier jobs), so the measured jobs are those of a device in service.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ PROFILE = "raspberry-pi-4"
 WIDTH = 0.5
 JOB = {"epochs": 30, "patience": 5, "batch_size": 32, "val_fraction": 0.3, "profile": PROFILE}
 BASELINE_EPOCHS, BASELINE_LR = 5, 1e-3
+WARMUP_SEED = 1000  # the warm-up jobs' batch order differs from every measured seed's
 VARIANTS = [("head", {"depth": "head"}), ("last 1x1", {"depth": 1}), ("last 1 block", {"depth": 2}),
             ("last 2 blocks", {"depth": 3}), ("last 3 blocks", {"depth": 4}),
             ("bias-only, 2 blocks", {"depth": 3, "tail": "bias"}), ("BN frozen, 1 block", {"depth": 2, "bn": "frozen"}),
@@ -140,15 +142,19 @@ def _run_scenario(sc: dict[str, Any], tmp: Path, seeds: list[int], threads: int)
     from edge_agent.train.infer import DepthPredictor, tail_params
 
     bundle = load_bundle(sc["bundle"])
-    warm = tmp / "warm-cache"
-    first = sc["devices"][0]
-    for depth in sorted({v.get("depth") for _, v in VARIANTS if isinstance(v.get("depth"), int)} | {0}):
-        measure("ours", {"job": {**JOB, "model": str(sc["bundle"]), "data": str(first["data"]), "depth": depth,
-                                 "state_dir": str(tmp / f"warm-{depth}"), "cache_dir": str(warm),
-                                 "lr": 0.01 if depth == 0 else 0.001}}, threads=threads)
+    depths = sorted({v.get("depth") for _, v in VARIANTS if isinstance(v.get("depth"), int)} | {0})
+    for i, dev in enumerate(sc["devices"]):  # each device's earlier jobs, on its own data
+        warm = tmp / f"warm-cache-{dev['id']}"
+        if i:  # the engine choice is the hardware's, not the data's: made once, by the first device
+            shutil.copytree(tmp / f"warm-cache-{sc['devices'][0]['id']}" / "int8-selection", warm / "int8-selection")
+        for depth in depths:
+            measure("ours", {"job": {**JOB, "model": str(sc["bundle"]), "data": str(dev["data"]), "depth": depth,
+                                     "seed": WARMUP_SEED, "state_dir": str(tmp / f"warm-{dev['id']}-{depth}"),
+                                     "cache_dir": str(warm), "lr": 0.01 if depth == 0 else 0.001}}, threads=threads)
     rows = []
     for dev in sc["devices"]:
         hx, hy = dev["heldout"]
+        warm = tmp / f"warm-cache-{dev['id']}"
         for seed in seeds:
             for name, extra in VARIANTS:
                 cache = tmp / f"cache-{dev['id']}-{seed}-{len(rows)}"

@@ -13,7 +13,8 @@ predicted CPU time (so energy, on the profile's power model) and peak memory:
            + epochs x f x (train x 3 + val) x tail_macs x s_per_fp32_mac (forward + backward)
            + epochs x f x train x s_per_sample                  (framework overhead)
 
-where f is the share of its epochs a job here ran before early stopping, and the two
+where f is the share of its epochs a job here ran before early stopping at that depth
+(learnt per depth: a deeper tail on the same data stops at another epoch), and the two
 training rates are the numpy trainer's (numpy_s_per_fp32_mac, numpy_s_per_sample) or
 MXNet's, whichever trains the depth.
     rss_mb = the process now + [MXNet] + images x cut_elements x 4 B (cached activations)
@@ -54,6 +55,7 @@ AUTO_MAX_DEPTH = 2
 ENERGY_MARGIN = 1.25  # the plan must fit the budget with this much to spare
 RATES_FILE = "planner-rates.json"
 LEARN_WEIGHT = 0.7
+SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
 # Starting rates (CPU-seconds), ~1.5x what a loaded 2-core x86 machine measured
 # (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
 DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
@@ -64,7 +66,19 @@ DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sa
 def rate_key(key: str, backend: str) -> str:
     """The rates file's key for a training rate (s_per_fp32_mac, s_per_sample) of `backend`."""
     return f"numpy_{key}" if backend == "numpy" else key
-SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
+
+
+def fraction_key(depth: int) -> str:
+    """The rates file's key for the share of its epochs a job at `depth` ran before stopping."""
+    return f"epoch_fraction_d{depth}"
+
+
+FRACTION_KEYS = tuple(fraction_key(d) for d in range(9))  # parse_depth's 0..8
+
+
+def epoch_fraction(rates: dict[str, float], depth: int) -> float:
+    """The learnt share at `depth`; before a job ran there, the last job's at any depth."""
+    return min(1.0, rates.get(fraction_key(depth), rates["epoch_fraction"]))
 
 
 @dataclass
@@ -126,7 +140,7 @@ def load_rates(cache_dir: Path | None) -> dict[str, float]:
     except (OSError, ValueError, Exception):  # absent or damaged: the defaults
         return rates
     if isinstance(stored, dict):
-        for key in rates:
+        for key in (*DEFAULT_RATES, *FRACTION_KEYS):
             value = stored.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e6:
                 rates[key] = float(value)
@@ -139,8 +153,9 @@ def learn_rates(cache_dir: Path, rates: dict[str, float], measured: dict[str, fl
     and one noisy job does not rule."""
     new = dict(rates)
     for key, value in measured.items():
-        if key in new and isinstance(value, float) and math.isfinite(value) and value > 0:
-            new[key] = math.exp((1 - LEARN_WEIGHT) * math.log(new[key]) + LEARN_WEIGHT * math.log(value))
+        start = rates.get(key, rates["epoch_fraction"] if key in FRACTION_KEYS else None)
+        if start is not None and isinstance(value, float) and math.isfinite(value) and value > 0:
+            new[key] = math.exp((1 - LEARN_WEIGHT) * math.log(start) + LEARN_WEIGHT * math.log(value))
     cache_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(cache_dir / RATES_FILE, new)
     return new
@@ -175,7 +190,7 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
             SELECTION_FIXED_S + costs.get("prefix_macs", 0) * rates["selection_s_per_mac"])
         cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
         cpu += (rates["mxnet_import_s"] if mx else 0.0)
-        run_epochs = epochs * min(1.0, rates["epoch_fraction"])
+        run_epochs = epochs * epoch_fraction(rates, d.depth)
         cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates[rate_key("s_per_fp32_mac", backend)]
         cpu += run_epochs * train * rates[rate_key("s_per_sample", backend)]
         rss = (base_rss_mb + (rates["mxnet_mb"] if mx else 0.0)

@@ -115,7 +115,10 @@ class DepthPlanning:
             spent = max(self.cpu["selection_s"] - SELECTION_FIXED_S, 0.05 * self.cpu["selection_s"])
             measured["selection_s_per_mac"] = spent / costs["prefix_macs"]
         if self.pos["epoch"] and self.stop_reason in ("done", "early-stopped"):
-            measured["epoch_fraction"] = self.pos["epoch"] / self.trainer.config.epochs
+            from .depth_plan import fraction_key
+
+            measured["epoch_fraction"] = measured[fraction_key(self.plan.depth)] = (
+                self.pos["epoch"] / self.trainer.config.epochs)
         if measured:
             try:
                 self.rates = learn_rates(cache_root, self.rates, measured)

@@ -189,6 +189,23 @@ def test_learn_rates_blends_and_a_corrupt_rates_file_falls_back_to_the_defaults(
     assert DP.load_rates(cache) == healed and healed["s_per_sample"] == pytest.approx(3e-4 ** (1 - DP.LEARN_WEIGHT) * 2e-3 ** DP.LEARN_WEIGHT)
 
 
+def test_early_stopping_is_learnt_per_depth_and_an_unseen_depth_uses_the_last_job(deep, tmp_path: Path):
+    cache = tmp_path / "cache"
+    # a job at depth 2 stopped after a quarter of its epochs, then one at depth 1 ran them all
+    rates = DP.learn_rates(cache, DP.load_rates(cache), {"epoch_fraction": 0.25, DP.fraction_key(2): 0.25})
+    rates = DP.learn_rates(cache, rates, {"epoch_fraction": 1.0, DP.fraction_key(1): 1.0})
+    assert DP.load_rates(cache) == rates  # the per-depth keys are persisted and read back
+    assert DP.epoch_fraction(rates, 2) == pytest.approx(0.25 ** DP.LEARN_WEIGHT)  # from the default 1.0
+    w = DP.LEARN_WEIGHT  # depth 1's first job blends in from the fleet-wide share it found (0.25 ** w)
+    assert DP.epoch_fraction(rates, 1) == pytest.approx(0.25 ** (w * (1 - w)))
+    assert DP.epoch_fraction(rates, 0) == rates["epoch_fraction"]  # never ran: the last job's share
+    learnt = plan(deep, rates=rates)
+    assert learnt.options[2].predicted_cpu_s < learnt.options[1].predicted_cpu_s  # depth 2 stops much earlier
+    assert DP.epoch_fraction(rates, 2) < DP.epoch_fraction(rates, 0) == DP.epoch_fraction(rates, 1)
+    (cache / DP.RATES_FILE).write_text(json.dumps({DP.fraction_key(2): -1, DP.fraction_key(9): 0.5}))
+    assert DP.load_rates(cache) == DP.DEFAULT_RATES  # a bad value and a depth outside 0..8 are dropped
+
+
 def test_an_uncached_engine_choice_adds_the_selection_to_the_prediction(deep):
     cached = plan(deep, selection_cached=lambda depth: True)
     unknown = plan(deep)  # no way to tell: counted as cached
