@@ -185,7 +185,8 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
                "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
-               "resumed": report["resumed"], "depth": int(report["depth"]["depth"])}
+               "resumed": report["resumed"], "depth": int(report["depth"]["depth"]),
+               "stop_detail": str(report["power"].get("stop_detail") or "")[:300]}
     if report["stop_reason"] not in FINISHED or not report["steps"]:  # nothing trained: nothing to send
         atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
         return EXIT_STOPPED

@@ -349,7 +349,8 @@ class JobDriver:
         elif code == EXIT_TRAINED and result.get("status") == "trained":
             self._finish(job)
         elif code == EXIT_STOPPED and result.get("stop_reason") not in (None, "cancelled"):
-            self._advance(job, S.FAILED, f"training stopped: {result.get('stop_reason')}")
+            detail = str(result.get("stop_detail") or "")[:300]
+            self._advance(job, S.FAILED, f"training stopped: {result.get('stop_reason')}" + (f" ({detail})" if detail else ""))
         elif code in FAIL_CODES:
             self._advance(job, S.FAILED, why)
         else:  # a crash, an outside SIGTERM, or the job's lock still held by a dying child

@@ -51,6 +51,10 @@ SCRIPTED = textwrap.dedent(r'''
             time.sleep(0.02)
         atomic_write_json(os.path.join(job_dir, "result.json"), {"status": "stopped", "stop_reason": "cancelled"})
         sys.exit(3)
+    if mode == "sensor-error":  # the governor halted: the result says why
+        atomic_write_json(os.path.join(job_dir, "result.json"), {"status": "stopped", "stop_reason": "error",
+                          "stop_detail": "no power reading in 5 consecutive samples", "steps": 1})
+        sys.exit(3)
     send(phase="train", step=4, total_steps=4, detail="")
     write_checked(os.path.join(job_dir, "update.chunks"), pack_chunks([b"chunk-0" * 10, b"chunk-1"]))
     open(os.path.join(job_dir, "residual.pending"), "wb").write(b"residual of " + spec["job"].encode())
@@ -112,6 +116,14 @@ class Rig:
 @pytest.fixture
 def rig(tmp_path: Path) -> Rig:
     return Rig(tmp_path)
+
+
+def test_a_job_the_governor_stopped_fails_with_the_governors_reason(rig: Rig) -> None:
+    rig.set_mode("sensor-error")
+    rig.submit()
+    rig.run_until(lambda: rig.job().state is S.FAILED)
+    assert rig.job().reason == "training stopped: error (no power reading in 5 consecutive samples)"
+    assert rig.outbox.items() == []  # nothing trained: nothing sent
 
 
 def test_happy_path_with_a_governor_pause_then_the_outbox(rig: Rig) -> None:
