@@ -156,6 +156,10 @@ class Fleet:
             data = demo.write_data(home / "data", dev.images[:n], dev.labels[:n], "npz")
             root = write_sysfs(home / "sysfs", battery_pct=95)
             set_battery(root, energy_wh=0.45, watts=2.7, status="Charging")  # on power: never waits to charge
+            # A charging battery's fuel gauge gives no reading; on mains a Pi meters its CPU time
+            # (cpu-estimate over /proc/stat): the fixture has none, so the host's real one.
+            # Without it every job ran unmetered and a slow one (>= 10 samples) stopped "error".
+            (root / "proc" / "stat").symlink_to("/proc/stat")
             text = render_config(device_name=name, fleet="soak", broker_host="127.0.0.1", broker_port=self.broker.port,
                                  coordinator_public_key=public_key_text(coord_key), state_dir=state,
                                  device_id=keys.fingerprint(key), sysfs_root=str(root), data_dir=str(data),
@@ -213,6 +217,8 @@ class Fleet:
         row["coordinator.disk"], row["coordinator.files"] = dir_usage(self.coord_dir)
         for part in ("updates", "models", "bundles"):  # the received updates; the versions kept
             row[f"coordinator.{part}"] = dir_usage(self.coord_dir / part)[0]
+        wal = self.coord_dir / "registry.sqlite3-wal"
+        row["coordinator.wal"] = wal.stat().st_size if wal.exists() else 0
         row["coordinator.registry"] = row["coordinator.disk"] - sum(
             row[f"coordinator.{p}"] for p in ("updates", "models", "bundles"))
         for name, state in self.agent_dirs.items():
@@ -222,7 +228,26 @@ class Fleet:
 
 
 # ---------------------------------------------------------------- the rounds
-def registry_counts(coord_dir: Path) -> dict[str, Any]:
+class Received:
+    """Update bytes the coordinator received over the whole run: retention deletes the rows of
+    old updates, so a sum over the table would stop counting once pruning starts."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str, int]] = set()
+        self.bytes = 0
+        self.since = 0.0
+
+    def add(self, db: Any) -> None:
+        rows = db.execute("SELECT job_id, device_id, round, wire_bytes, received_at FROM updates "
+                          "WHERE received_at >= ?", (self.since - 60.0,)).fetchall()
+        for job, device, rnd, size, at in rows:
+            if (job, device, rnd) not in self.seen:
+                self.seen.add((job, device, rnd))
+                self.bytes += int(size)
+            self.since = max(self.since, float(at))
+
+
+def registry_counts(coord_dir: Path, received: Received | None = None) -> dict[str, Any]:
     """Finished rounds, jobs, update bytes received (from the registry, read-only)."""
     import sqlite3
 
@@ -230,6 +255,9 @@ def registry_counts(coord_dir: Path) -> dict[str, Any]:
     try:
         rounds = db.execute("SELECT state, COUNT(*) FROM rounds GROUP BY state").fetchall()
         up = db.execute("SELECT COUNT(*), COALESCE(SUM(wire_bytes), 0) FROM updates").fetchone()
+        if received is not None:
+            received.add(db)
+            up = (up[0], received.bytes)
         models = db.execute("SELECT COUNT(*) FROM model_versions").fetchone()[0]
         active = db.execute("SELECT COUNT(*) FROM jobs WHERE status IN ('pending', 'running')").fetchone()[0]
         try:
@@ -262,13 +290,15 @@ def drive(fleet: Fleet, args: argparse.Namespace, log: Any) -> list[dict[str, An
     jobs = 0
     next_sample = 0
     started = time.monotonic()
+    received = Received()
     while True:
-        counts = registry_counts(fleet.coord_dir)
+        counts = registry_counts(fleet.coord_dir, received)
         done = counts["finished"]
         if done >= next_sample:
             row = fleet.sample(done, jobs)
             row.update({k: counts[k] for k in ("updates", "update_wire_bytes", "model_rows")})
             row["failed_rounds"] = counts["by_state"].get("failed", 0)
+            row["aggregated_rounds"] = counts["by_state"].get("aggregated", 0)
             samples.append(row)
             log(f"round {done}/{args.rounds} ({time.monotonic() - started:.0f} s): coord "
                 f"{row.get('coordinator.rss_mib', 0):.1f} MiB {row['coordinator.disk'] / 1e6:.2f} MB, agent1 "
@@ -280,6 +310,7 @@ def drive(fleet: Fleet, args: argparse.Namespace, log: Any) -> list[dict[str, An
                 row = fleet.sample(done, jobs)
                 row.update({k: counts[k] for k in ("updates", "update_wire_bytes", "model_rows")})
                 row["failed_rounds"] = counts["by_state"].get("failed", 0)
+                row["aggregated_rounds"] = counts["by_state"].get("aggregated", 0)
                 samples.append(row)
             return samples
         fleet.check()
@@ -348,6 +379,7 @@ def analyse(samples: list[dict[str, Any]], agents: list[str], warmup: float) -> 
                                         max(s.get(f"{proc}.{m}", 0) for s in after))
     for key in ["coordinator.disk", "coordinator.files", "broker.retained", "broker.retained_bytes",
                 "coordinator.updates", "coordinator.models", "coordinator.bundles", "coordinator.registry",
+                "coordinator.wal", "aggregated_rounds",
                 *(f"{a}.disk" for a in agents), *(f"{a}.files" for a in agents)]:
         res[f"{key}.per_1000"] = per_k(key)
         res[f"{key}.range"] = (min(s[key] for s in after), max(s[key] for s in after))
@@ -361,6 +393,7 @@ def analyse(samples: list[dict[str, Any]], agents: list[str], warmup: float) -> 
     dr = after[-1]["round"] - after[0]["round"]
     res["update_wire_bytes_per_round"] = (after[-1]["update_wire_bytes"] - after[0]["update_wire_bytes"]) / dr if dr else 0
     res["coordinator.disk.per_round"] = res["coordinator.disk.per_1000"] / 1000.0
+    res["aggregated_after_warmup"] = after[-1]["aggregated_rounds"] - after[0]["aggregated_rounds"]
     return res
 
 
@@ -401,6 +434,8 @@ def section(res: dict[str, Any], args: argparse.Namespace, agents: list[str], wa
         f"{mb(res['coordinator.registry.range'][1])} (max) | {mb(res['coordinator.updates.per_1000'])} / "
         f"{mb(res['coordinator.models.per_1000'] + res['coordinator.bundles.per_1000'])} / "
         f"{mb(res['coordinator.registry.per_1000'])} | |",
+        f"| - of which the SQLite WAL | {mb(res['coordinator.wal.range'][0])}-{mb(res['coordinator.wal.range'][1])} | "
+        f"{mb(res['coordinator.wal.per_1000'])} | |",
         f"| coordinator files | {res['coordinator.files.range'][0]}-{res['coordinator.files.range'][1]} | "
         f"{res['coordinator.files.per_1000']:+.1f} | |",
         f"| agent state dir (max) | {mb(min(res[f'{a}.disk.range'][0] for a in agents))}-"
@@ -415,6 +450,8 @@ def section(res: dict[str, Any], args: argparse.Namespace, agents: list[str], wa
             f"{a} {1000 * res[f'{a}.cpu_per_round'][0]:.0f} -> {1000 * res[f'{a}.cpu_per_round'][1]:.0f}"
             for a in agents) + ".",
         "",
+        f"Rounds aggregated into a new version after warm-up: {res['aggregated_after_warmup']} of "
+        f"{res['rounds'] - res['warmup_round']}. "
         f"Rounds that ended failed: {res.get('failed_rounds', 0)}; screening quarantines the soak lifted: "
         f"{res.get('quarantines_lifted', 0)} (an honest device's tiny-data update can be screened out; the soak "
         "releases it so all 4 keep working).",
