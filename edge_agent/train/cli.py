@@ -228,7 +228,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--epochs", type=_positive(int), default=20, metavar="N", help="maximum epochs (default 20)")
     t.add_argument("--batch-size", type=_positive(int), metavar="N", help="default: the board profile's (32)")
     t.add_argument("--lr", type=_positive(float), default=None,
-                   help="learning rate (default 0.01 for the head, 0.001 for a deeper tail)")
+                   help="learning rate (default 0.01 for a one-dense-layer head, 0.001 for anything deeper)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     t.add_argument("--weight-decay", type=float, default=1e-4, metavar="WD")
     t.add_argument("--patience", type=_positive(int), default=3, metavar="N",

@@ -49,7 +49,13 @@ from .job_report import JOB_FILE, REPORT_FILE, REPORT_SCHEMA, JobReport  # noqa:
 
 log = logging.getLogger(__name__)
 
-HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: the head alone, a deeper tail
+HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: one dense layer, anything deeper
+
+
+def _one_dense_layer(symbol_json: str, bundle: Any) -> bool:
+    from .dense_head import dense_head_form
+
+    return dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
 
 
 class JobStateError(EdgeAgentError):
@@ -248,7 +254,7 @@ def run_finetune(
     BatchNorm in the tail updates its statistics from the local batches ("update", the
     default: a device's own camera shifts them) or keeps the base model's ("frozen");
     `tail`: train every tail parameter ("full") or only biases and BatchNorm scales plus
-    the classifier ("bias"). `lr` defaults to 0.01 for the head and 0.001 deeper (pre-trained
+    the classifier ("bias"). `lr` defaults to 0.01 for a one-dense-layer head and 0.001 deeper (pre-trained
     conv layers want a smaller step: bench_depth). `augment`: K extra views of every
     training image (`augment_kinds` of crop, brightness, flip; train/augment.py), made
     before the int8 prefix and cached like the images themselves.
@@ -407,9 +413,11 @@ class _Job(DepthPlanning, JobReport):
         self.plan = self._plan_depth(bundle, checkpoint, dataset, train, val, config, prof, wpc, cache_root,
                                      probe_report, threads)
         bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth
-        if a["lr"] is None and self.plan.depth > 0:
-            config = train_config(TAIL_LR)
         symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
+        if a["lr"] is None and (self.plan.depth > 0 or not _one_dense_layer(symbol_json, bundle)):
+            # pre-trained conv / BatchNorm weights, a depth's or a head split before them:
+            # 0.01 undoes them (digits, conv + BN + dense head: 0.91 -> 0.80; 0.001: -> 0.94)
+            config = train_config(TAIL_LR)
         self.base_params = base_params
 
         # The meter starts here: engine selection (or the re-check of a cached choice),

@@ -180,6 +180,21 @@ def test_head_params_are_written_whole_and_only_the_tail_moves(job, bundle, base
         assert moved != name.endswith(STATS), name  # trained tensors moved; frozen BN statistics did not
 
 
+def test_a_head_split_before_its_convolution_trains_at_the_deeper_tails_learning_rate(sc, data, tmp_path):
+    """A head-only bundle whose head is conv3 + BN3 + dense (split after pool1): its depth is
+    0, but it holds pre-trained conv weights, so the default step is the deeper tails' one."""
+    net = models.digits_cnn()
+    models.fit_classifier(net, sc.base_x, sc.base_y, epochs=2, seed=0)
+    calib = demo.to_pixels(sc.base_x[:64]).astype(np.float32) * np.float32(demo.PIXEL_SCALE)
+    dest = tmp_path / "digits-split"
+    create_bundle(net, dest, calibration=calib, labels=demo.LABELS, name="digits-split", version="1",
+                  input_shape=(1, 8, 8), scale=demo.PIXEL_SCALE, split="features_pool1_fwd")
+    r = run_finetune(model=dest, data=data, state_dir=tmp_path / "state", cache_dir=tmp_path / "cache",
+                     **{**FAST, "epochs": 2})
+    assert r["depth"]["depth"] == 0 and r["trainer"] == "numpy" and r["config"]["lr"] == TAIL_LR
+    assert any("conv3" in name for name in r["head"]["params"])  # the premise: a convolution trained
+
+
 def test_the_head_alone_trains_in_numpy_at_its_own_learning_rate(job, bundle, base):
     r = job("head")
     assert r["depth"]["depth"] == 0 and r["trainer"] == "numpy" and r["config"]["lr"] == HEAD_LR
