@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .db import PgConnection, redact, resolve
 from .records import (
     JOB_TRANSITIONS,
     PARTICIPANT_TRANSITIONS,
@@ -79,9 +80,12 @@ class Registry(ModelStore, UpdateStore, FleetReports):
     """The SQLite registry under `state_dir`. Thread-safe (one lock around one connection)."""
 
     def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
-                 busy_timeout_s: float = 10.0, read_only: bool = False) -> None:
+                 busy_timeout_s: float = 10.0, read_only: bool = False, db: str | None = None) -> None:
         """`read_only`: a `mode=ro` connection for viewers (the dashboard) that never write,
-        never migrate and never create the database; every write method then fails."""
+        never migrate and never create the database; every write method then fails.
+        `db`: a postgresql:// URL for a registry shared by several workers (array files stay
+        in `state_dir`, which they must share too), "sqlite" for the file in `state_dir`, or
+        None: $EDGE_COORDINATOR_DB if set, else that file (db.resolve)."""
         if not callable(clock):
             raise TypeError("clock must be a callable returning seconds")
         if not 0 < busy_timeout_s <= 600:
@@ -90,6 +94,12 @@ class Registry(ModelStore, UpdateStore, FleetReports):
         self.path = self.state_dir / DB_NAME
         self._clock = clock
         self._lock = threading.RLock()
+        url = resolve(db)
+        self.dialect = "sqlite" if url is None else "postgresql"
+        self.where = str(self.path) if url is None else redact(url)  # what messages name: never a password
+        if url is not None:
+            self._open_postgres(url, busy_timeout_s, read_only)
+            return
         if read_only:
             self._open_read_only(busy_timeout_s)
             return
@@ -99,15 +109,32 @@ class Registry(ModelStore, UpdateStore, FleetReports):
                                    timeout=busy_timeout_s)
         self._db.row_factory = sqlite3.Row
         try:
-            # The WAL is checkpointed every 256 pages and cut back to 1 MB after each checkpoint:
-            # left alone it stays at its 4 MB high-water mark, a saw-tooth in every disk figure.
-            for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL", "wal_autocheckpoint=256",
-                           "journal_size_limit=1048576"):
+            for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL"):
                 self._db.execute(f"PRAGMA {pragma}")
             self._migrate()
         except sqlite3.DatabaseError as exc:  # not a database, or corrupt beyond SQLite's recovery
             self._db.close()
             raise ConfigError(f"{self.path}: not a usable registry database ({exc})") from None
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open_postgres(self, url: str, timeout_s: float, read_only: bool) -> None:
+        import psycopg  # (PgConnection reports a missing psycopg as one line first)
+
+        self._db = PgConnection(url, read_only=read_only, connect_timeout_s=timeout_s)  # type: ignore[assignment]
+        try:
+            if read_only:
+                version = self.schema_version
+                if version != len(MIGRATIONS):
+                    raise ConfigError(f"{self.where}: schema version {version}, this viewer reads {len(MIGRATIONS)}")
+            else:
+                if not self.state_dir.is_dir():
+                    self.state_dir.mkdir(parents=True, exist_ok=True)
+                self._migrate()
+        except psycopg.Error as exc:
+            self._db.close()
+            raise ConfigError(f"{self.where}: not a usable registry database ({str(exc).strip().splitlines()[0]})") from None
         except BaseException:
             self._db.close()
             raise
@@ -141,14 +168,23 @@ class Registry(ModelStore, UpdateStore, FleetReports):
 
     @contextmanager
     def _tx(self, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """One transaction: IMMEDIATE (a writer; writers run one at a time) or DEFERRED (a
+        reader's snapshot). On PostgreSQL the same through PgConnection.begin."""
         with self._lock:
-            self._db.execute(f"BEGIN {mode}")
+            pg = isinstance(self._db, PgConnection)
+            if pg:
+                self._db.begin(write=mode != "DEFERRED")
+            else:
+                self._db.execute(f"BEGIN {mode}")
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                try:
+                    self._db.rollback() if pg else self._db.execute("ROLLBACK")
+                except Exception:  # a lost connection: the server rolls back; keep the first error
+                    pass
                 raise
-            self._db.execute("COMMIT")
+            self._db.commit() if pg else self._db.execute("COMMIT")
 
     def _read(self) -> Any:
         return self._tx("DEFERRED")  # a consistent snapshot across several SELECTs
@@ -169,7 +205,7 @@ class Registry(ModelStore, UpdateStore, FleetReports):
                 db.execute("INSERT INTO schema_version (version) VALUES (0)")
             version = 0 if row is None else int(row[0])
             if version > len(MIGRATIONS):
-                raise ConfigError(f"{self.path}: schema version {version} is newer than this coordinator "
+                raise ConfigError(f"{self.where}: schema version {version} is newer than this coordinator "
                                   f"understands ({len(MIGRATIONS)}); upgrade edge-agent")
             for statements in MIGRATIONS[version:]:
                 for sql in statements:
@@ -182,7 +218,7 @@ class Registry(ModelStore, UpdateStore, FleetReports):
     def _abs(self, rel: str) -> Path:
         path = (self.state_dir / rel).resolve()
         if not path.is_relative_to(self.state_dir):  # a tampered row must not reach outside
-            raise ConfigError(f"{self.path}: stored path {rel!r} leaves the state directory")
+            raise ConfigError(f"{self.where}: stored path {rel!r} leaves the state directory")
         return path
 
     # ------------------------------------------------------------------ devices
@@ -259,7 +295,7 @@ class Registry(ModelStore, UpdateStore, FleetReports):
 
     def list_devices(self, *, fleet: str | None = None) -> list[Device]:
         with self._read() as db:
-            rows = db.execute("SELECT * FROM devices WHERE ? IS NULL OR fleet = ? ORDER BY id", (fleet, fleet))
+            rows = db.execute("SELECT * FROM devices WHERE fleet = COALESCE(?, fleet) ORDER BY id", (fleet,))
             return [Device.from_row(r) for r in rows]
 
     def approved_keys(self) -> dict[str, str]:

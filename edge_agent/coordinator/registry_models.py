@@ -94,7 +94,7 @@ class ModelStore:
                        "head_sha256, head_only, metrics, job_id, round) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (mv.name, mv.version, mv.parent, mv.created_at, mv.bundle_path, mv.head_path,
                         mv.head_sha256, int(mv.head_only), json.dumps(mv.metrics, sort_keys=True), mv.job_id, mv.round))
-        except sqlite3.IntegrityError:
+        except sqlite3.IntegrityError:  # (db.PgConnection raises PostgreSQL's as this one too)
             raise NotFound(f"model {mv.name}: parent version {mv.parent!r} is not registered") from None
         return mv
 
@@ -112,8 +112,8 @@ class ModelStore:
 
     def list_models(self, name: str | None = None) -> list[ModelVersion]:
         with self._read() as db:
-            rows = db.execute("SELECT * FROM model_versions WHERE ? IS NULL OR name = ? ORDER BY name, created_at, "
-                              "version", (name, name))
+            rows = db.execute("SELECT * FROM model_versions WHERE name = COALESCE(?, name) ORDER BY name, "
+                              "created_at, version", (name,))
             return [ModelVersion.from_row(r) for r in rows]
 
     def load_head(self, mv: ModelVersion) -> dict[str, np.ndarray]:

@@ -51,8 +51,8 @@ class FleetReports:
         """Bytes on the wire, fp32 bytes, energy and counts of stored updates (one job or all)."""
         with self._read() as db:
             row = db.execute("SELECT COUNT(*), COALESCE(SUM(wire_bytes), 0), COALESCE(SUM(fp32_bytes), 0), "
-                             "COALESCE(SUM(energy_wh), 0), COALESCE(SUM(status = 'accepted'), 0) FROM updates "
-                             "WHERE ? IS NULL OR job_id = ?", (job_id, job_id)).fetchone()
+                             "COALESCE(SUM(energy_wh), 0), COALESCE(SUM(CASE WHEN status = 'accepted' THEN 1 ELSE 0 END), 0) "
+                             "FROM updates WHERE job_id = COALESCE(?, job_id)", (job_id,)).fetchone()
         return {"updates": row[0], "wire_bytes": row[1], "fp32_bytes": row[2], "energy_wh": float(row[3]),
                 "accepted": row[4]}
 
@@ -66,9 +66,10 @@ class FleetReports:
     def newest_job_of_devices(self) -> dict[str, str]:
         """For each device ever selected for a round: the newest job (by creation) it was selected for."""
         with self._read() as db:
-            # SQLite: with MAX() the bare column comes from the row holding the maximum
-            rows = db.execute("SELECT p.device_id, p.job_id, MAX(j.created_at) FROM participants p "
-                              "JOIN jobs j ON j.id = p.job_id GROUP BY p.device_id")
+            # the newest by a window, not SQLite's bare column beside MAX() (PostgreSQL has none)
+            rows = db.execute("SELECT device_id, job_id FROM (SELECT p.device_id, p.job_id, ROW_NUMBER() OVER "
+                              "(PARTITION BY p.device_id ORDER BY j.created_at DESC, j.id DESC) AS n "
+                              "FROM participants p JOIN jobs j ON j.id = p.job_id) AS newest WHERE n = 1")
             return {r[0]: r[1] for r in rows}
 
     def participations(self, device_id: str) -> list[dict[str, Any]]:

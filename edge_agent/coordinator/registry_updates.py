@@ -138,9 +138,9 @@ class UpdateStore:
     def list_updates(self, job_id: str, round: int | None = None,
                      status: UpdateStatus | None = None) -> list[UpdateRecord]:
         with self._read() as db:
-            rows = db.execute("SELECT * FROM updates WHERE job_id = ? AND (? IS NULL OR round = ?) AND "
-                              "(? IS NULL OR status = ?) ORDER BY round, device_id",
-                              (job_id, round, round, status and status.value, status and status.value))
+            rows = db.execute("SELECT * FROM updates WHERE job_id = ? AND round = COALESCE(?, round) AND "
+                              "status = COALESCE(?, status) ORDER BY round, device_id",
+                              (job_id, round, status and status.value))
             return [UpdateRecord.from_row(r) for r in rows]
 
     def load_payload(self, rec: UpdateRecord) -> bytes:

@@ -296,7 +296,7 @@ def _old_rows(registry: Registry, before: float) -> tuple[list[int], list[tuple[
             "SELECT u.id FROM updates u JOIN rounds r ON r.job_id = u.job_id AND r.number = u.round "
             f"JOIN jobs j ON j.id = u.job_id WHERE {old} AND u.id NOT IN (SELECT id FROM (SELECT id, ROW_NUMBER() "
             "OVER (PARTITION BY device_id ORDER BY received_at DESC, id DESC) AS n FROM updates "
-            f"WHERE status = 'accepted') WHERE n <= {KEEP_DEVICE_UPDATES}) ORDER BY u.id", (*ENDED, before))]
+            f"WHERE status = 'accepted') AS ranked WHERE n <= {KEEP_DEVICE_UPDATES}) ORDER BY u.id", (*ENDED, before))]
         rounds = [(str(row[0]), int(row[1])) for row in db.execute(
             f"SELECT r.job_id, r.number FROM rounds r JOIN jobs j ON j.id = r.job_id WHERE {old} AND EXISTS "
             "(SELECT 1 FROM participants p WHERE p.job_id = r.job_id AND p.round = r.number) "
@@ -431,9 +431,12 @@ class RetractQueue:
 
 def truncate_wal(registry: Registry) -> None:
     """Fold SQLite's write-ahead log into the database and cut the file back to zero: every
-    state message is a write, and the WAL otherwise stays at its high-water mark (~4 MB)."""
+    state message is a write, and the WAL otherwise stays at its high-water mark (~4 MB).
+    Nothing to do on PostgreSQL (its server recycles its own WAL)."""
     import sqlite3
 
+    if registry.dialect != "sqlite":
+        return
     try:
         with registry._lock:
             registry._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
