@@ -17,6 +17,7 @@ def pytest_configure(config: pytest.Config) -> None:
     import os
     import tempfile
 
+    config.addinivalue_line("markers", "sqlite_only(reason): the test reads the SQLite registry file itself")
     if "EDGE_AGENT_STATE_DIR" not in os.environ:
         config._edge_state_dir = tempfile.mkdtemp(prefix="edge-agent-test-state-")  # type: ignore[attr-defined]
         os.environ["EDGE_AGENT_STATE_DIR"] = config._edge_state_dir  # type: ignore[attr-defined]
@@ -55,3 +56,43 @@ def new_head_version(base_dir: Path, dest: Path, *, version: str, shift: float):
     manifest = base.manifest
     manifest.version, manifest.parent_version = version, base.manifest.version
     return B.write_bundle_dir(dest, files, manifest)
+
+
+# ---------------------------------------------------------------- the registry on PostgreSQL
+# `pytest --pg` (make test-pg) runs every test's coordinator registry on a fresh database of
+# one throw-away PostgreSQL cluster (tests/pg_cluster.py): Registry(db=None) reads
+# $EDGE_COORDINATOR_DB. Without --pg the variable is cleared: `make test` is SQLite only.
+# `@pytest.mark.sqlite_only("why")` marks a test that inspects the SQLite file itself.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--pg", action="store_true", help="run the coordinator registry on a throw-away PostgreSQL")
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    from tests.pg_cluster import PgCluster, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"PostgreSQL: {why}")
+    cluster = PgCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster):
+    """A fresh, empty database of the session's cluster."""
+    url = pg_cluster.create_database()
+    yield url
+    pg_cluster.drop_database(url)
+
+
+@pytest.fixture(autouse=True)
+def _registry_database(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not request.config.getoption("--pg"):
+        monkeypatch.delenv("EDGE_COORDINATOR_DB", raising=False)
+        return
+    marker = request.node.get_closest_marker("sqlite_only")
+    if marker is not None:
+        pytest.skip(f"SQLite only: {marker.args[0] if marker.args else 'reads the SQLite file'}")
+    monkeypatch.setenv("EDGE_COORDINATOR_DB", request.getfixturevalue("pg_url"))

@@ -63,6 +63,7 @@ def job_with_round(reg: Registry, devices: list[str], *, job_id: str = "job-1") 
     reg.open_round(job_id=job_id, number=1, base_version="1", devices=devices, deadline_at=1_000_060.0)
 
 
+@pytest.mark.sqlite_only("reads journal_mode, sqlite_master and query plans from the file")
 def test_schema_is_versioned_wal_with_foreign_keys(tmp_path: Path) -> None:
     Registry(state_dir=tmp_path).close()
     db = sqlite3.connect(tmp_path / DB_NAME)
@@ -81,6 +82,7 @@ def test_schema_is_versioned_wal_with_foreign_keys(tmp_path: Path) -> None:
         assert reg._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
 
 
+@pytest.mark.sqlite_only("edits the file with sqlite3 (test_registry_pg.py: the same on PostgreSQL)")
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     Registry(state_dir=tmp_path).close()
     db = sqlite3.connect(tmp_path / DB_NAME)
@@ -91,6 +93,7 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
         Registry(state_dir=tmp_path)
 
 
+@pytest.mark.sqlite_only("reads the file with sqlite3 (test_registry_pg.py: the same on PostgreSQL)")
 def test_migrations_apply_in_one_transaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import edge_agent.coordinator.registry as registry_module
 
@@ -109,6 +112,7 @@ def test_migrations_apply_in_one_transaction(tmp_path: Path, monkeypatch: pytest
         assert "note" in {r[1] for r in reg._db.execute("PRAGMA table_info(devices)")}
 
 
+@pytest.mark.sqlite_only("a damaged SQLite file")
 def test_a_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / DB_NAME).write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(ConfigError, match="not a usable registry"):
