@@ -46,14 +46,22 @@ def state_dir(args: argparse.Namespace) -> Path:
     return Path(os.path.expanduser(args.state_dir)).resolve()
 
 
-def _registry(args: argparse.Namespace, *, create: bool = False) -> Any:
+def open_registry(args: argparse.Namespace, *, create: bool = False) -> Any:
+    """The registry every command opens: SQLite in --state-dir, or --db (default
+    $EDGE_COORDINATOR_DB) in PostgreSQL. Without `create`, a missing SQLite file is an error
+    (a PostgreSQL registry is created, or migrated, by whoever opens it first)."""
+    from .db import resolve
     from .registry import DB_NAME, Registry
 
     root = state_dir(args)
-    if not create and not (root / DB_NAME).exists():
+    url = resolve(getattr(args, "db", None))
+    if url is None and not create and not (root / DB_NAME).exists():
         raise InputError(f"{root}: no coordinator registry here (run `edge-coordinator serve --state-dir {root}` "
-                         "first, or pass the right --state-dir)")
-    return Registry(state_dir=root)
+                         "first, or pass the right --state-dir or --db)")
+    return Registry(state_dir=root, db=url or "sqlite")
+
+
+_registry = open_registry
 
 
 # ---------------------------------------------------------------- serve
@@ -91,7 +99,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--password-file {args.password_file}: {getattr(exc, 'strerror', None) or exc}") from None
     policy = RoundPolicy(online_within_s=args.online_within, min_battery_pct=args.min_battery,
                          aggregator=args.aggregator, max_wait_s=args.max_wait)
-    options = ServeOptions(state_dir=state_dir(args), host=host, port=port, fleet=args.fleet,
+    from .db import resolve
+
+    options = ServeOptions(state_dir=state_dir(args), db=resolve(args.db), host=host, port=port, fleet=args.fleet,
                            topic_prefix=args.topic_prefix, tls=tls, username=args.username, password=password,
                            auto_approve=args.auto_approve, tick_s=args.tick, policy=policy,
                            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
@@ -129,7 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if args.ui:
                 from ..dashboard.server import start_ui  # starlette, uvicorn: only when asked for
 
-                ui = start_ui(options.state_dir, address=args.ui, token_file=args.ui_token, policy=policy)
+                ui = start_ui(options.state_dir, address=args.ui, token_file=args.ui_token, policy=policy,
+                              db=options.db)
                 logging.getLogger(__name__).info("dashboard on %s", ui.url)
             return coordinator.run(stop)
         finally:

@@ -148,6 +148,10 @@ Ctrl-C stops watching; the job keeps running (edge-coordinator status JOB / canc
 def _state_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=os.environ.get(STATE_ENV, DEFAULT_STATE_DIR), metavar="DIR",
                    help=f"the coordinator's registry, keys and bundles (default ${STATE_ENV} or {DEFAULT_STATE_DIR})")
+    p.add_argument("--db", default=None, metavar="URL",
+                   help="the registry in PostgreSQL (postgresql://USER@HOST[:PORT]/DB; the password from "
+                        "~/.pgpass or $PGPASSWORD) instead of SQLite in --state-dir (default $EDGE_COORDINATOR_DB); "
+                        "array files stay in --state-dir, which workers sharing a database must share too")
 
 
 def _broker(text: str) -> tuple[str, int | None]:

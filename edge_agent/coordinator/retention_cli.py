@@ -7,7 +7,6 @@ from typing import Any
 
 from ..errors import InputError
 from .records import check_id
-from .registry import Registry
 from .retention import (
     RetractQueue,
     add_retention_args,
@@ -44,9 +43,9 @@ def _model_ref(text: str) -> tuple[str, str]:
 
 
 def cmd_prune(args: Any) -> int:
-    from .fleet_cli import state_dir
+    from .fleet_cli import open_registry
 
-    with Registry(state_dir=state_dir(args)) as reg:
+    with open_registry(args, create=True) as reg:
         for ref, on in [(t, True) for t in args.tag or []] + [(t, False) for t in args.untag or []]:
             name, version = _model_ref(ref)
             set_tag(reg, name, version, tagged=on)

@@ -81,6 +81,7 @@ HEARTBEAT_S = 2.0
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     state_dir: Path
+    db: str | None = None  # a postgresql:// URL, "sqlite", or None: $EDGE_COORDINATOR_DB, else SQLite (db.resolve)
     host: str = "127.0.0.1"
     port: int = 1883
     fleet: str = "default"
@@ -123,7 +124,7 @@ class Coordinator(DeviceMessages):
         self.options = o = options
         self.state_dir = Path(o.state_dir).resolve()
         self._lock_fd = lock_state_dir(self.state_dir)
-        self.registry = Registry(state_dir=self.state_dir)
+        self.registry = Registry(state_dir=self.state_dir, db=o.db)
         self.metrics = metrics
         self.engine = RoundEngine(registry=self.registry, policy=o.policy, metrics=metrics)
         self.artefacts = ModelArtefacts(self.registry)
@@ -171,6 +172,7 @@ class Coordinator(DeviceMessages):
         self.client.start()
         log.info("coordinator %s: fleet %s on %s:%d (topics %s/...), state %s", self.key_id, self.topics.fleet,
                  self.options.host, self.options.port, self.topics.root, self.state_dir)
+        log.info("registry: %s", self.registry.where)  # (redacted: never a password)
         log.info("coordinator public key (edge-agent init --coordinator-key): %s", self.public_key)
         next_tick = 0.0
         while not stop.is_set():

@@ -94,7 +94,7 @@ class UiServer:
 
 
 def start_ui(state_dir: str | Path, *, address: str, token_file: str | Path | None = None,
-             policy: Any = None) -> UiServer:
+             policy: Any = None, db: str | None = None) -> UiServer:
     """Start the dashboard on `address` in a daemon thread; returns once it accepts connections."""
     host, port, token = check_ui_options(address, token_file)
     try:
@@ -105,7 +105,7 @@ def start_ui(state_dir: str | Path, *, address: str, token_file: str | Path | No
         raise ConfigError(f"--ui needs the dashboard's packages ({exc.name}): pip install '/path/to/checkout[ui]' (or the release wheel with [ui])") from None
     from ..coordinator.registry import Registry
 
-    registry = Registry(state_dir=state_dir, read_only=True)
+    registry = Registry(state_dir=state_dir, read_only=True, db=db)  # db: as Registry's
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
