@@ -87,6 +87,16 @@ def pg_url(pg_cluster):
     pg_cluster.drop_database(url)
 
 
+@pytest.fixture
+def new_registry_db(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Call it before opening a registry that must not share the test's database (a second
+    state directory): under --pg it points $EDGE_COORDINATOR_DB at a fresh one."""
+    def fresh() -> None:
+        if request.config.getoption("--pg"):
+            monkeypatch.setenv("EDGE_COORDINATOR_DB", request.getfixturevalue("pg_cluster").create_database())
+    return fresh
+
+
 @pytest.fixture(autouse=True)
 def _registry_database(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if not request.config.getoption("--pg"):

@@ -213,7 +213,7 @@ def test_status_models_and_cancel(capsys, fleet_dir):
     assert rc == 65 and "already cancelled" in err
     rc, _, err = run(capsys, "status", "job-nope", *sd)
     assert rc == 65 and "does not exist" in err
-    rc, _, err = run(capsys, "devices", "--state-dir", str(state.parent / "elsewhere"))
+    rc, _, err = run(capsys, "devices", "--state-dir", str(state.parent / "elsewhere"), "--db", "sqlite")
     assert rc == 65 and "no coordinator registry here" in err
 
 

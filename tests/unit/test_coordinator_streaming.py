@@ -271,10 +271,11 @@ def test_a_clean_fedavg_close_reads_no_stored_update_and_an_outlier_costs_one(st
     assert out.new_version.metrics["decoded_at_close"] == 1  # unfolding the outlier; nothing else re-read
 
 
-def test_restart_mid_round_keeps_the_running_sum(state_dir: Path, tmp_path: Path) -> None:
+def test_restart_mid_round_keeps_the_running_sum(state_dir: Path, tmp_path: Path, new_registry_db) -> None:
     sent = deltas(6, 3, [1.0, 1.1, 1.2, 0.9, 1.0, 1.3])
     heads = []
     for restart, where in ((True, state_dir / "a"), (False, state_dir / "b")):
+        new_registry_db()  # two registries (on PostgreSQL: two databases)
         c = Coordinator(where, 6)
         plan = c.start("fedavg_clipped")
         payloads = [c.payload(plan, i, d) for i, d in enumerate(sent)]
@@ -311,6 +312,7 @@ def test_restart_while_closing_rebuilds_from_the_payloads(state_dir: Path) -> No
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.sqlite_only("counts statements and reads query plans through sqlite3's trace callback")
 def test_receiving_an_update_reads_the_same_rows_whatever_the_round_size(state_dir: Path) -> None:
     counts = []
     for n in (4, 40):
@@ -350,6 +352,7 @@ def test_a_legacy_dense_row_from_before_the_upgrade_is_still_aggregated(state_di
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.sqlite_only("reads sqlite_master (test_registry_pg.py: the same on PostgreSQL)")
 def test_schema_3_registry_migrates_with_its_rows(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry_module, "MIGRATIONS", MIGRATIONS[:3])
     with Registry(state_dir=state_dir) as old:

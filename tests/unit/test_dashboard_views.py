@@ -144,6 +144,7 @@ def test_battery_and_power_history_is_sampled_bounded_and_shown(tmp_path):
         assert [s["battery_pct"] for s in page["samples"]] == [60.0]  # the last day only
 
 
+@pytest.mark.sqlite_only("a registry found by --state-dir (test_registry_pg.py: read-only on PostgreSQL)")
 def test_the_read_only_registry_cannot_write(filled):
     state_dir, ids = filled
     with Registry(state_dir=state_dir, read_only=True) as reg, pytest.raises(Exception, match="readonly|read-only"):
@@ -232,6 +233,7 @@ def _fleet_of(state_dir: Path, n: int) -> None:
                            "'rpi4', 'native', ?, ?, 1)", (f"dev{i:05d}", f"{pub}#{i}", NOW, state, NOW - i))
 
 
+@pytest.mark.sqlite_only("counts statements through sqlite3's trace callback")
 def test_the_fleet_page_costs_the_same_queries_for_1000_devices_as_for_10(tmp_path):
     """The page's cost does not grow a query per device (its time depends on the machine, the
     statement count does not); the 1,000-device page is served whole, its time printed."""
