@@ -1,0 +1,314 @@
+"""A coordinator under a simulated fleet: a real mosquitto, a real `edge-coordinator serve`
+process, and N `SimDevice`s (devices.py) in this process; one job of one round, measured.
+
+    run_load(LoadConfig(devices=1000, params="1m", aggregator="trimmed_mean"), workdir)
+
+Steps: a synthetic bundle whose head has the asked size (the digits bundle's backbone, a
+dense head of classes x 1000 features: 100,100 or 1,001,000 parameters) is registered with
+`model register`; `serve --auto-approve` starts (its state dir under `workdir`); the devices
+connect (hello, state) until the registry shows them all approved and online; `train
+--detach` queues one round over all of them; the registry (read-only) then says when it
+closed. Figures: time to connect all; updates/s ingested (accepted updates over the span
+from the first to the last received_at); the time from the last update to the new model
+version (its created_at); serve's peak RSS (VmHWM); bytes the round added under the state
+dir; the compressed bytes received (the updates' wire_bytes).
+
+The broker is started with `max_queued_messages 0` (no per-client cap): mosquitto's default
+1,000 would drop QoS 1 chunks queued for a coordinator that is behind a round's burst (each
+device would resend after its ack timeout). File descriptor limits are raised to the hard
+limit for this process and, inherited, for the broker and serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..transport.broker import MosquittoBroker
+from .devices import SimFleet, SimOptions, UpdatePool
+
+HEADS = {"100k": (100, 1000), "1m": (1000, 1000)}  # (classes, features): 100,100 / 1,001,000 parameters
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    devices: int = 100
+    params: str = "100k"  # a HEADS key
+    aggregator: str = "fedavg_clipped"
+    dropout: float = 0.05
+    slow_share: float = 0.05
+    slow_delay_s: float = 0.5
+    non_iid: int = 4  # clusters of update directions (1: IID)
+    density: float = 0.02
+    bits: int = 8
+    threads: int = 1
+    connect_rate: float = 500.0
+    train_s: float = 2.0  # simulated training: uniform in [0, train_s]
+    deadline_s: float = 900.0
+    tick_s: float = 0.5
+    nice: int = 0  # niceness of broker and serve (benchmarks on a shared machine)
+    timeout_s: float = 1800.0
+
+
+class LoadBroker(MosquittoBroker):
+    """mosquitto for a load test: no connection cap, no per-client queue cap."""
+
+    def config_text(self) -> str:
+        extra = ["max_connections -1", "max_queued_messages 0", "max_inflight_messages 100",
+                 "connection_messages false"]
+        text = super().config_text().replace("connection_messages true\n", "")
+        head, _, listener = text.rpartition("listener ")
+        return head + "\n".join(extra) + "\nlistener " + listener
+
+
+def raise_fd_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def wide_head_bundle(base: Path, dest: Path, *, classes: int, features: int) -> tuple[Path, list[str]]:
+    """`base` (a head-only bundle with one dense layer) with a classes x features head; the
+    backbone is kept as is (simulated devices never run it). Returns (directory, labels)."""
+    import re
+
+    from ..int8 import bundle as B
+    from ..mxparams import dump_params, load_params
+
+    b = B.load_bundle(base)
+    files = {f: b.read(f) for f in b.manifest.files}
+    head = load_params(files[B.HEAD_PARAMS])
+    wname = next(k for k, v in head.items() if v.ndim == 2)
+    bname = next(k for k, v in head.items() if v.ndim == 1)
+    rng = np.random.default_rng(0)
+    files[B.HEAD_PARAMS] = dump_params({wname: (rng.normal(size=(classes, features)) * 0.05).astype(np.float32),
+                                        bname: np.zeros(classes, np.float32)})
+    sym = files[B.HEAD_SYMBOL].decode()
+    sym = re.sub(r'"__shape__": "\(\d+, \d+\)"', f'"__shape__": "({classes}, {features})"', sym)
+    sym = re.sub(r'"__shape__": "\(\d+,\)"', f'"__shape__": "({classes},)"', sym)
+    files[B.HEAD_SYMBOL] = sym.encode()
+    m = b.manifest
+    m.labels = [f"c{i}" for i in range(classes)]
+    m.feature_shape = (features, 1, 1)
+    m.name, m.version = "simhead", "1"
+    B.write_bundle_dir(dest, files, m, overwrite=True)
+    return dest, m.labels
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _hwm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+class LoadRun:
+    """The broker, serve and the simulated fleet of one run; `close()` stops all three."""
+
+    def __init__(self, cfg: LoadConfig, workdir: Path) -> None:
+        self.cfg, self.workdir = cfg, Path(workdir)
+        self.state = self.workdir / "coordinator"
+        self.cli = [sys.executable, "-m", "edge_agent.coordinator.cli"]
+        self.broker: LoadBroker | None = None
+        self.serve: subprocess.Popen[bytes] | None = None
+        self.fleet: SimFleet | None = None
+        self.prefix = f"load{os.getpid()}/edgeft/v1"
+
+    def _pre(self) -> Any:
+        nice = self.cfg.nice
+        return (lambda: os.nice(nice)) if nice else None
+
+    def run_cli(self, *args: str) -> str:
+        done = subprocess.run([*self.cli, *args, "--state-dir", str(self.state)], capture_output=True, text=True,
+                              cwd=REPO, timeout=600, check=False)
+        if done.returncode:
+            raise RuntimeError(f"edge-coordinator {' '.join(args[:3])} exited {done.returncode}: {done.stderr[-1500:]}")
+        return done.stdout
+
+    def start(self, base_bundle: Path) -> None:
+        from .. import keys
+        from ..int8.bundle import pack_bundle
+
+        cfg = self.cfg
+        raise_fd_limit()
+        classes, features = HEADS[cfg.params]
+        bundle, self.labels = wide_head_bundle(base_bundle, self.workdir / f"bundle-{cfg.params}", classes=classes,
+                                               features=features)
+        archive = pack_bundle(bundle, self.workdir / f"simhead-{cfg.params}.tar.gz")
+        self.broker = LoadBroker(workdir=self.workdir / "mosquitto")
+        self.broker.start()
+        if cfg.nice:
+            os.setpriority(os.PRIO_PROCESS, self.broker._proc.pid, cfg.nice)  # type: ignore[union-attr]
+        key = keys.generate_private_key()
+        (self.state / "keys").mkdir(parents=True, exist_ok=True, mode=0o700)
+        keys.save_private_key(self.state / "keys" / "coordinator.key", key)
+        self.run_cli("model", "register", str(archive), "--name", "simhead", "--version", "1")
+        log = open(self.workdir / "coordinator.log", "ab")  # noqa: SIM115 - handed to the child
+        self.serve = subprocess.Popen(
+            [*self.cli, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
+             self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
+             "--aggregator", cfg.aggregator], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=self._pre())  # noqa: PLW1509
+        log.close()
+        self._wait(self._serving, 120, "serve did not connect to the broker")
+        names = self._head_names()  # the pool's tensors are the registered head's
+        pool = UpdatePool({names["w"]: np.zeros((classes, features), np.float32),
+                           names["b"]: np.zeros(classes, np.float32)},
+                          density=cfg.density, bits=cfg.bits, clusters=cfg.non_iid)
+        opts = SimOptions(port=self.broker.port, fleet="sim", prefix=self.prefix, dropout=cfg.dropout,
+                          slow_share=cfg.slow_share, slow_delay_s=cfg.slow_delay_s, train_s=(0.0, cfg.train_s))
+        self.fleet = SimFleet(options=opts, count=cfg.devices, pool=pool, coordinator_key=key.public_key(),
+                              threads=cfg.threads, labels=self.labels)
+        self.fleet.build()
+
+    def _head_names(self) -> dict[str, str]:
+        from ..coordinator.registry import Registry
+
+        with Registry(state_dir=self.state, read_only=True) as reg:
+            head = reg.load_head(reg.get_model("simhead", "1"))
+        return {"w": next(k for k, v in head.items() if v.ndim == 2), "b": next(k for k, v in head.items() if v.ndim == 1)}
+
+    def _serving(self) -> bool:
+        from ..coordinator.service_files import read_serve_file, serving
+
+        self._check()
+        info = read_serve_file(self.state)
+        return bool(info and serving(info) and info.get("connected"))
+
+    def _check(self) -> None:
+        if self.serve is not None and self.serve.poll() is not None:
+            tail = (self.workdir / "coordinator.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"serve exited {self.serve.returncode}:\n{tail}")
+
+    def _wait(self, pred: Any, timeout: float, what: str, interval: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise RuntimeError(what)
+            time.sleep(interval)
+
+    def _db(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.state / 'registry.sqlite3'}?mode=ro", uri=True, timeout=60)
+
+    def online(self) -> int:
+        db = self._db()
+        try:
+            rows = db.execute("SELECT state FROM devices WHERE approved = 1 AND online = 1").fetchall()
+        finally:
+            db.close()
+        return sum(1 for (s,) in rows if json.loads(s).get("battery_pct") is not None)
+
+    def measure(self) -> dict[str, Any]:
+        """Connect the fleet, run one round, return the figures."""
+        assert self.fleet is not None and self.serve is not None
+        cfg, out = self.cfg, {}
+        t0 = time.monotonic()
+        self.fleet.start(connect_rate=cfg.connect_rate)
+        self._wait(lambda: sum(d.stats.connected_at is not None for d in self.fleet.devices) >= cfg.devices,  # type: ignore[union-attr]
+                   cfg.timeout_s, "not every simulated device connected", 0.2)
+        out["connect_s"] = time.monotonic() - t0
+        self._wait(lambda: (self._check(), self.online() >= cfg.devices)[1], cfg.timeout_s,
+                   "the coordinator did not see every device online", 1.0)
+        out["online_s"] = time.monotonic() - t0
+        disk0 = _du(self.state)
+        text = self.run_cli("train", "--model", "simhead", "--devices", "all", "--rounds", "1", "--min-devices",
+                            str(max(1, sum(not d.drops for d in self.fleet.devices))), "--deadline", f"{int(cfg.deadline_s)}s", "--aggregator", cfg.aggregator,
+                            "--detach")
+        job = text.split()[1].rstrip(":")
+        t1 = time.monotonic()
+        self._wait(lambda: (self._check(), self._round_over(job))[1], cfg.timeout_s, f"round of job {job} did not end")
+        out["round_wall_s"] = time.monotonic() - t1
+        out["rss_mb"] = _hwm_mb(self.serve.pid)
+        time.sleep(1.0)  # the new version's files and the WAL settle
+        out["disk_mb"] = (_du(self.state) - disk0) / 1e6
+        out.update(self._round_figures(job))
+        out["sim"] = self.fleet.summary()
+        out["config"] = asdict(cfg)
+        return out
+
+    def _round_over(self, job: str) -> bool:
+        db = self._db()
+        try:
+            row = db.execute("SELECT state FROM rounds WHERE job_id = ? AND number = 1", (job,)).fetchone()
+        finally:
+            db.close()
+        return row is not None and row[0] not in ("open", "closing")
+
+    def _round_figures(self, job: str) -> dict[str, Any]:
+        db = self._db()
+        try:
+            state, reason, ended, version = db.execute(
+                "SELECT state, reason, ended_at, aggregated_version FROM rounds WHERE job_id = ? AND number = 1",
+                (job,)).fetchone()
+            ups = db.execute("SELECT status, COUNT(*), COALESCE(SUM(wire_bytes), 0), MIN(received_at), "
+                             "MAX(received_at) FROM updates WHERE job_id = ? GROUP BY status", (job,)).fetchall()
+            parts = dict(db.execute("SELECT status, COUNT(*) FROM participants WHERE job_id = ? GROUP BY status",
+                                    (job,)).fetchall())
+            dup = db.execute("SELECT COUNT(*) FROM (SELECT device_id FROM updates WHERE job_id = ? "
+                             "GROUP BY device_id HAVING COUNT(*) > 1)", (job,)).fetchone()[0]
+            created = db.execute("SELECT created_at FROM model_versions WHERE name = 'simhead' AND version = ?",
+                                 (version,)).fetchone() if version else None
+        finally:
+            db.close()
+        by = {s: (n, b, lo, hi) for s, n, b, lo, hi in ups}
+        accepted = by.get("accepted", (0, 0, None, None))
+        first = min((v[2] for v in by.values()), default=None)
+        last = max((v[3] for v in by.values()), default=None)
+        span = (last - first) if first is not None and last is not None else 0.0
+        return {"job": job, "round_state": state, "round_reason": reason, "new_version": version,
+                "accepted": accepted[0], "updates_by_status": {s: v[0] for s, v in by.items()},
+                "participants": parts, "duplicate_rows": dup, "received_mb": sum(v[1] for v in by.values()) / 1e6,
+                "updates_per_s": (sum(v[0] for v in by.values()) - 1) / span if span > 0 else float("nan"),
+                "ingest_span_s": span,
+                "last_update_to_version_s": (created[0] - last) if created and last else float("nan"),
+                "last_update_to_close_s": (ended - last) if ended and last else float("nan")}
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            try:
+                self.fleet.stop()
+            except Exception:  # stopping must go on to serve and the broker
+                pass
+        if self.serve is not None and self.serve.poll() is None:
+            self.serve.terminate()
+            try:
+                self.serve.wait(60)
+            except subprocess.TimeoutExpired:
+                self.serve.kill()
+                self.serve.wait(10)
+        if self.broker is not None:
+            self.broker.stop()
+
+
+def run_load(cfg: LoadConfig, workdir: Path, base_bundle: Path) -> dict[str, Any]:
+    """One measured round (module doc); everything started is stopped before it returns."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = LoadRun(cfg, workdir)
+    try:
+        run.start(base_bundle)
+        return run.measure()
+    finally:
+        run.close()
