@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="hub threads multiplexing the devices")
     p.add_argument("--connect-rate", type=float, default=500.0, help="new connections per second")
     p.add_argument("--train-s", type=float, default=2.0, help="simulated training time, uniform in [0, S]")
+    p.add_argument("--deadline", type=float, default=900.0, help="the round's deadline (s)")
     p.add_argument("--nice", type=int, default=0, help="niceness of the broker and serve")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "edge-fleet-load-cache"))
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     cfg = LoadConfig(devices=a.devices, params=a.params, aggregator=a.aggregator, dropout=a.dropout,
                      slow_share=a.slow_share, slow_delay_s=a.slow_delay, non_iid=a.non_iid, density=a.density,
-                     threads=a.threads, connect_rate=a.connect_rate, train_s=a.train_s, nice=a.nice)
+                     threads=a.threads, connect_rate=a.connect_rate, train_s=a.train_s, nice=a.nice,
+                     deadline_s=a.deadline)
     bundle = base_bundle(Path(a.cache))
     if a.out:
         res = run_load(cfg, Path(a.out), bundle)

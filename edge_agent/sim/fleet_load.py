@@ -260,9 +260,9 @@ class LoadRun:
     def _round_figures(self, job: str) -> dict[str, Any]:
         db = self._db()
         try:
-            state, reason, ended, version = db.execute(
-                "SELECT state, reason, ended_at, aggregated_version FROM rounds WHERE job_id = ? AND number = 1",
-                (job,)).fetchone()
+            state, reason, ended, deadline, version = db.execute(
+                "SELECT state, reason, ended_at, deadline_at, aggregated_version FROM rounds WHERE job_id = ? "
+                "AND number = 1", (job,)).fetchone()
             ups = db.execute("SELECT status, COUNT(*), COALESCE(SUM(wire_bytes), 0), MIN(received_at), "
                              "MAX(received_at) FROM updates WHERE job_id = ? GROUP BY status", (job,)).fetchall()
             parts = dict(db.execute("SELECT status, COUNT(*) FROM participants WHERE job_id = ? GROUP BY status",
@@ -278,7 +278,10 @@ class LoadRun:
         first = min((v[2] for v in by.values()), default=None)
         last = max((v[3] for v in by.values()), default=None)
         span = (last - first) if first is not None and last is not None else 0.0
-        return {"job": job, "round_state": state, "round_reason": reason, "new_version": version,
+        # "deadline": some participant never reported (its dropout message lost?): the close
+        # time then measures the deadline, not the coordinator
+        closed_by = "deadline" if ended and ended >= deadline else "settled"
+        return {"job": job, "round_state": state, "closed_by": closed_by, "round_reason": reason, "new_version": version,
                 "accepted": accepted[0], "updates_by_status": {s: v[0] for s, v in by.items()},
                 "participants": parts, "duplicate_rows": dup, "received_mb": sum(v[1] for v in by.values()) / 1e6,
                 "updates_per_s": (sum(v[0] for v in by.values()) - 1) / span if span > 0 else float("nan"),
