@@ -8,11 +8,12 @@ DEMO_ARGS ?=
 ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 DEB_MODE ?= offline
 
-.PHONY: demo test test-arm lint bench soak deb clean help
+.PHONY: demo test test-pg test-arm lint bench soak deb clean help
 
 help:
 	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
 	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
+	@echo "make test-pg - the coordinator's tests with the registry on a throw-away PostgreSQL (apt-get install postgresql)"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
 	@echo "make soak   - a fleet for 1,000 rounds (real mosquitto, 4 agents): growth per round -> BENCHMARKS.md"
 	@echo "make deb    - build dist/edge-agent_<ver>_<arch>.deb (ARCH=arm64, DEB_MODE=thin)"
@@ -37,6 +38,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The coordinator's tests again with the registry on PostgreSQL: one throw-away cluster per
+# run (tests/pg_cluster.py: Debian's postgresql package, a free loopback port; as root the
+# server runs as nobody), a fresh database per test (pytest --pg, tests/conftest.py).
+PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py tests/unit/test_retention.py \
+	tests/unit/test_approval.py tests/unit/test_cli_exit_codes.py tests/unit/test_plateau.py \
+	tests/unit/test_dashboard_views.py tests/unit/test_update_defaults.py tests/unit/test_requantize.py \
+	tests/unit/test_server_opt.py
+test-pg: $(STAMP)
+	$(BIN)/python -m pytest --pg $(PG_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
