@@ -1,8 +1,9 @@
 """The coordinator's registry: devices, jobs, rounds, received updates, model versions.
 
-One SQLite file (`<state_dir>/registry.sqlite3`, WAL, foreign keys on, synchronous=FULL;
-schema and migrations in schema.py, record types and validators in records.py) plus
-crash-safe array files next to it. This module holds the connection, transactions and
+One SQLite file (`<state_dir>/registry.sqlite3`, WAL, foreign keys on, synchronous=FULL)
+or, with `db="postgresql://..."` (or $EDGE_COORDINATOR_DB), one PostgreSQL database that
+several processes share (db.py: the dialect layer); schema and migrations in schema.py,
+record types and validators in records.py; crash-safe array files in `state_dir` either way. This module holds the connection, transactions and
 migrations, devices, jobs, rounds and participants; mixins hold the rest: model versions
 (registry_models.py), received updates, screening history and strikes
 (registry_updates.py), read models for the CLI and dashboard (registry_reports.py).
@@ -15,8 +16,9 @@ Array files are written with `atomic.write_checked` (temp + fsync + rename, fram
 their sha256) *before* the row that names them is committed, so a committed row always
 points at a complete file; a crash in between leaves at most an orphan file.
 
-Every write is one `BEGIN IMMEDIATE` transaction, so a restarted coordinator (or the CLI in
-another process) reads exactly what was committed. WAL lets `edge-coordinator status` read
+Every write is one `BEGIN IMMEDIATE` transaction (PostgreSQL: one advisory lock, the same
+effect: writers one at a time), so a restarted coordinator (or the CLI in another process)
+reads exactly what was committed. WAL lets `edge-coordinator status` read
 while `serve` writes. The state machines live in ONE place each: `JOB_TRANSITIONS`,
 `ROUND_TRANSITIONS`, `PARTICIPANT_TRANSITIONS`, checked inside the writing transaction.
 

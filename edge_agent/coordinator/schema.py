@@ -1,4 +1,7 @@
-"""The registry's SQLite schema as an append-only list of migrations.
+"""The registry's schema as an append-only list of migrations, in SQLite's spelling that
+db.translate also makes PostgreSQL's (INTEGER PRIMARY KEY -> BIGINT identity, INTEGER ->
+BIGINT, REAL -> DOUBLE PRECISION): write new entries in the SQL both engines take (no
+SQLite-only table options, no PRAGMA), and test them on both (`make test-pg`).
 
 `MIGRATIONS[i]` brings a database from schema version i to i + 1; `Registry` applies the
 missing ones in ONE transaction at open and records the version in `schema_version`. Never
