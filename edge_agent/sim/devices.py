@@ -70,6 +70,7 @@ class SimOptions:
     retry_base_s: float = 2.0
     retry_cap_s: float = 60.0
     keepalive: int = 60
+    state_interval_s: float = 60.0  # the agent's default: serve counts a device online for 300 s after it
     samples: tuple[int, int] = (50, 500)
     seed: int = 0
 
@@ -124,6 +125,7 @@ class SimDevice:
         self.stats = DeviceStats()
         self.jobs: dict[tuple[str, int], dict[str, Any]] = {}  # (job, round) -> upload state
         self._inflight: dict[int, Any] = {}  # mid -> callback on PUBACK
+        self._ticking = False  # the periodic state is scheduled
         state = topics.device(self.id, "state")
         will = self.signer.control(state, Kind.STATE, {"status": "offline", "agent": AGENT}, ttl=STATE_TTL)
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"edge-agent-{self.id}",
@@ -163,10 +165,19 @@ class SimDevice:
                  "info": {"name": self.name, "board": "simulated", "profile": "sim", "mxnet": False,
                           "trainers": "numpy"}}
         self._send(self.topics.device(self.id, "hello"), Kind.HELLO, hello, ttl=365 * 86400, retain=True)
+        if self.stats.connected_at is not None and not self._ticking:
+            self._ticking = True
+            self.hub.call_later(self.rng.uniform(0.5, 1.0) * self.o.state_interval_s, self._state_tick)
         self.publish_state(busy=None)
         for job in self.jobs.values():  # a reconnect mid-upload: the rest goes out again
             if job["phase"] == "uploading" and job["next"] < len(job["chunks"]):
                 self._next_chunk(job)
+
+    def _state_tick(self) -> None:
+        if self.client.is_connected():
+            busy = next((j["job"] for j in self.jobs.values() if j["phase"] in ("training", "uploading")), None)
+            self.publish_state(busy=busy)
+        self.hub.call_later(self.o.state_interval_s, self._state_tick)
 
     # ---- publishing ----
     def _send(self, topic: str, kind: Kind, body: dict[str, Any], *, ttl: float, retain: bool = False) -> None:
