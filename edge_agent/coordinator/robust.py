@@ -37,6 +37,10 @@ Screening (`screen_norms`) works from one update up, in this order:
        rejected ones at or above strike_median_cosine are kept, best first, until it is met:
        late in a converged job honest updates are mostly noise (the 1,000-round soak's 4
        honest devices sat at -0.004..-0.013 and failed 70 % of rounds); flips sit lower.
+       If half or more of a round of >= 3 would still be rejected, the best of the rest are
+       kept too until the rejected are a minority (or the quorum is met): a fleet split 2
+       against 2 (cosines -0.11, below that floor) is no outlier, and the next round -- same
+       base, same data -- would repeat the verdict for ever (the next soak: 788 rounds).
      Measured on bench_poisoning (federated digits, 10 devices, 30 rounds unless said; cosine
      of the dense delta with the median of all the round's updates; rule at 0.0 / -0.15):
        honest, Dirichlet 1.0, clean:  min -0.082, 1 % -0.046, 5 % 0.115, median 0.448

@@ -189,7 +189,9 @@ class RobustRounds:
         mostly noise (cosines of +-0.01 in the year-long soak), so when the rejections would
         leave fewer than the job's `quorum` updates, those at or above strike_median_cosine
         are taken back, the best first, until the quorum is met (sign flips sit lower:
-        robust.py's measured distributions); the weight cap and clipping still bound them."""
+        robust.py's measured distributions); if half or more of the round would still be
+        rejected, the best of the rest too, until the rejected are a minority or the quorum
+        is met. The weight cap and clipping still bound whatever is taken back."""
         pol = self.policy
         small = len(good) <= pol.direction_max_n
         floor = pol.min_cosine if small else pol.min_median_cosine
@@ -200,8 +202,17 @@ class RobustRounds:
             weak = sorted((d for d in rejected if cosines.get(d, -1.0) >= pol.strike_median_cosine),
                           key=lambda d: -cosines[d])
             back = weak[:quorum - len(kept)]
+            minority = (len(good) - 1) // 2
+            if len(good) >= 3 and len(rejected) - len(back) > minority:
+                # Half or more of the round against its own median is a split fleet, not
+                # outliers: the median has no majority behind it. Unanswered, the next round
+                # (same base, same data) repeats the verdict for ever (the soak's 2 vs 2
+                # honest devices at -0.11, 788 rounds). Take back the best until the rejected
+                # are a minority; a lone sign flip among honest updates stays out.
+                rest = sorted((d for d in rejected if d not in back), key=lambda d: -cosines.get(d, -1.0))
+                back += rest[:len(rejected) - len(back) - minority][:max(0, quorum - len(kept) - len(back))]
             if back:
-                log.info("job %s: %d near-zero-cosine update(s) kept to meet the round's quorum of %d (%s)", job_id,
+                log.info("job %s: %d low-cosine update(s) kept to meet the round's quorum of %d (%s)", job_id,
                          len(back), quorum, ", ".join(f"{cosines[d]:.3f}" for d in back))
                 kept = [d for d in good if d in kept or d in back]
                 rejected = {d: why for d, why in rejected.items() if d not in back}

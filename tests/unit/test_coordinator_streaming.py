@@ -261,6 +261,35 @@ def test_near_zero_cosines_are_kept_to_meet_the_quorum_but_sign_flips_are_not(st
         assert out.state is RoundState.FAILED and list(out.rejected) == [IDS[3]]
 
 
+def test_a_fleet_split_two_against_two_below_the_floor_still_publishes(state_dir: Path) -> None:
+    """Two of four honest updates at cosine ~-0.2 with the median, below the quorum rule's
+    floor (-0.1): a split fleet, not two outliers. Rejecting both failed the round, and the
+    next round (same base, same data) the same, for ever (the soak: 788 rounds). The best of
+    them is taken back so the rejected are a minority; the other stays out."""
+    c = Coordinator(state_dir, 4)
+    c.engine.start_job(model_name="m", model_version="1", rounds=1, min_devices=3, deadline_s=100,
+                       params={"aggregator": "fedavg_clipped"}, job_id="job")
+    (plan,) = c.engine.tick().opened
+    rng = np.random.default_rng(3)
+    flat = rng.normal(size=sum(int(np.prod(s)) for s in SHAPES.values()))
+    vecs = [flat + 0.1 * rng.normal(size=flat.size) for _ in range(2)]
+    for _ in range(2):  # orthogonal to the fleet and a little against it: cosines ~-0.16 and ~-0.24
+        n = rng.normal(size=flat.size)
+        vecs.append(0.6 * (n - (n @ flat) / (flat @ flat) * flat) - 0.3 * flat)
+    for i, v in enumerate(vecs):
+        d, off = {}, 0
+        for k, shape in SHAPES.items():
+            d[k] = (0.02 * v[off:off + int(np.prod(shape))]).reshape(shape).astype(np.float32)
+            off += int(np.prod(shape))
+        header = UpdateHeader("m", "1", plan.job_id, IDS[i], plan.round)
+        assert c.receive(encode_update(header, d, density=1.0, bits=8), i, 100) == "accepted"
+    out = c.close()
+    cosines = [float(str(r).split("cosine ")[1].split()[0]) for r in out.rejected.values()]
+    assert out.state is RoundState.AGGREGATED and len(out.accepted) == 3 and len(out.rejected) == 1
+    assert IDS[0] in out.accepted and IDS[1] in out.accepted
+    assert all(-0.5 < x < -0.1 for x in cosines), cosines  # the premise: below the quorum rule's floor
+
+
 def test_a_clean_fedavg_close_reads_no_stored_update_and_an_outlier_costs_one(state_dir: Path) -> None:
     c = Coordinator(state_dir, 8)
     plan = c.start("fedavg_clipped")
