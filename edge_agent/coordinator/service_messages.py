@@ -179,7 +179,7 @@ class DeviceMessages:
             return
         metrics = b.get("metrics") or {}
         if phase in ("uploading", "done") and metrics and not self.registry.has_update(job, device, rnd):
-            self._results[(job, device, rnd)] = {k: metrics[k] for k in RESULT_METRICS if _scalar(metrics.get(k))}
+            self._results[(job, device, rnd)] = {k: metrics[k] for k in RESULT_METRICS if k in metrics and _scalar(metrics[k])}
             while len(self._results) > 10_000:
                 self._results.popitem(last=False)
         if phase == "failed":
