@@ -52,12 +52,6 @@ log = logging.getLogger(__name__)
 HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: one dense layer, anything deeper
 
 
-def _one_dense_layer(symbol_json: str, bundle: Any) -> bool:
-    from .dense_head import dense_head_form
-
-    return dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
-
-
 class JobStateError(EdgeAgentError):
     """The state directory is busy or holds an unfinished job that was not asked to resume."""
 
@@ -414,7 +408,9 @@ class _Job(DepthPlanning, JobReport):
                                      probe_report, threads)
         bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth
         symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
-        if a["lr"] is None and (self.plan.depth > 0 or not _one_dense_layer(symbol_json, bundle)):
+        from .dense_head import dense_head_form
+
+        if a["lr"] is None and (self.plan.depth > 0 or dense_head_form(symbol_json, bundle.manifest.split_tensor) is None):
             # pre-trained conv / BatchNorm weights, a depth's or a head split before them:
             # 0.01 undoes them (digits, conv + BN + dense head: 0.91 -> 0.80; 0.001: -> 0.94)
             config = train_config(TAIL_LR)

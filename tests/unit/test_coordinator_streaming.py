@@ -225,6 +225,17 @@ def test_a_tensor_only_some_updates_carry_is_averaged_over_those(state_dir: Path
     assert np.abs(got["w"] - diluted).max() > 1e-3  # the old rule would have given this
 
 
+def _send_flat(c: Coordinator, plan, vecs: list[np.ndarray]) -> None:
+    """Each flat vector (0.02 x, cut into SHAPES) as device i's accepted update."""
+    for i, v in enumerate(vecs):
+        d, off = {}, 0
+        for k, shape in SHAPES.items():
+            d[k] = (0.02 * v[off:off + int(np.prod(shape))]).reshape(shape).astype(np.float32)
+            off += int(np.prod(shape))
+        header = UpdateHeader("m", "1", plan.job_id, IDS[i], plan.round)
+        assert c.receive(encode_update(header, d, density=1.0, bits=8), i, 100) == "accepted"
+
+
 @pytest.mark.parametrize("other", ["noise", "flipped"])
 def test_near_zero_cosines_are_kept_to_meet_the_quorum_but_sign_flips_are_not(state_dir: Path, other: str) -> None:
     """A converged job: two of four honest updates are mostly noise, a hair below the small
@@ -244,13 +255,7 @@ def test_near_zero_cosines_are_kept_to_meet_the_quorum_but_sign_flips_are_not(st
             vecs.append(n - (n @ flat) / (flat @ flat) * flat - 0.5 * flat)
     else:
         vecs += [flat + 0.1 * rng.normal(size=flat.size), -flat + 0.1 * rng.normal(size=flat.size)]
-    for i, v in enumerate(vecs):
-        d, off = {}, 0
-        for k, shape in SHAPES.items():
-            d[k] = (0.02 * v[off:off + int(np.prod(shape))]).reshape(shape).astype(np.float32)
-            off += int(np.prod(shape))
-        header = UpdateHeader("m", "1", plan.job_id, IDS[i], plan.round)
-        assert c.receive(encode_update(header, d, density=1.0, bits=8), i, 100) == "accepted"
+    _send_flat(c, plan, vecs)
     out = c.close()
     reasons = [str(r) for r in out.rejected.values()]
     assert len(reasons) == 1 and reasons[0].startswith("direction_outlier")
@@ -276,13 +281,7 @@ def test_a_fleet_split_two_against_two_below_the_floor_still_publishes(state_dir
     for _ in range(2):  # orthogonal to the fleet and a little against it: cosines ~-0.16 and ~-0.24
         n = rng.normal(size=flat.size)
         vecs.append(0.6 * (n - (n @ flat) / (flat @ flat) * flat) - 0.3 * flat)
-    for i, v in enumerate(vecs):
-        d, off = {}, 0
-        for k, shape in SHAPES.items():
-            d[k] = (0.02 * v[off:off + int(np.prod(shape))]).reshape(shape).astype(np.float32)
-            off += int(np.prod(shape))
-        header = UpdateHeader("m", "1", plan.job_id, IDS[i], plan.round)
-        assert c.receive(encode_update(header, d, density=1.0, bits=8), i, 100) == "accepted"
+    _send_flat(c, plan, vecs)
     out = c.close()
     cosines = [float(str(r).split("cosine ")[1].split()[0]) for r in out.rejected.values()]
     assert out.state is RoundState.AGGREGATED and len(out.accepted) == 3 and len(out.rejected) == 1
