@@ -210,7 +210,7 @@ class RobustRounds:
                 # honest devices at -0.11, 788 rounds). Take back the best until the rejected
                 # are a minority; a lone sign flip among honest updates stays out.
                 rest = sorted((d for d in rejected if d not in back), key=lambda d: -cosines.get(d, -1.0))
-                back += rest[:len(rejected) - len(back) - minority][:max(0, quorum - len(kept) - len(back))]
+                back += rest[:min(len(rest) - minority, quorum - len(kept) - len(back))]
             if back:
                 log.info("job %s: %d low-cosine update(s) kept to meet the round's quorum of %d (%s)", job_id,
                          len(back), quorum, ", ".join(f"{cosines[d]:.3f}" for d in back))
