@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,52 @@ from bench.fleet_load import base_bundle
 from edge_agent.sim.fleet_load import LoadConfig, run_load
 
 AGGREGATORS = ("fedavg_clipped", "trimmed_mean")
+REPO = Path(__file__).resolve().parents[1]
+# issue 18's targets, 1,000 devices x a 1M-parameter head
+TARGET_CLOSE_S, TARGET_RSS_MB, TARGET_DISK_RATIO = 2.0, 500.0, 2.0
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "edge_agent", "bench"],
+                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit"
+    return head + (" with uncommitted changes under edge_agent/ or bench/" if dirty else "")
+
+
+def _neighbours() -> list[str]:
+    """Other benchmark processes running now (the machine is shared): their command lines."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = " ".join(a.decode(errors="replace") for a in argv if a)
+        if "bench.run" in text and "bench_fleet_load" not in text:
+            found.append(text.split("python", 1)[-1].lstrip("0123456789. "))
+    return sorted(set(found))
+
+
+def _verdict(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        c = r["config"]
+        if c["devices"] != 1000 or c["params"] != "1m":
+            continue
+        close, rss = r["last_update_to_version_s"], r["rss_mb"]
+        ratio = r["disk_mb"] / r["received_mb"] if r["received_mb"] else float("nan")
+        checks = [(f"close {close:.2f} s", close <= TARGET_CLOSE_S and r["closed_by"] == "settled"),
+                  (f"RSS {rss:.0f} MB", rss <= TARGET_RSS_MB), (f"disk {ratio:.2f}x", ratio <= TARGET_DISK_RATIO)]
+        held = ", ".join(f"{text} {'met' if ok else '**not met**'}" for text, ok in checks)
+        note = "" if r["closed_by"] == "settled" else " (the round ran into its deadline: the close measures it)"
+        out.append(f"- {c['aggregator']}: {held}{note}.")
+    return out
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -29,7 +76,7 @@ def _row(r: dict[str, Any]) -> str:
 
     ratio = r["disk_mb"] / r["received_mb"] if r["received_mb"] else float("nan")
     return (f"| {c['devices']:,} | {c['params']} | {c['aggregator']} | {s['connected']:,} in {r['connect_s']:.1f} s "
-            f"| {r['accepted']:,} / {s['dropped_out']} | {f(r['updates_per_s'], '.0f')} "
+            f"| {r['online_s']:.0f} s | {r['round_wall_s']:.0f} s | {r['accepted']:,} / {s['dropped_out']} | {f(r['updates_per_s'], '.0f')} "
             f"| {f(r['last_update_to_version_s'], '.2f')} s | {r['rss_mb']:.0f} MB | {r['disk_mb']:.1f} MB "
             f"| {r['received_mb']:.1f} MB | {f(ratio, '.2f')}x | {r['round_state']}, {r['closed_by']} |")
 
@@ -39,6 +86,12 @@ def run(quick: bool = False) -> str:
     if os.environ.get("EDGE_FLEET_LOAD_10K") == "1":
         sizes.append(10_000)
     nice = int(os.environ.get("EDGE_FLEET_LOAD_NICE", "15"))
+    from bench.bench_kernels import _cpu
+    from bench.run import machine_description
+
+    model, mhz, flags = _cpu()
+    isa = sorted(f for f in flags if f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "aes", "sha_ni"))
+    commit, beside, load0 = _commit(), _neighbours(), os.getloadavg()
     cache = Path(tempfile.gettempdir()) / "edge-fleet-load-cache"
     bundle = base_bundle(cache)
     rows, failures = [], []
@@ -67,11 +120,23 @@ def run(quick: bool = False) -> str:
         "added under serve's state dir. Broker and serve at nice "
         f"{nice}.",
         "",
-        "| devices | head | aggregator | connected | accepted / dropouts | updates/s | last update -> version "
-        "| serve peak RSS | disk / round | compressed received | disk / received | round, closed by |",
-        "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "",
+        f"Machine: {machine_description()}. CPU model {model}" + (f" at {mhz:.0f} MHz" if mhz else "")
+        + f"; flags: {', '.join(isa) or 'none of sse4_2/avx/avx2/fma/avx512f/aes/sha_ni'}. Commit {commit}. "
+        f"Load average at the start {load0[0]:.1f}"
+        + (f"; running beside it: {'; '.join(f'`{b}`' for b in beside)}" if beside else "; no other benchmark running")
+        + ". Simulator, broker and serve share the 2 cores.",
+        "",
+        "| devices | head | aggregator | connected | online (enrolled) | round wall | accepted / dropouts "
+        "| updates/s | last update -> version | serve peak RSS | disk / round | compressed received "
+        "| disk / received | round, closed by |",
+        "|---:|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
         *(_row(r) for r in rows),
     ]
+    verdict = _verdict(rows)
+    if verdict:
+        lines += ["", f"Targets (1,000 devices x 1M; close <= {TARGET_CLOSE_S:g} s after the last update, settled; "
+                      f"peak RSS <= {TARGET_RSS_MB:.0f} MB; disk <= {TARGET_DISK_RATIO:g}x received):", *verdict]
     if failures:
         lines += ["", "Failed:", *(f"- {f}" for f in failures)]
     if 10_000 not in sizes:
