@@ -105,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            topic_prefix=args.topic_prefix, tls=tls, username=args.username, password=password,
                            auto_approve=args.auto_approve, tick_s=args.tick, policy=policy,
                            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                           ack_interval=args.ack_interval, retention=policy_from_args(args))
+                           ack_interval=args.ack_interval, retention=policy_from_args(args),
+                           workers_group=args.workers_group, worker_id=args.worker_id)
     if args.ui_token and not args.ui:
         raise UsageError("--ui-token needs --ui ADDR:PORT")
     if args.ui:

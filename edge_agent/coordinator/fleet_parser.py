@@ -197,6 +197,13 @@ def add_fleet_commands(sub: Any) -> None:
     s.add_argument("--tick", type=_SECONDS, default=1.0, metavar="S", help="seconds between round steps (default 1)")
     s.add_argument("--ack-interval", type=_SECONDS, default=5.0, metavar="S",
                    help="at most one ack per repeated upload per S seconds (default 5)")
+    s.add_argument("--workers-group", default=None, metavar="NAME",
+                   help="one of several serve workers on one PostgreSQL registry (--db): devices' messages "
+                        "arrive through the MQTT shared subscription $share/NAME/...; one worker (elected in "
+                        "PostgreSQL) runs the rounds; workers on several hosts need one shared --state-dir "
+                        "(docs/fleet.md, Several workers on PostgreSQL). Default: a lone serve")
+    s.add_argument("--worker-id", default=None, metavar="ID",
+                   help="this worker's id in its group (its MQTT client id suffix; default HOST-PID)")
     from .retention import add_retention_args
 
     add_retention_args(s, serve=True)  # what serve keeps (edge-coordinator prune explains)

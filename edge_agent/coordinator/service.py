@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
-from ..errors import EdgeAgentError, InputError, TransientError
+from ..errors import ConfigError, EdgeAgentError, InputError, TransientError
 from ..heap import release_freed_memory
 from ..keys import fingerprint, public_key_from_bytes
 from ..protocol import (
@@ -66,6 +66,7 @@ from ..transport import (
 )
 from ..transport.models import publish_model, retract_model
 from .artefacts import ModelArtefacts
+from .db import DB_ENV, resolve
 from .pending import PendingDevices
 from .records import ModelVersion
 from .registry import Registry
@@ -73,6 +74,16 @@ from .retention import AutoPrune, RetentionPolicy, needs_full
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
 from .service_messages import DeviceMessages, _scalar
+from .workers import (
+    GROUP_RE,
+    SharedChunks,
+    SharedReplay,
+    SharedRoundEngine,
+    SharedSequence,
+    WorkerStore,
+    check_group,
+    shared_filters,
+)
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
@@ -101,9 +112,15 @@ class ServeOptions:
     ack_interval: float = 5.0  # at most one ack per repeated upload per this many seconds
     model_chunk_bytes: int = 64 * 1024
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept (retention.py)
+    workers_group: str | None = None  # one of several workers on a PostgreSQL registry (workers.py)
+    worker_id: str | None = None  # default <host>-<pid>; its MQTT client id and its lock in state_dir
 
     def __post_init__(self) -> None:
         Topics(fleet=self.fleet, prefix=self.topic_prefix)  # validates both
+        if self.workers_group is not None:
+            check_group(self.workers_group)
+        if self.worker_id is not None and not GROUP_RE.fullmatch(self.worker_id):
+            raise ConfigError(f"--worker-id {self.worker_id[:80]!r}: 1-64 letters, digits, '_' or '-'")
         if not 0.05 <= self.tick_s <= 60:
             raise ValueError(f"tick_s must be in [0.05, 60], got {self.tick_s}")
         if not 0 < self.port < 65536:
@@ -123,24 +140,51 @@ class Coordinator(DeviceMessages):
     def __init__(self, options: ServeOptions, *, metrics: Any = None) -> None:
         self.options = o = options
         self.state_dir = Path(o.state_dir).resolve()
-        self._lock_fd = lock_state_dir(self.state_dir)
-        self.registry = Registry(state_dir=self.state_dir, db=o.db)
+        self.worker_id = o.worker_id or _worker_id() if o.workers_group else None
+        # Workers of a group share the state dir (bundles, heads, stored payloads): one lock each.
+        self._lock_fds = lock_state_dir(self.state_dir, worker=self.worker_id)
+        self.shared: WorkerStore | None = None
+        try:
+            self.registry = Registry(state_dir=self.state_dir, db=o.db)
+            if o.workers_group is not None:
+                url = resolve(o.db)
+                if url is None:
+                    raise ConfigError("--workers-group needs a PostgreSQL registry (--db postgresql://... or "
+                                      f"${DB_ENV}): SQLite is one process's")
+                assert self.worker_id is not None
+                self.shared = WorkerStore(url, group=o.workers_group, worker_id=self.worker_id)
+        except BaseException:
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
         self.metrics = metrics
-        self.engine = RoundEngine(registry=self.registry, policy=o.policy, metrics=metrics)
+        engine = RoundEngine if self.shared is None else SharedRoundEngine
+        self.engine = engine(registry=self.registry, policy=o.policy, metrics=metrics)
         self.artefacts = ModelArtefacts(self.registry)
         self.key, self.public_key = coordinator_key(self.state_dir)
         self.key_id = fingerprint(self.key)
         self.topics = Topics(fleet=o.fleet, prefix=o.topic_prefix)
-        self.signer = Signer(key=self.key, topics=self.topics,
-                             sequence=SequenceCounter(path=self.state_dir / "keys" / "seq"))
+        local_seq = SequenceCounter(path=self.state_dir / "keys" / "seq")
+        sequence: Any = local_seq if self.shared is None else SharedSequence(self.shared, floor=local_seq.next())
+        self.signer = Signer(key=self.key, topics=self.topics, sequence=sequence)
         self.trust = TrustStore()
         self._trusted: dict[str, str] = {}
-        self.verifier = Verifier(topics=self.topics, trust=self.trust,
-                                 replay=ReplayWindow(directory=self.state_dir / "replay"))
+        replay: Any = ReplayWindow(directory=self.state_dir / "replay") if self.shared is None else \
+            SharedReplay(self.shared)
+        self.verifier = Verifier(topics=self.topics, trust=self.trust, replay=replay)
+        self.chunks = None if self.shared is None else SharedChunks(
+            self.shared, is_known=lambda k: self.registry.has_update(k.job, k.device, k.round))
+        subscriptions = self.topics.coordinator_subscriptions()
+        client_id = o.client_id or _client_id(o.fleet, o.topic_prefix)
+        if o.workers_group is not None:  # each worker its own session; the group shares the topics
+            subscriptions = shared_filters(o.workers_group, subscriptions)
+            client_id = f"{client_id}-{self.worker_id}"[:128]
         self.client = MqttClient(
-            host=o.host, port=o.port, client_id=o.client_id or _client_id(o.fleet, o.topic_prefix),
-            clean_session=False, keepalive=o.keepalive, tls=o.tls, username=o.username, password=o.password,
-            subscriptions=self.topics.coordinator_subscriptions(), backoff_base=o.backoff_base,
+            # A worker's session is clean: a dead worker's persistent session would keep
+            # taking its share of the group's messages until it came back.
+            host=o.host, port=o.port, client_id=client_id, clean_session=o.workers_group is not None,
+            keepalive=o.keepalive, tls=o.tls, username=o.username, password=o.password,
+            subscriptions=subscriptions, backoff_base=o.backoff_base,
             backoff_cap=o.backoff_cap, inbox_size=20_000, max_payload=MAX_BINARY_BYTES + 4096,
             admit=Admission(self.verifier, priority_channels=("progress", "state"), per_device=DEVICE_INGRESS))
         self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
@@ -195,14 +239,29 @@ class Coordinator(DeviceMessages):
         except OSError:
             pass
         self.client.stop()
+        if self.shared is not None:
+            self.shared.close()  # the leader lock goes with its connection
         self.registry.close()
-        os.close(self._lock_fd)
+        for fd in self._lock_fds:
+            os.close(fd)
+
+    @property
+    def leading(self) -> bool:
+        """Runs the rounds, dispatch, retention and publishing: always a lone serve; in a
+        workers group, the holder of the group's lock (workers.py)."""
+        return self.shared is None or self.shared.leader
 
     # ------------------------------------------------------------------ the periodic step
     def tick(self) -> None:
         connects = self.client.stats["connects"]
         if connects != self._connects:  # a new connection: the broker may have lost retained models
             self._connects, self._published = connects, set()
+        if self.shared is not None and not self._elect():
+            self._sync_trust()  # every worker verifies every approved device's messages
+            self._unpeek()
+            if time.monotonic() >= self._next_beat:
+                self._heartbeat()
+            return
         self._sync_trust()
         self._unpeek()
         result = self.engine.tick()
@@ -225,6 +284,29 @@ class Coordinator(DeviceMessages):
             self._retain()
         if time.monotonic() >= self._next_beat:
             self._heartbeat()
+
+    def _elect(self) -> bool:
+        """A worker's turn at the group's lock. A new leader has published nothing yet (its
+        dispatch publishes what rounds need), and reads the retained hello/state messages
+        once per connection: a shared subscription is never sent retained messages."""
+        assert self.shared is not None
+        was = self.shared.leader
+        if not self.shared.elect():
+            return False
+        if not was:
+            self._published = set()
+        connects = self.client.stats["connects"]
+        if self.client.connected and self._peeked != connects:
+            self._peeked = connects
+            for channel in ("hello", "state"):
+                topic = f"{self.topics.root}/devices/+/{channel}"
+                self.client.subscribe(topic)
+                self._peeks[topic] = time.monotonic() + 5.0
+        if was:
+            self.shared.prune()
+        return True
+
+    _peeked = -1
 
     def _retain(self) -> None:
         """Apply the retention policy when due; retract pruned versions' retained messages."""
@@ -342,10 +424,11 @@ class Coordinator(DeviceMessages):
                 self._trusted[device] = key
                 continue
             self._trusted[device] = key
-            # Newly approved: its retained state was refused before; subscribing again re-delivers it.
-            topic = self.topics.device(device, "state")
-            self.client.subscribe(topic)
-            self._peeks[topic] = time.monotonic() + 5.0
+            if self.leading:  # one worker of a group is enough
+                # Newly approved: its retained state was refused before; subscribing again re-delivers it.
+                topic = self.topics.device(device, "state")
+                self.client.subscribe(topic)
+                self._peeks[topic] = time.monotonic() + 5.0
             self.pending.approved(device)
             log.info("device %s approved: messages from it are now accepted", device)
         for device in [d for d in self._trusted if d not in approved]:
@@ -370,8 +453,25 @@ class Coordinator(DeviceMessages):
             "metrics_port": o.metrics_port, "problems": self.problems[:10]}
         if stopped:
             info["stopped_at"] = time.time()
-        atomic_write_json(self.state_dir / SERVE_FILE, info)
+        if self.shared is not None:  # each worker its own file; the leader's is also serve.json
+            info.update(workers_group=self.shared.group, worker_id=self.worker_id, leader=self.shared.leader)
+            atomic_write_json(self.state_dir / f"serve-{self.worker_id}.json", info)
+            try:
+                self.shared.beat(os.getpid())
+            except TransientError as exc:
+                log.warning("worker %s: heartbeat not recorded: %s", self.worker_id, exc)
+        if self.shared is None or self.shared.leader:
+            atomic_write_json(self.state_dir / SERVE_FILE, info)
         self._next_beat = time.monotonic() + HEARTBEAT_S
+
+
+def _worker_id() -> str:
+    """<host>-<pid>, as a topic-level-safe id: unique per process on a host."""
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40].strip("-") or "host"
+    return f"{host}-{os.getpid()}"
 
 
 def _client_id(fleet: str, prefix: str) -> str:

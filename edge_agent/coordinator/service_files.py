@@ -72,14 +72,29 @@ class AlreadyServing(EdgeAgentError):
     exit_code = EXIT_UNAVAILABLE
 
 
-def lock_state_dir(state_dir: Path) -> int:
+def lock_state_dir(state_dir: Path, *, worker: str | None = None) -> list[int]:
+    """The serve locks of a state directory, held until the process exits (a kill -9
+    releases them too). A lone serve holds serve.lock exclusively. Workers of a group share
+    the directory (bundles, heads, stored payloads): each holds serve.lock shared and its
+    own serve-<worker>.lock exclusively, so workers run side by side, two with one worker id
+    (one MQTT client id) do not, and a lone serve and workers never run on one directory."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "serve.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fds: list[int] = []
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        pid = (read_serve_file(state_dir) or {}).get("pid", "?")
-        raise AlreadyServing(f"{state_dir}: another edge-coordinator serve (pid {pid}) is using this state "
-                             "directory") from None
-    return fd  # held until the process exits (a kill -9 releases it too)
+        for name, mode in (("serve.lock", fcntl.LOCK_EX if worker is None else fcntl.LOCK_SH),
+                           *(((f"serve-{worker}.lock", fcntl.LOCK_EX),) if worker is not None else ())):
+            fds.append(os.open(state_dir / name, os.O_RDWR | os.O_CREAT, 0o644))
+            try:
+                fcntl.flock(fds[-1], mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = (read_serve_file(state_dir) or {}).get("pid", "?")
+                what = (f"serve worker {worker}" if name != "serve.lock" else
+                        f"serve (pid {pid}) outside a workers group" if worker is not None else
+                        f"serve (pid {pid})")
+                raise AlreadyServing(f"{state_dir}: another edge-coordinator {what} is using this state "
+                                     "directory") from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds

@@ -30,6 +30,7 @@ from .selection import allowance_state, capabilities_from_hello
 
 if TYPE_CHECKING:
     from .service import ServeOptions
+    from .workers import SharedChunks, WorkerStore
 
 log = logging.getLogger("edge_agent.coordinator.service")  # the service's log: one place to watch
 
@@ -70,6 +71,8 @@ class DeviceMessages:
     _results: OrderedDict[tuple[str, str, int], dict[str, Any]]
     _replayed: dict[str, tuple[float, int]]
     _reject_log: tuple[float, int, int]
+    shared: WorkerStore | None  # one of a workers group (workers.py); None: a lone serve
+    chunks: SharedChunks | None
 
     def _new_receiver(self) -> UpdateReceiver:  # provided by Coordinator
         raise NotImplementedError
@@ -179,7 +182,12 @@ class DeviceMessages:
             return
         metrics = b.get("metrics") or {}
         if phase in ("uploading", "done") and metrics and not self.registry.has_update(job, device, rnd):
-            self._results[(job, device, rnd)] = {k: metrics[k] for k in RESULT_METRICS if k in metrics and _scalar(metrics[k])}
+            kept = {k: metrics[k] for k in RESULT_METRICS if k in metrics and _scalar(metrics[k])}
+            shared = getattr(self, "shared", None)  # (hosts in the unit tests have no workers' store)
+            if shared is not None:  # its update may reach another worker of the group
+                shared.put_result(job, device, rnd, kept)
+                return
+            self._results[(job, device, rnd)] = kept
             while len(self._results) > 10_000:
                 self._results.popitem(last=False)
         if phase == "failed":
@@ -227,7 +235,8 @@ class DeviceMessages:
 
     # ------------------------------------------------------------------ updates
     def _chunk(self, msg: Message) -> None:
-        got = self.receiver.add(msg)
+        shared = self.chunks is not None and msg.body["count"] > 1  # a group's workers share its chunks
+        got = self.chunks.add(msg, self.receiver) if shared and self.chunks is not None else self.receiver.add(msg)
         slot = (got.key, got.upload)
         if got.status == "complete" and got.update is not None:
             try:
@@ -236,6 +245,8 @@ class DeviceMessages:
                 # Not stored and not acked: forget it was complete, so the device's resend is taken.
                 self.receiver = self._new_receiver()
                 raise
+            if shared and self.chunks is not None:
+                self.chunks.done(got.key)
             now = time.monotonic()
             self._receipts[slot] = (now, receipt)
             self._receipts.move_to_end(slot)
@@ -292,7 +303,8 @@ class DeviceMessages:
         if (header.job_id, header.device_id, header.round) != (key.job, key.device, key.round):
             return Receipt("rejected", "key_mismatch", f"payload is for {header.key}, chunks say "
                                                        f"{(key.job, key.device, key.round)}")
-        result = self._results.pop((key.job, key.device, key.round), {})  # read once: memory stays flat
+        result = (self._results.pop((key.job, key.device, key.round), {}) if self.shared is None  # read once
+                  else self.shared.take_result(key.job, key.device, key.round))
         samples = upload.samples if upload.samples is not None else result.get("num_samples")
         energy = upload.energy_wh if upload.energy_wh is not None else result.get("energy_wh")
         metrics = {k: v for k, v in result.items() if k not in ("num_samples",)}
