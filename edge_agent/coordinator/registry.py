@@ -437,6 +437,23 @@ class Registry(ModelStore, UpdateStore, FleetReports):
             self._move_participant(db, rnd, device_id, status, reason, when)
             return self._round(db, job_id, number, only=device_id).participants[device_id]
 
+    def set_participants(self, job_id: str, number: int, moves: list[tuple[str, ParticipantStatus, str]], *,
+                         only_from: frozenset[ParticipantStatus], now: float | None = None) -> list[str]:
+        """Move many participants in one transaction (a round's dispatch: one commit, not one
+        per device). A move whose participant is not in `only_from` any more (it reported or
+        dropped out meanwhile) is skipped; returns the devices moved. The round must be open."""
+        when, moved = self._now(now), []
+        with self._tx() as db:
+            for device_id, status, reason in moves:
+                rnd = self._round(db, job_id, number, only=device_id)
+                if rnd.state is not RoundState.OPEN:
+                    break
+                part = rnd.participants.get(device_id)
+                if part is not None and part.status in only_from and part.status is not status:
+                    self._move_participant(db, rnd, device_id, status, reason, when)
+                    moved.append(device_id)
+        return moved
+
     def _move_participant(self, db: sqlite3.Connection, rnd: RoundRecord, device_id: str,
                           status: ParticipantStatus, reason: str, now: float) -> None:
         part = rnd.participants.get(device_id)

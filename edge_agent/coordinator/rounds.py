@@ -296,6 +296,15 @@ class RoundEngine(UpdateIntake):
         status = ParticipantStatus.DISPATCHED if ok else ParticipantStatus.DROPPED
         return self._move(job_id, round, device_id, status, "" if ok else f"dispatch_failed: {reason}")
 
+    def record_dispatches(self, job_id: str, round: int, results: Mapping[str, str | None]) -> list[str]:
+        """`record_dispatch` for many devices in one registry transaction: `results` maps a
+        device to None (delivered) or the reason it could not be. Returns the devices moved."""
+        moves = [(d, ParticipantStatus.DISPATCHED if why is None else ParticipantStatus.DROPPED,
+                  "" if why is None else check_text(f"dispatch_failed: {why}"[:512], "reason", limit=512))
+                 for d, why in results.items()]
+        with self._lock:
+            return self.registry.set_participants(job_id, round, moves, only_from=frozenset(_LIVE), now=self.clock())
+
     def record_dropout(self, job_id: str, round: int, device_id: str, reason: str) -> bool:
         """A device said it will not deliver (refused: battery low, thermal, cancelled...)."""
         return self._move(job_id, round, device_id, ParticipantStatus.DROPPED, reason)
@@ -303,7 +312,7 @@ class RoundEngine(UpdateIntake):
     def _move(self, job_id: str, round: int, device_id: str, status: ParticipantStatus, reason: str) -> bool:
         reason = check_text(reason[:512], "reason", limit=512)
         with self._lock:
-            rnd = self.registry.get_round(job_id, round)
+            rnd = self.registry.get_round_for(job_id, round, device_id)  # O(1), not the whole round
             part = rnd.participants.get(device_id)
             if part is None:
                 raise NotFound(f"device {device_id!r} is not in job {job_id} round {round}")

@@ -140,6 +140,16 @@ class Channel:
         return self.client.publish_wait(topic, self.signer.control(topic, kind, body, ttl=ttl), retain=retain,
                                         timeout=timeout)
 
+    def send_many(self, messages: list[tuple[str, bytes]], *, timeout: float = 10.0) -> list[bool]:
+        """Publish several messages already signed (`signer.control`), then wait for all their
+        PUBACKs under one deadline, so their round trips overlap: True for each the broker
+        acknowledged. After the first that cannot be handed over (disconnected) the rest are
+        not published (False): nothing is queued in memory."""
+        infos: list[Any] = []
+        for topic, payload in messages:
+            infos.append(self.client.publish(topic, payload) if not infos or infos[-1] is not None else None)
+        return self.client.wait_published(infos, timeout=timeout)
+
     def reply_to(self, rejection: Rejection, *, ttl: float = 3600.0) -> bool:
         """Tell the sender why its message was refused (policy in the module doc); True if sent."""
         route = rejection.route

@@ -390,16 +390,24 @@ class MqttClient:
 
     def publish_wait(self, topic: str, payload: bytes, *, retain: bool = False, timeout: float = 10.0) -> bool:
         """Publish at QoS 1 and wait for the broker's PUBACK; False if not acknowledged in time."""
-        info = self.publish(topic, payload, retain=retain)
-        if info is None:
-            return False
+        return self.wait_published([self.publish(topic, payload, retain=retain)], timeout=timeout)[0]
+
+    def wait_published(self, infos: list[paho.MQTTMessageInfo | None], *, timeout: float = 10.0) -> list[bool]:
+        """Wait (one deadline for all) for the PUBACKs of messages already handed to `publish`:
+        a sender of many messages publishes them all first, so their round trips overlap
+        instead of adding up. False for a message not published (None) or not acknowledged."""
         deadline = time.monotonic() + timeout
-        try:
-            while not info.is_published():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._connected:
-                    return False
-                info.wait_for_publish(min(remaining, 0.5))
-        except (ValueError, RuntimeError):
-            return False
-        return True
+        done = []
+        for info in infos:
+            ok = info is not None
+            try:
+                while ok and not info.is_published():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._connected:
+                        ok = False
+                        break
+                    info.wait_for_publish(min(remaining, 0.5))
+            except (ValueError, RuntimeError):
+                ok = False
+            done.append(ok)
+        return done

@@ -164,6 +164,26 @@ def test_sampling_is_deterministic_and_bounded() -> None:
     assert sample_devices(ids, None, seed="x") == ids and sample_devices(ids, 20, seed="x") == ids
 
 
+def test_a_rounds_dispatch_is_recorded_in_one_batch_and_skips_who_already_reported(h: Harness, fleet: dict) -> None:
+    h.setup(softmax_head())
+    job = h.engine.start_job(model_name="digits", model_version="1", selector="all", rounds=1, min_devices=2,
+                             deadline_s=600)
+    (plan,) = h.engine.tick().opened
+    ids = fleet["ids"]
+    assert h.send(0, plan) == "accepted"  # an update may beat the dispatch ack: it stays reported
+    assert h.engine.record_dispatch(job.id, 1, ids[1], ok=False, reason="too big")
+    moved = h.engine.record_dispatches(job.id, 1, {ids[0]: None, ids[1]: None, ids[2]: None, ids[3]: "schema: x"})
+    assert moved == [ids[2], ids[3]]  # ids[0] reported and ids[1] dropped before: left as they were
+    parts = h.reg.get_round(job.id, 1).participants
+    assert parts[ids[0]].status is ParticipantStatus.REPORTED
+    assert parts[ids[1]].status is ParticipantStatus.DROPPED and "too big" in parts[ids[1]].reason
+    assert parts[ids[2]].status is ParticipantStatus.DISPATCHED
+    assert parts[ids[3]].status is ParticipantStatus.DROPPED and parts[ids[3]].reason == "dispatch_failed: schema: x"
+    assert [p.devices for p in h.engine.pending_dispatches()] == [tuple(sorted(ids[4:]))]
+    h.engine.cancel_job(job.id)
+    assert h.engine.record_dispatches(job.id, 1, {ids[4]: None}) == []  # the round is no longer open
+
+
 # ---------------------------------------------------------------- a whole job
 def test_two_round_job_on_non_iid_digits(h: Harness, fleet: dict) -> None:
     base = softmax_head()
