@@ -2,6 +2,7 @@
 
     python -m bench.fleet_load --devices 1000 --params 1m --aggregator trimmed_mean [--dropout 0.05]
         [--slow-share 0.05 --slow-delay 0.5] [--non-iid 4] [--threads 1] [--nice 15] [--out DIR] [--json]
+        [--state-interval 60] [--pre-enrol] [--connect-backlog 300] [--timeout 1800] [--profile-serve --out DIR]
 
 Prints the figures (JSON with --json). Run heavy sizes under `nice` on a shared machine.
 """
@@ -14,7 +15,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from edge_agent.sim.fleet_load import HEADS, LoadConfig, run_load
+from edge_agent.sim.fleet_load import HEADS, LoadConfig, LoadFailed, run_load
 
 
 def base_bundle(cache: Path) -> Path:
@@ -39,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-s", type=float, default=2.0, help="simulated training time, uniform in [0, S]")
     p.add_argument("--deadline", type=float, default=900.0, help="the round's deadline (s)")
     p.add_argument("--nice", type=int, default=0, help="niceness of the broker and serve")
+    p.add_argument("--state-interval", type=float, default=60.0, help="the devices' periodic state (s)")
+    p.add_argument("--pre-enrol", action="store_true", help="enrol and approve the devices before serve starts")
+    p.add_argument("--connect-backlog", type=int, default=0,
+                   help="at most this many connected and not yet online (0: no gate, only --connect-rate)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up on a phase after this long (s)")
+    p.add_argument("--profile-serve", action="store_true", help="serve under cProfile (OUT/serve.prof; needs --out)")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "edge-fleet-load-cache"))
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--json", action="store_true")
@@ -47,13 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LoadConfig(devices=a.devices, params=a.params, aggregator=a.aggregator, dropout=a.dropout,
                      slow_share=a.slow_share, slow_delay_s=a.slow_delay, non_iid=a.non_iid, density=a.density,
                      threads=a.threads, connect_rate=a.connect_rate, train_s=a.train_s, nice=a.nice,
-                     deadline_s=a.deadline)
+                     deadline_s=a.deadline, state_interval_s=a.state_interval, profile_serve=a.profile_serve,
+                     pre_enrol=a.pre_enrol, connect_backlog=a.connect_backlog, timeout_s=a.timeout)
+    if a.profile_serve and not a.out:
+        p.error("--profile-serve needs --out (the profile is written there)")
     bundle = base_bundle(Path(a.cache))
-    if a.out:
-        res = run_load(cfg, Path(a.out), bundle)
-    else:
-        with tempfile.TemporaryDirectory(prefix="edge-fleet-load-") as tmp:
-            res = run_load(cfg, Path(tmp), bundle)
+    try:
+        if a.out:
+            res = run_load(cfg, Path(a.out), bundle)
+        else:
+            with tempfile.TemporaryDirectory(prefix="edge-fleet-load-") as tmp:
+                res = run_load(cfg, Path(tmp), bundle)
+    except LoadFailed as exc:  # what it got to is the finding
+        res = exc.partial
+        res.setdefault("new_version", None)
     if a.json:
         print(json.dumps(res, default=str))
     else:

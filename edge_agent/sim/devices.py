@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,12 +345,21 @@ class SimFleet:
                                   verifier=verifier, pool=self.pool, labels_sha256=digest) for i in range(self.count)]
 
     def start(self, connect_rate: float = 500.0) -> None:
-        for hub in self.hubs:
-            hub.start()
+        self.start_hubs()
         for i, dev in enumerate(self.devices):
             dev.hub.call_soon(dev.connect)
             if connect_rate > 0 and i % 50 == 49:
                 time.sleep(50.0 / connect_rate)
+
+    def start_hubs(self) -> None:
+        for hub in self.hubs:
+            hub.start()
+
+    def connect(self, indices: Iterable[int]) -> None:
+        """Start these devices' connections (hubs started)."""
+        for i in indices:
+            dev = self.devices[i]
+            dev.hub.call_soon(dev.connect)
 
     def stop(self) -> None:
         for dev in self.devices:

@@ -21,7 +21,6 @@ limit for this process and, inherited, for the broker and serve.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sqlite3
@@ -59,6 +58,24 @@ class LoadConfig:
     tick_s: float = 0.5
     nice: int = 0  # niceness of broker and serve (benchmarks on a shared machine)
     timeout_s: float = 1800.0
+    state_interval_s: float = 60.0  # the simulated devices' periodic state (the agent's default)
+    profile_serve: bool = False  # serve under cProfile: <workdir>/serve.prof (written when serve stops)
+    # Devices the coordinator already knows: enrolled and approved in its registry before serve
+    # starts (as after a coordinator restart, or `approve` after a first hello): their hellos
+    # then cost serve no trust-store reload (a fresh enrolment does: see docs/fleet.md)
+    pre_enrol: bool = False
+    # At most this many devices connected and not yet online in the registry (0: no gate,
+    # only `connect_rate`): new connections wait for serve, so its inbox never overflows
+    connect_backlog: int = 0
+
+
+class LoadFailed(RuntimeError):
+    """A run that did not finish its round; `partial` holds the figures it got so far (the
+    phases, the simulated fleet's counts, serve's log counts, the round's rows if it opened)."""
+
+    def __init__(self, why: str, partial: dict[str, Any]) -> None:
+        super().__init__(why)
+        self.partial = partial
 
 
 class LoadBroker(MosquittoBroker):
@@ -118,6 +135,18 @@ def _du(path: Path) -> int:
     return total
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (its threads included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14 and 15)
+
+
 def _hwm_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -136,6 +165,9 @@ class LoadRun:
         self.serve: subprocess.Popen[bytes] | None = None
         self.fleet: SimFleet | None = None
         self.prefix = f"load{os.getpid()}/edgeft/v1"
+        self.partial: dict[str, Any] = {}  # measure()'s figures as they come
+        self.job: str | None = None
+        self.mark: tuple[float, dict[str, float]] | None = None  # the last phase's end
 
     def _pre(self) -> Any:
         nice = self.cfg.nice
@@ -166,23 +198,41 @@ class LoadRun:
         (self.state / "keys").mkdir(parents=True, exist_ok=True, mode=0o700)
         keys.save_private_key(self.state / "keys" / "coordinator.key", key)
         self.run_cli("model", "register", str(archive), "--name", "simhead", "--version", "1")
-        log = open(self.workdir / "coordinator.log", "ab")  # noqa: SIM115 - handed to the child
-        self.serve = subprocess.Popen(
-            [*self.cli, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
-             self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
-             "--aggregator", cfg.aggregator], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=self._pre())  # noqa: PLW1509
-        log.close()
-        self._wait(self._serving, 120, "serve did not connect to the broker")
         names = self._head_names()  # the pool's tensors are the registered head's
         pool = UpdatePool({names["w"]: np.zeros((classes, features), np.float32),
                            names["b"]: np.zeros(classes, np.float32)},
                           density=cfg.density, bits=cfg.bits, clusters=cfg.non_iid)
         opts = SimOptions(port=self.broker.port, fleet="sim", prefix=self.prefix, dropout=cfg.dropout,
-                          slow_share=cfg.slow_share, slow_delay_s=cfg.slow_delay_s, train_s=(0.0, cfg.train_s))
+                          slow_share=cfg.slow_share, slow_delay_s=cfg.slow_delay_s, train_s=(0.0, cfg.train_s),
+                          state_interval_s=cfg.state_interval_s)
         self.fleet = SimFleet(options=opts, count=cfg.devices, pool=pool, coordinator_key=key.public_key(),
                               threads=cfg.threads, labels=self.labels)
         self.fleet.build()
+        if cfg.pre_enrol:
+            t0 = time.monotonic()
+            self.pre_enrol()
+            self.pre_enrol_s = time.monotonic() - t0
+        log = open(self.workdir / "coordinator.log", "ab")  # noqa: SIM115 - handed to the child
+        prof = [sys.executable, "-m", "cProfile", "-o", str(self.workdir / "serve.prof"), "-m",
+                "edge_agent.coordinator.cli"] if cfg.profile_serve else self.cli
+        self.serve = subprocess.Popen(
+            [*prof, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
+             self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
+             "--aggregator", cfg.aggregator], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=self._pre())  # noqa: PLW1509
+        log.close()
+        self._wait(self._serving, 120, "serve did not connect to the broker")
+
+    def pre_enrol(self) -> None:
+        """Enrol and approve every simulated device in the registry (serve not running yet)."""
+        from ..config import public_key_text
+        from ..coordinator.registry import Registry
+
+        assert self.fleet is not None
+        with Registry(state_dir=self.state) as reg:
+            for dev in self.fleet.devices:
+                reg.enrol_device(device_id=dev.id, public_key=public_key_text(dev.key), fleet="sim",
+                                 board="simulated", profile="sim", approved=True)
 
     def _head_names(self) -> dict[str, str]:
         from ..coordinator.registry import Registry
@@ -214,40 +264,124 @@ class LoadRun:
         return sqlite3.connect(f"file:{self.state / 'registry.sqlite3'}?mode=ro", uri=True, timeout=60)
 
     def online(self) -> int:
+        """Devices approved, online and with a state recorded (a battery level: the state's)."""
         db = self._db()
         try:
-            rows = db.execute("SELECT state FROM devices WHERE approved = 1 AND online = 1").fetchall()
+            return int(db.execute("SELECT COUNT(*) FROM devices WHERE approved = 1 AND online = 1 AND "
+                                  "json_extract(state, '$.battery_pct') IS NOT NULL").fetchone()[0])
         finally:
             db.close()
-        return sum(1 for (s,) in rows if json.loads(s).get("battery_pct") is not None)
+
+    def _connect_all(self) -> None:
+        """Start every device's connection: at `connect_rate`, and with `connect_backlog` never
+        more than that many connected and not yet online in the registry."""
+        assert self.fleet is not None
+        cfg, fleet = self.cfg, self.fleet
+        if not cfg.connect_backlog:
+            fleet.start(connect_rate=cfg.connect_rate)
+            return
+        fleet.start_hubs()
+        started, step = 0, 0.2
+        while started < cfg.devices:
+            self._check()
+            room = cfg.connect_backlog - (started - self.online())
+            batch = max(0, min(room, max(1, int(cfg.connect_rate * step)), cfg.devices - started))
+            fleet.connect(range(started, started + batch))
+            started += batch
+            time.sleep(step)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of serve, the broker and this process (the simulated fleet)."""
+        assert self.serve is not None and self.broker is not None
+        own = os.times()
+        return {"serve": cpu_s(self.serve.pid), "broker": cpu_s(self.broker._proc.pid),  # type: ignore[union-attr]
+                "sim": own.user + own.system}
+
+    def _phase(self, out: dict[str, Any], name: str, since: tuple[float, dict[str, float]]) -> tuple[float, dict[str, float]]:
+        """Record phase `name`'s wall time and each process's CPU share of one core over it."""
+        now, cpu = time.monotonic(), self.cpu()
+        wall = now - since[0]
+        out.setdefault("phases", {})[name] = {"wall_s": round(wall, 2), **{
+            f"{k}_cpu": round((cpu[k] - since[1][k]) / wall, 3) if wall > 0 else float("nan") for k in cpu}}
+        self.mark = (now, cpu)
+        return now, cpu
 
     def measure(self) -> dict[str, Any]:
         """Connect the fleet, run one round, return the figures."""
         assert self.fleet is not None and self.serve is not None
-        cfg, out = self.cfg, {}
+        cfg = self.cfg
+        out: dict[str, Any] = self.partial
+        if cfg.pre_enrol:
+            out["pre_enrol_s"] = round(self.pre_enrol_s, 1)
         t0 = time.monotonic()
-        self.fleet.start(connect_rate=cfg.connect_rate)
+        mark = self.mark = (t0, self.cpu())
+        self._connect_all()
         self._wait(lambda: sum(d.stats.connected_at is not None for d in self.fleet.devices) >= cfg.devices,  # type: ignore[union-attr]
                    cfg.timeout_s, "not every simulated device connected", 0.2)
         out["connect_s"] = time.monotonic() - t0
-        self._wait(lambda: (self._check(), self.online() >= cfg.devices)[1], cfg.timeout_s,
-                   "the coordinator did not see every device online", 1.0)
+        mark = self._phase(out, "connect", mark)
+        curve: list[tuple[float, int]] = []
+        out["online_curve"] = curve  # (s since the start, devices online in the registry), every ~10 s
+
+        def all_online() -> bool:
+            self._check()
+            n, t = self.online(), time.monotonic() - t0
+            if not curve or t - curve[-1][0] >= 10.0 or n >= cfg.devices:
+                curve.append((round(t, 1), n))
+            return n >= cfg.devices
+
+        self._wait(all_online, cfg.timeout_s, "the coordinator did not see every device online", 1.0)
         out["online_s"] = time.monotonic() - t0
+        mark = self._phase(out, "enrol", mark)
         disk0 = _du(self.state)
         text = self.run_cli("train", "--model", "simhead", "--devices", "all", "--rounds", "1", "--min-devices",
                             str(max(1, sum(not d.drops for d in self.fleet.devices))), "--deadline", f"{int(cfg.deadline_s)}s", "--aggregator", cfg.aggregator,
                             "--detach")
-        job = text.split()[1].rstrip(":")
+        job = self.job = text.split()[1].rstrip(":")
         t1 = time.monotonic()
         self._wait(lambda: (self._check(), self._round_over(job))[1], cfg.timeout_s, f"round of job {job} did not end")
         out["round_wall_s"] = time.monotonic() - t1
+        self._phase(out, "round", mark)
         out["rss_mb"] = _hwm_mb(self.serve.pid)
         time.sleep(1.0)  # the new version's files and the WAL settle
         out["disk_mb"] = (_du(self.state) - disk0) / 1e6
         out.update(self._round_figures(job))
         out["sim"] = self.fleet.summary()
+        out["serve_log"] = self.log_counts()
         out["config"] = asdict(cfg)
         return out
+
+    def log_counts(self) -> dict[str, Any]:
+        """What serve's log says about lost work: the MQTT client's drop summaries (one line per
+        10 s: "dropped N received messages ...: n why, n why"), loop errors, commands sent."""
+        import re
+
+        drops: dict[str, int] = {}
+        counts: dict[str, Any] = {"dropped": 0, "dropped_by": drops, "loop_errors": 0, "finetune_sent": 0}
+        try:
+            text = (self.workdir / "coordinator.log").read_text(errors="replace")
+        except OSError:
+            return counts
+        for line in text.splitlines():
+            m = re.search(r"dropped (\d+) received messages[^:]*: (.*)$", line)
+            if m:
+                counts["dropped"] += int(m[1])
+                for n, why in re.findall(r"(\d+) (.+?)(?=, \d+ |$)", m[2]):
+                    why = re.sub(r"device \w+", "device *", why.strip())[:80]
+                    drops[why] = drops.get(why, 0) + int(n)
+            elif "loop step failed" in line:
+                counts["loop_errors"] += 1
+            elif "finetune sent to" in line:
+                counts["finetune_sent"] += 1
+        return counts
+        for line in text.splitlines():
+            if "inbox full" in line:
+                counts["inbox_full"] += 1
+            elif "loop step failed" in line:
+                counts["loop_errors"] += 1
+            elif "finetune sent to" in line:
+                counts["finetune_sent"] += 1
+        return counts
 
     def _round_over(self, job: str) -> bool:
         db = self._db()
@@ -313,5 +447,18 @@ def run_load(cfg: LoadConfig, workdir: Path, base_bundle: Path) -> dict[str, Any
     try:
         run.start(base_bundle)
         return run.measure()
+    except Exception as exc:
+        out = run.partial
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        out["config"] = asdict(cfg)
+        if run.mark is not None and run.serve is not None:
+            run._phase(out, "until_failure", run.mark)
+        for what, get in (("sim", lambda: run.fleet.summary() if run.fleet else None), ("serve_log", run.log_counts),
+                          ("round", lambda: run._round_figures(run.job) if run.job else None)):
+            try:
+                out[what] = get()
+            except Exception as inner:  # what can be had: the error itself is the finding
+                out[what] = f"unavailable: {inner}"
+        raise LoadFailed(str(exc), out) from exc
     finally:
         run.close()
