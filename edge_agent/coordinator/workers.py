@@ -54,6 +54,7 @@ from ..transport.uplink import (
     ReceiveResult,
     UpdateReceiver,
 )
+from .db import WRITE_LOCK_KEY
 from .rounds import RoundEngine
 from .streaming import Layout, RunningSum
 
@@ -107,7 +108,8 @@ class WorkerStore:
         self._pruned_at = 0.0
         self._key = int.from_bytes(hashlib.sha256(f"leader/{group}".encode()).digest()[:4], "big", signed=True)
         self._connect()
-        with self._lock:
+        with self._lock, self._conn.transaction():  # workers starting together: one creates the tables
+            self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK_KEY,))
             for sql in SCHEMA:
                 self._conn.execute(sql)
 
