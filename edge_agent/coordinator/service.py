@@ -87,6 +87,7 @@ from .workers import (
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
+RESIGN_AFTER_S = 10.0  # a leader cut off from the broker this long lets a connected worker lead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,10 +247,28 @@ class Coordinator(DeviceMessages):
             pass
         self.client.stop()
         if self.shared is not None:
+            self._hand_back_sequence()
             self.shared.close()  # the leader lock goes with its connection
         self.registry.close()
         for fd in self._lock_fds:
             os.close(fd)
+
+    def _hand_back_sequence(self) -> None:
+        """keys/seq (SequenceCounter's lease) above the group's last number: a lone serve
+        started here later (numbering from its own clock, not the database's) resumes above it."""
+        from ..atomic import read_checked, write_checked
+
+        assert self.shared is not None
+        path = self.state_dir / "keys" / "seq"
+        try:
+            last = self.signer.sequence.next()
+            try:
+                last = max(last, int(read_checked(path, 64).decode()))
+            except (OSError, ValueError, InputError):
+                pass
+            write_checked(path, str(last + 1).encode(), mode=0o600)
+        except (OSError, TransientError) as exc:
+            log.warning("worker %s: %s not written: %s", self.worker_id, path, exc)
 
     @property
     def leading(self) -> bool:
@@ -297,6 +316,14 @@ class Coordinator(DeviceMessages):
         once per connection: a shared subscription is never sent retained messages."""
         assert self.shared is not None
         was = self.shared.leader
+        if not self.client.connected:  # a leader must reach the devices: only a connected worker leads
+            self._down_since = self._down_since or time.monotonic()
+            if was and time.monotonic() - self._down_since >= RESIGN_AFTER_S:
+                self.shared.resign()
+            if not self.shared.leader:
+                return False
+        else:
+            self._down_since = 0.0
         if not self.shared.elect():
             return False
         if not was:
@@ -313,6 +340,7 @@ class Coordinator(DeviceMessages):
         return True
 
     _peeked = -1
+    _down_since = 0.0
 
     def _retain(self) -> None:
         """Apply the retention policy when due; retract pruned versions' retained messages."""

@@ -160,6 +160,16 @@ class WorkerStore:
                      self.group)
         return self.leader
 
+    def resign(self) -> None:
+        """Give the leader lock up (its holder lost the broker): another worker takes it."""
+        try:
+            self.execute("SELECT pg_advisory_unlock(%s, %s)", (_LEADER_NS, self._key))
+        except TransientError:
+            pass  # the connection is gone: so is the lock
+        if self.leader:
+            log.warning("worker %s resigns as leader of group %s", self.worker_id, self.group)
+        self.leader = False
+
     def beat(self, pid: int) -> None:
         self.execute("INSERT INTO workers (grp, id, pid, heartbeat_at, leader) VALUES (%s, %s, %s, %s, %s) "
                      "ON CONFLICT (grp, id) DO UPDATE SET pid = EXCLUDED.pid, heartbeat_at = EXCLUDED.heartbeat_at, "
