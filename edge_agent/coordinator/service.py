@@ -459,29 +459,34 @@ class Coordinator(DeviceMessages):
         """Approved devices' keys into the trust store (approvals come from the CLI too)."""
         approved = self.registry.approved_keys()
         for device, key in approved.items():
-            if self._trusted.get(device) == key:
-                continue
-            try:
-                self.trust.add(public_key_from_bytes(base64.b64decode(key, validate=True)), role="device")
-            except (InputError, ValueError):
-                log.error("device %s: stored public key is unusable", device)
-                continue
-            if device in self._trusted or self._connects == 0:
-                self._trusted[device] = key
-                continue
-            self._trusted[device] = key
-            if self.leading:  # one worker of a group is enough
-                # Newly approved: its retained state was refused before; subscribing again re-delivers it.
-                topic = self.topics.device(device, "state")
-                self.client.subscribe(topic)
-                self._peeks[topic] = time.monotonic() + 5.0
-            self.pending.approved(device)
-            log.info("device %s approved: messages from it are now accepted", device)
+            self._trust_device(device, key)
         for device in [d for d in self._trusted if d not in approved]:
             self.trust.remove(device)
             self.pending.add(device, self._trusted[device])  # revoked: shown as pending again
             del self._trusted[device]
             log.info("device %s no longer approved: its messages are refused", device)
+
+    def _trust_device(self, device: str, key: str) -> None:
+        """One approved device's key into the trust store (a hello that auto-approves calls
+        this alone: reading every approved key per hello made enrolment O(N^2))."""
+        if self._trusted.get(device) == key:
+            return
+        try:
+            self.trust.add(public_key_from_bytes(base64.b64decode(key, validate=True)), role="device")
+        except (InputError, ValueError):
+            log.error("device %s: stored public key is unusable", device)
+            return
+        if device in self._trusted or self._connects == 0:
+            self._trusted[device] = key
+            return
+        self._trusted[device] = key
+        if self.leading:  # one worker of a group is enough
+            # Newly approved: its retained state was refused before; subscribing again re-delivers it.
+            topic = self.topics.device(device, "state")
+            self.client.subscribe(topic)
+            self._peeks[topic] = time.monotonic() + 5.0
+        self.pending.approved(device)
+        log.info("device %s approved: messages from it are now accepted", device)
 
     def _unpeek(self) -> None:
         now = time.monotonic()

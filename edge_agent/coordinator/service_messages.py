@@ -77,7 +77,7 @@ class DeviceMessages:
     def _new_receiver(self) -> UpdateReceiver:  # provided by Coordinator
         raise NotImplementedError
 
-    def _sync_trust(self) -> None:  # provided by Coordinator
+    def _trust_device(self, device: str, key: str) -> None:  # provided by Coordinator
         raise NotImplementedError
 
     def _full_wanted(self, ref: str) -> None:  # provided by Coordinator
@@ -138,7 +138,7 @@ class DeviceMessages:
             self.pending.announce(self.registry, device, name=printable["name"], board=printable["board"],
                                   enrolled=existing is None)
         if dev.approved and device not in self._trusted:
-            self._sync_trust()
+            self._trust_device(device, dev.public_key)
 
     def _state(self, msg: Message, device: str) -> None:
         # numpy-free: the device's own encoding of its facts
