@@ -63,7 +63,7 @@ GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 REPLAY_SPAN = 600 * 10**6  # sequence units (clock-seeded: ~10**6 per second of the sender's clock)
 CHUNK_KEEP_S = 3600.0  # partial uploads older than this are dropped (the device resends)
 RESULT_KEEP_S = 86400.0
-_LEADER_NS = 0x65646765  # "edge": the first key of the two-int advisory lock; the group's hash is the second
+_LEADER_NS = 0x6557_4B52  # "eWKR": the first key of the two-int advisory lock; the group's hash is the second
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS worker_seq (id TEXT PRIMARY KEY, next BIGINT NOT NULL)",

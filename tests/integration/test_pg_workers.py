@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from edge_agent import keys
+from edge_agent.coordinator.workers import _LEADER_NS  # the leader lock's namespace
 from edge_agent.sim.devices import SimFleet, SimOptions, UpdatePool
 from edge_agent.sim.fleet_load import LoadBroker, wide_head_bundle
 
@@ -32,7 +33,6 @@ REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "edge_agent.coordinator.cli"]
 DEVICES = 24
 WORKERS = ("w1", "w2", "w3")
-_LEADER_NS = 0x65646765  # workers.py's advisory lock namespace
 
 
 @pytest.fixture
@@ -121,7 +121,8 @@ class Group:
     def leader(self) -> str | None:
         """The worker holding the group's lock, as PostgreSQL sees it (not a heartbeat)."""
         rows = sql(self.url, "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                             "WHERE l.locktype = 'advisory' AND l.classid = %s AND l.granted", (_LEADER_NS,))
+                             "WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objsubid = 2 AND l.granted",
+                   (_LEADER_NS,))
         return rows[0][0].rsplit(" ", 1)[-1] if rows else None
 
     def registry(self) -> Any:
@@ -243,9 +244,10 @@ def check_round(group: Group, res: dict[str, Any], tmp: Path) -> None:
     assert head.keys() == single.keys()
     for name in head:  # the same sum, folded in another order: float rounding only
         np.testing.assert_allclose(head[name], single[name], rtol=1e-6, atol=1e-7)
+    res["max_abs_diff"] = max(float(np.max(np.abs(head[n] - single[n]))) for n in head)
     print(f"\nkilled {res['killed']} with {res['stored_at_kill']}/{DEVICES} updates stored; failover "
           f"{res['failover_s'] if res['failover_s'] is None else round(res['failover_s'], 2)} s; round ended "
-          f"{res['closed_s']:.1f} s after the kill")
+          f"{res['closed_s']:.1f} s after the kill; {group.fleet.summary()['uploads']} upload attempts; max |head - single-worker head| {res['max_abs_diff']:.3g}")
 
 
 @pytest.mark.parametrize("victim", ["leader", "follower"])
