@@ -45,7 +45,8 @@ test: $(STAMP)
 PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py tests/unit/test_retention.py \
 	tests/unit/test_approval.py tests/unit/test_cli_exit_codes.py tests/unit/test_plateau.py \
 	tests/unit/test_dashboard_views.py tests/unit/test_update_defaults.py tests/unit/test_requantize.py \
-	tests/unit/test_server_opt.py tests/unit/test_workers_pg.py tests/integration/test_pg_workers.py
+	tests/unit/test_server_opt.py tests/unit/test_workers_pg.py \
+	tests/unit/test_shared_rounds_pg.py tests/integration/test_pg_workers.py
 test-pg: $(STAMP)
 	$(BIN)/python -m pytest --pg $(PG_TESTS) $(PYTEST_ARGS)
 

@@ -27,9 +27,12 @@ workers, and every worker ingests (verifies, reassembles, stores, acks). What a 
     worker_results  a device's result metrics (its progress report) until its update
                     arrives, perhaps at another worker.
 
-Running sums (robust_rounds.py) are per process, so a leader's would miss the other
-workers' updates: `SharedRoundEngine` keeps none and builds the round's sum from the
-stored payloads when it closes (O(N) once per round, the same as after a restart).
+Running sums (robust_rounds.py) are per process, so a leader's would hold only its own
+share (RunningSum.combine would load the rest at close, but a payload another worker stored
+that does not decode would then fail the close instead of being rejected as unreadable):
+`SharedRoundEngine` keeps none and builds the round's sum from the stored payloads when it
+closes (O(N) once per round, as after a restart; folded in device order, so the result does
+not depend on which worker received what).
 Duplicates cannot be counted twice: `Registry.add_update` checks and inserts under the
 registry's write lock, and (job, device, round) is unique.
 """
