@@ -34,6 +34,7 @@ import base64
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -497,7 +498,7 @@ class Coordinator(DeviceMessages):
     def _heartbeat(self, *, stopped: bool = False) -> None:
         o = self.options
         info: dict[str, Any] = {
-            "pid": os.getpid(), "started_at": self.started_at, "heartbeat_at": time.time(),
+            "pid": os.getpid(), "host": socket.gethostname(), "started_at": self.started_at, "heartbeat_at": time.time(),
             "broker": f"{o.host}:{o.port}", "fleet": o.fleet, "topic_prefix": o.topic_prefix,
             "connected": self.client.connected, "coordinator_key": self.public_key, "key_id": self.key_id,
             "auto_approve": o.auto_approve, "policy": asdict(o.policy), "errors": self.errors,
@@ -519,7 +520,6 @@ class Coordinator(DeviceMessages):
 def _worker_id() -> str:
     """<host>-<pid>, as a topic-level-safe id: unique per process on a host."""
     import re
-    import socket
 
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40].strip("-") or "host"
     return f"{host}-{os.getpid()}"

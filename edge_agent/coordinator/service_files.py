@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ def serving(info: dict[str, Any] | None, *, now: float | None = None, stale_s: f
         return False
     if (time.time() if now is None else now) - beat > stale_s:
         return False
+    if info.get("host") not in (None, socket.gethostname()):  # a workers group's leader on another host
+        return True  # (its pid means nothing here): the fresh heartbeat says it
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

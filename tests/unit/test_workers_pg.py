@@ -212,3 +212,14 @@ def test_a_worker_hands_the_group_sequence_back_to_keys_seq(tmp_path: Path, pg_u
     finally:
         c.close()
     assert SequenceCounter(path=tmp_path / "keys" / "seq").next() > ahead
+
+
+def test_a_leader_on_another_host_is_serving_while_its_heartbeat_is_fresh() -> None:
+    import socket
+
+    from edge_agent.coordinator.service_files import serving
+
+    other = {"pid": 2**22 + 12345, "host": socket.gethostname() + "-elsewhere", "heartbeat_at": time.time()}
+    assert serving(other)  # its pid means nothing on this host
+    assert not serving({**other, "heartbeat_at": time.time() - 60})
+    assert not serving({**other, "host": socket.gethostname()})  # here: no such process
