@@ -107,6 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                            ack_interval=args.ack_interval, retention=policy_from_args(args),
                            workers_group=args.workers_group, worker_id=args.worker_id)
+    if args.workers_group and args.embedded_broker:  # amqtt has no $share/ subscriptions
+        raise UsageError("--workers-group needs a broker with MQTT shared subscriptions (mosquitto 2, EMQX, "
+                         "HiveMQ, VerneMQ), not --embedded-broker")
     if args.ui_token and not args.ui:
         raise UsageError("--ui-token needs --ui ADDR:PORT")
     if args.ui:
