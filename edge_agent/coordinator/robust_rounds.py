@@ -121,8 +121,8 @@ class RobustRounds:
         this job published it; None otherwise (a job's first round)."""
         key = (job_id, model, version)
         if key not in self._steps:
-            if len(self._steps) > 16:
-                self._steps.clear()
+            if len(self._steps) >= 4:  # a head-sized float64 each (8 MB at 1M parameters): the oldest goes
+                self._steps.pop(next(iter(self._steps)))
             mv, step = self.registry.get_model(model, version), None
             if mv.job_id == job_id and mv.parent is not None:
                 layout = self._layout(model, version)
