@@ -92,7 +92,10 @@ def _phases(r: dict[str, Any]) -> str:
                          f"sim {p['sim_cpu']:.2f}")
     log = r.get("serve_log") or {}
     drops = log.get("dropped", 0) if isinstance(log, dict) else "?"
-    return f"| {c['devices']:,} | {c['params']} | {c['aggregator']} | {'; '.join(cells)} | {drops:,} |"
+    stacks = r.get("serve_stacks") or {}
+    top = ", ".join(f"{where} x{n}" for where, n in list(stacks.items())[:3]) if isinstance(stacks, dict) else ""
+    return (f"| {c['devices']:,} | {c['params']} | {c['aggregator']} | {'; '.join(cells)} | {drops:,} "
+            f"| {top or 'not sampled'} |")
 
 
 def _config(n: int, params: str, agg: str, nice: int) -> LoadConfig:
@@ -101,9 +104,12 @@ def _config(n: int, params: str, agg: str, nice: int) -> LoadConfig:
     # 10,000: known to the coordinator before it starts (a fresh enrolment costs serve a full
     # trust-store reload per device: O(N^2), docs/fleet.md), connections gated on serve taking
     # them (at most 300 connected and not yet online), states every 240 s (60 s would be 167
-    # a second, most of what this serve ingests), within serve's 300 s online window
+    # a second, most of what this serve ingests), within serve's 300 s online window; serve
+    # --tick 3: its tick reads every participant (~0.75 s at 10,000) and the loop handles one
+    # message between two ticks once a tick outlasts --tick; stacks sampled every 30 s
     return LoadConfig(devices=n, params=params, aggregator=agg, nice=nice, deadline_s=1500.0, timeout_s=2400.0,
-                      pre_enrol=True, connect_backlog=300, connect_rate=500.0, state_interval_s=240.0)
+                      pre_enrol=True, connect_backlog=300, connect_rate=500.0, state_interval_s=240.0, tick_s=3.0,
+                      stack_every_s=30.0)
 
 
 def run(quick: bool = False) -> str:
@@ -148,7 +154,7 @@ def run(quick: bool = False) -> str:
         "sessions up (then hello, state, auto-approval). Updates/s = updates stored over the span from the first "
         "to the last (bounded below by the simulated training spread of 0-2 s). Last update -> version = the new "
         "version's created_at minus the last update's received_at. RSS = serve's VmHWM. Disk = what the round "
-        "added under serve's state dir. Broker and serve at nice "
+        "added under serve's state dir. serve --tick 0.5 (10,000 devices: 3). Broker and serve at nice "
         f"{nice}.",
         "",
         "",
@@ -167,7 +173,8 @@ def run(quick: bool = False) -> str:
     lines += ["", "Where the time went: each phase's wall time and the CPU each process used over it, in cores "
                   "(1.00 = one core busy all along; the machine has 2); dropped = messages serve's MQTT client "
                   "dropped (its log's summaries: inbox full):", "",
-              "| devices | head | aggregator | phases (CPU in cores) | serve dropped |", "|---:|---|---|---|---:|",
+              "| devices | head | aggregator | phases (CPU in cores) | serve dropped "
+              "| serve's main thread in the round (stack samples) |", "|---:|---|---|---|---:|---|",
               *(_phases(r) for r in rows + partial)]
     verdict = _verdict(rows)
     if verdict:

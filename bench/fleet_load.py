@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect-backlog", type=int, default=0,
                    help="at most this many connected and not yet online (0: no gate, only --connect-rate)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up on a phase after this long (s)")
+    p.add_argument("--tick", type=float, default=0.5, help="serve --tick (s)")
+    p.add_argument("--stack-every", type=float, default=0.0,
+                   help="during the round, serve dumps its stacks into its log every S s (counted in serve_stacks)")
     p.add_argument("--profile-serve", action="store_true", help="serve under cProfile (OUT/serve.prof; needs --out)")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "edge-fleet-load-cache"))
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                      slow_share=a.slow_share, slow_delay_s=a.slow_delay, non_iid=a.non_iid, density=a.density,
                      threads=a.threads, connect_rate=a.connect_rate, train_s=a.train_s, nice=a.nice,
                      deadline_s=a.deadline, state_interval_s=a.state_interval, profile_serve=a.profile_serve,
-                     pre_enrol=a.pre_enrol, connect_backlog=a.connect_backlog, timeout_s=a.timeout)
+                     pre_enrol=a.pre_enrol, connect_backlog=a.connect_backlog, timeout_s=a.timeout,
+                     tick_s=a.tick, stack_every_s=a.stack_every)
     if a.profile_serve and not a.out:
         p.error("--profile-serve needs --out (the profile is written there)")
     bundle = base_bundle(Path(a.cache))

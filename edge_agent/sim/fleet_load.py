@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -67,6 +68,9 @@ class LoadConfig:
     # At most this many devices connected and not yet online in the registry (0: no gate,
     # only `connect_rate`): new connections wait for serve, so its inbox never overflows
     connect_backlog: int = 0
+    # every this many s of the round, serve dumps its threads' stacks into its log (SIGUSR1,
+    # faulthandler): where its loop spends the round, counted in `serve_stacks` (0: never)
+    stack_every_s: float = 0.0
 
 
 class LoadFailed(RuntimeError):
@@ -213,8 +217,15 @@ class LoadRun:
             self.pre_enrol()
             self.pre_enrol_s = time.monotonic() - t0
         log = open(self.workdir / "coordinator.log", "ab")  # noqa: SIM115 - handed to the child
-        prof = [sys.executable, "-m", "cProfile", "-o", str(self.workdir / "serve.prof"), "-m",
-                "edge_agent.coordinator.cli"] if cfg.profile_serve else self.cli
+        if cfg.profile_serve:
+            prof = [sys.executable, "-m", "cProfile", "-o", str(self.workdir / "serve.prof"), "-m",
+                    "edge_agent.coordinator.cli"]
+        elif cfg.stack_every_s:
+            prof = [sys.executable, "-c", "import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, "
+                    "all_threads=True); runpy.run_module('edge_agent.coordinator.cli', run_name='__main__', "
+                    "alter_sys=True)"]
+        else:
+            prof = self.cli
         self.serve = subprocess.Popen(
             [*prof, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
              self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
@@ -339,7 +350,16 @@ class LoadRun:
                             "--detach")
         job = self.job = text.split()[1].rstrip(":")
         t1 = time.monotonic()
-        self._wait(lambda: (self._check(), self._round_over(job))[1], cfg.timeout_s, f"round of job {job} did not end")
+        next_stack = [t1 + cfg.stack_every_s]
+
+        def over() -> bool:
+            self._check()
+            if cfg.stack_every_s and time.monotonic() >= next_stack[0]:
+                next_stack[0] += cfg.stack_every_s
+                self.serve.send_signal(signal.SIGUSR1)  # type: ignore[union-attr]
+            return self._round_over(job)
+
+        self._wait(over, cfg.timeout_s, f"round of job {job} did not end")
         out["round_wall_s"] = time.monotonic() - t1
         self._phase(out, "round", mark)
         out["rss_mb"] = _hwm_mb(self.serve.pid)
@@ -348,8 +368,31 @@ class LoadRun:
         out.update(self._round_figures(job))
         out["sim"] = self.fleet.summary()
         out["serve_log"] = self.log_counts()
+        out["serve_stacks"] = self.stack_counts()
         out["config"] = asdict(cfg)
         return out
+
+    def stack_counts(self) -> dict[str, int]:
+        """The main thread's innermost coordinator frame in each faulthandler dump (serve's log)."""
+        import re
+
+        counts: dict[str, int] = {}
+        try:
+            text = (self.workdir / "coordinator.log").read_text(errors="replace")
+        except OSError:
+            return counts
+        # faulthandler prints the current thread first, innermost frame first: the main thread
+        # is the one running cli.py
+        for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+            frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+            if not any(f.endswith("coordinator/cli.py") for f, _, _ in frames):
+                continue
+            inner = next(((f, n, fn) for f, n, fn in frames if "/edge_agent/coordinator/" in f or
+                          "/edge_agent/transport/" in f or "/edge_agent/protocol/" in f), None)
+            if inner is not None:
+                key = f"{inner[0].split('/edge_agent/', 1)[1]}:{inner[1]} {inner[2]}"
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     def log_counts(self) -> dict[str, Any]:
         """What serve's log says about lost work: the MQTT client's drop summaries (one line per
@@ -454,6 +497,7 @@ def run_load(cfg: LoadConfig, workdir: Path, base_bundle: Path) -> dict[str, Any
         if run.mark is not None and run.serve is not None:
             run._phase(out, "until_failure", run.mark)
         for what, get in (("sim", lambda: run.fleet.summary() if run.fleet else None), ("serve_log", run.log_counts),
+                          ("serve_stacks", run.stack_counts),
                           ("round", lambda: run._round_figures(run.job) if run.job else None)):
             try:
                 out[what] = get()
