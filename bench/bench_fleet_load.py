@@ -101,14 +101,14 @@ def _phases(r: dict[str, Any]) -> str:
 def _config(n: int, params: str, agg: str, nice: int) -> LoadConfig:
     if n <= 1000:  # a lost dropout report makes a round wait for its deadline: keep it bounded
         return LoadConfig(devices=n, params=params, aggregator=agg, nice=nice, deadline_s=120.0 + 0.2 * n)
-    # 10,000: known to the coordinator before it starts (a fresh enrolment costs serve a full
-    # trust-store reload per device: O(N^2), docs/fleet.md), connections gated on serve taking
-    # them (at most 300 connected and not yet online), states every 240 s (60 s would be 167
-    # a second, most of what this serve ingests), within serve's 300 s online window; serve
+    # 10,000: enrolled fresh (070b8e9: a hello trusts one key, no longer every approved key),
+    # connections gated on serve taking them (at most 300 connected and not yet online), states
+    # every 240 s (60 s would be 167 a second, most of what this serve ingests), within serve's
+    # 300 s online window; serve
     # --tick 3: its tick reads every participant (~0.75 s at 10,000) and the loop handles one
     # message between two ticks once a tick outlasts --tick; stacks sampled every 30 s
     return LoadConfig(devices=n, params=params, aggregator=agg, nice=nice, deadline_s=1500.0, timeout_s=2400.0,
-                      pre_enrol=True, connect_backlog=300, connect_rate=500.0, state_interval_s=240.0, tick_s=3.0,
+                      connect_backlog=300, connect_rate=500.0, state_interval_s=240.0, tick_s=3.0,
                       stack_every_s=30.0)
 
 
@@ -187,6 +187,10 @@ def run(quick: bool = False) -> str:
             lines.append(f"  - {r['config']['devices']:,} x {r['config']['params']} x {r['config']['aggregator']}: "
                          f"got to {', '.join(k for k in ('connect_s', 'online_s', 'round_wall_s') if k in r) or 'no phase'}"
                          f"; simulated fleet {sim}; round {rnd}")
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("EDGE_FLEET_LOAD_10K", "EDGE_FLEET_LOAD_10K_ROWS",
+                                                     "EDGE_FLEET_LOAD_NICE") if k in os.environ)
+    if env:
+        lines += ["", f"Environment of this run: `{env}`."]
     if 10_000 not in sizes:
         lines += ["", "10,000 devices: set EDGE_FLEET_LOAD_10K=1 (long)."]
     lines += ["", "Reproduce one row: `python -m bench.fleet_load --devices 1000 --params 1m --aggregator "
