@@ -432,6 +432,12 @@ class BudgetGovernor:
         if self._cancel.is_set():
             return self._halt(StopReason.CANCELLED, self._cancel_detail)
         b = self.budget
+        if b.budget_j is not None and self.meter.last is None and self.meter.failed_reads >= 3:
+            # Not one reading since the start (a counter's priming read and a read at the same
+            # instant do not count): the job would go unmetered. A short job used to finish
+            # "within budget" at 0.0 Wh before max_sensor_failures was reached; now one step at most.
+            return self._halt(StopReason.ERROR, "no power source gave a reading at the start; cannot enforce "
+                              "the energy budget (edge-agent probe lists the sources and their errors)")
         if b.budget_j is not None and self.meter.consecutive_failures >= self.max_sensor_failures:
             return self._halt(
                 StopReason.ERROR,

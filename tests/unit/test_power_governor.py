@@ -605,6 +605,23 @@ def test_all_power_sensors_failing_stops_with_error_not_a_crash(tmp_path: Path) 
     assert "is a directory" in recent and "EIO" in recent
 
 
+def test_a_budget_whose_power_sources_all_fail_from_the_start_stops_before_the_first_step(tmp_path: Path) -> None:
+    broken = {"sys/class/hwmon/hwmon0/power1_input": "dir", "sys/class/hwmon/hwmon0/in1_input": "eio",
+              "sys/class/hwmon/hwmon0/curr1_input": "garbage"}
+    gov, _, clock = make(tmp_path, Budget(budget_wh=0.1), broken=broken)
+    assert gov.before_step().proceed
+    clock.advance(2.0)
+    gov.after_step(2.0)
+    second = gov.before_step()  # not after max_sensor_failures (10) steps: a short job stayed unmetered
+    assert not second.proceed and second.reason is StopReason.ERROR and "at the start" in second.detail
+    assert gov.report()["steps"] == 1
+    unbudgeted, _, clock = make(tmp_path / "free", Budget(), broken=broken)
+    for _ in range(3):  # nothing to enforce: an unmetered job may run
+        assert unbudgeted.before_step().proceed
+        clock.advance(2.0)
+        unbudgeted.after_step(2.0)
+
+
 def test_garbage_battery_and_thermal_nodes_never_pause_or_crash(tmp_path: Path) -> None:
     budget = Budget(budget_wh=0.05, battery_floor_pct=30, thermal_limit_c=70)
     broken = {
