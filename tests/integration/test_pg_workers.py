@@ -260,5 +260,9 @@ def test_a_worker_killed_mid_round_loses_and_doubles_nothing(victim: str, pg_onl
         check_round(group, res, tmp_path)
         survivors = [w for w in WORKERS if w != res["killed"]]
         assert all(group.procs[w].poll() is None for w in survivors)
+        leader = group.leader()
+        group.start_worker(res["killed"])  # the same worker id again: its lock and client id are free
+        wait(lambda: group.connected(res["killed"]), 60, "the restarted worker did not connect")
+        assert group.leader() == leader  # it rejoins as a follower
     finally:
         group.close()
