@@ -305,6 +305,11 @@ class Registry(ModelStore, UpdateStore, FleetReports):
         with self._read() as db:
             return {r["id"]: r["public_key"] for r in db.execute("SELECT id, public_key FROM devices WHERE approved = 1")}
 
+    def approved_count(self) -> int:
+        """How many devices are approved: a tick's cheap test of whether approvals changed."""
+        with self._read() as db:
+            return int(db.execute("SELECT COUNT(*) FROM devices WHERE approved = 1").fetchone()[0])
+
     def _device(self, db: sqlite3.Connection, device_id: str) -> Device:
         check_id(device_id, "device id")
         row = db.execute("SELECT * FROM devices WHERE id = ?", (device_id,)).fetchone()
@@ -413,11 +418,43 @@ class Registry(ModelStore, UpdateStore, FleetReports):
         with self._read() as db:
             return self._round(db, job_id, number, only=device_id)
 
-    def list_rounds(self, job_id: str) -> list[RoundRecord]:
+    def list_rounds(self, job_id: str, *, participants: bool = True) -> list[RoundRecord]:
+        """The job's rounds in order; `participants=False` leaves them out (a tick reads the
+        rounds every few seconds: 25 rounds x 10,000 participants is not for that)."""
         with self._read() as db:
+            if not participants:
+                return [RoundRecord.from_row(r, []) for r in db.execute(
+                    "SELECT * FROM rounds WHERE job_id = ? ORDER BY number", (job_id,))]
             numbers = [r[0] for r in db.execute("SELECT number FROM rounds WHERE job_id = ? ORDER BY number",
                                                 (job_id,))]
             return [self._round(db, job_id, n) for n in numbers]
+
+    def participant_counts(self, job_id: str, number: int) -> dict[ParticipantStatus, int]:
+        """How many of a round's participants are in each status (one indexed GROUP BY)."""
+        with self._read() as db:
+            return {ParticipantStatus(r[0]): int(r[1]) for r in db.execute(
+                "SELECT status, COUNT(*) FROM participants WHERE job_id = ? AND round = ? GROUP BY status",
+                (job_id, number))}
+
+    def rounds_to_dispatch(self) -> list[tuple[RoundRecord, list[str]]]:
+        """Open rounds with participants still to be sent their command: the round (without
+        its participants) and those devices, in order. Reads only the selected rows."""
+        with self._read() as db:
+            todo: dict[tuple[str, int], list[str]] = {}
+            for r in db.execute("SELECT p.job_id, p.round, p.device_id FROM participants p JOIN rounds r ON "
+                                "r.job_id = p.job_id AND r.number = p.round WHERE r.state = ? AND p.status = ? "
+                                "ORDER BY r.started_at, p.job_id, p.round, p.device_id",
+                                (RoundState.OPEN.value, ParticipantStatus.SELECTED.value)):
+                todo.setdefault((r[0], int(r[1])), []).append(r[2])
+            return [(RoundRecord.from_row(db.execute("SELECT * FROM rounds WHERE job_id = ? AND number = ?",
+                                                     key).fetchone(), []), devices) for key, devices in todo.items()]
+
+    def active_round_keys(self) -> list[tuple[str, int]]:
+        """(job, round) of the rounds in OPEN or CLOSING state, oldest first, without reading them."""
+        with self._read() as db:
+            return [(r[0], int(r[1])) for r in db.execute(
+                "SELECT job_id, number FROM rounds WHERE state IN (?, ?) ORDER BY started_at",
+                (RoundState.OPEN.value, RoundState.CLOSING.value))]
 
     def active_rounds(self) -> list[RoundRecord]:
         """Rounds in OPEN or CLOSING state, over all jobs (what a restarted coordinator resumes)."""

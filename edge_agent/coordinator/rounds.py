@@ -77,6 +77,7 @@ if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never
     from .metrics import CoordinatorMetrics
 
 _LIVE = (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED)
+FLEET_METRICS_S = 5.0  # the devices-online gauges read every device: refreshed this often, not every tick
 log = logging.getLogger(__name__)
 __all__ = ["AGGREGATORS", "Receipt", "RoundEngine", "RoundOutcome", "RoundPlan", "RoundPolicy", "TickResult",
            "check_options"]  # the values are defined in round_types.py
@@ -102,6 +103,7 @@ class RoundEngine(UpdateIntake):
         self._history: dict[tuple[str, int], float | None] = {}  # (job, round) -> past accepted median norm
         self._steps: dict[tuple[str, str, str], np.ndarray | None] = {}  # (job, model, version) -> unit step
         self._cosines: dict[tuple[str, str], list[float]] = {}  # (job, device) -> recent median cosines
+        self._metrics_at = float("-inf")  # when the fleet gauges are next refreshed (FLEET_METRICS_S)
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
@@ -186,27 +188,31 @@ class RoundEngine(UpdateIntake):
                     self.registry.set_job_status(job.id, JobStatus.FAILED, why, now=self.clock())
                     result.cancelled += self._cancel_active(job.id, why)
                     result.failed[job.id] = why
-            for job_id in dict.fromkeys(r.job_id for r in self.registry.active_rounds()):
+            for job_id in dict.fromkeys(j for j, _ in self.registry.active_round_keys()):
                 job = self.registry.get_job(job_id)  # cancelled by the CLI (another process)?
                 if job.status.terminal:
                     result.cancelled += self._cancel_active(job.id, job.reason or f"job {job.status}")
-            if self.metrics is not None:
-                now = self.clock()
+            if self.metrics is not None and self.clock() >= self._metrics_at:  # every device: not every tick
+                now = self._metrics_at = self.clock()
+                self._metrics_at += FLEET_METRICS_S
                 devices = self.registry.list_devices()
                 self.metrics.set_devices_online(sum(d.is_online(now, self.policy.online_within_s) for d in devices))
-                self.metrics.set_fleet(devices=len(devices), rounds_open=len(self.registry.active_rounds()))
+                self.metrics.set_fleet(devices=len(devices), rounds_open=len(self.registry.active_round_keys()))
         return result
 
     def _advance(self, job: Job, result: TickResult) -> None:
-        rounds = self.registry.list_rounds(job.id)
+        rounds = self.registry.list_rounds(job.id, participants=False)  # a tick's read: counts, not rows
         active = [r for r in rounds if r.state in (RoundState.OPEN, RoundState.CLOSING)]
         if active:
             rnd = active[0]
-            due = self.clock() >= rnd.deadline_at or (rnd.settled and bool(rnd.participants))
+            due = self.clock() >= rnd.deadline_at
+            if not due and rnd.state is RoundState.OPEN:
+                counts = self.registry.participant_counts(job.id, rnd.number)
+                due = bool(counts) and not any(counts.get(s) for s in _LIVE)  # settled: all reported or dropped
             if rnd.state is RoundState.OPEN and not due:
                 return
             result.closed.append(self.close_round(job.id, rnd.number))
-            rounds = self.registry.list_rounds(job.id)
+            rounds = self.registry.list_rounds(job.id, participants=False)
             job = self.registry.get_job(job.id)
         if job.status is JobStatus.RUNNING and len(rounds) < job.rounds:
             opened = self._open_next(job, rounds, result)
@@ -271,7 +277,7 @@ class RoundEngine(UpdateIntake):
             return JobStatus.DONE, stop
         if number < job.rounds:
             return None, ""
-        if aggregated or any(r.state is RoundState.AGGREGATED for r in self.registry.list_rounds(job.id)):
+        if aggregated or any(r.state is RoundState.AGGREGATED for r in self.registry.list_rounds(job.id, participants=False)):
             return JobStatus.DONE, ""
         return JobStatus.FAILED, f"none of the {job.rounds} round(s) produced a model"
 
@@ -282,12 +288,8 @@ class RoundEngine(UpdateIntake):
     def pending_dispatches(self) -> list[RoundPlan]:
         """Open rounds' devices not yet dispatched (also those a crash interrupted)."""
         with self._lock:
-            plans = []
-            for rnd in self.registry.active_rounds():
-                todo = rnd.with_status(ParticipantStatus.SELECTED)
-                if rnd.state is RoundState.OPEN and todo:
-                    plans.append(self._plan(self.registry.get_job(rnd.job_id), rnd, tuple(todo)))
-            return plans
+            return [self._plan(self.registry.get_job(rnd.job_id), rnd, tuple(todo))
+                    for rnd, todo in self.registry.rounds_to_dispatch()]
 
     def record_dispatch(self, job_id: str, round: int, device_id: str, *, ok: bool = True, reason: str = "") -> bool:
         """The finetune command was delivered (ok) or could not be (the device drops out).
