@@ -35,12 +35,6 @@ DEVICES = 24
 WORKERS = ("w1", "w2", "w3")
 
 
-@pytest.fixture
-def pg_only(request: pytest.FixtureRequest) -> None:
-    if not request.config.getoption("--pg"):
-        pytest.skip("several serve workers on PostgreSQL: make test-pg (pytest --pg)")
-
-
 def wait(pred: Any, timeout: float, what: str, interval: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -251,7 +245,7 @@ def check_round(group: Group, res: dict[str, Any], tmp: Path) -> None:
 
 
 @pytest.mark.parametrize("victim", ["leader", "follower"])
-def test_a_worker_killed_mid_round_loses_and_doubles_nothing(victim: str, pg_only: None, pg_url: str,
+def test_a_worker_killed_mid_round_loses_and_doubles_nothing(victim: str, pg_url: str,
                                                               tmp_path: Path, digits_bundle: tuple[Path, bytes]) -> None:
     group = Group(tmp_path, pg_url)
     try:
