@@ -17,4 +17,12 @@
 #define EA_X86_QMR16 12
 #define EA_X86_QMAXK 0 /* one vpdpbusd per 32 MACs: always worth it */
 #define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_epi32((acc), (ua), (sb))
+#define EA_X86_OWN_VARIANT
 #include "x86_common.h"
+#include "x86_dw512.h"
+
+const ea_variant EA_X86_VARIANT = {
+    EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
+    x86_widen, x86_dw512, x86_requant_n, x86_add, EA_Q_NO_MIN, 4, EA_X86_QMR8, x86_qgemm8, EA_X86_QMR16,
+    x86_qgemm16, EA_X86_QMAXK,
+};
