@@ -2,8 +2,9 @@
  * registers (AVX512VL) with 32 registers, so taller 12-row tiles; 256-bit vectors avoid the
  * clock penalty some CPUs take on 512-bit ones.
  *
- * u8 x s8: vpdpbusd on |a| and sign(a) * b, one instruction per 32 MACs where AVX2 needs
- * vpmaddubsw + vpmaddwd + vpaddd (x86_common.h states why it is exact). */
+ * u8 x s8: vpdpbusd on b + 128 (unsigned, packed so once) and a, one instruction per 32
+ * MACs where AVX2 needs vpabsb, vpsignb, vpmaddubsw, vpmaddwd and vpaddd; exact for any B
+ * (x86_common.h). */
 #if !defined(__x86_64__) || !defined(__AVX512VNNI__) || !defined(__AVX512VL__)
 #error "avx512vnni.c needs an x86-64 compiler with -mavx512vnni -mavx512vl"
 #endif
@@ -16,6 +17,7 @@
 #define EA_X86_QMR8 12
 #define EA_X86_QMR16 12
 #define EA_X86_QMAXK 0 /* one vpdpbusd per 32 MACs: always worth it */
+#define EA_X86_QB_OFFSET 128
 #define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_epi32((acc), (ua), (sb))
 #define EA_X86_OWN_VARIANT
 #include "x86_common.h"
@@ -23,6 +25,6 @@
 
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
-    x86_widen, x86_dw512, x86_requant_n, x86_add, EA_Q_NO_MIN, 4, EA_X86_QMR8, x86_qgemm8, EA_X86_QMR16,
-    x86_qgemm16, EA_X86_QMAXK,
+    x86_widen, x86_dw512, x86_requant_n, x86_add, 0, 4, EA_X86_QMR8, x86_qgemm8, EA_X86_QMR16,
+    x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsum,
 };

@@ -1,7 +1,8 @@
 /* x86-64 AVX-VNNI variant (Alder Lake and later): vpdpwssd fuses vpmaddwd + vpaddd.
  *
- * u8 x s8: vpdpbusd on |a| and sign(a) * b, one instruction per 32 MACs where AVX2 needs
- * vpmaddubsw + vpmaddwd + vpaddd (x86_common.h states why it is exact). */
+ * u8 x s8: vpdpbusd on b + 128 (unsigned, packed so once) and a, one instruction per 32
+ * MACs where AVX2 needs vpabsb, vpsignb, vpmaddubsw, vpmaddwd and vpaddd; exact for any B
+ * (x86_common.h). */
 #if !defined(__x86_64__) || !defined(__AVXVNNI__)
 #error "avxvnni.c needs an x86-64 compiler with -mavxvnni"
 #endif
@@ -14,5 +15,6 @@
 #define EA_X86_QMR8 8
 #define EA_X86_QMR16 6
 #define EA_X86_QMAXK 0 /* one vpdpbusd per 32 MACs: always worth it */
+#define EA_X86_QB_OFFSET 128
 #define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_avx_epi32((acc), (ua), (sb))
 #include "x86_common.h"

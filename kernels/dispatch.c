@@ -54,7 +54,7 @@ static int quad_runnable(const ea_variant *v);
 void ea_variant_geometry(const ea_variant *v, int32_t out[3]) {
     if (v->qgemm && quad_runnable(v)) { /* the kernels weights use (see ea_pack_b) */
         out[0] = (int32_t)(v->qmr2 > v->qmr ? v->qmr2 : v->qmr);
-        out[1] = (int32_t)(v->qgemm2 ? 2 * v->nr : v->nr);
+        out[1] = (int32_t)(v->qgemm2 ? (v->qpanels2 ? v->qpanels2 : 2) * v->nr : v->nr);
         out[2] = (int32_t)v->qkc;
         return;
     }
@@ -120,6 +120,8 @@ typedef struct layout {
     int64_t kc, b_elem, a_elem;
     uint32_t mr, mr2;
     ea_gemm_ukernel gemm, gemm2;
+    int64_t panels2;   /* panels a gemm2 tile covers */
+    int32_t b_offset;  /* stored B = b + b_offset (as uint8 when 128) */
 } layout;
 
 static layout layout_of(const ea_variant *v, uint32_t kind) {
@@ -127,15 +129,23 @@ static layout layout_of(const ea_variant *v, uint32_t kind) {
     if (kind == EA_LAYOUT_QUAD) {
         l.kc = v->qkc, l.b_elem = 1, l.a_elem = 1, l.mr = v->qmr, l.mr2 = v->qmr2;
         l.gemm = v->qgemm, l.gemm2 = v->qgemm2;
+        l.panels2 = v->qpanels2 ? v->qpanels2 : 2, l.b_offset = v->qb_offset;
     } else {
         l.kc = v->kc, l.b_elem = v->b_elem, l.a_elem = v->a_elem, l.mr = v->mr, l.mr2 = v->mr2;
         l.gemm = v->gemm, l.gemm2 = v->gemm2;
+        l.panels2 = 2, l.b_offset = 0;
     }
     return l;
 }
 
+/* Panels stored: a multiple of panels2, so a wide tile may read all of its panels even
+ * where fewer columns are left (the extra ones are zero and their results dropped). */
+static int64_t stored_panels(const layout *l, int64_t nr, int64_t n) {
+    return ceil_div(ceil_div(n, nr), l->panels2) * l->panels2;
+}
+
 static size_t layout_bytes(const layout *l, int64_t nr, int64_t n, int64_t k) {
-    return (size_t)(ceil_div(n, nr) * nr * ceil_div(k, l->kc) * l->kc * l->b_elem);
+    return (size_t)(stored_panels(l, nr, n) * nr * ceil_div(k, l->kc) * l->kc * l->b_elem);
 }
 
 /* The quad kernels' own CPU needs beyond the variant's (AArch64 i8mm: HWCAP2_I8MM). */
@@ -184,7 +194,7 @@ int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_
     memcpy(packed, &h, sizeof(h));
     unsigned char *dst = (unsigned char *)packed + EA_PACK_HEADER;
     const int64_t nr = v->nr, kc = l.kc, kpad = ceil_div(k, kc) * kc;
-    const int64_t panels = ceil_div(n, nr);
+    const int64_t panels = stored_panels(&l, nr, n);
     size_t idx = 0;
     for (int64_t p = 0; p < panels; p++) {
         for (int64_t q = 0; q < kpad; q += kc) {
@@ -195,6 +205,8 @@ int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b, int64_
                     const int8_t val = (col < n && kx < k) ? b[col * stride_n + kx * stride_k] : 0;
                     if (l.b_elem == 2)
                         ((int16_t *)dst)[idx] = val;
+                    else if (l.b_offset)
+                        dst[idx] = (unsigned char)(val + l.b_offset); /* 0..255 */
                     else
                         ((int8_t *)dst)[idx] = val;
                 }
@@ -246,54 +258,7 @@ static void pixel_next(const ea_conv_params *cp, pixel *px) {
     }
 }
 
-/* Copy n bytes; MobileNet's stem copies 3..9 bytes at a time, where a libc call costs more
- * than the copy. */
-static inline void copy_small(int8_t *dst, const int8_t *src, int64_t n) {
-    if (n <= 16) {
-        for (int64_t i = 0; i < n; i++) dst[i] = src[i];
-    } else {
-        memcpy(dst, src, (size_t)n);
-    }
-}
-
-/* Fill one im2col row of `kpad` bytes for output pixel px (input zero point outside). */
-static void im2col_row(const ea_conv_params *cp, const int8_t *in, pixel px, int64_t kpad,
-                       int8_t *dst) {
-    const int64_t c = cp->in_c, kw = cp->k_w;
-    const int64_t ix0 = px.ox * cp->stride_w - cp->pad_left;
-    const int64_t ix1 = ix0 + (kw - 1) * cp->dilation_w;
-    /* with dilation 1 a kernel row's taps are one contiguous run of input pixels */
-    const int row_inside = cp->dilation_w == 1 && ix0 >= 0 && ix1 < cp->in_w;
-    int8_t *d = dst;
-    for (int32_t ky = 0; ky < cp->k_h; ky++) {
-        const int64_t iy = px.oy * cp->stride_h - cp->pad_top + (int64_t)ky * cp->dilation_h;
-        if (iy < 0 || iy >= cp->in_h) {
-            memset(d, (int8_t)cp->in_zp, (size_t)(kw * c));
-            d += kw * c;
-            continue;
-        }
-        const int8_t *src_row = in + ((px.nb * cp->in_h + iy) * cp->in_w) * c;
-        if (row_inside) {
-            copy_small(d, src_row + ix0 * c, kw * c);
-            d += kw * c;
-        } else {
-            for (int64_t kx = 0; kx < kw; kx++, d += c) {
-                const int64_t ix = ix0 + kx * cp->dilation_w;
-                if (ix < 0 || ix >= cp->in_w)
-                    memset(d, (int8_t)cp->in_zp, (size_t)c);
-                else
-                    copy_small(d, src_row + ix * c, c);
-            }
-        }
-    }
-    memset(d, 0, (size_t)(kpad - (d - dst)));
-}
-
-/* For a 1x1 unpadded conv, row m is the input pixel under output pixel px. */
-static const int8_t *conv_direct_row(const ea_conv_params *cp, const int8_t *in, pixel px) {
-    const int64_t iy = px.oy * cp->stride_h, ix = px.ox * cp->stride_w;
-    return in + ((px.nb * cp->in_h + iy) * cp->in_w + ix) * cp->in_c;
-}
+#include "im2col.h"
 
 static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, int64_t m_end,
                      int64_t n, int64_t k, int32_t a_zp, int32_t b_zp, const void *packed_b,
@@ -309,6 +274,9 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
     packed_b = (const unsigned char *)packed_b + EA_PACK_HEADER;
     const int64_t nr = v->nr, kc = lay.kc, ae = lay.a_elem;
     const int64_t kpad = ceil_div(k, kc) * kc, panels = ceil_div(n, nr);
+    /* B stored as b + off: sum a(b - zb) = sum a(b + off) - (zb + off) * rowsum_a, i.e. the
+     * kernels see a weight zero point zb + off and column sums colsum + off * K. */
+    const int64_t off = lay.b_offset, zb = b_zp + off;
     const size_t elem = out_int32 ? 4 : 1;
 
     /* A 1x1 unpadded convolution reads its rows straight from the input pixels. */
@@ -327,7 +295,7 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
     if (mc < mr_max) mc = mr_max;
     if (mc > 240) mc = 240 / mr_max * mr_max;
 
-    const size_t cols = (size_t)(panels * nr + nr); /* + nr: wide tiles read a full panel pair */
+    const size_t cols = (size_t)(stored_panels(&lay, nr, n) * nr); /* wide tiles read whole panels */
     int32_t *colbuf = (int32_t *)malloc(cols * 3 * sizeof(int32_t) + (size_t)mc * sizeof(int32_t));
     unsigned char *rowbuf = direct ? NULL : (unsigned char *)malloc((size_t)(mc * kpad * ae) + 64);
     int8_t *tmp8 = (ae == 2) ? (int8_t *)malloc((size_t)kpad + 64) : NULL;
@@ -344,7 +312,7 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
     for (size_t j = 0; j < cols; j++) {
         int64_t b = 0;
         if ((int64_t)j < n) {
-            b = (bias ? bias[j] : 0) - (int64_t)a_zp * colsum[j] + k * (int64_t)a_zp * b_zp;
+            b = (bias ? bias[j] : 0) - (int64_t)a_zp * (colsum[j] + off * k) + k * (int64_t)a_zp * zb;
         }
         bias_eff[j] = (int32_t)(uint32_t)(uint64_t)b; /* wraps like the int32 accumulator */
         mult_p[j] = (!out_int32 && (int64_t)j < n) ? mult[j] : 0;
@@ -377,10 +345,14 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
                 row8 = scratch;
                 padded = 1;
             }
-            if (b_zp != 0) {
+            if (zb != 0) {
                 int32_t s = 0;
-                for (int64_t kx = 0; kx < k; kx++) s += row8[kx];
-                row_add[r] = (int32_t)(uint32_t)(uint64_t)(-(int64_t)b_zp * s);
+                if (v->rowsum) {
+                    s = v->rowsum(row8, (size_t)k);
+                } else {
+                    for (int64_t kx = 0; kx < k; kx++) s += row8[kx];
+                }
+                row_add[r] = (int32_t)(uint32_t)(uint64_t)(-zb * s);
             }
             if (ae == 2) {
                 int16_t *dst16 = (int16_t *)(rowbuf + r * kpad * 2);
@@ -398,15 +370,15 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
         for (int64_t i = rows_here; i < rows_here + EA_MAX_MR; i++) rows[i] = rows[rows_here - 1];
         for (int64_t p = 0; p < panels;) {
             const int wide = lay.gemm2 != NULL && p + 1 < panels;
-            const int64_t width = wide ? 2 * nr : nr;
+            const int64_t width = wide ? lay.panels2 * nr : nr;
             const ea_gemm_ukernel kernel = wide ? lay.gemm2 : lay.gemm;
             const int64_t ncols = (n - p * nr) < width ? (n - p * nr) : width;
             const void *bp = (const unsigned char *)packed_b + (size_t)(p * nr * kpad) * lay.b_elem;
             ea_epilogue ep = {bias_eff + p * nr, mult_p + p * nr, shift_p + p * nr,
-                              b_zp != 0 ? row_add : NULL, out_zp, act_min, act_max, out_int32};
+                              zb != 0 ? row_add : NULL, out_zp, act_min, act_max, out_int32};
             char *cp = (char *)c + (size_t)(m0 * ldc + p * nr) * elem;
             kernel((size_t)rows_here, (size_t)ncols, (size_t)kpad, rows, bp, &ep, cp, (size_t)ldc);
-            p += wide ? 2 : 1;
+            p += wide ? lay.panels2 : 1;
         }
     }
     free(colbuf);

@@ -37,8 +37,8 @@ typedef struct ea_epilogue {
     int32_t out_int32;      /* store acc + bias (+ row_add) as int32, no requantisation */
 } ea_epilogue;
 
-/* Computes m rows x nr columns (nr <= NR, or 2 NR for gemm2) of raw dot products over kpad
- * (a multiple of KC), MR rows at a time, applies the epilogue and stores row i at
+/* Computes m rows x nr columns (nr <= NR; for gemm2 nr <= qpanels2 * NR over that many
+ * panels, zero-padded) of raw dot products over kpad (a multiple of KC), MR rows at a time, applies the epilogue and stores row i at
  * c + i * ldc (elements of int8 or int32). rows[] holds m pointers plus padding up to a
  * multiple of MR (repeats of a valid row), so the last strip can always read MR rows.
  * ep->row_add, when set, has m entries. One call covers every strip of a row block, so the
@@ -56,6 +56,9 @@ typedef void (*ea_widen_fn)(const int8_t *src, int16_t *dst, size_t n);
 typedef void (*ea_dw_ukernel)(size_t c, size_t npix, size_t ntaps, const int8_t *const *x,
                               size_t x_step, const int16_t *const *w, int32_t in_zp,
                               const ea_epilogue *ep, int8_t *out, size_t out_step);
+
+/* Sum of n int8 values (for row_add = -zb * rowsum_a). */
+typedef int32_t (*ea_rowsum_fn)(const int8_t *a, size_t n);
 
 /* Elementwise int8 ADD (see ea_add_params). */
 typedef void (*ea_add_fn)(size_t n, const int8_t *x1, const int8_t *x2, const ea_add_params *p,
@@ -88,6 +91,11 @@ struct ea_variant {
     uint32_t qmr2;
     ea_gemm_ukernel qgemm2; /* qmr2 x 2nr tiles over two adjacent panels */
     uint32_t qmax_k;        /* 0: the u8 x s8 layout whenever it is exact; else only up to this K */
+    /* VNNI's vpdpbusd takes B as its unsigned operand: the quad layout then stores b + 128
+     * (any B, -128 included) and the driver subtracts 128 * rowsum_a per row. 0: B as is. */
+    int32_t qb_offset;
+    uint32_t qpanels2;      /* panels qgemm2 covers (its tiles are qpanels2 * nr wide); 0: 2 */
+    ea_rowsum_fn rowsum;    /* optional SIMD row sums for row_add; NULL: a scalar loop */
 };
 
 /* ---- TFLite / gemmlowp fixed-point rules, scalar (the ground truth of every variant) ---- */

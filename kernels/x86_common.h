@@ -20,6 +20,9 @@
 
 #define NR 8
 #define KC 2
+#ifndef EA_X86_QB_OFFSET
+#define EA_X86_QB_OFFSET 0 /* 128: the quad layout stores b + 128 for vpdpbusd (VNNI) */
+#endif
 
 /* Per-column requantisation constants for 8 columns (see internal.h for the rules). */
 typedef struct {
@@ -208,14 +211,31 @@ X86_TILE(x86_gemm16, EA_X86_MR16, X86_ROWS(EA_X86_MR16), 2, X86_MAC2, X86_OUT2)
  * sign(a) * b (s8, vpsignb). Exact because the packer uses this layout only for B without
  * -128 (TFLite's symmetric weights are in [-127, 127]): then sign(a) * b is in [-127, 127]
  * and each int16 pair sum is at most 2 * 128 * 127 = 32512 < 2^15, so vpmaddubsw never
- * saturates. EA_X86_DOT4 sums the quad into the int32 lane: vpmaddwd with ones + vpaddd on
- * AVX2, one vpdpbusd on VNNI (same operands, so both variants compute the same integers). */
+ * saturates; EA_X86_DOT4 (vpmaddwd with ones + vpaddd) sums the quad into the int32 lane.
+ * VNNI variants (EA_X86_QB_OFFSET 128) instead store b + 128 and need neither trick. */
 static inline __m256i x86_bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
 
+#if EA_X86_QB_OFFSET
+/* VNNI: B is stored as b + 128 (u8) and A is the signed operand, so one vpdpbusd per 32
+ * MACs and nothing else; |a * (b + 128)| <= 128 * 255 and vpdpbusd sums the four products
+ * in int32 without saturating, so it is exact for any B. The driver takes 128 * rowsum_a
+ * off (internal.h, qb_offset). */
+#define X86_QMAC1(i)                                                    \
+    {                                                                   \
+        const __m256i av = x86_bcast4(a[i] + k);                        \
+        c##i##a = EA_X86_DOT4(c##i##a, bv0, av);                        \
+    }
+#define X86_QMAC2(i)                                                    \
+    {                                                                   \
+        const __m256i av = x86_bcast4(a[i] + k);                        \
+        c##i##a = EA_X86_DOT4(c##i##a, bv0, av);                        \
+        c##i##b = EA_X86_DOT4(c##i##b, bv1, av);                        \
+    }
+#else
 #define X86_QMAC1(i)                                                    \
     {                                                                   \
         const __m256i av = x86_bcast4(a[i] + k);                        \
@@ -229,6 +249,7 @@ static inline __m256i x86_bcast4(const int8_t *p) {
         c##i##a = EA_X86_DOT4(c##i##a, ua, _mm256_sign_epi8(bv0, av));  \
         c##i##b = EA_X86_DOT4(c##i##b, ua, _mm256_sign_epi8(bv1, av));  \
     }
+#endif
 
 #define X86_QTILE(FN, MR_, ROWS, NV, MAC, OUT)                                                  \
     static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                   \
@@ -260,6 +281,33 @@ static inline __m256i x86_bcast4(const int8_t *p) {
 
 X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_OUT1)
 X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_OUT2)
+
+/* Sum of n int8: flipped to u8 (x + 128) and summed by vpsadbw against zero. */
+static int32_t x86_rowsum(const int8_t *a, size_t n) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    __m256i acc = zero;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        acc = _mm256_add_epi64(
+            acc, _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(a + i)), flip), zero));
+    __m128i s = _mm_add_epi64(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    if (i + 16 <= n) {
+        s = _mm_add_epi64(s, _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(a + i)),
+                                                        _mm256_castsi256_si128(flip)),
+                                          _mm256_castsi256_si128(zero)));
+        i += 16;
+    }
+    if (i + 8 <= n) { /* the upper 8 bytes load as 0, flip to 128: keep the low sum only */
+        s = _mm_add_epi64(s, _mm_move_epi64(_mm_sad_epu8(
+                                 _mm_xor_si128(_mm_loadl_epi64((const __m128i *)(a + i)),
+                                               _mm256_castsi256_si128(flip)),
+                                 _mm256_castsi256_si128(zero))));
+        i += 8;
+    }
+    int64_t total = _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1) - 128 * (int64_t)i;
+    for (; i < n; i++) total += a[i];
+    return (int32_t)total;
+}
 
 static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
     size_t i = 0;
@@ -368,8 +416,8 @@ static void x86_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, i
 #ifndef EA_X86_OWN_VARIANT
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
-    x86_widen, x86_dw, x86_requant_n, x86_add, EA_Q_NO_MIN, 4, EA_X86_QMR8, x86_qgemm8, EA_X86_QMR16,
-    x86_qgemm16, EA_X86_QMAXK,
+    x86_widen, x86_dw, x86_requant_n, x86_add, EA_X86_QB_OFFSET ? 0 : EA_Q_NO_MIN, 4, EA_X86_QMR8,
+    x86_qgemm8, EA_X86_QMR16, x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsum,
 };
 #endif
 
