@@ -27,5 +27,5 @@
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
     x86_widen, x86_dw512, x86_requant_n, x86_add, 0, 4, 2 * Z_PAIRS, z_qgemm_pair, 16,
-    z_qgemm_wide, EA_X86_QMAXK, EA_X86_QB_OFFSET, 4, x86_rowsum,
+    z_qgemm_wide, EA_X86_QMAXK, EA_X86_QB_OFFSET, 4, x86_rowsums, 32,
 };

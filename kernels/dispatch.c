@@ -277,6 +277,11 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
     /* B stored as b + off: sum a(b - zb) = sum a(b + off) - (zb + off) * rowsum_a, i.e. the
      * kernels see a weight zero point zb + off and column sums colsum + off * K. */
     const int64_t off = lay.b_offset, zb = b_zp + off;
+    /* Row sums: in the kernels for short rows (qrowsum_max_k), else one call per row block
+     * (rows[] holds the int8 rows when a_elem is 1), else per row here. */
+    const int kernel_rowsums = zb != 0 && h.layout == EA_LAYOUT_QUAD && kpad <= (int64_t)v->qrowsum_max_k;
+    const int batch_rowsums = !kernel_rowsums && v->rowsums != NULL && ae == 1;
+    const int row_sums = zb != 0 && !kernel_rowsums;
     const size_t elem = out_int32 ? 4 : 1;
 
     /* A 1x1 unpadded convolution reads its rows straight from the input pixels. */
@@ -345,13 +350,9 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
                 row8 = scratch;
                 padded = 1;
             }
-            if (zb != 0) {
+            if (row_sums && !batch_rowsums) {
                 int32_t s = 0;
-                if (v->rowsum) {
-                    s = v->rowsum(row8, (size_t)k);
-                } else {
-                    for (int64_t kx = 0; kx < k; kx++) s += row8[kx];
-                }
+                for (int64_t kx = 0; kx < k; kx++) s += row8[kx];
                 row_add[r] = (int32_t)(uint32_t)(uint64_t)(-zb * s);
             }
             if (ae == 2) {
@@ -367,6 +368,7 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
                 rows[r] = scratch;
             }
         }
+        if (row_sums && batch_rowsums) v->rowsums(rows, (size_t)rows_here, (size_t)k, (int32_t)zb, row_add);
         for (int64_t i = rows_here; i < rows_here + EA_MAX_MR; i++) rows[i] = rows[rows_here - 1];
         for (int64_t p = 0; p < panels;) {
             const int wide = lay.gemm2 != NULL && p + 1 < panels;
@@ -375,7 +377,8 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
             const int64_t ncols = (n - p * nr) < width ? (n - p * nr) : width;
             const void *bp = (const unsigned char *)packed_b + (size_t)(p * nr * kpad) * lay.b_elem;
             ea_epilogue ep = {bias_eff + p * nr, mult_p + p * nr, shift_p + p * nr,
-                              zb != 0 ? row_add : NULL, out_zp, act_min, act_max, out_int32};
+                              row_sums ? row_add : NULL, out_zp, act_min, act_max, out_int32,
+                              kernel_rowsums ? (int32_t)zb : 0};
             char *cp = (char *)c + (size_t)(m0 * ldc + p * nr) * elem;
             kernel((size_t)rows_here, (size_t)ncols, (size_t)kpad, rows, bp, &ep, cp, (size_t)ldc);
             p += wide ? lay.panels2 : 1;

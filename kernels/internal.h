@@ -35,6 +35,8 @@ typedef struct ea_epilogue {
     const int32_t *row_add; /* per row of the tile (-zb*rowsum_a), or NULL */
     int32_t out_zp, act_min, act_max;
     int32_t out_int32;      /* store acc + bias (+ row_add) as int32, no requantisation */
+    int32_t rowsum_zb;      /* nonzero (row_add NULL): the kernel adds -rowsum_zb * rowsum_a
+                               itself (variants with qrowsum_max_k, for short rows) */
 } ea_epilogue;
 
 /* Computes m rows x nr columns (nr <= NR; for gemm2 nr <= qpanels2 * NR over that many
@@ -57,8 +59,9 @@ typedef void (*ea_dw_ukernel)(size_t c, size_t npix, size_t ntaps, const int8_t 
                               size_t x_step, const int16_t *const *w, int32_t in_zp,
                               const ea_epilogue *ep, int8_t *out, size_t out_step);
 
-/* Sum of n int8 values (for row_add = -zb * rowsum_a). */
-typedef int32_t (*ea_rowsum_fn)(const int8_t *a, size_t n);
+/* out[r] = -zb * (sum of the k int8 at rows[r]), wrapped to int32, for r < count: the
+ * row_add of a row block, in one call (MobileNet's K = 8..16 rows cost a call each). */
+typedef void (*ea_rowsums_fn)(const void *const *rows, size_t count, size_t k, int32_t zb, int32_t *out);
 
 /* Elementwise int8 ADD (see ea_add_params). */
 typedef void (*ea_add_fn)(size_t n, const int8_t *x1, const int8_t *x2, const ea_add_params *p,
@@ -95,7 +98,8 @@ struct ea_variant {
      * (any B, -128 included) and the driver subtracts 128 * rowsum_a per row. 0: B as is. */
     int32_t qb_offset;
     uint32_t qpanels2;      /* panels qgemm2 covers (its tiles are qpanels2 * nr wide); 0: 2 */
-    ea_rowsum_fn rowsum;    /* optional SIMD row sums for row_add; NULL: a scalar loop */
+    ea_rowsums_fn rowsums;  /* optional SIMD row sums for row_add (a_elem 1); NULL: scalar */
+    uint32_t qrowsum_max_k; /* quad kernels sum rows themselves up to this kpad (rowsum_zb) */
 };
 
 /* ---- TFLite / gemmlowp fixed-point rules, scalar (the ground truth of every variant) ---- */

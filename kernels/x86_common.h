@@ -283,7 +283,7 @@ X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_OUT1
 X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_OUT2)
 
 /* Sum of n int8: flipped to u8 (x + 128) and summed by vpsadbw against zero. */
-static int32_t x86_rowsum(const int8_t *a, size_t n) {
+static inline int32_t x86_rowsum(const int8_t *a, size_t n) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
     __m256i acc = zero;
     size_t i = 0;
@@ -307,6 +307,11 @@ static int32_t x86_rowsum(const int8_t *a, size_t n) {
     int64_t total = _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1) - 128 * (int64_t)i;
     for (; i < n; i++) total += a[i];
     return (int32_t)total;
+}
+
+static void x86_rowsums(const void *const *rows, size_t count, size_t k, int32_t zb, int32_t *out) {
+    for (size_t r = 0; r < count; r++)
+        out[r] = (int32_t)(uint32_t)(uint64_t)(-(int64_t)zb * x86_rowsum((const int8_t *)rows[r], k));
 }
 
 static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
@@ -417,7 +422,7 @@ static void x86_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, i
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
     x86_widen, x86_dw, x86_requant_n, x86_add, EA_X86_QB_OFFSET ? 0 : EA_Q_NO_MIN, 4, EA_X86_QMR8,
-    x86_qgemm8, EA_X86_QMR16, x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsum,
+    x86_qgemm8, EA_X86_QMR16, x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsums,
 };
 #endif
 

@@ -101,15 +101,29 @@ static inline __m512i z_bcast4_pair(const int8_t *p0, const int8_t *p1) {
 #define Z_ROWS12(X) Z_ROWS8(X) X(8) X(9) X(10) X(11)
 #define Z_ROWS16(X) Z_ROWS12(X) X(12) X(13) X(14) X(15)
 
+/* Short rows (K <= qrowsum_max_k, ep->rowsum_zb set): the kernel sums each row itself with
+ * one more vpdpbusd per quad against bytes of 1 (cheaper than a pass over A when a row's
+ * quads are few), and subtracts rowsum_zb * rowsum; otherwise the driver's row_add. */
+static inline __m512i z_row_corr(__m512i rs, const ea_epilogue *ep) {
+    return _mm512_mullo_epi32(rs, _mm512_set1_epi32(-ep->rowsum_zb));
+}
+
 /* ---- one panel, two rows per zmm: strips of 2 * Z_PAIRS rows */
 #define Z_PAIRS 8
-#define ZP_ZERO(i) __m512i c##i = _mm512_setzero_si512();
-#define ZP_MAC(i) c##i = _mm512_dpbusd_epi32(c##i, bv, z_bcast4_pair(a[2 * i] + k, a[2 * i + 1] + k));
+#define ZP_ZERO(i) __m512i c##i = _mm512_setzero_si512(), rs##i = c##i;
+#define ZP_MAC(i)                                                                             \
+    {                                                                                         \
+        const __m512i av = z_bcast4_pair(a[2 * i] + k, a[2 * i + 1] + k);                     \
+        c##i = _mm512_dpbusd_epi32(c##i, bv, av);                                             \
+        if (RS) rs##i = _mm512_dpbusd_epi32(rs##i, ones, av);                                   \
+    }
 #define ZP_OUT(i)                                                                             \
     if (2 * i < mr) {                                                                         \
         const size_t r0 = s + 2 * i, two = 2 * i + 1 < mr;                                   \
         __m512i acc = _mm512_add_epi32(c##i, q.bias);                                         \
-        if (ep->row_add)                                                                      \
+        if (RS)                                                                               \
+            acc = _mm512_add_epi32(acc, z_row_corr(rs##i, ep));                                \
+        else if (ep->row_add)                                                                 \
             acc = _mm512_add_epi32(acc, _mm512_mask_set1_epi32(_mm512_set1_epi32(ep->row_add[r0]), \
                                                                0xFF00, ep->row_add[r0 + two])); \
         const __m512i v = z_final(acc, &q, ep);                                               \
@@ -122,23 +136,36 @@ static inline __m512i z_bcast4_pair(const int8_t *p0, const int8_t *p1) {
         }                                                                                     \
     }
 
+#define ZP_KERNEL(FN, RS_)                                                                    \
+    static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                 \
+                   const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {         \
+        enum { RS = RS_ };                                                                    \
+        const z_rq q = z_rq_load(ep, 0, 1);                                                   \
+        const size_t elem = ep->out_int32 ? 4 : 1;                                            \
+        const __mmask16 lo8 = (__mmask16)((1u << nr) - 1), hi8 = (__mmask16)(lo8 << 8);     \
+        const __mmask16 both = (__mmask16)(lo8 | hi8);                                        \
+        const __m512i ones = _mm512_set1_epi8(1);                                             \
+        (void)ones;                                                                           \
+        const int8_t *b0 = (const int8_t *)b_panel;                                           \
+        for (size_t s = 0; s < m; s += 2 * Z_PAIRS) {                                         \
+            const int8_t *const *a = (const int8_t *const *)rows + s;                        \
+            const size_t mr = m - s < 2 * Z_PAIRS ? m - s : 2 * Z_PAIRS;                      \
+            Z_ROWS8(ZP_ZERO)                                                                  \
+            for (size_t k = 0; k < kpad; k += 4) {                                            \
+                const __m512i bv =                                                            \
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b0 + k * NR))); \
+                Z_ROWS8(ZP_MAC)                                                               \
+            }                                                                                 \
+            Z_ROWS8(ZP_OUT)                                                                   \
+        }                                                                                     \
+    }
+
+ZP_KERNEL(z_qgemm_pair_rd, 0)
+ZP_KERNEL(z_qgemm_pair_rs, 1)
+
 static void z_qgemm_pair(size_t m, size_t nr, size_t kpad, const void *const *rows,
                          const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {
-    const z_rq q = z_rq_load(ep, 0, 1);
-    const size_t elem = ep->out_int32 ? 4 : 1;
-    const __mmask16 lo8 = (__mmask16)((1u << nr) - 1), hi8 = (__mmask16)(lo8 << 8);
-    const __mmask16 both = (__mmask16)(lo8 | hi8);
-    const int8_t *b0 = (const int8_t *)b_panel;
-    for (size_t s = 0; s < m; s += 2 * Z_PAIRS) {
-        const int8_t *const *a = (const int8_t *const *)rows + s;
-        const size_t mr = m - s < 2 * Z_PAIRS ? m - s : 2 * Z_PAIRS;
-        Z_ROWS8(ZP_ZERO)
-        for (size_t k = 0; k < kpad; k += 4) {
-            const __m512i bv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b0 + k * NR)));
-            Z_ROWS8(ZP_MAC)
-        }
-        Z_ROWS8(ZP_OUT)
-    }
+    (ep->rowsum_zb ? z_qgemm_pair_rs : z_qgemm_pair_rd)(m, nr, kpad, rows, b_panel, ep, c, ldc);
 }
 
 /* ---- two to four panels: up to 32 columns, one or two zmm per row */
@@ -147,36 +174,37 @@ static inline __m512i z_panels(const int8_t *p0, const int8_t *p1) {
                               _mm256_loadu_si256((const __m256i *)p1), 1);
 }
 
-#define ZW_ZERO(i) __m512i c##i##a = _mm512_setzero_si512(), c##i##b = c##i##a;
-#define ZW_MAC1(i) c##i##a = _mm512_dpbusd_epi32(c##i##a, bv0, z_bcast4(a[i] + k));
-#define ZW_MAC2(i)                                                                            \
+#define ZW_ZERO(i) __m512i c##i##a = _mm512_setzero_si512(), c##i##b = c##i##a, rs##i = c##i##a;
+#define ZW_MAC(i)                                                                             \
     {                                                                                         \
         const __m512i av = z_bcast4(a[i] + k);                                                \
         c##i##a = _mm512_dpbusd_epi32(c##i##a, bv0, av);                                      \
-        c##i##b = _mm512_dpbusd_epi32(c##i##b, bv1, av);                                      \
+        if (NV > 1) c##i##b = _mm512_dpbusd_epi32(c##i##b, bv1, av);                         \
+        if (RS) rs##i = _mm512_dpbusd_epi32(rs##i, ones, av);                                   \
     }
-#define ZW_OUT(i, NV)                                                                         \
+#define ZW_OUT(i)                                                                             \
     if (i < mr) {                                                                             \
         const size_t r = s + i;                                                               \
-        const __m512i radd = ep->row_add ? _mm512_set1_epi32(ep->row_add[r]) : _mm512_setzero_si512(); \
+        const __m512i radd = RS ? z_row_corr(rs##i, ep)                                        \
+                             : ep->row_add ? _mm512_set1_epi32(ep->row_add[r]) : _mm512_setzero_si512(); \
         char *d = (char *)c + r * ldc * elem;                                                 \
         z_store(d, 0, keep0, z_final(_mm512_add_epi32(_mm512_add_epi32(c##i##a, q0.bias), radd), &q0, ep), ep); \
         if (NV > 1)                                                                           \
             z_store(d + 16 * elem, 0, keep1,                                                  \
                     z_final(_mm512_add_epi32(_mm512_add_epi32(c##i##b, q1.bias), radd), &q1, ep), ep); \
     }
-#define ZW_OUT1(i) ZW_OUT(i, 1)
-#define ZW_OUT2(i) ZW_OUT(i, 2)
 
-#define ZW_TILE(FN, MR_, ROWS, NV, MAC, OUT)                                                  \
+#define ZW_TILE(FN, MR_, ROWS, NV_, RS_)                                                      \
     static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                 \
                    const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {         \
+        enum { NV = NV_, RS = RS_ };                                                          \
         const size_t elem = ep->out_int32 ? 4 : 1;                                            \
         const z_rq q0 = z_rq_load(ep, 0, 0);                                                  \
         const z_rq q1 = NV > 1 ? z_rq_load(ep, 16, 0) : q0;                                   \
         const __mmask16 keep0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);             \
         const __mmask16 keep1 = nr >= 32 ? 0xFFFF : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0; \
-        (void)keep1;                                                                          \
+        const __m512i ones = _mm512_set1_epi8(1);                                             \
+        (void)keep1, (void)ones;                                                              \
         const int8_t *b = (const int8_t *)b_panel;                                            \
         const size_t ps = kpad * NR; /* bytes per panel */                                   \
         for (size_t s = 0; s < m; s += MR_) {                                                 \
@@ -188,22 +216,24 @@ static inline __m512i z_panels(const int8_t *p0, const int8_t *p1) {
                 const __m512i bv0 = z_panels(bk, bk + ps);                                    \
                 const __m512i bv1 = NV > 1 ? z_panels(bk + 2 * ps, bk + 3 * ps) : bv0;        \
                 (void)bv1;                                                                    \
-                ROWS(MAC)                                                                     \
+                ROWS(ZW_MAC)                                                                  \
             }                                                                                 \
-            ROWS(OUT)                                                                         \
+            ROWS(ZW_OUT)                                                                      \
         }                                                                                     \
     }
 
-ZW_TILE(z_qgemm16, 16, Z_ROWS16, 1, ZW_MAC1, ZW_OUT1)
-ZW_TILE(z_qgemm32, 12, Z_ROWS12, 2, ZW_MAC2, ZW_OUT2)
+/* Registers: 16 rows x 1 accumulator, 12 x 2; with row sums 12 x 2 and 8 x 3 (of 32). */
+ZW_TILE(z_qgemm16_rd, 16, Z_ROWS16, 1, 0)
+ZW_TILE(z_qgemm32_rd, 12, Z_ROWS12, 2, 0)
+ZW_TILE(z_qgemm16_rs, 12, Z_ROWS12, 1, 1)
+ZW_TILE(z_qgemm32_rs, 8, Z_ROWS8, 2, 1)
 
 /* The wide entry (qgemm2, qpanels2 4): 9..16 columns on two panels, else four. */
 static void z_qgemm_wide(size_t m, size_t nr, size_t kpad, const void *const *rows,
                          const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {
-    if (nr <= 16)
-        z_qgemm16(m, nr, kpad, rows, b_panel, ep, c, ldc);
-    else
-        z_qgemm32(m, nr, kpad, rows, b_panel, ep, c, ldc);
+    const ea_gemm_ukernel fn = nr <= 16 ? (ep->rowsum_zb ? z_qgemm16_rs : z_qgemm16_rd)
+                                        : (ep->rowsum_zb ? z_qgemm32_rs : z_qgemm32_rd);
+    fn(m, nr, kpad, rows, b_panel, ep, c, ldc);
 }
 
 #endif
