@@ -105,6 +105,8 @@ static inline __m512i z_bcast4_pair(const int8_t *p0, const int8_t *p1) {
  * one more vpdpbusd per quad against bytes of 1 (cheaper than a pass over A when a row's
  * quads are few), and subtracts rowsum_zb * rowsum; otherwise the driver's row_add. */
 static inline __m512i z_row_corr(__m512i rs, const ea_epilogue *ep) {
+    if (ep->rowsum_zb == 128) /* weights without a zero point: a shift, not a vpmulld */
+        return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(rs, 7));
     return _mm512_mullo_epi32(rs, _mm512_set1_epi32(-ep->rowsum_zb));
 }
 
