@@ -278,6 +278,32 @@ def test_depthwise_matches_reference(name: str, batch: int, h: int, w: int, c: i
 
 @pytest.mark.parametrize("name", sorted(ALL_VARIANTS))
 @HYP
+@given(c=st.integers(41, 200), w=st.integers(1, 70), s=st.integers(1, 2), dm=st.sampled_from([1, 2]),
+       shifts=st.sampled_from([(-12, -2), (-31, 3), (-23, -23), (-24, -24), (0, 0)]), seed=st.integers(0, 2**31))
+def test_depthwise_wide_rows_matches_reference(name: str, c: int, w: int, s: int, dm: int, shifts: tuple[int, int],
+                                               seed: int) -> None:
+    """3x3 depthwise over many channels and long interior runs (the 512-bit kernel's 64-channel
+    blocks, channel tails and packed pixels), weights including -128, left and large right shifts."""
+    kernels = _kernels(name)
+    wp = _window("DEPTHWISE_CONV_2D", (3, w), (3, 3), (s, s), (1, 1), "SAME")
+    rng = np.random.default_rng(seed)
+    oc = c * dm
+    x = rng.integers(-128, 128, (2, 3, w, c), dtype=np.int8)
+    filt = rng.integers(-128, 128, (1, 3, 3, oc), dtype=np.int8)
+    zx = int(rng.integers(-128, 128))
+    bias = rng.integers(-2**20, 2**20, oc).astype(np.int32)
+    acc = ops.depthwise_accumulate(x, filt, wp, -zx, dm) + bias
+    mult = rng.integers(2**30, 2**31, oc).astype(np.int32)
+    shift = rng.integers(shifts[0], shifts[1] + 1, oc).astype(np.int32)
+    zp = int(rng.integers(-128, 128))
+    rq = native.Requant.make(mult, shift, zp, -128, 127, channels=oc)
+    got = kernels.depthwise_conv2d(x, kernels.depthwise_filter(filt, dm), rq, input_zero_point=zx, bias=bias,
+                                   stride=(s, s), padding="SAME", threads=1)
+    np.testing.assert_array_equal(got, qm.requantize(acc, mult, shift, zp, -128, 127))
+
+
+@pytest.mark.parametrize("name", sorted(ALL_VARIANTS))
+@HYP
 @given(n=st.integers(1, 300), act=st.sampled_from(["NONE", "RELU", "RELU6"]), seed=st.integers(0, 2**31))
 def test_add_matches_reference(name: str, n: int, act: str, seed: int) -> None:
     kernels = _kernels(name)
