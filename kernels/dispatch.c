@@ -328,19 +328,30 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
     if (src->conv) px = pixel_of(src->cp, m_begin);
     for (int64_t m0 = m_begin; m0 < m_end; m0 += mc) {
         const int64_t rows_here = (m_end - m0) < mc ? (m_end - m0) : mc;
-        for (int64_t r = 0; r < rows_here; r++) {
+        /* px: the pixel of the next row to build. int8 im2col rows: the whole block in one call
+         * (interior pixels without per-tap checks); int16 variants widen row by row. */
+        const int block_im2col = src->conv && !conv_inplace && ae == 1;
+        if (block_im2col) im2col_rows(src->cp, src->a, &px, rows_here, kpad, (int8_t *)rowbuf);
+        const int built = block_im2col && (!row_sums || batch_rowsums); /* no per-row work left */
+        if (built)
+            for (int64_t r = 0; r < rows_here; r++) rows[r] = rowbuf + r * kpad;
+        for (int64_t r = built ? rows_here : 0; r < rows_here; r++) {
             const int64_t m = m0 + r;
-            if (src->conv && r + m0 > m_begin) pixel_next(src->cp, &px);
             /* row8: k readable int8 values of row m (in place, or gathered into scratch). */
             int8_t *scratch = ae == 1 ? (int8_t *)(rowbuf ? rowbuf + r * kpad : NULL) : tmp8;
             const int8_t *row8;
             int padded = 0; /* row8 already carries kpad values with a zero tail */
-            if (src->conv && !conv_inplace) {
+            if (block_im2col) {
+                row8 = scratch;
+                padded = 1;
+            } else if (src->conv && !conv_inplace) {
                 im2col_row(src->cp, src->a, px, kpad, scratch);
+                pixel_next(src->cp, &px);
                 row8 = scratch;
                 padded = 1;
             } else if (src->conv) {
                 row8 = conv_direct_row(src->cp, src->a, px);
+                pixel_next(src->cp, &px);
             } else if (src->sk == 1) {
                 row8 = src->a + m * src->sm;
             } else {
