@@ -326,14 +326,28 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
 
     pixel px = {0, 0, 0};
     if (src->conv) px = pixel_of(src->cp, m_begin);
+    /* Rows read in place at a fixed stride (a plain A, or a 1x1 stride-1 convolution whose
+     * output pixel m is input pixel m): rows[] is a strided walk, no per-row pixel work. */
+    int64_t direct_step = 0;
+    if (direct && ae == 1 && (!row_sums || batch_rowsums)) {
+        const ea_conv_params *cp = src->cp;
+        if (!src->conv)
+            direct_step = src->sm;
+        else if (cp->stride_h == 1 && cp->stride_w == 1 && cp->out_h == cp->in_h && cp->out_w == cp->in_w)
+            direct_step = cp->in_c;
+    }
     for (int64_t m0 = m_begin; m0 < m_end; m0 += mc) {
         const int64_t rows_here = (m_end - m0) < mc ? (m_end - m0) : mc;
+        if (direct_step) {
+            const int8_t *row = src->a + m0 * direct_step;
+            for (int64_t r = 0; r < rows_here; r++, row += direct_step) rows[r] = row;
+        }
         /* px: the pixel of the next row to build. int8 im2col rows: the whole block in one call
          * (interior pixels without per-tap checks); int16 variants widen row by row. */
         const int block_im2col = src->conv && !conv_inplace && ae == 1;
         if (block_im2col) im2col_rows(src->cp, src->a, &px, rows_here, kpad, (int8_t *)rowbuf);
-        const int built = block_im2col && (!row_sums || batch_rowsums); /* no per-row work left */
-        if (built)
+        const int built = direct_step || (block_im2col && (!row_sums || batch_rowsums)); /* no per-row work left */
+        if (built && !direct_step)
             for (int64_t r = 0; r < rows_here; r++) rows[r] = rowbuf + r * kpad;
         for (int64_t r = built ? rows_here : 0; r < rows_here; r++) {
             const int64_t m = m0 + r;
