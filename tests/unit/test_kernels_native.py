@@ -2,9 +2,10 @@
 
 Oracles: the int8 core's numpy reference (reference_ops accumulators + quant_math rules) and
 tflite-runtime's own reference kernels (BuiltinRefOpResolver). Agreement must be exact.
-Every variant this CPU can run is tested; a variant it cannot run (AVX-VNNI, AVX512-VNNI
-here) is skipped -- qemu-user 7.2 does not emulate those instructions, so no emulator can
-run them on this machine; they are still compiled by the build (test_build_variants).
+Every variant this CPU can run is tested; a variant it cannot run (AVX-VNNI or AVX512-VNNI
+on a CPU without them) is skipped -- qemu-user 7.2 does not emulate those instructions, so
+no emulator can run them there; they are still compiled by the build (test_build_variants),
+and run on every VNNI machine.
 """
 
 from __future__ import annotations
@@ -185,10 +186,11 @@ def test_gemm_across_row_blocks_and_long_k(kernels: native.NativeKernels, m: int
 @pytest.mark.parametrize("layout", ["u8s8", "int16", ""])
 def test_gemm_u8s8_layout_and_its_saturation_edge(name: str, with_min: bool, layout: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights without -128 take the u8 x s8 layout on x86 (vpmaddubsw / vpdpbusd on |a| and
-    sign(a) * b) -- forced at every K here, as the VNNI variants use it, or left to the
-    variant's choice by K -- a B with -128 the int16 one; all exact, including the extreme
-    pair sums (a = -128 against b = +-127: 2 * 128 * 127 per int16 lane) and every K tail."""
+    """The u8 x s8 layout on x86 -- forced at every K here, or left to the variant's choice by
+    K: AVX2 (vpmaddubsw on |a| and sign(a) * b) takes it only for weights without -128, a B
+    with -128 the int16 one; VNNI (vpdpbusd on b + 128 and a) takes it for any B. All exact,
+    including the extreme pair sums (a = -128 against b = +-127: 2 * 128 * 127 per int16
+    lane), b = -128 against a = -128, and every K tail."""
     monkeypatch.setenv("EDGE_AGENT_NATIVE_LAYOUT", layout)
     kernels = _kernels(name)
     rng = np.random.default_rng(3)
