@@ -100,10 +100,12 @@ def _timeit(fn: Callable[[], object], repeats: int, target_s: float = 0.02) -> f
 
 
 def _timeit_interleaved(fns: dict[str, Callable[[], object]], repeats: int,
-                        target_s: float = 0.05, clock: Callable[[], float] = time.thread_time) -> dict[str, float]:
+                        target_s: float = 0.05, clock: Callable[[], float] = time.thread_time,
+                        settle_s: float = 0.0) -> dict[str, float]:
     """Like _timeit for several engines, alternating them every repetition so a change in
     the machine's load hits all of them alike. `clock`: thread CPU time unless a row runs
-    threads of its own (then wall time)."""
+    threads of its own (then wall time). `settle_s`: a pause before each timed block, so the
+    previous engine's pool threads, which spin for a while after a call, are asleep again."""
     inner = {}
     for name, fn in fns.items():
         fn()
@@ -113,6 +115,9 @@ def _timeit_interleaved(fns: dict[str, Callable[[], object]], repeats: int,
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if settle_s:
+                time.sleep(settle_s)
+                fn()  # untimed: wakes this engine's own pool
             t0 = clock()
             for _ in range(inner[name]):
                 fn()
@@ -371,10 +376,13 @@ def _whole_backbone(batch: int, repeats: int, rng: np.random.Generator) -> list[
             runners["native per op (walker), 1 thread"] = NativeRunner(graph, threads=1, whole_graph=False)
         fast = {name: (lambda r=runner: r.run_int8(xin)) for name, runner in runners.items()  # type: ignore[union-attr]
                 if not isinstance(runner, str)}
-        wall.update(_timeit_interleaved(fast, max(3, repeats), clock=time.perf_counter))
+        # 2 threads: each block after a pause, so neither engine's pool still spins on a core
+        # while the other is timed (XNNPACK's threads spin after each invoke)
+        settle = 0.05 if threads > 1 else 0.0
+        wall.update(_timeit_interleaved(fast, max(3, repeats), clock=time.perf_counter, settle_s=settle))
         # 1 thread: thread CPU time; 2 threads: the process's CPU time (all its threads)
         cpu.update(_timeit_interleaved(fast, max(1, repeats), clock=time.thread_time if threads == 1
-                                       else time.process_time))
+                                       else time.process_time, settle_s=settle))
         for name, runner in runners.items():
             if isinstance(runner, str):
                 rows.append(f"| {name} | unavailable: {runner} | | | |")
@@ -399,7 +407,9 @@ def _whole_backbone(batch: int, repeats: int, rng: np.random.Generator) -> list[
         f"### Whole backbone (MobileNetV2 {WIDTH} @ {INPUT_SIZE}x{INPUT_SIZE}, {len(graph.ops)} ops, batch {batch})",
         "",
         "One process; the 1-thread rows are timed interleaved, then the 2-thread rows (XNNPACK's "
-        "pool threads keep spinning after a call and would slow whichever row ran next). Medians of "
+        "pool threads keep spinning after a call and would slow whichever row ran next), each "
+        "2-thread block after a 50 ms pause and one untimed call, so the other engine's pool is "
+        "asleep. Medians of "
         "wall time, and of CPU time: the thread's at 1 thread (what the machine's other load cannot "
         "inflate; the 1-thread verdict), the whole process's at 2 threads. `native` runs the whole "
         "graph in one C call per batch (kernels/graph.c, its own thread pool); `per op` is the "
