@@ -107,9 +107,9 @@ static void arm_gemm(size_t m, size_t nr, size_t kpad, const void *const *rows,
 }
 
 /* Depthwise: (x - zp) fits int16; vmlal_s16 widens the products into int32 lanes. */
-static void arm_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, size_t x_step,
-                   const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep, int8_t *out,
-                   size_t out_step) {
+static void arm_dw(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
+                   size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
+                   const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
     const int16x8_t zp16 = vdupq_n_s16((int16_t)in_zp);
     const int32x4_t ozp = vdupq_n_s32(ep->out_zp);
     const int32x4_t lo = vdupq_n_s32(ep->act_min), hi = vdupq_n_s32(ep->act_max);
@@ -118,8 +118,8 @@ static void arm_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, 
         const int32x4_t b0 = vld1q_s32(ep->bias + ch), b1 = vld1q_s32(ep->bias + ch + 4);
         const int32x4_t m0 = vld1q_s32(ep->mult + ch), m1 = vld1q_s32(ep->mult + ch + 4);
         const int32x4_t s0 = vld1q_s32(ep->shift + ch), s1 = vld1q_s32(ep->shift + ch + 4);
-        for (size_t p = 0; p < npix; p++) {
-            const size_t off = p * x_step + ch;
+        for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
+            const size_t off = (r * x_row_step + p * x_step) + ch;
             int32x4_t acc0 = b0, acc1 = b1;
             for (size_t t = 0; t < ntaps; t++) {
                 const int16x8_t xv = vsubq_s16(vmovl_s8(vld1_s8(x[t] + off)), zp16);
@@ -127,16 +127,16 @@ static void arm_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, 
                 acc0 = vmlal_s16(acc0, vget_low_s16(xv), vget_low_s16(wv));
                 acc1 = vmlal_s16(acc1, vget_high_s16(xv), vget_high_s16(wv));
             }
-            arm_store_s8(out + p * out_step + ch, arm_requant(acc0, m0, s0, ozp, lo, hi),
+            arm_store_s8(out + (r * out_row_step + p * out_step) + ch, arm_requant(acc0, m0, s0, ozp, lo, hi),
                          arm_requant(acc1, m1, s1, ozp, lo, hi), 8);
         }
     }
     for (; ch < c; ch++) {
-        for (size_t p = 0; p < npix; p++) {
+        for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
             int32_t acc = ep->bias[ch];
             for (size_t t = 0; t < ntaps; t++)
-                acc += ((int32_t)x[t][p * x_step + ch] - in_zp) * w[t][ch];
-            out[p * out_step + ch] = ea_requant1(acc, ep->mult[ch], ep->shift[ch], ep->out_zp,
+                acc += ((int32_t)x[t][(r * x_row_step + p * x_step) + ch] - in_zp) * w[t][ch];
+            out[(r * out_row_step + p * out_step) + ch] = ea_requant1(acc, ep->mult[ch], ep->shift[ch], ep->out_zp,
                                                  ep->act_min, ep->act_max);
         }
     }

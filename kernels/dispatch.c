@@ -463,76 +463,95 @@ int ea_depthwise_conv2d(const ea_variant *v, const ea_conv_params *p, const int8
                         const int16_t *w16, const int32_t *bias, const int32_t *mult,
                         const int32_t *shift, int8_t *output, int64_t m_begin, int64_t m_end) {
     if (!v || !input || !w16 || !output || !valid_conv(p, m_begin, m_end)) return EA_EINVAL;
-    const int64_t dm = p->depth_multiplier, oc = p->out_c;
-    if (dm < 1 || oc != (int64_t)p->in_c * dm) return EA_EINVAL;
+    const int64_t dm = p->depth_multiplier, oc = p->out_c, ic = p->in_c;
+    if (dm < 1 || oc != ic * dm) return EA_EINVAL;
     if (!valid_requant(oc, mult, shift, p->out_zp, p->act_min, p->act_max)) return EA_EINVAL;
     const int64_t taps = (int64_t)p->k_h * p->k_w;
     if (taps > EA_MAX_K) return EA_EINVAL;
+    if (m_begin == m_end) return EA_OK;
 
+    /* Every call gets all taps with a valid source, so one kernel call covers whole output
+     * rows (of one image) and the kernel's per-call preparation (weight quads, requantisation
+     * constants) is paid once per row block instead of once per border pixel or short run.
+     * Without padding (and multiplier 1) the taps read the input in place; otherwise the rows
+     * this call needs are copied once into a window with in_zp borders ((zp - zp) * w = 0
+     * exactly) and, for dm > 1, each input channel repeated dm times (multiplier 1 lanes). */
+    const int64_t sh = p->stride_h, sw = p->stride_w, dh = p->dilation_h, dw = p->dilation_w;
+    const int64_t span_h = (int64_t)(p->k_h - 1) * dh, span_w = (int64_t)(p->k_w - 1) * dw;
+    const int64_t win_w = (p->out_w - 1) * sw + span_w + 1; /* input columns -pad_left.. */
+    const int64_t win_h = (p->out_h - 1) * sh + span_h + 1;
+    const int direct = dm == 1 && p->pad_left == 0 && p->pad_top == 0 && win_w <= p->in_w &&
+                       win_h <= p->in_h;
     const int8_t **xp = (const int8_t **)malloc((size_t)taps * sizeof(*xp));
     const int16_t **wp = (const int16_t **)malloc((size_t)taps * sizeof(*wp));
     int32_t *zeros = bias ? NULL : (int32_t *)calloc((size_t)oc, sizeof(int32_t));
-    int8_t *expanded = NULL;
-    const int8_t *x = input;
+    int8_t *win = direct ? NULL : (int8_t *)malloc((size_t)(win_h * win_w * oc));
     int rc = EA_OK;
-    if (!xp || !wp || (!bias && !zeros)) {
+    if (!xp || !wp || (!bias && !zeros) || (!direct && !win)) {
         rc = EA_ENOMEM;
         goto done;
     }
-    if (dm > 1) {
-        /* Output channel ic*dm + j reads input channel ic: repeat each input channel dm
-         * times once, then every output channel has its own input lane (multiplier 1). */
-        const int64_t pixels = (int64_t)p->batch * p->in_h * p->in_w;
-        expanded = (int8_t *)malloc((size_t)(pixels * oc));
-        if (!expanded) {
-            rc = EA_ENOMEM;
-            goto done;
-        }
-        for (int64_t i = 0; i < pixels; i++)
-            for (int64_t ch = 0; ch < p->in_c; ch++)
-                memset(expanded + i * oc + ch * dm, input[i * p->in_c + ch], (size_t)dm);
-        x = expanded;
-    }
+    for (int32_t ky = 0; ky < p->k_h; ky++)
+        for (int32_t kx = 0; kx < p->k_w; kx++)
+            wp[ky * p->k_w + kx] = w16 + ((int64_t)ky * p->k_w + kx) * oc;
     const ea_epilogue ep = {bias ? bias : zeros, mult, shift, NULL, p->out_zp, p->act_min,
                             p->act_max, 0};
-    /* Output columns [ox_lo, ox_hi) have every horizontal tap inside the image: those pixels
-     * share one tap list (advanced by stride * channels per pixel) and go in one call. */
-    const int64_t sw = p->stride_w, dw = p->dilation_w, span = (int64_t)(p->k_w - 1) * dw;
-    int64_t ox_lo = (p->pad_left + sw - 1) / sw;
-    int64_t ox_hi = (p->in_w - 1 - span + p->pad_left) >= 0 ? (p->in_w - 1 - span + p->pad_left) / sw + 1 : 0;
-    if (ox_hi > p->out_w) ox_hi = p->out_w;
-    if (ox_lo > ox_hi) ox_lo = ox_hi;
     const int64_t ohw = (int64_t)p->out_h * p->out_w;
+    const int64_t rs = (direct ? p->in_w : win_w) * oc; /* bytes per source row */
+    const size_t ors = (size_t)(p->out_w * oc);
     for (int64_t m = m_begin; m < m_end;) {
-        const int64_t nb = m / ohw, rem = m % ohw;
-        const int64_t oy = rem / p->out_w, ox = rem % p->out_w;
-        const int64_t row_end = m - ox + p->out_w < m_end ? m - ox + p->out_w : m_end;
-        const int64_t ox_end = ox + (row_end - m);
-        /* this call: one border pixel, or the interior run clipped to [ox, ox_end) */
-        int64_t run = 1;
-        const int interior = ox >= ox_lo && ox < ox_hi;
-        if (interior) run = (ox_hi < ox_end ? ox_hi : ox_end) - ox;
-        size_t nt = 0;
-        for (int32_t ky = 0; ky < p->k_h; ky++) {
-            const int64_t iy = oy * p->stride_h - p->pad_top + (int64_t)ky * p->dilation_h;
-            if (iy < 0 || iy >= p->in_h) continue; /* outside taps contribute exactly 0 */
-            for (int32_t kx = 0; kx < p->k_w; kx++) {
-                const int64_t ix = ox * sw - p->pad_left + (int64_t)kx * dw;
-                if (ix < 0 || ix >= p->in_w) continue;
-                xp[nt] = x + ((nb * p->in_h + iy) * p->in_w + ix) * oc;
-                wp[nt] = w16 + ((int64_t)ky * p->k_w + kx) * oc;
-                nt++;
+        const int64_t nb = m / ohw, img_end = (nb + 1) * ohw < m_end ? (nb + 1) * ohw : m_end;
+        const int64_t oy_a = (m % ohw) / p->out_w, oy_b = (img_end - 1 - nb * ohw) / p->out_w;
+        const int8_t *base; /* source row of output row oy_a's first tap row */
+        if (direct) {
+            base = input + (nb * p->in_h + oy_a * sh) * rs;
+        } else {
+            const int64_t iy0 = oy_a * sh - p->pad_top, rows = (oy_b - oy_a) * sh + span_h + 1;
+            const int64_t lpad = p->pad_left < win_w ? p->pad_left : win_w;
+            const int64_t mid = p->in_w < win_w - lpad ? p->in_w : win_w - lpad; /* 0..in_w-1 */
+            for (int64_t r = 0; r < rows; r++) {
+                int8_t *d = win + r * rs;
+                const int64_t iy = iy0 + r;
+                if (iy < 0 || iy >= p->in_h) {
+                    memset(d, p->in_zp, (size_t)rs);
+                    continue;
+                }
+                const int8_t *s = input + (nb * p->in_h + iy) * p->in_w * ic;
+                memset(d, p->in_zp, (size_t)(lpad * oc));
+                if (dm == 1) {
+                    memcpy(d + lpad * oc, s, (size_t)(mid * oc));
+                } else {
+                    for (int64_t i = 0; i < mid; i++)
+                        for (int64_t ch = 0; ch < ic; ch++)
+                            memset(d + (lpad + i) * oc + ch * dm, s[i * ic + ch], (size_t)dm);
+                }
+                memset(d + (lpad + mid) * oc, p->in_zp, (size_t)((win_w - lpad - mid) * oc));
             }
+            base = win;
         }
-        v->dw((size_t)oc, (size_t)run, nt, xp, (size_t)(sw * oc), wp, p->in_zp, &ep, output + m * oc,
-              (size_t)oc);
-        m += run;
+        /* output rows oy_a..oy_b of image nb: a partial first row, whole rows, a partial last */
+        while (m < img_end) {
+            const int64_t oy = (m % ohw) / p->out_w, ox = m % p->out_w;
+            const int64_t row_end = m - ox + p->out_w;
+            int64_t nrows = 1, npix = (row_end < img_end ? row_end : img_end) - m;
+            if (ox == 0 && npix == p->out_w) {
+                nrows = (img_end - m) / p->out_w;
+                npix = p->out_w;
+            }
+            for (int32_t ky = 0; ky < p->k_h; ky++)
+                for (int32_t kx = 0; kx < p->k_w; kx++)
+                    xp[ky * p->k_w + kx] =
+                        base + ((oy - oy_a) * sh + ky * dh) * rs + (ox * sw + kx * dw) * oc;
+            v->dw((size_t)oc, (size_t)nrows, (size_t)npix, (size_t)taps, xp, (size_t)(sw * oc),
+                  (size_t)(sh * rs), wp, p->in_zp, &ep, output + m * oc, (size_t)oc, ors);
+            m += nrows * npix;
+        }
     }
 done:
     free(xp);
     free(wp);
     free(zeros);
-    free(expanded);
+    free(win);
     return rc;
 }
 

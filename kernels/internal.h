@@ -51,13 +51,15 @@ typedef void (*ea_gemm_ukernel)(size_t mr, size_t nr, size_t kpad, const void *c
 /* Sign-extends n int8 values to int16 (A rows for a_elem == 2 variants). */
 typedef void (*ea_widen_fn)(const int8_t *src, int16_t *dst, size_t n);
 
-/* npix depthwise output pixels over c channels. Pixel p reads tap t at x[t] + p * x_step
- * (the driver groups pixels whose taps are all inside the image, so one call covers a row's
- * interior): acc = bias + sum_t (x - in_zp) * w[t][ch], requantised into out + p * out_step
- * (ep arrays per channel). */
-typedef void (*ea_dw_ukernel)(size_t c, size_t npix, size_t ntaps, const int8_t *const *x,
-                              size_t x_step, const int16_t *const *w, int32_t in_zp,
-                              const ea_epilogue *ep, int8_t *out, size_t out_step);
+/* nrows x npix depthwise output pixels over c channels. Pixel p of row r reads tap t at
+ * x[t] + r * x_row_step + p * x_step (the driver gives every tap a valid source, padding
+ * included, so one call can cover whole output rows and per-call preparation is amortised):
+ * acc = bias + sum_t (x - in_zp) * w[t][ch], requantised into out + r * out_row_step +
+ * p * out_step (ep arrays per channel). */
+typedef void (*ea_dw_ukernel)(size_t c, size_t nrows, size_t npix, size_t ntaps,
+                              const int8_t *const *x, size_t x_step, size_t x_row_step,
+                              const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep,
+                              int8_t *out, size_t out_step, size_t out_row_step);
 
 /* out[r] = -zb * (sum of the k int8 at rows[r]), wrapped to int32, for r < count: the
  * row_add of a row block, in one call (MobileNet's K = 8..16 rows cost a call each). */

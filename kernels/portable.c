@@ -34,21 +34,21 @@ static void gemm_portable(size_t m, size_t nr, size_t kpad, const void *const *r
     }
 }
 
-static void dw_portable(size_t c, size_t npix, size_t ntaps, const int8_t *const *x,
-                        size_t x_step, const int16_t *const *w, int32_t in_zp,
-                        const ea_epilogue *ep, int8_t *out, size_t out_step) {
+static void dw_portable(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
+                        size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
+                        const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
     int32_t acc[64];
-    for (size_t p = 0; p < npix; p++) {
+    for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
         for (size_t c0 = 0; c0 < c; c0 += 64) {
             const size_t cn = (c - c0) < 64 ? (c - c0) : 64;
             for (size_t ch = 0; ch < cn; ch++) acc[ch] = ep->bias[c0 + ch];
             for (size_t t = 0; t < ntaps; t++) {
-                const int8_t *xt = x[t] + p * x_step + c0;
+                const int8_t *xt = x[t] + (r * x_row_step + p * x_step) + c0;
                 const int16_t *wt = w[t] + c0;
                 for (size_t ch = 0; ch < cn; ch++) acc[ch] += ((int32_t)xt[ch] - in_zp) * wt[ch];
             }
             for (size_t ch = 0; ch < cn; ch++)
-                out[p * out_step + c0 + ch] =
+                out[(r * out_row_step + p * out_step) + c0 + ch] =
                     ea_requant1(acc[ch], ep->mult[c0 + ch], ep->shift[c0 + ch], ep->out_zp,
                                 ep->act_min, ep->act_max);
         }

@@ -329,17 +329,17 @@ static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
 /* Depthwise: per tap, (x - zp) * w fits int16 exactly (|x - zp| <= 255, |w| <= 128), so
  * one vpmullw per 16 channels, widened into two int32 accumulators. Channel blocks are the
  * outer loop so their requantisation constants are prepared once for all npix pixels. */
-static void x86_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, size_t x_step,
-                   const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep, int8_t *out,
-                   size_t out_step) {
+static void x86_dw(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
+                   size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
+                   const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
     const __m256i zp16 = _mm256_set1_epi16((int16_t)in_zp);
     const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);
     size_t ch = 0;
     for (; ch + 16 <= c; ch += 16) {
         const x86_rq q0 = x86_rq_load(ep->bias + ch, ep->mult + ch, ep->shift + ch);
         const x86_rq q1 = x86_rq_load(ep->bias + ch + 8, ep->mult + ch + 8, ep->shift + ch + 8);
-        for (size_t p = 0; p < npix; p++) {
-            const size_t off = p * x_step + ch;
+        for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
+            const size_t off = (r * x_row_step + p * x_step) + ch;
             __m256i acc0 = q0.bias, acc1 = q1.bias;
             for (size_t t = 0; t < ntaps; t++) {
                 const __m256i xv = _mm256_sub_epi16(
@@ -349,13 +349,13 @@ static void x86_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, 
                 acc0 = _mm256_add_epi32(acc0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(pr)));
                 acc1 = _mm256_add_epi32(acc1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(pr, 1)));
             }
-            x86_store_s8x2(out + p * out_step + ch, x86_mbqm(acc0, &q0), x86_mbqm(acc1, &q1), &o, 16);
+            x86_store_s8x2(out + (r * out_row_step + p * out_step) + ch, x86_mbqm(acc0, &q0), x86_mbqm(acc1, &q1), &o, 16);
         }
     }
     for (; ch + 8 <= c; ch += 8) {
         const x86_rq q = x86_rq_load(ep->bias + ch, ep->mult + ch, ep->shift + ch);
-        for (size_t p = 0; p < npix; p++) {
-            const size_t off = p * x_step + ch;
+        for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
+            const size_t off = (r * x_row_step + p * x_step) + ch;
             __m256i acc = q.bias;
             for (size_t t = 0; t < ntaps; t++) {
                 const __m128i xv = _mm_sub_epi16(
@@ -364,15 +364,15 @@ static void x86_dw(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, 
                 const __m128i pr = _mm_mullo_epi16(xv, _mm_loadu_si128((const __m128i *)(w[t] + ch)));
                 acc = _mm256_add_epi32(acc, _mm256_cvtepi16_epi32(pr));
             }
-            x86_store_s8(out + p * out_step + ch, x86_mbqm(acc, &q), &o, 8);
+            x86_store_s8(out + (r * out_row_step + p * out_step) + ch, x86_mbqm(acc, &q), &o, 8);
         }
     }
     for (; ch < c; ch++) {
-        for (size_t p = 0; p < npix; p++) {
+        for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
             int32_t acc = ep->bias[ch];
             for (size_t t = 0; t < ntaps; t++)
-                acc += ((int32_t)x[t][p * x_step + ch] - in_zp) * w[t][ch];
-            out[p * out_step + ch] = ea_requant1(acc, ep->mult[ch], ep->shift[ch], ep->out_zp,
+                acc += ((int32_t)x[t][(r * x_row_step + p * x_step) + ch] - in_zp) * w[t][ch];
+            out[(r * out_row_step + p * out_step) + ch] = ea_requant1(acc, ep->mult[ch], ep->shift[ch], ep->out_zp,
                                                  ep->act_min, ep->act_max);
         }
     }

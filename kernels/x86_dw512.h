@@ -144,9 +144,9 @@ static inline __attribute__((always_inline)) __m512i dw5_ld(const size_t P, cons
 
 /* One block of n <= W channels at ch, P = 64 / W pixels per vector. */
 static inline __attribute__((always_inline)) int dw5_block(
-    const size_t P, size_t ch, size_t n, size_t npix, size_t ntaps, const int8_t *const *x,
-    size_t x_step, const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep, int8_t *out,
-    size_t out_step) {
+    const size_t P, size_t ch, size_t n, size_t nrows, size_t npix, size_t ntaps,
+    const int8_t *const *x, size_t x_step, size_t x_row_step, const int16_t *const *w,
+    int32_t in_zp, const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
     const size_t W = 64 / P, nq = (ntaps + 3) / 4;
     __m512i wq[DW5_MAXT / 4][4];
     dw5_rq q;
@@ -169,11 +169,11 @@ static inline __attribute__((always_inline)) int dw5_block(
     const __mmask64 mslot = n >= 64 ? ~(__mmask64)0 : ((UINT64_C(1) << n) - 1);
     const int xcontig = x_step == W && n == W, ocontig = out_step == W && n == W;
     const ptrdiff_t xadv = (ptrdiff_t)x_step - (ptrdiff_t)W, oadv = (ptrdiff_t)out_step - (ptrdiff_t)W;
-    for (size_t p = 0; p < npix; p += P) {
+    for (size_t row = 0; row < nrows; row++) for (size_t p = 0; p < npix; p += P) {
         const size_t np = npix - p < P ? npix - p : P;
         /* bytes of pixel slot j come from px + (p + j) * step at lanes jW..jW+W */
         const __mmask64 mall = P == 1 ? mslot : np == P ? ~(__mmask64)0 : (UINT64_C(1) << (np * W)) - 1;
-        const size_t off = p * x_step + ch;
+        const size_t off = row * x_row_step + p * x_step + ch;
         __m512i acc0 = q.init[0], acc1 = q.init[1], acc2 = q.init[2], acc3 = q.init[3];
         for (size_t g = 0; g < nq; g++) {
             const size_t t0 = 4 * g;
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) int dw5_block(
         const __m512i r01 = _mm512_packs_epi32(dw5_rq1(acc0, &q, 0), dw5_rq1(acc1, &q, 1));
         const __m512i r23 = _mm512_packs_epi32(dw5_rq1(acc2, &q, 2), dw5_rq1(acc3, &q, 3));
         const __m512i r = _mm512_min_epi8(_mm512_max_epi8(_mm512_packs_epi16(r01, r23), lo8), hi8);
-        int8_t *o = out + p * out_step + ch;
+        int8_t *o = out + row * out_row_step + p * out_step + ch;
         if (P == 1 || ocontig) {
             _mm512_mask_storeu_epi8(o, mall, r);
         } else {
@@ -217,7 +217,7 @@ static inline __m512i dw5_mbqm(__m512i x, const int32_t *mult, const int32_t *sh
     return _mm512_mask_add_epi32(r, _mm512_cmpgt_epi32_mask(_mm512_and_si512(h, mask), thr), r, one);
 }
 
-/* A single pixel (border pixels, 1-pixel runs): each weight is used once, so interleaving
+/* A single pixel (calls of one or two pixels): each weight is used once, so interleaving
  * them would cost more than it saves. Per tap and 16 channels: x - zp sign-extended to int32
  * is the int16 pair (x - zp, sign), the weight zero-extended is (w, 0), so vpdpwssd adds
  * exactly (x - zp) * w. */
@@ -239,15 +239,20 @@ static void dw5_pixel(size_t c, size_t ntaps, const int8_t *const *x, const int1
     }
 }
 
-static void x86_dw512(size_t c, size_t npix, size_t ntaps, const int8_t *const *x, size_t x_step,
-                      const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep, int8_t *out,
-                      size_t out_step) {
-    if (npix == 1) {
-        dw5_pixel(c, ntaps, x, w, in_zp, ep, out);
+static void x86_dw512(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
+                      size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
+                      const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
+    if (ntaps > DW5_MAXT || ntaps == 0) {
+        x86_dw(c, nrows, npix, ntaps, x, x_step, x_row_step, w, in_zp, ep, out, out_step, out_row_step);
         return;
     }
-    if (ntaps > DW5_MAXT || ntaps == 0) {
-        x86_dw(c, npix, ntaps, x, x_step, w, in_zp, ep, out, out_step);
+    if (nrows * npix <= 2) { /* too few pixels to repay the weight preparation */
+        const int8_t *xs[DW5_MAXT];
+        for (size_t r = 0; r < nrows; r++)
+            for (size_t p = 0; p < npix; p++) {
+                for (size_t t = 0; t < ntaps; t++) xs[t] = x[t] + r * x_row_step + p * x_step;
+                dw5_pixel(c, ntaps, xs, w, in_zp, ep, out + r * out_row_step + p * out_step);
+            }
         return;
     }
     for (size_t ch = 0; ch < c;) {
@@ -255,16 +260,18 @@ static void x86_dw512(size_t c, size_t npix, size_t ntaps, const int8_t *const *
         /* a tail of <= 16 (32) channels packs 4 (2) pixels per vector, if there are pixels */
         const size_t P = rem > 32 ? 1 : rem > 16 || npix == 2 ? 2 : 4;
         const size_t n = rem < 64 / P ? rem : 64 / P;
-        int ok = P == 1 ? dw5_block(1, ch, n, npix, ntaps, x, x_step, w, in_zp, ep, out, out_step)
-                 : P == 2 ? dw5_block(2, ch, n, npix, ntaps, x, x_step, w, in_zp, ep, out, out_step)
-                          : dw5_block(4, ch, n, npix, ntaps, x, x_step, w, in_zp, ep, out, out_step);
+#define DW5_B(P_) dw5_block(P_, ch, n, nrows, npix, ntaps, x, x_step, x_row_step, w, in_zp, ep, out, \
+                         out_step, out_row_step)
+        int ok = P == 1 ? DW5_B(1) : P == 2 ? DW5_B(2) : DW5_B(4);
+#undef DW5_B
         if (!ok) { /* the rare block dw5 cannot take exactly: the 256-bit kernel */
             const int8_t *xs[DW5_MAXT];
             const int16_t *ws[DW5_MAXT];
             for (size_t t = 0; t < ntaps; t++) xs[t] = x[t] + ch, ws[t] = w[t] + ch;
             const ea_epilogue e = {ep->bias + ch, ep->mult + ch, ep->shift + ch, NULL, ep->out_zp,
                                    ep->act_min, ep->act_max, 0};
-            x86_dw(n, npix, ntaps, xs, x_step, ws, in_zp, &e, out + ch, out_step);
+            x86_dw(n, nrows, npix, ntaps, xs, x_step, x_row_step, ws, in_zp, &e, out + ch, out_step,
+                   out_row_step);
         }
         ch += n;
     }
