@@ -109,7 +109,9 @@ static void arm_gemm(size_t m, size_t nr, size_t kpad, const void *const *rows,
 /* Depthwise: (x - zp) fits int16; vmlal_s16 widens the products into int32 lanes. */
 static void arm_dw(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
                    size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
-                   const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
+                   const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step,
+                   void *cache) {
+    (void)cache;
     const int16x8_t zp16 = vdupq_n_s16((int16_t)in_zp);
     const int32x4_t ozp = vdupq_n_s32(ep->out_zp);
     const int32x4_t lo = vdupq_n_s32(ep->act_min), hi = vdupq_n_s32(ep->act_max);

@@ -486,11 +486,13 @@ int ea_depthwise_conv2d(const ea_variant *v, const ea_conv_params *p, const int8
     const int16_t **wp = (const int16_t **)malloc((size_t)taps * sizeof(*wp));
     int32_t *zeros = bias ? NULL : (int32_t *)calloc((size_t)oc, sizeof(int32_t));
     int8_t *win = direct ? NULL : (int8_t *)malloc((size_t)(win_h * win_w * oc));
+    void *cache = malloc(EA_DW_CACHE_BYTES(oc)); /* the kernel's per-block preparation */
     int rc = EA_OK;
-    if (!xp || !wp || (!bias && !zeros) || (!direct && !win)) {
+    if (!xp || !wp || (!bias && !zeros) || (!direct && !win) || !cache) {
         rc = EA_ENOMEM;
         goto done;
     }
+    memset(cache, 0, EA_DW_CACHE_TAGS(oc));
     for (int32_t ky = 0; ky < p->k_h; ky++)
         for (int32_t kx = 0; kx < p->k_w; kx++)
             wp[ky * p->k_w + kx] = w16 + ((int64_t)ky * p->k_w + kx) * oc;
@@ -543,7 +545,7 @@ int ea_depthwise_conv2d(const ea_variant *v, const ea_conv_params *p, const int8
                     xp[ky * p->k_w + kx] =
                         base + ((oy - oy_a) * sh + ky * dh) * rs + (ox * sw + kx * dw) * oc;
             v->dw((size_t)oc, (size_t)nrows, (size_t)npix, (size_t)taps, xp, (size_t)(sw * oc),
-                  (size_t)(sh * rs), wp, p->in_zp, &ep, output + m * oc, (size_t)oc, ors);
+                  (size_t)(sh * rs), wp, p->in_zp, &ep, output + m * oc, (size_t)oc, ors, cache);
             m += nrows * npix;
         }
     }
@@ -552,6 +554,7 @@ done:
     free(wp);
     free(zeros);
     free(win);
+    free(cache);
     return rc;
 }
 

@@ -55,11 +55,16 @@ typedef void (*ea_widen_fn)(const int8_t *src, int16_t *dst, size_t n);
  * x[t] + r * x_row_step + p * x_step (the driver gives every tap a valid source, padding
  * included, so one call can cover whole output rows and per-call preparation is amortised):
  * acc = bias + sum_t (x - in_zp) * w[t][ch], requantised into out + r * out_row_step +
- * p * out_step (ep arrays per channel). */
+ * p * out_step (ep arrays per channel). cache is NULL or EA_DW_CACHE_BYTES(c) bytes, the first
+ * EA_DW_CACHE_TAGS(c) of them zero, owned by one caller and passed only to calls of the same
+ * c, ntaps, w, in_zp and ep (one op): a kernel may keep its per-block preparation there. */
+#define EA_DW_CACHE_SLOT 3584
+#define EA_DW_CACHE_TAGS(c) ((size_t)(c) / 16 + 1)
+#define EA_DW_CACHE_BYTES(c) (EA_DW_CACHE_TAGS(c) + 64 + ((size_t)(c) / 16 + 1) * EA_DW_CACHE_SLOT)
 typedef void (*ea_dw_ukernel)(size_t c, size_t nrows, size_t npix, size_t ntaps,
                               const int8_t *const *x, size_t x_step, size_t x_row_step,
                               const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep,
-                              int8_t *out, size_t out_step, size_t out_row_step);
+                              int8_t *out, size_t out_step, size_t out_row_step, void *cache);
 
 /* out[r] = -zb * (sum of the k int8 at rows[r]), wrapped to int32, for r < count: the
  * row_add of a row block, in one call (MobileNet's K = 8..16 rows cost a call each). */

@@ -36,7 +36,9 @@ static void gemm_portable(size_t m, size_t nr, size_t kpad, const void *const *r
 
 static void dw_portable(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
                         size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
-                        const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
+                        const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step,
+                        void *cache) {
+    (void)cache;
     int32_t acc[64];
     for (size_t r = 0; r < nrows; r++) for (size_t p = 0; p < npix; p++) {
         for (size_t c0 = 0; c0 < c; c0 += 64) {

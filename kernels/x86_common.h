@@ -331,7 +331,9 @@ static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
  * outer loop so their requantisation constants are prepared once for all npix pixels. */
 static void x86_dw(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
                    size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
-                   const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
+                   const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step,
+                   void *cache) {
+    (void)cache;
     const __m256i zp16 = _mm256_set1_epi16((int16_t)in_zp);
     const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);
     size_t ch = 0;

@@ -142,15 +142,11 @@ static inline __attribute__((always_inline)) __m512i dw5_ld(const size_t P, cons
     return v;
 }
 
-/* One block of n <= W channels at ch, P = 64 / W pixels per vector. */
-static inline __attribute__((always_inline)) int dw5_block(
-    const size_t P, size_t ch, size_t n, size_t nrows, size_t npix, size_t ntaps,
-    const int8_t *const *x, size_t x_step, size_t x_row_step, const int16_t *const *w,
-    int32_t in_zp, const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
-    const size_t W = 64 / P, nq = (ntaps + 3) / 4;
-    __m512i wq[DW5_MAXT / 4][4];
-    dw5_rq q;
-    if (!dw5_rq_make(&q, ep, ch, W, n)) return 0;
+/* The weight quads and constants of one block; returns 0 if dw5 cannot take it exactly. */
+static inline int dw5_prep(size_t W, size_t ch, size_t n, size_t ntaps, const int16_t *const *w,
+                           int32_t in_zp, const ea_epilogue *ep, dw5_rq *q, __m512i (*wq)[4]) {
+    const size_t nq = (ntaps + 3) / 4;
+    if (!dw5_rq_make(q, ep, ch, W, n)) return 0;
     __mmask32 bad = 0;
     const __m512i zero = _mm512_setzero_si512(), zp128 = _mm512_set1_epi8((char)(in_zp + 128));
     __m512i sw[4] = {zero, zero, zero, zero};
@@ -162,8 +158,47 @@ static inline __attribute__((always_inline)) int dw5_block(
         for (int k = 0; k < 4; k++) sw[k] = _mm512_dpbusd_epi32(sw[k], zp128, wq[g][k]);
     }
     if (bad) return 0;
-    dw5_load32(ep->bias + ch, W, n, q.init);
-    for (int k = 0; k < 4; k++) q.init[k] = _mm512_sub_epi32(q.init[k], sw[k]);
+    dw5_load32(ep->bias + ch, W, n, q->init);
+    for (int k = 0; k < 4; k++) q->init[k] = _mm512_sub_epi32(q->init[k], sw[k]);
+    return 1;
+}
+
+/* A block's preparation kept in the caller's cache (calls of one op, ntaps <= DW5_CT). */
+#define DW5_CT 12
+typedef struct {
+    __m512i wq[DW5_CT / 4][4];
+    dw5_rq q;
+} dw5_slot;
+_Static_assert(sizeof(dw5_slot) <= EA_DW_CACHE_SLOT, "dw5_slot exceeds EA_DW_CACHE_SLOT");
+
+/* One block of n <= W channels at ch, P = 64 / W pixels per vector. */
+static inline __attribute__((always_inline)) int dw5_block(
+    const size_t P, size_t ch, size_t n, size_t nrows, size_t npix, size_t ntaps,
+    const int8_t *const *x, size_t x_step, size_t x_row_step, const int16_t *const *w,
+    int32_t in_zp, const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step,
+    uint8_t *tag, dw5_slot *slot) {
+    const size_t W = 64 / P, nq = (ntaps + 3) / 4;
+    __m512i wql[DW5_MAXT / 4][4];
+    dw5_rq ql;
+    /* locals, not the slot, in the pixel loop: int8 stores may alias the slot's memory */
+    __m512i(*wq)[4] = wql;
+    dw5_rq *qp = &ql;
+    if (tag && (*tag & 7) == P) {
+        if (!(*tag & 8)) return 0;
+        ql = slot->q;
+        for (size_t g = 0; g < nq; g++)
+            for (int k = 0; k < 4; k++) wql[g][k] = slot->wq[g][k];
+    } else {
+        const int ok = dw5_prep(W, ch, n, ntaps, w, in_zp, ep, qp, wq);
+        if (tag) {
+            *tag = (uint8_t)(P + 8 * ok);
+            slot->q = ql;
+            for (size_t g = 0; g < nq; g++)
+                for (int k = 0; k < 4; k++) slot->wq[g][k] = wql[g][k];
+        }
+        if (!ok) return 0;
+    }
+    const __m512i zero = _mm512_setzero_si512();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i lo8 = _mm512_set1_epi8((char)ep->act_min), hi8 = _mm512_set1_epi8((char)ep->act_max);
     const __mmask64 mslot = n >= 64 ? ~(__mmask64)0 : ((UINT64_C(1) << n) - 1);
@@ -174,7 +209,7 @@ static inline __attribute__((always_inline)) int dw5_block(
         /* bytes of pixel slot j come from px + (p + j) * step at lanes jW..jW+W */
         const __mmask64 mall = P == 1 ? mslot : np == P ? ~(__mmask64)0 : (UINT64_C(1) << (np * W)) - 1;
         const size_t off = row * x_row_step + p * x_step + ch;
-        __m512i acc0 = q.init[0], acc1 = q.init[1], acc2 = q.init[2], acc3 = q.init[3];
+        __m512i acc0 = qp->init[0], acc1 = qp->init[1], acc2 = qp->init[2], acc3 = qp->init[3];
         for (size_t g = 0; g < nq; g++) {
             const size_t t0 = 4 * g;
             const __m512i a = _mm512_xor_si512(dw5_ld(P, x[t0] + off, xcontig, mall, mslot, np, xadv), flip);
@@ -188,8 +223,8 @@ static inline __attribute__((always_inline)) int dw5_block(
             acc2 = _mm512_dpbusd_epi32(acc2, qv[2], wq[g][2]);
             acc3 = _mm512_dpbusd_epi32(acc3, qv[3], wq[g][3]);
         }
-        const __m512i r01 = _mm512_packs_epi32(dw5_rq1(acc0, &q, 0), dw5_rq1(acc1, &q, 1));
-        const __m512i r23 = _mm512_packs_epi32(dw5_rq1(acc2, &q, 2), dw5_rq1(acc3, &q, 3));
+        const __m512i r01 = _mm512_packs_epi32(dw5_rq1(acc0, qp, 0), dw5_rq1(acc1, qp, 1));
+        const __m512i r23 = _mm512_packs_epi32(dw5_rq1(acc2, qp, 2), dw5_rq1(acc3, qp, 3));
         const __m512i r = _mm512_min_epi8(_mm512_max_epi8(_mm512_packs_epi16(r01, r23), lo8), hi8);
         int8_t *o = out + row * out_row_step + p * out_step + ch;
         if (P == 1 || ocontig) {
@@ -241,9 +276,11 @@ static void dw5_pixel(size_t c, size_t ntaps, const int8_t *const *x, const int1
 
 static void x86_dw512(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
                       size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
-                      const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step) {
+                      const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step,
+                      void *cache) {
     if (ntaps > DW5_MAXT || ntaps == 0) {
-        x86_dw(c, nrows, npix, ntaps, x, x_step, x_row_step, w, in_zp, ep, out, out_step, out_row_step);
+        x86_dw(c, nrows, npix, ntaps, x, x_step, x_row_step, w, in_zp, ep, out, out_step, out_row_step,
+               NULL);
         return;
     }
     if (nrows * npix <= 2) { /* too few pixels to repay the weight preparation */
@@ -255,13 +292,15 @@ static void x86_dw512(size_t c, size_t nrows, size_t npix, size_t ntaps, const i
             }
         return;
     }
+    uint8_t *tags = cache && ntaps <= DW5_CT ? (uint8_t *)cache : NULL;
+    dw5_slot *slots = tags ? (dw5_slot *)(((uintptr_t)(tags + EA_DW_CACHE_TAGS(c)) + 63) & ~(uintptr_t)63) : NULL;
     for (size_t ch = 0; ch < c;) {
         const size_t rem = c - ch;
         /* a tail of <= 16 (32) channels packs 4 (2) pixels per vector, if there are pixels */
         const size_t P = rem > 32 ? 1 : rem > 16 || npix == 2 ? 2 : 4;
         const size_t n = rem < 64 / P ? rem : 64 / P;
 #define DW5_B(P_) dw5_block(P_, ch, n, nrows, npix, ntaps, x, x_step, x_row_step, w, in_zp, ep, out, \
-                         out_step, out_row_step)
+                         out_step, out_row_step, tags ? tags + ch / 16 : NULL, slots ? slots + ch / 16 : NULL)
         int ok = P == 1 ? DW5_B(1) : P == 2 ? DW5_B(2) : DW5_B(4);
 #undef DW5_B
         if (!ok) { /* the rare block dw5 cannot take exactly: the 256-bit kernel */
@@ -271,7 +310,7 @@ static void x86_dw512(size_t c, size_t nrows, size_t npix, size_t ntaps, const i
             const ea_epilogue e = {ep->bias + ch, ep->mult + ch, ep->shift + ch, NULL, ep->out_zp,
                                    ep->act_min, ep->act_max, 0};
             x86_dw(n, nrows, npix, ntaps, xs, x_step, x_row_step, ws, in_zp, &e, out + ch, out_step,
-                   out_row_step);
+                   out_row_step, NULL);
         }
         ch += n;
     }
