@@ -1,10 +1,10 @@
-/* x86-64 AVX512-VNNI variant (Ice Lake, Zen 4 and later): the EVEX vpdpwssd on 256-bit
- * registers (AVX512VL) with 32 registers, so taller 12-row tiles; 256-bit vectors avoid the
- * clock penalty some CPUs take on 512-bit ones.
+/* x86-64 AVX512-VNNI variant (Ice Lake, Zen 4 and later).
  *
- * u8 x s8: vpdpbusd on b + 128 (unsigned, packed so once) and a, one instruction per 32
- * MACs where AVX2 needs vpabsb, vpsignb, vpmaddubsw, vpmaddwd and vpaddd; exact for any B
- * (x86_common.h). */
+ * u8 x s8 (the weights' usual layout): 512-bit vpdpbusd tiles on b + 128 (unsigned, packed
+ * so once) and a, 64 MACs per instruction, exact for any B (x86_gemm512.h); depthwise on
+ * 512-bit vpdpbusd too (x86_dw512.h). The int16 layout (B = -128 forced by
+ * EDGE_AGENT_NATIVE_LAYOUT) keeps the EVEX vpdpwssd on 256-bit registers with 32 of them,
+ * so taller 12-row tiles. */
 #if !defined(__x86_64__) || !defined(__AVX512VNNI__) || !defined(__AVX512VL__)
 #error "avx512vnni.c needs an x86-64 compiler with -mavx512vnni -mavx512vl"
 #endif
@@ -14,8 +14,6 @@
 #define EA_X86_VARIANT ea_variant_avx512vnni
 #define EA_X86_NAME "avx512_vnni"
 #define EA_X86_FEATURES "avx2 avx512f avx512bw avx512vl avx512_vnni"
-#define EA_X86_QMR8 12
-#define EA_X86_QMR16 12
 #define EA_X86_QMAXK 0 /* one vpdpbusd per 32 MACs: always worth it */
 #define EA_X86_QB_OFFSET 128
 #define EA_X86_DOT4(acc, ua, sb) _mm256_dpbusd_epi32((acc), (ua), (sb))

@@ -51,18 +51,6 @@ const char *ea_variant_features(const ea_variant *v) { return v ? v->features : 
 
 static int quad_runnable(const ea_variant *v);
 
-void ea_variant_geometry(const ea_variant *v, int32_t out[3]) {
-    if (v->qgemm && quad_runnable(v)) { /* the kernels weights use (see ea_pack_b) */
-        out[0] = (int32_t)(v->qmr2 > v->qmr ? v->qmr2 : v->qmr);
-        out[1] = (int32_t)(v->qgemm2 ? (v->qpanels2 ? v->qpanels2 : 2) * v->nr : v->nr);
-        out[2] = (int32_t)v->qkc;
-        return;
-    }
-    out[0] = (int32_t)(v->mr2 > v->mr ? v->mr2 : v->mr);
-    out[1] = (int32_t)(v->gemm2 ? 2 * v->nr : v->nr);
-    out[2] = (int32_t)v->kc;
-}
-
 static int has_feature(const char *features, const char *word) {
     const size_t len = strlen(word);
     for (const char *p = features; (p = strstr(p, word)) != NULL; p += len) {
@@ -136,6 +124,18 @@ static layout layout_of(const ea_variant *v, uint32_t kind) {
         l.panels2 = 2, l.b_offset = 0;
     }
     return l;
+}
+
+void ea_variant_geometry(const ea_variant *v, int32_t out[3]) {
+    if (v->qgemm && quad_runnable(v)) { /* the kernels weights use (see ea_pack_b) */
+        out[0] = (int32_t)(v->qmr2 > v->qmr ? v->qmr2 : v->qmr);
+        out[1] = (int32_t)(v->qgemm2 ? layout_of(v, EA_LAYOUT_QUAD).panels2 * v->nr : v->nr);
+        out[2] = (int32_t)v->qkc;
+        return;
+    }
+    out[0] = (int32_t)(v->mr2 > v->mr ? v->mr2 : v->mr);
+    out[1] = (int32_t)(v->gemm2 ? 2 * v->nr : v->nr);
+    out[2] = (int32_t)v->kc;
 }
 
 /* Panels stored: a multiple of panels2, so a wide tile may read all of its panels even

@@ -219,37 +219,27 @@ static inline __m256i x86_bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-#if EA_X86_QB_OFFSET
-/* VNNI: B is stored as b + 128 (u8) and A is the signed operand, so one vpdpbusd per 32
+/* EA_X86_QDOT(acc, b, a): acc + the quad products of B panel bytes b and broadcast A bytes a.
+ * VNNI: B is stored as b + 128 (u8) and A is the signed operand, so one vpdpbusd per 32
  * MACs and nothing else; |a * (b + 128)| <= 128 * 255 and vpdpbusd sums the four products
  * in int32 without saturating, so it is exact for any B. The driver takes 128 * rowsum_a
- * off (internal.h, qb_offset). */
-#define X86_QMAC1(i)                                                    \
-    {                                                                   \
-        const __m256i av = x86_bcast4(a[i] + k);                        \
-        c##i##a = EA_X86_DOT4(c##i##a, bv0, av);                        \
-    }
-#define X86_QMAC2(i)                                                    \
-    {                                                                   \
-        const __m256i av = x86_bcast4(a[i] + k);                        \
-        c##i##a = EA_X86_DOT4(c##i##a, bv0, av);                        \
-        c##i##b = EA_X86_DOT4(c##i##b, bv1, av);                        \
-    }
+ * off (internal.h, qb_offset). AVX2: |a| times sign(a) * b, as above. */
+#if EA_X86_QB_OFFSET
+#define EA_X86_QDOT(acc, b, a) EA_X86_DOT4((acc), (b), (a))
 #else
+#define EA_X86_QDOT(acc, b, a) EA_X86_DOT4((acc), _mm256_abs_epi8(a), _mm256_sign_epi8((b), (a)))
+#endif
 #define X86_QMAC1(i)                                                    \
     {                                                                   \
         const __m256i av = x86_bcast4(a[i] + k);                        \
-        const __m256i ua = _mm256_abs_epi8(av);                         \
-        c##i##a = EA_X86_DOT4(c##i##a, ua, _mm256_sign_epi8(bv0, av));  \
+        c##i##a = EA_X86_QDOT(c##i##a, bv0, av);                        \
     }
 #define X86_QMAC2(i)                                                    \
     {                                                                   \
         const __m256i av = x86_bcast4(a[i] + k);                        \
-        const __m256i ua = _mm256_abs_epi8(av);                         \
-        c##i##a = EA_X86_DOT4(c##i##a, ua, _mm256_sign_epi8(bv0, av));  \
-        c##i##b = EA_X86_DOT4(c##i##b, ua, _mm256_sign_epi8(bv1, av));  \
+        c##i##a = EA_X86_QDOT(c##i##a, bv0, av);                        \
+        c##i##b = EA_X86_QDOT(c##i##b, bv1, av);                        \
     }
-#endif
 
 #define X86_QTILE(FN, MR_, ROWS, NV, MAC, OUT)                                                  \
     static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                   \
@@ -279,8 +269,10 @@ static inline __m256i x86_bcast4(const int8_t *p) {
         }                                                                                       \
     }
 
+#ifndef EA_X86_OWN_VARIANT /* the AVX512-VNNI variant has 512-bit u8 x s8 tiles instead */
 X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_OUT1)
 X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_OUT2)
+#endif
 
 /* Sum of n int8: flipped to u8 (x + 128) and summed by vpsadbw against zero. */
 static inline int32_t x86_rowsum(const int8_t *a, size_t n) {
