@@ -42,8 +42,8 @@ test: $(STAMP)
 # The coordinator's tests again with the registry on PostgreSQL: one throw-away cluster per
 # run (tests/pg_cluster.py: Debian's postgresql package, a free loopback port; as root the
 # server runs as nobody), a fresh database per test (pytest --pg, tests/conftest.py); the
-# integration tests' serve processes inherit $EDGE_COORDINATOR_DB. Not here: test_fleet_load
-# (its harness reads serve's SQLite file directly).
+# integration tests' serve processes inherit $EDGE_COORDINATOR_DB (test_fleet_load's harness
+# too: it reads the registry through Registry, whichever the engine).
 PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py tests/unit/test_retention.py \
 	tests/unit/test_approval.py tests/unit/test_cli_exit_codes.py tests/unit/test_plateau.py \
 	tests/unit/test_dashboard_views.py tests/unit/test_update_defaults.py tests/unit/test_requantize.py \
@@ -52,7 +52,8 @@ PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py test
 	tests/integration/test_fleet_round.py tests/integration/test_fleet_restart.py tests/integration/test_fleet_cli.py \
 	tests/integration/test_fleet_agents.py tests/integration/test_fleet_security.py tests/integration/test_device_limits.py \
 	tests/integration/test_retention_broker.py tests/integration/test_update_metadata.py tests/integration/test_dashboard.py \
-	tests/integration/test_agent_models.py tests/integration/test_transport_upload.py tests/integration/test_transport_models.py
+	tests/integration/test_agent_models.py tests/integration/test_transport_upload.py tests/integration/test_transport_models.py \
+	tests/integration/test_fleet_load.py
 test-pg: $(STAMP)
 	$(BIN)/python -m pytest --pg $(PG_TESTS) $(PYTEST_ARGS)
 

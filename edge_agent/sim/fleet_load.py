@@ -7,16 +7,20 @@ Steps: a synthetic bundle whose head has the asked size (the digits bundle's bac
 dense head of classes x 1000 features: 100,100 or 1,001,000 parameters) is registered with
 `model register`; `serve --auto-approve` starts (its state dir under `workdir`); the devices
 connect (hello, state) until the registry shows them all approved and online; `train
---detach` queues one round over all of them; the registry (read-only) then says when it
-closed. Figures: time to connect all; updates/s ingested (accepted updates over the span
-from the first to the last received_at); the time from the last update to the new model
-version (its created_at); serve's peak RSS (VmHWM); bytes the round added under the state
-dir; the compressed bytes received (the updates' wire_bytes).
+--detach` queues one round over all of them; the registry (read-only, through `Registry`:
+SQLite or PostgreSQL, whichever serve runs on) then says when it closed. Figures: time to
+connect all; updates/s ingested (accepted updates over the span from the first to the last
+received_at); the time from the last update to the new model version (its created_at);
+serve's peak RSS (VmHWM); bytes the round added under the state dir; the compressed bytes
+received (the updates' wire_bytes).
 
 The broker is started with `max_queued_messages 0` (no per-client cap): mosquitto's default
 1,000 would drop QoS 1 chunks queued for a coordinator that is behind a round's burst (each
 device would resend after its ack timeout). File descriptor limits are raised to the hard
 limit for this process and, inherited, for the broker and serve.
+
+The registry: `run_load(..., db=URL)`, else $EDGE_COORDINATOR_DB, else SQLite; serve and the
+CLI get it as $EDGE_COORDINATOR_DB (not `--db`: a URL's password would show in `ps`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import os
 import resource
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -34,6 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from ..coordinator.db import DB_ENV, resolve
+from ..coordinator.records import RoundRecord, RoundState
+from ..coordinator.registry import Registry
 from ..transport.broker import MosquittoBroker
 from .devices import SimFleet, SimOptions, UpdatePool
 
@@ -161,8 +167,15 @@ def _hwm_mb(pid: int) -> float:
 class LoadRun:
     """The broker, serve and the simulated fleet of one run; `close()` stops all three."""
 
-    def __init__(self, cfg: LoadConfig, workdir: Path) -> None:
+    def __init__(self, cfg: LoadConfig, workdir: Path, *, db: str | None = None) -> None:
+        """`db`: the registry (Registry's `db`: a postgresql:// URL, "sqlite", or None for
+        $EDGE_COORDINATOR_DB), resolved once so that serve, the CLI and the reads here agree."""
         self.cfg, self.workdir = cfg, Path(workdir)
+        self.db = resolve(db)
+        self.dialect = "sqlite" if self.db is None else "postgresql"
+        # children read the registry from here ("" is SQLite even if this process's env says otherwise)
+        self.env = {**os.environ, DB_ENV: self.db or "", "PYTHONUNBUFFERED": "1"}
+        self._reader: Registry | None = None
         self.state = self.workdir / "coordinator"
         self.cli = [sys.executable, "-m", "edge_agent.coordinator.cli"]
         self.broker: LoadBroker | None = None
@@ -179,7 +192,7 @@ class LoadRun:
 
     def run_cli(self, *args: str) -> str:
         done = subprocess.run([*self.cli, *args, "--state-dir", str(self.state)], capture_output=True, text=True,
-                              cwd=REPO, timeout=600, check=False)
+                              cwd=REPO, env=self.env, timeout=600, check=False)
         if done.returncode:
             raise RuntimeError(f"edge-coordinator {' '.join(args[:3])} exited {done.returncode}: {done.stderr[-1500:]}")
         return done.stdout
@@ -230,25 +243,22 @@ class LoadRun:
             [*prof, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
              self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
              "--aggregator", cfg.aggregator], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=self._pre())  # noqa: PLW1509
+            env=self.env, preexec_fn=self._pre())  # noqa: PLW1509
         log.close()
         self._wait(self._serving, 120, "serve did not connect to the broker")
 
     def pre_enrol(self) -> None:
         """Enrol and approve every simulated device in the registry (serve not running yet)."""
         from ..config import public_key_text
-        from ..coordinator.registry import Registry
 
         assert self.fleet is not None
-        with Registry(state_dir=self.state) as reg:
+        with Registry(state_dir=self.state, db=self.db or "sqlite") as reg:
             for dev in self.fleet.devices:
                 reg.enrol_device(device_id=dev.id, public_key=public_key_text(dev.key), fleet="sim",
                                  board="simulated", profile="sim", approved=True)
 
     def _head_names(self) -> dict[str, str]:
-        from ..coordinator.registry import Registry
-
-        with Registry(state_dir=self.state, read_only=True) as reg:
+        with Registry(state_dir=self.state, read_only=True, db=self.db or "sqlite") as reg:
             head = reg.load_head(reg.get_model("simhead", "1"))
         return {"w": next(k for k, v in head.items() if v.ndim == 2), "b": next(k for k, v in head.items() if v.ndim == 1)}
 
@@ -271,17 +281,24 @@ class LoadRun:
                 raise RuntimeError(what)
             time.sleep(interval)
 
-    def _db(self) -> sqlite3.Connection:
-        return sqlite3.connect(f"file:{self.state / 'registry.sqlite3'}?mode=ro", uri=True, timeout=60)
+    def _registry(self) -> Registry:
+        """One read-only Registry for the run's polls (opened once serve's registry exists). It
+        never migrates or takes the write lock (SQLite: a `mode=ro` WAL reader; PostgreSQL: READ
+        ONLY snapshots), and each read is a short snapshot, so serve's writes never wait for it."""
+        if self._reader is None:
+            self._reader = Registry(state_dir=self.state, read_only=True, db=self.db or "sqlite")
+        return self._reader
 
     def online(self) -> int:
         """Devices approved, online and with a state recorded (a battery level: the state's)."""
-        db = self._db()
-        try:
+        reg = self._registry()
+        battery = ("(state::jsonb ->> 'battery_pct')" if reg.dialect == "postgresql"
+                   else "json_extract(state, '$.battery_pct')")
+        # one COUNT per poll (10,000 devices every second): Registry has no counting method for
+        # this, so the query runs in its read snapshot, through its dialect layer
+        with reg._read() as db:
             return int(db.execute("SELECT COUNT(*) FROM devices WHERE approved = 1 AND online = 1 AND "
-                                  "json_extract(state, '$.battery_pct') IS NOT NULL").fetchone()[0])
-        finally:
-            db.close()
+                                  f"{battery} IS NOT NULL").fetchone()[0])
 
     def _connect_all(self) -> None:
         """Start every device's connection: at `connect_rate`, and with `connect_backlog` never
@@ -417,39 +434,30 @@ class LoadRun:
             elif "finetune sent to" in line:
                 counts["finetune_sent"] += 1
         return counts
-        for line in text.splitlines():
-            if "inbox full" in line:
-                counts["inbox_full"] += 1
-            elif "loop step failed" in line:
-                counts["loop_errors"] += 1
-            elif "finetune sent to" in line:
-                counts["finetune_sent"] += 1
-        return counts
+
+    def _round(self, job: str) -> RoundRecord | None:
+        """The job's round 1 without its participants (one indexed row, polled every 0.5 s)."""
+        return next((r for r in self._registry().list_rounds(job, participants=False) if r.number == 1), None)
 
     def _round_over(self, job: str) -> bool:
-        db = self._db()
-        try:
-            row = db.execute("SELECT state FROM rounds WHERE job_id = ? AND number = 1", (job,)).fetchone()
-        finally:
-            db.close()
-        return row is not None and row[0] not in ("open", "closing")
+        rnd = self._round(job)
+        return rnd is not None and rnd.state not in (RoundState.OPEN, RoundState.CLOSING)
 
     def _round_figures(self, job: str) -> dict[str, Any]:
-        db = self._db()
-        try:
-            state, reason, ended, deadline, version = db.execute(
-                "SELECT state, reason, ended_at, deadline_at, aggregated_version FROM rounds WHERE job_id = ? "
-                "AND number = 1", (job,)).fetchone()
+        reg = self._registry()
+        rnd = self._round(job)
+        if rnd is None:
+            raise RuntimeError(f"job {job} has no round 1 in {reg.where}")
+        state, reason, ended, deadline, version = (rnd.state.value, rnd.reason, rnd.ended_at, rnd.deadline_at,
+                                                   rnd.aggregated_version)
+        # aggregates, not rows: 10,000 updates; Registry has no method for these (see online())
+        with reg._read() as db:
             ups = db.execute("SELECT status, COUNT(*), COALESCE(SUM(wire_bytes), 0), MIN(received_at), "
                              "MAX(received_at) FROM updates WHERE job_id = ? GROUP BY status", (job,)).fetchall()
-            parts = dict(db.execute("SELECT status, COUNT(*) FROM participants WHERE job_id = ? GROUP BY status",
-                                    (job,)).fetchall())
             dup = db.execute("SELECT COUNT(*) FROM (SELECT device_id FROM updates WHERE job_id = ? "
-                             "GROUP BY device_id HAVING COUNT(*) > 1)", (job,)).fetchone()[0]
-            created = db.execute("SELECT created_at FROM model_versions WHERE name = 'simhead' AND version = ?",
-                                 (version,)).fetchone() if version else None
-        finally:
-            db.close()
+                             "GROUP BY device_id HAVING COUNT(*) > 1) AS d", (job,)).fetchone()[0]
+        parts = {s.value: n for s, n in reg.participant_counts(job, 1).items()}
+        created = reg.get_model("simhead", version).created_at if version else None
         by = {s: (n, b, lo, hi) for s, n, b, lo, hi in ups}
         accepted = by.get("accepted", (0, 0, None, None))
         first = min((v[2] for v in by.values()), default=None)
@@ -463,7 +471,7 @@ class LoadRun:
                 "participants": parts, "duplicate_rows": dup, "received_mb": sum(v[1] for v in by.values()) / 1e6,
                 "updates_per_s": (sum(v[0] for v in by.values()) - 1) / span if span > 0 else float("nan"),
                 "ingest_span_s": span,
-                "last_update_to_version_s": (created[0] - last) if created and last else float("nan"),
+                "last_update_to_version_s": (created - last) if created and last else float("nan"),
                 "last_update_to_close_s": (ended - last) if ended and last else float("nan")}
 
     def close(self) -> None:
@@ -481,12 +489,17 @@ class LoadRun:
                 self.serve.wait(10)
         if self.broker is not None:
             self.broker.stop()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
 
-def run_load(cfg: LoadConfig, workdir: Path, base_bundle: Path) -> dict[str, Any]:
-    """One measured round (module doc); everything started is stopped before it returns."""
+def run_load(cfg: LoadConfig, workdir: Path, base_bundle: Path, *, db: str | None = None) -> dict[str, Any]:
+    """One measured round (module doc) on registry `db` (LoadRun); everything started is
+    stopped before it returns."""
     workdir.mkdir(parents=True, exist_ok=True)
-    run = LoadRun(cfg, workdir)
+    run = LoadRun(cfg, workdir, db=db)
+    run.partial["registry"] = run.dialect  # which engine the figures are from (never the URL)
     try:
         run.start(base_bundle)
         return run.measure()
