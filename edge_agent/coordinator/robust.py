@@ -197,7 +197,8 @@ def window(n: int, aggregator: str, trim_fraction: float) -> tuple[int, int]:
     raise ValueError(f"{aggregator!r} is not a coordinate-wise rule")
 
 
-def sparse_window_sum(coords: np.ndarray, values: np.ndarray, n: int, lo: int, hi: int, size: int) -> np.ndarray:
+def sparse_window_sum(coords: np.ndarray, values: np.ndarray, n: int, lo: int, hi: int, size: int, *,
+                      counts: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Per coordinate of [0, size): the sum of the sorted positions [lo, hi) of its n values,
     where `coords`/`values` list the non-zero ones (each update at most once per coordinate)
     and every missing value is 0. Exact: the same values are summed in the same ascending
@@ -205,15 +206,20 @@ def sparse_window_sum(coords: np.ndarray, values: np.ndarray, n: int, lo: int, h
 
     Sparse updates leave most coordinates with a few non-zeros among n: when a coordinate's
     negatives all sort below `lo` and its positives all above `hi`, the window holds only
-    zeros, so only the other ("hot") coordinates' entries are sorted."""
+    zeros, so only the other ("hot") coordinates' entries are sorted. `counts` = (negatives,
+    positives) per coordinate over all n updates, when the caller knows them: then the
+    entries given may be those of the hot coordinates only (streaming.py gathers no others)."""
     values = np.asarray(values, dtype=np.float64)
     coords = np.asarray(coords, dtype=np.int64)
     nz = values != 0
     coords, values = coords[nz], values[nz]
     if not coords.size:
         return np.zeros(size, dtype=np.float64)
-    neg = np.bincount(coords[values < 0], minlength=size)
-    pos = np.bincount(coords[values > 0], minlength=size)
+    if counts is None:
+        neg = np.bincount(coords[values < 0], minlength=size)
+        pos = np.bincount(coords[values > 0], minlength=size)
+    else:
+        neg, pos = (np.asarray(c, dtype=np.int64) for c in counts)
     hot = (neg > lo) | (pos > n - hi)
     pick = hot[coords]
     coords, values = coords[pick], values[pick]

@@ -179,7 +179,8 @@ class RobustRounds:
 
     def _direction(self, good: list[str], job_id: str, recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
                    layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]],
-                   strikes: dict[str, str | None], quorum: int = 1) -> tuple[list[str], str]:
+                   strikes: dict[str, str | None], quorum: int = 1,
+                   acc: RunningSum | None = None) -> tuple[list[str], str]:
         """Step 5 of robust.py: cosine with the round's coordinate-wise median. Small rounds
         (<= direction_max_n): below min_cosine rejected, no strike. Larger ones: below
         min_median_cosine rejected, and a strike when the mean of the device's last
@@ -197,7 +198,7 @@ class RobustRounds:
         floor = pol.min_cosine if small else pol.min_median_cosine
         kept, rejected, undecidable, cosines = direction_check(
             good, load, {d: recs[d].norm for d in good}, layout.size,
-            sum(recs[d].kept or layout.size for d in good), floor)
+            sum(recs[d].kept or layout.size for d in good), floor, acc)
         if len(kept) < quorum and rejected and not undecidable:
             weak = sorted((d for d in rejected if cosines.get(d, -1.0) >= pol.strike_median_cosine),
                           key=lambda d: -cosines[d])

@@ -378,7 +378,7 @@ class RoundEngine(UpdateIntake):
 
             if not undecidable and len(good) >= 2:
                 good, undecidable = self._direction(good, job_id, recs, load, layout, verdicts, strikes,
-                                                    quorum=job.min_devices)
+                                                    quorum=job.min_devices, acc=acc)
             if undecidable:
                 for d in good or [devices[i] for i in screen.accepted]:
                     verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])
