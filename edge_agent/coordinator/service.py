@@ -192,11 +192,13 @@ class Coordinator(DeviceMessages):
             host=o.host, port=o.port, client_id=client_id, clean_session=o.workers_group is not None,
             keepalive=o.keepalive, tls=o.tls, username=o.username, password=o.password,
             subscriptions=subscriptions, backoff_base=o.backoff_base,
-            # Every message signed by an approved device is priority and may fill the whole inbox
-            # (only junk is dropped first): a round's burst of reports from thousands of devices
-            # must neither lose a dropout report nor, as when update chunks were bulk, every chunk.
+            # Messages signed by an approved device may fill the whole inbox (junk is dropped
+            # first). Then update chunks and states go before progress reports: a device resends
+            # an unacknowledged chunk and republishes its state, but sends a dropout report once
+            # (the 10,000-device round lost 327 of them to its own burst of chunks and states,
+            # and could then only close at its deadline).
             backoff_cap=o.backoff_cap, inbox_size=20_000, priority_size=20_000, max_payload=MAX_BINARY_BYTES + 4096,
-            admit=Admission(self.verifier, priority_channels=("progress", "state", "update"),
+            admit=Admission(self.verifier, priority_channels=("progress",), resend_channels=("state", "update"),
                             per_device=DEVICE_INGRESS))
         self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]

@@ -47,15 +47,19 @@ class _Bucket:
 class Admission:
     """Sorts received messages in the MQTT network thread (MqttClient's `admit`): signed
     messages from trusted keys on `priority_channels` go to the priority lane, so no junk
-    flood can push them out; with `per_device` (rate/s, burst) each device's topics get a
-    token bucket, and messages over it are dropped there (counted by MqttClient, which logs
-    one summary line per interval), so one device cannot flood the receiver's queue."""
+    flood can push them out, and on `resend_channels` to the resend lane (what its sender
+    sends again if it is lost: a full inbox drops those before a one-shot report); with
+    `per_device` (rate/s, burst) each device's topics get a token bucket, and messages over
+    it are dropped there (counted by MqttClient, which logs one summary line per interval),
+    so one device cannot flood the receiver's queue."""
 
     MAX_DEVICES = 100_000  # buckets kept (oldest forgotten first): bounded memory under id floods
 
     def __init__(self, verifier: Verifier, *, priority_channels: tuple[str, ...] = ("cmd", "ack"),
-                 per_device: tuple[float, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 resend_channels: tuple[str, ...] = (), per_device: tuple[float, int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.verifier, self.priority_channels, self.per_device, self._clock = verifier, priority_channels, per_device, clock
+        self.resend_channels = resend_channels
         self._buckets: dict[str, _Bucket] = {}
         self.dropped: Counter[str] = Counter()  # by device
 
@@ -74,6 +78,8 @@ class Admission:
                 return f"drop:over the ingress budget of device {route.device}"
         if route.channel in self.priority_channels and self.verifier.authentic(topic, payload):
             return "priority"
+        if route.channel in self.resend_channels and self.verifier.authentic(topic, payload):
+            return "resend"
         return "bulk"
 
 

@@ -10,13 +10,16 @@ payloads is the protocol's job.
 
 Back-pressure: `admit(topic, payload)`, called in paho's network thread, sorts each message:
 "priority" (cheap checks passed: a valid signature by a trusted key, e.g. the daemon's
-signed commands), "bulk" (anything else), or "drop[:why]" (e.g. a device over its ingress
-budget at the coordinator). `get()` still returns messages in arrival order (a command sent after
-others is handled after them), but when the inbox is full the OLDEST BULK message is
-dropped to make room, so a junk flood only ever pushes out older junk, never a signed
-command; only an inbox full of priority messages drops one of those (at most
-`priority_size` of them are kept). Drops are counted and logged as one summary line per
-DROP_LOG_INTERVAL_S, not one line per message.
+signed commands, or a device's one-shot report), "resend" (signed too, but its sender sends
+it again if it is lost: an update chunk waits for an ack and is resent without one, a state
+is republished), "bulk" (anything else), or "drop[:why]" (e.g. a device over its ingress
+budget at the coordinator). `get()` still returns messages in arrival order (a command sent
+after others is handled after them), but when the inbox is full the oldest message of the
+least important lane goes: bulk, then resend, then priority, and a message less important
+than everything queued is the one dropped. So a junk flood only ever pushes out older junk,
+a burst of update chunks pushes out chunks (their devices resend them), never a report sent
+once; at most `priority_size` priority messages are kept. Drops are counted and logged as
+one summary line per DROP_LOG_INTERVAL_S, not one line per message.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ from .backoff import full_jitter
 
 log = logging.getLogger(__name__)
 DROP_LOG_INTERVAL_S = 10.0
-LANES = ("priority", "bulk", "drop")
+LANES = ("priority", "resend", "bulk", "drop")
+_DROP_ORDER = ("bulk", "resend", "priority")  # who goes first when the inbox is full
+_DROP_STAT = {"bulk": "dropped_inbox_full", "resend": "dropped_resend_full", "priority": "dropped_priority_full"}
+_DROP_WHAT = {"bulk": "unverified", "resend": "resendable signed", "priority": "signed"}
 Admit = Callable[[str, bytes], str]
 
 
@@ -113,8 +119,8 @@ class MqttClient:
         self._log = logger or log
         self.max_payload = max_payload
         self._admit = admit
-        # Two lanes of (arrival number, message); get() takes the lower number of their heads.
-        self._lanes: dict[str, deque[tuple[int, Received]]] = {"priority": deque(), "bulk": deque()}
+        # Lanes of (arrival number, message); get() takes the lowest number of their heads.
+        self._lanes: dict[str, deque[tuple[int, Received]]] = {lane: deque() for lane in _DROP_ORDER}
         self._inbox_size, self._priority_size, self._arrivals = inbox_size, priority_size, 0
         self._ready = threading.Condition(threading.Lock())
         self._drops: Counter[str] = Counter()  # since the last summary line, by why
@@ -131,8 +137,9 @@ class MqttClient:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stats = {"connects": 0, "connect_failures": 0, "disconnects": 0, "received": 0, "priority": 0,
-                       "dropped_oversize": 0, "dropped_inbox_full": 0, "dropped_priority_full": 0,
+        self._stats = {"connects": 0, "connect_failures": 0, "disconnects": 0, "received": 0, "priority": 0, "resend": 0,
+                       "dropped_oversize": 0, "dropped_inbox_full": 0, "dropped_resend_full": 0,
+                       "dropped_priority_full": 0,
                        "dropped_admit": 0, "callback_errors": 0}
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
                         protocol=paho.MQTTv311, reconnect_on_failure=False)
@@ -305,25 +312,26 @@ class MqttClient:
                     return
                 if lane not in LANES:
                     lane = "bulk"
-            victim = None
+            victim, take, lanes = None, True, self._lanes
             with self._ready:
-                prio, bulk = self._lanes["priority"], self._lanes["bulk"]
-                if lane == "priority" and len(prio) >= self._priority_size:
+                if lane == "priority" and len(lanes["priority"]) >= self._priority_size:
                     victim = "priority"
-                elif len(prio) + len(bulk) >= self._inbox_size:
-                    victim = "bulk" if bulk else "priority"  # junk goes first, oldest first
-                if victim is not None:
-                    self._lanes[victim].popleft()
-                self._arrivals += 1
-                self._lanes[lane].append((self._arrivals, item))
-                self._ready.notify()
+                elif sum(len(q) for q in lanes.values()) >= self._inbox_size:
+                    victim = next(v for v in _DROP_ORDER if lanes[v])  # the least important, oldest first
+                    if _DROP_ORDER.index(victim) > _DROP_ORDER.index(lane):
+                        victim, take = lane, False  # it matters less than all that waits: it goes
+                if take:
+                    if victim is not None:
+                        lanes[victim].popleft()
+                    self._arrivals += 1
+                    lanes[lane].append((self._arrivals, item))
+                    self._ready.notify()
             self._count("received")
-            if lane == "priority":
-                self._count("priority")
+            if lane in ("priority", "resend"):
+                self._count(lane)
             if victim is not None:
-                self._dropped("dropped_priority_full" if victim == "priority" else "dropped_inbox_full",
-                              f"inbox full ({self._inbox_size}), oldest {'signed' if victim == 'priority' else 'unverified'}"
-                              " message dropped")
+                self._dropped(_DROP_STAT[victim], f"inbox full ({self._inbox_size}), oldest {_DROP_WHAT[victim]} "
+                                                  "message dropped")
         except Exception:  # e.g. a topic that is not UTF-8
             self._count("callback_errors")
             self._dropped("callback_errors", "undecodable")
@@ -354,17 +362,16 @@ class MqttClient:
         self._log_drops()  # a summary still due after a flood ended
         lanes = self._lanes
         with self._ready:
-            if not self._ready.wait_for(lambda: lanes["priority"] or lanes["bulk"], timeout):
+            if not self._ready.wait_for(lambda: any(lanes.values()), timeout):
                 return None
-            prio, bulk = lanes["priority"], lanes["bulk"]
-            first = prio if prio and (not bulk or prio[0][0] < bulk[0][0]) else bulk
+            first = min((q for q in lanes.values() if q), key=lambda q: q[0][0])
             return first.popleft()[1]
 
     @property
     def pending(self) -> int:
         """Messages received and not yet taken by get()."""
         with self._ready:
-            return len(self._lanes["priority"]) + len(self._lanes["bulk"])
+            return sum(len(q) for q in self._lanes.values())
 
     def subscribe(self, topic_filter: str) -> None:
         """Subscribe now (if connected) and after every reconnect, at QoS 1."""

@@ -128,6 +128,31 @@ def test_oversized_messages_and_a_full_inbox_are_counted_not_fatal(mosquitto, to
         assert sub.get(60).payload == b"still here" and sub.connected
 
 
+def test_a_full_inbox_drops_junk_then_resendable_then_one_shot_messages(mosquitto, topic_prefix):
+    """Lanes by what a loss costs: junk first, then what its sender resends (update chunks,
+    states), a one-shot report (a dropout) last; a message less important than all that waits
+    is itself dropped. get() still returns arrival order across lanes."""
+    def admit(topic: str, payload: bytes) -> str:
+        return topic.rsplit("/", 1)[1]
+
+    with client(mosquitto.port, f"{topic_prefix}/#", inbox_size=4, admit=admit) as sub, \
+            client(mosquitto.port) as pub:
+        assert sub.wait_connected(60) and pub.wait_connected(60)
+        sent = ["p1/priority", "r1/resend", "r2/resend", "b1/bulk", "r3/resend", "b2/bulk",
+                "p2/priority", "p3/priority", "p4/priority", "p5/priority"]
+        for i, name in enumerate(sent, 1):
+            body, lane = name.split("/")
+            assert pub.publish_wait(f"{topic_prefix}/{lane}", body.encode(), timeout=60)
+            assert wait_for(lambda i=i: sub.stats["received"] >= i, 60)  # in order, one at a time
+        assert (sub.stats["dropped_inbox_full"], sub.stats["dropped_resend_full"],
+                sub.stats["dropped_priority_full"]) == (2, 3, 1)  # b1, b2 | r1, r2, r3 | p1 (only p's left)
+        assert [sub.get(60).payload for _ in range(4)] == [b"p2", b"p3", b"p4", b"p5"]
+        for body, lane in (("r4", "resend"), ("p6", "priority"), ("b3", "bulk")):
+            assert pub.publish_wait(f"{topic_prefix}/{lane}", body.encode(), timeout=60)
+        assert [sub.get(60).payload for _ in range(3)] == [b"r4", b"p6", b"b3"]
+        assert sub.pending == 0
+
+
 def test_constructor_arguments_are_validated():
     for bad in [{"port": 0}, {"client_id": ""}, {"keepalive": 1}, {"backoff_base": 0}, {"inbox_size": 0}]:
         with pytest.raises(ValueError):

@@ -390,3 +390,19 @@ def test_a_non_canonical_signature_text_is_refused(env):
     envelope["sig"] = sig.rstrip("=")[:-1] + alphabet[alphabet.index(last) ^ 1] + "=" * (len(sig) - len(sig.rstrip("=")))
     assert base64.b64decode(envelope["sig"]) == base64.b64decode(sig)  # same bytes, other text
     rejected(env.verifier.open(env.cmd_topic, canonical_json(envelope)), Reason.BAD_SCHEMA)
+
+
+def test_admission_sorts_signed_messages_into_their_lanes(env):
+    """The coordinator's inbox lanes: a trusted signature on a priority channel -> "priority",
+    on a resend channel -> "resend" (dropped before one-shot reports when the inbox is full);
+    a message signed by an untrusted key, or on another channel -> "bulk"."""
+    from edge_agent.transport import Admission
+
+    topic = env.topics.device(env.dev, "progress")
+    signed = env.device.control(topic, Kind.PROGRESS, {"phase": "x"}, ttl=60)
+    unknown_topic = env.topics.device(env.other_dev, "progress")  # a device key nobody trusts
+    unknown = env.intruder.control(unknown_topic, Kind.PROGRESS, {"phase": "x"}, ttl=60)
+    assert Admission(env.verifier, priority_channels=("progress",))(topic, signed) == "priority"
+    assert Admission(env.verifier, priority_channels=(), resend_channels=("progress",))(topic, signed) == "resend"
+    assert Admission(env.verifier, priority_channels=(), resend_channels=("progress",))(unknown_topic, unknown) == "bulk"
+    assert Admission(env.verifier, priority_channels=("state",), resend_channels=("update",))(topic, signed) == "bulk"
