@@ -1,13 +1,14 @@
 /* x86-64 AVX2 variant. Weights without -128 (all of TFLite's symmetric ones) take the u8 x s8
- * path: vpsignb + vpmaddubsw + vpmaddwd(ones) + vpaddd per 32 MACs, exact (x86_common.h);
- * others the int16 path: vpmaddwd + vpaddd per 16 MACs. Both need the same multiply-port
- * slots per MAC (measured: no faster on Zen 2), but the u8 path reads A as int8 in place
- * (no widening pass) and halves B's bytes -- and it is the data path the VNNI variants run,
- * which no machine or emulator here can execute, tested here one instruction short.
- * Measured on Zen 2 (bench/int8_ports.c): vpmaddubsw and vpmaddwd issue at half the FMA rate,
- * so both exact paths reach fp32 FMA's MAC rate; the u8 path wins while the widening pass it
- * skips matters (K <= 64, MobileNet's thin 1x1 layers), the int16 one above (its tile has
- * two fewer ops per step). */
+ * path: vpabsb + vpsignb + vpmaddubsw + vpmaddwd(ones) + vpaddd per 32 MACs, exact
+ * (x86_common.h); others the int16 path: vpmaddwd + vpaddd per 16 MACs. Both need the same
+ * multiply-port slots per MAC, but the u8 path reads A as int8 in place (no widening pass) and
+ * halves B's bytes -- and it is the data path the VNNI variants run, which no machine or
+ * emulator here can execute, tested here one instruction short.
+ * The u8 path at every K: on Zen 3 (EPYC, bench/int8_ports.c: vpmaddubsw and vpmaddwd 2 per
+ * cycle) it is faster than the int16 one at every K measured, 1024^3 included (23.5 vs 26.3 ms,
+ * same run): with B panels twice as large the int16 kernel waits on L2. On Zen 2 (one multiply
+ * port) the int16 path was ahead above K = 64 (38 vs 32 GOP/s on 1024^3), which is what
+ * EA_X86_QMAXK 64 encoded; EDGE_AGENT_NATIVE_LAYOUT=int16 still selects it. */
 #if !defined(__x86_64__) || !defined(__AVX2__)
 #error "avx2.c needs an x86-64 compiler with -mavx2"
 #endif
@@ -19,6 +20,6 @@
 #define EA_X86_FEATURES "avx2"
 #define EA_X86_QMR8 8
 #define EA_X86_QMR16 4
-#define EA_X86_QMAXK 64
+#define EA_X86_QMAXK 0 /* u8 x s8 whenever exact (B without -128) */
 #define EA_X86_DOT4(acc, ua, sb) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((ua), (sb)), ones16))
 #include "x86_common.h"
