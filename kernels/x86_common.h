@@ -26,7 +26,7 @@
 
 /* Per-column requantisation constants for 8 columns (see internal.h for the rules). */
 typedef struct {
-    __m256i bias, mult_even, mult_odd, left, right, mask, half;
+    __m256i bias, mult_even, mult_odd, left, right, half;
     int any_left; /* some channel has a left shift (scale > 1): rare, so usually skipped */
 } x86_rq;
 
@@ -39,8 +39,7 @@ static inline x86_rq x86_rq_load(const int32_t *bias, const int32_t *mult, const
     q.mult_odd = _mm256_srli_epi64(q.mult_even, 32);
     q.left = _mm256_max_epi32(s, zero);
     q.right = _mm256_max_epi32(_mm256_sub_epi32(zero, s), zero);
-    q.mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, q.right), one);
-    q.half = _mm256_srai_epi32(q.mask, 1);
+    q.half = _mm256_srli_epi32(_mm256_sllv_epi32(one, q.right), 1); /* 2^(right - 1), 0 if right 0 */
     q.any_left = !_mm256_testz_si256(q.left, q.left);
     return q;
 }
@@ -48,7 +47,10 @@ static inline x86_rq x86_rq_load(const int32_t *bias, const int32_t *mult, const
 /* MultiplyByQuantizedMultiplier on 8 lanes, bit-exact:
  * SaturatingRoundingDoublingHighMul = floor((x*m + 2^30) / 2^31) from two 64-bit products
  * (even and odd lanes). Its saturation case needs m == INT32_MIN, which the driver rejects.
- * RoundingDivideByPOT is the reference formula term by term. */
+ * RoundingDivideByPOT (round half away from zero) as sign(h) * ((|h| + 2^(r-1)) >> r): four
+ * instructions instead of the reference's six. |h| <= |x| * (2^31 - 1) / 2^31 + 1/2, so
+ * |h| <= 2^31 - 1 (vpabsd is exact) and |h| + 2^(r-1) < 2^32: an unsigned shift (vpsrlvd)
+ * cannot overflow; h = 0 gives 0 (vpsignd) as the reference does. */
 static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
     const __m256i nudge = _mm256_set1_epi64x(INT64_C(1) << 30);
     if (q->any_left) x = _mm256_sllv_epi32(x, q->left);
@@ -57,9 +59,8 @@ static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
     even = _mm256_srli_epi64(even, 31); /* bits 31..62 -> low half of each 64-bit lane */
     odd = _mm256_slli_epi64(odd, 1);    /* bits 31..62 -> high half */
     const __m256i h = _mm256_blend_epi32(even, odd, 0xAA);
-    const __m256i rem = _mm256_and_si256(h, q->mask);
-    const __m256i thr = _mm256_sub_epi32(q->half, _mm256_srai_epi32(h, 31));
-    return _mm256_sub_epi32(_mm256_srav_epi32(h, q->right), _mm256_cmpgt_epi32(rem, thr));
+    const __m256i r = _mm256_srlv_epi32(_mm256_add_epi32(_mm256_abs_epi32(h), q->half), q->right);
+    return _mm256_sign_epi32(r, h);
 }
 
 /* Output zero point and clamp, applied after packing: saturating int32->int16, +zp with
@@ -150,6 +151,66 @@ static inline __attribute__((always_inline)) void x86_row_out(
         x86_store_s8(dst, v0, o, n0);
 }
 
+/* acc + bias (+ row_add) of row i, then MBQM. */
+static inline __attribute__((always_inline)) __m256i x86_acc_rq(__m256i acc, size_t i,
+                                                               const ea_epilogue *ep, const x86_rq *q) {
+    acc = _mm256_add_epi32(acc, q->bias);
+    if (ep->row_add) acc = _mm256_add_epi32(acc, _mm256_set1_epi32(ep->row_add[i]));
+    return x86_mbqm(acc, q);
+}
+
+/* The epilogue of several whole int8 rows at once: rows of 16 columns two at a time, rows of 8
+ * four at a time, so the int32 -> int8 packing runs on full registers (one vpackssdw per 16
+ * outputs, one vpacksswb + vpermd + clamp per 32) instead of half-empty ones per row.
+ * Dwords after vpackssdw(x, y) and vpacksswb are [x0-3 y0-3 z0-3 w0-3 | x4-7 y4-7 z4-7 w4-7]
+ * (4 int8 each); vpermd (0 4 1 5 2 6 3 7) puts each row's 8 or 16 bytes in order. */
+static inline __m256i x86_pack4(__m256i v0, __m256i v1, __m256i v2, __m256i v3, const x86_out *o) {
+    const __m256i p01 = _mm256_adds_epi16(_mm256_packs_epi32(v0, v1), o->zp16);
+    const __m256i p23 = _mm256_adds_epi16(_mm256_packs_epi32(v2, v3), o->zp16);
+    __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    p = _mm256_max_epi8(p, _mm256_broadcastsi128_si256(o->lo8));
+    return _mm256_min_epi8(p, _mm256_broadcastsi128_si256(o->hi8));
+}
+
+/* Rows i and i + 1 of a 16-column tile. */
+static inline __attribute__((always_inline)) void x86_rows2_out(
+    __m256i a0, __m256i a1, __m256i b0, __m256i b1, size_t i, size_t mr, size_t nr,
+    const ea_epilogue *ep, const x86_rq *q0, const x86_rq *q1, const x86_out *o, void *c,
+    size_t ldc, size_t s) {
+    if (ep->out_int32 || nr != 2 * NR || i + 1 >= mr) {
+        if (i < mr) x86_row_out(2, a0, a1, s + i, nr, ep, q0, q1, o, c, ldc);
+        if (i + 1 < mr) x86_row_out(2, b0, b1, s + i + 1, nr, ep, q0, q1, o, c, ldc);
+        return;
+    }
+    const __m256i p = x86_pack4(x86_acc_rq(a0, s + i, ep, q0), x86_acc_rq(a1, s + i, ep, q1),
+                                x86_acc_rq(b0, s + i + 1, ep, q0), x86_acc_rq(b1, s + i + 1, ep, q1), o);
+    int8_t *dst = (int8_t *)c + (s + i) * ldc;
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
+}
+
+/* Rows i .. i + 3 of an 8-column tile. */
+static inline __attribute__((always_inline)) void x86_rows4_out(
+    __m256i a, __m256i b, __m256i cc, __m256i d, size_t i, size_t mr, size_t nr,
+    const ea_epilogue *ep, const x86_rq *q, const x86_out *o, void *c, size_t ldc, size_t s) {
+    if (ep->out_int32 || nr != NR || i + 3 >= mr) {
+        if (i < mr) x86_row_out(1, a, a, s + i, nr, ep, q, q, o, c, ldc);
+        if (i + 1 < mr) x86_row_out(1, b, b, s + i + 1, nr, ep, q, q, o, c, ldc);
+        if (i + 2 < mr) x86_row_out(1, cc, cc, s + i + 2, nr, ep, q, q, o, c, ldc);
+        if (i + 3 < mr) x86_row_out(1, d, d, s + i + 3, nr, ep, q, q, o, c, ldc);
+        return;
+    }
+    const __m256i p = x86_pack4(x86_acc_rq(a, s + i, ep, q), x86_acc_rq(b, s + i + 1, ep, q),
+                                x86_acc_rq(cc, s + i + 2, ep, q), x86_acc_rq(d, s + i + 3, ep, q), o);
+    int8_t *dst = (int8_t *)c + (s + i) * ldc;
+    const __m128i lo = _mm256_castsi256_si128(p), hi = _mm256_extracti128_si256(p, 1);
+    _mm_storel_epi64((__m128i *)dst, lo);
+    _mm_storeh_pi((__m64 *)(dst + ldc), _mm_castsi128_ps(lo));
+    _mm_storel_epi64((__m128i *)(dst + 2 * ldc), hi);
+    _mm_storeh_pi((__m64 *)(dst + 3 * ldc), _mm_castsi128_ps(hi));
+}
+
 /* Tiles with explicitly named accumulators: gcc keeps these in registers, whereas arrays
  * of __m256i made it spill to the stack inside the K loop. ROWS(X) expands X(i) per row. */
 #define X86_ZERO(i) __m256i c##i##a = _mm256_setzero_si256(), c##i##b = c##i##a;
@@ -168,6 +229,20 @@ static inline __attribute__((always_inline)) void x86_row_out(
     if (i < mr) x86_row_out(NV, c##i##a, c##i##b, s + i, nr, ep, &q0, &q1, &o, c, ldc);
 #define X86_OUT1(i) X86_OUT(i, 1)
 #define X86_OUT2(i) X86_OUT(i, 2)
+/* Grouped epilogues: OUTP(i, j) rows i, i + 1 of 16 columns; OUTQ(i, j, k, l) four of 8. */
+#define X86_OUTP(i, j) x86_rows2_out(c##i##a, c##i##b, c##j##a, c##j##b, i, mr, nr, ep, &q0, &q1, &o, c, ldc, s);
+#define X86_OUTQ(i, j, k, l) x86_rows4_out(c##i##a, c##j##a, c##k##a, c##l##a, i, mr, nr, ep, &q0, &o, c, ldc, s);
+#define X86_PAIRS4(X) X(0, 1) X(2, 3)
+#define X86_PAIRS6(X) X86_PAIRS4(X) X(4, 5)
+#define X86_PAIRS8(X) X86_PAIRS6(X) X(6, 7)
+#define X86_PAIRS12(X) X86_PAIRS8(X) X(8, 9) X(10, 11)
+#define X86_QUADS4(X) X(0, 1, 2, 3)
+#define X86_QUADS8(X) X86_QUADS4(X) X(4, 5, 6, 7)
+#define X86_QUADS12(X) X86_QUADS8(X) X(8, 9, 10, 11)
+#define X86_PAIRS_(n) X86_PAIRS##n
+#define X86_PAIRS(n) X86_PAIRS_(n)
+#define X86_QUADS_(n) X86_QUADS##n
+#define X86_QUADS(n) X86_QUADS_(n)
 
 #define X86_TILE(FN, MR_, ROWS, NV, MAC, OUT)                                                   \
     static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                   \
@@ -191,7 +266,7 @@ static inline __attribute__((always_inline)) void x86_row_out(
                 (void)bv1;                                                                      \
                 ROWS(MAC)                                                                       \
             }                                                                                   \
-            ROWS(OUT)                                                                           \
+            OUT                                                                                 \
         }                                                                                       \
     }
 
@@ -202,8 +277,8 @@ static inline __attribute__((always_inline)) void x86_row_out(
 #define X86_ROWS_(n) X86_ROWS##n
 #define X86_ROWS(n) X86_ROWS_(n)
 
-X86_TILE(x86_gemm8, EA_X86_MR8, X86_ROWS(EA_X86_MR8), 1, X86_MAC1, X86_OUT1)
-X86_TILE(x86_gemm16, EA_X86_MR16, X86_ROWS(EA_X86_MR16), 2, X86_MAC2, X86_OUT2)
+X86_TILE(x86_gemm8, EA_X86_MR8, X86_ROWS(EA_X86_MR8), 1, X86_MAC1, X86_QUADS(EA_X86_MR8)(X86_OUTQ))
+X86_TILE(x86_gemm16, EA_X86_MR16, X86_ROWS(EA_X86_MR16), 2, X86_MAC2, X86_PAIRS(EA_X86_MR16)(X86_OUTP))
 
 /* ---- u8 x s8 GEMM ("quad" layout): B panels [K/4][8 columns][4 k] int8, A rows read in
  * place as int8. Per k-quad the 4 bytes a[m][k..k+3] are broadcast; vpmaddubsw multiplies
@@ -265,13 +340,13 @@ static inline __m256i x86_bcast4(const int8_t *p) {
                 (void)bv1;                                                                      \
                 ROWS(MAC)                                                                       \
             }                                                                                   \
-            ROWS(OUT)                                                                           \
+            OUT                                                                                 \
         }                                                                                       \
     }
 
 #ifndef EA_X86_OWN_VARIANT /* the AVX512-VNNI variant has 512-bit u8 x s8 tiles instead */
-X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_OUT1)
-X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_OUT2)
+X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_QUADS(EA_X86_QMR8)(X86_OUTQ))
+X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_PAIRS(EA_X86_QMR16)(X86_OUTP))
 #endif
 
 /* Sum of n int8: flipped to u8 (x + 128) and summed by vpsadbw against zero. */
