@@ -231,7 +231,9 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
 #define X86_OUT2(i) X86_OUT(i, 2)
 /* Grouped epilogues: OUTP(i, j) rows i, i + 1 of 16 columns; OUTQ(i, j, k, l) four of 8. */
 #define X86_OUTP(i, j) x86_rows2_out(c##i##a, c##i##b, c##j##a, c##j##b, i, mr, nr, ep, &q0, &q1, &o, c, ldc, s);
-#define X86_OUTQ(i, j, k, l) x86_rows4_out(c##i##a, c##j##a, c##k##a, c##l##a, i, mr, nr, ep, &q0, &o, c, ldc, s);
+#define X86_OUTQ(i, j, k, l)                                                                    \
+    (void)c##i##b, (void)c##j##b, (void)c##k##b, (void)c##l##b, (void)q1; /* one vector a row */ \
+    x86_rows4_out(c##i##a, c##j##a, c##k##a, c##l##a, i, mr, nr, ep, &q0, &o, c, ldc, s);
 #define X86_PAIRS4(X) X(0, 1) X(2, 3)
 #define X86_PAIRS6(X) X86_PAIRS4(X) X(4, 5)
 #define X86_PAIRS8(X) X86_PAIRS6(X) X(6, 7)
@@ -396,6 +398,77 @@ static void x86_widen(const int8_t *src, int16_t *dst, size_t n) {
 /* Depthwise: per tap, (x - zp) * w fits int16 exactly (|x - zp| <= 255, |w| <= 128), so
  * one vpmullw per 16 channels, widened into two int32 accumulators. Channel blocks are the
  * outer loop so their requantisation constants are prepared once for all npix pixels. */
+/* 16 channels of depthwise with vpmaddwd on tap pairs: x_t and x_t+1 (int8 sign-extended, the
+ * zero point NOT subtracted) interleaved per channel against (w_t, w_t+1), so one vpmaddwd gives
+ * two taps of 8 channels in int32 (|x * w| <= 2^14, exact). The zero point is folded into the
+ * bias once per block: bias - in_zp * sum_t w_t (the same int32 sum modulo 2^32). vpunpck{l,h}wd
+ * work per 128-bit lane, so the two accumulators hold channels (0-3, 8-11) and (4-7, 12-15):
+ * the constants are loaded in that order, and vpackssdw of the two results is then already
+ * in channel order. An odd last tap pairs with zero weights. */
+#define X86_DW_MAXTAPS 64
+
+/* 16 per-channel values -> channels (0-3, 8-11) and (4-7, 12-15). */
+static inline void x86_dw_lanes(int32_t dst[2][8], const int32_t *src) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)src);
+    const __m256i hi = _mm256_loadu_si256((const __m256i *)(src + 8));
+    _mm256_storeu_si256((__m256i *)dst[0], _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256((__m256i *)dst[1], _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+static void x86_dw16_pairs(size_t ch, size_t nrows, size_t npix, size_t ntaps,
+                           const int8_t *const *x, size_t x_step, size_t x_row_step,
+                           const int16_t *const *w, int32_t in_zp, const ea_epilogue *ep,
+                           const x86_out *o, int8_t *out, size_t out_step, size_t out_row_step) {
+    __m256i wp[X86_DW_MAXTAPS + 2];
+    const __m256i zero = _mm256_setzero_si256();
+    const size_t npairs = (ntaps + 1) / 2;
+    for (size_t pr = 0; pr < npairs; pr++) {
+        const size_t t = 2 * pr;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w[t] + ch));
+        const __m256i w1 = t + 1 < ntaps ? _mm256_loadu_si256((const __m256i *)(w[t + 1] + ch)) : zero;
+        wp[2 * pr] = _mm256_unpacklo_epi16(w0, w1);
+        wp[2 * pr + 1] = _mm256_unpackhi_epi16(w0, w1);
+    }
+    /* sum_t w_t per channel in the accumulators' order: vpmaddwd of the pairs with ones */
+    const __m256i ones = _mm256_set1_epi16(1), zp = _mm256_set1_epi32(in_zp);
+    __m256i sw0 = zero, sw1 = zero;
+    for (size_t pr = 0; pr < npairs; pr++) {
+        sw0 = _mm256_add_epi32(sw0, _mm256_madd_epi16(wp[2 * pr], ones));
+        sw1 = _mm256_add_epi32(sw1, _mm256_madd_epi16(wp[2 * pr + 1], ones));
+    }
+    int32_t b[2][8], mu[2][8], sh[2][8];
+    x86_dw_lanes(b, ep->bias + ch);
+    x86_dw_lanes(mu, ep->mult + ch);
+    x86_dw_lanes(sh, ep->shift + ch);
+    _mm256_storeu_si256((__m256i *)b[0], _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)b[0]),
+                                                          _mm256_mullo_epi32(zp, sw0)));
+    _mm256_storeu_si256((__m256i *)b[1], _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)b[1]),
+                                                          _mm256_mullo_epi32(zp, sw1)));
+    const x86_rq q0 = x86_rq_load(b[0], mu[0], sh[0]), q1 = x86_rq_load(b[1], mu[1], sh[1]);
+    for (size_t r = 0; r < nrows; r++)
+        for (size_t p = 0; p < npix; p++) {
+            const size_t off = (r * x_row_step + p * x_step) + ch;
+            __m256i acc0 = q0.bias, acc1 = q1.bias;
+            size_t t = 0;
+            for (; t + 1 < ntaps; t += 2) {
+                const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x[t] + off)));
+                const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x[t + 1] + off)));
+                acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_unpacklo_epi16(x0, x1), wp[t]));
+                acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_unpackhi_epi16(x0, x1), wp[t + 1]));
+            }
+            if (t < ntaps) { /* wp[t + 1] pairs tap t with zeros */
+                const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x[t] + off)));
+                acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_unpacklo_epi16(x0, zero), wp[t]));
+                acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_unpackhi_epi16(x0, zero), wp[t + 1]));
+            }
+            const __m256i p16 = _mm256_adds_epi16(
+                _mm256_packs_epi32(x86_mbqm(acc0, &q0), x86_mbqm(acc1, &q1)), o->zp16);
+            __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+            p8 = _mm_min_epi8(_mm_max_epi8(p8, o->lo8), o->hi8);
+            _mm_storeu_si128((__m128i *)(out + (r * out_row_step + p * out_step) + ch), p8);
+        }
+}
+
 static void x86_dw(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8_t *const *x,
                    size_t x_step, size_t x_row_step, const int16_t *const *w, int32_t in_zp,
                    const ea_epilogue *ep, int8_t *out, size_t out_step, size_t out_row_step,
@@ -404,6 +477,10 @@ static void x86_dw(size_t c, size_t nrows, size_t npix, size_t ntaps, const int8
     const __m256i zp16 = _mm256_set1_epi16((int16_t)in_zp);
     const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);
     size_t ch = 0;
+    if (ntaps <= X86_DW_MAXTAPS)
+        for (; ch + 16 <= c; ch += 16)
+            x86_dw16_pairs(ch, nrows, npix, ntaps, x, x_step, x_row_step, w, in_zp, ep, &o, out,
+                           out_step, out_row_step);
     for (; ch + 16 <= c; ch += 16) {
         const x86_rq q0 = x86_rq_load(ep->bias + ch, ep->mult + ch, ep->shift + ch);
         const x86_rq q1 = x86_rq_load(ep->bias + ch + 8, ep->mult + ch + 8, ep->shift + ch + 8);
