@@ -125,12 +125,11 @@ static inline __m256i x86_bcast_pair(const int16_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Epilogue of one row: acc (+ bias, + row_add) -> int8 or int32 at row i of c. */
+/* Epilogue of one row: acc (started at the bias, see X86_ZERO) + row_add -> int8 or int32 at
+ * row i of c. */
 static inline __attribute__((always_inline)) void x86_row_out(
     const int NV, __m256i acc0, __m256i acc1, size_t i, size_t nr, const ea_epilogue *ep,
     const x86_rq *q0, const x86_rq *q1, const x86_out *o, void *c, size_t ldc) {
-    acc0 = _mm256_add_epi32(acc0, q0->bias);
-    if (NV > 1) acc1 = _mm256_add_epi32(acc1, q1->bias);
     if (ep->row_add) {
         const __m256i radd = _mm256_set1_epi32(ep->row_add[i]);
         acc0 = _mm256_add_epi32(acc0, radd);
@@ -151,10 +150,9 @@ static inline __attribute__((always_inline)) void x86_row_out(
         x86_store_s8(dst, v0, o, n0);
 }
 
-/* acc + bias (+ row_add) of row i, then MBQM. */
+/* acc (which started at the bias) + row_add of row i, then MBQM. */
 static inline __attribute__((always_inline)) __m256i x86_acc_rq(__m256i acc, size_t i,
                                                                const ea_epilogue *ep, const x86_rq *q) {
-    acc = _mm256_add_epi32(acc, q->bias);
     if (ep->row_add) acc = _mm256_add_epi32(acc, _mm256_set1_epi32(ep->row_add[i]));
     return x86_mbqm(acc, q);
 }
@@ -213,7 +211,9 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
 
 /* Tiles with explicitly named accumulators: gcc keeps these in registers, whereas arrays
  * of __m256i made it spill to the stack inside the K loop. ROWS(X) expands X(i) per row. */
-#define X86_ZERO(i) __m256i c##i##a = _mm256_setzero_si256(), c##i##b = c##i##a;
+/* Accumulators start at the columns' bias (int32 sums wrap the same either way), which saves
+ * the epilogue an add per vector. */
+#define X86_ZERO(i) __m256i c##i##a = q0.bias, c##i##b = q1.bias;
 #define X86_MAC1(i)                                                     \
     {                                                                   \
         const __m256i av = x86_bcast_pair(a[i] + k);                    \
