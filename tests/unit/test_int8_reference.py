@@ -8,13 +8,16 @@ Against the default resolver (optimized kernels + XNNPACK) rounding differs in p
 observed on x86-64 and asserted here:
 - single ops: at most 1 int8 unit (conv/FC: XNNPACK requantises in fp32; MEAN over H,W with
   keep_dims: optimized_integer_ops::Mean folds 1/n into its multiplier differently);
-- whole test models: at most 2 units (off-by-ones compound through layers).
+- whole test models: at most 2 units (off-by-ones compound through layers); a conv feeding an
+  add: 1 + the conv's unit as the add rescales it.
 One TFLite bug is avoided by the writer, not here: 2.14's *reference* per-channel
 FULLY_CONNECTED with keep_num_dims on rank > 2 input writes garbage, so the writer emits
 that case as RESHAPE -> FC -> RESHAPE (tested in test_int8_tflite_writer).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -135,7 +138,14 @@ def test_add_exact(h, w, c, activation, other, batch, seed):
         second = b.conv(b.input, c, 1, activation="NONE")
     else:
         second = b.input
-    agree(b.build(b.add(b.input, second, activation=activation)), batch, seed)
+    graph = b.build(b.add(b.input, second, activation=activation))
+    bound = OPTIMIZED_OP_BOUND
+    if other == "conv":
+        # the optimized conv's own unit of error reaches the output scaled by the add's
+        # rescaling of that input (seen: 2 units with a conv scale 1.5x the output's)
+        ratio = graph.tensors[second].scale[0] / graph.tensors[graph.outputs[0]].scale[0]
+        bound += math.ceil(OPTIMIZED_OP_BOUND * ratio)
+    agree(graph, batch, seed, optimized_bound=bound)
 
 
 @SETTINGS
