@@ -260,29 +260,78 @@ static void pixel_next(const ea_conv_params *cp, pixel *px) {
 
 #include "im2col.h"
 
-static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, int64_t m_end,
-                     int64_t n, int64_t k, int32_t a_zp, int32_t b_zp, const void *packed_b,
-                     const int32_t *colsum, const int32_t *bias, const int32_t *mult,
-                     const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
-                     int out_int32, void *c, int64_t ldc) {
-    if (m_end <= m_begin) return EA_OK;
+/* What a GEMM against one packed B needs beyond A and C, computed once: the layout, the
+ * per-column epilogue constants (bias with the zero points folded in, multipliers, shifts)
+ * and the row-block size. Read-only after plan_init, so one plan may run in several threads. */
+struct ea_gemm_plan {
+    const ea_variant *v;
+    layout lay;
+    uint32_t kind;
+    const void *panels_b; /* packed B past its header */
+    int64_t n, k, kpad, panels, mc, zb, m, ldc;
+    int32_t out_zp, act_min, act_max, out_int32;
+    int kernel_rowsums, batch_rowsums, row_sums;
+    int32_t *bias_eff, *mult_p, *shift_p; /* stored panels * nr each, in colbuf */
+    int32_t *colbuf;
+};
+
+static int plan_init(ea_gemm_plan *pl, const ea_variant *v, int64_t n, int64_t k, int32_t a_zp,
+                     int32_t b_zp, const void *packed_b, const int32_t *colsum,
+                     const int32_t *bias, const int32_t *mult, const int32_t *shift,
+                     int32_t out_zp, int32_t act_min, int32_t act_max, int out_int32) {
     pack_header h;
     memcpy(&h, packed_b, sizeof(h));
     if (h.magic != EA_PACK_MAGIC || h.n != n || h.k != k) return EA_EINVAL;
     const layout lay = layout_of(v, h.layout);
     if (!lay.gemm) return EA_EINVAL;
-    packed_b = (const unsigned char *)packed_b + EA_PACK_HEADER;
+    pl->v = v, pl->lay = lay, pl->kind = h.layout, pl->n = n, pl->k = k;
+    pl->panels_b = (const unsigned char *)packed_b + EA_PACK_HEADER;
     const int64_t nr = v->nr, kc = lay.kc, ae = lay.a_elem;
-    const int64_t kpad = ceil_div(k, kc) * kc, panels = ceil_div(n, nr);
+    const int64_t kpad = ceil_div(k, kc) * kc;
+    pl->kpad = kpad, pl->panels = ceil_div(n, nr);
     /* B stored as b + off: sum a(b - zb) = sum a(b + off) - (zb + off) * rowsum_a, i.e. the
      * kernels see a weight zero point zb + off and column sums colsum + off * K. */
     const int64_t off = lay.b_offset, zb = b_zp + off;
+    pl->zb = zb;
     /* Row sums: in the kernels for short rows (qrowsum_max_k), else one call per row block
      * (rows[] holds the int8 rows when a_elem is 1), else per row here. */
-    const int kernel_rowsums = zb != 0 && h.layout == EA_LAYOUT_QUAD && kpad <= (int64_t)v->qrowsum_max_k;
-    const int batch_rowsums = !kernel_rowsums && v->rowsums != NULL && ae == 1;
-    const int row_sums = zb != 0 && !kernel_rowsums;
-    const size_t elem = out_int32 ? 4 : 1;
+    pl->kernel_rowsums = zb != 0 && h.layout == EA_LAYOUT_QUAD && kpad <= (int64_t)v->qrowsum_max_k;
+    pl->batch_rowsums = !pl->kernel_rowsums && v->rowsums != NULL && ae == 1;
+    pl->row_sums = zb != 0 && !pl->kernel_rowsums;
+    pl->out_zp = out_zp, pl->act_min = act_min, pl->act_max = act_max, pl->out_int32 = out_int32;
+    /* Block of rows whose A data (~32 KiB) stays in cache while every B panel passes over it. */
+    const int64_t mr_max = lay.mr2 > lay.mr ? lay.mr2 : lay.mr;
+    int64_t mc = (32768 / (kpad * ae)) / mr_max * mr_max;
+    if (mc < mr_max) mc = mr_max;
+    if (mc > EA_MAX_MC) mc = EA_MAX_MC / mr_max * mr_max;
+    pl->mc = mc;
+    const size_t cols = (size_t)(stored_panels(&lay, nr, n) * nr); /* wide tiles read whole panels */
+    int32_t *colbuf = (int32_t *)malloc(cols * 3 * sizeof(int32_t));
+    if (!colbuf) return EA_ENOMEM;
+    pl->colbuf = colbuf;
+    pl->bias_eff = colbuf, pl->mult_p = colbuf + cols, pl->shift_p = colbuf + 2 * cols;
+    for (size_t j = 0; j < cols; j++) {
+        int64_t b = 0;
+        if ((int64_t)j < n) {
+            b = (bias ? bias[j] : 0) - (int64_t)a_zp * (colsum[j] + off * k) + k * (int64_t)a_zp * zb;
+        }
+        pl->bias_eff[j] = (int32_t)(uint32_t)(uint64_t)b; /* wraps like the int32 accumulator */
+        pl->mult_p[j] = (!out_int32 && (int64_t)j < n) ? mult[j] : 0;
+        pl->shift_p[j] = (!out_int32 && (int64_t)j < n) ? shift[j] : 0;
+    }
+    return EA_OK;
+}
+
+static int plan_run(const ea_gemm_plan *pl, const a_source *src, int64_t m_begin, int64_t m_end,
+                    void *c, int64_t ldc) {
+    if (m_end <= m_begin) return EA_OK;
+    const ea_variant *v = pl->v;
+    const layout *lay = &pl->lay;
+    const int64_t nr = v->nr, ae = lay->a_elem, k = pl->k, kpad = pl->kpad, n = pl->n;
+    const int64_t panels = pl->panels, mc = pl->mc, zb = pl->zb;
+    const int kernel_rowsums = pl->kernel_rowsums, batch_rowsums = pl->batch_rowsums;
+    const int row_sums = pl->row_sums;
+    const size_t elem = pl->out_int32 ? 4 : 1;
 
     /* A 1x1 unpadded convolution reads its rows straight from the input pixels. */
     int conv_inplace = 0;
@@ -292,36 +341,28 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
                        (int64_t)(cp->out_h - 1) * cp->stride_h < cp->in_h &&
                        (int64_t)(cp->out_w - 1) * cp->stride_w < cp->in_w;
     }
+    /* A plain A with K not a multiple of kc, for kernels that ignore A where B is K padding
+     * (EA_Q_PAD_READS): each row is read in place up to kpad, the bytes past k being the next
+     * row's (in the array: sm + k >= kpad); only the block's last row, whose next bytes may lie
+     * past the array, is copied with a zero tail. */
+    const int tail_reads = ae == 1 && kpad != k && !src->conv && src->sk == 1 && src->sm >= k &&
+                           src->sm + k >= kpad && pl->kind == EA_LAYOUT_QUAD &&
+                           (v->qflags & EA_Q_PAD_READS) && !kernel_rowsums &&
+                           (!row_sums || batch_rowsums); /* rows[] then is the strided walk */
     /* int8 kernels can even use those rows without a copy when K needs no padding. */
-    const int direct = ae == 1 && kpad == k && (src->conv ? conv_inplace : src->sk == 1);
-    /* Block of rows whose A data (~32 KiB) stays in cache while every B panel passes over it. */
-    const int64_t mr_max = lay.mr2 > lay.mr ? lay.mr2 : lay.mr;
-    int64_t mc = (32768 / (kpad * ae)) / mr_max * mr_max;
-    if (mc < mr_max) mc = mr_max;
-    if (mc > 240) mc = 240 / mr_max * mr_max;
-
-    const size_t cols = (size_t)(stored_panels(&lay, nr, n) * nr); /* wide tiles read whole panels */
-    int32_t *colbuf = (int32_t *)malloc(cols * 3 * sizeof(int32_t) + (size_t)mc * sizeof(int32_t));
+    const int direct = ae == 1 && (kpad == k || tail_reads) && (src->conv ? conv_inplace : src->sk == 1);
+    const void *rows_buf[EA_MAX_MC + EA_MAX_MR];
+    int32_t row_add[EA_MAX_MC];
+    const void **rows = rows_buf;
     unsigned char *rowbuf = direct ? NULL : (unsigned char *)malloc((size_t)(mc * kpad * ae) + 64);
     int8_t *tmp8 = (ae == 2) ? (int8_t *)malloc((size_t)kpad + 64) : NULL;
-    const void **rows = (const void **)malloc((size_t)(mc + EA_MAX_MR) * sizeof(*rows));
-    if (!colbuf || (!direct && !rowbuf) || (ae == 2 && !tmp8) || !rows) {
-        free(colbuf);
+    int8_t last[64 + 64];
+    int8_t *last_row = tail_reads ? (kpad <= 64 ? last : (int8_t *)malloc((size_t)kpad)) : NULL;
+    if ((!direct && !rowbuf) || (ae == 2 && !tmp8) || (tail_reads && !last_row)) {
         free(rowbuf);
         free(tmp8);
-        free(rows);
+        if (last_row != last) free(last_row);
         return EA_ENOMEM;
-    }
-    int32_t *bias_eff = colbuf, *mult_p = colbuf + cols, *shift_p = colbuf + 2 * cols;
-    int32_t *row_add = colbuf + 3 * cols;
-    for (size_t j = 0; j < cols; j++) {
-        int64_t b = 0;
-        if ((int64_t)j < n) {
-            b = (bias ? bias[j] : 0) - (int64_t)a_zp * (colsum[j] + off * k) + k * (int64_t)a_zp * zb;
-        }
-        bias_eff[j] = (int32_t)(uint32_t)(uint64_t)b; /* wraps like the int32 accumulator */
-        mult_p[j] = (!out_int32 && (int64_t)j < n) ? mult[j] : 0;
-        shift_p[j] = (!out_int32 && (int64_t)j < n) ? shift[j] : 0;
     }
 
     pixel px = {0, 0, 0};
@@ -336,11 +377,17 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
         else if (cp->stride_h == 1 && cp->stride_w == 1 && cp->out_h == cp->in_h && cp->out_w == cp->in_w)
             direct_step = cp->in_c;
     }
+    if (tail_reads) {
+        const int8_t *row = src->a + (m_end - 1) * src->sm;
+        memcpy(last_row, row, (size_t)k);
+        memset(last_row + k, 0, (size_t)(kpad - k));
+    }
     for (int64_t m0 = m_begin; m0 < m_end; m0 += mc) {
         const int64_t rows_here = (m_end - m0) < mc ? (m_end - m0) : mc;
         if (direct_step) {
             const int8_t *row = src->a + m0 * direct_step;
             for (int64_t r = 0; r < rows_here; r++, row += direct_step) rows[r] = row;
+            if (tail_reads && m0 + rows_here == m_end) rows[rows_here - 1] = last_row;
         }
         /* px: the pixel of the next row to build. int8 im2col rows: the whole block in one call
          * (interior pixels without per-tap checks); int16 variants widen row by row. */
@@ -396,38 +443,88 @@ static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, 
         if (row_sums && batch_rowsums) v->rowsums(rows, (size_t)rows_here, (size_t)k, (int32_t)zb, row_add);
         for (int64_t i = rows_here; i < rows_here + EA_MAX_MR; i++) rows[i] = rows[rows_here - 1];
         for (int64_t p = 0; p < panels;) {
-            const int wide = lay.gemm2 != NULL && p + 1 < panels;
-            const int64_t width = wide ? lay.panels2 * nr : nr;
-            const ea_gemm_ukernel kernel = wide ? lay.gemm2 : lay.gemm;
+            const int wide = lay->gemm2 != NULL && p + 1 < panels;
+            const int64_t width = wide ? lay->panels2 * nr : nr;
+            const ea_gemm_ukernel kernel = wide ? lay->gemm2 : lay->gemm;
             const int64_t ncols = (n - p * nr) < width ? (n - p * nr) : width;
-            const void *bp = (const unsigned char *)packed_b + (size_t)(p * nr * kpad) * lay.b_elem;
-            ea_epilogue ep = {bias_eff + p * nr, mult_p + p * nr, shift_p + p * nr,
-                              row_sums ? row_add : NULL, out_zp, act_min, act_max, out_int32,
+            const void *bp = (const unsigned char *)pl->panels_b + (size_t)(p * nr * kpad) * lay->b_elem;
+            ea_epilogue ep = {pl->bias_eff + p * nr, pl->mult_p + p * nr, pl->shift_p + p * nr,
+                              row_sums ? row_add : NULL, pl->out_zp, pl->act_min, pl->act_max,
+                              pl->out_int32,
                               kernel_rowsums ? (int32_t)zb : 0};
             char *cp = (char *)c + (size_t)(m0 * ldc + p * nr) * elem;
             kernel((size_t)rows_here, (size_t)ncols, (size_t)kpad, rows, bp, &ep, cp, (size_t)ldc);
-            p += wide ? lay.panels2 : 1;
+            p += wide ? lay->panels2 : 1;
         }
     }
-    free(colbuf);
     free(rowbuf);
     free(tmp8);
-    free(rows);
+    if (last_row != last) free(last_row);
     return EA_OK;
+}
+
+static int gemm_core(const ea_variant *v, const a_source *src, int64_t m_begin, int64_t m_end,
+                     int64_t n, int64_t k, int32_t a_zp, int32_t b_zp, const void *packed_b,
+                     const int32_t *colsum, const int32_t *bias, const int32_t *mult,
+                     const int32_t *shift, int32_t out_zp, int32_t act_min, int32_t act_max,
+                     int out_int32, void *c, int64_t ldc) {
+    if (m_end <= m_begin) return EA_OK;
+    ea_gemm_plan pl;
+    int rc = plan_init(&pl, v, n, k, a_zp, b_zp, packed_b, colsum, bias, mult, shift, out_zp,
+                       act_min, act_max, out_int32);
+    if (rc != EA_OK) return rc;
+    rc = plan_run(&pl, src, m_begin, m_end, c, ldc);
+    free(pl.colbuf);
+    return rc;
+}
+
+static int valid_gemm(const ea_variant *v, const ea_gemm_params *p, const void *packed_b,
+                      const int32_t *colsum, const int32_t *mult, const int32_t *shift) {
+    if (!v || !p || !packed_b || !colsum) return 0;
+    if (p->m < 0 || p->n <= 0 || p->k <= 0 || p->k > EA_MAX_K || p->c_stride_m < p->n) return 0;
+    if (p->a_zp < -128 || p->a_zp > 127 || p->b_zp < -128 || p->b_zp > 127) return 0;
+    return p->out_int32 || valid_requant(p->n, mult, shift, p->out_zp, p->act_min, p->act_max);
 }
 
 int ea_gemm(const ea_variant *v, const ea_gemm_params *p, const int8_t *a, const void *packed_b,
             const int32_t *colsum, const int32_t *bias, const int32_t *mult,
             const int32_t *shift, void *c) {
-    if (!v || !p || !a || !packed_b || !colsum || !c) return EA_EINVAL;
-    if (p->m < 0 || p->n <= 0 || p->k <= 0 || p->k > EA_MAX_K || p->c_stride_m < p->n)
-        return EA_EINVAL;
-    if (p->a_zp < -128 || p->a_zp > 127 || p->b_zp < -128 || p->b_zp > 127) return EA_EINVAL;
-    if (!p->out_int32 && !valid_requant(p->n, mult, shift, p->out_zp, p->act_min, p->act_max))
-        return EA_EINVAL;
+    if (!a || !c || !valid_gemm(v, p, packed_b, colsum, mult, shift)) return EA_EINVAL;
     a_source src = {0, a, p->a_stride_m, p->a_stride_k, NULL};
     return gemm_core(v, &src, 0, p->m, p->n, p->k, p->a_zp, p->b_zp, packed_b, colsum, bias, mult,
                      shift, p->out_zp, p->act_min, p->act_max, p->out_int32, c, p->c_stride_m);
+}
+
+int ea_gemm_plan_new(const ea_variant *v, const ea_gemm_params *p, const void *packed_b,
+                     const int32_t *colsum, const int32_t *bias, const int32_t *mult,
+                     const int32_t *shift, ea_gemm_plan **out) {
+    if (!out) return EA_EINVAL;
+    *out = NULL;
+    if (!valid_gemm(v, p, packed_b, colsum, mult, shift)) return EA_EINVAL;
+    ea_gemm_plan *pl = (ea_gemm_plan *)malloc(sizeof(*pl));
+    if (!pl) return EA_ENOMEM;
+    const int rc = plan_init(pl, v, p->n, p->k, p->a_zp, p->b_zp, packed_b, colsum, bias, mult,
+                             shift, p->out_zp, p->act_min, p->act_max, p->out_int32);
+    if (rc != EA_OK) {
+        free(pl);
+        return rc;
+    }
+    pl->m = p->m, pl->ldc = p->c_stride_m;
+    *out = pl;
+    return EA_OK;
+}
+
+int ea_gemm_plan_run(const ea_gemm_plan *pl, const int8_t *a, int64_t a_stride_m,
+                     int64_t a_stride_k, void *c) {
+    if (!pl || !a || !c) return EA_EINVAL;
+    a_source src = {0, a, a_stride_m, a_stride_k, NULL};
+    return plan_run(pl, &src, 0, pl->m, c, pl->ldc);
+}
+
+void ea_gemm_plan_free(ea_gemm_plan *pl) {
+    if (!pl) return;
+    free(pl->colbuf);
+    free(pl);
 }
 
 /* ------------------------------------------------------------------ convolutions */

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define EA_ABI_VERSION 5
+#define EA_ABI_VERSION 6
 
 #define EA_OK 0
 #define EA_EINVAL (-1) /* bad argument (sizes, strides, shift out of range, NULL) */
@@ -78,6 +78,18 @@ EA_API int ea_pack_b(const ea_variant *v, int64_t n, int64_t k, const int8_t *b,
 EA_API int ea_gemm(const ea_variant *v, const ea_gemm_params *p, const int8_t *a, const void *packed_b,
                    const int32_t *colsum, const int32_t *bias, const int32_t *mult,
                    const int32_t *shift, void *c);
+
+/* A GEMM prepared once per packed B (validation, per-column epilogue constants), then run on
+ * A matrices of p->m rows: what a caller repeating one GEMM pays per call is the work. The
+ * plan is read-only while it runs (several threads may run one plan); p's strides of A are
+ * ignored (ea_gemm_plan_run takes them), everything it points to must outlive the plan. */
+typedef struct ea_gemm_plan ea_gemm_plan;
+EA_API int ea_gemm_plan_new(const ea_variant *v, const ea_gemm_params *p, const void *packed_b,
+                            const int32_t *colsum, const int32_t *bias, const int32_t *mult,
+                            const int32_t *shift, ea_gemm_plan **out);
+EA_API int ea_gemm_plan_run(const ea_gemm_plan *plan, const int8_t *a, int64_t a_stride_m,
+                            int64_t a_stride_k, void *c);
+EA_API void ea_gemm_plan_free(ea_gemm_plan *plan);
 
 /* CONV_2D over output rows [m_begin, m_end) of the flattened (batch, out_h, out_w) grid,
  * so callers can split one convolution across threads. packed_w is ea_pack_b of the OHWI

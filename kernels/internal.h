@@ -26,6 +26,12 @@
 #define EA_MAX_MR 16
 #define EA_Q_NO_MIN 1u
 #define EA_Q_I8MM 2u
+/* The quad kernels' products with B's zero K padding are 0 whatever A holds there (x86 u8 x s8
+ * with B stored as is: |a| * (sign(a) * 0)), so the driver may let them read A rows in place
+ * up to kpad where those bytes are readable. Not with qb_offset (padding stored as 128). */
+#define EA_Q_PAD_READS 4u
+/* Most rows of one block (the driver's rows[] and row_add live on its stack). */
+#define EA_MAX_MC 240
 
 /* Epilogue of one tile, pointers already offset to the tile's first column / row. */
 typedef struct ea_epilogue {
@@ -94,7 +100,8 @@ struct ea_variant {
      * u8 x s8 kernels (qkc 4, exact for a B without -128), AArch64's SMMLA ones (qkc 8, needs
      * i8mm at run time). ea_pack_b decides per matrix and records the layout in the packed
      * header, so one variant serves CPUs with and without the extension. */
-    uint32_t qflags; /* EA_Q_NO_MIN: B must not hold -128; EA_Q_I8MM: CPU must have i8mm */
+    uint32_t qflags; /* EA_Q_NO_MIN: B must not hold -128; EA_Q_I8MM: CPU must have i8mm;
+                        EA_Q_PAD_READS: see above */
     uint32_t qkc;
     uint32_t qmr;
     ea_gemm_ukernel qgemm;

@@ -18,7 +18,7 @@ from ..errors import EXIT_UNAVAILABLE, EdgeAgentError
 from ..hardware.cpu import kernels_library_path
 
 ENV_VARIANT = "EDGE_AGENT_NATIVE_VARIANT"
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_K = 1 << 15  # the library's limit: int32 sums of (a - za)(b - zb) stay exact below it
 
 _ERRORS = {-1: "invalid argument", -2: "out of memory"}
@@ -101,6 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ea_packed_b_size": (sz, [vp, i64, i64]),
         "ea_pack_b": (ctypes.c_int, [vp, i64, i64, vp, i64, i64, vp, vp]),
         "ea_gemm": (ctypes.c_int, [vp, ctypes.POINTER(GemmParams), vp, vp, vp, vp, vp, vp, vp]),
+        "ea_gemm_plan_new": (ctypes.c_int, [vp, ctypes.POINTER(GemmParams), vp, vp, vp, vp, vp, vp]),
+        "ea_gemm_plan_run": (ctypes.c_int, [vp, vp, i64, i64, vp]),
+        "ea_gemm_plan_free": (None, [vp]),
         "ea_conv2d": (ctypes.c_int, [vp, ctypes.POINTER(ConvParams), vp, vp, vp, vp, vp, vp, vp, i64, i64]),
         "ea_depthwise_conv2d": (ctypes.c_int, [vp, ctypes.POINTER(ConvParams), vp, vp, vp, vp, vp, vp, i64, i64]),
         "ea_requantize": (ctypes.c_int, [vp, i64, vp, vp, vp, i32, i32, i32, vp]),
