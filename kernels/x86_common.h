@@ -567,7 +567,7 @@ static void x86_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, i
 #ifndef EA_X86_OWN_VARIANT
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
-    x86_widen, x86_dw, x86_requant_n, x86_add, EA_X86_QB_OFFSET ? 0 : EA_Q_NO_MIN, 4, EA_X86_QMR8,
+    x86_widen, x86_dw, x86_requant_n, x86_add, EA_X86_QB_OFFSET ? 0 : EA_Q_NO_MIN | EA_Q_PAD_READS, 4, EA_X86_QMR8,
     x86_qgemm8, EA_X86_QMR16, x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsums,
 };
 #endif
