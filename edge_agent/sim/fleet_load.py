@@ -79,6 +79,26 @@ class LoadConfig:
     stack_every_s: float = 0.0
 
 
+# serve with a SIGUSR1 handler that prints the main thread's stack (faulthandler's format, which
+# stack_counts reads). A Python handler, not faulthandler.register(all_threads=True): that one
+# walks other threads' frames from inside the signal and can crash the process when a thread
+# starts or exits meanwhile (CPython gh-116008, 3.11); a 10,000-device run's serve died of
+# SIGSEGV with it. A Python handler runs in the main thread between bytecodes, so a sample
+# taken during a blocking C call (a commit, a socket wait) lands on the line that made it.
+_STACK_SAMPLER = """
+import runpy, signal, sys, threading
+def _sample(signum, frame):
+    lines = ["Current thread 0x%016x (most recent call first):" % threading.get_ident()]
+    while frame is not None:
+        lines.append('  File "%s", line %d in %s' % (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    sys.stderr.write("\\n".join(lines) + "\\n\\n")
+    sys.stderr.flush()
+signal.signal(signal.SIGUSR1, _sample)
+runpy.run_module("edge_agent.coordinator.cli", run_name="__main__", alter_sys=True)
+"""
+
+
 class LoadFailed(RuntimeError):
     """A run that did not finish its round; `partial` holds the figures it got so far (the
     phases, the simulated fleet's counts, serve's log counts, the round's rows if it opened)."""
@@ -234,9 +254,7 @@ class LoadRun:
             prof = [sys.executable, "-m", "cProfile", "-o", str(self.workdir / "serve.prof"), "-m",
                     "edge_agent.coordinator.cli"]
         elif cfg.stack_every_s:
-            prof = [sys.executable, "-c", "import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, "
-                    "all_threads=True); runpy.run_module('edge_agent.coordinator.cli', run_name='__main__', "
-                    "alter_sys=True)"]
+            prof = [sys.executable, "-c", _STACK_SAMPLER]
         else:
             prof = self.cli
         self.serve = subprocess.Popen(
