@@ -197,6 +197,18 @@ def window(n: int, aggregator: str, trim_fraction: float) -> tuple[int, int]:
     raise ValueError(f"{aggregator!r} is not a coordinate-wise rule")
 
 
+def _by_coord_then_value(coords: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The order sorting by coordinate, then value. Updates carry float32 values: then one
+    uint64 key (coordinate, the value's bits made order-preserving) sorts ~3x faster than
+    lexsort on two arrays (equal values may swap places: their sum is the same)."""
+    f32 = values.astype(np.float32)
+    if coords.size and int(coords.max()) < 2**32 and np.array_equal(f32, values):
+        bits = f32.view(np.uint32).astype(np.uint64)
+        key = np.where(bits >> np.uint64(31), ~bits & np.uint64(0xFFFFFFFF), bits | np.uint64(0x80000000))
+        return np.argsort(key | (coords.astype(np.uint64) << np.uint64(32)), kind="stable")
+    return np.lexsort((values, coords))
+
+
 def sparse_window_sum(coords: np.ndarray, values: np.ndarray, n: int, lo: int, hi: int, size: int, *,
                       counts: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Per coordinate of [0, size): the sum of the sorted positions [lo, hi) of its n values,
@@ -225,7 +237,7 @@ def sparse_window_sum(coords: np.ndarray, values: np.ndarray, n: int, lo: int, h
     coords, values = coords[pick], values[pick]
     if not coords.size:
         return np.zeros(size, dtype=np.float64)
-    order = np.lexsort((values, coords))
+    order = _by_coord_then_value(coords, values)
     cs, vs = coords[order], values[order]
     rank = np.arange(cs.size, dtype=np.int64) - np.searchsorted(cs, cs, side="left")
     zeros = n - neg - pos

@@ -23,6 +23,7 @@ from ..updates.wire import unpack_update
 from .aggregate import check_tensor_table
 from .records import Job, UpdateRecord, UpdateStatus, load_arrays
 from .streaming import (
+    HotCache,
     Layout,
     RunningSum,
     Sparse,
@@ -179,8 +180,8 @@ class RobustRounds:
 
     def _direction(self, good: list[str], job_id: str, recs: Mapping[str, UpdateRecord], load: Callable[[str], Sparse],
                    layout: Layout, verdicts: dict[str, tuple[UpdateStatus, str]],
-                   strikes: dict[str, str | None], quorum: int = 1,
-                   acc: RunningSum | None = None) -> tuple[list[str], str]:
+                   strikes: dict[str, str | None], quorum: int = 1, acc: RunningSum | None = None,
+                   hot_cache: HotCache | None = None) -> tuple[list[str], str]:
         """Step 5 of robust.py: cosine with the round's coordinate-wise median. Small rounds
         (<= direction_max_n): below min_cosine rejected, no strike. Larger ones: below
         min_median_cosine rejected, and a strike when the mean of the device's last
@@ -198,7 +199,7 @@ class RobustRounds:
         floor = pol.min_cosine if small else pol.min_median_cosine
         kept, rejected, undecidable, cosines = direction_check(
             good, load, {d: recs[d].norm for d in good}, layout.size,
-            sum(recs[d].kept or layout.size for d in good), floor, acc)
+            sum(recs[d].kept or layout.size for d in good), floor, acc, hot_cache)
         if len(kept) < quorum and rejected and not undecidable:
             weak = sorted((d for d in rejected if cosines.get(d, -1.0) >= pol.strike_median_cosine),
                           key=lambda d: -cosines[d])
@@ -234,7 +235,8 @@ class RobustRounds:
 
     def _aggregate(self, aggregator: str, good: list[str], recs: Mapping[str, UpdateRecord],
                    load: Callable[[str], Sparse], acc: RunningSum, layout: Layout, *, center: float,
-                   clip_mult: float, trim: float, krum_fraction: float) -> tuple[np.ndarray, dict[str, Any]]:
+                   clip_mult: float, trim: float, krum_fraction: float,
+                   hot_cache: HotCache | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         # A small round has no majority to outvote a liar: no update may weigh more than the
         # lower-median one or be longer than the reference norm, so one liar among 3 moves the
         # aggregate less than the two honest ones (a 1e9-sample sign flip among 3 did not).
@@ -245,4 +247,4 @@ class RobustRounds:
             norms={d: recs[d].norm for d in recs}, kept={d: recs[d].kept or layout.size for d in recs}, load=load,
             acc=acc, size=layout.size, center=center, clip_mult=1.0 if small else clip_mult,
             samples_mult=1.0 if small else self.policy.samples_mult,
-            trim_fraction=trim, krum_fraction=krum_fraction, layout=layout)
+            trim_fraction=trim, krum_fraction=krum_fraction, layout=layout, hot_cache=hot_cache)

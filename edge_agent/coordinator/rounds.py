@@ -71,7 +71,7 @@ from .round_intake import UpdateIntake
 from .round_types import Receipt, RoundOutcome, RoundPlan, RoundPolicy, TickResult, check_options
 from .selection import job_needs, sample_devices, select_devices
 from .server_opt import LearningStore
-from .streaming import Layout, RunningSum, Sparse
+from .streaming import HotCache, Layout, RunningSum, Sparse, window_hot
 
 if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
     from .metrics import CoordinatorMetrics
@@ -376,9 +376,12 @@ class RoundEngine(UpdateIntake):
                     cache[device] = self._sparse(recs[device], layout)
                 return cache[device]
 
+            # the median's pass over the stored updates also keeps what a trimmed mean needs
+            hot_cache = HotCache(also=(lambda signs, n: window_hot(signs, n, aggregator, trim))
+                                 if aggregator == "trimmed_mean" else None)
             if not undecidable and len(good) >= 2:
                 good, undecidable = self._direction(good, job_id, recs, load, layout, verdicts, strikes,
-                                                    quorum=job.min_devices, acc=acc)
+                                                    quorum=job.min_devices, acc=acc, hot_cache=hot_cache)
             if undecidable:
                 for d in good or [devices[i] for i in screen.accepted]:
                     verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])
@@ -391,7 +394,8 @@ class RoundEngine(UpdateIntake):
                     reason += f"; {undecidable}"
             else:
                 vec, info = self._aggregate(aggregator, good, recs, load, acc, layout, center=screen.center,
-                                            clip_mult=clip_mult, trim=trim, krum_fraction=krum_fraction)
+                                            clip_mult=clip_mult, trim=trim, krum_fraction=krum_fraction,
+                                            hot_cache=hot_cache)
                 for d in info.pop("excluded", ()):
                     verdicts[d] = (UpdateStatus.REJECTED, "krum_excluded: not among the Multi-Krum selection")
                 good = [d for d in good if d not in verdicts]

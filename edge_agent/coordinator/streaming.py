@@ -22,9 +22,12 @@ so at close the "hot" coordinates are known without reading an update; only thei
 are gathered, in passes over the stored updates that each hold at most `cache_bytes`
 (8 bytes per entry), and sorted by blocks of `block_bytes`. With sparse updates from many
 devices few coordinates are hot: 10,000 x 1M at 2 % used to re-decode every update for each
-of ~136 blocks (about an hour of decoding); now it is at most a pass or two. Updates are
-decoded once and kept when all of them fit in `cache_bytes`. Multi-Krum's Gram matrix runs
-by dense coordinate blocks of N rows (`block_gram`).
+of ~136 blocks (about an hour of decoding). The direction check's median keeps what it
+gathered, with the trimmed mean's hot entries too (`HotCache`), so the cosines and the mean
+read no update again: a trimmed-mean close is one pass over the stored updates when the hot
+entries fit `cache_bytes`, a few passes otherwise. Updates are decoded once and kept when
+all of them fit in `cache_bytes`. Multi-Krum's Gram matrix runs by dense coordinate blocks
+of N rows (`block_gram`).
 """
 
 from __future__ import annotations
@@ -266,23 +269,85 @@ def _source(loads: Sequence[Callable[[], Sparse]], kept: int, cache_bytes: int) 
     return get
 
 
+def window_hot(signs: SignCounts, n: int, aggregator: str, trim_fraction: float) -> np.ndarray:
+    """The coordinates whose window of n sorted values ([lo, hi) of `aggregator`) can hold a
+    non-zero value: negatives reaching past lo, or positives below hi."""
+    lo, hi = window(n, aggregator, trim_fraction)
+    return (signs.neg > lo) | (signs.pos > n - hi)
+
+
+class HotCache:
+    """The entries of a round's updates at a set of coordinates (`have`), kept in memory
+    between the coordinate-wise rules of one close. The direction check's median gathers,
+    in the same pass, the entries the aggregator's window will need (`also`: the trimmed
+    mean's hot coordinates, a superset of the median's), so a trimmed-mean round reads its
+    stored updates once for the median, the cosines and the mean, not three times. Used only
+    when what it would hold fits `cache_bytes` (8 bytes an entry)."""
+
+    def __init__(self, also: Callable[[SignCounts, int], np.ndarray] | None = None,
+                 cache_bytes: int = CACHE_BYTES) -> None:
+        self.also, self.cache_bytes = also, cache_bytes
+        self.have: np.ndarray | None = None
+        self.parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def covers(self, devices: Sequence[str], coords: np.ndarray) -> bool:
+        """Holds every entry of `devices` at the coordinates where `coords` is true."""
+        return (self.have is not None and all(d in self.parts for d in devices)
+                and not bool((coords & ~self.have).any()))
+
+    def fill(self, devices: Sequence[str], get: Callable[[int], Sparse], signs: SignCounts, hot: np.ndarray) -> bool:
+        """One pass: keep each update's entries at `hot` and at what `also` adds, or at `hot`
+        alone if the two do not fit; False (nothing kept) if not even that does."""
+        entries = signs.neg.astype(np.int64) + signs.pos
+        masks = ([hot | self.also(signs, len(devices))] if self.also is not None else []) + [hot]
+        mask = next((m for m in masks if 8 * int(entries[m].sum()) <= self.cache_bytes), None)
+        if mask is None:
+            return False
+        self.have, self.parts = None, {}
+        for i, d in enumerate(devices):
+            sp = get(i)
+            pick = mask[sp.idx]
+            self.parts[d] = (sp.idx[pick], sp.vals[pick])
+        self.have = mask
+        return True
+
+    def hot_parts(self, devices: Sequence[str], hot: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for d in devices:
+            idx, vals = self.parts[d]
+            pick = hot[idx]
+            out.append((idx[pick], vals[pick]))
+        return out
+
+    def dot(self, device: str, vec: np.ndarray) -> float:
+        """<d, vec> for a `vec` that is zero wherever `have` is false."""
+        idx, vals = self.parts[device]
+        return _dot(vals.astype(np.float64), vec[idx])
+
+
 def block_window_mean(loads: Sequence[Callable[[], Sparse]], kept: int, size: int, lo: int, hi: int, *,
-                      signs: SignCounts | None = None, block_bytes: int = BLOCK_BYTES,
+                      signs: SignCounts | None = None, devices: Sequence[str] | None = None,
+                      hot_cache: HotCache | None = None, block_bytes: int = BLOCK_BYTES,
                       cache_bytes: int = CACHE_BYTES) -> np.ndarray:
     """Coordinate-wise mean of the sorted positions [lo, hi) over the updates `loads`
     (median / trimmed mean). `kept` = their total entries; `signs` = their SignCounts (one
     extra pass over the updates without it). Only the entries of hot coordinates are
-    gathered: in passes of at most cache_bytes, each sorted by blocks of block_bytes."""
+    gathered: from `hot_cache` (keyed by `devices`, filled here if they fit), else in passes
+    of at most cache_bytes; then sorted by blocks of block_bytes."""
     n = len(loads)
     get = _source(loads, kept, cache_bytes)
     if signs is None:
         signs = SignCounts.of([lambda i=i: get(i) for i in range(n)], size)
     neg, pos = signs.neg, signs.pos
-    hot = (neg > lo) | (pos > n - hi)
+    hot = (neg > lo) | (pos > n - hi)  # window_hot's test for this [lo, hi)
     need = np.where(hot, neg.astype(np.int64) + pos, 0)
     out = np.zeros(size, dtype=np.float64)
     if not need.any():
         return out  # every window holds zeros only: nothing to read
+    if hot_cache is not None and devices is not None and (
+            hot_cache.covers(devices, hot) or hot_cache.fill(devices, get, signs, hot)):
+        _window_blocks(hot_cache.hot_parts(devices, hot), out, 0, size, need, signs, n, lo, hi, block_bytes)
+        return out
     for a, b in _ranges(need, max(1, cache_bytes // 8)):
         if not need[a:b].any():
             continue
@@ -293,16 +358,23 @@ def block_window_mean(loads: Sequence[Callable[[], Sparse]], kept: int, size: in
             idx = sp.idx[s:e]
             pick = hot[idx]
             parts.append((idx[pick], sp.vals[s:e][pick]))
-        for c, d in _ranges(need[a:b], max(1, block_bytes // 48)):
-            c, d = c + a, d + a
-            cs, vs = [], []
-            for idx, vals in parts:
-                s, e = np.searchsorted(idx, (c, d))
-                cs.append(idx[s:e] - c)
-                vs.append(vals[s:e])
-            out[c:d] = sparse_window_sum(np.concatenate(cs), np.concatenate(vs), n, lo, hi, d - c,
-                                         counts=(neg[c:d], pos[c:d])) / (hi - lo)
+        _window_blocks(parts, out, a, b, need, signs, n, lo, hi, block_bytes)
     return out
+
+
+def _window_blocks(parts: Sequence[tuple[np.ndarray, np.ndarray]], out: np.ndarray, a: int, b: int,
+                   need: np.ndarray, signs: SignCounts, n: int, lo: int, hi: int, block_bytes: int) -> None:
+    """out[a:b] = the window means, from the updates' hot entries in [a, b) (`parts`), sorted
+    by blocks of at most block_bytes (~48 bytes an entry while sorting)."""
+    for c, d in _ranges(need[a:b], max(1, block_bytes // 48)):
+        c, d = c + a, d + a
+        cs, vs = [], []
+        for idx, vals in parts:
+            s, e = np.searchsorted(idx, (c, d))
+            cs.append(idx[s:e] - c)
+            vs.append(vals[s:e])
+        out[c:d] = sparse_window_sum(np.concatenate(cs), np.concatenate(vs), n, lo, hi, d - c,
+                                     counts=(signs.neg[c:d], signs.pos[c:d])) / (hi - lo)
 
 
 def block_gram(loads: Sequence[Callable[[], Sparse]], kept: int, size: int, *,
@@ -326,11 +398,12 @@ Load = Callable[[str], Sparse]
 
 
 def direction_check(good: Sequence[str], load: Load, norms: Mapping[str, float], size: int, kept: int,
-                    min_cosine: float, acc: RunningSum | None = None
+                    min_cosine: float, acc: RunningSum | None = None, hot_cache: HotCache | None = None
                     ) -> tuple[list[str], dict[str, str], str, dict[str, float]]:
     """Step 5 of robust.py's screening: (kept devices, device -> why rejected, undecidable,
     device -> cosine with the round's coordinate-wise median; empty with 2 updates). `acc`:
-    the round's running sum, whose sign counts spare the median a pass over the updates."""
+    the round's running sum, whose sign counts spare the median a pass over the updates;
+    `hot_cache`: the entries the median gathers, kept for the cosines and the aggregator."""
     if len(good) == 2:
         a, b = good
         c = cosine(load(a).dot(load(b)), norms[a], norms[b])
@@ -340,11 +413,13 @@ def direction_check(good: Sequence[str], load: Load, norms: Mapping[str, float],
         return list(good), {}, "", {}
     lo, hi = window(len(good), "median", 0.0)
     med = block_window_mean([lambda d=d: load(d) for d in good], kept, size, lo, hi,
-                            signs=acc.sign_counts(good, load) if acc is not None else None)
+                            signs=acc.sign_counts(good, load) if acc is not None else None,
+                            devices=good, hot_cache=hot_cache)
     med_norm = norm2(med)
+    cached = hot_cache is not None and hot_cache.covers(good, med != 0)
     out, rejected, cosines = [], {}, {}
     for d in good:
-        c = cosine(load(d).dot_dense(med), norms[d], med_norm)
+        c = cosine(hot_cache.dot(d, med) if cached else load(d).dot_dense(med), norms[d], med_norm)
         if med_norm > 0:
             cosines[d] = c
         if c < min_cosine and med_norm > 0:
@@ -373,9 +448,11 @@ def per_tensor_mean(vec: np.ndarray, weights: Mapping[str, float], present: Mapp
 def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[str, float],
                       norms: Mapping[str, float], kept: Mapping[str, int], load: Load, acc: RunningSum, size: int,
                       center: float, clip_mult: float, samples_mult: float, trim_fraction: float,
-                      krum_fraction: float, layout: Layout | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                      krum_fraction: float, layout: Layout | None = None,
+                      hot_cache: HotCache | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """The aggregate delta (flat float64) of the screened updates `good`, and what to record
-    of it (metrics; "excluded": devices Multi-Krum left out)."""
+    of it (metrics; "excluded": devices Multi-Krum left out). `hot_cache`: entries the
+    direction check gathered (median / trimmed mean use them when they cover the window)."""
     total_kept = sum(kept.get(d) or size for d in good)
     if aggregator in ("fedavg", "fedavg_clipped"):
         capped = round_weights([weights[d] for d in good], samples_mult)
@@ -395,8 +472,8 @@ def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[
     loads = [lambda d=d: load(d) for d in good]
     if aggregator in ("median", "trimmed_mean"):
         lo, hi = window(len(good), aggregator, trim_fraction)
-        return (block_window_mean(loads, total_kept, size, lo, hi, signs=acc.sign_counts(good, load)),
-                {"trimmed_each_end": lo})
+        return (block_window_mean(loads, total_kept, size, lo, hi, signs=acc.sign_counts(good, load),
+                                  devices=good, hot_cache=hot_cache), {"trimmed_each_end": lo})
     if aggregator == "multi_krum":
         chosen = [good[i] for i in krum_select(block_gram(loads, total_kept, size), krum_fraction)]
         vec = np.zeros(size, dtype=np.float64)

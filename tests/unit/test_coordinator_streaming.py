@@ -20,11 +20,13 @@ from edge_agent.coordinator.registry import MIGRATIONS, Registry
 from edge_agent.coordinator.robust import sparse_window_sum
 from edge_agent.coordinator.rounds import RoundEngine, RoundPolicy
 from edge_agent.coordinator.streaming import (
+    HotCache,
     Layout,
     RunningSum,
     block_gram,
     block_window_mean,
     sparse_from_dense,
+    window_hot,
 )
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
 from edge_agent.updates.wire import UpdateHeader, decode_update, encode_update
@@ -113,6 +115,22 @@ def test_sparse_window_sum_equals_sorting_the_dense_columns() -> None:
                 want = np.sort(dense, axis=0)[lo:hi].sum(axis=0)
                 got = sparse_window_sum(cols, dense[rows, cols], n, lo, hi, size)
                 np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_one_key_sort_orders_float32_values_as_lexsort_does() -> None:
+    from edge_agent.coordinator.robust import _by_coord_then_value
+
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        n = int(rng.integers(1, 400))
+        c = rng.integers(0, 40, n)
+        v = rng.normal(size=n).astype(np.float32).astype(np.float64)
+        v[rng.random(n) < 0.1] = float(np.float32(1e-40))  # subnormals of both signs, ties
+        v[rng.random(n) < 0.05] = -float(np.float32(1e-40))
+        v[rng.random(n) < 0.1] = -3.0
+        for vals in (v, v + 1e-12):  # float32 values (one key) and float64 ones (lexsort)
+            o, want = _by_coord_then_value(c, vals), np.lexsort((vals, c))
+            assert np.array_equal(c[o], c[want]) and np.array_equal(vals[o], vals[want])
 
 
 def _sparse_updates(n: int, size: int, density: float, seed: int) -> list:
@@ -212,6 +230,38 @@ def test_a_window_of_zeros_reads_no_update() -> None:
     med = block_window_mean(loads, kept, 2000, 0, 2, signs=signs, cache_bytes=8 * kept - 8)
     np.testing.assert_array_equal(med, np.sort(dense, axis=0)[0:2].mean(axis=0))
     assert sorted(reads) == list(range(40))  # one pass: each update read once
+
+
+def test_one_pass_serves_the_median_the_cosines_and_the_trimmed_mean() -> None:
+    """The direction check's median gathers what the trimmed mean's window needs too (HotCache):
+    a trimmed-mean close reads each stored update once, with the same results as without it;
+    after a rejection (fewer devices) it is still exact, reading again only if it must."""
+    sps = _sparse_updates(30, 3000, 0.9, 6)  # dense enough that many medians are not zero
+    devices = [str(i) for i in range(30)]
+    dense = np.zeros((30, 3000))
+    for i, s in enumerate(sps):
+        dense[i, s.idx] = s.vals
+    acc = RunningSum(3000)
+    for d, s in zip(devices, sps, strict=True):
+        acc.fold(d, s, 1.0)
+    reads: list[int] = []
+    loads = [lambda i=i: reads.append(i) or sps[i] for i in range(30)]
+    kept = sum(s.kept for s in sps)
+    cache = HotCache(also=lambda signs, n: window_hot(signs, n, "trimmed_mean", 0.2), cache_bytes=8 * kept)
+    signs = acc.sign_counts(devices, lambda d: sps[int(d)])
+    med = block_window_mean(loads, kept, 3000, 14, 16, signs=signs, devices=devices, hot_cache=cache, cache_bytes=0)
+    np.testing.assert_array_equal(med, np.sort(dense, axis=0)[14:16].mean(axis=0))
+    assert sorted(reads) == list(range(30)) and cache.covers(devices, med != 0)
+    for i in (0, 7):
+        assert cache.dot(str(i), med) == pytest.approx(float(dense[i] @ med), rel=1e-12)
+    trimmed = block_window_mean(loads, kept, 3000, 6, 24, signs=signs, devices=devices, hot_cache=cache,
+                                cache_bytes=0)
+    np.testing.assert_array_equal(trimmed, np.sort(dense, axis=0)[6:24].mean(axis=0))
+    assert len(reads) == 30  # nothing read again
+    fewer = devices[1:]
+    got = block_window_mean(loads[1:], kept, 3000, 5, 24, signs=acc.sign_counts(fewer, lambda d: sps[int(d)]),
+                            devices=fewer, hot_cache=cache, cache_bytes=0)
+    np.testing.assert_array_equal(got, np.sort(dense[1:], axis=0)[5:24].mean(axis=0))
 
 
 def test_running_sum_corrections_and_rebuild_equal_the_direct_sum() -> None:
