@@ -9,6 +9,10 @@
     edge_coordinator_update_fp32_bytes_total          counter (what the same deltas weigh dense)
     edge_coordinator_update_compression_ratio         histogram (fp32 bytes / wire bytes)
     edge_coordinator_energy_wh_total                  counter (energy devices reported spending)
+    edge_coordinator_inbox_messages                   gauge (received from the broker, not yet handled)
+    edge_coordinator_mqtt_dropped_total{reason}       counter (received and dropped before handling:
+                                                      inbox_full_unverified, inbox_full_resendable,
+                                                      inbox_full_signed, oversize, over_device_budget)
 
 A private `CollectorRegistry` (never the global one) so that several coordinators, or
 tests, in one process do not collide, and importing this module registers nothing. The
@@ -22,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +34,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 RATIO_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, math.inf)
 ROUND_STATUSES = ("aggregated", "failed", "cancelled")
+# MqttClient's drop counters -> the reason label. A full inbox drops junk first, then what
+# devices resend (update chunks, states: a delay), signed one-shot reports last (a loss).
+MQTT_DROPS = {"dropped_inbox_full": "inbox_full_unverified", "dropped_resend_full": "inbox_full_resendable",
+              "dropped_priority_full": "inbox_full_signed", "dropped_oversize": "oversize",
+              "dropped_admit": "over_device_budget"}
 UPDATE_STATUSES = ("accepted", "rejected")
 
 
@@ -68,6 +78,12 @@ class CoordinatorMetrics:
         self.compression_ratio = Histogram("update_compression_ratio", "fp32 bytes / wire bytes per update",
                                            buckets=RATIO_BUCKETS, **common)
         self.energy_wh = Counter("energy_wh", "Energy devices reported spending on fine-tuning (Wh)", **common)
+        self.inbox = Gauge("inbox_messages", "Messages received from the broker and not yet handled", **common)
+        self.mqtt_dropped = Counter("mqtt_dropped", "Messages received and dropped before handling, by why",
+                                    ["reason"], **common)
+        self._drops_seen: dict[str, int] = {}
+        for reason in MQTT_DROPS.values():
+            self.mqtt_dropped.labels(reason=reason)
         for status in ROUND_STATUSES:  # exported at 0 from the start, so rate() works at once
             self.rounds.labels(status=status)
         for status in UPDATE_STATUSES:
@@ -103,6 +119,16 @@ class CoordinatorMetrics:
             self.compression_ratio.observe(fp32_bytes / wire_bytes)
         if energy_wh is not None and math.isfinite(energy_wh) and energy_wh > 0:
             self.energy_wh.inc(energy_wh)
+
+    def observe_inbox(self, stats: Mapping[str, int], pending: int) -> None:
+        """The MQTT client's inbox: its length now, and what it dropped since the last call
+        (`stats`: MqttClient.stats, cumulative; a smaller count is a new client: its base)."""
+        self.inbox.set(max(0, int(pending)))
+        for stat, reason in MQTT_DROPS.items():
+            count = int(stats.get(stat, 0))
+            if count > self._drops_seen.get(stat, 0):
+                self.mqtt_dropped.labels(reason=reason).inc(count - self._drops_seen.get(stat, 0))
+            self._drops_seen[stat] = count
 
     def serve(self, *, port: int, address: str = "127.0.0.1") -> MetricsServer:
         """Serve /metrics on `address`:`port` (0: any free port) in a daemon thread."""

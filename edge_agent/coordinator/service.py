@@ -529,6 +529,8 @@ class Coordinator(DeviceMessages):
                 log.warning("worker %s: heartbeat not recorded: %s", self.worker_id, exc)
         if self.shared is None or self.shared.leader:
             atomic_write_json(self.state_dir / SERVE_FILE, info)
+        if self.metrics is not None:  # every worker: each has its own inbox
+            self.metrics.observe_inbox(self.client.stats, self.client.pending)
         self._next_beat = time.monotonic() + HEARTBEAT_S
 
 

@@ -55,6 +55,21 @@ def test_scrape_reports_what_was_observed(served: tuple) -> None:
     assert got[("edge_coordinator_update_compression_ratio_bucket", (("le", "16.0"),))] == 2
 
 
+def test_the_inbox_and_its_drops_by_reason(served: tuple) -> None:
+    metrics, server = served
+    assert scrape(server.url)[("edge_coordinator_mqtt_dropped_total", (("reason", "inbox_full_signed"),))] == 0
+    metrics.observe_inbox({"dropped_resend_full": 40, "dropped_inbox_full": 5, "received": 900}, 1200)
+    metrics.observe_inbox({"dropped_resend_full": 100, "dropped_inbox_full": 5, "dropped_priority_full": 2}, 7)
+    got = scrape(server.url)
+    assert got[("edge_coordinator_inbox_messages", ())] == 7
+    assert got[("edge_coordinator_mqtt_dropped_total", (("reason", "inbox_full_resendable"),))] == 100
+    assert got[("edge_coordinator_mqtt_dropped_total", (("reason", "inbox_full_unverified"),))] == 5
+    assert got[("edge_coordinator_mqtt_dropped_total", (("reason", "inbox_full_signed"),))] == 2
+    metrics.observe_inbox({"dropped_resend_full": 3}, 0)  # a new client (reconnected serve): counts from 0
+    metrics.observe_inbox({"dropped_resend_full": 10}, 0)
+    assert scrape(server.url)[("edge_coordinator_mqtt_dropped_total", (("reason", "inbox_full_resendable"),))] == 107
+
+
 def test_registry_is_private_and_instances_do_not_collide() -> None:
     a, b = CoordinatorMetrics(), CoordinatorMetrics()
     a.set_devices_online(3)
