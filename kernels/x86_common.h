@@ -51,9 +51,8 @@ static inline x86_rq x86_rq_load(const int32_t *bias, const int32_t *mult, const
  * instructions instead of the reference's six. |h| <= |x| * (2^31 - 1) / 2^31 + 1/2, so
  * |h| <= 2^31 - 1 (vpabsd is exact) and |h| + 2^(r-1) < 2^32: an unsigned shift (vpsrlvd)
  * cannot overflow; h = 0 gives 0 (vpsignd) as the reference does. */
-static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
+static inline __attribute__((always_inline)) __m256i x86_mbqm_nl(__m256i x, const x86_rq *q) {
     const __m256i nudge = _mm256_set1_epi64x(INT64_C(1) << 30);
-    if (q->any_left) x = _mm256_sllv_epi32(x, q->left);
     __m256i even = _mm256_add_epi64(_mm256_mul_epi32(x, q->mult_even), nudge);
     __m256i odd = _mm256_add_epi64(_mm256_mul_epi32(_mm256_srli_epi64(x, 32), q->mult_odd), nudge);
     even = _mm256_srli_epi64(even, 31); /* bits 31..62 -> low half of each 64-bit lane */
@@ -61,6 +60,13 @@ static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
     const __m256i h = _mm256_blend_epi32(even, odd, 0xAA);
     const __m256i r = _mm256_srlv_epi32(_mm256_add_epi32(_mm256_abs_epi32(h), q->half), q->right);
     return _mm256_sign_epi32(r, h);
+}
+
+/* x86_mbqm_nl is the same without the left shift, for callers that checked any_left once: no
+ * branch, so the compiler interleaves a whole strip's requantisations. */
+static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
+    if (q->any_left) x = _mm256_sllv_epi32(x, q->left);
+    return x86_mbqm_nl(x, q);
 }
 
 /* Output zero point and clamp, applied after packing: saturating int32->int16, +zp with
@@ -188,6 +194,17 @@ static inline __attribute__((always_inline)) void x86_rows2_out(
     _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
 }
 
+/* Rows i, i + 1 of a full 16-column int8 tile with neither row_add nor a left shift: the
+ * common case (symmetric weights, scale < 1), decided once per call, not per row. */
+static inline __attribute__((always_inline)) void x86_rows2_fast(
+    __m256i a0, __m256i a1, __m256i b0, __m256i b1, const x86_rq *q0, const x86_rq *q1,
+    const x86_out *o, int8_t *dst, size_t ldc) {
+    const __m256i p = x86_pack4(x86_mbqm_nl(a0, q0), x86_mbqm_nl(a1, q1), x86_mbqm_nl(b0, q0),
+                                x86_mbqm_nl(b1, q1), o);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
+}
+
 /* Rows i .. i + 3 of an 8-column tile. */
 static inline __attribute__((always_inline)) void x86_rows4_out(
     __m256i a, __m256i b, __m256i cc, __m256i d, size_t i, size_t mr, size_t nr,
@@ -230,6 +247,7 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
 #define X86_OUT1(i) X86_OUT(i, 1)
 #define X86_OUT2(i) X86_OUT(i, 2)
 /* Grouped epilogues: OUTP(i, j) rows i, i + 1 of 16 columns; OUTQ(i, j, k, l) four of 8. */
+#define X86_OUTPF(i, j) x86_rows2_fast(c##i##a, c##i##b, c##j##a, c##j##b, &q0, &q1, &o, (int8_t *)c + (s + i) * ldc, ldc);
 #define X86_OUTP(i, j) x86_rows2_out(c##i##a, c##i##b, c##j##a, c##j##b, i, mr, nr, ep, &q0, &q1, &o, c, ldc, s);
 #define X86_OUTQ(i, j, k, l)                                                                    \
     (void)c##i##b, (void)c##j##b, (void)c##k##b, (void)c##l##b, (void)q1; /* one vector a row */ \
@@ -318,7 +336,7 @@ static inline __m256i x86_bcast4(const int8_t *p) {
         c##i##b = EA_X86_QDOT(c##i##b, bv1, av);                        \
     }
 
-#define X86_QTILE(FN, MR_, ROWS, NV, MAC, OUT)                                                  \
+#define X86_QTILE(FN, MR_, ROWS, NV, MAC, OUT, FAST)                                            \
     static void FN(size_t m, size_t nr, size_t kpad, const void *const *rows,                   \
                    const void *b_panel, const ea_epilogue *ep, void *c, size_t ldc) {           \
         static const int32_t zero8[16] = {0};                                                   \
@@ -331,6 +349,9 @@ static inline __m256i x86_bcast4(const int8_t *p) {
         (void)ones16;                                                                           \
         const int8_t *b0 = (const int8_t *)b_panel;                                            \
         const int8_t *b1 = b0 + kpad * NR; /* the next panel */                                \
+        /* the common epilogue, decided once per call instead of per row (x86_rows2_fast) */    \
+        const int fast = NV > 1 && !ep->out_int32 && !ep->row_add && nr == 2 * NR &&            \
+                         !q0.any_left && !q1.any_left;                                          \
         for (size_t s = 0; s < m; s += MR_) {                                                   \
             const int8_t *const *a = (const int8_t *const *)rows + s;                          \
             const size_t mr = m - s < MR_ ? m - s : MR_;                                        \
@@ -342,13 +363,18 @@ static inline __m256i x86_bcast4(const int8_t *p) {
                 (void)bv1;                                                                      \
                 ROWS(MAC)                                                                       \
             }                                                                                   \
-            OUT                                                                                 \
+            if (fast && mr == MR_) {                                                            \
+                FAST                                                                            \
+            } else {                                                                            \
+                OUT                                                                             \
+            }                                                                                   \
         }                                                                                       \
     }
 
 #ifndef EA_X86_OWN_VARIANT /* the AVX512-VNNI variant has 512-bit u8 x s8 tiles instead */
-X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_QUADS(EA_X86_QMR8)(X86_OUTQ))
-X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_PAIRS(EA_X86_QMR16)(X86_OUTP))
+X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_QUADS(EA_X86_QMR8)(X86_OUTQ), ;)
+X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_PAIRS(EA_X86_QMR16)(X86_OUTP),
+          X86_PAIRS(EA_X86_QMR16)(X86_OUTPF))
 #endif
 
 /* Sum of n int8: flipped to u8 (x + 128) and summed by vpsadbw against zero. */
