@@ -26,166 +26,38 @@ boundary: checkpoint, report, stop reason "cancelled".
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import logging
 import math
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write_json, read_limited
-from ..errors import ConfigError, EdgeAgentError, InputError, UsageError
+from ..atomic import atomic_write_json
+from ..errors import ConfigError, InputError, UsageError
 from .checkpoints import Checkpoint, CheckpointStore
 from .job_depth import DepthPlanning, _output_grid
 from .job_report import JOB_FILE, REPORT_FILE, REPORT_SCHEMA, JobReport  # noqa: F401 - the file names, for callers
+from .job_support import (
+    JobStateError,
+    Progress,
+    ProgressCallback,
+    _cancel_on_signals,
+    _feature_key,
+    _GovernorMeter,
+    _locked,
+    _profile_values,
+    _read_job,
+    _Stopped,
+)
 
 log = logging.getLogger(__name__)
 
 HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: one dense layer, anything deeper
-
-
-class JobStateError(EdgeAgentError):
-    """The state directory is busy or holds an unfinished job that was not asked to resume."""
-
-    exit_code = 64
-
-
-def _feature_key(backbone_sha256: str, engine: str | None) -> str:
-    """The feature cache's namespace: the backbone's hash, and the engine unless it is the
-    reference (bit-exact: its features are the backbone's own)."""
-    import hashlib
-
-    if not engine or engine == "reference":
-        return backbone_sha256
-    return hashlib.sha256(f"{backbone_sha256}:{engine}".encode()).hexdigest()
-
-
-class _GovernorMeter:
-    """Engine selection's meter inside a job: every phase is metered by the budget governor
-    and charged to the job; a budget too small for the predicted selection plus a batch
-    stops the job before it is spent (BudgetTooSmallError), a phase that would overshoot it
-    stops the selection (SelectionStopped)."""
-
-    def __init__(self, job: _Job, gov: Any) -> None:
-        self.job, self.gov = job, gov
-        self._start = 0.0
-
-    def before(self, phase: str, predicted_j: float) -> None:
-        from ..int8.engine_cost import BudgetTooSmallError, SelectionStopped
-
-        used = self._start = self.gov.charge_overhead()
-        budget_j = self.job.budget.budget_j
-        if budget_j is None or used + predicted_j <= budget_j:
-            return
-        if phase == "selection":
-            raise BudgetTooSmallError(
-                f"--budget-wh {self.job.budget.budget_wh:g} is too small for this job: choosing the int8 engine "
-                f"for this model on this device needs ~{predicted_j / 3600.0:.4g} Wh (predicted from a probe) plus "
-                f"one batch, and {used / 3600.0:.4g} Wh is spent already; give a larger budget, or run "
-                f"`edge-agent kernels --model {self.job.args['model']} --bench` once (its choice is cached and reused)")
-        raise SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase}: "
-                               f"~{predicted_j / 3600.0:.4g} Wh more; {used / 3600.0:.4g} of "
-                               f"{self.job.budget.budget_wh:g} Wh used)")
-
-    def after(self, phase: str, cpu_s: float) -> float:
-        self.job._work_done()  # a virtual test clock charges the phase here
-        return self.gov.charge_overhead() - self._start
-
-
-class _Stopped(Exception):
-    """Raised inside feature extraction when the governor says stop."""
-
-
-@dataclass
-class Progress:
-    """One progress event for a UI or the daemon (JSON-ready via asdict)."""
-
-    phase: str  # data | features | train | paused | saving | checkpoint | done
-    step: int = 0
-    total_steps: int = 0
-    epoch: int = 0
-    epochs: int = 0
-    loss: float | None = None
-    val_accuracy: float | None = None
-    energy_wh: float = 0.0
-    budget_wh: float | None = None
-    watts: float | None = None
-    temp_c: float | None = None
-    detail: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-ProgressCallback = Callable[[Progress], None]
-
-
-@contextlib.contextmanager
-def _locked(state_dir: Path) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise JobStateError(f"{state_dir}: another fine-tune job is running with this state directory") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _cancel_on_signals(cancel: Callable[[str], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, lambda num, _frame: cancel(signal.Signals(num).name))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _read_job(state_dir: Path) -> dict[str, Any]:
-    import json
-
-    try:
-        obj = json.loads(read_limited(state_dir / JOB_FILE, 1 << 20))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, EdgeAgentError):
-        return {"status": "unreadable"}
-    return obj if isinstance(obj, dict) else {"status": "unreadable"}
-
-
-def _profile_values(profile: str | None, probe_report: dict[str, Any]) -> dict[str, Any]:
-    """The board profile's power, thermal and training figures (named, else matched)."""
-    from ..hardware.profiles import load_profiles
-
-    name = profile or (probe_report.get("profile") or {}).get("name")
-    profiles = load_profiles().profiles
-    if profile and profile not in profiles:
-        raise InputError(f"no board profile named {profile!r}; known: {', '.join(sorted(profiles))}")
-    found = profiles.get(name) if name else None
-    data = found.data if found is not None else {}
-    return {"name": name, "idle_w": data.get("power", {}).get("idle_w"),
-            "load_w": data.get("power", {}).get("load_w"),
-            "thermal_limit_c": data.get("thermal", {}).get("limit_c"),
-            "threads": data.get("training", {}).get("threads"),
-            "batch_size": data.get("training", {}).get("batch_size"),
-            "memory_cap_mb": data.get("training", {}).get("memory_cap_mb"),
-            "backends": data.get("int8", {}).get("backends")}
 
 
 def run_finetune(
