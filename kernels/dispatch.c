@@ -272,6 +272,7 @@ struct ea_gemm_plan {
     int32_t out_zp, act_min, act_max, out_int32;
     int kernel_rowsums, batch_rowsums, row_sums;
     int32_t *bias_eff, *mult_p, *shift_p; /* stored panels * nr each, in colbuf */
+    int32_t *panel_bounded;               /* per stored panel (ea_epilogue.acc_bounded), in colbuf */
     int32_t *colbuf;
 };
 
@@ -306,10 +307,12 @@ static int plan_init(ea_gemm_plan *pl, const ea_variant *v, int64_t n, int64_t k
     if (mc > EA_MAX_MC) mc = EA_MAX_MC / mr_max * mr_max;
     pl->mc = mc;
     const size_t cols = (size_t)(stored_panels(&lay, nr, n) * nr); /* wide tiles read whole panels */
-    int32_t *colbuf = (int32_t *)malloc(cols * 3 * sizeof(int32_t));
+    const size_t npanels = (size_t)stored_panels(&lay, nr, n);
+    int32_t *colbuf = (int32_t *)malloc((cols * 3 + npanels) * sizeof(int32_t));
     if (!colbuf) return EA_ENOMEM;
     pl->colbuf = colbuf;
     pl->bias_eff = colbuf, pl->mult_p = colbuf + cols, pl->shift_p = colbuf + 2 * cols;
+    pl->panel_bounded = colbuf + 3 * cols;
     for (size_t j = 0; j < cols; j++) {
         int64_t b = 0;
         if ((int64_t)j < n) {
@@ -318,6 +321,21 @@ static int plan_init(ea_gemm_plan *pl, const ea_variant *v, int64_t n, int64_t k
         pl->bias_eff[j] = (int32_t)(uint32_t)(uint64_t)b; /* wraps like the int32 accumulator */
         pl->mult_p[j] = (!out_int32 && (int64_t)j < n) ? mult[j] : 0;
         pl->shift_p[j] = (!out_int32 && (int64_t)j < n) ? shift[j] : 0;
+    }
+    /* |x| <= |bias| + K * 255 * 255 (|a - za|, |b - zb| <= 255), x being the true sum the
+     * int32 accumulator holds when it cannot wrap. The fast x86 epilogue needs 2|x| inside
+     * int32 and, for h + half + zp * 2^r (|h| <= |x|, |zp| <= 128), |x| + 2^(r-1) + 128 * 2^r.
+     * Per panel, so one channel with an extreme scale slows its own panel only. */
+    for (size_t p = 0; p < npanels; p++) {
+        int ok = !out_int32;
+        for (int64_t j = (int64_t)p * nr; j < ((int64_t)p + 1) * nr && j < n && ok; j++) {
+            const int64_t right = shift[j] < 0 ? -(int64_t)shift[j] : 0;
+            const int64_t half = right ? INT64_C(1) << (right - 1) : 0;
+            const int64_t b = bias ? (bias[j] < 0 ? -(int64_t)bias[j] : bias[j]) : 0;
+            const int64_t x = b + k * INT64_C(65025), limit = INT64_C(2147483647);
+            ok = 2 * x < limit && x + half + (INT64_C(128) << right) < limit;
+        }
+        pl->panel_bounded[p] = ok;
     }
     return EA_OK;
 }
@@ -451,7 +469,8 @@ static int plan_run(const ea_gemm_plan *pl, const a_source *src, int64_t m_begin
             ea_epilogue ep = {pl->bias_eff + p * nr, pl->mult_p + p * nr, pl->shift_p + p * nr,
                               row_sums ? row_add : NULL, pl->out_zp, pl->act_min, pl->act_max,
                               pl->out_int32,
-                              kernel_rowsums ? (int32_t)zb : 0};
+                              kernel_rowsums ? (int32_t)zb : 0, pl->panel_bounded[p]};
+            for (int64_t q = 1; wide && q < lay->panels2; q++) ep.acc_bounded &= pl->panel_bounded[p + q];
             char *cp = (char *)c + (size_t)(m0 * ldc + p * nr) * elem;
             kernel((size_t)rows_here, (size_t)ncols, (size_t)kpad, rows, bp, &ep, cp, (size_t)ldc);
             p += wide ? lay->panels2 : 1;

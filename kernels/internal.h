@@ -43,6 +43,11 @@ typedef struct ea_epilogue {
     int32_t out_int32;      /* store acc + bias (+ row_add) as int32, no requantisation */
     int32_t rowsum_zb;      /* nonzero (row_add NULL): the kernel adds -rowsum_zb * rowsum_a
                                itself (variants with qrowsum_max_k, for short rows) */
+    int32_t acc_bounded;    /* the driver's bound on every column's true accumulator x
+                               (|bias| + K * 255^2): 2|x| and |x| + 2^(r - 1) + 128 * 2^r
+                               (r: the right shift) stay inside int32, so x86 may requantise
+                               2x with the rounding half and the output zero point folded
+                               into the 64-bit products (x86_mbqm_x2) */
 } ea_epilogue;
 
 /* Computes m rows x nr columns (nr <= NR; for gemm2 nr <= qpanels2 * NR over that many

@@ -20,6 +20,9 @@
 
 #define NR 8
 #define KC 2
+#ifndef EA_X86_WIDEN_BY_MADD
+#define EA_X86_WIDEN_BY_MADD 0 /* 1: EA_X86_DOT4 widens with vpmaddwd against widen16 (1 or 2) */
+#endif
 #ifndef EA_X86_QB_OFFSET
 #define EA_X86_QB_OFFSET 0 /* 128: the quad layout stores b + 128 for vpdpbusd (VNNI) */
 #endif
@@ -194,15 +197,70 @@ static inline __attribute__((always_inline)) void x86_rows2_out(
     _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
 }
 
-/* Rows i, i + 1 of a full 16-column int8 tile with neither row_add nor a left shift: the
- * common case (symmetric weights, scale < 1), decided once per call, not per row. */
+/* The fast epilogue, for calls whose accumulators the driver bounded (ep->acc_bounded) and
+ * whose channels have no left shift: MBQM, rounding divide and output zero point in 9
+ * operations per 8 lanes instead of 11 + the zero point's share of the packing. It takes
+ * x2 = 2x (the AVX2 tiles widen with vpmaddwd by 2 instead of 1, so the doubling is free;
+ * VNNI tiles add x to itself). Then for each 64-bit lane
+ *     (x2 * m + 2^31 + (half + zp * 2^r) * 2^32) >> 32 = h + half + zp * 2^r
+ * exactly (h = floor((x*m + 2^30) / 2^31), TFLite's doubling high multiply), so the high
+ * dwords of the even and odd products are the results, no shifts to line them up beyond one.
+ * RoundingDivideByPOT(h) + zp = (h + half + zp * 2^r - [h < 0]) >> r (arithmetic), and
+ * h < 0 exactly when that sum is below thr = half + zp * 2^r (INT32_MIN for r = 0: no
+ * correction). The driver's bound keeps 2x and the sum inside int32. */
+typedef struct {
+    __m256i mult_even, mult_odd, nudge_even, nudge_odd, thr, right;
+} x86_rqf;
+
+static inline x86_rqf x86_rqf_make(const x86_rq *q, int32_t zp) {
+    const __m256i lo32 = _mm256_set1_epi64x(0xFFFFFFFF), nudge = _mm256_set1_epi64x(INT64_C(1) << 31);
+    /* half + zp * 2^r per lane (zp * 2^r as a left shift of zp; fits by the driver's bound) */
+    const __m256i add = _mm256_add_epi32(q->half, _mm256_sllv_epi32(_mm256_set1_epi32(zp), q->right));
+    x86_rqf f;
+    f.mult_even = q->mult_even, f.mult_odd = q->mult_odd, f.right = q->right;
+    f.nudge_even = _mm256_add_epi64(_mm256_slli_epi64(add, 32), nudge); /* even lane's add, high dword */
+    f.nudge_odd = _mm256_add_epi64(_mm256_andnot_si256(lo32, add), nudge);
+    f.thr = _mm256_blendv_epi8(_mm256_set1_epi32(INT32_MIN), add,
+                               _mm256_cmpgt_epi32(q->right, _mm256_setzero_si256()));
+    return f;
+}
+
+static inline __attribute__((always_inline)) __m256i x86_mbqm_x2(__m256i x2, const x86_rqf *q) {
+    const __m256i even = _mm256_add_epi64(_mm256_mul_epi32(x2, q->mult_even), q->nudge_even);
+    const __m256i odd = _mm256_add_epi64(_mm256_mul_epi32(_mm256_srli_epi64(x2, 32), q->mult_odd), q->nudge_odd);
+    const __m256i hh = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+    return _mm256_srav_epi32(_mm256_add_epi32(hh, _mm256_cmpgt_epi32(q->thr, hh)), q->right);
+}
+
+/* x86_pack4 for values that already carry the output zero point. */
+static inline __m256i x86_pack4_z(__m256i v0, __m256i v1, __m256i v2, __m256i v3, const x86_out *o) {
+    __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3)),
+                                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    p = _mm256_max_epi8(p, _mm256_broadcastsi128_si256(o->lo8));
+    return _mm256_min_epi8(p, _mm256_broadcastsi128_si256(o->hi8));
+}
+
+/* Rows i, i + 1 of a full 16-column int8 tile through the fast epilogue. */
 static inline __attribute__((always_inline)) void x86_rows2_fast(
-    __m256i a0, __m256i a1, __m256i b0, __m256i b1, const x86_rq *q0, const x86_rq *q1,
+    __m256i a0, __m256i a1, __m256i b0, __m256i b1, const x86_rqf *q0, const x86_rqf *q1,
     const x86_out *o, int8_t *dst, size_t ldc) {
-    const __m256i p = x86_pack4(x86_mbqm_nl(a0, q0), x86_mbqm_nl(a1, q1), x86_mbqm_nl(b0, q0),
-                                x86_mbqm_nl(b1, q1), o);
+    const __m256i p = x86_pack4_z(x86_mbqm_x2(a0, q0), x86_mbqm_x2(a1, q1), x86_mbqm_x2(b0, q0),
+                                  x86_mbqm_x2(b1, q1), o);
     _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
     _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
+}
+
+/* Rows i .. i + 3 of a full 8-column int8 tile through the fast epilogue. */
+static inline __attribute__((always_inline)) void x86_rows4_fast(
+    __m256i a, __m256i b, __m256i cc, __m256i d, const x86_rqf *q, const x86_out *o, int8_t *dst,
+    size_t ldc) {
+    const __m256i p = x86_pack4_z(x86_mbqm_x2(a, q), x86_mbqm_x2(b, q), x86_mbqm_x2(cc, q),
+                                  x86_mbqm_x2(d, q), o);
+    const __m128i lo = _mm256_castsi256_si128(p), hi = _mm256_extracti128_si256(p, 1);
+    _mm_storel_epi64((__m128i *)dst, lo);
+    _mm_storeh_pi((__m64 *)(dst + ldc), _mm_castsi128_ps(lo));
+    _mm_storel_epi64((__m128i *)(dst + 2 * ldc), hi);
+    _mm_storeh_pi((__m64 *)(dst + 3 * ldc), _mm_castsi128_ps(hi));
 }
 
 /* Rows i .. i + 3 of an 8-column tile. */
@@ -229,8 +287,18 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
 /* Tiles with explicitly named accumulators: gcc keeps these in registers, whereas arrays
  * of __m256i made it spill to the stack inside the K loop. ROWS(X) expands X(i) per row. */
 /* Accumulators start at the columns' bias (int32 sums wrap the same either way), which saves
- * the epilogue an add per vector. */
-#define X86_ZERO(i) __m256i c##i##a = q0.bias, c##i##b = q1.bias;
+ * the epilogue an add per vector; bias0 / bias1 are the tile's (doubled in u8 x s8 tiles that
+ * take the fast epilogue: X86_QTILE). */
+#define X86_ZERO(i) __m256i c##i##a = bias0, c##i##b = bias1;
+/* The fast epilogue takes 2x: free where vpmaddwd widens (EA_X86_WIDEN_BY_MADD: the tile
+ * widened by 2), one add elsewhere; tiles that widened by 2 but leave through the general
+ * epilogue (the last, shorter strip) halve again, exactly (the sums are even). */
+#if EA_X86_WIDEN_BY_MADD
+#define X86_X2(i)
+#else
+#define X86_X2(i) c##i##a = _mm256_add_epi32(c##i##a, c##i##a), c##i##b = _mm256_add_epi32(c##i##b, c##i##b);
+#endif
+#define X86_HALVE(i) c##i##a = _mm256_srai_epi32(c##i##a, 1), c##i##b = _mm256_srai_epi32(c##i##b, 1);
 #define X86_MAC1(i)                                                     \
     {                                                                   \
         const __m256i av = x86_bcast_pair(a[i] + k);                    \
@@ -247,7 +315,9 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
 #define X86_OUT1(i) X86_OUT(i, 1)
 #define X86_OUT2(i) X86_OUT(i, 2)
 /* Grouped epilogues: OUTP(i, j) rows i, i + 1 of 16 columns; OUTQ(i, j, k, l) four of 8. */
-#define X86_OUTPF(i, j) x86_rows2_fast(c##i##a, c##i##b, c##j##a, c##j##b, &q0, &q1, &o, (int8_t *)c + (s + i) * ldc, ldc);
+#define X86_OUTPF(i, j) x86_rows2_fast(c##i##a, c##i##b, c##j##a, c##j##b, &f0, &f1, &o, (int8_t *)c + (s + i) * ldc, ldc);
+#define X86_OUTQF(i, j, k, l) \
+    x86_rows4_fast(c##i##a, c##j##a, c##k##a, c##l##a, &f0, &o, (int8_t *)c + (s + i) * ldc, ldc);
 #define X86_OUTP(i, j) x86_rows2_out(c##i##a, c##i##b, c##j##a, c##j##b, i, mr, nr, ep, &q0, &q1, &o, c, ldc, s);
 #define X86_OUTQ(i, j, k, l)                                                                    \
     (void)c##i##b, (void)c##j##b, (void)c##k##b, (void)c##l##b, (void)q1; /* one vector a row */ \
@@ -273,6 +343,7 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
         const x86_rq q0 = x86_rq_load(ep->bias, mult, shift);                                   \
         const x86_rq q1 = NV > 1 ? x86_rq_load(ep->bias + NR, mult + NR, shift + NR) : q0;      \
         const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);                  \
+        const __m256i bias0 = q0.bias, bias1 = q1.bias;                                         \
         const int16_t *b0 = (const int16_t *)b_panel;                                          \
         const int16_t *b1 = b0 + kpad * NR; /* the next panel */                               \
         for (size_t s = 0; s < m; s += MR_) {                                                   \
@@ -345,13 +416,18 @@ static inline __m256i x86_bcast4(const int8_t *p) {
         const x86_rq q0 = x86_rq_load(ep->bias, mult, shift);                                   \
         const x86_rq q1 = NV > 1 ? x86_rq_load(ep->bias + NR, mult + NR, shift + NR) : q0;      \
         const x86_out o = x86_out_make(ep->out_zp, ep->act_min, ep->act_max);                  \
-        const __m256i ones16 = _mm256_set1_epi16(1);                                            \
-        (void)ones16;                                                                           \
+        /* the common epilogue (x86_rows2_fast / x86_rows4_fast), decided once per call */      \
+        const int fast = !ep->out_int32 && !ep->row_add && nr == NV * NR && ep->acc_bounded &&  \
+                         !q0.any_left && !q1.any_left;                                          \
+        const int doubled = fast && EA_X86_WIDEN_BY_MADD;                                       \
+        const __m256i widen16 = _mm256_set1_epi16(doubled ? 2 : 1);                             \
+        (void)widen16;                                                                          \
+        const __m256i bias0 = doubled ? _mm256_add_epi32(q0.bias, q0.bias) : q0.bias;          \
+        const __m256i bias1 = doubled ? _mm256_add_epi32(q1.bias, q1.bias) : q1.bias;          \
+        const x86_rqf f0 = x86_rqf_make(&q0, ep->out_zp), f1 = x86_rqf_make(&q1, ep->out_zp);   \
+        (void)f0, (void)f1;                                                                     \
         const int8_t *b0 = (const int8_t *)b_panel;                                            \
         const int8_t *b1 = b0 + kpad * NR; /* the next panel */                                \
-        /* the common epilogue, decided once per call instead of per row (x86_rows2_fast) */    \
-        const int fast = NV > 1 && !ep->out_int32 && !ep->row_add && nr == 2 * NR &&            \
-                         !q0.any_left && !q1.any_left;                                          \
         for (size_t s = 0; s < m; s += MR_) {                                                   \
             const int8_t *const *a = (const int8_t *const *)rows + s;                          \
             const size_t mr = m - s < MR_ ? m - s : MR_;                                        \
@@ -364,15 +440,18 @@ static inline __m256i x86_bcast4(const int8_t *p) {
                 ROWS(MAC)                                                                       \
             }                                                                                   \
             if (fast && mr == MR_) {                                                            \
+                ROWS(X86_X2)                                                                    \
                 FAST                                                                            \
             } else {                                                                            \
+                if (doubled) { ROWS(X86_HALVE) }                                                \
                 OUT                                                                             \
             }                                                                                   \
         }                                                                                       \
     }
 
 #ifndef EA_X86_OWN_VARIANT /* the AVX512-VNNI variant has 512-bit u8 x s8 tiles instead */
-X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_QUADS(EA_X86_QMR8)(X86_OUTQ), ;)
+X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_QUADS(EA_X86_QMR8)(X86_OUTQ),
+          X86_QUADS(EA_X86_QMR8)(X86_OUTQF))
 X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_PAIRS(EA_X86_QMR16)(X86_OUTP),
           X86_PAIRS(EA_X86_QMR16)(X86_OUTPF))
 #endif

@@ -209,31 +209,41 @@ def test_gemm_u8s8_layout_and_its_saturation_edge(name: str, with_min: bool, lay
 
 
 @pytest.mark.parametrize("name", sorted(ALL_VARIANTS))
-@pytest.mark.parametrize("left", [False, True])
-def test_gemm_symmetric_weights_int8_epilogues(name: str, left: bool) -> None:
+@pytest.mark.parametrize("shifts", ["fast", "long", "left"])
+def test_gemm_symmetric_weights_int8_epilogues(name: str, shifts: str) -> None:
     """What real layers run: symmetric weights (zb = 0, no -128), so x86 takes the
-    u8 x s8 tiles with the branch-free epilogue for full 16-column strips and the per-row
-    one elsewhere. Per-channel shifts include 0 (no rounding divide), the largest right
-    shifts and, with `left`, channels with scale > 1 (a left shift, which must route the
-    tile to the general epilogue); zero point and clamp vary. Every output is exact."""
+    u8 x s8 tiles with the fast epilogue (2x, rounding half and zero point folded into the
+    64-bit products) for full 16- and 8-column strips and the per-row one elsewhere, the last
+    shorter strip included. Per-channel shifts include 0 (no rounding divide) and the longest
+    right shift the fast path takes (`fast`, 23); past it (`long`, 29), a bias too close to
+    2^31 for the driver's accumulator bound, and channels with scale > 1 (`left`, a left
+    shift) must route the call to the general epilogue. Zero points include both extremes,
+    clamps vary. Every output is exact."""
     kernels = _kernels(name)
-    rng = np.random.default_rng(11 + left)
-    for m, n, k in ((64, 48, 8), (37, 32, 27), (13, 50, 16), (40, 16, 112)):
+    rng = np.random.default_rng({"fast": 11, "long": 13, "left": 12}[shifts])
+    for m, n, k in ((64, 48, 8), (37, 32, 27), (13, 50, 16), (40, 16, 112), (50, 24, 8), (30, 8, 48)):
         a = rng.integers(-128, 128, (m, k), dtype=np.int8)
         b = rng.integers(-127, 128, (n, k), dtype=np.int8)
         za = int(rng.integers(-128, 128))
         bias = rng.integers(-2**20, 2**20, n).astype(np.int32)
+        b[0], b[0, 0], bias[0] = 0, 1, 0  # column 0: |acc| <= 255, in range at shift 0, both signs
+        if k >= 65:
+            bias[2] = 2**31 - 2**22  # no wrap, but past the driver's |acc| bound (K * 255^2)
         acc = (a.astype(np.int64) - za) @ b.astype(np.int64).T + bias
         scale = rng.uniform(0.5, 2.0, n) / np.abs(acc).max(axis=0).clip(1) * 127
-        scale[0], scale[1] = 0.75, 2.0 ** -30  # shift 0 and the longest rounding divide
-        if left:
+        scale[0] = 0.75  # shift 0: no rounding divide
+        scale[1 % n] = 2.0 ** -30 if shifts == "long" else 2.0 ** -24  # right shift 29 / 23
+        if k >= 65:  # h + 2^(right - 1) would pass 2^31 for the rows with the larger sums
+            scale[2] = 0.9999 * 2.0 ** -23
+        if shifts == "left":
             scale[n // 2] = 3.0  # scale > 1: left shift 2
         mult, shift = qm.quantize_multiplier(scale)
-        assert (shift > 0).any() == left and (shift == 0).any()
-        for zp, lo, hi in ((0, -128, 127), (-5, -128, 127), (12, 0, 100)):
+        assert (shift > 0).any() == (shifts == "left") and (shift == 0).any()
+        for zp, lo, hi in ((0, -128, 127), (-5, -128, 127), (12, 0, 100), (-128, -128, 127), (127, -128, 127)):
             rq = native.Requant.make(mult, shift, zp, lo, hi, channels=n)
             got = kernels.gemm_s8(a, kernels.pack(b), rq, bias=bias, a_zero_point=za)
             np.testing.assert_array_equal(got, qm.requantize(acc, mult, shift, zp, lo, hi))
+
 
 def test_backward_shapes_without_copies(kernels: native.NativeKernels) -> None:
     """dW = X^T . dY and dX = dY . W^T on views of the forward tensors."""
