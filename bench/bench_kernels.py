@@ -176,7 +176,8 @@ def cpu_line() -> str:
             f"int8 flags: {' '.join(have) or 'none'} (absent: {' '.join(lacks) or 'none'}).")
 
 
-def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exact_peak: float) -> list[str]:
+def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exact_peak: float,
+               ports: dict[str, tuple[int, float]]) -> list[str]:
     """The square 1024^3 GEMM: the u8 x s8 path (weights in [-127, 127]), the int16 path (a B
     with -128), numpy fp32 (OpenBLAS, 1 thread)."""
     import os
@@ -201,7 +202,6 @@ def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exa
     fns["fp32 numpy (OpenBLAS)"] = lambda: np.matmul(af, bf, out=outf)
     times = _timeit_interleaved(fns, max(3, repeats), target_s=0.1)
     ops = 2 * m * n * k
-    ports = _port_rates()
     # the measured u8 x s8 peak: the widest u8 x s8 multiply this CPU has (vpdpbusd is exact;
     # without VNNI only vpmaddubsw, whose int16 pair sums saturate)
     peak_insn = next((i for i in ("vpdpbusd_zmm", "vpdpbusd_ymm", "vpmaddubsw") if i in ports), None)
@@ -259,6 +259,23 @@ def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exa
                  f"target >= 60 %: {'met' if frac >= 0.6 else 'NOT met'}), "
                  f"{times['fp32 numpy (OpenBLAS)'] / best:.2f}x numpy fp32.")
     return lines + [""]
+
+
+def _mac_bound_row(totals: dict[str, float], ports: dict[str, tuple[int, float]]) -> list[str]:
+    """How far the GEMM total is from what this CPU's exact u8 x s8 multiply allows: every MAC
+    at the measured rate of the best exact instruction sequence (vpdpbusd with VNNI, else
+    vpmaddubsw + vpmaddwd), nothing else (no requantisation, loads or edges). That time also
+    caps the ratio to numpy: where numpy / bound < 2, the 2x target cannot be met here."""
+    insn = next((i for i in ("vpdpbusd_zmm", "vpdpbusd_ymm", "vpmaddubsw+vpmaddwd") if i in ports), None)
+    if insn is None or not totals["gemm"]:
+        return []
+    macs_per_s = ports[insn][0] / ports[insn][1] * 1e9
+    bound = totals["macs"] / macs_per_s
+    need = 2 * bound / totals["numpy"]  # the fraction of the bound 2x numpy asks for
+    return [f"| share of this CPU's exact-MAC bound the GEMM total reaches (every MAC at "
+            f"{insn.replace('_', ' ')}'s measured {macs_per_s / 1e9:.1f} GMAC/s, nothing else counted); "
+            f"2x numpy needs {need:.0%}{' (more than the bound: impossible here)' if need > 1 else ''} | "
+            f"{bound / totals['gemm']:.0%} | - |"]
 
 
 def _port_rates() -> dict[str, tuple[int, float]]:
@@ -445,7 +462,7 @@ def run(quick: bool = False) -> str:
         distinct[layer] = distinct.get(layer, 0) + 1
 
     conv_rows, dw_rows = [], []
-    totals = {k: 0.0 for k in ("ops", "conv_ops", "native", "gemm", "numpy", "xnn", "conv_native", "conv_xnn",
+    totals = {k: 0.0 for k in ("ops", "macs", "conv_ops", "native", "gemm", "numpy", "xnn", "conv_native", "conv_xnn",
                                "dw_ops", "dw_native", "dw_numpy", "dw_xnn")}
     with threadpool_limits(1):
         for layer, count in distinct.items():
@@ -480,12 +497,14 @@ def run(quick: bool = False) -> str:
                     f"| {layer.label()} | {count} | {m}x{k}x{n} | {ops / t_gemm / 1e9:.1f} | {ops / t_np / 1e9:.1f} | "
                     f"**{t_np / t_gemm:.2f}** | {ops / t_native / 1e9:.1f} | {ops / t_xnn / 1e9:.1f} | "
                     f"**{t_xnn / t_native:.2f}** | {ops / t_native / peak:.0%} |")
+                totals["macs"] += count * m * k * n
                 for key, val in (("conv_ops", ops), ("gemm", t_gemm), ("numpy", t_np), ("conv_native", t_native),
                                  ("conv_xnn", t_xnn)):
                     totals[key] += count * val
             xnn.close()
         backbone = _whole_backbone(batch, repeats, rng)
-        big = _gemm_1024(kernels, rng, repeats, peak, exact_cycle * mhz * 1e6 if mhz else math.nan)
+        ports = _port_rates()
+        big = _gemm_1024(kernels, rng, repeats, peak, exact_cycle * mhz * 1e6 if mhz else math.nan, ports)
 
     co, do = totals["conv_ops"], totals["dw_ops"]
     all_native = totals["conv_native"] + totals["dw_native"]
@@ -512,6 +531,7 @@ def run(quick: bool = False) -> str:
         f"| int8 GEMM >= 2x numpy fp32 matmul on the same shapes | {gemm_ratio:.2f}x | {'yes' if gemm_ratio >= 2 else 'no'} |",
         f"| native conv + depthwise >= 50% of XNNPACK int8 throughput | {xnn_ratio:.0%} | {'yes' if xnn_ratio >= 0.5 else 'no'} |",
         f"| fraction of the theoretical int8 peak (native conv layers) | {co / totals['conv_native'] / peak:.0%} | - |",
+        *_mac_bound_row(totals, ports),
         "",
         f"Sum over the backbone's conv + depthwise layers, one op per call: native {all_native * 1e3:.2f} ms, "
         f"XNNPACK {all_xnn * 1e3:.2f} ms per batch of {batch}.",
