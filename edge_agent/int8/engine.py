@@ -51,10 +51,16 @@ class Int8Engine(abc.ABC):
     """One int8 execution engine (tflite, edgetpu, mxnet-onednn, native, reference)."""
 
     name: str = ""
+    # CPU-seconds prepare() costs on a server core beyond running the bundle's samples (a
+    # runtime to import, a model to compile or quantise): what engine selection predicts and
+    # checks against a job's energy budget before it prepares the engine
+    prepare_cpu_s_hint: float = 1.0
 
     @abc.abstractmethod
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
-        """Can this engine run here? `probe` is the hardware probe's JSON report."""
+        """Can this engine run here? `probe` is the hardware probe's JSON report. Cheap: no
+        heavy runtime is imported here (selection runs it for every engine before it can
+        price them); what only a prepare can tell is prepare()'s to raise."""
 
     @abc.abstractmethod
     def prepare(self, model: Any, *, threads: int | None = None) -> Runner:

@@ -71,7 +71,7 @@ from .selection_cache import (
 
 __all__ = [
     "CACHE_DIR", "CACHE_FORMAT", "FLOAT_TOLERANCE_STEPS", "INT8_TOLERANCE_UNITS", "MAX_CACHE_BYTES",
-    "PREDICT_IMAGES", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
+    "PREDICT_IMAGES", "PROBE_PREDICT_CPU_S", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
     "VARIANT_PREPARE_MAX_S", "Candidate", "EngineUnavailableError", "Oracle", "Selection",
     "availability_report", "cache_key", "cache_path", "cached_selection", "check_batch_for",
     "default_probe", "hardware_fingerprint", "load_cached", "profile_settings", "select_engine",
@@ -80,6 +80,11 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 PROBE_SAMPLES = 4  # priced after a warm-up call: one cold image cost ~200x a warm one
+# What the first probe phase (engine availability, the bundle's graph, one cold reference
+# image) is predicted to cost before anything is measured: ~0.08 CPU-s for the demo bundle on
+# a Zen 2 core and several times that on a Cortex-A72, so a budget below it is refused
+# before it is spent instead of overrun by the probe
+PROBE_PREDICT_CPU_S = 0.5
 VARIANT_PREPARE_MAX_S = 2.0  # other thread counts are tried for engines this cheap to prepare
 PREDICT_IMAGES = (100, 1000, 10000)
 
@@ -177,23 +182,25 @@ def select_engine(
                               keep_runner=keep_runner, recheck_cached=recheck_cached)
             if hit is not None:
                 return hit
-    # a forced engine is the only one tried: the others are not even probed (probing
-    # mxnet-onednn imports MXNet, ~130 MB and ~2 CPU-s, in a job that will not use it)
-    rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
-    if forced:
-        rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in loaded if n != forced]
     x = check_batch_for(bundle, batch_size)
     spent = 0.0
     # the probe: one reference image prices the rest, so that a budget too small for the
     # selection is refused before it is spent (meter.before("selection", ...))
     from .engines.reference import QGraphRunner
 
-    with measured(meter, "probe") as ph:  # the first call pays one-off costs (graph, buffers) ...
+    meter.before("selection", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
+    with measured(meter, "probe", wpc * PROBE_PREDICT_CPU_S) as ph:  # the first call pays one-off costs ...
+        # which engines can run here: cheap by contract (Int8Engine.availability), and metered
+        # with the probe all the same; a forced engine is the only one asked
+        rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
+        if forced:
+            rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in loaded if n != forced]
         probe_runner = QGraphRunner(bundle.qgraph())
         probe_runner.run(x[:1])
     spent += ph.joules
     n_probe = min(len(x), PROBE_SAMPLES)
-    with measured(meter, "probe") as ph:  # ... so the per-sample price comes from the second
+    # ... so the per-sample price comes from the second (predicted at the cold image's price: high)
+    with measured(meter, "probe", n_probe * ph.joules) as ph:
         probe_runner.run(x[:n_probe])
     spent += ph.joules
     per_sample = max(ph.joules / n_probe, 1e-9)

@@ -58,8 +58,8 @@ class _GovernorMeter:
         if phase == "selection":
             raise BudgetTooSmallError(
                 f"--budget-wh {self.job.budget.budget_wh:g} is too small for this job: choosing the int8 engine "
-                f"for this model on this device needs ~{predicted_j / 3600.0:.4g} Wh (predicted from a probe) plus "
-                f"one batch, and {used / 3600.0:.4g} Wh is spent already; give a larger budget, or run "
+                f"for this model on this device needs ~{predicted_j / 3600.0:.4g} Wh (predicted) plus one "
+                f"batch, and {used / 3600.0:.4g} Wh is spent already; give a larger budget, or run "
                 f"`edge-agent kernels --model {self.job.args['model']} --bench` once (its choice is cached and reused)")
         raise SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase}: "
                                f"~{predicted_j / 3600.0:.4g} Wh more; {used / 3600.0:.4g} of "

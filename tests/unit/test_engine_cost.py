@@ -5,6 +5,8 @@ test_finetune_governor: each metered phase of the selection costs one STEP_J the
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -180,3 +182,25 @@ def test_a_budget_that_runs_out_during_selection_ends_the_job_cleanly(bundle_dir
     monkeypatch.undo()
     again = _job(bundle_dir, data, tmp_path, clock, 1000 * STEP_J / 3600.0)
     assert again["steps"] > 0  # the next job in the same state directory runs
+
+
+def test_mxnet_onednn_availability_does_not_import_mxnet() -> None:
+    """Availability runs for every engine before selection can price or meter anything:
+    importing MXNet there (~2 CPU-s, ~200 MB) overran small budgets 24-fold."""
+    code = ("import sys\n"
+            "from edge_agent.int8.engines.mxnet_onednn import MxnetOnednnEngine\n"
+            "a = MxnetOnednnEngine().availability()\n"
+            "print(a.available, 'mxnet' in sys.modules, a.reason)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    available, imported, reason = done.stdout.split(" ", 2)
+    assert (available, imported) == ("True", "False") and "checked when prepared" in reason
+
+
+def test_a_budget_smaller_than_the_probe_stops_before_anything_is_spent(bundle_dir: Path, data: Path,
+                                                                        tmp_path: Path) -> None:
+    """Before the probe nothing is measured: its cost is predicted (PROBE_PREDICT_CPU_S at the
+    profile's watts per CPU), and a budget below that exits 64 with no phase run."""
+    clock = BoardClock(Board(tmp_path / "root"))
+    with pytest.raises(ec.BudgetTooSmallError, match="too small for this job") as err:
+        _job(bundle_dir, data, tmp_path, clock, 1 * STEP_J / 3600.0)
+    assert err.value.exit_code == EXIT_USAGE and clock.work_steps == 0

@@ -6,19 +6,22 @@ by mxnet.contrib.onnx: any backbone the project imports runs here too.
 
 It calibrates its own activation ranges (min/max over the bundle's calibration samples), so
 its int8 scales differ from the bundle's .tflite: agreement with the reference is checked in
-float, not in int8 units (see agreement.py). MXNet is imported only in availability() and
-prepare(), never when this module is imported.
+float, not in int8 units (see agreement.py). MXNet is imported only in prepare(): importing
+it costs ~2 CPU-s and ~200 MB, which availability() (run for every engine before selection
+can price or meter them) must not spend; whether this MXNet has oneDNN is prepare()'s to say.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import importlib.util
 import io
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,23 +46,38 @@ class MxnetRunner(Runner):
 class MxnetOnednnEngine(Int8Engine):
     name = "mxnet-onednn"
 
+    # MXNet's import (~2 CPU-s) and quantize_net's calibration (~4 CPU-s for the camera
+    # MobileNetV2 0.5 on an EPYC core; bench_engine_cost)
+    prepare_cpu_s_hint = 6.0
+
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
-        if importlib.util.find_spec("mxnet") is None:
+        spec = importlib.util.find_spec("mxnet")
+        if spec is None or not spec.origin:
             return Availability(False, "mxnet is not installed")
+        if not (Path(spec.origin).parent / "libmxnet.so").is_file():
+            return Availability(False, f"mxnet at {Path(spec.origin).parent} has no libmxnet.so")
+        try:
+            version = importlib.metadata.version("mxnet")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(unknown version)"
+        return Availability(True, f"mxnet {version} installed; its import and oneDNN are checked when prepared, "
+                            "own calibration", {"version": version})
+
+    @staticmethod
+    def _import_with_onednn() -> Any:
         try:
             import mxnet as mx
 
             features = mx.runtime.Features()
-        except Exception as exc:  # a broken libmxnet must not break engine discovery
-            return Availability(False, f"mxnet does not import: {type(exc).__name__}: {str(exc)[:200]}")
+        except Exception as exc:  # a broken libmxnet (e.g. missing shared libraries) is this engine's error
+            raise EngineError(f"mxnet does not import: {type(exc).__name__}: {str(exc)[:200]}") from None
         flag = next((f for f in ("ONEDNN", "MKLDNN") if f in features), None)
         if flag is None or not features.is_enabled(flag):
-            return Availability(False, f"mxnet {mx.__version__} is built without oneDNN (MKLDNN)")
-        return Availability(True, f"mxnet {mx.__version__} with oneDNN ({flag}), own calibration",
-                            {"version": mx.__version__})
+            raise EngineError(f"mxnet {mx.__version__} is built without oneDNN (MKLDNN)")
+        return mx
 
     def prepare(self, model: Any, *, threads: int | None = None) -> Runner:
-        import mxnet as mx
+        mx = self._import_with_onednn()
         from mxnet.contrib.quantization import quantize_net
 
         from ..graph import UnsupportedOpError
