@@ -1,9 +1,9 @@
 /* x86-64 AVX2 variant. Weights without -128 (all of TFLite's symmetric ones) take the u8 x s8
- * path: vpabsb + vpsignb + vpmaddubsw + vpmaddwd(ones) + vpaddd per 32 MACs, exact
- * (x86_common.h); others the int16 path: vpmaddwd + vpaddd per 16 MACs. Both need the same
- * multiply-port slots per MAC, but the u8 path reads A as int8 in place (no widening pass) and
- * halves B's bytes -- and it is the data path the VNNI variants run, which no machine or
- * emulator here can execute, tested here one instruction short.
+ * path: vpabsb + vpsignb + vpmaddubsw + vpmaddwd (against 1s, or 2s for the fast epilogue) +
+ * vpaddd per 32 MACs, exact (x86_common.h); others the int16 path: vpmaddwd + vpaddd per 16
+ * MACs. Both need the same multiply-port slots per MAC, but the u8 path reads A as int8 in
+ * place (no widening pass) and halves B's bytes -- and it is the data path the VNNI variants
+ * run, which no machine or emulator here can execute, tested here one instruction short.
  * The u8 path at every K: on Zen 3 (EPYC, bench/int8_ports.c: vpmaddubsw and vpmaddwd 2 per
  * cycle) it is faster than the int16 one at every K measured, 1024^3 included (23.5 vs 26.3 ms,
  * same run): with B panels twice as large the int16 kernel waits on L2. On Zen 2 (one multiply

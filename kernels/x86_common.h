@@ -377,7 +377,8 @@ X86_TILE(x86_gemm16, EA_X86_MR16, X86_ROWS(EA_X86_MR16), 2, X86_MAC2, X86_PAIRS(
  * sign(a) * b (s8, vpsignb). Exact because the packer uses this layout only for B without
  * -128 (TFLite's symmetric weights are in [-127, 127]): then sign(a) * b is in [-127, 127]
  * and each int16 pair sum is at most 2 * 128 * 127 = 32512 < 2^15, so vpmaddubsw never
- * saturates; EA_X86_DOT4 (vpmaddwd with ones + vpaddd) sums the quad into the int32 lane.
+ * saturates; EA_X86_DOT4 (vpmaddwd against widen16 + vpaddd) sums the quad into the int32
+ * lane (times 2 in tiles that leave through the fast epilogue: x86_mbqm_x2).
  * VNNI variants (EA_X86_QB_OFFSET 128) instead store b + 128 and need neither trick. */
 static inline __m256i x86_bcast4(const int8_t *p) {
     int32_t v;
