@@ -713,35 +713,47 @@ int ea_mean_hw(int64_t batch, int64_t hw, int64_t c, const int8_t *in, int32_t i
     return EA_OK;
 }
 
-/* Round half away from zero without libm (the static test binaries link no -lm):
- * truncate, then step away from zero when the dropped fraction is >= 0.5. |v| <= 2^24 keeps
- * the cast and the subtraction exact. */
-static inline float round_half_away(float v) {
-    const float a = v < 0 ? -v : v;
-    float r = (float)(int64_t)a;
-    if (a - r >= 0.5f) r += 1.0f;
-    return v < 0 ? -r : r;
+/* QUANTIZE of n contiguous floats: q = clamp(round(x / scale) + zp) with round half away from
+ * zero, NaN -> -128 (quant_math.quantize). Branch-free and without libm (the static test
+ * binaries link no -lm) so that compilers vectorise it: the scalar form with a branch on the
+ * dropped fraction mispredicted half the time and cost ~19 ms per batch of 32 96x96 RGB images,
+ * half the native engine's time on a MobileNetV2 0.35 (now ~3.3 ms; the selects vectorise
+ * because the library is built with -fno-trapping-math). |v| <= 2^24 (clamped first: beyond it
+ * float32 holds only integers) keeps the int32 casts and the subtraction exact. */
+static void quantize_run(const float *src, int64_t n, float scale, int32_t zp, int8_t *dst) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = src[i] / scale;
+        const int nan = v != v;
+        v = nan ? 0.0f : v;
+        v = v > 16777216.0f ? 16777216.0f : v;
+        v = v < -16777216.0f ? -16777216.0f : v;
+        const float a = v < 0 ? -v : v;
+        float r = (float)(int32_t)a;
+        r = a - r >= 0.5f ? r + 1.0f : r;
+        int32_t q = (int32_t)(v < 0 ? -r : r) + zp;
+        q = q < -128 ? -128 : q > 127 ? 127 : q;
+        dst[i] = (int8_t)(nan ? -128 : q);
+    }
 }
+
+#define EA_QUANT_BLOCK 4096 /* pixels of one channel quantised before they are interleaved */
 
 int ea_quantize_nchw(int64_t batch, int64_t c, int64_t hw, const float *x, float scale,
                      int32_t zp, int8_t *out) {
     if (batch < 0 || c < 1 || hw < 1 || (batch > 0 && (!x || !out))) return EA_EINVAL;
     if (!(scale > 0) || zp < -128 || zp > 127) return EA_EINVAL;
+    if (c == 1 || hw == 1) { /* NCHW and NHWC are the same bytes */
+        quantize_run(x, batch * c * hw, scale, zp, out);
+        return EA_OK;
+    }
+    int8_t tmp[EA_QUANT_BLOCK];
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t ch = 0; ch < c; ch++) {
-            const float *src = x + (b * c + ch) * hw;
-            int8_t *dst = out + b * hw * c + ch;
-            for (int64_t i = 0; i < hw; i++) {
-                float v = src[i] / scale;
-                int32_t q;
-                if (v != v) {
-                    q = -128;
-                } else {
-                    v = v > 16777216.0f ? 16777216.0f : v < -16777216.0f ? -16777216.0f : v;
-                    q = (int32_t)round_half_away(v) + zp;
-                    q = q < -128 ? -128 : q > 127 ? 127 : q;
-                }
-                dst[i * c] = (int8_t)q;
+            for (int64_t i0 = 0; i0 < hw; i0 += EA_QUANT_BLOCK) {
+                const int64_t len = hw - i0 < EA_QUANT_BLOCK ? hw - i0 : EA_QUANT_BLOCK;
+                quantize_run(x + (b * c + ch) * hw + i0, len, scale, zp, tmp);
+                int8_t *dst = out + (b * hw + i0) * c + ch;
+                for (int64_t i = 0; i < len; i++) dst[i * c] = tmp[i];
             }
         }
     }

@@ -144,13 +144,16 @@ def quantize(x: ArrayLike, scale: float, zero_point: int) -> np.ndarray:
     """Reference QUANTIZE float32 -> int8 (reference_ops::AffineQuantize).
 
     Rule: q = int32(round(float32(x) / float32(scale))) + zero_point, clamped to [-128, 127].
-    The division is a float32 division; round() is half away from zero.
+    The division is a float32 division; round() is half away from zero. NaN gives -128 (in
+    TFLite the int cast of NaN is undefined: INT32_MIN on x86, 0 on ARM; here it is defined,
+    as in the native kernels).
     """
     x = np.asarray(x, dtype=np.float32)
     scaled = round_half_away(x / np.float32(scale))
+    nan = np.isnan(scaled)
     # Values far outside int8 only need to saturate; clip before the int cast (C would be UB).
-    q = np.clip(scaled, -(2.0**24), 2.0**24).astype(np.int64) + int(zero_point)
-    return np.clip(q, INT8_MIN, INT8_MAX).astype(np.int8)
+    q = np.clip(np.where(nan, 0.0, scaled), -(2.0**24), 2.0**24).astype(np.int64) + int(zero_point)
+    return np.where(nan, INT8_MIN, np.clip(q, INT8_MIN, INT8_MAX)).astype(np.int8)
 
 
 def dequantize(q: ArrayLike, scale: float, zero_point: int) -> np.ndarray:

@@ -381,6 +381,13 @@ def test_quantize_nchw_matches_reference_rounding() -> None:
     np.testing.assert_array_equal(kernels.quantize_nchw(x, scale, zp), expected)
     flat = rng.normal(0, 3, (5, 17)).astype(np.float32)
     np.testing.assert_array_equal(kernels.quantize_nchw(flat, 0.02, 100), qm.quantize(flat, 0.02, 100))
+    # camera-sized planes (past the C side's 4,096-pixel blocks, a ragged last block), one channel
+    for shape in ((2, 3, 97, 95), (2, 1, 70, 70)):
+        big = rng.normal(0, 2, shape).astype(np.float32)
+        big.reshape(-1)[::997] = np.nan
+        with np.errstate(invalid="ignore"):
+            expected = qm.quantize(nchw_to_nhwc(big), scale, zp)
+        np.testing.assert_array_equal(kernels.quantize_nchw(big, scale, zp), expected)
 
 
 @pytest.mark.parametrize("name", sorted(ALL_VARIANTS))

@@ -25,7 +25,7 @@ from ._common import (
     interpreter_module,
     nchw_to_nhwc,
     nhwc_to_nchw,
-    quantize,
+    quantize_to_nhwc,
     thread_count,
 )
 
@@ -134,9 +134,9 @@ class TfliteRunner(Runner):
         return self._interp.get_tensor(self._out["index"]).copy()
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        x = nchw_to_nhwc(check_batch(batch, self._in_shape, self._where))
+        x = check_batch(batch, self._in_shape, self._where)
         in_q, out_q = self._qparams(self._in), self._qparams(self._out)
-        y = self._invoke(quantize(x, *in_q) if in_q else x)
+        y = self._invoke(quantize_to_nhwc(x, *in_q) if in_q else nchw_to_nhwc(x))
         return nhwc_to_nchw(dequantize(y, *out_q) if out_q else y.astype(np.float32))
 
     def run_int8(self, batch_nhwc: np.ndarray) -> np.ndarray:
