@@ -67,8 +67,13 @@ def _engine_runners(bundle: Any, threads: int) -> tuple[dict[str, Any], list[str
     return runners, missing
 
 
+PAUSE_S = 0.05  # before each timed call: the previous row's thread pool (XNNPACK's, OpenMP's) stops spinning
+
+
 def _time_side_by_side(runs: dict[str, Callable[[], Any]], rounds: int, slow: dict[str, int]) -> dict[str, float]:
-    """Median seconds per call, rounds interleaved; `slow` caps the rounds of some rows."""
+    """Median seconds per call, rounds interleaved, each call after a PAUSE_S pause (a pool that
+    still spins on the second core would slow whichever 2-thread row runs next); `slow` caps
+    the rounds of some rows."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run()  # warm-up: allocation, weight packing, oneDNN primitive creation
@@ -76,6 +81,7 @@ def _time_side_by_side(runs: dict[str, Callable[[], Any]], rounds: int, slow: di
         for name, run in runs.items():
             if index >= slow.get(name, rounds):
                 continue
+            time.sleep(PAUSE_S)
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
@@ -165,7 +171,8 @@ def run(quick: bool = False) -> str:
 
     out = ["## int8 engines vs MXNet fp32", "", cpu_line(), "",
            f"Batch {BATCH}, {threads} threads for every engine (MXNet: OpenMP), random weights; median of "
-           f"{rounds} interleaved rounds (the numpy reference and TFLite's builtin kernels: 3). "
+           f"{rounds} interleaved rounds (the numpy reference and TFLite's builtin kernels: 3), each call "
+           f"{PAUSE_S * 1000:.0f} ms after the previous one (so no other row's pool still spins). "
            "Agreement is checked on the bundle's calibration batch (int8 units for engines running "
            "the bundle's .tflite, output quantisation steps for mxnet-onednn, which calibrates its "
            "own scales). Command: `python -m bench.run --only bench_int8`.", ""]
