@@ -171,13 +171,29 @@ static inline __attribute__((always_inline)) __m256i x86_acc_rq(__m256i acc, siz
  * outputs, one vpacksswb + vpermd + clamp per 32) instead of half-empty ones per row.
  * Dwords after vpackssdw(x, y) and vpacksswb are [x0-3 y0-3 z0-3 w0-3 | x4-7 y4-7 z4-7 w4-7]
  * (4 int8 each); vpermd (0 4 1 5 2 6 3 7) puts each row's 8 or 16 bytes in order. */
-static inline __m256i x86_pack4(__m256i v0, __m256i v1, __m256i v2, __m256i v3, const x86_out *o) {
-    const __m256i p01 = _mm256_adds_epi16(_mm256_packs_epi32(v0, v1), o->zp16);
-    const __m256i p23 = _mm256_adds_epi16(_mm256_packs_epi32(v2, v3), o->zp16);
+/* add_zp 0: the values already carry the output zero point (the fast epilogue's). */
+static inline __attribute__((always_inline)) __m256i x86_pack4(__m256i v0, __m256i v1, __m256i v2,
+                                                               __m256i v3, const x86_out *o, const int add_zp) {
+    __m256i p01 = _mm256_packs_epi32(v0, v1), p23 = _mm256_packs_epi32(v2, v3);
+    if (add_zp) p01 = _mm256_adds_epi16(p01, o->zp16), p23 = _mm256_adds_epi16(p23, o->zp16);
     __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
                                             _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     p = _mm256_max_epi8(p, _mm256_broadcastsi128_si256(o->lo8));
     return _mm256_min_epi8(p, _mm256_broadcastsi128_si256(o->hi8));
+}
+
+/* x86_pack4's 32 bytes as two rows of 16 / four rows of 8 at dst, dst + ldc, ... */
+static inline __attribute__((always_inline)) void x86_store_rows2(__m256i p, int8_t *dst, size_t ldc) {
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
+}
+
+static inline __attribute__((always_inline)) void x86_store_rows4(__m256i p, int8_t *dst, size_t ldc) {
+    const __m128i lo = _mm256_castsi256_si128(p), hi = _mm256_extracti128_si256(p, 1);
+    _mm_storel_epi64((__m128i *)dst, lo);
+    _mm_storeh_pi((__m64 *)(dst + ldc), _mm_castsi128_ps(lo));
+    _mm_storel_epi64((__m128i *)(dst + 2 * ldc), hi);
+    _mm_storeh_pi((__m64 *)(dst + 3 * ldc), _mm_castsi128_ps(hi));
 }
 
 /* Rows i and i + 1 of a 16-column tile. */
@@ -190,11 +206,9 @@ static inline __attribute__((always_inline)) void x86_rows2_out(
         if (i + 1 < mr) x86_row_out(2, b0, b1, s + i + 1, nr, ep, q0, q1, o, c, ldc);
         return;
     }
-    const __m256i p = x86_pack4(x86_acc_rq(a0, s + i, ep, q0), x86_acc_rq(a1, s + i, ep, q1),
-                                x86_acc_rq(b0, s + i + 1, ep, q0), x86_acc_rq(b1, s + i + 1, ep, q1), o);
-    int8_t *dst = (int8_t *)c + (s + i) * ldc;
-    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
-    _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
+    x86_store_rows2(x86_pack4(x86_acc_rq(a0, s + i, ep, q0), x86_acc_rq(a1, s + i, ep, q1),
+                              x86_acc_rq(b0, s + i + 1, ep, q0), x86_acc_rq(b1, s + i + 1, ep, q1), o, 1),
+                    (int8_t *)c + (s + i) * ldc, ldc);
 }
 
 /* The fast epilogue, for calls whose accumulators the driver bounded (ep->acc_bounded) and
@@ -232,35 +246,20 @@ static inline __attribute__((always_inline)) __m256i x86_mbqm_x2(__m256i x2, con
     return _mm256_srav_epi32(_mm256_add_epi32(hh, _mm256_cmpgt_epi32(q->thr, hh)), q->right);
 }
 
-/* x86_pack4 for values that already carry the output zero point. */
-static inline __m256i x86_pack4_z(__m256i v0, __m256i v1, __m256i v2, __m256i v3, const x86_out *o) {
-    __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3)),
-                                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    p = _mm256_max_epi8(p, _mm256_broadcastsi128_si256(o->lo8));
-    return _mm256_min_epi8(p, _mm256_broadcastsi128_si256(o->hi8));
-}
-
 /* Rows i, i + 1 of a full 16-column int8 tile through the fast epilogue. */
 static inline __attribute__((always_inline)) void x86_rows2_fast(
     __m256i a0, __m256i a1, __m256i b0, __m256i b1, const x86_rqf *q0, const x86_rqf *q1,
     const x86_out *o, int8_t *dst, size_t ldc) {
-    const __m256i p = x86_pack4_z(x86_mbqm_x2(a0, q0), x86_mbqm_x2(a1, q1), x86_mbqm_x2(b0, q0),
-                                  x86_mbqm_x2(b1, q1), o);
-    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
-    _mm_storeu_si128((__m128i *)(dst + ldc), _mm256_extracti128_si256(p, 1));
+    x86_store_rows2(x86_pack4(x86_mbqm_x2(a0, q0), x86_mbqm_x2(a1, q1), x86_mbqm_x2(b0, q0),
+                              x86_mbqm_x2(b1, q1), o, 0), dst, ldc);
 }
 
 /* Rows i .. i + 3 of a full 8-column int8 tile through the fast epilogue. */
 static inline __attribute__((always_inline)) void x86_rows4_fast(
     __m256i a, __m256i b, __m256i cc, __m256i d, const x86_rqf *q, const x86_out *o, int8_t *dst,
     size_t ldc) {
-    const __m256i p = x86_pack4_z(x86_mbqm_x2(a, q), x86_mbqm_x2(b, q), x86_mbqm_x2(cc, q),
-                                  x86_mbqm_x2(d, q), o);
-    const __m128i lo = _mm256_castsi256_si128(p), hi = _mm256_extracti128_si256(p, 1);
-    _mm_storel_epi64((__m128i *)dst, lo);
-    _mm_storeh_pi((__m64 *)(dst + ldc), _mm_castsi128_ps(lo));
-    _mm_storel_epi64((__m128i *)(dst + 2 * ldc), hi);
-    _mm_storeh_pi((__m64 *)(dst + 3 * ldc), _mm_castsi128_ps(hi));
+    x86_store_rows4(x86_pack4(x86_mbqm_x2(a, q), x86_mbqm_x2(b, q), x86_mbqm_x2(cc, q),
+                              x86_mbqm_x2(d, q), o, 0), dst, ldc);
 }
 
 /* Rows i .. i + 3 of an 8-column tile. */
@@ -274,14 +273,9 @@ static inline __attribute__((always_inline)) void x86_rows4_out(
         if (i + 3 < mr) x86_row_out(1, d, d, s + i + 3, nr, ep, q, q, o, c, ldc);
         return;
     }
-    const __m256i p = x86_pack4(x86_acc_rq(a, s + i, ep, q), x86_acc_rq(b, s + i + 1, ep, q),
-                                x86_acc_rq(cc, s + i + 2, ep, q), x86_acc_rq(d, s + i + 3, ep, q), o);
-    int8_t *dst = (int8_t *)c + (s + i) * ldc;
-    const __m128i lo = _mm256_castsi256_si128(p), hi = _mm256_extracti128_si256(p, 1);
-    _mm_storel_epi64((__m128i *)dst, lo);
-    _mm_storeh_pi((__m64 *)(dst + ldc), _mm_castsi128_ps(lo));
-    _mm_storel_epi64((__m128i *)(dst + 2 * ldc), hi);
-    _mm_storeh_pi((__m64 *)(dst + 3 * ldc), _mm_castsi128_ps(hi));
+    x86_store_rows4(x86_pack4(x86_acc_rq(a, s + i, ep, q), x86_acc_rq(b, s + i + 1, ep, q),
+                              x86_acc_rq(cc, s + i + 2, ep, q), x86_acc_rq(d, s + i + 3, ep, q), o, 1),
+                    (int8_t *)c + (s + i) * ldc, ldc);
 }
 
 /* Tiles with explicitly named accumulators: gcc keeps these in registers, whereas arrays
