@@ -189,7 +189,7 @@ def select_engine(
     from .engines.reference import QGraphRunner
 
     meter.before("selection", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
-    with measured(meter, "probe", wpc * PROBE_PREDICT_CPU_S) as ph:  # the first call pays one-off costs ...
+    with measured(meter, "probe") as ph:  # (just checked above) the first call pays one-off costs ...
         # which engines can run here: cheap by contract (Int8Engine.availability), and metered
         # with the probe all the same; a forced engine is the only one asked
         rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from edge_agent.int8 import native
 from edge_agent.int8 import quant_math as qm
 from edge_agent.int8 import reference_ops as ops
+from edge_agent.int8.engines import _common
 from edge_agent.int8.engines._common import nchw_to_nhwc
 from edge_agent.int8.engines.native import (
     NativeEngine,
@@ -388,6 +389,24 @@ def test_quantize_nchw_matches_reference_rounding() -> None:
         with np.errstate(invalid="ignore"):
             expected = qm.quantize(nchw_to_nhwc(big), scale, zp)
         np.testing.assert_array_equal(kernels.quantize_nchw(big, scale, zp), expected)
+
+
+@pytest.mark.parametrize("with_native", [True, False])
+def test_engines_input_quantisation_is_the_reference_with_or_without_the_library(
+        with_native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engines/_common.quantize_to_nhwc (tflite's input): the C pass where the library loads,
+    numpy where it does not; both equal quant_math.quantize after the layout change."""
+    if with_native:
+        assert _common._native_kernels() is not None  # noqa: SLF001 - the C pass is the one under test
+    else:
+        monkeypatch.setattr(_common, "_native_kernels", lambda: None)
+    rng = np.random.default_rng(4)
+    for shape in ((2, 3, 9, 7), (4, 10)):
+        x = rng.normal(0, 2, shape).astype(np.float32)
+        x.reshape(-1)[::13] = np.nan
+        with np.errstate(invalid="ignore"):
+            want = qm.quantize(nchw_to_nhwc(x), 0.03, -9)
+        np.testing.assert_array_equal(_common.quantize_to_nhwc(x, 0.03, -9), want)
 
 
 @pytest.mark.parametrize("name", sorted(ALL_VARIANTS))

@@ -6,6 +6,7 @@ layout (NCHW, or 2-D), like MXNet. The int8 model is NHWC inside, as TFLite is.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -32,7 +33,15 @@ def nhwc_to_nchw(y: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if y.ndim == 4 else y
 
 
-_native_kernels: Any = None  # False once the native library has failed to load
+@functools.cache
+def _native_kernels() -> Any:
+    """The native kernels for quantize_to_nhwc, or None where the library does not load."""
+    from ..native import NativeKernels, NativeUnavailableError
+
+    try:
+        return NativeKernels()
+    except NativeUnavailableError:
+        return None
 
 
 def quantize_to_nhwc(x: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
@@ -40,16 +49,9 @@ def quantize_to_nhwc(x: np.ndarray, scale: float, zero_point: int) -> np.ndarray
     where the native kernels load (bit-exact with it, test_kernels_native), else in numpy. The
     numpy form costs ~15 ms per batch of 32 RGB 96x96 images, a third of XNNPACK's whole run of
     a MobileNetV2 0.35 there; engines other than the reference share the fast one."""
-    global _native_kernels
-    if _native_kernels is None:
-        from ..native import NativeKernels, NativeUnavailableError
-
-        try:
-            _native_kernels = NativeKernels()
-        except NativeUnavailableError:
-            _native_kernels = False
-    if _native_kernels is not False and x.ndim in (2, 4):
-        return _native_kernels.quantize_nchw(x, scale, zero_point)
+    kernels = _native_kernels()
+    if kernels is not None and x.ndim in (2, 4):
+        return kernels.quantize_nchw(x, scale, zero_point)
     return quantize(nchw_to_nhwc(x), scale, zero_point)
 
 
