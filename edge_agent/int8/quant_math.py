@@ -27,7 +27,8 @@ def round_half_away(x: ArrayLike) -> np.ndarray:
     """
     x = np.asarray(x)
     t = np.trunc(x)
-    return np.where(np.abs(x - t) >= 0.5, t + np.sign(x), t).astype(x.dtype)
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN, not a tie: inf stays inf
+        return np.where(np.abs(x - t) >= 0.5, t + np.sign(x), t).astype(x.dtype)
 
 
 def trunc_div(a: np.ndarray, b: ArrayLike) -> np.ndarray:

@@ -183,12 +183,19 @@ def mean_case(rng: np.random.Generator, shape: tuple[int, int, int, int]) -> byt
     return _case(MEAN, params, [x, expected])
 
 
-def quantize_case(rng: np.random.Generator, shape: tuple[int, int, int, int]) -> bytes:
-    """Float input edge: float32 division and round-half-away on the target's FPU."""
+def quantize_case(rng: np.random.Generator, shape: tuple[int, int, int, int], specials: bool = False) -> bytes:
+    """Float input edge: float32 division and round-half-away on the target's FPU (AArch64:
+    the NEON loop for whole groups of 8, the scalar one for the rest). `specials` puts NaN,
+    +-inf, values beyond 2^24 steps and the float just below a half at random places."""
     scale, zp = np.float32(rng.uniform(0.005, 0.05)), int(rng.integers(-128, 128))
     x = rng.normal(0, 40 * float(scale), shape).astype(np.float32)
     halves = (np.arange(x.size, dtype=np.float32) - x.size // 2 + np.float32(0.5)) * scale
     x.reshape(-1)[::3] = halves[::3]
+    if specials:
+        below_half = np.nextafter(np.float32(0.5), np.float32(0)) * scale
+        values = np.array([np.nan, np.inf, -np.inf, 3e30, -3e30, 2.0**24 * scale, -below_half, below_half,
+                           -0.0, 127.5 * scale, -128.5 * scale], np.float32)
+        x.reshape(-1)[rng.choice(x.size, 4 * values.size, replace=False)] = np.tile(values, 4)
     expected = qm.quantize(x.transpose(0, 2, 3, 1), scale, zp)
     params = [shape[0], shape[1], shape[2] * shape[3], zp]
     return _case(QUANTIZE, params, [x, np.array([scale], np.float32), expected])
@@ -202,6 +209,7 @@ def write_cases(path: Path, seed: int = 0) -> int:
     cases += [add_case(rng, n) for n in (1, 7, 8, 33, 300, 300, 300)]
     cases += [mean_case(rng, shape) for shape in ((1, 1, 1, 1), (2, 3, 3, 40), (1, 7, 5, 9), (3, 12, 12, 17))]
     cases += [quantize_case(rng, shape) for shape in ((1, 1, 1, 1), (2, 3, 5, 7))]
+    cases += [quantize_case(rng, (1, 1, 1, 203), specials=True), quantize_case(rng, (2, 3, 9, 9), specials=True)]
     for m, n, k in ((1, 1, 1), (3, 5, 7), (17, 9, 33), (5, 13, 16), (8, 4, 64), (2, 19, 100), (31, 3, 5)):
         for trans_a, trans_b in ((False, False), (True, False), (False, True)):
             cases.append(gemm_case(rng, m, n, k, trans_a=trans_a, trans_b=trans_b, out_int32=bool(rng.random() < 0.4)))
