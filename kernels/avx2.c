@@ -20,6 +20,13 @@
 #define EA_X86_FEATURES "avx2"
 #define EA_X86_QMR8 8
 #define EA_X86_QMR16 6 /* 12 accumulators: 2-4 % faster than 4 rows over MobileNet's shapes (Zen 3) */
+/* ...but the 6-row tile needs 18 vector registers (12 accumulators, 2 B vectors, A, |A|, a
+ * product, the widening constant) of 16, and GCC spills two accumulators inside the K loop.
+ * Short K hides it; on Zen 2 it made K = 576 7 % and K >= 2176 1.5x slower than 4-row tiles
+ * (and erratic with the row-block size), while 4 rows were within 1 % of 6 from K = 96 up and
+ * 1-5 % behind only at K <= 56 (MobileNetV2 0.35's GEMM shapes, same run). So 4 rows past K 64. */
+#define EA_X86_QDEEP_K 64
+#define EA_X86_QMR16_DEEP 4
 #define EA_X86_QMAXK 0 /* u8 x s8 whenever exact (B without -128) */
 #define EA_X86_WIDEN_BY_MADD 1 /* vpmaddwd against 2 doubles the sums for the fast epilogue */
 #define EA_X86_DOT4(acc, ua, sb) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((ua), (sb)), widen16))

@@ -283,8 +283,10 @@ static int plan_init(ea_gemm_plan *pl, const ea_variant *v, int64_t n, int64_t k
     pack_header h;
     memcpy(&h, packed_b, sizeof(h));
     if (h.magic != EA_PACK_MAGIC || h.n != n || h.k != k) return EA_EINVAL;
-    const layout lay = layout_of(v, h.layout);
+    layout lay = layout_of(v, h.layout);
     if (!lay.gemm) return EA_EINVAL;
+    if (h.layout == EA_LAYOUT_QUAD && v->qgemm2_deep && ceil_div(k, lay.kc) * lay.kc > (int64_t)v->qdeep_k)
+        lay.gemm2 = v->qgemm2_deep, lay.mr2 = v->qmr2_deep;
     pl->v = v, pl->lay = lay, pl->kind = h.layout, pl->n = n, pl->k = k;
     pl->panels_b = (const unsigned char *)packed_b + EA_PACK_HEADER;
     const int64_t nr = v->nr, kc = lay.kc, ae = lay.a_elem;

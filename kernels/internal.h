@@ -119,6 +119,11 @@ struct ea_variant {
     uint32_t qpanels2;      /* panels qgemm2 covers (its tiles are qpanels2 * nr wide); 0: 2 */
     ea_rowsums_fn rowsums;  /* optional SIMD row sums for row_add (a_elem 1); NULL: scalar */
     uint32_t qrowsum_max_k; /* quad kernels sum rows themselves up to this kpad (rowsum_zb) */
+    /* Optional: qgemm2's tiles for kpad > qdeep_k, qmr2_deep rows high (AVX2: see avx2.c).
+     * 0 / NULL: qgemm2 at every K. */
+    uint32_t qdeep_k;
+    uint32_t qmr2_deep;
+    ea_gemm_ukernel qgemm2_deep;
 };
 
 /* ---- TFLite / gemmlowp fixed-point rules, scalar (the ground truth of every variant) ---- */

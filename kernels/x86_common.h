@@ -449,6 +449,13 @@ X86_QTILE(x86_qgemm8, EA_X86_QMR8, X86_ROWS(EA_X86_QMR8), 1, X86_QMAC1, X86_QUAD
           X86_QUADS(EA_X86_QMR8)(X86_OUTQF))
 X86_QTILE(x86_qgemm16, EA_X86_QMR16, X86_ROWS(EA_X86_QMR16), 2, X86_QMAC2, X86_PAIRS(EA_X86_QMR16)(X86_OUTP),
           X86_PAIRS(EA_X86_QMR16)(X86_OUTPF))
+#ifdef EA_X86_QDEEP_K
+X86_QTILE(x86_qgemm16_deep, EA_X86_QMR16_DEEP, X86_ROWS(EA_X86_QMR16_DEEP), 2, X86_QMAC2,
+          X86_PAIRS(EA_X86_QMR16_DEEP)(X86_OUTP), X86_PAIRS(EA_X86_QMR16_DEEP)(X86_OUTPF))
+#define X86_QDEEP EA_X86_QDEEP_K, EA_X86_QMR16_DEEP, x86_qgemm16_deep
+#else
+#define X86_QDEEP 0, 0, NULL
+#endif
 #endif
 
 /* Sum of n int8: flipped to u8 (x + 128) and summed by vpsadbw against zero. */
@@ -668,7 +675,7 @@ static void x86_requant_n(size_t n, const int32_t *acc, const ea_epilogue *ep, i
 const ea_variant EA_X86_VARIANT = {
     EA_X86_NAME, EA_X86_FEATURES, EA_X86_MR8, NR, KC, 2, 2, x86_gemm8, EA_X86_MR16, x86_gemm16,
     x86_widen, x86_dw, x86_requant_n, x86_add, EA_X86_QB_OFFSET ? 0 : EA_Q_NO_MIN | EA_Q_PAD_READS, 4, EA_X86_QMR8,
-    x86_qgemm8, EA_X86_QMR16, x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsums,
+    x86_qgemm8, EA_X86_QMR16, x86_qgemm16, EA_X86_QMAXK, EA_X86_QB_OFFSET, 2, x86_rowsums, 0, X86_QDEEP,
 };
 #endif
 

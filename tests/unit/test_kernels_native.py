@@ -191,11 +191,11 @@ def test_gemm_u8s8_layout_and_its_saturation_edge(name: str, with_min: bool, lay
     K: AVX2 (vpmaddubsw on |a| and sign(a) * b) takes it only for weights without -128, a B
     with -128 the int16 one; VNNI (vpdpbusd on b + 128 and a) takes it for any B. All exact,
     including the extreme pair sums (a = -128 against b = +-127: 2 * 128 * 127 per int16
-    lane), b = -128 against a = -128, and every K tail."""
+    lane), b = -128 against a = -128, and every K tail; past K 64 AVX2's 4-row tiles."""
     monkeypatch.setenv("EDGE_AGENT_NATIVE_LAYOUT", layout)
     kernels = _kernels(name)
     rng = np.random.default_rng(3)
-    for m, n, k in ((37, 24, 64), (5, 17, 7), (16, 33, 130), (3, 8, 4)):
+    for m, n, k in ((37, 24, 64), (5, 17, 7), (16, 33, 130), (3, 8, 4), (19, 40, 132)):
         a = rng.integers(-128, 128, (m, k), dtype=np.int8)
         b = rng.integers(-127, 128, (n, k), dtype=np.int8)
         a[0], b[0], b[1] = -128, -127, 127  # the saturation edge, both signs
@@ -219,10 +219,11 @@ def test_gemm_symmetric_weights_int8_epilogues(name: str, shifts: str) -> None:
     right shift the fast path takes (`fast`, 23); past it (`long`, 29), a bias too close to
     2^31 for the driver's accumulator bound, and channels with scale > 1 (`left`, a left
     shift) must route the call to the general epilogue. Zero points include both extremes,
-    clamps vary. Every output is exact."""
+    clamps vary; K past 64 runs AVX2's 4-row tiles, a last partial one included. Every output
+    is exact."""
     kernels = _kernels(name)
     rng = np.random.default_rng({"fast": 11, "long": 13, "left": 12}[shifts])
-    for m, n, k in ((64, 48, 8), (37, 32, 27), (13, 50, 16), (40, 16, 112), (50, 24, 8), (30, 8, 48)):
+    for m, n, k in ((64, 48, 8), (37, 32, 27), (13, 50, 16), (40, 16, 112), (50, 24, 8), (30, 8, 48), (23, 40, 100)):
         a = rng.integers(-128, 128, (m, k), dtype=np.int8)
         b = rng.integers(-127, 128, (n, k), dtype=np.int8)
         za = int(rng.integers(-128, 128))
