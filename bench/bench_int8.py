@@ -161,6 +161,23 @@ def _accuracy(epochs: int) -> list[str]:
     return lines + [""]
 
 
+def _vcpu_packing_note() -> str:
+    """Some VMs' kernels pack tasks onto fewer vCPUs (sched_vcpu_pack on the command line): a
+    pool thread woken after the pause then often shares the caller's vCPU. Say so where it is
+    set, since it skews the 2-thread rows (on this EPYC VM: 7 ms vs 13 ms for the same native
+    graph, back to back vs after 50 ms idle)."""
+    try:
+        words = Path("/proc/cmdline").read_text().split()
+    except OSError:
+        return ""
+    pack = [w for w in words if w.startswith("sched_vcpu_pack")]
+    if not pack:
+        return ""
+    return (f"This machine's kernel command line has `{pack[0]}` (a VM setting that packs tasks onto fewer "
+            "vCPUs): a pool thread woken after the pause can land on the caller's vCPU, so 2-thread rows "
+            "vary from run to run here (without that setting Linux wakes it on its previous core when that core is idle). ")
+
+
 def run(quick: bool = False) -> str:
     from edge_agent.int8.engines._common import usable_cpus
 
@@ -173,6 +190,7 @@ def run(quick: bool = False) -> str:
            f"Batch {BATCH}, {threads} threads for every engine (MXNet: OpenMP), random weights; median of "
            f"{rounds} interleaved rounds (the numpy reference and TFLite's builtin kernels: 3), each call "
            f"{PAUSE_S * 1000:.0f} ms after the previous one (so no other row's pool still spins). "
+           + _vcpu_packing_note() +
            "Agreement is checked on the bundle's calibration batch (int8 units for engines running "
            "the bundle's .tflite, output quantisation steps for mxnet-onednn, which calibrates its "
            "own scales). Command: `python -m bench.run --only bench_int8`.", ""]
