@@ -8,7 +8,9 @@
  * cycle) it is faster than the int16 one at every K measured, 1024^3 included (23.5 vs 26.3 ms,
  * same run): with B panels twice as large the int16 kernel waits on L2. On Zen 2 (one multiply
  * port) the int16 path was ahead above K = 64 (38 vs 32 GOP/s on 1024^3), which is what
- * EA_X86_QMAXK 64 encoded; EDGE_AGENT_NATIVE_LAYOUT=int16 still selects it. */
+ * EA_X86_QMAXK 64 encoded -- mostly the 6-row tile's register spills (below): with 4-row tiles
+ * past K 64 the two are level there (93.5 vs 95.5 GOP/s, same run). EDGE_AGENT_NATIVE_LAYOUT=int16
+ * still selects the int16 path. */
 #if !defined(__x86_64__) || !defined(__AVX2__)
 #error "avx2.c needs an x86-64 compiler with -mavx2"
 #endif
