@@ -729,18 +729,19 @@ int ea_mean_hw(int64_t batch, int64_t hw, int64_t c, const int8_t *in, int32_t i
  * ties away from zero, the rounding wanted, exactly for |v| <= 2^24; the two saturating
  * narrows are the clamp to [-128, 127]; NaN becomes the low bound, hence -128. The same
  * division as the scalar loop, so the same results. Returns how many values it did. */
+static inline int16x4_t quantize4_neon(const float *src, float32x4_t scale, int32x4_t zp) {
+    const float32x4_t lo = vdupq_n_f32(-16777216.0f), hi = vdupq_n_f32(16777216.0f);
+    float32x4_t v = vdivq_f32(vld1q_f32(src), scale);
+    v = vminq_f32(vmaxq_f32(vbslq_f32(vceqq_f32(v, v), v, lo), lo), hi);
+    return vqmovn_s32(vaddq_s32(vcvtaq_s32_f32(v), zp));
+}
+
 static int64_t quantize_neon(const float *src, int64_t n, float scale, int32_t zp, int8_t *dst) {
-    const float32x4_t s = vdupq_n_f32(scale), lo = vdupq_n_f32(-16777216.0f), hi = vdupq_n_f32(16777216.0f);
+    const float32x4_t s = vdupq_n_f32(scale);
     const int32x4_t z = vdupq_n_s32(zp);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        float32x4_t v0 = vdivq_f32(vld1q_f32(src + i), s), v1 = vdivq_f32(vld1q_f32(src + i + 4), s);
-        v0 = vminq_f32(vmaxq_f32(vbslq_f32(vceqq_f32(v0, v0), v0, lo), lo), hi);
-        v1 = vminq_f32(vmaxq_f32(vbslq_f32(vceqq_f32(v1, v1), v1, lo), lo), hi);
-        const int16x8_t q = vcombine_s16(vqmovn_s32(vaddq_s32(vcvtaq_s32_f32(v0), z)),
-                                         vqmovn_s32(vaddq_s32(vcvtaq_s32_f32(v1), z)));
-        vst1_s8(dst + i, vqmovn_s16(q));
-    }
+    for (; i + 8 <= n; i += 8)
+        vst1_s8(dst + i, vqmovn_s16(vcombine_s16(quantize4_neon(src + i, s, z), quantize4_neon(src + i + 4, s, z))));
     return i;
 }
 #endif

@@ -47,14 +47,16 @@ static inline x86_rq x86_rq_load(const int32_t *bias, const int32_t *mult, const
     return q;
 }
 
-/* MultiplyByQuantizedMultiplier on 8 lanes, bit-exact:
- * SaturatingRoundingDoublingHighMul = floor((x*m + 2^30) / 2^31) from two 64-bit products
- * (even and odd lanes). Its saturation case needs m == INT32_MIN, which the driver rejects.
- * RoundingDivideByPOT (round half away from zero) as sign(h) * ((|h| + 2^(r-1)) >> r): four
- * instructions instead of the reference's six. |h| <= |x| * (2^31 - 1) / 2^31 + 1/2, so
- * |h| <= 2^31 - 1 (vpabsd is exact) and |h| + 2^(r-1) < 2^32: an unsigned shift (vpsrlvd)
- * cannot overflow; h = 0 gives 0 (vpsignd) as the reference does. */
-static inline __attribute__((always_inline)) __m256i x86_mbqm_nl(__m256i x, const x86_rq *q) {
+/* MultiplyByQuantizedMultiplier on 8 lanes, bit-exact: the left shift (any_left: some channel
+ * has scale > 1, rare), then SaturatingRoundingDoublingHighMul = floor((x*m + 2^30) / 2^31)
+ * from two 64-bit products (even and odd lanes). Its saturation case needs m == INT32_MIN,
+ * which the driver rejects. RoundingDivideByPOT (round half away from zero) as
+ * sign(h) * ((|h| + 2^(r-1)) >> r): four instructions instead of the reference's six.
+ * |h| <= |x| * (2^31 - 1) / 2^31 + 1/2, so |h| <= 2^31 - 1 (vpabsd is exact) and
+ * |h| + 2^(r-1) < 2^32: an unsigned shift (vpsrlvd) cannot overflow; h = 0 gives 0 (vpsignd)
+ * as the reference does. The common tiles take x86_mbqm_x2 instead (below). */
+static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
+    if (q->any_left) x = _mm256_sllv_epi32(x, q->left);
     const __m256i nudge = _mm256_set1_epi64x(INT64_C(1) << 30);
     __m256i even = _mm256_add_epi64(_mm256_mul_epi32(x, q->mult_even), nudge);
     __m256i odd = _mm256_add_epi64(_mm256_mul_epi32(_mm256_srli_epi64(x, 32), q->mult_odd), nudge);
@@ -63,13 +65,6 @@ static inline __attribute__((always_inline)) __m256i x86_mbqm_nl(__m256i x, cons
     const __m256i h = _mm256_blend_epi32(even, odd, 0xAA);
     const __m256i r = _mm256_srlv_epi32(_mm256_add_epi32(_mm256_abs_epi32(h), q->half), q->right);
     return _mm256_sign_epi32(r, h);
-}
-
-/* x86_mbqm_nl is the same without the left shift, for callers that checked any_left once: no
- * branch, so the compiler interleaves a whole strip's requantisations. */
-static inline __m256i x86_mbqm(__m256i x, const x86_rq *q) {
-    if (q->any_left) x = _mm256_sllv_epi32(x, q->left);
-    return x86_mbqm_nl(x, q);
 }
 
 /* Output zero point and clamp, applied after packing: saturating int32->int16, +zp with
