@@ -221,8 +221,9 @@ def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exa
              "| path | ms (CPU) | GOP/s | of theoretical u8 x s8 peak | of measured u8 x s8 peak | vs numpy fp32 |",
              "|---|---:|---:|---:|---:|---:|", *rows, ""]
     if ports:
-        lines += ["Multiply instructions alone, MACs per ns of thread CPU time (bench/int8_ports.c, "
-                  "10 independent chains):", "",
+        lines += ["Multiply instructions and exact sequences alone, MACs per ns of thread CPU time "
+                  "(bench/int8_ports.c: 10 independent chains for single instructions, 5 for the widenings; "
+                  "the tiles per k pair):", "",
                   "| instruction | MACs each | ns each | MACs / ns | vs vfmadd231ps ymm |", "|---|---:|---:|---:|---:|"]
         rate = {name: macs / ns for name, (macs, ns) in ports.items()}  # MACs per ns
         fma = rate["vfmadd231ps"]
@@ -235,6 +236,7 @@ def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exa
                       "be widened), or vpmaddwd alone on int16: where those share the one integer-multiply port "
                       "and FMA has two, exact int8 runs at the FMA rate by construction -- at most 50 % of the "
                       "u8 x s8 peak and ~1x numpy fp32 on large shapes.", ""]
+            lines += _widening_text(rate)
         elif peak_insn:
             dp = rate[peak_insn]
             fma_wide = rate.get("vfmadd231ps_zmm", fma) if peak_insn == "vpdpbusd_zmm" else fma
@@ -259,6 +261,25 @@ def _gemm_1024(kernels, rng: np.random.Generator, repeats: int, peak: float, exa
                  f"target >= 60 %: {'met' if frac >= 0.6 else 'NOT met'}), "
                  f"{times['fp32 numpy (OpenBLAS)'] / best:.2f}x numpy fp32.")
     return lines + [""]
+
+
+def _widening_text(rate: dict[str, float]) -> list[str]:
+    """What the other exact AVX2 sequences and the two tiles of bench/int8_ports.c show."""
+    ub, shift, shuf = rate["vpmaddubsw"], rate.get("vpmaddubsw+shift_widening"), rate.get("vpmaddubsw+shuffle_widening")
+    hybrid, tile_int, tile_hybrid = (rate.get("4_pairs+6_fp32_FMAs"), rate.get("tile:_6_int16_rows"),
+                                     rate.get("tile:_4_int16_+_2_fp32_rows"))
+    if not (shift and shuf and hybrid and tile_int and tile_hybrid):
+        return []
+    return [f"Widening without the second multiply does not get past that: by shifts {shift / ub:.0%} of "
+            f"vpmaddubsw's rate (three shifts for the one shift pipe), by vpxor + vpshufb + vpand {shuf / ub:.0%} "
+            "(three more vector ALU operations per step). Only int8 rows on the multiply port beside fp32 FMA "
+            "rows on the second FMA pipe (int8 products are exact in fp32 while sums stay below 2^24) pass "
+            f"60 % in registers alone: {hybrid / ub:.0%}. In a GEMM tile, whose operands come from L1 (16 "
+            "columns, 12 accumulators in hand-allocated registers, bench/int8_ports.c), that gain is gone: "
+            f"6 int16 rows run at {tile_int:.1f} MACs/ns ({tile_int / ub:.0%} of vpmaddubsw's rate), 4 int16 + "
+            f"2 fp32 rows at {tile_hybrid:.1f} ({tile_hybrid / ub:.0%}). So none of the exact AVX2 forms measured "
+            "here reaches 60 % of vpmaddubsw's rate on this CPU; the target needs VNNI (vpdpbusd: the exact "
+            "step in one instruction).", ""]
 
 
 def _mac_bound_row(totals: dict[str, float], ports: dict[str, tuple[int, float]]) -> list[str]:

@@ -30,9 +30,71 @@ static double now(void) {
 #define R(op, c) __asm__ volatile(op " %1,%2,%0" : "+x"(c) : "x"(a), "x"(b));
 #define R10(op) R(op, c0) R(op, c1) R(op, c2) R(op, c3) R(op, c4) R(op, c5) R(op, c6) R(op, c7) R(op, c8) R(op, c9)
 #define PAIR(c, d) R("vpmaddubsw", c) R("vpmaddwd", d)
+#define FMA(c) __asm__ volatile("vfmadd231ps %1,%2,%0" : "+x"(c) : "x"(fa), "x"(fb));
 
 static const long n = 5000000;
 static volatile int sink; /* keeps the chains live */
+
+/* Exact u8 x s8 steps that widen vpmaddubsw's int16 pair sums WITHOUT a second multiply, so
+ * only one instruction of the step needs the multiply port (32 MACs each), 5 chains:
+ * SHIFTW: lo = (t << 16) >> 16 and hi = t >> 16 (arithmetic), both added to the int32 lane.
+ * SHUFW: t ^ 0x80008000 makes both words non-negative (x + 32768, exact in int16 range); vpand
+ * keeps the low word, vpshufb moves the high one down (zero-filled); both are added (the
+ * 2 x 32768 per step is taken off once at the end). Each loop in its own function, so its
+ * registers (at most 16 ymm) are not spilled around the asm statements. */
+#define SHIFTW(c) __asm__ volatile("vpmaddubsw %3,%4,%1\n\tvpsrad $16,%1,%2\n\tvpslld $16,%1,%1\n\t"  \
+                                   "vpsrad $16,%1,%1\n\tvpaddd %1,%0,%0\n\tvpaddd %2,%0,%0"          \
+                                   : "+x"(c), "=&x"(t1), "=&x"(t2) : "x"(a), "x"(b));
+#define SHUFW(c) __asm__ volatile("vpmaddubsw %3,%4,%1\n\tvpxor %5,%1,%1\n\tvpshufb %6,%1,%2\n\t"      \
+                                  "vpand %7,%1,%1\n\tvpaddd %1,%0,%0\n\tvpaddd %2,%0,%0"              \
+                                  : "+x"(c), "=&x"(t1), "=&x"(t2) : "x"(a), "x"(b), "x"(bias), "x"(hi), "x"(lo));
+#define WIDEN_LOOP(fname, STEP)                                                                 \
+    __attribute__((noinline)) static double fname(void) {                                      \
+        const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);                         \
+        const __m256i bias = _mm256_set1_epi32((int)0x80008000u), lo = _mm256_set1_epi32(0xFFFF); \
+        const __m256i hi = _mm256_setr_epi8(2, 3, -1, -1, 6, 7, -1, -1, 10, 11, -1, -1, 14, 15, -1, -1, \
+                                            2, 3, -1, -1, 6, 7, -1, -1, 10, 11, -1, -1, 14, 15, -1, -1); \
+        (void)bias, (void)lo, (void)hi;                                                         \
+        __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, t1, t2;        \
+        double best = 1e9;                                                                      \
+        for (int rep = 0; rep < 15; rep++) {                                                    \
+            double t = now();                                                                   \
+            for (long i = 0; i < n; i++) { STEP(c0) STEP(c1) STEP(c2) STEP(c3) STEP(c4) }      \
+            t = now() - t; if (t < best) best = t;                                              \
+        }                                                                                       \
+        int x[8];                                                                               \
+        _mm256_storeu_si256((__m256i *)x, _mm256_add_epi32(_mm256_add_epi32(c0, c1),           \
+                                                           _mm256_add_epi32(_mm256_add_epi32(c2, c3), c4))); \
+        sink = x[0];                                                                            \
+        return best / n / 5;                                                                    \
+    }
+WIDEN_LOOP(shift_widening, SHIFTW)
+WIDEN_LOOP(shuffle_widening, SHUFW)
+
+/* The hybrid the second FMA pipe allows: int8 products are exact in fp32 while |sum| < 2^24,
+ * so FMAs could take rows the multiply port cannot. 4 exact pairs + 6 fp32 FMAs per round. */
+__attribute__((noinline)) static double hybrid(void) {
+    const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);
+    const __m256 fa = _mm256_set1_ps(3.0f), fb = _mm256_set1_ps(5.0f);
+    __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0;
+    double best = 1e9;
+    for (int rep = 0; rep < 15; rep++) {
+        double t = now();
+        for (long i = 0; i < n; i++) {
+            PAIR(c0, c1) PAIR(c2, c3) PAIR(c4, c5) PAIR(c6, c7)
+            FMA(f0) FMA(f1) FMA(f2) FMA(f3) FMA(f4) FMA(f5)
+        }
+        t = now() - t; if (t < best) best = t;
+    }
+    int x[8];
+    const __m256 fs = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(f0, f1), _mm256_add_ps(f2, f3)), _mm256_add_ps(f4, f5));
+    const __m256i cs = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                                        _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7)));
+    _mm256_storeu_si256((__m256i *)x, _mm256_add_epi32(cs, _mm256_castps_si256(fs)));
+    sink = x[0];
+    return best / n;
+}
 
 #if PORTS_VNNI
 /* One timing function per VNNI instruction: 10 chains of `op` on `type` registers, best of 15
@@ -63,6 +125,67 @@ VNNI_LOOP(dpwssd_zmm, "avx512f,avx512vnni", __m512i, _mm512_set1_epi8, "vpdpwssd
 VNNI_LOOP(fma_zmm, "avx512f", __m512i, _mm512_set1_epi8, "vfmadd231ps") /* what a 512-bit fp32 BLAS runs */
 #endif
 
+/* The same question in a GEMM tile: 16 columns, K = 256, operands loaded from L1 (B int16 pairs
+ * 8 KiB, B fp32 16 KiB, A rows) into hand-allocated registers (C let GCC spill 4 accumulators).
+ * 6 int16 rows (vpmaddwd: 12 accumulators, 2 B, broadcast A, product) against 4 int16 rows + 2
+ * fp32 rows (FMA with B from memory, broadcast A). Seconds per k pair (192 MACs). The arrays stay
+ * zero: these instructions take the same time whatever the values. */
+#define TK 256
+static int16_t tile_bi[TK / 2][16][2] __attribute__((aligned(64)));
+static float tile_bf[TK][16] __attribute__((aligned(64)));
+static int16_t tile_ai[6][TK] __attribute__((aligned(64)));
+static float tile_af[2][TK] __attribute__((aligned(64)));
+#define XSTR_(x) #x
+#define XSTR(x) XSTR_(x)
+/* int16 row at byte offset off of A: two vpmaddwd + vpaddd into a0, a1 */
+#define TI(off, a0, a1) "vpbroadcastd " off "(%%rsi), %%ymm14\n\tvpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"    \
+                        "vpaddd %%ymm15, " a0 ", " a0 "\n\tvpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"           \
+                        "vpaddd %%ymm15, " a1 ", " a1 "\n\t"
+/* fp32 row: A at aoff, B row at boff */
+#define TF(aoff, boff, f0, f1) "vbroadcastss " aoff "(%%rcx), %%ymm14\n\tvfmadd231ps " boff "(%%rdx), %%ymm14, " \
+                               f0 "\n\tvfmadd231ps " boff "+32(%%rdx), %%ymm14, " f1 "\n\t"
+#define TZERO "vpxor %%xmm0, %%xmm0, %%xmm0\n\t" "vpxor %%xmm1, %%xmm1, %%xmm1\n\t" "vpxor %%xmm2, %%xmm2, %%xmm2\n\t" \
+              "vpxor %%xmm3, %%xmm3, %%xmm3\n\t" "vpxor %%xmm4, %%xmm4, %%xmm4\n\t" "vpxor %%xmm5, %%xmm5, %%xmm5\n\t" \
+              "vpxor %%xmm6, %%xmm6, %%xmm6\n\t" "vpxor %%xmm7, %%xmm7, %%xmm7\n\t" "vpxor %%xmm8, %%xmm8, %%xmm8\n\t" \
+              "vpxor %%xmm9, %%xmm9, %%xmm9\n\t" "vpxor %%xmm10, %%xmm10, %%xmm10\n\t" "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+#define TCLOBBER "rsi", "rcx", "rax", "rdx", "r8", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", \
+                 "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
+
+static void tile_int16(void) {
+    __asm__ volatile(TZERO "mov %1, %%rsi\n\tmov %2, %%rax\n\tmov $" XSTR(TK / 2) ", %%r8\n"
+                     "1:\n\tvmovdqa (%%rax), %%ymm12\n\tvmovdqa 32(%%rax), %%ymm13\n\t"
+                     TI("0", "%%ymm0", "%%ymm1") TI("512", "%%ymm2", "%%ymm3") TI("1024", "%%ymm4", "%%ymm5")
+                     TI("1536", "%%ymm6", "%%ymm7") TI("2048", "%%ymm8", "%%ymm9") TI("2560", "%%ymm10", "%%ymm11")
+                     "add $4, %%rsi\n\tadd $64, %%rax\n\tdec %%r8\n\tjnz 1b\n\t"
+                     "vmovd %%xmm0, %%ecx\n\tmov %%ecx, %0"
+                     : "=m"(sink) : "r"(&tile_ai[0][0]), "r"(&tile_bi[0][0][0]) : TCLOBBER);
+}
+
+static void tile_hybrid(void) {
+    __asm__ volatile(TZERO "mov %1, %%rsi\n\tmov %2, %%rcx\n\tmov %3, %%rax\n\tmov %4, %%rdx\n\t"
+                     "mov $" XSTR(TK / 2) ", %%r8\n"
+                     "1:\n\tvmovdqa (%%rax), %%ymm12\n\tvmovdqa 32(%%rax), %%ymm13\n\t"
+                     TI("0", "%%ymm0", "%%ymm1") TI("512", "%%ymm2", "%%ymm3")
+                     TF("0", "0", "%%ymm8", "%%ymm9") TF("1024", "0", "%%ymm10", "%%ymm11")
+                     TI("1024", "%%ymm4", "%%ymm5") TI("1536", "%%ymm6", "%%ymm7")
+                     TF("4", "64", "%%ymm8", "%%ymm9") TF("1028", "64", "%%ymm10", "%%ymm11")
+                     "add $4, %%rsi\n\tadd $8, %%rcx\n\tadd $64, %%rax\n\tadd $128, %%rdx\n\tdec %%r8\n\tjnz 1b\n\t"
+                     "vmovd %%xmm0, %%ecx\n\tmov %%ecx, %0"
+                     : "=m"(sink)
+                     : "r"(&tile_ai[0][0]), "r"(&tile_af[0][0]), "r"(&tile_bi[0][0][0]), "r"(&tile_bf[0][0])
+                     : TCLOBBER);
+}
+
+static double time_tile(void (*tile)(void)) {
+    double best = 1e9;
+    for (int rep = 0; rep < 7; rep++) {
+        double t = now();
+        for (long i = 0; i < 100000; i++) tile();
+        t = now() - t; if (t < best) best = t;
+    }
+    return best / 100000 / (TK / 2);
+}
+
 int main(void) {
     __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);
     __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0,
@@ -86,6 +209,11 @@ int main(void) {
     printf("vpmaddwd 16 %.4f\n", best[1] / n / 10 * 1e9);
     printf("vpmaddubsw 32 %.4f\n", best[2] / n / 10 * 1e9);
     printf("vpmaddubsw+vpmaddwd 32 %.4f\n", best[3] / n / 5 * 1e9);
+    printf("vpmaddubsw+shift_widening 32 %.4f\n", shift_widening() * 1e9);
+    printf("vpmaddubsw+shuffle_widening 32 %.4f\n", shuffle_widening() * 1e9);
+    printf("4_pairs+6_fp32_FMAs 176 %.4f\n", hybrid() * 1e9);
+    printf("tile:_6_int16_rows 192 %.4f\n", time_tile(tile_int16) * 1e9);
+    printf("tile:_4_int16_+_2_fp32_rows 192 %.4f\n", time_tile(tile_hybrid) * 1e9);
 #if PORTS_VNNI
     __builtin_cpu_init();
     int avx512vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
