@@ -126,7 +126,8 @@ VNNI_LOOP(fma_zmm, "avx512f", __m512i, _mm512_set1_epi8, "vfmadd231ps") /* what 
 #endif
 
 /* The same question in a GEMM tile: 16 columns, K = 256, operands loaded from L1 (B int16 pairs
- * 8 KiB, B fp32 16 KiB, A rows) into hand-allocated registers (C let GCC spill 4 accumulators).
+ * 8 KiB, B fp32 16 KiB, A rows) into hand-allocated registers (written in C, GCC spilled 4
+ * accumulators of the hybrid).
  * 6 int16 rows (vpmaddwd: 12 accumulators, 2 B, broadcast A, product) against 4 int16 rows + 2
  * fp32 rows (FMA with B from memory, broadcast A). Seconds per k pair (192 MACs). The arrays stay
  * zero: these instructions take the same time whatever the values. */
