@@ -728,7 +728,7 @@ int ea_mean_hw(int64_t batch, int64_t hw, int64_t c, const int8_t *in, int32_t i
  * in loop"), so 8 values at a time by hand. FCVTAS (vcvtaq_s32_f32) rounds to nearest with
  * ties away from zero, the rounding wanted, exactly for |v| <= 2^24; the two saturating
  * narrows are the clamp to [-128, 127]; NaN becomes the low bound, hence -128. The same
- * division as the scalar loop, so the same results. Returns how many values it did. */
+ * division as the scalar loop, so the same results. */
 static inline int16x4_t quantize4_neon(const float *src, float32x4_t scale, int32x4_t zp) {
     const float32x4_t lo = vdupq_n_f32(-16777216.0f), hi = vdupq_n_f32(16777216.0f);
     float32x4_t v = vdivq_f32(vld1q_f32(src), scale);
@@ -736,6 +736,7 @@ static inline int16x4_t quantize4_neon(const float *src, float32x4_t scale, int3
     return vqmovn_s32(vaddq_s32(vcvtaq_s32_f32(v), zp));
 }
 
+/* Whole groups of 8; returns how many values it did (the scalar loop takes the rest). */
 static int64_t quantize_neon(const float *src, int64_t n, float scale, int32_t zp, int8_t *dst) {
     const float32x4_t s = vdupq_n_f32(scale);
     const int32x4_t z = vdupq_n_s32(zp);
