@@ -30,7 +30,6 @@ static double now(void) {
 #define R(op, c) __asm__ volatile(op " %1,%2,%0" : "+x"(c) : "x"(a), "x"(b));
 #define R10(op) R(op, c0) R(op, c1) R(op, c2) R(op, c3) R(op, c4) R(op, c5) R(op, c6) R(op, c7) R(op, c8) R(op, c9)
 #define PAIR(c, d) R("vpmaddubsw", c) R("vpmaddwd", d)
-#define FMA(c) __asm__ volatile("vfmadd231ps %1,%2,%0" : "+x"(c) : "x"(fa), "x"(fb));
 
 static const long n = 5000000;
 static volatile int sink; /* keeps the chains live */
@@ -72,27 +71,29 @@ WIDEN_LOOP(shift_widening, SHIFTW)
 WIDEN_LOOP(shuffle_widening, SHUFW)
 
 /* The hybrid the second FMA pipe allows: int8 products are exact in fp32 while |sum| < 2^24,
- * so FMAs could take rows the multiply port cannot. 4 exact pairs + 6 fp32 FMAs per round. */
+ * so FMAs could take rows the multiply port cannot. 4 exact pairs (ymm0-7) + 6 fp32 FMA chains
+ * (ymm8-13) on the operands in ymm14 and ymm15, all in one asm block: written in C, GCC spilled
+ * two of the 18 values and reloaded the float operands inside the loop. */
+#define HYB_PAIR(c, d) "vpmaddubsw %%ymm15, %%ymm14, %%ymm" c "\n\tvpmaddwd %%ymm15, %%ymm14, %%ymm" d "\n\t"
+#define HYB_FMA(f) "vfmadd231ps %%ymm15, %%ymm14, %%ymm" f "\n\t"
 __attribute__((noinline)) static double hybrid(void) {
-    const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);
-    const __m256 fa = _mm256_set1_ps(3.0f), fb = _mm256_set1_ps(5.0f);
-    __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0;
+    static const int operand = 0x40404040; /* 64 in each byte, 3.0039 as a float: no denormals */
     double best = 1e9;
     for (int rep = 0; rep < 15; rep++) {
         double t = now();
-        for (long i = 0; i < n; i++) {
-            PAIR(c0, c1) PAIR(c2, c3) PAIR(c4, c5) PAIR(c6, c7)
-            FMA(f0) FMA(f1) FMA(f2) FMA(f3) FMA(f4) FMA(f5)
-        }
+        __asm__ volatile("vpbroadcastd %1, %%ymm14\n\tvmovdqa %%ymm14, %%ymm15\n\t"
+                         "vxorps %%xmm8, %%xmm8, %%xmm8\n\tvxorps %%xmm9, %%xmm9, %%xmm9\n\t"
+                         "vxorps %%xmm10, %%xmm10, %%xmm10\n\tvxorps %%xmm11, %%xmm11, %%xmm11\n\t"
+                         "vxorps %%xmm12, %%xmm12, %%xmm12\n\tvxorps %%xmm13, %%xmm13, %%xmm13\n\t"
+                         "mov %2, %%rax\n"
+                         "1:\n\t" HYB_PAIR("0", "1") HYB_PAIR("2", "3") HYB_PAIR("4", "5") HYB_PAIR("6", "7")
+                         HYB_FMA("8") HYB_FMA("9") HYB_FMA("10") HYB_FMA("11") HYB_FMA("12") HYB_FMA("13")
+                         "dec %%rax\n\tjnz 1b\n\tvmovd %%xmm8, %0"
+                         : "=r"(sink) : "m"(operand), "r"(n)
+                         : "rax", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                           "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
         t = now() - t; if (t < best) best = t;
     }
-    int x[8];
-    const __m256 fs = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(f0, f1), _mm256_add_ps(f2, f3)), _mm256_add_ps(f4, f5));
-    const __m256i cs = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
-                                        _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7)));
-    _mm256_storeu_si256((__m256i *)x, _mm256_add_epi32(cs, _mm256_castps_si256(fs)));
-    sink = x[0];
     return best / n;
 }
 
