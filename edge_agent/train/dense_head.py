@@ -242,17 +242,24 @@ class DenseHeadTrainer(NumpyOptimiserState, TrainerCommon):
     def _logits(self, x: np.ndarray) -> np.ndarray:
         return _affine(self.form, self._w[self.form.weight], self._w[self.form.bias], x)
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        """One optimiser step on a batch; returns its mean (weighted) loss."""
-        f, cfg = self.form, self.config
+    def _loss_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        f = self.form
         x2 = np.ascontiguousarray(x, np.float32).reshape(len(x), -1)
         if x2.shape[1] != self._w[f.weight].shape[1]:
             raise InputError(f"features have {x2.shape[1]} values, the head takes {self._w[f.weight].shape[1]}")
         value, g = softmax_loss(self._logits(x2), y, self.class_weight)
-        grads = {f.weight: (g.T @ x2) * np.float32(f.alpha), f.bias: g.sum(axis=0) * np.float32(f.bias_scale)}
+        return value, {f.weight: (g.T @ x2) * np.float32(f.alpha), f.bias: g.sum(axis=0) * np.float32(f.bias_scale)}
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One optimiser step on a batch; returns its mean (weighted) loss."""
+        value, grads = self._loss_grads(x, y)
         self._t += 1
-        optimizer_update(cfg, self._t, self._w, self._m, self._v, grads)
+        optimizer_update(self.config, self._t, self._w, self._m, self._v, grads)
         return value
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """d(mean loss)/d(trained parameter) on a batch, at the current parameters (no step)."""
+        return self._loss_grads(x, y)[1]
 
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
         outs = [self._logits(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
@@ -334,6 +341,13 @@ class NumpyTailTrainer(NumpyOptimiserState, TrainerCommon):
             out = self.predict(np.zeros((2, *input_shape), np.float32))
             if out.shape[1] != num_classes:
                 raise UnsupportedTail(f"the tail gives {out.shape[1]} outputs, the model has {num_classes} classes")
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """d(mean loss)/d(trained parameter) on a batch, at the current parameters (no step,
+        moving statistics untouched)."""
+        logits, values, caches = self.program.forward(self._w, x, train=True)
+        _, g = softmax_loss(logits, y, self.class_weight)
+        return self.program.backward(values, caches, g.astype(np.float32))
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One optimiser step on a batch; returns its mean (weighted) loss."""

@@ -192,6 +192,9 @@ class TrainerCommon:
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         raise NotImplementedError
 
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
         raise NotImplementedError
 
@@ -342,6 +345,18 @@ class HeadTrainer(TrainerCommon):
         if not math.isfinite(value):
             raise FloatingPointError("training loss became non-finite; lower the learning rate")
         return value
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """d(mean loss)/d(trained parameter) on a batch, at the current parameters (no step)."""
+        mx = self.mx
+        data = mx.nd.array(np.ascontiguousarray(x, np.float32))
+        label = mx.nd.array(y.astype(np.float32))
+        weight = mx.nd.array(self.class_weight[y].reshape(-1, 1))
+        with mx.autograd.record(train_mode=False):
+            loss = self._loss(self.block(data), label, weight)
+        loss.backward()
+        own = self.block.collect_params()
+        return {n: own[n].grad().asnumpy() / len(y) for n in self.trainable}
 
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
         mx = self.mx

@@ -154,7 +154,8 @@ def test_train_explains_what_is_wrong_before_queueing_anything(capsys, fleet_dir
     with Registry(state_dir=state) as reg:
         (job,) = reg.list_jobs()
     assert (job.rounds, job.min_devices, job.deadline_s, job.status) == (3, 2, 900.0, JobStatus.PENDING)
-    assert job.params == {"budget_wh": 0.5, "epochs": 2, "patience": 4, "note": "hi"}
+    assert job.params == {"budget_wh": 0.5, "epochs": 2, "patience": 4, "note": "hi", "aggregator": "median_trust",
+                          "aggregator_default": "no server set, at most 100 devices per round"}
     assert job.id in out
 
     # tags select devices
