@@ -187,6 +187,9 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
                "resumed": report["resumed"], "depth": int(report["depth"]["depth"]),
                "stop_detail": str(report["power"].get("stop_detail") or "")[:300]}
+    counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
+    if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
+        summary["label_counts"] = counts
     if report["stop_reason"] not in FINISHED or not report["steps"]:  # nothing trained: nothing to send
         atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
         return EXIT_STOPPED

@@ -210,9 +210,9 @@ class RoundAggregation:
         return partial
 
     def at_close(self, job: Job, rnd: RoundRecord, recs: Mapping[str, UpdateRecord],
-                 load: Callable[[str], Sparse]) -> tuple[Strategy, Partial, dict[str, str]]:
-        """(the rule, its partial over exactly `recs`, device -> why unreadable). Merges the
-        workers' saved partials when this is a worker group's leader."""
+                 load: Callable[[str], Sparse]) -> tuple[Strategy, Partial, dict[str, str], int]:
+        """(the rule, its partial over exactly `recs`, device -> why unreadable, payloads read
+        to complete it). Merges the workers' saved partials when this is a worker group's leader."""
         rule = self.strategy(job, rnd)
         key = (job.id, rnd.number)
         candidates = [self._partials[key]] if key in self._partials else []
@@ -227,6 +227,7 @@ class RoundAggregation:
             if set(p.members) <= set(recs) and not set(p.members) & set(partial.members):
                 partial = rule.merge(partial, p)
         unreadable: dict[str, str] = {}
+        read = 0
         for device, rec in recs.items():
             if device in partial.members:
                 continue
@@ -235,8 +236,9 @@ class RoundAggregation:
             except (CorruptFileError, InputError) as exc:
                 unreadable[device] = str(exc)[:400]
                 continue
+            read += 1
             rule.accumulate(partial, self.contribution(job, device, sp, _weight(rec), rec.metrics))
-        return rule, partial, unreadable
+        return rule, partial, unreadable, read
 
     def forget(self, job_id: str, number: int) -> None:
         key = (job_id, number)

@@ -119,8 +119,9 @@ class RoundCloser:
                 cache[device] = self.heads.sparse(c.recs[device], c.layout)
             return cache[device]
 
-        rule, partial, unreadable = self.aggregation.at_close(c.job, c.rnd, c.recs, load)
+        rule, partial, unreadable, read = self.aggregation.at_close(c.job, c.rnd, c.recs, load)
         c.rule = rule.name
+        c.metrics["folded_at_close"] = read  # stored payloads no in-memory or worker partial covered
         for device, why in unreadable.items():
             c.verdicts[device] = (UpdateStatus.REJECTED, f"unreadable: {why}")
             c.recs.pop(device)

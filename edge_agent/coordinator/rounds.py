@@ -329,6 +329,20 @@ class RoundEngine:
         with self._lock:
             return self.registry.set_participants(job_id, round, moves, only_from=frozenset(_LIVE), now=self.clock())
 
+    def device_gone(self, device_id: str, reason: str) -> list[tuple[str, int]]:
+        """A device went offline (its broker will, or its goodbye): in every open round still
+        waiting for its update it is a dropout at once, so the round closes as soon as the
+        others are in instead of at its deadline. Returns the (job, round)s it dropped out of."""
+        with self._lock:
+            out = []
+            for job_id, number in self.registry.active_round_keys():
+                rnd = self.registry.get_round_for(job_id, number, device_id)  # its own row, not the round's
+                part = rnd.participants.get(device_id)
+                live = rnd.state is RoundState.OPEN and part is not None and part.status in _LIVE
+                if live and self._move(rnd.job_id, rnd.number, device_id, ParticipantStatus.DROPPED, reason):
+                    out.append((rnd.job_id, rnd.number))
+            return out
+
     def record_dropout(self, job_id: str, round: int, device_id: str, reason: str) -> bool:
         """A device said it will not deliver (refused: battery low, thermal, cancelled...)."""
         return self._move(job_id, round, device_id, ParticipantStatus.DROPPED, reason)

@@ -38,7 +38,8 @@ log = logging.getLogger("edge_agent.coordinator.service")  # the service's log: 
 STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c", "engine", "models",
               "job", "job_state", "outbox", "profile", "name")
 RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine", "depth",
-                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits")
+                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits",
+                  "label_counts")
 # Refusals of the message, not of the job; except local_fault: that device cannot take the job
 # now (disk full...), a dropout rather than a wait until the round's deadline.
 _PROTOCOL_REASONS = frozenset(r.value for r in Reason) - {Reason.LOCAL_FAULT.value}
@@ -149,6 +150,9 @@ class DeviceMessages:
         state: dict[str, Any] = {"status": status}
         if status == "offline":  # its last will or its goodbye: keep what it last reported
             self.registry.record_state(device, online=False, state=state)
+            for job, number in self.engine.device_gone(device, "offline: the broker reported the device gone "
+                                                       "(its will) while the round waited for its update"):
+                log.info("device %s went offline: a dropout of job %s round %d", device, job, number)
             return
         for key in STATE_KEYS:
             value = facts.get(key)

@@ -450,3 +450,23 @@ def test_bogus_energy_report_does_not_cost_the_update(h: Harness, fleet: dict) -
     r = h.engine.receive_update(payload, sender=fleet["ids"][0], num_samples=n, energy_wh=float("nan"))
     assert r.status == "accepted"
     assert h.reg.list_updates(job.id)[0].energy_wh is None
+
+
+def test_a_device_gone_offline_is_a_dropout_at_once_and_the_round_closes(h: Harness, fleet: dict) -> None:
+    """Its broker will (an offline state) while the round waits for its update: a dropout now,
+    so the round closes as soon as the others are in, not at its deadline. A device that
+    already sent its update, or a round that is not waiting for it, is not touched."""
+    h.setup(softmax_head())
+    job = h.engine.start_job(model_name="digits", model_version="1", rounds=1, min_devices=2, deadline_s=600,
+                             params={"aggregator": "fedavg"})
+    (plan,) = h.engine.tick().opened
+    ids = fleet["ids"]
+    for i in range(N_DEV - 1):
+        assert h.send(i, plan) == "accepted"
+    assert h.engine.tick().closed == []  # still waiting for the last one
+    assert h.engine.device_gone(ids[0], "offline: will") == []  # already reported
+    assert h.engine.device_gone(ids[-1], "offline: will") == [(job.id, 1)]
+    assert h.engine.device_gone(ids[-1], "offline: will") == []  # once
+    (out,) = h.engine.tick().closed  # no clock movement: closed because everyone settled
+    assert out.state is RoundState.AGGREGATED and out.dropouts == {ids[-1]: "offline: will"}
+    assert h.clock() < plan.deadline_at
