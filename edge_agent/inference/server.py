@@ -262,14 +262,14 @@ class InferenceServer:
         """What the device's state message reports (protocol schema: `inference`)."""
         m = self.manager
         current = m.slot.current
-        out: dict[str, Any] = {"served": current.version if current else None,
-                               "served_kind": current.kind if current else None,
-                               "held_out": current.judged_on if current else 0}
+        out: dict[str, Any] = {}
+        if current is not None:
+            out.update(served_model=current.version[:160], served_kind=current.kind, held_out=int(current.judged_on))
         for key, model in (("fleet_accuracy", m.fleet), ("personal_accuracy", m.personal_model)):
             if model is not None and model.accuracy is not None:
                 out[key] = round(float(model.accuracy), 4)
         out["inference_wh"] = round(self.energy.joules / 3600.0, 6)
-        out["requests"] = int(self.energy.requests)
+        out["inference_requests"] = int(self.energy.requests)
         return out
 
     def stop(self) -> None:
