@@ -155,7 +155,7 @@ class InferenceService:
 
         return self._timed(work)
 
-    def add_sample(self, body: bytes, content_type: str, label: str | None) -> dict[str, Any]:
+    def add_sample(self, body: bytes, content_type: str, query_label: str | None) -> dict[str, Any]:
         def work() -> dict[str, Any]:
             with self.manager.slot.use() as model:
                 store = self.sample_store(model)
@@ -180,13 +180,14 @@ class InferenceService:
                                         "with ?label= instead")
                     raw, label = found[0][None], label_
                 else:
-                    if not label:
-                        raise InputRejected("a sample needs its label: POST /v1/samples?label=NAME with the image "
-                                            "or array as the body (or JSON {\"prediction_id\", \"label\"})", 400)
+                    label = query_label or ""
                     if ctype == "application/json":  # {"array": ..., "label": ...} is accepted too
                         with contextlib.suppress(ValueError):
                             obj = json.loads(body)
                             label = obj.get("label", label) if isinstance(obj, dict) else label
+                    if not isinstance(label, str) or not label:
+                        raise InputRejected("a sample needs its label: POST /v1/samples?label=NAME with the image "
+                                            "or array as the body (or JSON {\"prediction_id\", \"label\"})", 400)
                     store.check_label(label)  # before decoding: a typo costs nothing
                     raw = decode(body, model.predictor.spec, content_type=content_type,
                                  max_pixels=self.limits.max_image_pixels, max_samples=1)
