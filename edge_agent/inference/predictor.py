@@ -118,22 +118,62 @@ def engine_settings(probe: Mapping[str, Any]) -> dict[str, Any]:
 
 def open_predictor(bundle: Any, *, depth: int = 0, params: Mapping[str, np.ndarray] | None = None,
                    engine: str | None = None, state_dir: str | os.PathLike[str] | None = None,
-                   probe: Mapping[str, Any] | None = None, threads: int | None = None) -> Predictor:
+                   probe: Mapping[str, Any] | None = None, threads: int | None = None,
+                   select_in_child: bool = True) -> Predictor:
     """A Predictor on the engine the device selected for this backbone (the selection cache
-    in `state_dir`, shared with `finetune` and `kernels --bench`; selected now and cached if
-    absent), or on `engine` when one is named. The selection's agreement check scores
-    engines through this very tail, so a numpy tail keeps MXNet out of it too."""
-    from ..int8.selection import default_probe, select_engine
+    in `state_dir`, shared with `finetune` and `kernels --bench`), or on `engine` when one is
+    named. With no decision cached yet, the selection runs in a child process
+    (`select_in_child`): trying every engine imports runtimes (MXNet's oneDNN engine among
+    them) that a serving process must not keep; this process then prepares only the chosen
+    engine. The selection's agreement check scores engines through the tail's own numpy
+    logits where it has them."""
+    from ..int8.selection import cached_selection, default_probe, select_engine
 
     view = bundle.at_depth(depth)
     if engine:
         return Predictor(bundle, depth=depth, params=params, engine=engine, threads=threads or 1)
     probe = dict(probe) if probe is not None else default_probe()
     settings = engine_settings(probe)
+    threads = threads or settings["threads"]
+    key = {"probe": probe, "preference": settings["preference"], "batch_size": settings["batch_size"],
+           "threads": threads, "state_dir": state_dir}
+    if select_in_child and state_dir is not None and cached_selection(view, **key) is None:
+        _select_in_child(bundle.path, depth, probe, Path(state_dir), threads)
     tail = build_tail(view, {**tail_params(view), **(params or {})})
     selection, runner = select_engine(
         view, probe=probe, preference=settings["preference"], batch_size=settings["batch_size"],
-        threads=threads or settings["threads"], state_dir=state_dir, keep_runner=True, images=10000,
+        threads=threads, state_dir=state_dir, keep_runner=True, images=SERVING_IMAGES,
         logits=lambda f: np.asarray(tail.logits(f)).reshape(len(f), -1), watts_per_cpu=settings["watts_per_cpu"],
         mem_cap_mb=settings["memory_cap_mb"])
     return Predictor(bundle, depth=depth, params=params, engine=selection.chosen or "reference", runner=runner)
+
+
+SERVING_IMAGES = 10000  # what the choice minimises: a served model answers many images
+
+
+def _select_in_child(path: Path, depth: int, probe: Mapping[str, Any], state_dir: Path, threads: int) -> None:
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from ..errors import EdgeAgentError
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="probe-") as f:
+        json.dump(probe, f)
+        f.flush()
+        done = subprocess.run([sys.executable, "-m", "edge_agent.inference.predictor", str(path), str(depth), f.name,
+                               str(state_dir), str(threads)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise EdgeAgentError(f"{path}: engine selection failed: {(done.stderr or done.stdout).strip()[-400:]}")
+
+
+if __name__ == "__main__":  # the selection child (open_predictor): BUNDLE DEPTH PROBE_JSON STATE_DIR THREADS
+    import json
+    import sys
+
+    from ..int8.bundle import load_bundle
+
+    _path, _depth, _probe, _state, _threads = sys.argv[1:6]
+    open_predictor(load_bundle(_path), depth=int(_depth), probe=json.loads(Path(_probe).read_text()),
+                   state_dir=_state, threads=int(_threads), select_in_child=False).close()
