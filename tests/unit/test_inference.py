@@ -16,7 +16,7 @@ import pytest
 
 from edge_agent.data import load_dataset, sample_hash, split_dataset
 from edge_agent.inference.inputs import InputRejected, decode
-from edge_agent.inference.predictor import Predictor, open_predictor, tail_params, top_k
+from edge_agent.inference.predictor import Predictor, tail_params, top_k
 from edge_agent.inference.samples import SampleStore, UnknownLabel, held_out
 from edge_agent.inference.serving import HEAD_FILE, META_FILE, ModelManager, ModelSlot
 from edge_agent.int8.bundle import load_bundle
