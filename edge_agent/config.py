@@ -102,7 +102,7 @@ AGENT_SCHEMA: Schema = {
     # the local inference service (edge_agent/inference/, docs/deployment.md "Local inference")
     "serve": {
         "enabled": Field(bool),
-        "socket": Field(str),  # HTTP on this Unix socket (default <state_dir>/inference.sock)
+        "socket": Field(str),  # HTTP on this Unix socket (default /run/edge-agent/inference.sock under systemd)
         "socket_group": Field(str, max_length=64),  # the application's group: may read and write the socket
         "port": Field(int, minimum=0, maximum=65535),  # also 127.0.0.1:port (0: off); needs token_file
         "token_file": Field(str),  # the bearer token TCP clients must send (Authorization: Bearer ...)

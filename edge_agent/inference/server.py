@@ -35,6 +35,13 @@ MIN_TOKEN_CHARS = 16
 DEFAULT_SOCKET = "inference.sock"
 
 
+def default_socket(state_dir: Path) -> Path:
+    """systemd's RuntimeDirectory (/run/edge-agent: the unit makes it traversable, the state
+    directory is not) when the service runs under it, else the state directory."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(runtime) / DEFAULT_SOCKET if runtime else Path(state_dir) / DEFAULT_SOCKET
+
+
 def read_token(path: str | Path) -> str:
     try:
         raw = Path(path).read_bytes()[:4097]
@@ -126,7 +133,7 @@ class ServeOptions:
         token_file = g("serve", "token_file")
         return cls(
             state_dir=state, data_dir=Path(data) if data else None,
-            socket_path=Path(g("serve", "socket") or state / DEFAULT_SOCKET), socket_group=g("serve", "socket_group"),
+            socket_path=Path(g("serve", "socket") or default_socket(state)), socket_group=g("serve", "socket_group"),
             port=int(g("serve", "port", 0)), token=read_token(token_file) if token_file else None,
             model=g("serve", "model"), engine=g("serve", "engine"),
             limits=ServiceLimits(top_k=int(g("serve", "top_k")), max_body_bytes=int(float(g("serve", "max_body_mb")) * (1 << 20)),
