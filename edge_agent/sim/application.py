@@ -21,6 +21,7 @@ import json
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,3 +166,55 @@ def feedback_round(client: LocalClient, device: str, feedback: tuple[np.ndarray,
     return RoundResult(device, len(fx), held, before, after, served_before, served_after,
                        fleet.get("held_out_accuracy"), personal.get("held_out_accuracy"),
                        (info.get("finetune") or {}).get("last") or {})
+
+
+def demo_loop(out: Path, devices: dict[str, dict[str, Any]], say: Any, *, count: int = 2) -> list[dict[str, Any]]:
+    """`make demo`'s last act: on `count` demo devices, the model each installed (the fleet
+    version) is served by the local service on a copy of its state, an application posts
+    half of what the device's camera sees with labels, the device fine-tunes once, and the
+    served model's accuracy on the other half (the application's next samples) is printed."""
+    import os
+    import shutil
+
+    from ..inference.server import InferenceServer, ServeOptions
+    from ..train import demo
+
+    scenario = demo.scenario(n_devices=len(devices))
+    rows = []
+    say("the device uses what it learns: an application posts labelled samples over the local socket, "
+        "the device fine-tunes, the served model answers its next samples")
+    for (name, info), dev in list(zip(devices.items(), scenario.devices, strict=False))[:count]:
+        installed = Path(info["state"]) / "models"
+        link = next(installed.glob("*/current"), None)
+        if link is None:
+            continue
+        home = out / "local-loop" / name
+        shutil.rmtree(home, ignore_errors=True)
+        models = home / "state" / "models" / link.parent.name
+        models.mkdir(parents=True)
+        version = os.readlink(link)
+        shutil.copytree(link.parent / version, models / version)
+        os.symlink(version, models / "current")
+        server = InferenceServer(ServeOptions(state_dir=home / "state", data_dir=home / "data",
+                                              socket_path=home / "inference.sock", refresh_s=0.25))
+        server.start()
+        client = LocalClient(str(home / "inference.sock"), timeout=600)
+        try:
+            x = demo.to_pixels(dev.images).astype(np.float32)
+            y = [demo.LABELS[v] for v in dev.labels]
+            n = len(x) // 2
+            result = feedback_round(client, name, (x[:n], y[:n]), (x[n:], y[n:]))
+        finally:
+            client.close()
+            server.stop()
+        rows.append(result.to_json())
+        say(f"{name}: {result.posted} samples posted, one local fine-tune: accuracy on its next {len(x) - n} samples "
+            f"{100 * result.before:.1f} % ({result.served_before}) -> {100 * result.after:.1f} % "
+            f"({result.served_after}; held-out: fleet {_pct(result.fleet_accuracy)}, personal "
+            f"{_pct(result.personal_accuracy)})")
+    (out / "local-loop.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    return rows
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
