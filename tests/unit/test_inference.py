@@ -314,3 +314,16 @@ def test_predict_command_table_json_stdin_and_bad_input(bundle_dir: Path, device
     line = json.loads(js.stdout.decode().strip())
     assert line["input"] == "-" and line["model"] == "digits-cnn/1" and len(line["top"]) == 3
     assert line["label"] == rows[0][1]
+
+
+def test_the_state_message_carries_the_inference_report_validated() -> None:
+    from edge_agent.protocol import Kind
+    from edge_agent.protocol.schema import check_body
+
+    body = {"status": "idle", "info": {"served_model": "digits-cnn/1+p1a2", "served_kind": "personal",
+                                       "fleet_accuracy": 0.61, "personal_accuracy": 0.83, "held_out": 41,
+                                       "inference_wh": 0.0012, "inference_requests": 900}}
+    check_body(Kind.STATE, body)
+    for key, bad in (("fleet_accuracy", 1.5), ("served_kind", "mine"), ("held_out", -1), ("inference_wh", "a lot")):
+        with pytest.raises(ValueError, match=key):
+            check_body(Kind.STATE, {"status": "idle", "info": {**body["info"], key: bad}})
