@@ -71,6 +71,8 @@ def test_every_input_form_decodes_to_the_same_raw_sample(bundle_dir: Path, devic
     buf = io.BytesIO()
     np.savez(buf, x=device[0][:5])
     assert decode(buf.getvalue(), spec).shape == (5, 1, 8, 8)  # a batch in an .npz
+    fortran = np.asfortranarray(device[0][:3].astype(np.float64))
+    np.testing.assert_array_equal(decode(_npy(fortran), spec), device[0][:3])  # any layout and dtype numpy writes
 
 
 @pytest.mark.parametrize("case, status, words", [
@@ -85,6 +87,8 @@ def test_every_input_form_decodes_to_the_same_raw_sample(bundle_dir: Path, devic
     ("ctype", 415, "content type"),
     ("json", 400, "not JSON"),
     ("truncated", 422, "unusable image"),
+    ("short-npy", 400, "shorter than its shape"),
+    ("npy-header", 400, "unreadable header"),
 ])
 def test_bad_inputs_are_refused_with_a_clear_status(bundle_dir: Path, case: str, status: int, words: str) -> None:
     spec = load_bundle(bundle_dir).manifest.input
@@ -101,6 +105,8 @@ def test_bad_inputs_are_refused_with_a_clear_status(bundle_dir: Path, case: str,
         "ctype": (good, "text/html"),
         "json": (b"{not json", "application/json"),
         "truncated": (good[:len(good) // 2], "image/png"),
+        "short-npy": (_npy(np.zeros((8, 8)))[:-40], ""),
+        "npy-header": (_npy(np.zeros((8, 8))).replace(b"'descr'", b"__import__"), ""),
     }[case]
     if case == "object":
         buf = io.BytesIO()
