@@ -138,7 +138,9 @@ class Daemon:
             thermal_margin_c=float(g("thermal", "margin_c", 8.0)), cache_mb=int(g("data", "cache_mb")),
             label_map=g("data", "label_map"), skip_unknown=bool(g("data", "skip_unknown", False)),
             chunk_size=max(1024, min(64 * 1024, max_message - CHUNK_HEADROOM)),
-            progress_interval_s=float(g("service", "progress_interval_s")))
+            progress_interval_s=float(g("service", "progress_interval_s")),
+            child_priority=str(g("serve", "training_priority")) if g("serve", "enabled") else "normal",
+            inference_energy=str(sd / "serve" / "inference-energy.json") if g("serve", "enabled") else None)
         self.driver = JobDriver(settings=settings, store=JobStore(
             sd / "jobs", keep_records=int(g("service", "keep_job_records", 500)),
             keep_days=float(g("service", "keep_job_days", 30.0))), models=self.models,
