@@ -294,3 +294,43 @@ def test_a_hot_swap_under_load_fails_no_request_and_each_names_its_version(tmp_p
     last_v1 = max(i for i, v in enumerate(versions) if v == "digits-cnn/1")
     first_v2 = versions.index("digits-cnn/2")
     assert last_v1 < first_v2 + 3 * 2  # at most the requests in flight at the swap answered by v1 after it
+
+
+def test_a_local_fine_tune_yields_and_its_personal_model_is_served_only_where_better(tmp_path: Path, bundle_dir: Path,
+                                                                                      device) -> None:
+    x, y = device
+    svc = Service(tmp_path, bundle_dir).start()
+    try:
+        with svc.client() as c:
+            for i in range(60):
+                assert c.post(f"/v1/samples?label={y[i]}", content=_npy(x[i])).status_code == 201
+            started = c.post("/v1/finetune")
+            assert started.status_code == 202 and started.json()["priority"] == "idle"
+            assert c.post("/v1/finetune").status_code in (409, 202)  # one at a time (409 while it runs)
+            deadline = time.monotonic() + 240  # bounds a hang: progress is the job's own outcome
+            info = c.get("/v1/model").json()
+            while time.monotonic() < deadline and not (info["finetune"]["last"] and info["personal"]):
+                time.sleep(0.2)
+                info = c.get("/v1/model").json()
+            assert info["finetune"]["last"]["status"] == "installed", info["finetune"]
+            fleet, personal = info["fleet"]["held_out_accuracy"], info["personal"]["held_out_accuracy"]
+            served = c.post("/v1/predict", content=_npy(x[100])).json()["model"]
+        assert info["personal"]["version"].startswith("digits-cnn/1+p")
+        assert served["kind"] == ("personal" if personal > fleet else "fleet")
+        assert served["version"] == info["served"]["version"]
+        assert list((svc.state / "personal" / "digits-cnn" / "1").iterdir())  # kept on disk, beside the fleet version
+    finally:
+        svc.stop()
+
+
+def test_lower_priority_puts_a_process_below_inference(tmp_path: Path) -> None:
+    from edge_agent.inference.personal import lower_priority
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lower_priority(child.pid, "idle")
+        assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 19
+    finally:
+        child.kill()
+        child.wait()
