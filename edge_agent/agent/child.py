@@ -180,6 +180,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
         power_root=spec.get("sysfs_root", "/"), profile=spec.get("profile"),
         cache_max_mb=float(spec.get("cache_max_mb", 256)), poll_s=float(spec.get("poll_s", 30.0)),
         label_map=spec.get("label_map"), skip_unknown=bool(spec.get("skip_unknown", False)),
+        inference_energy=spec.get("inference_energy"),
         progress=_hold_after_checkpoint(events.progress), **extra)
     summary = {"stop_reason": report["stop_reason"], "steps": report["steps"], "engine": report["engine"]["name"],
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],

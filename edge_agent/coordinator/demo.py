@@ -271,6 +271,9 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "demo-plot.png")
     say(f"wrote {out / 'demo-report.json'} and {out / 'demo-plot.png'}")
+    from ..sim.application import demo_loop
+
+    demo_loop(out, devices, say)  # the local inference service's feedback loop (edge_agent/sim/application.py)
     if ui and args.ui_linger > 0:
         say(f"the dashboard stays up at http://{ui}/ for {args.ui_linger:.0f} s (Ctrl-C ends it sooner)")
         time.sleep(args.ui_linger)
