@@ -361,7 +361,7 @@ def _feedback(tmp: Path, what: str, bundle: Path, name: str, devices: list[tuple
 
 
 def _digits_devices(seed: int) -> tuple[Path, list[tuple[str, Any, Any]]]:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     bundle = demo.ensure_bundle(_cache() / f"digits-cnn-s{seed}-d2", seed=seed, depths=2)
     out = []
@@ -375,8 +375,8 @@ def _digits_devices(seed: int) -> tuple[Path, list[tuple[str, Any, Any]]]:
 
 def _texture_devices(seed: int) -> tuple[Path, list[tuple[str, Any, Any]]]:
     from edge_agent.int8.bundle import load_bundle
+    from edge_agent.sim import scenario as demo
     from edge_agent.sim import textures
-    from edge_agent.train import demo
 
     size = 64
     dest = _cache() / "textures-mobilenet-w0.5-s64-e8-d4"  # bench_depth's base model (seed 0), built once
@@ -401,7 +401,7 @@ def _texture_devices(seed: int) -> tuple[Path, list[tuple[str, Any, Any]]]:
 
 
 def run(quick: bool = False) -> str:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     from .run import machine_description
 

@@ -156,7 +156,7 @@ class JobDriver:
         """A verified finetune command: refuse, acknowledge a repeat, or create the job."""
         now = self._clock()
         try:
-            req = parse_finetune(body, self.s.limits, now=now)
+            req = parse_finetune(body, deadline_s=self.s.limits.deadline_s, now=now)
         except BadParams as exc:
             return Verdict.refuse("bad_params", str(exc)), None
         with contextlib.suppress(FileNotFoundError, InputError):

@@ -372,7 +372,7 @@ def check_job_params(params: dict[str, Any]) -> None:
     """Refuse now what every device would refuse as bad_params: the finetune command the
     rounds will send goes through the protocol schema and the agent's own parser (their
     limits, not a copy of them). Raises UsageError naming the parameter and its range."""
-    from ..agent.policy import DeviceLimits, parse_finetune
+    from ..protocol.finetune import parse_finetune
     from ..protocol.schema import Kind, check_body
 
     sample = {k: v for k, v in params.items() if v is not None}
@@ -381,7 +381,7 @@ def check_job_params(params: dict[str, Any]) -> None:
             "version": "1", "params": sample}
     try:
         check_body(Kind.CMD, body)
-        parse_finetune(body, DeviceLimits())
+        parse_finetune(body)
     except ValueError as exc:  # BadParams too
         raise UsageError(f"devices would refuse this job (bad_params): {exc}") from None
 

@@ -8,6 +8,7 @@ import argparse
 import os
 from typing import Any
 
+from ..protocol.facts import parse_broker
 from .fleet_cli import (
     cmd_approve,
     cmd_cancel,
@@ -155,18 +156,12 @@ def _state_arg(p: argparse.ArgumentParser) -> None:
                         "array files stay in --state-dir, which workers sharing a database must share too")
 
 
-def _broker(text: str) -> tuple[str, int | None]:
-    from ..agent.cli import _broker as parse
-
-    return parse(text)
-
-
 def add_fleet_commands(sub: Any) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser("serve", help="run the coordinator service (MQTT, rounds, publishing)",
                        description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=fmt)
     _state_arg(s)
-    s.add_argument("--broker", type=_broker, default=("127.0.0.1", None), metavar="HOST[:PORT]",
+    s.add_argument("--broker", type=parse_broker, default=("127.0.0.1", None), metavar="HOST[:PORT]",
                    help="MQTT broker (default 127.0.0.1:1883; 8883 with --tls)")
     s.add_argument("--embedded-broker", action="store_true",
                    help="run an in-process MQTT broker (amqtt) on the --broker loopback address: trials, demo")

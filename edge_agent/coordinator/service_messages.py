@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from ..protocol import Kind, Message, Reason, Rejection, Signer, Topics
+from ..protocol.facts import facts_from_state
 from ..transport import Channel, MqttClient, OutboxKey, UpdateReceiver, ack_message
 from ..transport.uplink import CompletedUpload, expire
 from .pending import PendingDevices
@@ -142,9 +143,6 @@ class DeviceMessages:
             self._trust_device(device, dev.public_key)
 
     def _state(self, msg: Message, device: str) -> None:
-        # numpy-free: the device's own encoding of its facts
-        from ..agent.state import facts_from_state
-
         facts = facts_from_state(msg.body)
         status = msg.body["status"]
         state: dict[str, Any] = {"status": status}

@@ -1,7 +1,7 @@
 """The predictor: raw NCHW pixels -> logits through a bundle at a depth, and what a caller
 makes of them (top-k labels with softmax scores, accuracy).
 
-`Predictor` is what train/infer.py's DepthPredictor was (that module re-exports it), now
+`Predictor` is what train/infer.py's DepthPredictor was, now
 used by every caller that predicts: `edge-agent predict`, the daemon's service, the local
 guard's held-out evaluation and the benchmarks. `open_predictor` adds the engine choice the
 fine-tune makes (engine selection, cached per backbone and device), so a served model runs

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .energy import ENERGY_FILE, InferenceEnergy
+from ..power.inference_energy import ENERGY_FILE, InferenceEnergy
 from .service import InferenceService, ServiceLimits, make_app
 from .serving import ModelManager
 

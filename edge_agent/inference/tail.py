@@ -26,7 +26,7 @@ class Tail:
 def build_tail(view: Any, values: Mapping[str, np.ndarray]) -> Tail:
     """The tail of bundle view `view` (at its depth) with parameters `values` by bare name."""
     from ..int8.bundle import HEAD_SYMBOL
-    from ..train.dense_head import _affine, dense_head_form
+    from ..int8.head_form import _affine, dense_head_form
     from ..train.numpy_tail import TailProgram, unsupported
 
     symbol_json = view.read(HEAD_SYMBOL).decode("utf-8")
@@ -44,7 +44,7 @@ def build_tail(view: Any, values: Mapping[str, np.ndarray]) -> Tail:
 
 
 def _mxnet_tail(view: Any, values: Mapping[str, np.ndarray]) -> Tail:
-    from ..train.mxnet_import import mxnet
+    from ..int8.mxnet_import import mxnet
 
     mx = mxnet()  # MXNetUnavailableError (one line, exit 69) where it cannot load
     block = view.head_block()

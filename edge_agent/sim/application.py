@@ -177,7 +177,7 @@ def demo_loop(out: Path, devices: dict[str, dict[str, Any]], say: Any, *, count:
     import shutil
 
     from ..inference.server import InferenceServer, ServeOptions
-    from ..train import demo
+    from ..sim import scenario as demo
 
     scenario = demo.scenario(n_devices=len(devices))
     rows = []

@@ -125,7 +125,7 @@ def run_finetune(
     conv layers want a smaller step: bench_depth). `augment`: K extra views of every
     training image (`augment_kinds` of crop, brightness, flip; train/augment.py), made
     before the int8 prefix and cached like the images themselves. `inference_energy`: the
-    local inference service's energy file (edge_agent.inference.energy): what it spends
+    local inference service's energy file (edge_agent.power.inference_energy): what it spends
     while this job trains is accounted as inference, not charged to the job's budget.
     """
     from ..labels import parse_label_map
@@ -169,7 +169,7 @@ def _inference_reader(path: str | None) -> Any:
     """The governor's view of the inference service's energy total (None: no service)."""
     if not path:
         return None
-    from ..inference.energy import read_inference_j
+    from ..power.inference_energy import read_inference_j
 
     return lambda: read_inference_j(Path(path))
 
@@ -293,7 +293,7 @@ class _Job(DepthPlanning, JobReport):
                                      probe_report, threads)
         bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth
         symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
-        from .dense_head import dense_head_form
+        from ..int8.head_form import dense_head_form
 
         if a["lr"] is None and (self.plan.depth > 0 or dense_head_form(symbol_json, bundle.manifest.split_tensor) is None):
             # pre-trained conv / BatchNorm weights, a depth's or a head split before them:

@@ -105,7 +105,7 @@ def head_from_bundle(bundle: Any) -> tuple[str, dict[str, np.ndarray]]:
 def linear_head(in_units: int, num_classes: int, *, input_name: str = "features", seed: int = 0
                 ) -> tuple[str, dict[str, np.ndarray]]:
     """A flatten + dense head as (symbol JSON, parameters): a head for any Runner's features."""
-    from .mxnet_import import mxnet
+    from ..int8.mxnet_import import mxnet
 
     mx = mxnet()
 
@@ -280,7 +280,7 @@ class HeadTrainer(TrainerCommon):
         train_labels: np.ndarray | None = None,
         threads: int | None = None,
     ) -> None:
-        from .mxnet_import import mxnet
+        from ..int8.mxnet_import import mxnet
 
         self.mx = mx = mxnet()
         gluon = mx.gluon

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from edge_agent.agent.state import facts_from_state
+from edge_agent.protocol.facts import facts_from_state
 from edge_agent.transport.models import publish_model
 from tests.conftest import new_head_version
 from tests.integration.conftest import online_agent, wait_for
@@ -30,7 +30,7 @@ def _npy(arr: np.ndarray) -> bytes:
 def test_the_daemon_serves_each_installed_version_and_reports_it(mosquitto, fleet, agents, tmp_path: Path,
                                                                   digits_bundle) -> None:
     from edge_agent.int8.bundle import pack_bundle
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     bundle_dir, archive = digits_bundle
     coord = fleet.coordinator(mosquitto.port)

@@ -30,14 +30,14 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
 
 
 @pytest.fixture(scope="module")
 def device() -> tuple[np.ndarray, list[str]]:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     dev = demo.scenario().devices[1]
     return demo.to_pixels(dev.images).astype(np.float32), [demo.LABELS[v] for v in dev.labels]

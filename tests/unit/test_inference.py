@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
 
@@ -35,7 +35,7 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def device() -> tuple[np.ndarray, list[str]]:
     """One device's own digits through its camera, as raw 0..255 pixels."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     dev = demo.scenario().devices[0]
     return demo.to_pixels(dev.images).astype(np.float32), [demo.LABELS[v] for v in dev.labels]

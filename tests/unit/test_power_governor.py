@@ -697,8 +697,8 @@ def test_state_carries_the_budget_across_a_restart(tmp_path: Path) -> None:
 
 def test_inference_energy_is_accounted_as_inference_not_charged_to_the_job(tmp_path: Path) -> None:
     """A device serving requests while it trains: the whole-device sensor counts both; the
-    service's energy total (edge_agent.inference.energy) is left out of the job's energy."""
-    from edge_agent.inference.energy import InferenceEnergy, read_inference_j
+    service's energy total (edge_agent.power.inference_energy) is left out of the job's energy."""
+    from edge_agent.power.inference_energy import InferenceEnergy, read_inference_j
 
     energy = InferenceEnergy(watts_per_cpu=1.0, path=tmp_path / "serve" / "energy.json")
     energy.add(5.0)  # before the job: never the job's
