@@ -242,7 +242,8 @@ class CommandTarget(Target):
     name = "command"
 
     def __init__(self) -> None:
-        from edge_agent.agent.policy import BadParams, DeviceLimits
+        from edge_agent.agent.policy import DeviceLimits
+        from edge_agent.protocol.finetune import BadParams
 
         self.root = _scratch()
         self.fleet = _Fleet(self.root)

@@ -34,13 +34,13 @@ from typing import Any
 from ..atomic import fsync_dir
 from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
+from ..protocol.finetune import BadParams, parse_finetune
 from ..transport.outbox import Outbox, OutboxKey
 from .jobs import Job, JobState, JobStore
 from .models import ModelStore
 from .policy import (
     DAY_S,
     Allowance,
-    BadParams,
     Conditions,
     DeviceLimits,
     Verdict,
@@ -48,7 +48,6 @@ from .policy import (
     counted_jobs,
     daily_allowance,
     effective_budget,
-    parse_finetune,
 )
 from .runner import (
     EXIT_BUSY,

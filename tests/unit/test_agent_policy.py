@@ -8,13 +8,12 @@ import pytest
 
 from edge_agent.agent.policy import (
     REASONS,
-    BadParams,
     Conditions,
     DeviceLimits,
     check_finetune,
     effective_budget,
-    parse_finetune,
 )
+from edge_agent.protocol.finetune import BadParams, parse_finetune
 
 NOW = 1_800_000_000.0
 

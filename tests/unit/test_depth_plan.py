@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.agent.policy import BadParams, parse_finetune
 from edge_agent.errors import UsageError
 from edge_agent.int8.bundle_create import create_bundle
+from edge_agent.protocol.finetune import BadParams, parse_finetune
 from edge_agent.sim import models
 from edge_agent.train import depth_plan as DP
 

@@ -18,8 +18,8 @@ from bench.fuzz_parsers import (
     mutate_bytes,
     mutate_json,
 )
-from edge_agent.agent.policy import BadParams, parse_finetune
 from edge_agent.int8.bundle import ManifestError, parse_manifest
+from edge_agent.protocol.finetune import BadParams, parse_finetune
 
 CASES = {"envelope": 3000, "command": 1500, "chunk": 5000, "manifest": 2000, "bundle_tar": 300}
 
