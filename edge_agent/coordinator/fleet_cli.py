@@ -34,7 +34,7 @@ from .fleet_views import (
     refusal_lines,
     table,
 )
-from .server_set import attach, packed_for
+from .server_set import StoredServerSets, attach, packed_for
 
 
 class Unavailable(EdgeAgentError):
@@ -422,7 +422,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise Unavailable(msg + "\n(--wait-for-devices queues the job anyway; it starts when enough "
                                         "devices are eligible, or fails after --deadline)")
             print(msg)
-        job = RoundEngine(registry=reg, policy=policy).start_job(
+        job = RoundEngine(registry=reg, policy=policy, evidence=StoredServerSets(reg)).start_job(
             model_name=mv.name, model_version=mv.version, selector=args.devices, rounds=args.rounds,
             min_devices=args.min_devices, deadline_s=args.deadline, budget_wh=args.budget_wh, params=params)
         print(f"job {job.id}: {args.rounds} round(s) of {mv.name} {mv.version} on {args.devices} "
