@@ -240,7 +240,7 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
         say(f"dashboard (read-only, live): http://{ui}/  -- open it in a browser while the demo runs")
     key = run_cli([*cli, "key", "--state-dir", str(coord)]).strip()
     x, y = held_out(args.devices)
-    (server_x, server_y), (x, y) = server_and_test(x, y)
+    (server_x, server_y), (x, y) = server_and_test(x, y, args.devices)
     register = [*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)]
     if args.server_set:
         from ..sim import scenario as demo
