@@ -351,7 +351,7 @@ class LoadRun:
                    else "json_extract(state, '$.battery_pct')")
         # one COUNT per poll (10,000 devices every second): Registry has no counting method for
         # this, so the query runs in its read snapshot, through its dialect layer
-        with reg._read() as db:
+        with reg.db.read() as db:
             return int(db.execute("SELECT COUNT(*) FROM devices WHERE approved = 1 AND online = 1 AND "
                                   f"{battery} IS NOT NULL").fetchone()[0])
 
@@ -507,7 +507,7 @@ class LoadRun:
         state, reason, ended, deadline, version = (rnd.state.value, rnd.reason, rnd.ended_at, rnd.deadline_at,
                                                    rnd.aggregated_version)
         # aggregates, not rows: 10,000 updates; Registry has no method for these (see online())
-        with reg._read() as db:
+        with reg.db.read() as db:
             ups = db.execute("SELECT status, COUNT(*), COALESCE(SUM(wire_bytes), 0), MIN(received_at), "
                              "MAX(received_at) FROM updates WHERE job_id = ? GROUP BY status", (job,)).fetchall()
             dup = db.execute("SELECT COUNT(*) FROM (SELECT device_id FROM updates WHERE job_id = ? "
