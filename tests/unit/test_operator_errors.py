@@ -79,3 +79,30 @@ def test_the_project_metadata_needs_no_deprecated_form() -> None:
         dist = apply_configuration(Distribution(), REPO / "pyproject.toml")
     assert [str(w.message).splitlines()[0] for w in caught] == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+def test_a_starter_model_and_example_data_for_a_first_real_round(tmp_path: Path) -> None:
+    """`model create --example` (item 13): a verified bundle a device can fine-tune, and each
+    example device's own digits in a data folder `edge-agent init --data-dir` takes."""
+    from edge_agent.data import load_dataset
+    from edge_agent.int8.bundle import load_bundle
+
+    done = run("-m", "edge_agent.coordinator.cli", "model", "create", "--example", "--output",
+               str(tmp_path / "models" / "digits-1"), "--example-data", str(tmp_path / "example-data"), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert f"register it: edge-coordinator model register {tmp_path / 'models' / 'digits-1'} --name digits " \
+           "--version 1" in done.stdout
+    bundle = load_bundle(tmp_path / "models" / "digits-1")  # every file's sha256 verified
+    assert (bundle.manifest.name, bundle.manifest.version) == ("digits", "1")
+    assert bundle.manifest.labels == [str(i) for i in range(10)] and len(bundle.manifest.depths) == 3
+    sizes = []
+    for i in (1, 2, 3):
+        folder = tmp_path / "example-data" / f"device-{i}"
+        assert [p.name for p in folder.iterdir()] == ["digits.npz"]
+        data = load_dataset(folder, bundle.manifest.input, bundle.manifest.labels)
+        sizes.append(len(data.y))
+        assert len(set(data.y.tolist())) >= 5  # a non-IID share, not one class
+    assert min(sizes) >= 40, sizes
+    for bad in (["--example", "--calib", "x.npz"], ["--onnx", "m.onnx", "--output", "o"]):
+        refused = run("-m", "edge_agent.coordinator.cli", "model", "create", *bad, "--output", str(tmp_path / "o"))
+        assert refused.returncode == EXIT_USAGE and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
