@@ -235,6 +235,18 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _link_line(info: dict[str, Any]) -> str:
+    """serve's loopback check (link_health.py), as `status` shows it."""
+    link = info.get("link") if isinstance(info.get("link"), dict) else {}
+    ok_at, failed = link.get("loopback_ok_at"), link.get("loopback_failed_since")
+    if isinstance(failed, int | float):
+        return "link: the broker drops this coordinator's messages (see PROBLEM)"
+    if isinstance(ok_at, int | float):
+        return (f"link: the broker delivers this coordinator's messages (checked "
+                f"{time.strftime('%H:%M:%S', time.localtime(ok_at))})")
+    return "link: not checked yet (serve checks within 30 s of connecting)"
+
+
 def _serve_problems(args: argparse.Namespace) -> list[str]:
     """What the running serve reports as wrong (serve.json): its link silent, its counter behind..."""
     from .service_files import read_serve_file, serving
@@ -508,6 +520,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = read_serve_file(state_dir(args))
         print(f"coordinator: {'serving ' + str(info.get('broker')) if serving(info) else 'not running'}"
               + (f", fleet {info.get('fleet')}" if info else ""))
+        if serving(info):
+            print(_link_line(info))
         for problem in (info.get("problems") or [])[:10] if serving(info) else []:
             print(f"PROBLEM: {str(problem)[:1000]}")
         print(table(jobs_table(reg, jobs)) if jobs else "no jobs yet: edge-coordinator train --model NAME ...")

@@ -70,6 +70,11 @@ class LinkHealth:
                 self._shown.discard(prefix)
         return [p for p in problems if not p.startswith(PREFIXES)] + current
 
+    def summary(self) -> dict[str, float | bool | None]:
+        """For serve.json: `status` says the link was checked, not only that nothing is wrong."""
+        return {"loopback_ok_at": self.probe.ok_at, "loopback_failed_since": self.probe.failed_since,
+                "device_heard": self._ever_heard}
+
     def _probe_problem(self) -> str | None:
         p = self.probe
         if p.failed_since is None:

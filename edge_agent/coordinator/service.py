@@ -522,7 +522,7 @@ class Coordinator(DeviceMessages):
             "broker": f"{o.host}:{o.port}", "fleet": o.fleet, "topic_prefix": o.topic_prefix,
             "connected": self.client.connected, "coordinator_key": self.public_key, "key_id": self.key_id,
             "auto_approve": o.auto_approve, "policy": asdict(o.policy), "errors": self.errors,
-            "metrics_port": o.metrics_port, "problems": self.problems[:10]}
+            "metrics_port": o.metrics_port, "problems": self.problems[:10], "link": self.link.summary()}
         if stopped:
             info["stopped_at"] = time.time()
         if self.shared is not None:  # each worker its own file; the leader's is also serve.json
