@@ -59,6 +59,10 @@ examples:
   edge-agent run --config /etc/edge-agent/agent.toml --check     # validate, print, exit
   edge-agent run --config /etc/edge-agent/agent.toml
 
+--check also prints what the running (or last) daemon knows of the coordinator hearing this
+device (STATE_DIR/link.json): its hello answered, or not for [service] coordinator_silence_s
+(default 300 s): then it exits 69 (a broker ACL for another fleet, or no serve on this fleet).
+
 exit codes:
 """ + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items()) + """
 
@@ -320,7 +324,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--config", default="/etc/edge-agent/agent.toml", metavar="PATH",
                    help="agent.toml (default /etc/edge-agent/agent.toml)")
-    r.add_argument("--check", action="store_true", help="validate the config and key, print a summary, exit")
+    r.add_argument("--check", action="store_true",
+                   help="validate the config and key, print a summary and whether the coordinator answers, exit")
     r.set_defaults(func=_cmd_run)
 
 
