@@ -4,7 +4,8 @@ Main loop, every iteration (at most TICK_S apart while idle):
 
     watchdog.alive() -> receive one verified message (or a Rejection) -> dispatch
     -> drive jobs (jobs.py table, lifecycle.py) -> finish model activations
-    -> pump the outbox (a few chunks) -> publish hello / state when due
+    -> pump the outbox (a few chunks) -> publish hello / state when due (the hello again
+       while the coordinator has not answered it, or says it does not know us: link.py)
 
 Nothing that arrives can kill it: the Verifier turns any bytes into a Message or a
 Rejection; a refused command is answered with a signed `refusal` (reason code + text) on
