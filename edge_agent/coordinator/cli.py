@@ -172,6 +172,15 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
     if args.archive:
         archive = pack_bundle(bundle.path, args.archive)
         print(f"archive {archive} ({archive.stat().st_size} bytes)")
+    if args.validation:
+        from ..atomic import atomic_write_bytes
+        from .server_set import pack_server_set, packed_for, read_server_set
+
+        data = read_server_set(args.validation, bundle)
+        side = packed_for(Path(bundle.path))
+        atomic_write_bytes(side, pack_server_set(data))
+        print(f"server set {side}: {len(data)} labelled samples (kept beside the bundle, not in it); "
+              "`model register` takes it with the bundle")
     return EXIT_OK
 
 
@@ -179,7 +188,7 @@ EXAMPLE_DEPTHS = 2  # the digits CNN's two convs below its pool (the demo's dept
 
 
 def _cmd_model_example(args: argparse.Namespace) -> int:
-    """The demo's base bundle (edge_agent/train/demo.py): the digits CNN trained on clean
+    """The demo's base bundle (edge_agent/sim/scenario.py): the digits CNN trained on clean
     digits no example device holds; and, with --example-data, each device's own share."""
     from ..errors import ConfigError, UsageError
     from ..int8.bundle import pack_bundle
@@ -191,7 +200,7 @@ def _cmd_model_example(args: argparse.Namespace) -> int:
     try:
         import sklearn  # noqa: F401 - the digits live in scikit-learn
 
-        from ..train import demo
+        from ..sim import scenario as demo  # the simulation's room: imported only for --example
     except ImportError as exc:
         raise ConfigError(f"--example needs the [demo] extra ({exc.name}): pip install '/path/to/checkout[demo]'") from None
     scenario = demo.scenario()  # the base model's digits and three example devices' (none in common)
@@ -314,6 +323,10 @@ def add_model_commands(sub: Any) -> None:
                         help="activation range calibration (default: the quantiser's, min/max)")
     create.add_argument("--edgetpu-model", metavar="FILE", default=None,
                         help="the int8 model compiled by edgetpu_compiler, for Coral devices")
+    create.add_argument("--validation", metavar="DIR|NPZ", default=None,
+                        help="a small labelled server set (100-500 samples; image folders, CSV or NPZ as the "
+                             "agent reads data) the coordinator keeps to score every version and judge every "
+                             "update: written beside the bundle as OUTPUT.server-set.npz, registered with it")
     create.add_argument("--output", required=True, metavar="DIR", help="bundle directory to create")
     create.add_argument("--archive", metavar="FILE", default=None, help="also write the single-file .tar.gz")
     create.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")

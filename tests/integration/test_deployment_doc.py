@@ -25,7 +25,8 @@ What the test must substitute, and nothing else (SUBSTITUTIONS below, applied to
   `edge-agent run --config /etc/edge-agent/agent.toml`. Step 4 (the package or
   install-service) is not run: it has its own tests; the directories it creates
   (/etc/edge-agent, /var/lib/edge-agent) are made here, and the agent runs from this
-  checkout's venv.
+  checkout's venv. The optional section after step 8, local inference for the device's
+  own applications, has its own test (tests/integration/test_inference_service.py).
 - `edge-agent init` is given its defaults that name absolute paths (--config, --state-dir)
   under the device's root, and `--sysfs-root` a captured Raspberry Pi 4 tree with a
   battery (this machine is not a Pi).
@@ -355,7 +356,8 @@ def test_a_new_operator_following_the_deployment_doc_gets_two_devices_and_a_two_
     once_before = [b for b in blocks if b.section.startswith(("1.", "2.", "3."))]
     once_after = [b for b in blocks if b.section.startswith("8.")]
     not_walked = [b for b in blocks if b not in per_device + once_before + once_after]
-    assert all(b.section.startswith("4.") for b in not_walked), [b.section for b in not_walked]  # step 4: see above
+    # step 4 (see above), and the optional local inference service (test_inference_service.py)
+    assert all(b.section.startswith(("4.", "Local inference")) for b in not_walked), [b.section for b in not_walked]
     assert once_before and per_device and once_after
     try:
         for block in once_before:

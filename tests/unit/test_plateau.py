@@ -137,3 +137,19 @@ def test_train_refuses_plateau_options_without_patience_and_bad_values(tmp_path:
 
     with Registry(state_dir=tmp_path) as reg, pytest.raises(InputError, match="server_opt must be one of"):
         RoundEngine(registry=reg).start_job(model_name="digits", model_version="1", params={"server_opt": "sgd"})
+
+
+def test_with_a_server_set_the_plateau_rule_judges_each_version_on_it_and_publishes_the_best() -> None:
+    """Each version is scored on the server set when the gate passes it, the plateau rule
+    decides on those scores (no lag, no smoothing), and a job that stops publishes the best
+    version's head: its server-set score is the best of the job's."""
+    from edge_agent.sim.poisoning import digits_fleet, simulate
+
+    patience = 2
+    run = simulate(digits_fleet(3, seed=4), rounds=40, server_set=True, seed=4,
+                   params={"plateau_patience": patience, "plateau_min_delta": 0.01})
+    assert run.status == "done" and run.reason.startswith("plateau: server-set accuracy did not improve"), run.reason
+    scores = [a for a in run.server_accuracy if a is not None]
+    peak = max(range(len(scores)), key=scores.__getitem__)
+    assert len(scores) < 40 and len(scores) - 1 - peak <= patience + 1  # stopped within its patience
+    assert run.accuracy[-1] == run.accuracy[peak]  # the last version is the best one's head
