@@ -264,9 +264,9 @@ class CommandTarget(Target):
 
     def judge(self, env: Any) -> str:
         from edge_agent.agent.policy import Conditions, check_finetune
-        from edge_agent.protocol.finetune import parse_finetune
         from edge_agent.protocol import Kind, Rejection
         from edge_agent.protocol.envelope import _signing_input, canonical_json
+        from edge_agent.protocol.finetune import parse_finetune
 
         f = self.fleet
         if isinstance(env, dict):

@@ -119,8 +119,8 @@ def _fixtures(root: Path) -> None:
     from PIL import Image
 
     from edge_agent import certs, keys
-    from edge_agent.sim import models
     from edge_agent.int8.onnx_export import export_onnx
+    from edge_agent.sim import models
 
     x_train, y_train, _, _ = models.load_digits_split()
     net = models.digits_cnn()
