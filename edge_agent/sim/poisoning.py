@@ -92,13 +92,17 @@ def _through_cameras(images: np.ndarray, cams: list[Any], apply: Any) -> np.ndar
     return out
 
 
-def digits_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, sizes: list[float] | None = None) -> FleetData:
+def digits_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, sizes: list[float] | None = None,
+                 per_device: int | None = None) -> FleetData:
     """Digits: 449 test and SERVER_SAMPLES server samples held out, the rest split over the
-    devices (`sizes`: relative data sizes, e.g. [10, 1] for one device with 10x the other's)."""
+    devices (`sizes`: relative data sizes, e.g. [10, 1] for one device with 10x the other's;
+    `per_device`: at most that many samples each, as the soak's small devices)."""
     images, labels = load_digits_images()
     perm = np.random.default_rng([seed, 0x7E57]).permutation(len(labels))
     test_idx, srv_idx, train_idx = perm[:449], perm[449:449 + SERVER_SAMPLES], perm[449 + SERVER_SAMPLES:]
     parts = _parts(labels[train_idx], n_devices, alpha, seed, sizes)
+    if per_device is not None:
+        parts = [p[np.random.default_rng([seed, d]).permutation(len(p))[:per_device]] for d, p in enumerate(parts)]
     cams = [camera_params(device_seed(seed, d)) for d in range(n_devices)]
     xs = [apply_camera(images[train_idx[p]], cams[d]).reshape(len(p), -1) for d, p in enumerate(parts)]
     ys = [labels[train_idx[p]] for p in parts]
