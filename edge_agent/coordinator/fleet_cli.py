@@ -98,7 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             password = Path(args.password_file).read_text(encoding="utf-8")[:4096].strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"--password-file {args.password_file}: {getattr(exc, 'strerror', None) or exc}") from None
-    policy = RoundPolicy(online_within_s=args.online_within, min_battery_pct=args.min_battery,
+    policy = RoundPolicy(online_within_s=args.online_within, offline_grace_s=args.offline_grace,
+                         min_battery_pct=args.min_battery,
                          aggregator=args.aggregator, max_wait_s=args.max_wait)
     from .db import resolve
 

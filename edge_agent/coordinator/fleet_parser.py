@@ -184,6 +184,9 @@ def add_fleet_commands(sub: Any) -> None:
                    help="bearer token file the dashboard requires (needed for a non-loopback --ui)")
     s.add_argument("--online-within", type=_duration, default=300.0, metavar="DURATION",
                    help="a device is online if heard from within this (default 300 s)")
+    s.add_argument("--offline-grace", type=_duration, default=30.0, metavar="DURATION",
+                   help="a device whose broker will arrives mid-round is a dropout if it is not back within this "
+                        "(default 30 s; a broker restart or a flapping link sends wills too)")
     s.add_argument("--min-battery", type=_number(float, 0, 100), default=30.0, metavar="PCT",
                    help="select devices with at least this battery, unless on power (default 30)")
     s.add_argument("--aggregator", choices=AGGREGATORS, default=None,

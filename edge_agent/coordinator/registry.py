@@ -365,6 +365,18 @@ class Registry:
             return [(RoundRecord.from_row(db.execute("SELECT * FROM rounds WHERE job_id = ? AND number = ?",
                                                      key).fetchone(), []), devices) for key, devices in todo.items()]
 
+    def offline_participants(self, *, before: float) -> list[tuple[str, int, str]]:
+        """(job, round, device) of the participants an open round still waits for whose
+        device went offline (its will) no later than `before` and was not heard since."""
+        live = (ParticipantStatus.SELECTED.value, ParticipantStatus.DISPATCHED.value)
+        with self._read() as db:
+            return [(r[0], int(r[1]), r[2]) for r in db.execute(
+                "SELECT p.job_id, p.round, p.device_id FROM participants p "
+                "JOIN rounds r ON r.job_id = p.job_id AND r.number = p.round "
+                "JOIN devices d ON d.id = p.device_id "
+                "WHERE r.state = ? AND p.status IN (?, ?) AND d.online = 0 AND d.last_seen <= ? "
+                "ORDER BY p.job_id, p.round, p.device_id", (RoundState.OPEN.value, *live, before))]
+
     def active_round_keys(self) -> list[tuple[str, int]]:
         """(job, round) of the rounds in OPEN or CLOSING state, oldest first, without reading them."""
         with self._read() as db:

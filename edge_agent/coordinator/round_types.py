@@ -26,6 +26,7 @@ class RoundPolicy:
     are in strategies/ (their table and the defaults in strategies/__init__.py)."""
 
     online_within_s: float = 300.0  # "online" = online flag and heard from within this
+    offline_grace_s: float = 30.0  # a device gone offline mid-round this long (not back): a dropout
     min_battery_pct: float = 30.0  # unless on external power
     allow_unknown_power: bool = True  # devices reporting no battery at all (mains-powered)
     aggregator: str | None = None  # None: chosen per job by fleet size and server set (default_strategy)
@@ -46,6 +47,8 @@ class RoundPolicy:
         check_options(self.aggregator, self.trim_fraction, self.min_battery_pct)
         if not (math.isfinite(self.online_within_s) and self.online_within_s > 0):
             raise ValueError(f"online_within_s must be > 0, got {self.online_within_s}")
+        if not (math.isfinite(self.offline_grace_s) and self.offline_grace_s >= 0):
+            raise ValueError(f"offline_grace_s must be >= 0, got {self.offline_grace_s}")
         if not 0 < self.max_update_bytes <= 1 << 30:
             raise ValueError("max_update_bytes must be in (0, 1 GiB]")
         for name in ("clip_mult", "samples_mult", "samples_growth", "max_abs_delta"):
@@ -116,3 +119,4 @@ class TickResult:
     closed: list[RoundOutcome] = field(default_factory=list)
     cancelled: list[RoundPlan] = field(default_factory=list)  # tell these devices to stop
     failed: dict[str, str] = field(default_factory=dict)  # job id -> why it failed in this tick
+    gone: list[tuple[str, str, int]] = field(default_factory=list)  # (device, job, round) dropouts: offline

@@ -214,6 +214,7 @@ class RoundEngine:
                 job = self.registry.get_job(job_id)  # cancelled by the CLI (another process)?
                 if job.status.terminal:
                     result.cancelled += self._cancel_active(job.id, job.reason or f"job {job.status}")
+            result.gone = self._drop_offline()
             if self.metrics is not None and self.clock() >= self._metrics_at:  # every device: not every tick
                 now = self._metrics_at = self.clock()
                 self._metrics_at += FLEET_METRICS_S
@@ -329,19 +330,19 @@ class RoundEngine:
         with self._lock:
             return self.registry.set_participants(job_id, round, moves, only_from=frozenset(_LIVE), now=self.clock())
 
-    def device_gone(self, device_id: str, reason: str) -> list[tuple[str, int]]:
-        """A device went offline (its broker will, or its goodbye): in every open round still
-        waiting for its update it is a dropout at once, so the round closes as soon as the
-        others are in instead of at its deadline. Returns the (job, round)s it dropped out of."""
-        with self._lock:
-            out = []
-            for job_id, number in self.registry.active_round_keys():
-                rnd = self.registry.get_round_for(job_id, number, device_id)  # its own row, not the round's
-                part = rnd.participants.get(device_id)
-                live = rnd.state is RoundState.OPEN and part is not None and part.status in _LIVE
-                if live and self._move(rnd.job_id, rnd.number, device_id, ParticipantStatus.DROPPED, reason):
-                    out.append((rnd.job_id, rnd.number))
-            return out
+    def _drop_offline(self) -> list[tuple[str, str, int]]:
+        """Live participants whose device has been offline (its broker will, or its goodbye)
+        for `policy.offline_grace_s` and not heard since. A will also comes when the broker
+        restarts or the link flaps, and the agent then reconnects and finishes its round,
+        so only a device that stays away is a dropout. Read from the registry, so it holds
+        across a restart and whichever worker of a group took the will."""
+        out = []
+        for job, number, device in self.registry.offline_participants(before=self.clock() - self.policy.offline_grace_s):
+            if self._move(job, number, device, ParticipantStatus.DROPPED,
+                          "offline: the broker reported the device gone (its will) and it did not come back "
+                          f"within {self.policy.offline_grace_s:g} s while the round waited for its update"):
+                out.append((device, job, number))
+        return out
 
     def record_dropout(self, job_id: str, round: int, device_id: str, reason: str) -> bool:
         """A device said it will not deliver (refused: battery low, thermal, cancelled...)."""

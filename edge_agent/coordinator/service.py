@@ -303,6 +303,8 @@ class Coordinator(DeviceMessages):
         self._sync_trust_when_due()
         self._unpeek()
         result = self.engine.tick()
+        for device, job, number in result.gone:
+            log.info("device %s stayed offline: a dropout of job %s round %d", device, job, number)
         for plan in result.cancelled:
             self._cancel(plan)
         for outcome in result.closed:

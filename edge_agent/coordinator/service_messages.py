@@ -151,10 +151,7 @@ class DeviceMessages:
         status = msg.body["status"]
         state: dict[str, Any] = {"status": status}
         if status == "offline":  # its last will or its goodbye: keep what it last reported
-            self.registry.record_state(device, online=False, state=state)
-            for job, number in self.engine.device_gone(device, "offline: the broker reported the device gone "
-                                                       "(its will) while the round waited for its update"):
-                log.info("device %s went offline: a dropout of job %s round %d", device, job, number)
+            self.registry.record_state(device, online=False, state=state)  # a dropout if it stays away (tick)
             return
         for key in STATE_KEYS:
             value = facts.get(key)

@@ -1,6 +1,7 @@
-"""Restarts in the middle of a round: the coordinator killed with -9 (real agents), and the
-broker restarted while an update is half uploaded. Nothing received is lost, nothing is
-counted twice.
+"""Restarts in the middle of a round: the coordinator killed with -9 (real agents), the
+broker restarted while an update is half uploaded, a device killed with -9. Nothing
+received is lost, nothing is counted twice, and a round does not wait for a dead device
+until its deadline.
 
 The moment of each restart is fixed by the test, not by the machine's speed: two agents
 are held at their last checkpoint (the child's EDGE_AGENT_TEST_HOLD hook) until the
@@ -9,11 +10,15 @@ coordinator is down; the half-uploaded device sends exactly half its chunks firs
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
 import pytest
 
+from edge_agent import keys
 from edge_agent.agent.jobs import JobState, JobStore
 from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
 from edge_agent.protocol import Kind
@@ -148,3 +153,72 @@ def _payload(chunks):
     r = Reassembler()
     done = [x for x in (r.add(c) for c in chunks) if x is not None]
     return [done[0].payload]
+
+
+DEVICE_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from edge_agent import keys
+    from edge_agent.config import public_key_text
+    from edge_agent.protocol import Kind, SequenceCounter, Signer, Topics
+    from edge_agent.transport import MqttClient, Will
+    key_path, seq_path, prefix, port = sys.argv[1:5]
+    key = keys.load_private_key(key_path)
+    topics = Topics(fleet="farm", prefix=prefix)
+    signer = Signer(key=key, topics=topics, sequence=SequenceCounter(path=seq_path))
+    dev = keys.fingerprint(key)
+    state, hello = topics.device(dev, "state"), topics.device(dev, "hello")
+    def will():
+        return Will(state, signer.control(state, Kind.STATE, {"status": "offline"}, ttl=86400))
+    c = MqttClient(host="127.0.0.1", port=int(port), client_id="doomed", will=will, keepalive=5)
+    c.start()
+    assert c.wait_connected(60)
+    info = {"name": "doomed", "board": "Test Board", "profile": "raspberry-pi-4"}
+    for topic, kind, body in ((hello, Kind.HELLO, {"public_key": public_key_text(key), "agent": "test", "info": info}),
+                              (state, Kind.STATE, {"status": "idle", "agent": "test", "detail":
+                                                   "status=idle battery_pct=90 on_power=false energy_wh=5"})):
+        assert c.publish_wait(topic, signer.control(topic, kind, body, ttl=86400), retain=True, timeout=60)
+    print("READY", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_device_killed_mid_round_is_a_dropout_after_the_grace_not_at_the_deadline(
+        mosquitto, fleet, serve, tmp_path, digits_bundle):
+    """Power cut on a selected device: the broker publishes its will; once it has stayed away
+    for --offline-grace the round stops waiting for it and closes with the update it has."""
+    _, archive = digits_bundle
+    coordinator = serve(mosquitto.port, extra=("--offline-grace", "2")).start()
+    register_digits(coordinator, archive, tmp_path)
+    doomed_key = keys.generate_private_key()
+    keys.save_private_key(tmp_path / "doomed.key", doomed_key)
+    doomed = subprocess.Popen([sys.executable, "-c", DEVICE_SCRIPT, str(tmp_path / "doomed.key"),
+                               str(tmp_path / "doomed.seq"), fleet.topics.prefix, str(mosquitto.port)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert doomed.stdout.readline().strip() == "READY"
+        side = fleet.device(mosquitto.port, name="dev")
+        announce(fleet, side)
+        outbox = Outbox(directory=tmp_path / "outbox")
+        device = DeviceLoop(fleet, side, outbox).start()
+        assert wait_for(lambda: len(online_devices(coordinator)) == 2, 60), coordinator.log_tail()
+        coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--deadline", "60m",
+                        "--detach")
+        assert wait_for(lambda: device.commands, 60), coordinator.log_tail()
+        cmd = device.commands[0]
+        with coordinator.registry() as reg:
+            assert len(reg.get_round(cmd.body["job"], 1).participants) == 2
+        doomed.kill()  # no DISCONNECT: the broker publishes its will
+        doomed.wait(10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+    with coordinator.registry() as reg:
+        chunks = fake_update(reg, side, cmd)
+        outbox.put(OutboxKey(cmd.body["job"], side.id, cmd.body["round"]), chunks, meta={"samples": 40})
+        assert wait_for(lambda: reg.get_job(cmd.body["job"]).status.terminal, 60), coordinator.log_tail()
+        assert reg.get_job(cmd.body["job"]).status is JobStatus.DONE
+        (rnd,) = reg.list_rounds(cmd.body["job"])
+        dead = keys.fingerprint(doomed_key)
+        assert rnd.state is RoundState.AGGREGATED and list(rnd.dropouts) == [dead]
+        assert "did not come back within 2 s" in rnd.dropouts[dead]
+    assert "stayed offline: a dropout" in coordinator.log_tail()

@@ -452,21 +452,31 @@ def test_bogus_energy_report_does_not_cost_the_update(h: Harness, fleet: dict) -
     assert h.reg.list_updates(job.id)[0].energy_wh is None
 
 
-def test_a_device_gone_offline_is_a_dropout_at_once_and_the_round_closes(h: Harness, fleet: dict) -> None:
-    """Its broker will (an offline state) while the round waits for its update: a dropout now,
-    so the round closes as soon as the others are in, not at its deadline. A device that
-    already sent its update, or a round that is not waiting for it, is not touched."""
+def test_a_device_that_stays_offline_is_a_dropout_and_the_round_closes(h: Harness, fleet: dict) -> None:
+    """Its broker will (an offline state) while the round waits for its update: if it is not
+    heard again within the grace it is a dropout, so the round closes as soon as the others
+    are in, not at its deadline. One that comes back within the grace (a broker restart, a
+    link flap) stays in; one that already sent its update is not touched."""
     h.setup(softmax_head())
     job = h.engine.start_job(model_name="digits", model_version="1", rounds=1, min_devices=2, deadline_s=600,
                              params={"aggregator": "fedavg"})
     (plan,) = h.engine.tick().opened
     ids = fleet["ids"]
-    for i in range(N_DEV - 1):
+    for i in range(N_DEV - 2):
         assert h.send(i, plan) == "accepted"
-    assert h.engine.tick().closed == []  # still waiting for the last one
-    assert h.engine.device_gone(ids[0], "offline: will") == []  # already reported
-    assert h.engine.device_gone(ids[-1], "offline: will") == [(job.id, 1)]
-    assert h.engine.device_gone(ids[-1], "offline: will") == []  # once
-    (out,) = h.engine.tick().closed  # no clock movement: closed because everyone settled
-    assert out.state is RoundState.AGGREGATED and out.dropouts == {ids[-1]: "offline: will"}
+    h.reg.record_state(ids[0], online=False)  # already reported
+    h.reg.record_state(ids[-1], online=False)  # the will of one still training...
+    h.reg.record_state(ids[-2], online=False)
+    h.clock.t += h.policy.offline_grace_s / 2
+    h.reg.record_state(ids[-2], online=True)  # ... and of one that reconnects
+    tick = h.engine.tick()
+    assert tick.closed == [] and tick.gone == []  # within the grace
+    h.clock.t += h.policy.offline_grace_s / 2
+    tick = h.engine.tick()
+    assert tick.gone == [(ids[-1], job.id, 1)] and tick.closed == []  # the other one is still due
+    assert h.engine.tick().gone == []  # once
+    assert h.send(N_DEV - 2, plan) == "accepted"
+    (out,) = h.engine.tick().closed  # closed because everyone settled, long before the deadline
+    assert out.state is RoundState.AGGREGATED and list(out.dropouts) == [ids[-1]]
+    assert "did not come back within 30 s" in out.dropouts[ids[-1]]
     assert h.clock() < plan.deadline_at
