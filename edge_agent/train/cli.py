@@ -31,7 +31,9 @@ DATA is one of:
   feature columns in C,H,W order + a label column) or an NPZ file (arrays x and y).
   Images are converted to the model's channels, resized DOWN to its input size (aspect
   ratio not kept) and normalised; an image smaller than the input is skipped
-  ("too-small"), never blown up. Sub-folder names, CSV label cells and NPZ y values are
+  ("too-small"), never blown up. 16-bit images are scaled to the 8-bit range (not
+  clipped); images with transparent pixels ("transparent-image") and pixels with no known
+  full scale, e.g. floating-point TIFFs ("unsupported-pixels"), are skipped. Sub-folder names, CSV label cells and NPZ y values are
   label NAMES and must equal the model's labels (never read as indices: a folder "3" is
   the label "3"); anything else is an error naming them, unless --label-map maps them or
   --skip-unknown leaves them out. Unreadable files, too-small images, bad rows and
