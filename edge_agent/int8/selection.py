@@ -38,9 +38,11 @@ from .agreement import (
     ROUNDING_FLIP_RATE,
     ROUNDING_SAMPLES,
     ROUNDING_SEEDS,
+    ROUNDING_SENSITIVITY_CAP,
     Oracle,
     check_batch_for,
     disagreement,
+    evidence_notes,
 )
 from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
@@ -72,6 +74,7 @@ from .selection_cache import (
 __all__ = [
     "CACHE_DIR", "CACHE_FORMAT", "FLOAT_TOLERANCE_STEPS", "INT8_TOLERANCE_UNITS", "MAX_CACHE_BYTES",
     "PREDICT_IMAGES", "PROBE_PREDICT_CPU_S", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
+    "ROUNDING_SENSITIVITY_CAP",
     "VARIANT_PREPARE_MAX_S", "Candidate", "EngineUnavailableError", "Oracle", "Selection",
     "availability_report", "cache_key", "cache_path", "cached_selection", "check_batch_for",
     "default_probe", "hardware_fingerprint", "load_cached", "profile_settings", "select_engine",
@@ -310,6 +313,8 @@ def select_engine(
         selection.chosen = best_row.name
         selection.chosen_for = {str(n): (choose(rows, n, mem_cap_mb) or best_row).name for n in PREDICT_IMAGES}
     chosen_row = selection.candidate(selection.chosen)
+    if chosen_row is not None:  # how the chosen engine was judged, in the job's report too
+        selection.notes.extend(evidence_notes(chosen_row))
     selection.threads = chosen_row.threads if chosen_row is not None and chosen_row.threads else threads
     selection.energy_j = spent
     for row in rows:
@@ -337,6 +342,7 @@ def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine
         return None
     t = best.threads or cached.key.get("threads") or 1
     cached.images, cached.chosen, cached.threads = images, best.name, t
+    cached.notes.extend(evidence_notes(best))
     for row in cached.candidates:
         row.chosen = row.name == best.name
     if not keep_runner and not recheck_cached:

@@ -106,6 +106,7 @@ class JobReport:
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
                        "threads": selection.threads, "images": selection.images,
                        "selection_wh": round(getattr(self, "selection_j", 0.0) / 3600.0, 9),
+                       "agreement": _agreement_record(selection),
                        "notes": list(selection.notes)},
             "trainer": self.trainer.backend,
             "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
@@ -137,3 +138,13 @@ class JobReport:
                                                   "data": self.args["data"], "report": str(self.state / REPORT_FILE)})
         self.emit("done", step=int(self.pos["step"]), detail=str(stop_reason))
         return report
+
+
+def _agreement_record(selection: Any) -> dict[str, Any] | None:
+    """How the chosen engine was judged correct: "task" (top-1 vs fp32) or "units" (the
+    fallback), and why the task-level check was inconclusive when it was."""
+    row = selection.candidate(selection.chosen) if selection.chosen else None
+    if row is None:
+        return None
+    return {"basis": row.basis or None, "inconclusive": row.inconclusive or None,
+            "decided_samples": row.agreement_decided, "too_sensitive_for_units": bool(row.too_sensitive)}

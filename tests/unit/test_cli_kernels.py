@@ -157,6 +157,9 @@ def test_kernels_usage_errors_and_help(workdir, capsys):
         agent_main(["kernels", "--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and ENV_FORCE_BACKEND in out and "agrees with the fp32 model" in out
+    prose = " ".join(out.split())  # the sample minimum, and what happens below it
+    assert "needs at least 32 calibration samples whose top-1 is decided" in prose
+    assert "it is INCONCLUSIVE, never ok" in prose and "capped at 8 int8 units / 48 output steps" in prose
     with pytest.raises(SystemExit):
         coordinator_main(["model", "create", "--help"])
     assert "--calib" in capsys.readouterr().out
