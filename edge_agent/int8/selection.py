@@ -48,6 +48,8 @@ from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
     AGREEMENT_MAX_SAMPLES,
     DEFAULT_WATTS_PER_CPU,
+    SYSTEM_CLOCKS,
+    Clocks,
     CpuMeter,
     Meter,
     choose,
@@ -150,6 +152,7 @@ def select_engine(
     watts_per_cpu: float | None = None,
     mem_cap_mb: float | None = None,
     recheck_cached: bool = False,
+    clocks: Clocks = SYSTEM_CLOCKS,
 ) -> tuple[Selection, Runner | None]:
     """Choose the engine for `bundle` here; returns the decision and (with `keep_runner`)
     the chosen engine's prepared runner. Raises EngineUnavailableError if nothing is correct,
@@ -158,7 +161,8 @@ def select_engine(
     The choice minimises the predicted energy of a job of `images` images (engine_cost).
     `meter` charges each phase (the job's budget governor; it may refuse one), else CPU
     seconds x `watts_per_cpu`. `recheck_cached` re-times a cached choice on a few batches
-    and falls back to one thread when it got RECHECK_FACTOR slower (see _use_cached)."""
+    and falls back to one thread when it got RECHECK_FACTOR slower (see _use_cached).
+    `clocks`: where wall and CPU seconds are read (tests: virtual clocks)."""
     env = os.environ if env is None else env
     threads = thread_count(threads)  # None and "all cores" are the same decision
     if batch_size < 1:
@@ -182,7 +186,7 @@ def select_engine(
         cached = load_cached(path, key)
         if cached is not None:
             hit = _use_cached(cached, bundle, by_name, probe, images=images, mem_cap_mb=mem_cap_mb,
-                              keep_runner=keep_runner, recheck_cached=recheck_cached)
+                              keep_runner=keep_runner, recheck_cached=recheck_cached, clocks=clocks)
             if hit is not None:
                 return hit
     x = check_batch_for(bundle, batch_size)
@@ -192,7 +196,7 @@ def select_engine(
     from .engines.reference import QGraphRunner
 
     meter.before("selection", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
-    with measured(meter, "probe") as ph:  # (just checked above) the first call pays one-off costs ...
+    with measured(meter, "probe", clocks=clocks) as ph:  # (just checked above) the first call pays one-off costs ...
         # which engines can run here: cheap by contract (Int8Engine.availability), and metered
         # with the probe all the same; a forced engine is the only one asked
         rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
@@ -203,7 +207,7 @@ def select_engine(
     spent += ph.joules
     n_probe = min(len(x), PROBE_SAMPLES)
     # ... so the per-sample price comes from the second (predicted at the cold image's price: high)
-    with measured(meter, "probe", n_probe * ph.joules) as ph:
+    with measured(meter, "probe", n_probe * ph.joules, clocks=clocks) as ph:
         probe_runner.run(x[:n_probe])
     spent += ph.joules
     per_sample = max(ph.joules / n_probe, 1e-9)
@@ -216,7 +220,7 @@ def select_engine(
     pred_timing = per_sample * len(x) * (repeats + 1) * max(1, len(others or todo)) * threads
     predicted = pred_oracle + sum(pred_prepare[r.name] for r in (others or todo)) + pred_timing
     meter.before("selection", predicted + per_sample * batch_size)  # + one batch of the job
-    with measured(meter, "agreement", pred_oracle) as ph:
+    with measured(meter, "agreement", pred_oracle, clocks=clocks) as ph:
         oracle = Oracle(bundle, x, logits=logits)
     spent += ph.joules
     runners: dict[tuple[str, int], Runner] = {}
@@ -225,11 +229,11 @@ def select_engine(
         nonlocal spent
         engine = by_name[row.name]
         assert engine is not None
-        with measured(meter, f"prepare:{row.name}", pred_prepare[row.name]) as ph:
+        with measured(meter, f"prepare:{row.name}", pred_prepare[row.name], clocks=clocks) as ph:
             try:
-                c0, w0 = time.process_time(), time.perf_counter()
+                c0, w0 = clocks.cpu(), clocks.wall()
                 runner = engine.prepare(bundle, threads=threads)
-                row.prepare_cpu_s, row.prepare_s = time.process_time() - c0, time.perf_counter() - w0
+                row.prepare_cpu_s, row.prepare_s = clocks.cpu() - c0, clocks.wall() - w0
                 row.prepare_j = row.prepare_cpu_s * wpc
                 runners[(row.name, threads)] = runner
                 oracle.check(runner, row)
@@ -266,8 +270,8 @@ def select_engine(
     timed = {k: r for k, r in runners.items() if (c := _row(rows, k[0])) is not None and not c.error
              and (c.correct or forced)}
     try:
-        with measured(meter, "timing", pred_timing) as ph:
-            seconds = time_rounds(timed, x, repeats=repeats)
+        with measured(meter, "timing", pred_timing, clocks=clocks) as ph:
+            seconds = time_rounds(timed, x, repeats=repeats, clocks=clocks)
         spent += ph.joules
     except EdgeAgentError:
         raise
@@ -329,7 +333,7 @@ def select_engine(
 
 def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine | None], probe: dict[str, Any], *,
                 images: int, mem_cap_mb: float | None, keep_runner: bool,
-                recheck_cached: bool) -> tuple[Selection, Runner | None] | None:
+                recheck_cached: bool, clocks: Clocks) -> tuple[Selection, Runner | None] | None:
     """The cached rows, re-chosen for this job's size; with `recheck_cached` the choice is
     re-timed on a few batches first: RECHECK_FACTOR slower on several threads falls back to
     one thread; on one thread the choice is kept (load slows every engine alike, and the
@@ -354,10 +358,10 @@ def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine
         return None
     if recheck_cached and best.latency_ms:
         x = check_batch_for(bundle, cached.batch_size)
-        good, now = recheck(runner, x, best.latency_ms / 1000.0)
+        good, now = recheck(runner, x, best.latency_ms / 1000.0, clocks=clocks)
         if not good and t > 1:  # contention: a spinning pool on shared cores; try one thread
             one = engine.prepare(bundle, threads=1)
-            good1, now1 = recheck(one, x, best.latency_ms / 1000.0 * t)
+            good1, now1 = recheck(one, x, best.latency_ms / 1000.0 * t, clocks=clocks)
             if good1 or now1 < now:
                 runner.close()
                 runner, now, good = one, now1, True

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,11 +62,19 @@ def test_the_choice_minimises_the_predicted_job_energy() -> None:
     assert ec.choose([rows[2]], 10) is None
 
 
+class VirtualTime:
+    """Selection's clocks (engine_cost.Clocks), advanced only by the Burner: every wall and
+    CPU figure the selection and its re-check compare is exact, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.wall_s = self.cpu_s = 0.0
+        self.clocks = ec.Clocks(wall=lambda: self.wall_s, cpu=lambda: self.cpu_s)
+
+
 class Burner(QGraphRunner):
-    """The reference's output after burning `cost / threads` CPU-seconds and waiting WAIT_S
-    per batch (so that its wall time hardly depends on the machine's load); `contended`:
-    the wait grows 10x on more than one thread ("threads": well past RECHECK_FACTOR even when
-    the first measurement's burn was slowed by a loaded machine), or 5x on two and 10x on
+    """The reference's output, said to cost `cost / threads` CPU-seconds and that plus WAIT_S
+    of wall time per batch; `contended`: the wait grows 10x on more than one thread
+    ("threads": another process on the cores the pool spins on), or 5x on two and 10x on
     one thread ("always": the whole machine is busy)."""
 
     WAIT_S = 0.06
@@ -77,21 +84,20 @@ class Burner(QGraphRunner):
         self.engine, self.threads = engine, threads
 
     def _invoke(self, x):
-        end = time.process_time() + self.engine.cost / self.threads
-        while time.process_time() < end:
-            pass
         wait = self.WAIT_S
         if self.engine.contended == "threads" and self.threads > 1:
             wait *= 10
         elif self.engine.contended == "always":
             wait *= 5 if self.threads > 1 else 10
-        time.sleep(wait)
+        burn = self.engine.cost / self.threads
+        self.engine.time.cpu_s += burn
+        self.engine.time.wall_s += burn + wait
         return super()._invoke(x)
 
 
 class CostlyEngine(Int8Engine):
-    def __init__(self, cost: float) -> None:
-        self.name, self.cost, self.contended, self.prepared = "costly", cost, "", []
+    def __init__(self, cost: float, clock: VirtualTime) -> None:
+        self.name, self.cost, self.contended, self.prepared, self.time = "costly", cost, "", [], clock
 
     def availability(self, probe=None) -> Availability:
         return Availability(True, "fake")
@@ -103,26 +109,33 @@ class CostlyEngine(Int8Engine):
 
 def test_a_cached_choice_is_rechecked_and_falls_back_under_contention(bundle_dir: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Selection's clocks are virtual: under `taskset -c 0` with three CPU hogs the old
+    version, which compared two real wall-clock figures against RECHECK_FACTOR, failed 3/3."""
     monkeypatch.setattr(sel, "thread_count", lambda _t: 2)  # two threads whatever this machine has
     monkeypatch.setattr(sel, "AGREEMENT_MAX_SAMPLES", 32)  # the verdict is not under test here
     monkeypatch.setattr(agreement, "AGREEMENT_MAX_SAMPLES", 32)  # (the Oracle's samples; sel's prices them)
     bundle = load_bundle(bundle_dir)
-    engine = CostlyEngine(0.04)
-    kw = dict(engines=[("costly", engine)], state_dir=tmp_path, repeats=2, batch_size=2, probe=PROBE, env={})
+    virtual = VirtualTime()
+    engine = CostlyEngine(0.04, virtual)
+    kw = dict(engines=[("costly", engine)], state_dir=tmp_path, repeats=2, batch_size=2, probe=PROBE, env={},
+              clocks=virtual.clocks)
     first, _ = sel.select_engine(bundle, **kw)
     assert first.threads == 2 and engine.prepared == [2, 1]  # both thread counts measured
-    assert set(first.candidate("costly").by_threads) == {"1", "2"}
+    assert first.candidate("costly").by_threads == {"1": pytest.approx(0.04), "2": pytest.approx(0.02)}  # J/image at 2 W
+    assert first.candidate("costly").latency_ms == pytest.approx(80.0)  # 20 ms of CPU + 60 ms of waiting
     again, runner = sel.select_engine(bundle, keep_runner=True, recheck_cached=True, **kw)
-    assert again.cached and again.threads == 2 and runner.threads == 2 and not again.notes
+    assert again.cached and again.threads == 2 and runner.threads == 2
+    assert not [n for n in again.notes if "thread" in n or "busy" in n]
     engine.contended = "threads"  # another process on the second core: the pool spins
     engine.prepared.clear()
     fallback, runner = sel.select_engine(bundle, keep_runner=True, recheck_cached=True, **kw)
     assert fallback.cached and fallback.threads == 1 and runner.threads == 1 and engine.prepared == [2, 1]
-    assert "(contention?): using 1 thread" in fallback.notes[0]
+    assert any("(contention?): using 1 thread (100.0 ms/batch)" in n for n in fallback.notes)
     engine.contended = "always"  # slower on any thread count: a busy machine slows every engine alike
     engine.prepared.clear()
     busy, _ = sel.select_engine(bundle, recheck_cached=True, **kw)
-    assert busy.cached and busy.chosen == "costly" and engine.prepared == [2, 1] and "busy machine" in busy.notes[-1]
+    assert busy.cached and busy.chosen == "costly" and engine.prepared == [2, 1]
+    assert "320.0 ms/batch now, 80.0 when measured (a busy machine); kept" in busy.notes[-1]
 
 
 def _job(bundle_dir: Path, data: Path, tmp_path: Path, clock: BoardClock, budget_wh: float) -> dict:
