@@ -75,7 +75,7 @@ from .selection_cache import (
 
 __all__ = [
     "CACHE_DIR", "CACHE_FORMAT", "FLOAT_TOLERANCE_STEPS", "INT8_TOLERANCE_UNITS", "MAX_CACHE_BYTES",
-    "PREDICT_IMAGES", "PROBE_PREDICT_CPU_S", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
+    "PREDICT_IMAGES", "PROBE_PREDICT_CPU_S", "PROBE_REPEATS", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
     "ROUNDING_SENSITIVITY_CAP",
     "VARIANT_PREPARE_MAX_S", "Candidate", "EngineUnavailableError", "Oracle", "Selection",
     "availability_report", "cache_key", "cache_path", "cached_selection", "check_batch_for",
@@ -85,6 +85,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 PROBE_SAMPLES = 4  # priced after a warm-up call: one cold image cost ~200x a warm one
+PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose median CPU time prices a sample
 # What the first probe phase (engine availability, the bundle's graph, one cold reference
 # image) is predicted to cost before anything is measured: ~0.08 CPU-s for the demo bundle on
 # a Zen 2 core and several times that on a Cortex-A72, so a budget below it is refused
@@ -191,9 +192,9 @@ def select_engine(
                 return hit
     x = check_batch_for(bundle, batch_size)
     spent = 0.0
-    # the probe: one reference image prices the rest, so that a budget too small for the
+    # the probe: reference images price the rest, so that a budget too small for the
     # selection is refused before it is spent (meter.before("selection", ...))
-    from .engines.reference import QGraphRunner
+    from .engines.reference import ReferenceEngine
 
     meter.before("selection", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
     with measured(meter, "probe", clocks=clocks) as ph:  # (just checked above) the first call pays one-off costs ...
@@ -202,15 +203,24 @@ def select_engine(
         rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
         if forced:
             rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in loaded if n != forced]
-        probe_runner = QGraphRunner(bundle.qgraph())
+        probe_runner = (by_name.get("reference") or ReferenceEngine()).prepare(bundle)
         probe_runner.run(x[:1])
     spent += ph.joules
     n_probe = min(len(x), PROBE_SAMPLES)
-    # ... so the per-sample price comes from the second (predicted at the cold image's price: high)
-    with measured(meter, "probe", n_probe * ph.joules, clocks=clocks) as ph:
-        probe_runner.run(x[:n_probe])
+    # ... so the per-sample price comes from the runs after it: CPU-seconds (the median of
+    # PROBE_REPEATS runs) x watts per CPU. Not the meter's joules: a power source read around a
+    # few milliseconds (a sensor, or /proc/stat's 10 ms jiffies with every process's load in
+    # them) predicted 0.0013-0.42 Wh for a selection that cost ~0.005 Wh. The phase itself is
+    # predicted at the cold image's CPU time, which buys ~200 warm ones.
+    with measured(meter, "probe", wpc * ph.cpu_s, clocks=clocks) as ph:
+        runs = []
+        for _ in range(PROBE_REPEATS):
+            c0 = clocks.cpu()
+            probe_runner.run(x[:n_probe])
+            runs.append(clocks.cpu() - c0)
     spent += ph.joules
-    per_sample = max(ph.joules / n_probe, 1e-9)
+    probe_runner.close()
+    per_sample = wpc * max(float(np.median(runs)) / n_probe, 1e-9)  # joules
     n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]

@@ -53,9 +53,7 @@ class JobReport:
             "data": dataset.report.to_json(), "engine": {"name": None, "notes": [detail]}, "trainer": None,
             "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"]},
             "accuracy": {"before": None, "after": None, "validation_samples": dataset.report.validation},
-            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
-                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
-                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
+            "energy": _energy_record(gov, self.budget),
             "power": gov, "profile": prof, "steps": 0, "epochs_done": 0,
             "stop_reason": StopReason.BUDGET_EXHAUSTED.value, "stop_detail": detail,
             "duration_s": round(time.monotonic() - self.started, 3),
@@ -112,9 +110,7 @@ class JobReport:
             "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
             "accuracy": {"before": num(before[1]), "after": num(after[1]), "validation_samples": dataset.report.validation},
             "loss": {"before": num(before[0]), "after": num(after[0])},
-            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
-                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
-                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
+            "energy": _energy_record(gov, self.budget),
             "power": gov,
             "profile": prof,
             "duration_s": round(duration, 3),
@@ -148,3 +144,15 @@ def _agreement_record(selection: Any) -> dict[str, Any] | None:
         return None
     return {"basis": row.basis or None, "inconclusive": row.inconclusive or None,
             "decided_samples": row.agreement_decided, "too_sensitive_for_units": bool(row.too_sensitive)}
+
+
+def _energy_record(gov: dict[str, Any], budget: Any) -> dict[str, Any]:
+    """What the budget was charged (its basis, in its scope) and, beside it, what the power
+    source measured for the whole board (every process on it)."""
+    basis = budget.budget_basis
+    return {"wh": gov["energy_wh_job"] if basis == "job" else gov["energy_wh_total"], "basis": basis,
+            "scope": gov.get("energy_scope"), "scope_note": gov.get("energy_scope_note") or None,
+            "source": gov["source"], "budget_wh": budget.budget_wh,
+            "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"],
+            "device_wh": gov["device_energy_wh_job"] if basis == "job" else gov["device_energy_wh_total"],
+            "cpu_s": gov.get("process_cpu_s")}
