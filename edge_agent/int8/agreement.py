@@ -76,8 +76,10 @@ ROUNDING_SEEDS = 3
 ROUNDING_SAMPLES = 8
 FLOAT_TOLERANCE_STEPS = 12.0
 # The most rounding sensitivity a unit-level tolerance follows (int8: 8 units; float:
-# 12 x 8 / 2 = 48 steps). Trained shallow nets measure 1-3, so they never reach it; deeper
-# random-init ones measure 50-94 (see above), where 35 units off is no evidence of anything.
+# 12 x 8 / 2 = 48 steps). Shallow nets measure 1-3 (the digits CNN 2); the deep test graph of
+# test_int8_import_ux 7 (12 blocks) to 18 (40 blocks); the trained zoo nets torchvision
+# squeezenet1_1 8, mobilenet_v2 14, efficientnet_b0 18 -- above the cap, where their 63-64
+# decided calibration samples let the task level decide alone -- and random-init ones 50-94.
 ROUNDING_SENSITIVITY_CAP = 8.0
 
 
@@ -105,7 +107,6 @@ class Oracle:
             if self.runner.int8_io else None
         self.out_scale = float(tout.scale[0]) if tout.scale is not None else 1.0
         self.int8 = self.runner.run_int8(self.q) if self.q is not None else None
-        self._int8_tolerance: float | None = None
         self.float = self.runner.run(x)
         self._logits = logits or _head_logits(bundle)
         self.ref_logits = self._logits(self.float)
