@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, str] = {}
     for name in names:
         print(f"[bench] {name} ...", flush=True)
+        load_before = _load()
         start = time.perf_counter()
         try:
             module = importlib.import_module(f"bench.{name}")
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             body = f"## {name}\n\nFAILED:\n\n```\n{repo_relative(trace)}```\n"
         elapsed = time.perf_counter() - start
         sections[name] = (f"<!-- bench:{name} -->\n{repo_relative(body)}\n_Produced by `{command}` on "
-                          f"{time.strftime('%Y-%m-%d')} in {elapsed:.0f} s._\n<!-- /bench:{name} -->\n")
+                          f"{time.strftime('%Y-%m-%d')} in {elapsed:.0f} s; load average {load_before} before, "
+                          f"{_load()} after, on {os.cpu_count()} cores._\n<!-- /bench:{name} -->\n")
         print(f"[bench] {name} {'FAILED' if name in failures else 'done'} in {elapsed:.0f} s", flush=True)
     output = Path(args.output)
     earlier = _existing_sections(output) if output.exists() else {}
@@ -101,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FAILED_NOTE = "_Latest run FAILED"
+
+
+def _load() -> str:
+    """The 1-minute load average (the machine is shared: figures are read against it)."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
 
 
 def merge_sections(earlier: dict[str, str], new: dict[str, str], failures: dict[str, str], *,
