@@ -280,7 +280,7 @@ class _Collector:
 # ---------------------------------------------------------------- images
 
 
-class _Refused(ValueError):
+class ImageRefused(ValueError):
     """An image the decoder will not turn into pixels, with the skip reason to count."""
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -288,7 +288,7 @@ class _Refused(ValueError):
         self.reason = reason
 
 
-class _TooSmall(_Refused):
+class _TooSmall(ImageRefused):
     """An image smaller than the model's input: blowing it up would invent the detail."""
 
     def __init__(self, detail: str) -> None:
@@ -314,7 +314,7 @@ _SIXTEEN_BIT_SCALE = 255.0 / 65535.0
 
 
 def _opaque(img: Any) -> Any:
-    """`img` without its alpha; `_Refused` when any pixel is not fully opaque (the model
+    """`img` without its alpha; `ImageRefused` when any pixel is not fully opaque (the model
     sees no alpha, and which background to flatten onto is the owner's choice)."""
     if img.mode in _ALPHA_MODES:
         alpha = np.asarray(img.getchannel("A"))
@@ -326,7 +326,7 @@ def _opaque(img: Any) -> Any:
         return img
     clear = int(np.count_nonzero(alpha < 255))
     if clear:
-        raise _Refused("transparent-image", f"{clear} of {alpha.size} pixels are (partly) transparent; the model "
+        raise ImageRefused("transparent-image", f"{clear} of {alpha.size} pixels are (partly) transparent; the model "
                                             "sees no alpha: flatten the image onto its background first")
     if img.mode in ("LA", "La"):
         return img.getchannel("L")  # La (premultiplied) equals LA when every alpha is 255
@@ -338,34 +338,43 @@ def _opaque(img: Any) -> Any:
     return Image.merge("RGB", rgb.split()[:3])
 
 
-def _pixels(img: Any, channels: int, size: tuple[int, int]) -> np.ndarray:
+def image_pixels(img: Any, channels: int, size: tuple[int, int], *, resample: int | None = None) -> np.ndarray:
+    """Raw pixels of a decoded PIL image on a 0..255 scale whatever its mode and depth, as
+    float32 (H, W) for 1 channel or (H, W, 3), resized to `size` (W, H) (default filter:
+    bilinear). ImageRefused (with its skip reason) for transparent pixels or a mode with no
+    known full scale. Shared by local data and the calibration images of `model create`."""
+    return _pixels(_opaque(img), channels, size, resample)
+
+
+def _pixels(img: Any, channels: int, size: tuple[int, int], resample: int | None = None) -> np.ndarray:
     """Raw 0..255 float32 pixels of an opaque image at `size` (W, H): (H, W) or (H, W, 3)."""
     from PIL import Image
 
+    resample = Image.BILINEAR if resample is None else resample
     mode = img.mode
     if mode in _EIGHT_BIT_MODES:
         converted = img.convert("L" if channels == 1 else "RGB")
         if converted.size != size:
-            converted = converted.resize(size, Image.BILINEAR)
+            converted = converted.resize(size, resample)
         return np.asarray(converted, dtype=np.float32)
     sixteen = mode in _SIXTEEN_BIT_MODES or (mode == "I" and img.format in _SIXTEEN_BIT_I_FORMATS)
     if not sixteen:
         why = _REFUSED_MODES.get(mode, "no known way to read these pixels")
-        raise _Refused("unsupported-pixels", f"PIL mode {mode!r} ({img.format or 'unknown'} file): {why}")
+        raise ImageRefused("unsupported-pixels", f"PIL mode {mode!r} ({img.format or 'unknown'} file): {why}")
     values = np.asarray(img).astype(np.float32)
     if values.min() < 0 or values.max() > 65535:  # an "I" image that is not 16-bit after all
-        raise _Refused("unsupported-pixels", f"PIL mode {mode!r}: values {values.min():g}..{values.max():g} "
+        raise ImageRefused("unsupported-pixels", f"PIL mode {mode!r}: values {values.min():g}..{values.max():g} "
                                              "are outside 16 bits")
     grey = Image.fromarray(values * np.float32(_SIXTEEN_BIT_SCALE), mode="F")  # scaled, not clipped at 255
     if grey.size != size:
-        grey = grey.resize(size, Image.BILINEAR)
+        grey = grey.resize(size, resample)
     out = np.asarray(grey, dtype=np.float32)
     return out if channels == 1 else np.repeat(out[:, :, None], 3, axis=2)
 
 
 def _decode_image(path: Path, spec: Any) -> np.ndarray:
     """One image file -> raw (1, C, H, W) float32 pixels on a 0..255 scale whatever the
-    file's bit depth; `_Refused` (with its skip reason) for an image it will not read,
+    file's bit depth; `ImageRefused` (with its skip reason) for an image it will not read,
     ValueError on any other problem."""
     from PIL import Image
 
@@ -377,7 +386,7 @@ def _decode_image(path: Path, spec: Any) -> np.ndarray:
         img.load()  # decode fully here: truncated files fail now, not later
         if img.width < width or img.height < height:
             raise _TooSmall(f"{img.width}x{img.height} is smaller than the model's input {width}x{height}")
-        pixels = _pixels(_opaque(img), channels, (width, height))
+        pixels = image_pixels(img, channels, (width, height))
     chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
     return chw[None]
 
@@ -418,7 +427,7 @@ def _load_image_folder(root: Path, spec: Any, coll: _Collector, max_files: int) 
                 continue
             try:
                 raw = _decode_image(item, spec)
-            except _Refused as exc:
+            except ImageRefused as exc:
                 report.skip(exc.reason, where, str(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - any decoder failure is a counted skip
