@@ -15,6 +15,12 @@ so a job ends within one step's energy below its budget. What the budget is char
 the Budget's `energy_scope`: by default the job's own process tree (process_energy.py:
 CPU-seconds x watts per busy core, read at the same boundaries), with the power source's
 device-wide figure reported beside it; "device" charges that figure (battery-wide).
+
+Inference: a device that serves requests while it trains (edge_agent.inference) spends
+energy on them that a whole-device sensor counts into the job's. `inference_j` (the
+service's running total, in J) lets the governor account it as inference: in the "device"
+scope the job's energy ("job" basis) leaves it out, the device's total keeps it, and the
+report says how much (the "process" scope never sees it: the service is another process).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class BudgetGovernor:
         max_sensor_failures: int = 10,
         tz: tzinfo | None = None,
         resume_from: Mapping[str, object] | None = None,
+        inference_j: Callable[[], float | None] | None = None,
         watts_per_cpu: float | None = None,
         cpu_seconds: Callable[[], float] | None = None,
     ) -> None:
@@ -127,6 +134,8 @@ class BudgetGovernor:
         self.max_temp_c: float | None = None
         self._offset_total_j = self._offset_job_j = 0.0
         self._offset_device_total_j = self._offset_device_job_j = 0.0
+        self._inference = inference_j
+        self._inference_start = self._read_inference()
         if resume_from is not None:
             self._restore(resume_from)
         self._t0 = self.clock.monotonic()
@@ -280,6 +289,7 @@ class BudgetGovernor:
             "device_energy_wh_total": self._device_total_j() / J_PER_WH,
             "device_energy_wh_job": self._device_job_j() / J_PER_WH,
             "process_cpu_s": self.process.cpu_s if self.process is not None else None,
+            "inference_wh": self.inference_j() / J_PER_WH,
             "budget_wh": self.budget.budget_wh,
             "budget_basis": self.budget.budget_basis,
             "budget_used_fraction": (self._used_j() / budget_j) if budget_j else None,
@@ -344,10 +354,29 @@ class BudgetGovernor:
         return self._offset_total_j + self.meter.total_j
 
     def _job_j(self) -> float:
-        """The budget's "job" (above idle) energy in its scope, earlier runs included."""
+        """The budget's "job" (above idle) energy in its scope, earlier runs included; in the
+        device scope without what the inference service spent meanwhile."""
         if self.process is not None:
             return self._offset_job_j + self.process.job_j
-        return self._offset_job_j + self.meter.job_j
+        return max(0.0, self._offset_job_j + self.meter.job_j - self.inference_j())
+
+    def _read_inference(self) -> float | None:
+        if self._inference is None:
+            return None
+        try:
+            value = self._inference()
+        except Exception:  # noqa: BLE001 - a reader that fails counts nothing, never stops the job
+            return None
+        return float(value) if value is not None and math.isfinite(value) else None
+
+    def inference_j(self) -> float:
+        """Inference energy spent since this run started (J); 0 without a reader."""
+        now = self._read_inference()
+        if now is None or self._inference_start is None:
+            if now is not None and self._inference_start is None:
+                self._inference_start = now  # the service started after the job did
+            return 0.0
+        return max(0.0, now - self._inference_start)
 
     def _device_total_j(self) -> float:
         return self._offset_device_total_j + self.meter.total_j
