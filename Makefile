@@ -12,7 +12,7 @@ DEB_MODE ?= offline
 
 help:
 	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
-	@echo "make test   - create .venv if needed, install with test extras, run ruff, the import layers and pytest"
+	@echo "make test   - create .venv if needed, install with test extras, run ruff, the import layers and pytest (random order; TEST_SEED=N repeats one)"
 	@echo "make test-pg - the coordinator's tests with the registry on a throw-away PostgreSQL (apt-get install postgresql)"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
 	@echo "make soak   - a fleet for 1,000 rounds (real mosquitto, 4 agents): growth per round -> BENCHMARKS.md"
@@ -35,10 +35,19 @@ $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*
 demo: $(STAMP)
 	$(BIN)/python -m edge_agent.demo $(DEMO_ARGS)
 
+# The suite runs in random order (pytest-random-order): modules shuffled, and the tests
+# inside each module, so a test that leans on what ran before it fails somewhere. Each run
+# draws a seed, printed before pytest starts and in its header ("--random-order-seed=N");
+# `make test TEST_SEED=N` repeats that order exactly.
+TEST_SEED ?=
+RANDOM_ORDER = -p random_order --random-order-bucket=module --random-order-seed=$$seed
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@seed="$(TEST_SEED)"; [ -n "$$seed" ] || seed=$$(od -An -N3 -tu4 /dev/urandom | tr -d ' '); \
+	echo "test order: random, seed $$seed (make test TEST_SEED=$$seed repeats this order)"; \
+	echo "$(BIN)/python -m pytest $(RANDOM_ORDER) $(PYTEST_ARGS)"; \
+	$(BIN)/python -m pytest $(RANDOM_ORDER) $(PYTEST_ARGS)
 
 # The coordinator's tests again with the registry on PostgreSQL: one throw-away cluster per
 # run (tests/pg_cluster.py: Debian's postgresql package, a free loopback port; as root the

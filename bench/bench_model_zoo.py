@@ -78,19 +78,23 @@ def _row(arch: Any, rounds: int) -> tuple[str, str]:
     cells = []
     for name in ENGINES:
         c = by_name.get(name)
+        judged_by_units = "†" if c is not None and getattr(c, "inconclusive", "") else ""
         if c is None or not c.available:
             cells.append("-")
         elif c.error:
             cells.append("fails")
         elif c.correct is False:  # not timed: selection never runs a wrong engine
             unit = "units" if c.agreement == "int8" else "steps"
-            cells.append(f"WRONG ({c.max_diff:.0f} {unit})" if c.max_diff is not None else "WRONG")
+            cells.append((f"WRONG ({c.max_diff:.0f} {unit})" if c.max_diff is not None else "WRONG") + judged_by_units)
         elif c.latency_ms is None:
             cells.append("oracle" if name == "reference" else "not timed")
         else:
             ms = c.latency_ms / BATCH
-            cells.append(f"{ms:.2f}" + (f" ({fp32 / ms:.1f}x)" if fp32 else ""))
+            cells.append(f"{ms:.2f}" + (f" ({fp32 / ms:.1f}x)" if fp32 else "") + judged_by_units)
     notes = [f"{c.name}: {c.error[:120]}" for c in result.candidates if c.error]
+    inconclusive = next((c.inconclusive for c in result.candidates if getattr(c, "inconclusive", "")), "")
+    if inconclusive:
+        notes.append(f"† task-level agreement inconclusive ({inconclusive}): judged by the unit-level comparison")
     line = (f"| {arch.id} | {arch.size} | {f'{fp32:.2f}' if fp32 else 'n/a'} | " + " | ".join(cells)
             + f" | {result.chosen} | {result.agreement:.1%} | {result.fp32_accuracy:.1%} / {result.int8_accuracy:.1%}"
             f" | {result.finetune_before:.1%} -> {result.finetune_after:.1%} |")
@@ -108,6 +112,7 @@ def run(quick: bool = False) -> str:
            "rounds from the engine selection itself; (Nx) = speed-up over MXNet fp32. 'chosen' is the "
            "engine `select_engine` picks here (from the engines that pass its agreement check); "
            "'WRONG (n units/steps)': flagged by that check (max distance to the reference), so never run; "
+           "†: that check's task-level part was inconclusive (too few decided samples), units decided; "
            "'oracle': the numpy reference, which the others are checked against. Agreement: int8 "
            f"top-1 == fp32 top-1 on {zoo.N_TEST} held-out digits (upsampled to the input size, 3 channels) "
            "through a linear head fitted on the fp32 backbone's features; accuracy of that head on "
@@ -129,7 +134,7 @@ def run(quick: bool = False) -> str:
         except Exception as exc:  # an architecture that does not import yet is a line, not a crash
             failed.append(f"- {arch.id}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
     if notes:
-        out += ["", "Engine errors:", *notes]
+        out += ["", "Engine errors, and checks whose task-level part was inconclusive:", *notes]
     if failed:
         out += ["", "Not imported yet:", *failed]
     return "\n".join(out) + "\n"

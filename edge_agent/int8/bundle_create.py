@@ -134,11 +134,17 @@ def _load_image(path: Path, spec: InputSpec) -> np.ndarray:
     channels, height, width = spec.shape
     if channels not in (1, 3):
         raise InputError(f"{path}: images can only feed 1- or 3-channel inputs, this model has {channels}")
+    from ..data import ImageRefused, image_pixels
+
     try:
         with Image.open(io.BytesIO(read_limited(path, 64 << 20))) as img:
             if img.width * img.height > 64_000_000:  # decompression bomb guard
                 raise InputError(f"{path}: {img.width}x{img.height} image is too large")
-            pixels = np.asarray(img.convert("L" if channels == 1 else "RGB").resize((width, height)))
+            # the fine-tune's own decoding (16-bit scaled, not clipped; alpha refused), with
+            # the bicubic filter calibration always resized with
+            pixels = image_pixels(img, channels, (width, height), resample=Image.BICUBIC)
+    except ImageRefused as exc:
+        raise InputError(f"{path}: {exc.reason}: {exc}") from None
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InputError(f"{path}: not a readable image ({exc})") from None
     chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)

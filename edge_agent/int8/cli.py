@@ -27,9 +27,20 @@ Correct: the engine's top-1 through the bundle's head agrees with the fp32 model
 bundle's calibration samples (up to 256) at most 0.5 points (and one sample) less often
 than the bit-exact numpy reference does, and its features are within a loose sanity bound
 of the reference's (mean under 10 output steps: catches layout and scale bugs). The
-int8-unit distance to the reference is shown as a diagnostic. Energy: CPU-seconds x the
-board profile's (load_w - idle_w) / cores (else 2 W). The reference is timed only when no
-other engine is correct.
+int8-unit distance to the reference is shown as a diagnostic.
+
+That task-level check needs at least 32 calibration samples whose top-1 is decided
+(not a near-tie that one output step of rounding could flip). With fewer -- a bundle with
+few samples, a net whose features say nothing (random weights: every sample a tie) -- or
+without the onnx package, it is INCONCLUSIVE, never ok: the table says so and the
+unit-level comparison decides instead (every output within the graph's measured rounding
+sensitivity of the reference, capped at 8 int8 units / 48 output steps, and the
+same top-1 on the decided check samples). A graph that rounding moves by more than the cap
+is reported as too sensitive to judge by units: there only a conclusive task-level check
+can accept an engine further off than the cap.
+
+Energy: CPU-seconds x the board profile's (load_w - idle_w) / cores (else 2 W). The
+reference is timed only when no other engine is correct.
 
 The measurements are cached in the state directory per (model sha256, hardware
 fingerprint, edge-agent version, batch size, threads, candidate list); `edge-agent
@@ -180,17 +191,18 @@ def run_kernels(args: argparse.Namespace) -> int:
 
 
 def _agreement(row: Any) -> str:
+    verdict = "ok" if row.correct else "WRONG"
     if row.top1_fp32 is not None and row.reference_top1_fp32 is not None:
-        verdict = "ok" if row.correct else "WRONG"
         return f"{verdict} {row.top1_fp32:.1%} (ref {row.reference_top1_fp32:.1%}, n={row.agreement_samples})"
     if row.max_diff is None:
         return "-"
     unit = "unit" if row.agreement == "int8" else "steps"
-    top1 = ""
-    if row.top1_match is not None and row.top1_checked is not None:
-        top1 = f"top-1 {round(row.top1_match * row.top1_checked)}/{row.top1_checked}"
-    verdict = "ok" if row.correct else "WRONG"
-    return f"{verdict}: {row.agreement} max {row.max_diff:.3g}/{row.tolerance:g} {unit}, {top1}"
+    if row.top1_checked:
+        top1 = f"top-1 {round((row.top1_match or 0.0) * row.top1_checked)}/{row.top1_checked}"
+    else:
+        top1 = "top-1 inconclusive (0 decided)"
+    basis = "inconclusive -> units " if row.inconclusive else ""
+    return f"{basis}{verdict}: {row.agreement} max {row.max_diff:.3g}/{row.tolerance:g} {unit}, {top1}"
 
 
 def _diagnostic(row: Any) -> str:
@@ -198,8 +210,12 @@ def _diagnostic(row: Any) -> str:
         return ""
     unit = "int8 units" if row.agreement == "int8" else "output steps"
     mean = f", mean {row.mean_steps:.2g} steps" if row.mean_steps is not None else ""
-    tol = f" (rounding tolerance {row.tolerance:g})" if row.tolerance is not None else ""
-    return f"max {row.max_diff:.3g} {unit} from the reference{tol}{mean}"
+    tol = f" (rounding tolerance {row.tolerance:g})" if row.tolerance is not None and row.basis != "task" else ""
+    sens = ""
+    if row.rounding_sensitivity is not None:
+        sens = f"; graph rounding sensitivity {row.rounding_sensitivity:g} units"
+        sens += " (too sensitive to judge by units)" if row.too_sensitive else ""
+    return f"max {row.max_diff:.3g} {unit} from the reference{tol}{mean}{sens}"
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -244,7 +260,13 @@ def render(info: dict[str, Any], rows: list[Any], selection: Any, forced: str | 
             lines.append(f"cost:     this selection used ~{selection.energy_j:.1f} J")
         if selection.cache_file:
             lines.append(f"cache:    {selection.cache_file}")
-        lines.extend(f"note:     {n}" for n in selection.notes)
+    # how the engines were judged (the same for every engine: said once, without its name)
+    from .agreement import evidence_notes
+
+    judged = list(dict.fromkeys(note.split(": ", 1)[1] for r in rows for note in evidence_notes(r)))
+    if selection is not None:
+        lines.extend(f"note:     {n}" for n in selection.notes if n.split(": ", 1)[-1] not in judged)
+    lines.extend(f"note:     {n}" for n in judged)
     if forced and (selection is None or not selection.forced):
         lines.append(f"note:     {ENV_FORCE_BACKEND}={forced} is set: training will use {forced}")
     lines.append("J@N: predicted job energy for N images (prepare + N x per-image); * = chosen for that size. "

@@ -63,6 +63,19 @@ class SelectionStopped(EdgeAgentError):
     """The governor stopped the job while the engine was being selected."""
 
 
+@dataclass(frozen=True)
+class Clocks:
+    """Where selection reads time: wall seconds (latency, the re-check's contention test) and
+    this process's CPU seconds (energy). Tests pass virtual ones, so that no verdict of theirs
+    depends on how busy the machine is."""
+
+    wall: Callable[[], float] = time.perf_counter
+    cpu: Callable[[], float] = time.process_time
+
+
+SYSTEM_CLOCKS = Clocks()
+
+
 @dataclass
 class Phase:
     cpu_s: float
@@ -120,21 +133,22 @@ def peak_rss_growth(start_mb: float | None) -> float:
 
 
 @contextlib.contextmanager
-def measured(meter: Meter, phase: str, predicted_j: float = 0.0) -> Iterator[Phase]:
+def measured(meter: Meter, phase: str, predicted_j: float = 0.0, *, clocks: Clocks = SYSTEM_CLOCKS) -> Iterator[Phase]:
     """Meter one phase: refuse it first if the meter says so, then CPU, wall, J and peak MB."""
     meter.before(phase, predicted_j)
     out = Phase(0.0, 0.0, 0.0, 0.0)
     rss0 = reset_peak_rss()
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    cpu0, wall0 = clocks.cpu(), clocks.wall()
     try:
         yield out
     finally:
-        out.cpu_s, out.wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        out.cpu_s, out.wall_s = clocks.cpu() - cpu0, clocks.wall() - wall0
         out.peak_mb = peak_rss_growth(rss0)
         out.joules = meter.after(phase, out.cpu_s)
 
 
-def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int) -> dict[Any, tuple[float, float]]:
+def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
+                clocks: Clocks = SYSTEM_CLOCKS) -> dict[Any, tuple[float, float]]:
     """Median (wall s, CPU s) per `run(x)` for each runner, rounds interleaved (every runner
     once per round) so that load drifting on a shared machine hits all alike."""
     for runner in runners.values():
@@ -143,10 +157,10 @@ def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int) -> dict
     cpu: dict[Any, list[float]] = {k: [] for k in runners}
     for _ in range(max(1, repeats)):
         for key, runner in runners.items():
-            c0, w0 = time.process_time(), time.perf_counter()
+            c0, w0 = clocks.cpu(), clocks.wall()
             runner.run(x)
-            wall[key].append(time.perf_counter() - w0)
-            cpu[key].append(time.process_time() - c0)
+            wall[key].append(clocks.wall() - w0)
+            cpu[key].append(clocks.cpu() - c0)
     return {k: (float(np.median(wall[k])), float(np.median(cpu[k]))) for k in runners}
 
 
@@ -179,14 +193,14 @@ def agreement_verdict(engine: float, reference: float, samples: int) -> tuple[bo
 
 
 def recheck(runner: Any, x: np.ndarray, cached_wall_s: float, *, batches: int = RECHECK_BATCHES,
-            factor: float = RECHECK_FACTOR) -> tuple[bool, float]:
+            factor: float = RECHECK_FACTOR, clocks: Clocks = SYSTEM_CLOCKS) -> tuple[bool, float]:
     """Time a few batches of a cached choice: (still good, median wall s per batch)."""
     runner.run(x)  # warm-up, as when it was measured
     times = []
     for _ in range(max(1, batches)):
-        t0 = time.perf_counter()
+        t0 = clocks.wall()
         runner.run(x)
-        times.append(time.perf_counter() - t0)
+        times.append(clocks.wall() - t0)
     now = float(np.median(times))
     return now <= factor * cached_wall_s, now
 

@@ -38,14 +38,18 @@ from .agreement import (
     ROUNDING_FLIP_RATE,
     ROUNDING_SAMPLES,
     ROUNDING_SEEDS,
+    ROUNDING_SENSITIVITY_CAP,
     Oracle,
     check_batch_for,
     disagreement,
+    evidence_notes,
 )
 from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
     AGREEMENT_MAX_SAMPLES,
     DEFAULT_WATTS_PER_CPU,
+    SYSTEM_CLOCKS,
+    Clocks,
     CpuMeter,
     Meter,
     choose,
@@ -71,7 +75,8 @@ from .selection_cache import (
 
 __all__ = [
     "CACHE_DIR", "CACHE_FORMAT", "FLOAT_TOLERANCE_STEPS", "INT8_TOLERANCE_UNITS", "MAX_CACHE_BYTES",
-    "PREDICT_IMAGES", "PROBE_PREDICT_CPU_S", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
+    "PREDICT_IMAGES", "PROBE_PREDICT_CPU_S", "PROBE_REPEATS", "PROBE_SAMPLES", "ROUNDING_FLIP_RATE", "ROUNDING_SAMPLES", "ROUNDING_SEEDS",
+    "ROUNDING_SENSITIVITY_CAP",
     "VARIANT_PREPARE_MAX_S", "Candidate", "EngineUnavailableError", "Oracle", "Selection",
     "availability_report", "cache_key", "cache_path", "cached_selection", "check_batch_for",
     "default_probe", "hardware_fingerprint", "load_cached", "profile_settings", "select_engine",
@@ -80,6 +85,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 PROBE_SAMPLES = 4  # priced after a warm-up call: one cold image cost ~200x a warm one
+PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose median CPU time prices a sample
 # What the first probe phase (engine availability, the bundle's graph, one cold reference
 # image) is predicted to cost before anything is measured: ~0.08 CPU-s for the demo bundle on
 # a Zen 2 core and several times that on a Cortex-A72, so a budget below it is refused
@@ -147,6 +153,7 @@ def select_engine(
     watts_per_cpu: float | None = None,
     mem_cap_mb: float | None = None,
     recheck_cached: bool = False,
+    clocks: Clocks = SYSTEM_CLOCKS,
 ) -> tuple[Selection, Runner | None]:
     """Choose the engine for `bundle` here; returns the decision and (with `keep_runner`)
     the chosen engine's prepared runner. Raises EngineUnavailableError if nothing is correct,
@@ -155,7 +162,8 @@ def select_engine(
     The choice minimises the predicted energy of a job of `images` images (engine_cost).
     `meter` charges each phase (the job's budget governor; it may refuse one), else CPU
     seconds x `watts_per_cpu`. `recheck_cached` re-times a cached choice on a few batches
-    and falls back to one thread when it got RECHECK_FACTOR slower (see _use_cached)."""
+    and falls back to one thread when it got RECHECK_FACTOR slower (see _use_cached).
+    `clocks`: where wall and CPU seconds are read (tests: virtual clocks)."""
     env = os.environ if env is None else env
     threads = thread_count(threads)  # None and "all cores" are the same decision
     if batch_size < 1:
@@ -179,31 +187,40 @@ def select_engine(
         cached = load_cached(path, key)
         if cached is not None:
             hit = _use_cached(cached, bundle, by_name, probe, images=images, mem_cap_mb=mem_cap_mb,
-                              keep_runner=keep_runner, recheck_cached=recheck_cached)
+                              keep_runner=keep_runner, recheck_cached=recheck_cached, clocks=clocks)
             if hit is not None:
                 return hit
     x = check_batch_for(bundle, batch_size)
     spent = 0.0
-    # the probe: one reference image prices the rest, so that a budget too small for the
+    # the probe: reference images price the rest, so that a budget too small for the
     # selection is refused before it is spent (meter.before("selection", ...))
-    from .engines.reference import QGraphRunner
+    from .engines.reference import ReferenceEngine
 
     meter.before("selection", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
-    with measured(meter, "probe") as ph:  # (just checked above) the first call pays one-off costs ...
+    with measured(meter, "probe", clocks=clocks) as ph:  # (just checked above) the first call pays one-off costs ...
         # which engines can run here: cheap by contract (Int8Engine.availability), and metered
         # with the probe all the same; a forced engine is the only one asked
         rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
         if forced:
             rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in loaded if n != forced]
-        probe_runner = QGraphRunner(bundle.qgraph())
+        probe_runner = (by_name.get("reference") or ReferenceEngine()).prepare(bundle)
         probe_runner.run(x[:1])
     spent += ph.joules
     n_probe = min(len(x), PROBE_SAMPLES)
-    # ... so the per-sample price comes from the second (predicted at the cold image's price: high)
-    with measured(meter, "probe", n_probe * ph.joules) as ph:
-        probe_runner.run(x[:n_probe])
+    # ... so the per-sample price comes from the runs after it: CPU-seconds (the median of
+    # PROBE_REPEATS runs) x watts per CPU. Not the meter's joules: a power source read around a
+    # few milliseconds (a sensor, or /proc/stat's 10 ms jiffies with every process's load in
+    # them) predicted 0.0013-0.42 Wh for a selection that cost ~0.005 Wh. The phase itself is
+    # predicted at the cold image's CPU time, which buys ~200 warm ones.
+    with measured(meter, "probe", wpc * ph.cpu_s, clocks=clocks) as ph:
+        runs = []
+        for _ in range(PROBE_REPEATS):
+            c0 = clocks.cpu()
+            probe_runner.run(x[:n_probe])
+            runs.append(clocks.cpu() - c0)
     spent += ph.joules
-    per_sample = max(ph.joules / n_probe, 1e-9)
+    probe_runner.close()
+    per_sample = wpc * max(float(np.median(runs)) / n_probe, 1e-9)  # joules
     n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
@@ -213,7 +230,7 @@ def select_engine(
     pred_timing = per_sample * len(x) * (repeats + 1) * max(1, len(others or todo)) * threads
     predicted = pred_oracle + sum(pred_prepare[r.name] for r in (others or todo)) + pred_timing
     meter.before("selection", predicted + per_sample * batch_size)  # + one batch of the job
-    with measured(meter, "agreement", pred_oracle) as ph:
+    with measured(meter, "agreement", pred_oracle, clocks=clocks) as ph:
         oracle = Oracle(bundle, x, logits=logits)
     spent += ph.joules
     runners: dict[tuple[str, int], Runner] = {}
@@ -222,11 +239,11 @@ def select_engine(
         nonlocal spent
         engine = by_name[row.name]
         assert engine is not None
-        with measured(meter, f"prepare:{row.name}", pred_prepare[row.name]) as ph:
+        with measured(meter, f"prepare:{row.name}", pred_prepare[row.name], clocks=clocks) as ph:
             try:
-                c0, w0 = time.process_time(), time.perf_counter()
+                c0, w0 = clocks.cpu(), clocks.wall()
                 runner = engine.prepare(bundle, threads=threads)
-                row.prepare_cpu_s, row.prepare_s = time.process_time() - c0, time.perf_counter() - w0
+                row.prepare_cpu_s, row.prepare_s = clocks.cpu() - c0, clocks.wall() - w0
                 row.prepare_j = row.prepare_cpu_s * wpc
                 runners[(row.name, threads)] = runner
                 oracle.check(runner, row)
@@ -263,8 +280,8 @@ def select_engine(
     timed = {k: r for k, r in runners.items() if (c := _row(rows, k[0])) is not None and not c.error
              and (c.correct or forced)}
     try:
-        with measured(meter, "timing", pred_timing) as ph:
-            seconds = time_rounds(timed, x, repeats=repeats)
+        with measured(meter, "timing", pred_timing, clocks=clocks) as ph:
+            seconds = time_rounds(timed, x, repeats=repeats, clocks=clocks)
         spent += ph.joules
     except EdgeAgentError:
         raise
@@ -310,6 +327,8 @@ def select_engine(
         selection.chosen = best_row.name
         selection.chosen_for = {str(n): (choose(rows, n, mem_cap_mb) or best_row).name for n in PREDICT_IMAGES}
     chosen_row = selection.candidate(selection.chosen)
+    if chosen_row is not None:  # how the chosen engine was judged, in the job's report too
+        selection.notes.extend(evidence_notes(chosen_row))
     selection.threads = chosen_row.threads if chosen_row is not None and chosen_row.threads else threads
     selection.energy_j = spent
     for row in rows:
@@ -324,7 +343,7 @@ def select_engine(
 
 def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine | None], probe: dict[str, Any], *,
                 images: int, mem_cap_mb: float | None, keep_runner: bool,
-                recheck_cached: bool) -> tuple[Selection, Runner | None] | None:
+                recheck_cached: bool, clocks: Clocks) -> tuple[Selection, Runner | None] | None:
     """The cached rows, re-chosen for this job's size; with `recheck_cached` the choice is
     re-timed on a few batches first: RECHECK_FACTOR slower on several threads falls back to
     one thread; on one thread the choice is kept (load slows every engine alike, and the
@@ -337,6 +356,7 @@ def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine
         return None
     t = best.threads or cached.key.get("threads") or 1
     cached.images, cached.chosen, cached.threads = images, best.name, t
+    cached.notes.extend(evidence_notes(best))
     for row in cached.candidates:
         row.chosen = row.name == best.name
     if not keep_runner and not recheck_cached:
@@ -348,10 +368,10 @@ def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine
         return None
     if recheck_cached and best.latency_ms:
         x = check_batch_for(bundle, cached.batch_size)
-        good, now = recheck(runner, x, best.latency_ms / 1000.0)
+        good, now = recheck(runner, x, best.latency_ms / 1000.0, clocks=clocks)
         if not good and t > 1:  # contention: a spinning pool on shared cores; try one thread
             one = engine.prepare(bundle, threads=1)
-            good1, now1 = recheck(one, x, best.latency_ms / 1000.0 * t)
+            good1, now1 = recheck(one, x, best.latency_ms / 1000.0 * t, clocks=clocks)
             if good1 or now1 < now:
                 runner.close()
                 runner, now, good = one, now1, True

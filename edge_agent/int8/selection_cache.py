@@ -31,7 +31,7 @@ from .engines._common import thread_count
 _log = logging.getLogger(__name__)
 
 CACHE_DIR = "int8-selection"
-CACHE_FORMAT = 2  # 2: task-level agreement and costs
+CACHE_FORMAT = 3  # 2: task-level agreement and costs; 3: inconclusive checks, capped tolerance
 MAX_CACHE_BYTES = 256 * 1024
 
 
@@ -45,9 +45,14 @@ class Candidate:
     agreement: str = ""  # "int8" (units) | "float" (output steps) | ""
     max_diff: float | None = None  # in int8 units or in output quantisation steps
     tolerance: float | None = None
-    top1_match: float | None = None  # fraction of decided samples with the reference's top-1
+    top1_match: float | None = None  # fraction of decided samples with the reference's top-1 (None: none decided)
     top1_checked: int | None = None  # decided samples (near-ties excluded, see Oracle.decided)
     correct: bool | None = None
+    basis: str = ""  # what decided `correct`: "task" (top-1 vs fp32) | "units" (the fallback)
+    inconclusive: str = ""  # why the task-level check could not decide ("" when it did)
+    agreement_decided: int | None = None  # calibration samples whose top-1 one output step cannot flip
+    rounding_sensitivity: float | None = None  # int8 units the graph's output moves under rounding flips
+    too_sensitive: bool = False  # sensitivity over the cap: units cannot judge an engine here
     latency_ms: float | None = None  # median per batch
     images_per_s: float | None = None
     chosen: bool = False

@@ -16,6 +16,10 @@ from datetime import datetime, timedelta, tzinfo
 from ..errors import ConfigError
 
 BASES = ("job", "total")
+# What the budget is charged with: "process" (the job's own process tree: its CPU-seconds x
+# the board's watts per busy core) or "device" (everything the board's power source measures,
+# every process included: battery-wide accounting). process_energy.py says why.
+SCOPES = ("process", "device")
 DEFAULT_RESUME_GAP_PCT = 10.0
 DEFAULT_THERMAL_MARGIN_C = 5.0
 
@@ -125,13 +129,17 @@ class Budget:
     """What a fine-tune job may spend. Every field is optional; None means "no limit".
 
     budget_wh applies to `budget_basis`: "job" (energy above idle, what training adds) or
-    "total" (all energy drawn while the job runs, including idle and pauses).
+    "total" (all energy drawn while the job runs, including idle and pauses), within
+    `energy_scope`: "process" (default: the job's own process tree, so that other processes'
+    load is not charged to it) or "device" (everything the board's power source measures:
+    battery-wide accounting).
     A battery pause resumes at battery_resume_pct (default floor + 10); a thermal pause
     resumes once the hottest zone is thermal_margin_c below thermal_limit_c.
     """
 
     budget_wh: float | None = None
     budget_basis: str = "job"
+    energy_scope: str = "process"
     power_cap_w: float | None = None
     battery_floor_pct: float | None = None
     battery_resume_pct: float | None = None
@@ -146,6 +154,8 @@ class Budget:
             put(self, "budget_wh", _number("budget_wh", self.budget_wh, positive=True))
         if self.budget_basis not in BASES:
             raise ConfigError(f"budget_basis: expected one of {BASES}, got {self.budget_basis!r}")
+        if self.energy_scope not in SCOPES:
+            raise ConfigError(f"energy_scope: expected one of {SCOPES}, got {self.energy_scope!r}")
         if self.power_cap_w is not None:
             put(self, "power_cap_w", _number("power_cap_w", self.power_cap_w, positive=True))
         if self.battery_floor_pct is None:

@@ -11,12 +11,16 @@ The trainer calls it at step boundaries (see the example in `edge_agent/power/__
 
 Energy used is integrated from power samples taken at those boundaries (energy.py), and
 a step is refused when the predicted energy of the next step would overshoot the budget,
-so a job ends within one step's energy below its budget.
+so a job ends within one step's energy below its budget. What the budget is charged with is
+the Budget's `energy_scope`: by default the job's own process tree (process_energy.py:
+CPU-seconds x watts per busy core, read at the same boundaries), with the power source's
+device-wide figure reported beside it; "device" charges that figure (battery-wide).
 
 Inference: a device that serves requests while it trains (edge_agent.inference) spends
 energy on them that a whole-device sensor counts into the job's. `inference_j` (the
-service's running total, in J) lets the governor account it as inference: the job's energy
-("job" basis) leaves it out, the device's total keeps it, and the report says how much.
+service's running total, in J) lets the governor account it as inference: in the "device"
+scope the job's energy ("job" basis) leaves it out, the device's total keeps it, and the
+report says how much (the "process" scope never sees it: the service is another process).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .decisions import (
 )
 from .energy import EnergyMeter
 from .monitor import PowerMonitor
+from .process_energy import ProcessEnergy, process_cpu_seconds
 from .thermal import ThermalMonitor, ThermalReading
 
 J_PER_WH = 3600.0
@@ -65,7 +70,12 @@ class BudgetGovernor:
         tz: tzinfo | None = None,
         resume_from: Mapping[str, object] | None = None,
         inference_j: Callable[[], float | None] | None = None,
+        watts_per_cpu: float | None = None,
+        cpu_seconds: Callable[[], float] | None = None,
     ) -> None:
+        """`watts_per_cpu` (the board profile's (load_w - idle_w) / cores) prices the job's
+        CPU-seconds in the "process" energy scope, read from `cpu_seconds` (default: this
+        process tree's; tests pass a virtual counter). Without it the scope is "device"."""
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget: expected a Budget, got {type(budget).__name__}")
         for key, value in (("poll_s", poll_s), ("stale_s", stale_s)):
@@ -90,6 +100,14 @@ class BudgetGovernor:
         self.max_sensor_failures = max(1, int(max_sensor_failures))
         self.tz = tz
         self.meter = EnergyMeter(idle_w=idle_w, start_t=self.clock.monotonic())
+        self.process: ProcessEnergy | None = None
+        self.scope_note = ""
+        if budget.energy_scope == "process":
+            if watts_per_cpu is not None:
+                self.process = ProcessEnergy(watts_per_cpu=watts_per_cpu, cpu_seconds=cpu_seconds or process_cpu_seconds)
+            else:
+                self.scope_note = ("energy scope 'process' needs the board profile's watts per core (load_w - "
+                                   "idle_w); none known, so the device-wide figure is charged")
         self._cancel = threading.Event()
         self._cancel_detail = ""
         self._stop: Decision | None = None
@@ -115,6 +133,7 @@ class BudgetGovernor:
         self.battery_start: float | None = None
         self.max_temp_c: float | None = None
         self._offset_total_j = self._offset_job_j = 0.0
+        self._offset_device_total_j = self._offset_device_job_j = 0.0
         self._inference = inference_j
         self._inference_start = self._read_inference()
         if resume_from is not None:
@@ -252,6 +271,11 @@ class BudgetGovernor:
     def stop_reason(self) -> StopReason | None:
         return self._stop.reason if self._stop is not None else None  # type: ignore[return-value]
 
+    @property
+    def energy_scope(self) -> str:
+        """What the budget is charged with: "process" or "device" (see the module docstring)."""
+        return "process" if self.process is not None else "device"
+
     def report(self) -> dict[str, object]:
         total_j, job_j = self._total_j(), self._job_j()
         measured = self.meter.measured_s
@@ -259,6 +283,12 @@ class BudgetGovernor:
         return {
             "energy_wh_total": total_j / J_PER_WH,
             "energy_wh_job": job_j / J_PER_WH,
+            "energy_scope": self.energy_scope,
+            "energy_scope_note": self.scope_note,
+            # what the power source measured for the whole board, every process on it
+            "device_energy_wh_total": self._device_total_j() / J_PER_WH,
+            "device_energy_wh_job": self._device_job_j() / J_PER_WH,
+            "process_cpu_s": self.process.cpu_s if self.process is not None else None,
             "inference_wh": self.inference_j() / J_PER_WH,
             "budget_wh": self.budget.budget_wh,
             "budget_basis": self.budget.budget_basis,
@@ -295,6 +325,8 @@ class BudgetGovernor:
         return {
             "energy_j_total": self._total_j(),
             "energy_j_job": self._job_j(),
+            "device_energy_j_total": self._device_total_j(),
+            "device_energy_j_job": self._device_job_j(),
             "steps": float(self.steps),
             "training_s": self.training_s,
             "pause_count": float(self.pause_count),
@@ -316,9 +348,16 @@ class BudgetGovernor:
         return self.meter.last.t if self.meter.last is not None else self._now_mono()
 
     def _total_j(self) -> float:
+        """The budget's "total" energy in its scope, earlier runs of the job included."""
+        if self.process is not None:
+            return self._offset_total_j + self.process.total_j(self.meter.idle_w)
         return self._offset_total_j + self.meter.total_j
 
     def _job_j(self) -> float:
+        """The budget's "job" (above idle) energy in its scope, earlier runs included; in the
+        device scope without what the inference service spent meanwhile."""
+        if self.process is not None:
+            return self._offset_job_j + self.process.job_j
         return max(0.0, self._offset_job_j + self.meter.job_j - self.inference_j())
 
     def _read_inference(self) -> float | None:
@@ -339,11 +378,20 @@ class BudgetGovernor:
             return 0.0
         return max(0.0, now - self._inference_start)
 
+    def _device_total_j(self) -> float:
+        return self._offset_device_total_j + self.meter.total_j
+
+    def _device_job_j(self) -> float:
+        return self._offset_device_job_j + self.meter.job_j
+
     def _used_j(self) -> float:
         return self._job_j() if self.budget.budget_basis == "job" else self._total_j()
 
     def _sample(self, *, hold_end: bool = False) -> None:
-        self.meter.add(self.monitor.read(self._now_mono()), hold_end=hold_end)
+        t = self._now_mono()
+        self.meter.add(self.monitor.read(t), hold_end=hold_end)
+        if self.process is not None:
+            self.process.sample(t)
 
     def _close_step(self, fallback_s: float | None = None) -> tuple[float, float]:
         """End the open step: (seconds, total joules). The closing reading reflects the step."""
@@ -459,13 +507,14 @@ class BudgetGovernor:
         if self._cancel.is_set():
             return self._halt(StopReason.CANCELLED, self._cancel_detail)
         b = self.budget
-        if b.budget_j is not None and self.meter.last is None and self.meter.failed_reads >= 3:
+        device_charged = self.process is None  # the process scope needs no sensor to hold the budget
+        if device_charged and b.budget_j is not None and self.meter.last is None and self.meter.failed_reads >= 3:
             # Not one reading since the start (a counter's priming read and a read at the same
             # instant do not count): the job would go unmetered. A short job used to finish
             # "within budget" at 0.0 Wh before max_sensor_failures was reached; now one step at most.
             return self._halt(StopReason.ERROR, "no power source gave a reading at the start; cannot enforce "
                               "the energy budget (edge-agent probe lists the sources and their errors)")
-        if b.budget_j is not None and self.meter.consecutive_failures >= self.max_sensor_failures:
+        if device_charged and b.budget_j is not None and self.meter.consecutive_failures >= self.max_sensor_failures:
             return self._halt(
                 StopReason.ERROR,
                 f"no power reading in {self.meter.consecutive_failures} consecutive samples; cannot enforce the energy budget",
@@ -533,6 +582,8 @@ class BudgetGovernor:
         for key in (
             "energy_j_total",
             "energy_j_job",
+            "device_energy_j_total",
+            "device_energy_j_job",
             "steps",
             "training_s",
             "pause_count",
@@ -551,6 +602,8 @@ class BudgetGovernor:
             values[key] = float(value)
         self._offset_total_j = values["energy_j_total"]
         self._offset_job_j = values["energy_j_job"]
+        self._offset_device_total_j = values["device_energy_j_total"]
+        self._offset_device_job_j = values["device_energy_j_job"]
         self.steps = int(values["steps"])
         self.training_s = values["training_s"]
         self.pause_count = int(values["pause_count"])

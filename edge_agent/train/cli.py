@@ -31,7 +31,9 @@ DATA is one of:
   feature columns in C,H,W order + a label column) or an NPZ file (arrays x and y).
   Images are converted to the model's channels, resized DOWN to its input size (aspect
   ratio not kept) and normalised; an image smaller than the input is skipped
-  ("too-small"), never blown up. Sub-folder names, CSV label cells and NPZ y values are
+  ("too-small"), never blown up. 16-bit images are scaled to the 8-bit range (not
+  clipped); images with transparent pixels ("transparent-image") and pixels with no known
+  full scale, e.g. floating-point TIFFs ("unsupported-pixels"), are skipped. Sub-folder names, CSV label cells and NPZ y values are
   label NAMES and must equal the model's labels (never read as indices: a folder "3" is
   the label "3"); anything else is an error naming them, unless --label-map maps them or
   --skip-unknown leaves them out. Unreadable files, too-small images, bad rows and
@@ -149,7 +151,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     bar = None if args.quiet else ProgressBar(sys.stderr)
     report = run_finetune(
         model=args.model, data=args.data, state_dir=state_dir, cache_dir=args.cache_dir,
-        budget_wh=args.budget_wh, budget_basis=args.budget_basis, power_cap_w=args.power_cap_w,
+        budget_wh=args.budget_wh, budget_basis=args.budget_basis, energy_scope=args.energy_scope,
+        power_cap_w=args.power_cap_w,
         battery_floor_pct=args.battery_floor, battery_resume_pct=args.battery_resume,
         thermal_limit_c=args.thermal_limit, window=args.window, deadline=args.deadline,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
@@ -217,6 +220,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "plus one batch exits 64 before starting")
     g.add_argument("--budget-basis", choices=("job", "total"), default="job",
                    help="'job': energy above idle (default); 'total': all energy drawn while the job runs")
+    g.add_argument("--energy-scope", choices=("process", "device"), default=None,
+                   help="what the budget is charged with. 'process' (default): this job's own CPU-seconds x the "
+                        "board profile's watts per busy core, so other processes' load is never charged to it; "
+                        "what the power source measures for the whole board is reported beside it. 'device': "
+                        "that whole-board figure (battery-wide accounting, e.g. when the battery must also "
+                        "carry other services). Default: $EDGE_AGENT_ENERGY_SCOPE, else 'process' (the agent's "
+                        "jobs read the same variable)")
     g.add_argument("--power-cap-w", type=_positive(float), metavar="Y", help="average power cap in W (duty-cycled)")
     g.add_argument("--battery-floor", type=_percent, metavar="P", help="pause below this battery %%")
     g.add_argument("--battery-resume", type=_percent, metavar="P", help="resume at this battery %% (default floor+10)")

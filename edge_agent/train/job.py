@@ -58,6 +58,7 @@ from .job_support import (
 log = logging.getLogger(__name__)
 
 HEAD_LR, TAIL_LR = 0.01, 0.001  # default learning rates: one dense layer, anything deeper
+ENV_ENERGY_SCOPE = "EDGE_AGENT_ENERGY_SCOPE"  # "device": battery-wide accounting (a daemon's jobs too)
 
 
 def run_finetune(
@@ -68,6 +69,7 @@ def run_finetune(
     cache_dir: str | os.PathLike[str] | None = None,
     budget_wh: float | None = None,
     budget_basis: str = "job",
+    energy_scope: str | None = None,
     power_cap_w: float | None = None,
     battery_floor_pct: float | None = None,
     battery_resume_pct: float | None = None,
@@ -112,7 +114,12 @@ def run_finetune(
     governor (budget, deadline, battery, cancel) is not an error: see "stop_reason".
     `clock` (edge_agent.power.Clock) is for tests; the default is the system clock. A
     clock with a `work_done()` method is called after every feature batch and training
-    step, so a virtual clock can charge each step a fixed time whatever the CPU's speed.
+    step, so a virtual clock can charge each step a fixed time whatever the CPU's speed;
+    one with a `cpu_seconds()` method is the job's CPU-time counter (default: this process
+    tree's, power/process_energy.py).
+    `energy_scope`: what the budget is charged with: "process" (the job's own CPU-seconds x
+    the board profile's watts per busy core; the default) or "device" (everything the board's
+    power source measures: battery-wide); None reads $EDGE_AGENT_ENERGY_SCOPE, else "process".
     `model` is a bundle directory or its .tar.gz archive (unpacked, verified, for the run).
     `label_map`: a `--label-map` spec (edge_agent.labels.parse_label_map) or its parsed form;
     data labels matching no model label are an InputError unless `skip_unknown`.
@@ -141,7 +148,9 @@ def run_finetune(
     if isinstance(augment, bool) or not isinstance(augment, int) or not 0 <= augment <= MAX_VIEWS:
         raise UsageError(f"augment: expected 0..{MAX_VIEWS} views per image, got {augment!r}")
     # validate everything cheap before touching the state directory
-    budget = Budget(budget_wh=budget_wh, budget_basis=budget_basis, power_cap_w=power_cap_w,
+    if energy_scope is None:
+        energy_scope = os.environ.get(ENV_ENERGY_SCOPE, "").strip() or "process"
+    budget = Budget(budget_wh=budget_wh, budget_basis=budget_basis, energy_scope=energy_scope, power_cap_w=power_cap_w,
                     battery_floor_pct=battery_floor_pct, battery_resume_pct=battery_resume_pct,
                     thermal_limit_c=thermal_limit_c, window=window, deadline=deadline)
     if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
@@ -303,14 +312,18 @@ class _Job(DepthPlanning, JobReport):
 
         # The meter starts here: engine selection (or the re-check of a cached choice),
         # features and training are all charged to the budget.
+        from ..int8.engine_cost import Clocks
         from ..power import BudgetGovernor, PowerMonitor, ThermalMonitor
+        from ..power.process_energy import process_cpu_seconds
 
         monitor = PowerMonitor.discover(a["power_root"], idle_w=prof["idle_w"], load_w=prof["load_w"])
         gov_state = checkpoint.meta.get("governor") if checkpoint is not None else None
+        cpu_seconds = getattr(self.clock, "cpu_seconds", None) or process_cpu_seconds  # a test's virtual counter
         self.gov = gov = BudgetGovernor(budget=budget, sources=monitor, thermal=ThermalMonitor(a["power_root"]),
                                         clock=self.clock, max_threads=threads, poll_s=a["poll_s"],
                                         resume_from=gov_state if isinstance(gov_state, dict) else None,
-                                        inference_j=_inference_reader(a.get("inference_energy")))
+                                        inference_j=_inference_reader(a.get("inference_energy")),
+                                        watts_per_cpu=wpc, cpu_seconds=cpu_seconds)
 
         # features for every usable sample, through the selected int8 engine and the cache
         from ..int8.cli import default_state_dir
@@ -330,7 +343,8 @@ class _Job(DepthPlanning, JobReport):
                 bundle, probe=probe_report, batch_size=batch_size, threads=threads,
                 state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(), env=env, keep_runner=True,
                 preference=prof["backends"], images=len(dataset), meter=_GovernorMeter(self, gov),
-                watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True)
+                watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True,
+                clocks=Clocks(cpu=cpu_seconds))
         except SelectionStopped as exc:  # the budget ran out choosing the engine: a stop, not a failure
             return self._stopped_in_selection(bundle, dataset, prof, str(exc))
         assert runner is not None

@@ -53,9 +53,7 @@ class JobReport:
             "data": dataset.report.to_json(), "engine": {"name": None, "notes": [detail]}, "trainer": None,
             "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"]},
             "accuracy": {"before": None, "after": None, "validation_samples": dataset.report.validation},
-            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
-                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
-                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
+            "energy": _energy_record(gov, self.budget),
             "power": gov, "profile": prof, "steps": 0, "epochs_done": 0,
             "stop_reason": StopReason.BUDGET_EXHAUSTED.value, "stop_detail": detail,
             "duration_s": round(time.monotonic() - self.started, 3),
@@ -106,14 +104,13 @@ class JobReport:
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
                        "threads": selection.threads, "images": selection.images,
                        "selection_wh": round(getattr(self, "selection_j", 0.0) / 3600.0, 9),
+                       "agreement": _agreement_record(selection),
                        "notes": list(selection.notes)},
             "trainer": self.trainer.backend,
             "feature_cache": cache_stats.to_json() if cache_stats is not None else None,
             "accuracy": {"before": num(before[1]), "after": num(after[1]), "validation_samples": dataset.report.validation},
             "loss": {"before": num(before[0]), "after": num(after[0])},
-            "energy": {"wh": gov["energy_wh_job"] if self.budget.budget_basis == "job" else gov["energy_wh_total"],
-                       "basis": self.budget.budget_basis, "source": gov["source"], "budget_wh": self.budget.budget_wh,
-                       "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"]},
+            "energy": _energy_record(gov, self.budget),
             "power": gov,
             "profile": prof,
             "duration_s": round(duration, 3),
@@ -137,3 +134,25 @@ class JobReport:
                                                   "data": self.args["data"], "report": str(self.state / REPORT_FILE)})
         self.emit("done", step=int(self.pos["step"]), detail=str(stop_reason))
         return report
+
+
+def _agreement_record(selection: Any) -> dict[str, Any] | None:
+    """How the chosen engine was judged correct: "task" (top-1 vs fp32) or "units" (the
+    fallback), and why the task-level check was inconclusive when it was."""
+    row = selection.candidate(selection.chosen) if selection.chosen else None
+    if row is None:
+        return None
+    return {"basis": row.basis or None, "inconclusive": row.inconclusive or None,
+            "decided_samples": row.agreement_decided, "too_sensitive_for_units": bool(row.too_sensitive)}
+
+
+def _energy_record(gov: dict[str, Any], budget: Any) -> dict[str, Any]:
+    """What the budget was charged (its basis, in its scope) and, beside it, what the power
+    source measured for the whole board (every process on it)."""
+    basis = budget.budget_basis
+    return {"wh": gov["energy_wh_job"] if basis == "job" else gov["energy_wh_total"], "basis": basis,
+            "scope": gov.get("energy_scope"), "scope_note": gov.get("energy_scope_note") or None,
+            "source": gov["source"], "budget_wh": budget.budget_wh,
+            "wh_total": gov["energy_wh_total"], "wh_job": gov["energy_wh_job"],
+            "device_wh": gov["device_energy_wh_job"] if basis == "job" else gov["device_energy_wh_total"],
+            "cpu_s": gov.get("process_cpu_s")}

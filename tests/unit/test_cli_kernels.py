@@ -157,6 +157,13 @@ def test_kernels_usage_errors_and_help(workdir, capsys):
         agent_main(["kernels", "--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and ENV_FORCE_BACKEND in out and "agrees with the fp32 model" in out
+    prose = " ".join(out.split())  # the sample minimum, and what happens below it (the module's figures)
+    from edge_agent.int8 import agreement, engine_cost
+
+    cap = agreement.ROUNDING_SENSITIVITY_CAP
+    assert f"needs at least {engine_cost.AGREEMENT_MIN_SAMPLES} calibration samples whose top-1 is decided" in prose
+    assert f"(up to {engine_cost.AGREEMENT_MAX_SAMPLES})" in prose and "it is INCONCLUSIVE, never ok" in prose
+    assert f"capped at {cap:g} int8 units / {agreement.FLOAT_TOLERANCE_STEPS * cap / 2:g} output steps" in prose
     with pytest.raises(SystemExit):
         coordinator_main(["model", "create", "--help"])
     assert "--calib" in capsys.readouterr().out

@@ -178,3 +178,111 @@ def test_split_dataset_records_counts(tmp_path: Path) -> None:
     train, val = split_dataset(data, 0.3)
     assert len(train) + len(val) == 50 and data.report.train == len(train) and data.report.validation == len(val)
     assert not set(train.hashes) & set(val.hashes)
+
+
+# ---------------------------------------------------------------- every pixel mode PIL opens
+
+SPEC_RGB = InputSpec(shape=(3, 4, 4), scale=1 / 255.0)
+GREY16 = (np.arange(16).reshape(4, 4) * 4369).astype(np.uint16)  # 0 .. 65535
+GREY8 = (np.arange(16).reshape(4, 4) * 17).astype(np.uint8)  # 0 .. 255
+RGB8 = (np.arange(48).reshape(4, 4, 3) * 5).astype(np.uint8)
+
+
+def _encoded(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _with_alpha(mode: str, alpha_of_first: int) -> Image.Image:
+    alpha = np.full((4, 4), 255, np.uint8)
+    alpha[0, 0] = alpha_of_first
+    colour = GREY8[:, :, None] if mode == "LA" else RGB8
+    return Image.fromarray(np.concatenate([colour, alpha[:, :, None]], axis=2), mode=mode)
+
+
+def _palette(transparent_index: int | None) -> Image.Image:
+    img = Image.fromarray((np.arange(16).reshape(4, 4) % 4).astype(np.uint8), mode="P")
+    img.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255, 90, 90, 90])
+    if transparent_index is not None:
+        img.info["transparency"] = transparent_index
+    return img
+
+
+def _png16_rgb(values: np.ndarray) -> bytes:
+    """A 16-bit-per-channel RGB PNG written by hand (PIL cannot hold one in memory)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    h, w, _ = values.shape
+    rows = b"".join(b"\x00" + values[r].astype(">u2").tobytes() for r in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+RGB16 = (np.arange(48).reshape(4, 4, 3) * 1393).astype(np.uint16)  # 0 .. 65471
+CMYK = np.array([[0, 0, 0, 0], [0, 255, 255, 0], [0, 0, 0, 128], [200, 30, 0, 60]] * 4, np.uint8).reshape(4, 4, 4)
+CMYK_AS_RGB = (255 - CMYK[:, :, :3].astype(np.float32)) * (255 - CMYK[:, :, 3:].astype(np.float32)) / 255
+GREY_AS_RGB = np.repeat(GREY8[:, :, None], 3, axis=2).astype(np.float32)
+
+# (case, the file's bytes, raw 0..255 pixels (H, W, 3) a 3-channel model must see, tolerance)
+# or (case, bytes, the skip reason, None). PIL opens by content, not by name: a TIFF saved
+# as x.png reaches the decoder like any PNG, so every mode PIL can produce is in reach.
+MODE_CASES = [
+    ("1-bit", lambda: _encoded(Image.fromarray(GREY8 > 127), "PNG"), np.repeat((GREY8 > 127)[:, :, None] * 255.0, 3, 2), 0),
+    ("L", lambda: _encoded(Image.fromarray(GREY8), "PNG"), GREY_AS_RGB, 0),
+    ("I;16 png", lambda: _encoded(Image.fromarray(GREY16), "PNG"), np.repeat(GREY16[:, :, None] / 257.0, 3, 2), 1e-3),
+    ("I;16B tiff", lambda: _encoded(Image.frombytes("I;16B", (4, 4), GREY16.astype(">u2").tobytes()), "TIFF"),
+     np.repeat(GREY16[:, :, None] / 257.0, 3, 2), 1e-3),
+    ("I 16-bit pgm", lambda: _encoded(Image.fromarray(GREY16), "PPM"), np.repeat(GREY16[:, :, None] / 257.0, 3, 2), 1e-3),
+    ("RGB 16-bit png", lambda: _png16_rgb(RGB16), RGB16 / 257.0, 1.0),  # PIL keeps each sample's high byte
+    ("RGB", lambda: _encoded(Image.fromarray(RGB8), "PNG"), RGB8.astype(np.float32), 0),
+    ("RGBA opaque", lambda: _encoded(_with_alpha("RGBA", 255), "PNG"), RGB8.astype(np.float32), 0),
+    ("RGBA transparent", lambda: _encoded(_with_alpha("RGBA", 0), "PNG"), "transparent-image", None),
+    ("LA opaque", lambda: _encoded(_with_alpha("LA", 255), "PNG"), GREY_AS_RGB, 0),
+    ("LA half transparent", lambda: _encoded(_with_alpha("LA", 128), "PNG"), "transparent-image", None),
+    ("P", lambda: _encoded(_palette(None), "PNG"),
+     np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [90, 90, 90]], np.float32)[np.arange(16).reshape(4, 4) % 4], 0),
+    ("P, transparent index unused", lambda: _encoded(_palette(7), "PNG"),
+     np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [90, 90, 90]], np.float32)[np.arange(16).reshape(4, 4) % 4], 0),
+    ("P, transparent index used", lambda: _encoded(_palette(2), "PNG"), "transparent-image", None),
+    ("PA tiff opaque", lambda: _encoded(_palette(None).convert("PA"), "TIFF"),
+     np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [90, 90, 90]], np.float32)[np.arange(16).reshape(4, 4) % 4], 0),
+    ("CMYK tiff", lambda: _encoded(Image.fromarray(CMYK, mode="CMYK"), "TIFF"), CMYK_AS_RGB, 1.0),
+    ("CMYK jpeg", lambda: _encoded(Image.fromarray(CMYK, mode="CMYK"), "JPEG"), CMYK_AS_RGB, 40.0),
+    ("YCbCr tiff", lambda: _encoded(Image.fromarray(RGB8).convert("YCbCr"), "TIFF"), RGB8.astype(np.float32), 4.0),
+    ("F tiff", lambda: _encoded(Image.fromarray(GREY16.astype(np.float32)), "TIFF"), "unsupported-pixels", None),
+    ("F pfm", lambda: _encoded(Image.fromarray(GREY16.astype(np.float32)), "PPM"), "unsupported-pixels", None),
+    ("I 32-bit tiff", lambda: _encoded(Image.fromarray(GREY16.astype(np.int32) * 1000), "TIFF"), "unsupported-pixels", None),
+    ("LAB tiff", lambda: _encoded(Image.fromarray(RGB8).convert("LAB"), "TIFF"), "unsupported-pixels", None),
+]
+
+
+@pytest.mark.parametrize("case, encode, expected, tolerance", MODE_CASES, ids=[c[0] for c in MODE_CASES])
+def test_every_pixel_mode_is_scaled_to_0_255_or_refused_with_a_reason(
+        tmp_path: Path, case: str, encode, expected, tolerance) -> None:
+    path = tmp_path / "cat" / "img.png"
+    path.parent.mkdir()
+    path.write_bytes(encode())
+    if isinstance(expected, str):
+        with pytest.raises(InputError, match=f"no usable samples.*{expected}: 1"):
+            load_dataset(tmp_path, SPEC_RGB, LABELS)
+        return
+    data = load_dataset(tmp_path, SPEC_RGB, LABELS)
+    assert dict(data.report.skipped) == {}, case
+    np.testing.assert_allclose(data.x[0].transpose(1, 2, 0) * 255.0, expected, atol=tolerance + 1e-3)
+
+
+def test_a_16_bit_grey_png_is_scaled_not_clipped_and_resized_like_its_8_bit_self(tmp_path: Path) -> None:
+    big16 = np.kron(GREY16, np.ones((2, 2), np.uint16))  # 8x8: resized down to the 4x4 input
+    (tmp_path / "cat").mkdir()
+    Image.fromarray(big16).save(tmp_path / "cat" / "deep.png")
+    Image.fromarray((big16 // 257).astype(np.uint8)).save(tmp_path / "cat" / "shallow.png")
+    data = load_dataset(tmp_path, SPEC, LABELS)
+    deep, shallow = data.x  # read in name order
+    assert deep.max() > 0.9  # 65535 is white, not 1/257 of the way to it after a clip at 255
+    assert len(np.unique(deep)) > 8  # the gradient survives (clipped, it was 0 and 1.0 only)
+    np.testing.assert_allclose(deep, shallow, atol=1.5 / 255)

@@ -98,7 +98,10 @@ def _zoo(name: str) -> Any:
     import mxnet as mx
     from mxnet.gluon.model_zoo import vision
 
-    net = vision.get_model(name, pretrained=False, classes=CLASSES)
+    # a fresh name counter: MXNet's global one would call a fixture rebuilt after another
+    # module's nets `mobilenet1_*` where the tests expect `mobilenet0_*`
+    with mx.name.NameManager():
+        net = vision.get_model(name, pretrained=False, classes=CLASSES)
     models.initialize(net, seed=0)
     net(mx.nd.zeros((1, 3, SIZE, SIZE)))  # deferred shapes known (the hooks count on a second pass)
     return net

@@ -31,6 +31,7 @@ IDLE_W = 2.7  # the raspberry-pi-4 profile's idle figure
 BUSY_W = 5.0
 STEP_S = 0.1  # virtual seconds one training step computes
 STEP_J = (BUSY_W - IDLE_W) * STEP_S  # what one step costs a budget on the "job" basis
+WATTS_PER_CPU = (6.4 - IDLE_W) / 4  # the raspberry-pi-4 profile's (load_w - idle_w) / cores
 POLL_S = 0.25
 
 
@@ -57,6 +58,9 @@ class Board:
         _write(self.ina / "name", "ina219")
         _write(self.bat / "type", "Battery")
         _write(self.zone / "type", "cpu-thermal")
+        cpus = root / "sys/devices/system/cpu"  # a Pi 4's four cores, whatever runs the test: the
+        cpus.mkdir(parents=True)  # profile's watts per busy core are (load_w - idle_w) / 4 = WATTS_PER_CPU
+        _write(cpus / "present", "0-3")
         self.power(BUSY_W)
         self.battery(80, "Discharging")
         self.temperature(55.0)
@@ -121,7 +125,8 @@ def cache(bundle: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def _job(bundle: Path, data: Path, tmp_path: Path, clock: BoardClock, cache: Path, **kw: object) -> dict:
-    args = {"epochs": 500, "patience": 1000, **kw}
+    # "device": the budget is charged what the simulated board's INA219 shows
+    args = {"epochs": 500, "patience": 1000, "energy_scope": "device", **kw}
     return run_finetune(model=bundle, data=data, state_dir=tmp_path / "state", cache_dir=cache,
                         power_root=tmp_path / "root", profile="raspberry-pi-4", batch_size=8, poll_s=POLL_S,
                         clock=clock, **args)
@@ -216,3 +221,47 @@ def test_a_battery_that_never_recovers_stops_at_the_deadline_and_resume_continue
     board.battery(90, "Charging")
     second = _job(bundle, data, tmp_path, BoardClock(board), cache, battery_floor_pct=30, epochs=2, resume=True)
     assert second["stop_reason"] == "done" and second["steps"] > 0 and second["resumed"]
+
+
+class LoadedBoardClock(BoardClock):
+    """The same board with another process keeping it busy: the INA reads HOG_W more than the
+    job alone would, even while the job sleeps. The job's own CPU time is virtual too: STEP_S
+    per step (`cpu_seconds`, the job's CPU-time counter hook)."""
+
+    HOG_W = 4.0
+
+    def cpu_seconds(self) -> float:
+        return self.work_steps * STEP_S
+
+    def _moved(self, seconds: float, sleeping: bool) -> None:
+        super()._moved(seconds, sleeping)
+        self.board.power((IDLE_W if sleeping else BUSY_W) + self.HOG_W)
+
+
+def test_another_processes_load_is_reported_beside_the_job_never_charged_to_it(
+        bundle: Path, data: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Charged with the board's whole draw (every process's), a 0.05 Wh first job ended at
+    116 % with nothing trained. By default the budget is charged the job's own CPU-seconds x
+    the profile's watts per busy core; the sensor's whole-board figure is reported beside it."""
+    monkeypatch.delenv("EDGE_AGENT_ENERGY_SCOPE", raising=False)
+    clock = LoadedBoardClock(Board(tmp_path / "root"))
+    steps, step_j = 40, STEP_S * WATTS_PER_CPU
+    budget_wh = (steps + 0.5) * step_j / 3600.0
+    report = _job(bundle, data, tmp_path, clock, cache, budget_wh=budget_wh, energy_scope=None)  # the default
+    energy = report["energy"]
+    assert report["stop_reason"] == "budget-exhausted" and report["steps"] == clock.work_steps == steps
+    assert energy["scope"] == "process" and energy["cpu_s"] == pytest.approx(steps * STEP_S)
+    assert energy["wh"] == pytest.approx(steps * step_j / 3600.0)
+    # what the INA saw, the other process's 4 W included: 6.8x the job's share, reported only
+    board_wh = steps * (BUSY_W + LoadedBoardClock.HOG_W - IDLE_W) * STEP_S / 3600.0
+    assert energy["device_wh"] == pytest.approx(board_wh) and energy["source"].startswith("ina219")
+
+
+def test_battery_wide_accounting_charges_the_whole_board(
+        bundle: Path, data: Path, cache: Path, tmp_path: Path) -> None:
+    """--energy-scope device: the same budget buys the steps the whole board's draw allows."""
+    clock = LoadedBoardClock(Board(tmp_path / "root"))
+    board_step_j = (BUSY_W + LoadedBoardClock.HOG_W - IDLE_W) * STEP_S
+    report = _job(bundle, data, tmp_path, clock, cache, budget_wh=10.5 * board_step_j / 3600.0)
+    assert report["energy"]["scope"] == "device" and report["steps"] == 10
+    assert report["energy"]["wh"] == pytest.approx(report["energy"]["device_wh"])

@@ -107,6 +107,23 @@ def test_calibration_folder_of_npy_and_images(digits, tmp_path):
     assert np.abs(calib[5] - x_train[6]).mean() < 0.1
 
 
+def test_calibration_images_are_decoded_like_the_fine_tunes_data(tmp_path):
+    """A 16-bit calibration PNG was clipped at 255 (the input scale calibrated on white);
+    `model create` now reads images as edge-agent finetune does (edge_agent.data)."""
+    from PIL import Image
+
+    spec = B.InputSpec(shape=(1, 4, 4), scale=1 / 255)
+    grey16 = (np.arange(16).reshape(4, 4) * 4369).astype(np.uint16)  # 0 .. 65535
+    (tmp_path / "deep").mkdir()
+    Image.fromarray(grey16).save(tmp_path / "deep" / "gradient.png")
+    calib = BC.load_calibration(tmp_path / "deep", spec)
+    np.testing.assert_allclose(calib[0, 0] * 255.0, grey16 / 257.0, atol=1e-3)
+    (tmp_path / "clear").mkdir()
+    Image.new("LA", (4, 4), (200, 0)).save(tmp_path / "clear" / "transparent.png")
+    with pytest.raises(InputError, match="transparent.png: transparent-image: 16 of 16 pixels"):
+        BC.load_calibration(tmp_path / "clear", spec)
+
+
 @pytest.mark.parametrize(("array", "message"), [
     (np.zeros((4, 8, 8), np.float32), "expected (N, 1, 8, 8)"),
     (np.zeros((4, 3, 8, 8), np.float32), "expected (N, 1, 8, 8)"),

@@ -296,6 +296,68 @@ def test_deep_graph_tflite_agrees_within_the_graphs_rounding_sensitivity(tmp_pat
     assert selection.candidate("tflite").correct
 
 
+class _Off(QGraphRunner):
+    """The reference, off by `units` int8 units (an int8 engine) or by `steps` output steps
+    with no int8 edge (an engine with its own calibration, like mxnet-onednn)."""
+
+    def __init__(self, graph, *, units: int = 0, steps: float = 0.0) -> None:
+        super().__init__(graph)
+        self.units, self.steps = units, steps
+        self.step = float(graph.tensor(graph.outputs[0]).scale[0])
+
+    def run_int8(self, batch_nhwc):
+        if self.steps:
+            raise NotImplementedError("float edges")
+        return np.clip(super().run_int8(batch_nhwc).astype(np.int16) + self.units, -128, 127).astype(np.int8)
+
+    def run(self, batch):
+        return super().run(batch) + np.float32((self.units + self.steps) * self.step)
+
+
+class _OffEngine(Int8Engine):
+    def __init__(self, name: str, **off: float) -> None:
+        self.name, self.off = name, off
+
+    def availability(self, probe=None) -> Availability:
+        return Availability(True, "test engine")
+
+    def prepare(self, model, *, threads=None) -> Runner:
+        return _Off(model.qgraph(), **self.off)
+
+
+def test_a_graph_that_amplifies_rounding_cannot_loosen_its_tolerance_past_the_cap(tmp_path) -> None:
+    """efficientnet: tflite passed at 35 units against a self-measured tolerance of 94, and
+    mxnet-onednn at 71 steps against 564. 40 random residual blocks amplify a 1-unit rounding
+    flip to ~18 units; with 16 calibration samples the task level cannot decide, so units do,
+    and they stop at the cap: 12 units (or 60 steps) off is refused, and the graph is
+    reported as too sensitive for units to judge."""
+    from edge_agent.int8 import selection as sel
+    from edge_agent.int8.cli import render
+    from edge_agent.int8.engines.reference import ReferenceEngine
+
+    onnx.save(_deep_residual(blocks=40), tmp_path / "deep.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(2).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    assert _create(tmp_path, tmp_path / "deep.onnx", tmp_path / "b", "--split", "flatten") == EXIT_OK
+    bundle = load_bundle(tmp_path / "b")
+    engines = [("int8-off-12", _OffEngine("int8-off-12", units=12)),
+               ("float-off-60", _OffEngine("float-off-60", steps=60.0)), ("reference", ReferenceEngine())]
+    selection, _ = sel.select_engine(bundle, probe=PROBE, batch_size=8, repeats=1, env={}, use_cache=False,
+                                     engines=engines, threads=1)
+    rows = {c.name: c for c in selection.candidates}
+    int8_row, float_row = rows["int8-off-12"], rows["float-off-60"]
+    assert int8_row.basis == "units" and int8_row.inconclusive.startswith("16 calibration samples")
+    assert int8_row.rounding_sensitivity > 12 > sel.ROUNDING_SENSITIVITY_CAP  # it would have passed: 12 <= sensitivity
+    assert int8_row.too_sensitive and int8_row.tolerance == sel.ROUNDING_SENSITIVITY_CAP
+    assert int8_row.correct is False and int8_row.max_diff == 12
+    assert float_row.tolerance == sel.FLOAT_TOLERANCE_STEPS * sel.ROUNDING_SENSITIVITY_CAP / 2 < 60
+    assert float_row.correct is False
+    assert selection.chosen == "reference"
+    text = " ".join(render({"model": "deep", "version": "1", "sha256": bundle.sha256, "hardware": "h", "profile": None,
+                            "batch_size": 8, "threads": 1}, selection.candidates, selection, None).split())
+    assert "this graph is too sensitive to judge an engine by units" in text
+    assert "cannot be accepted without a conclusive task-level check" in text
+
+
 # ----------------------------------------------------------------- mxnet-onednn on imported graphs
 def _torch_style() -> onnx.ModelProto:
     """What torch's legacy exporter writes: Clip bounds from Constant nodes (the old

@@ -242,3 +242,39 @@ def test_fingerprint_follows_what_decides_engine_choice():
     base = sel.hardware_fingerprint(PROBE)
     assert base == sel.hardware_fingerprint(json.loads(json.dumps(PROBE)))
     assert base != sel.hardware_fingerprint({**PROBE, "accelerators": [{"kind": "coral-usb"}]})
+
+
+def _tied(features):
+    """A head on which every sample ties classes 0 and 1 (as random-weight nets, whose
+    features are ~1e-10, tie every class): its top-1 says nothing about the features."""
+    flat = features.reshape(len(features), -1)
+    return np.stack([flat.sum(1), flat.sum(1) + 1e-6, flat.sum(1) - 100.0], axis=1)
+
+
+def test_an_agreement_check_with_no_decided_sample_is_inconclusive_never_ok(bundle, tmp_path):
+    """Every engine once 'agreed' on such a head with top1_checked 0: the tie makes the same
+    top-1 for any features. Now the check says it is inconclusive and units decide."""
+    from edge_agent.int8.cli import render
+
+    off_by_5 = FakeEngine("off-by-5", shift=5)  # 5 int8 units: more than this graph's rounding (2)
+    exact = FakeEngine("exact")
+    selection = _select(bundle, [("off-by-5", off_by_5), ("exact", exact)], tmp_path, logits=_tied)
+    rows = {c.name: c for c in selection.candidates}
+    for row in rows.values():
+        assert row.basis == "units" and row.agreement_decided == 0
+        assert row.inconclusive.startswith("0 of 64 calibration samples have a top-1")
+        assert row.top1_checked == 0 and row.top1_match is None and row.top1_fp32 is None
+    assert rows["off-by-5"].correct is False and rows["off-by-5"].max_diff == 5 and rows["off-by-5"].tolerance == 2
+    assert rows["exact"].correct is True and selection.chosen == "exact"
+    assert any("task-level agreement inconclusive" in note for note in selection.notes)  # the job's report
+    with open(selection.cache_file) as f:
+        cached = json.load(f)["candidates"]
+    assert all(c["inconclusive"].startswith("0 of 64") and c["basis"] == "units" for c in cached)
+    info = {"model": "digits", "version": "1", "sha256": "0" * 64, "hardware": "h", "profile": None,
+            "batch_size": 16, "threads": 1}
+    text = render(info, selection.candidates, selection, None)
+    line = next(t for t in text.splitlines() if t.startswith("* exact"))
+    assert "inconclusive -> units ok: int8 max 0/2 unit, top-1 inconclusive (0 decided)" in line
+    assert "note:     task-level agreement inconclusive (0 of 64 calibration samples" in text
+    assert " ok " not in text.replace("units ok", "")  # no task-level "ok" anywhere
+
