@@ -200,6 +200,17 @@ def test_median_trust_counts_a_disagreeing_update_for_nothing_without_rejecting_
     np.testing.assert_allclose(got.vec, [1.0, 0.0], atol=1e-12)
 
 
+def test_median_trust_weighs_no_update_above_the_lower_median_weight():
+    """Five agreeing updates, one claiming 1e9 samples: without a server set it counts like
+    the lower-median device (30), not like 2x it as under fedavg."""
+    vecs = [[1.0, 0.0], [1.0, 0.2], [1.0, -0.2], [1.0, 0.1], [1.0, 0.3]]
+    layout, ups = _fleet(vecs, weights=[10, 20, 30, 40, 1e9])
+    got, _ = _run("median_trust", layout, ups)
+    assert all(got.info["trust"][d] == 1.0 for d in got.shares)
+    assert got.shares["d4"] == pytest.approx(30 / (10 + 20 + 30 + 30 + 30))
+    assert got.shares["d3"] == pytest.approx(30 / 120)  # the honest 40 is held to 30 too
+
+
 def test_median_trust_holds_its_reference_norm_to_the_lineage_history():
     """Two tiny updates cannot shrink the honest one below half the lineage's recent norm:
     the reference norm stays within [0.5, 2] x the history (here 0.5, not 1e-6), and in a
