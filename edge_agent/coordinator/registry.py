@@ -80,11 +80,7 @@ class Registry:
 
     def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
                  busy_timeout_s: float = 10.0, read_only: bool = False, db: str | None = None) -> None:
-        """`read_only`: a `mode=ro` connection for viewers (the dashboard) that never write,
-        never migrate and never create the database; every write method then fails.
-        `db`: a postgresql:// URL for a registry shared by several workers (array files stay
-        in `state_dir`, which they must share too), "sqlite" for the file in `state_dir`, or
-        None: $EDGE_COORDINATOR_DB if set, else that file (db.resolve)."""
+        """The arguments are RegistryDb's (registry_db.py: read-only viewers, PostgreSQL)."""
         if not callable(clock):
             raise TypeError("clock must be a callable returning seconds")
         self.db = RegistryDb(state_dir=state_dir, clock=clock, busy_timeout_s=busy_timeout_s, read_only=read_only,
