@@ -39,6 +39,7 @@ from .jobs import Job, JobState, JobStore
 from .models import ModelStore
 from .policy import (
     DAY_S,
+    TRAIN_KEYS,
     Allowance,
     BadParams,
     Conditions,
@@ -49,6 +50,7 @@ from .policy import (
     daily_allowance,
     effective_budget,
     parse_finetune,
+    unmetered,
 )
 from .runner import (
     EXIT_BUSY,
@@ -144,7 +146,8 @@ class JobDriver:
 
     def conditions(self) -> Conditions:
         r = self._readings(fresh=True)  # a decision on a command: read the sensors now
-        return Conditions(battery_pct=r.battery_pct, charging=r.charging, temp_c=r.temp_c)
+        return Conditions(battery_pct=r.battery_pct, charging=r.charging, temp_c=r.temp_c,
+                          power_reading=r.power_w is not None)
 
     # ---- commands ----
     def submit(self, body: dict[str, Any], cmd_id: str) -> tuple[Verdict, Job | None]:
@@ -229,6 +232,10 @@ class JobDriver:
             self._advance(job, S.FAILED, f"deadline passed while {job.state.value}")
             return
         if job.state in (S.ACCEPTED, S.WAITING_FOR_POWER):
+            unmetered_why = self._unmetered(job)
+            if unmetered_why:  # (the sensor failed since the job was accepted, or before a restart)
+                self._advance(job, S.FAILED, unmetered_why)
+                return
             ok, why = self._power_ok(waiting=waiting)
             if ok:
                 self._advance(job, S.PREPARING, "power ok")
@@ -240,6 +247,13 @@ class JobDriver:
             self._train(job)
         elif job.state is S.UPLOADING and self.outbox.get(self.key(job)) is None:
             self._advance(job, S.DONE, "acknowledged by the coordinator")  # acked before a restart
+
+    def _unmetered(self, job: Job) -> str:
+        """policy.unmetered for an accepted job: checked before any training work starts."""
+        budget = job.params.get("budget_wh")
+        if budget is None or self._readings().power_w is not None:
+            return ""
+        return unmetered(budget, self._readings(fresh=True).power_w is not None)  # (a counter primed just now)
 
     def _power_ok(self, *, waiting: bool) -> tuple[bool, str]:
         r = self._readings()
@@ -296,8 +310,7 @@ class JobDriver:
                 "battery_resume_pct": self.s.battery_resume_pct, "thermal_limit_c": self.s.thermal_limit_c,
                 "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size,
                 "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown}
-        for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes", "depth", "bn",
-                    "tail", "augment"):
+        for key in TRAIN_KEYS:
             if p.get(key) is not None:
                 spec[key] = p[key]
         return spec
