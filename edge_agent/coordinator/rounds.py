@@ -69,7 +69,7 @@ from .registry import Registry
 from .robust import AGGREGATORS, screen_norms
 from .round_intake import UpdateIntake
 from .round_types import Receipt, RoundOutcome, RoundPlan, RoundPolicy, TickResult, check_options
-from .selection import job_needs, sample_devices, select_devices
+from .selection import head_needs_mxnet, job_needs, sample_devices, select_devices
 from .server_opt import LearningStore
 from .streaming import HotCache, Layout, RunningSum, Sparse, window_hot
 
@@ -95,7 +95,8 @@ class RoundEngine(UpdateIntake):
         self.clock, self.metrics = clock, metrics
         self._lock = threading.RLock()
         self._heads: dict[tuple[str, str], dict[str, np.ndarray]] = {}
-        self._head_needs: dict[tuple[str, str], frozenset[str]] = {}  # (model, version) -> job_needs
+        # (model, version) and bundle path -> train.depth_plan.numpy_depths, for job_needs
+        self._numpy_depths: dict[tuple[str, str] | str, tuple[bool, ...]] = {}
         self._label_digests: dict[str, str | None] = {}  # bundle path -> label_set_digest
         self._layouts: dict[tuple[str, str], Layout] = {}
         self._sums: dict[tuple[str, int], RunningSum] = {}  # open rounds' running sums (streaming.py)
@@ -220,19 +221,40 @@ class RoundEngine(UpdateIntake):
                 result.opened.append(opened)
 
     def _needs(self, job: Job, version: str) -> frozenset[str]:
-        """What a device must run for this job's head (MXNet for a deep head): selection.job_needs."""
+        """What a device must run for this job at its depth (selection.job_needs)."""
         if job.params.get("trainer") == "mxnet":
-            return job_needs(job.params, None)  # no need to read the head
+            return job_needs(job.params, None)  # no need to read the model
         key = (job.model_name, version)
-        if key not in self._head_needs:  # read a head once, not on every tick a job waits
+        if key not in self._numpy_depths:  # read once, not on every tick a job waits
             try:
-                head = self.registry.load_head(self.registry.get_model(*key))
+                mv = self.registry.get_model(*key)
             except EdgeAgentError:
-                return job_needs(job.params, None)  # an unreadable head fails the round elsewhere
-            if len(self._head_needs) > 64:
-                self._head_needs.clear()
-            self._head_needs[key] = job_needs({}, head)
-        return self._head_needs[key]
+                return job_needs(job.params, None)  # an unknown version fails the round elsewhere
+            depths = self._numpy_depths.get(mv.bundle_path) if mv.bundle_path else None
+            depths = depths or self._read_numpy_depths(mv)
+            if depths is None:
+                return job_needs(job.params, None)  # an unreadable model fails the round elsewhere
+            if len(self._numpy_depths) > 64:
+                self._numpy_depths.clear()
+            self._numpy_depths[key] = depths
+            if mv.bundle_path:
+                self._numpy_depths[mv.bundle_path] = depths
+        return job_needs(job.params, self._numpy_depths[key])
+
+    def _read_numpy_depths(self, mv: ModelVersion) -> tuple[bool, ...] | None:
+        """Which depths train without MXNet, from the version's bundle (a round's version
+        names its root's); registered without a readable bundle, its tensors are one head."""
+        from ..train.depth_plan import archive_numpy_depths
+
+        try:
+            if mv.bundle_path:
+                return archive_numpy_depths(self.registry.state_dir / mv.bundle_path)
+        except (EdgeAgentError, OSError) as exc:
+            log.warning("model %s %s: bundle unreadable for the depths' trainers (%s)", mv.name, mv.version, exc)
+        try:
+            return (not head_needs_mxnet(self.registry.load_head(mv)),)
+        except (EdgeAgentError, OSError):
+            return None
 
     def _open_next(self, job: Job, rounds: list[RoundRecord], result: TickResult) -> RoundPlan | None:
         now, number = self.clock(), len(rounds) + 1
