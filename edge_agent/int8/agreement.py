@@ -192,15 +192,15 @@ class Oracle:
 
 
 def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """The bundle head's logits: numpy for a one-dense-layer head, else its MXNet block."""
+    """The bundle head's logits: numpy for a head numpy computes, else its MXNet block."""
     head = None
 
     def logits(features: np.ndarray) -> np.ndarray:
         nonlocal head
         if head is None:
-            from ..train.dense_head import dense_head_logits
+            from ..train.dense_head import numpy_head_logits
 
-            head = dense_head_logits(bundle) or _mxnet_head(bundle)
+            head = numpy_head_logits(bundle) or _mxnet_head(bundle)
         return head(features).reshape(len(features), -1)
 
     return logits
