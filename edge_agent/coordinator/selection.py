@@ -115,7 +115,7 @@ def select_devices(devices: Sequence[Device], selector: str, *, now: float, onli
             continue
         why = _ineligible(dev, now, online_within_s, min_battery_pct, budget_wh, allow_unknown_power, busy, job_id)
         if not why and "mxnet" in needs and dev.state.get("mxnet") is False:
-            why = "no MXNet on this device (32-bit ARM, or it does not load), and this job's head trains with MXNet"
+            why = "no MXNet on this device (32-bit ARM, or it does not load), and this job trains with MXNet"
         if why:
             ineligible[dev.id] = why
         else:

@@ -486,8 +486,9 @@ def mxnet_round(fleet: ArmFleet) -> str:
     assert set(updates) == {"arm64"}, updates
     assert updates["arm64"].metrics.get("trainer") == "mxnet", updates["arm64"].metrics
     assert updates["arm64"].metrics.get("depth") == 1, updates["arm64"].metrics
-    fetched = "a head patch" if "fetching the head patch onto 1" in fleet.log("arm64") else "the whole bundle"
-    return f"{last}; {_trained(updates)}; model {job.model_version} reached arm64 as {fetched}"
+    patched = f"model digits/{job.model_version}: fetching the head patch onto 1"
+    assert patched in fleet.log("arm64"), fleet.log("arm64")[-3000:]  # job A's version, as a patch on its root
+    return f"{last}; {_trained(updates)}; {patched[6:]}"
 
 
 def run_fleet(roots: list[Root], res: Results, inputs: dict[str, Path]) -> None:
