@@ -50,6 +50,7 @@ from ..errors import (
     EdgeAgentError,
     InputError,
 )
+from ..train.mxnet_import import MXNetUnavailableError
 from .policy import TRAIN_KEYS
 from .runner import (
     EXIT_BUSY,
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         events.send({"phase": "error", "detail": str(exc)[:500], "kind": type(exc).__name__})
         if busy:
             return EXIT_BUSY
-        if isinstance(exc, ConfigError):
+        if isinstance(exc, ConfigError | MXNetUnavailableError):  # (no MXNet: trying again cannot help)
             return EXIT_CONFIG
         if isinstance(exc, InputError) or exc.exit_code == 64:  # bad data/bundle/checkpoint, unusable state
             return EXIT_DATAERR

@@ -193,6 +193,31 @@ def test_a_device_without_mxnet_trains_a_tail_numpy_computes(bundle, data, tmp_p
     assert result["stop"] == "done" and result["engine"], result
 
 
+def test_a_training_child_without_mxnet_fails_its_job_at_once_saying_why(tmp_path):
+    """A job that needs MXNet on a device without it (a head-only bundle, trainer=mxnet)
+    was retried until the re-entry limit and reported as 'likely a brown-out reboot loop'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from edge_agent.agent.runner import FAIL_CODES
+
+    spec = {"job_dir": str(tmp_path / "job"), "model_dir": str(demo.ensure_bundle(tmp_path / "digits")),
+            "data": str(demo.write_data(tmp_path / "data", demo.scenario().devices[0].images[:40],
+                                        demo.scenario().devices[0].labels[:40], "npz")),
+            "cache_dir": str(tmp_path / "cache"), "trainer": "mxnet", "epochs": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    script = ("import sys; sys.modules['mxnet'] = None; from edge_agent.agent.child import main; "
+              "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, "train", "--spec", str(tmp_path / "spec.json"),
+                           "--events-fd", "1", "--parent-pid", str(os.getpid())],
+                          capture_output=True, text=True, timeout=600, check=False)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode in FAIL_CODES, (done.returncode, done.stderr[-2000:])
+    assert "MXNet is not installed" in events[-1]["detail"], events[-1]
+
+
 def test_head_params_are_written_whole_and_only_the_tail_moves(job, bundle, base):
     r = job("d1")
     assert r["depth"]["depth"] == 1 and r["config"]["lr"] == TAIL_LR
