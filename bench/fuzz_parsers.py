@@ -242,7 +242,8 @@ class CommandTarget(Target):
     name = "command"
 
     def __init__(self) -> None:
-        from edge_agent.agent.policy import BadParams, DeviceLimits
+        from edge_agent.agent.policy import DeviceLimits
+        from edge_agent.protocol.finetune import BadParams
 
         self.root = _scratch()
         self.fleet = _Fleet(self.root)
@@ -262,9 +263,10 @@ class CommandTarget(Target):
         return mutate_json(env, rng) if rng.random() < 0.2 else {**env, "body": mutate_json(env["body"], rng)}
 
     def judge(self, env: Any) -> str:
-        from edge_agent.agent.policy import Conditions, check_finetune, parse_finetune
+        from edge_agent.agent.policy import Conditions, check_finetune
         from edge_agent.protocol import Kind, Rejection
         from edge_agent.protocol.envelope import _signing_input, canonical_json
+        from edge_agent.protocol.finetune import parse_finetune
 
         f = self.fleet
         if isinstance(env, dict):
@@ -281,7 +283,7 @@ class CommandTarget(Target):
             return f"rejected:{out.reason}"
         if out.kind is not Kind.CMD or out.body.get("action") != "finetune":
             return f"accepted:{out.body.get('action')}"
-        req = parse_finetune(out.body, self.limits)
+        req = parse_finetune(out.body, deadline_s=self.limits.deadline_s)
         verdict = check_finetune(req, self.limits, Conditions(battery_pct=80.0), active=[], accepted_last_day=0)
         return "accepted:finetune" if verdict.accept else f"refused:{verdict.reason}"
 
@@ -322,7 +324,7 @@ class ChunkTarget(Target):
 
 def demo_bundle_dir() -> Path:
     """The demo's digits bundle, built once into build/ (MXNet, a few seconds)."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(Path(__file__).resolve().parent.parent / "build" / "fuzz" / "digits-bundle")
 

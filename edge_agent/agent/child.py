@@ -12,7 +12,7 @@ in runner.py.
 Train spec (JSON): job_dir, job, round, device_id, model_name, version, model_dir, data,
 cache_dir, cache_max_mb, residual_file, sysfs_root, profile, budget_wh, power_cap_w,
 battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
-chunk_size, label_map, skip_unknown and the command's optional training keys (policy.TRAIN_KEYS:
+chunk_size, label_map, skip_unknown and the command's optional training keys (protocol.finetune.TRAIN_KEYS:
 epochs, batch_size, lr, ..., update_bytes, depth, ..., trainer). result.json says which
 trainer ran. Activate spec: archive, dest (+ base: a patch's base).
 
@@ -50,8 +50,8 @@ from ..errors import (
     EdgeAgentError,
     InputError,
 )
-from ..train.mxnet_import import MXNetUnavailableError
-from .policy import TRAIN_KEYS
+from ..int8.mxnet_import import MXNetUnavailableError
+from ..protocol.finetune import TRAIN_KEYS
 from .runner import (
     EXIT_BUSY,
     EXIT_STOPPED,
@@ -184,6 +184,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
         power_root=spec.get("sysfs_root", "/"), profile=spec.get("profile"),
         cache_max_mb=float(spec.get("cache_max_mb", 256)), poll_s=float(spec.get("poll_s", 30.0)),
         label_map=spec.get("label_map"), skip_unknown=bool(spec.get("skip_unknown", False)),
+        inference_energy=spec.get("inference_energy"),
         progress=_hold_after_checkpoint(events.progress), **extra)
     summary = {"stop_reason": report["stop_reason"], "steps": report["steps"], "engine": report["engine"]["name"],
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
@@ -191,6 +192,9 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
                "resumed": report["resumed"], "depth": int(report["depth"]["depth"]), "trainer": report["trainer"],
                "stop_detail": str(report["power"].get("stop_detail") or "")[:300]}
+    counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
+    if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
+        summary["label_counts"] = counts
     if report["stop_reason"] not in FINISHED or not report["steps"]:  # nothing trained: nothing to send
         atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
         return EXIT_STOPPED

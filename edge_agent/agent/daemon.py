@@ -1,10 +1,12 @@
-"""The agent daemon (`edge-agent run`): one small process, no numpy, no MXNet.
+"""The agent daemon (`edge-agent run`): one small process, no MXNet (and no numpy unless
+[serve] runs the local inference service in it: edge_agent/inference/).
 
 Main loop, every iteration (at most TICK_S apart while idle):
 
     watchdog.alive() -> receive one verified message (or a Rejection) -> dispatch
     -> drive jobs (jobs.py table, lifecycle.py) -> finish model activations
-    -> pump the outbox (a few chunks) -> publish hello / state when due
+    -> pump the outbox (a few chunks) -> publish hello / state when due (the hello again
+       while the coordinator has not answered it, or says it does not know us: link.py)
 
 Nothing that arrives can kill it: the Verifier turns any bytes into a Message or a
 Rejection; a refused command is answered with a signed `refusal` (reason code + text) on
@@ -20,7 +22,8 @@ Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_s
                  (epoch s), epochs, batch_size, lr, patience, checkpoint_every, seed,
                  update_bytes (unknown params are ignored)
     cancel       job (+ round)        fetch_model  model, version (+ sha256, head_sha256)
-    ping         -> progress phase "pong"        probe  -> progress "probe" + fresh hello/state
+    ping         -> progress phase "pong" (a ping with cmd_id hello-<seq> answers our hello: link.py)
+    probe        -> progress "probe" + fresh hello/state
 Replies go to the progress topic: phase "accepted" / job states / "pong" / "probe", or a
 `refusal` (reasons: policy.py's codes, or the protocol's: bad_signature, expired, ...).
 
@@ -63,6 +66,7 @@ from ..protocol import (
 from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
 from .jobs import JobStore
 from .lifecycle import DriverSettings, JobDriver
+from .link import HELLO_ACK_PREFIX, LINK_FILE, CoordinatorLink
 from .models import ModelStore
 from .policy import DeviceLimits, Verdict
 from .sdnotify import Watchdog
@@ -137,12 +141,23 @@ class Daemon:
             thermal_margin_c=float(g("thermal", "margin_c", 8.0)), cache_mb=int(g("data", "cache_mb")),
             label_map=g("data", "label_map"), skip_unknown=bool(g("data", "skip_unknown", False)),
             chunk_size=max(1024, min(64 * 1024, max_message - CHUNK_HEADROOM)),
-            progress_interval_s=float(g("service", "progress_interval_s")))
+            progress_interval_s=float(g("service", "progress_interval_s")),
+            child_priority=str(g("serve", "training_priority")) if g("serve", "enabled") else "normal",
+            inference_energy=str(sd / "serve" / "inference-energy.json") if g("serve", "enabled") else None)
         self.driver = JobDriver(settings=settings, store=JobStore(
             sd / "jobs", keep_records=int(g("service", "keep_job_records", 500)),
             keep_days=float(g("service", "keep_job_days", 30.0))), models=self.models,
                                 outbox=self.outbox, readings=self.device.readings, publish=self.progress)
+        self.inference = None  # the local inference service ([serve] enabled): threads of this process
+        if g("serve", "enabled"):
+            from ..inference.server import InferenceServer
+
+            self.inference = InferenceServer.from_config(config, probe=self.probe_report)
         self.watchdog = watchdog or Watchdog()
+        # Is the coordinator hearing us? (an ACL for another fleet drops everything silently)
+        self.link = CoordinatorLink(path=sd / LINK_FILE, fleet=config.fleet,
+                                    hello_topic=self.topics.device(self.device_id, "hello"),
+                                    silence_s=float(g("service", "coordinator_silence_s", 300.0)))
         self.state_interval = float(g("service", "state_interval_s"))
         self._stop = threading.Event()
         self._connects = 0
@@ -197,9 +212,12 @@ class Daemon:
     def facts(self) -> dict[str, Any]:
         active = self.driver.active()
         job = active[0] if active else None
-        return self.device.facts(name=self.name, busy=bool(active), job=job.params.get("job") if job else None,
-                                 job_state=job.state.value if job else None, models=self.models.current(),
-                                 engine=self.driver.engine, outbox=len(self.outbox))
+        facts = self.device.facts(name=self.name, busy=bool(active), job=job.params.get("job") if job else None,
+                                  job_state=job.state.value if job else None, models=self.models.current(),
+                                  engine=self.driver.engine, outbox=len(self.outbox))
+        if self.inference is not None:
+            facts.update(self.inference.facts())
+        return facts
 
     def publish_state(self) -> None:
         facts = self.facts()
@@ -211,8 +229,9 @@ class Daemon:
     def _update_status(self) -> None:
         """systemd's STATUS= line (`systemctl status edge-agent`), sent when it changes."""
         active = self.driver.active()
+        silent = self.link.status() if self.client.connected else ""
         status = (f"busy: job {active[0].job_id} {active[0].state.value}" if active else "idle") + \
-            ("" if self.client.connected else "; broker unreachable, retrying")
+            ("" if self.client.connected else "; broker unreachable, retrying") + (f"; {silent}" if silent else "")
         if status != self._status:
             self._status = status
             self.watchdog.status(status)
@@ -221,7 +240,8 @@ class Daemon:
         topic = self.topics.device(self.device_id, "hello")
         body: dict[str, Any] = {"public_key": public_key_text(self.key), "agent": AGENT,
                                 "info": self.device.hello_info(self.name)}
-        self.channel.send(topic, Kind.HELLO, body, ttl=365 * 86400, retain=True, timeout=5.0)
+        if self.channel.send(topic, Kind.HELLO, body, ttl=365 * 86400, retain=True, timeout=5.0):
+            self.link.hello_sent()  # the coordinator answers a fresh hello (link.py)
 
     def _model_changed(self, fetch: Any) -> None:
         self.driver.changed = True
@@ -233,6 +253,13 @@ class Daemon:
         if isinstance(result, Rejection):
             self.channel.reply_to(result)  # a refused command is answered; junk elsewhere is not
             return
+        if result.kind is Kind.ACK and result.body.get("reason") == "unknown_key":  # our update: sender unknown
+            self.link.refused("unknown_key", str(result.body.get("detail", "")))
+        elif result.kind in (Kind.CMD, Kind.ACK):  # signed by the coordinator, for us: it knows this device
+            self.link.heard(f"{result.kind} {result.body.get('cmd_id') or result.body.get('status', '')}")
+        if result.kind is Kind.CMD and result.body["action"] == "ping" and \
+                result.body["cmd_id"].startswith(HELLO_ACK_PREFIX):
+            return  # the coordinator's answer to our hello: nothing to reply
         if result.kind is Kind.CMD:
             try:
                 self.command(result)
@@ -253,6 +280,7 @@ class Daemon:
             self.models.add(result)
         elif result.kind is Kind.REFUSAL:
             log.warning("the coordinator refused our message: %s: %s", result.body["reason"], result.body["detail"])
+            self.link.refused(result.body["reason"], result.body["detail"])
 
     def command(self, msg: Message) -> None:
         body, cmd_id = msg.body, msg.body["cmd_id"]
@@ -315,6 +343,9 @@ class Daemon:
             timeout = 0.0
         self.driver.step()
         self.models.poll(protect=self.driver.protected_models())
+        if self.inference is not None and self.inference.changed:  # a swap: the state says what is served
+            self.inference.changed = False
+            self.driver.changed = True
         if self.client.connected:
             self.uploader.pump(max_chunks=8)
             for key, why in self.uploader.dropped:
@@ -325,8 +356,11 @@ class Daemon:
                 self._connects = connects
                 self.publish_hello()
                 self.publish_state()
-            elif self.driver.changed or time.monotonic() >= self._next_state:
-                self.publish_state()
+            else:
+                if self.link.hello_due():  # refused as unknown, or not answered: say it again
+                    self.publish_hello()
+                if self.driver.changed or time.monotonic() >= self._next_state:
+                    self.publish_state()
         self._update_status()
 
     def run(self) -> int:
@@ -339,6 +373,8 @@ class Daemon:
         for problem in self.outbox.dropped_corrupt:
             log.error("outbox: %s", problem)
         self.driver.recover()
+        if self.inference is not None:
+            self.inference.start()
         self.client.start()
         self.watchdog.start()
         self.watchdog.ready(f"device {self.device_id}: connecting to the broker")
@@ -369,6 +405,9 @@ class Daemon:
             self.driver.shutdown(timeout=45.0)
         with contextlib.suppress(Exception):
             self.models.stop()
+        if self.inference is not None:
+            with contextlib.suppress(Exception):
+                self.inference.stop()
         with contextlib.suppress(Exception):
             if self.client.connected:
                 topic = self.topics.device(self.device_id, "state")

@@ -192,22 +192,22 @@ class Oracle:
 
 
 def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """The bundle head's logits: numpy for a head numpy computes, else its MXNet block."""
+    """The bundle head's logits: numpy for a one-dense-layer head, else its MXNet block."""
     head = None
 
     def logits(features: np.ndarray) -> np.ndarray:
         nonlocal head
         if head is None:
-            from ..train.dense_head import numpy_head_logits
+            from .head_form import dense_head_logits
 
-            head = numpy_head_logits(bundle) or _mxnet_head(bundle)
+            head = dense_head_logits(bundle) or _mxnet_head(bundle)
         return head(features).reshape(len(features), -1)
 
     return logits
 
 
 def _mxnet_head(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    from ..train.mxnet_import import mxnet
+    from .mxnet_import import mxnet
 
     mx = mxnet()  # MXNetUnavailableError (one line, exit 69) where it cannot load: 32-bit ARM
 

@@ -143,9 +143,18 @@ ALLOWANCE_CHECKS: dict[str, Callable[[Any], None]] = {
     "refuse": _id, "refuse_detail": _text(200)}
 
 
+# The local inference service's report in the same `info` (edge_agent.inference.server.facts):
+# the served model and whether it is the fleet version or the device's personal one, both
+# candidates' accuracy on the device's own held-out samples, and what serving cost.
+INFERENCE_CHECKS: dict[str, Callable[[Any], None]] = {
+    "served_model": _text(160), "served_kind": _enum("fleet", "personal"), "held_out": _int(0, 1 << 31),
+    "fleet_accuracy": _num(0.0, 1.0), "personal_accuracy": _num(0.0, 1.0), "inference_wh": _num(0.0, 1e9),
+    "inference_requests": _int(0, 1 << 53)}
+
+
 def _state_info(v: Any) -> None:
     _flat(v)
-    for key, check in ALLOWANCE_CHECKS.items():
+    for key, check in {**ALLOWANCE_CHECKS, **INFERENCE_CHECKS}.items():
         if key in v:
             try:
                 check(v[key])

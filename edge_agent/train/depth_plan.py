@@ -167,7 +167,7 @@ def trains_in_numpy(bundle: Any, depth: int) -> bool:
     planner and the coordinator's round selection (which keeps a job that needs MXNet away
     from a device without it) both ask this, so they cannot disagree."""
     from ..int8.bundle import HEAD_SYMBOL, depth_file
-    from .dense_head import dense_head_form
+    from ..int8.head_form import dense_head_form
     from .numpy_tail import unsupported
 
     text = bundle.read(depth_file(depth, HEAD_SYMBOL)).decode("utf-8")

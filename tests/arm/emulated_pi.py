@@ -210,7 +210,7 @@ class Root:
 def make_inputs(dest: Path) -> dict[str, Path]:
     """The digits bundle (head: one dense layer), a multi-depth one (depth 1: conv3 + BN +
     dense, depth 2: conv2 too) and two devices' data, made on the host; cached."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     dest.mkdir(parents=True, exist_ok=True)
     sc = demo.scenario()

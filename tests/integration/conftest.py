@@ -26,6 +26,7 @@ from edge_agent.protocol import (
     TrustStore,
     Verifier,
 )
+from edge_agent.protocol.hello import ANSWER_PREFIX as HELLO_ANSWER
 from edge_agent.transport import (
     Channel,
     MqttClient,
@@ -203,6 +204,7 @@ class DeviceLoop(_Loop):
         kw = {"ack_timeout": 1.0, "publish_timeout": 2.0, "retry_base": 0.2, "retry_cap": 1.0, **uploader_kw}
         self.uploader = Uploader(client=side.client, outbox=outbox, signer=side.signer, topics=fleet.topics, **kw)
         self.commands: list[Message] = []
+        self.hello_answers: list[Message] = []  # serve's answers to a hello (protocol/hello.py): not commands
         self.rejections: list[Rejection] = []
         self.ack_results: list[str] = []
         self.acks: list[Message] = []
@@ -216,6 +218,8 @@ class DeviceLoop(_Loop):
             if result.kind is Kind.ACK:
                 self.acks.append(result)
                 self.ack_results.append(self.uploader.handle_ack(result))
+            elif result.kind is Kind.CMD and result.body["cmd_id"].startswith(HELLO_ANSWER):
+                self.hello_answers.append(result)
             elif result.kind is Kind.CMD:
                 self.commands.append(result)
         self._pump()
@@ -442,7 +446,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes
     """The demo's digits bundle (built once per session; MXNet runs in this test process,
     never in the agent daemon) and its archive bytes as the coordinator publishes them."""
     from edge_agent.int8.bundle import pack_bundle
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     bundle = demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
     archive = pack_bundle(bundle, tmp_path_factory.mktemp("archive") / "digits.tar.gz")
@@ -451,7 +455,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes
 
 def device_data(dest: Path, device: int = 2) -> Path:
     """One simulated device's own digits (through its camera) as an NPZ, as `--data` reads."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     dev = demo.scenario().devices[device]
     return demo.write_data(dest, dev.images, dev.labels, "npz")

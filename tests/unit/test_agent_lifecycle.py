@@ -20,10 +20,11 @@ from edge_agent.agent.child import FINETUNE_KEYS
 from edge_agent.agent.jobs import MAX_REENTRIES, Job, JobState, JobStore, transition
 from edge_agent.agent.lifecycle import DriverSettings, JobDriver
 from edge_agent.agent.models import ModelStore
-from edge_agent.agent.policy import TRAIN_KEYS, DeviceLimits
+from edge_agent.agent.policy import DeviceLimits
 from edge_agent.agent.runner import SPEC_FILE
 from edge_agent.agent.state import Readings
 from edge_agent.protocol import Topics
+from edge_agent.protocol.finetune import TRAIN_KEYS
 from edge_agent.train.job import run_finetune
 from edge_agent.transport import Outbox, OutboxKey
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.coordinator.artefacts import ModelArtefacts
 from edge_agent.coordinator.selection import (
     capabilities_from_hello,
@@ -21,6 +20,7 @@ from edge_agent.coordinator.selection import (
 from edge_agent.int8.bundle_create import create_bundle
 from edge_agent.int8.bundle_files import pack_bundle
 from edge_agent.protocol.schema import Kind, check_body
+from edge_agent.sim import models
 from tests.unit.test_coordinator_rounds import T0, Clock, Harness, dev, softmax_head
 from tests.unit.test_coordinator_rounds import fleet as fleet  # the module-scoped fixture
 

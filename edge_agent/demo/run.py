@@ -1,6 +1,6 @@
 """`make demo`: a whole fleet on this machine, trained by remote-triggered rounds.
 
-    python -m edge_agent.coordinator.demo [--devices 4] [--rounds 3] [--out demo-out]
+    python -m edge_agent.demo [--devices 4] [--rounds 3] [--out demo-out]
 
 (tests/integration/test_demo.py runs a shortened demo, 2 devices and 2 rounds, and checks
 its report.)
@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ..coordinator.strategies import AGGREGATORS
 
 PY = sys.executable
 T0 = time.monotonic()
@@ -103,7 +105,7 @@ DEMO_DEPTHS = 2  # the digits CNN's two convs below the pool: a device may train
 
 def build_base(out: Path, n_devices: int) -> Path:
     from ..int8.bundle import load_bundle
-    from ..train import demo
+    from ..sim import scenario as demo
 
     target = out / "base-bundle"
     with contextlib.suppress(Exception):
@@ -118,8 +120,8 @@ def build_base(out: Path, n_devices: int) -> Path:
 
 
 def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> dict[str, dict[str, Any]]:
-    from ..train import demo
-    from .demo_fleet import write_sysfs
+    from ..sim import scenario as demo
+    from .fleet import write_sysfs
 
     sc = demo.scenario(n_devices=args.devices)
     devices: dict[str, dict[str, Any]] = {}
@@ -149,11 +151,11 @@ def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edge_agent.coordinator.demo",
+    p = argparse.ArgumentParser(prog="python -m edge_agent.demo",
                                 description="A coordinator and N agent processes on this machine: base model, "
                                             "then R remote-triggered fine-tune rounds; prints a per-round table.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="example:\n  python -m edge_agent.coordinator.demo --devices 4 --rounds 3")
+                                epilog="example:\n  python -m edge_agent.demo --devices 4 --rounds 3")
     p.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--min-devices", type=int, default=None,
@@ -164,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-bytes", type=int, default=None,
                    help="byte budget of each update (default: the agent's, which adapts to the trained tensors)")
     p.add_argument("--deadline", default="150s", help="per-round deadline (default 150s)")
+    p.add_argument("--aggregator", choices=AGGREGATORS, default=None,
+                   help="the jobs' aggregation rule (default: the coordinator's choice for the fleet -- trust with "
+                        "the demo's server set, median_trust with --no-server-set)")
+    p.add_argument("--no-server-set", dest="server_set", action="store_false",
+                   help="register the base model without its labelled server set (half the held-out digits)")
     p.add_argument("--out", default="demo-out", help="working directory (default ./demo-out)")
     p.add_argument("--ui", default="auto", metavar="ADDR:PORT|auto|off",
                    help="the coordinator's web dashboard (default auto: 127.0.0.1:8080, or a free port if taken)")
@@ -205,11 +212,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[Any]) -> int:
+    from ..coordinator.registry import Registry
+    from ..coordinator.service_files import read_serve_file
     from ..transport.broker import free_port
-    from .demo_fleet import BATTERY_WH, LOAD_W, BatterySimulator, GlobalEvaluator, held_out
-    from .demo_report import collect, plot, print_table
-    from .registry import Registry
-    from .service_files import read_serve_file
+    from .fleet import (
+        BATTERY_WH,
+        LOAD_W,
+        BatterySimulator,
+        GlobalEvaluator,
+        held_out,
+        server_and_test,
+    )
+    from .report import collect, plot, print_table
 
     bundle = build_base(out, args.devices)
     port = free_port()
@@ -225,9 +239,17 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     if ui:
         say(f"dashboard (read-only, live): http://{ui}/  -- open it in a browser while the demo runs")
     key = run_cli([*cli, "key", "--state-dir", str(coord)]).strip()
-    run_cli([*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)],
-            log=out / "cli.log")
-    say(f"registered the base bundle as model digits 1; coordinator key {key[:16]}...")
+    x, y = held_out(args.devices)
+    (server_x, server_y), (x, y) = server_and_test(x, y, args.devices)
+    register = [*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)]
+    if args.server_set:
+        from ..sim import scenario as demo
+
+        register += ["--validation", str(demo.write_data(out / "server-set", server_x, server_y, "npz"))]
+    run_cli(register, log=out / "cli.log")
+    say(f"registered the base bundle as model digits 1; coordinator key {key[:16]}..."
+        + (f"; its server set: {len(server_y)} labelled held-out digits the coordinator scores every version on"
+           if args.server_set else "; no server set (--no-server-set)"))
 
     devices = setup_devices(args, out, port, key)
     for name, info in devices.items():
@@ -238,7 +260,6 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     say(f"{len(devices)} agents started: " + ", ".join(
         f"{n} ({d['samples']} digits, {d['classes']} classes, battery {d['battery']:.0f}%)" for n, d in devices.items()))
 
-    x, y = held_out(args.devices)
     evaluator = GlobalEvaluator(bundle, x, y, cache_dir=out / "cache")
     say(f"global test set: {len(y)} held-out digits through the devices' cameras (int8 backbone: {evaluator.engine})")
 
@@ -255,6 +276,7 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
                  "--min-devices", str(args.min_devices), "--deadline", args.deadline, "--budget-wh", "0.05",
                  "--epochs", str(args.epochs), "--batch-size", "16",
                  *(["--update-bytes", str(args.update_bytes)] if args.update_bytes else []),
+                 *(["--aggregator", args.aggregator] if args.aggregator else []),
                  *(["--depth", args.depth] if args.depth != "auto" else []), "--state-dir", str(coord)]
         print("  $ edge-coordinator " + " ".join(train[3:]), flush=True)
         code = subprocess.run(train, check=False).returncode
@@ -271,6 +293,9 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "demo-plot.png")
     say(f"wrote {out / 'demo-report.json'} and {out / 'demo-plot.png'}")
+    from ..sim.application import demo_loop
+
+    demo_loop(out, devices, say)  # the local inference service's feedback loop (edge_agent/sim/application.py)
     if ui and args.ui_linger > 0:
         say(f"the dashboard stays up at http://{ui}/ for {args.ui_linger:.0f} s (Ctrl-C ends it sooner)")
         time.sleep(args.ui_linger)
