@@ -81,10 +81,13 @@ soak: $(STAMP)
 	EDGE_SOAK_ROUNDS=$(SOAK_ROUNDS) $(BIN)/python -m bench.run --only bench_soak
 
 # Root only: debootstrap a Bookworm root per architecture (cached in build/arm/), install
-# the .deb there under qemu-user and run probe, kernels, finetune and a fleet round.
+# the .deb there under qemu-user and run probe, kernels and finetune in each, then one fleet
+# of both (tests/arm/emulated_pi.py). The roots are prepared side by side; ARM_ARGS=--serial
+# prepares one after the other.
 ARM_ARCHES ?= arm64,armhf
+ARM_ARGS ?=
 test-arm: $(STAMP)
-	$(BIN)/python tests/arm/emulated_pi.py --arch $(ARM_ARCHES)
+	$(BIN)/python tests/arm/emulated_pi.py --arch $(ARM_ARCHES) $(ARM_ARGS)
 
 # offline (release): every pinned wheel ships in the package; thin (CI): only ours.
 deb: $(STAMP)

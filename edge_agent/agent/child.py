@@ -12,8 +12,9 @@ in runner.py.
 Train spec (JSON): job_dir, job, round, device_id, model_name, version, model_dir, data,
 cache_dir, cache_max_mb, residual_file, sysfs_root, profile, budget_wh, power_cap_w,
 battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
-update_bytes, chunk_size, label_map, skip_unknown and the optional training parameters (epochs, batch_size, lr,
-patience, checkpoint_every, seed). Activate spec: archive, dest (+ base: a patch's base).
+chunk_size, label_map, skip_unknown and the command's optional training keys (protocol.finetune.TRAIN_KEYS:
+epochs, batch_size, lr, ..., update_bytes, depth, ..., trainer). result.json says which
+trainer ran. Activate spec: archive, dest (+ base: a patch's base).
 
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
 and run again writes the same bytes; the committed residual is only replaced by the
@@ -49,6 +50,8 @@ from ..errors import (
     EdgeAgentError,
     InputError,
 )
+from ..int8.mxnet_import import MXNetUnavailableError
+from ..protocol.finetune import TRAIN_KEYS
 from .runner import (
     EXIT_BUSY,
     EXIT_STOPPED,
@@ -62,7 +65,8 @@ from .runner import (
 log = logging.getLogger("edge_agent.agent.child")
 FINISHED = ("done", "early-stopped", "budget-exhausted", "deadline")  # these produce an update
 _PR_SET_PDEATHSIG = 1
-TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "depth", "bn", "tail", "augment")
+# run_finetune's share of the command's training keys (update_bytes is the encoder's)
+FINETUNE_KEYS = tuple(k for k in TRAIN_KEYS if k != "update_bytes")
 
 
 class Events:
@@ -171,7 +175,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
     from ..train.job import run_finetune
 
     job_dir = Path(spec["job_dir"])
-    extra = {k: spec[k] for k in TRAIN_KEYS if spec.get(k) is not None}
+    extra = {k: spec[k] for k in FINETUNE_KEYS if spec.get(k) is not None}
     report = run_finetune(
         model=spec["model_dir"], data=spec["data"], state_dir=job_dir, cache_dir=spec.get("cache_dir"),
         budget_wh=spec.get("budget_wh"), power_cap_w=spec.get("power_cap_w"),
@@ -186,7 +190,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
                "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
-               "resumed": report["resumed"], "depth": int(report["depth"]["depth"]),
+               "resumed": report["resumed"], "depth": int(report["depth"]["depth"]), "trainer": report["trainer"],
                "stop_detail": str(report["power"].get("stop_detail") or "")[:300]}
     counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
     if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         events.send({"phase": "error", "detail": str(exc)[:500], "kind": type(exc).__name__})
         if busy:
             return EXIT_BUSY
-        if isinstance(exc, ConfigError):
+        if isinstance(exc, ConfigError | MXNetUnavailableError):  # (no MXNet: trying again cannot help)
             return EXIT_CONFIG
         if isinstance(exc, InputError) or exc.exit_code == 64:  # bad data/bundle/checkpoint, unusable state
             return EXIT_DATAERR

@@ -34,7 +34,7 @@ from typing import Any
 from ..atomic import fsync_dir
 from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
-from ..protocol.finetune import BadParams, parse_finetune
+from ..protocol.finetune import TRAIN_KEYS, BadParams, parse_finetune
 from ..transport.outbox import Outbox, OutboxKey
 from .jobs import Job, JobState, JobStore
 from .models import ModelStore
@@ -48,6 +48,7 @@ from .policy import (
     counted_jobs,
     daily_allowance,
     effective_budget,
+    unmetered,
 )
 from .runner import (
     EXIT_BUSY,
@@ -148,7 +149,8 @@ class JobDriver:
 
     def conditions(self) -> Conditions:
         r = self._readings(fresh=True)  # a decision on a command: read the sensors now
-        return Conditions(battery_pct=r.battery_pct, charging=r.charging, temp_c=r.temp_c)
+        return Conditions(battery_pct=r.battery_pct, charging=r.charging, temp_c=r.temp_c,
+                          power_reading=r.power_w is not None)
 
     # ---- commands ----
     def submit(self, body: dict[str, Any], cmd_id: str) -> tuple[Verdict, Job | None]:
@@ -233,6 +235,10 @@ class JobDriver:
             self._advance(job, S.FAILED, f"deadline passed while {job.state.value}")
             return
         if job.state in (S.ACCEPTED, S.WAITING_FOR_POWER):
+            unmetered_why = self._unmetered(job)
+            if unmetered_why:  # (the sensor failed since the job was accepted, or before a restart)
+                self._advance(job, S.FAILED, unmetered_why)
+                return
             ok, why = self._power_ok(waiting=waiting)
             if ok:
                 self._advance(job, S.PREPARING, "power ok")
@@ -244,6 +250,13 @@ class JobDriver:
             self._train(job)
         elif job.state is S.UPLOADING and self.outbox.get(self.key(job)) is None:
             self._advance(job, S.DONE, "acknowledged by the coordinator")  # acked before a restart
+
+    def _unmetered(self, job: Job) -> str:
+        """policy.unmetered for an accepted job: checked before any training work starts."""
+        budget = job.params.get("budget_wh")
+        if budget is None or self._readings().power_w is not None:
+            return ""
+        return unmetered(budget, self._readings(fresh=True).power_w is not None)  # (a counter primed just now)
 
     def _power_ok(self, *, waiting: bool) -> tuple[bool, str]:
         r = self._readings()
@@ -305,8 +318,7 @@ class JobDriver:
                 "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size,
                 "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown,
                 "inference_energy": self.s.inference_energy}
-        for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes", "depth", "bn",
-                    "tail", "augment"):
+        for key in TRAIN_KEYS:
             if p.get(key) is not None:
                 spec[key] = p[key]
         return spec

@@ -12,6 +12,9 @@ malformed at the envelope level; this is the device's own say, by its owner's po
     battery_low         battery below [policy] min_battery_pct and not charging
     too_hot             the hottest thermal zone is at or above the thermal limit
     budget_exceeded     the command asks for more energy than the device's [budget] energy_wh
+    no_power_reading    the job has an energy budget but no power source gives a reading now, so
+                        it could not be metered (the training child would stop it with an error
+                        only after its engine selection and features)
     power_cap_exceeded  ... a higher average power than [budget] power_cap_w
     deadline_passed     its training deadline is already over
     unknown_job         `cancel` names no job this device has
@@ -45,8 +48,10 @@ DAY_S = 86400.0
 # (24 -- exactly one an hour -- left a device at its limit for most of every day).
 DEFAULT_MAX_JOBS_PER_DAY = 48
 REASONS = ("bad_params", "finetune_disabled", "no_data", "busy", "daily_limit", "battery_low", "too_hot",
-           "budget_exceeded", "power_cap_exceeded", "deadline_passed", "unknown_job", "internal_error",
-           "local_fault")
+           "budget_exceeded", "power_cap_exceeded", "no_power_reading", "deadline_passed", "unknown_job",
+           "internal_error", "local_fault")
+
+
 @dataclass(frozen=True)
 class Verdict:
     accept: bool
@@ -93,6 +98,7 @@ class Conditions:
     battery_pct: float | None = None
     charging: bool | None = None
     temp_c: float | None = None
+    power_reading: bool = True  # a power source gives a reading (False: none does, the job cannot be metered)
 
 
 def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Conditions, *, active: list[str],
@@ -123,9 +129,21 @@ def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Condi
     if req.power_cap_w is not None and limits.power_cap_w is not None and req.power_cap_w > limits.power_cap_w:
         return Verdict.refuse("power_cap_exceeded", f"asks for {req.power_cap_w:g} W; this device allows "
                                                     f"{limits.power_cap_w:g} W")
+    why = unmetered(effective_budget(req, limits)["budget_wh"], conditions.power_reading)
+    if why:
+        return Verdict.refuse("no_power_reading", why)
     if req.deadline_at <= now:
         return Verdict.refuse("deadline_passed", f"the deadline passed {now - req.deadline_at:.0f} s ago")
     return OK
+
+
+def unmetered(budget_wh: float | None, power_reading: bool) -> str:
+    """Why a job with this energy budget cannot run now ("" when it can): no power source
+    gives a reading, so nothing would meter it against the budget."""
+    if budget_wh is None or power_reading:
+        return ""
+    return (f"no power source gives a reading, so the {budget_wh:g} Wh energy budget cannot be enforced "
+            "(`edge-agent probe` lists the power sources and their errors)")
 
 
 def effective_budget(req: FinetuneRequest, limits: DeviceLimits) -> dict[str, float | None]:

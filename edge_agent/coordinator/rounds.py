@@ -54,6 +54,7 @@ from .records import (
     IllegalTransition,
     Job,
     JobStatus,
+    ModelVersion,
     NotFound,
     ParticipantStatus,
     RoundRecord,
@@ -65,7 +66,7 @@ from .registry import Registry
 from .round_close import RoundCloser
 from .round_intake import UpdateIntake
 from .round_types import Receipt, RoundOutcome, RoundPlan, RoundPolicy, TickResult, check_options
-from .selection import job_needs, sample_devices, select_devices
+from .selection import head_needs_mxnet, job_needs, sample_devices, select_devices
 from .strategies import AGGREGATORS, default_strategy
 from .strikes import Strikes
 
@@ -108,7 +109,8 @@ class RoundEngine:
         self.closer = RoundCloser(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
                                   aggregation=self.aggregation, strikes=self.strikes,
                                   gate=ValidationGate(z=self.policy.gate_z, min_drop=self.policy.gate_min_drop))
-        self._head_needs: dict[tuple[str, str], frozenset[str]] = {}  # (model, version) -> job_needs
+        # (model, version) and bundle path -> train.depth_plan.numpy_depths, for job_needs
+        self._numpy_depths: dict[tuple[str, str] | str, tuple[bool, ...]] = {}
         self._metrics_at = float("-inf")  # when the fleet gauges are next refreshed (FLEET_METRICS_S)
 
     # ---- jobs
@@ -243,19 +245,40 @@ class RoundEngine:
                 result.opened.append(opened)
 
     def _needs(self, job: Job, version: str) -> frozenset[str]:
-        """What a device must run for this job's head (MXNet for a deep head): selection.job_needs."""
+        """What a device must run for this job at its depth (selection.job_needs)."""
         if job.params.get("trainer") == "mxnet":
-            return job_needs(job.params, None)  # no need to read the head
+            return job_needs(job.params, None)  # no need to read the model
         key = (job.model_name, version)
-        if key not in self._head_needs:  # read a head once, not on every tick a job waits
+        if key not in self._numpy_depths:  # read once, not on every tick a job waits
             try:
-                head = self.registry.load_head(self.registry.get_model(*key))
+                mv = self.registry.get_model(*key)
             except EdgeAgentError:
-                return job_needs(job.params, None)  # an unreadable head fails the round elsewhere
-            if len(self._head_needs) > 64:
-                self._head_needs.clear()
-            self._head_needs[key] = job_needs({}, head)
-        return self._head_needs[key]
+                return job_needs(job.params, None)  # an unknown version fails the round elsewhere
+            depths = self._numpy_depths.get(mv.bundle_path) if mv.bundle_path else None
+            depths = depths or self._read_numpy_depths(mv)
+            if depths is None:
+                return job_needs(job.params, None)  # an unreadable model fails the round elsewhere
+            if len(self._numpy_depths) > 64:
+                self._numpy_depths.clear()
+            self._numpy_depths[key] = depths
+            if mv.bundle_path:
+                self._numpy_depths[mv.bundle_path] = depths
+        return job_needs(job.params, self._numpy_depths[key])
+
+    def _read_numpy_depths(self, mv: ModelVersion) -> tuple[bool, ...] | None:
+        """Which depths train without MXNet, from the version's bundle (a round's version
+        names its root's); registered without a readable bundle, its tensors are one head."""
+        from ..train.depth_plan import archive_numpy_depths
+
+        try:
+            if mv.bundle_path:
+                return archive_numpy_depths(self.registry.state_dir / mv.bundle_path)
+        except (EdgeAgentError, OSError) as exc:
+            log.warning("model %s %s: bundle unreadable for the depths' trainers (%s)", mv.name, mv.version, exc)
+        try:
+            return (not head_needs_mxnet(self.registry.load_head(mv)),)
+        except (EdgeAgentError, OSError):
+            return None
 
     def _open_next(self, job: Job, rounds: list[RoundRecord], result: TickResult) -> RoundPlan | None:
         now, number = self.clock(), len(rounds) + 1

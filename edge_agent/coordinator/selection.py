@@ -2,11 +2,12 @@
 
 `select_devices` returns the eligible ids and, for every device matching the selector but
 left out, the reason (shown by `edge-coordinator train` while it waits, and recorded in a
-round that could not start). A job that needs MXNet (`job_needs`: a head deeper than one
-dense layer, or `--param trainer=mxnet`) skips devices whose hello said `mxnet: false` --
-32-bit Raspberry Pi OS has no MXNet wheel; an agent too old to say is not excluded. `sample_devices` picks a deterministic subset when a job asks
-for fewer devices per round than are eligible (seeded by job and round, so a restarted
-coordinator picks the same ones).
+round that could not start). A job that needs MXNet (`job_needs`: at the job's depth a tail
+the agent's numpy trainers cannot train, or `--param trainer=mxnet`) skips devices whose
+hello said `mxnet: false` -- 32-bit Raspberry Pi OS has no MXNet wheel; an agent too old to
+say is not excluded. `sample_devices` picks a deterministic subset when a job asks for fewer
+devices per round than are eligible (seeded by job and round, so a restarted coordinator
+picks the same ones).
 
 A device that says in its state it would refuse (`allowance_state`: its daily job limit is
 used up until a given time, fine-tuning disabled, no data) is skipped with its own words,
@@ -74,17 +75,28 @@ def refusal(state: Mapping[str, Any], now: float) -> str:
 
 
 def head_needs_mxnet(head: Mapping[str, Any]) -> bool:
-    """A head the agent's numpy trainer cannot train: anything but one weight matrix and
-    at most one bias (several layers, BatchNorm, convolutions)."""
+    """For a version registered without a bundle (its tensors are one head, no depths): a
+    head the agent's numpy trainer cannot train -- anything but one weight matrix and at
+    most one bias (several layers, BatchNorm, convolutions)."""
     shapes = [getattr(a, "ndim", 0) for a in head.values()]
     return not (shapes.count(2) == 1 and shapes.count(1) <= 1 and len(shapes) <= 2)
 
 
-def job_needs(params: Mapping[str, Any], head: Mapping[str, Any] | None) -> frozenset[str]:
-    """What a device must be able to run for this job: {"mxnet"} or nothing."""
-    if params.get("trainer") == "mxnet" or (head is not None and head_needs_mxnet(head)):
+def job_needs(params: Mapping[str, Any], numpy_depths: Sequence[bool] | None) -> frozenset[str]:
+    """What a device must be able to run for this job: {"mxnet"} or nothing.
+
+    `numpy_depths[k]`: whether the model's depth k trains without MXNet (train.depth_plan.
+    numpy_depths of its bundle; None when unknown: nothing is required). The job's depth
+    decides -- a multi-depth model's deeper tensors do not matter to a `--depth head` job --
+    with `auto` (the default) judged at depth 0, where a device's planner lands when no
+    deeper depth fits it; `--param trainer=mxnet` needs MXNet at any depth."""
+    if params.get("trainer") == "mxnet":
         return frozenset({"mxnet"})
-    return frozenset()
+    depth = params.get("depth", "auto")
+    k = depth if isinstance(depth, int) and not isinstance(depth, bool) else 0
+    if numpy_depths is None or not 0 <= k < len(numpy_depths) or numpy_depths[k]:
+        return frozenset()  # (a depth the model lacks: every device refuses it with the reason)
+    return frozenset({"mxnet"})
 
 
 def select_devices(devices: Sequence[Device], selector: str, *, now: float, online_within_s: float,
@@ -103,7 +115,7 @@ def select_devices(devices: Sequence[Device], selector: str, *, now: float, onli
             continue
         why = _ineligible(dev, now, online_within_s, min_battery_pct, budget_wh, allow_unknown_power, busy, job_id)
         if not why and "mxnet" in needs and dev.state.get("mxnet") is False:
-            why = "no MXNet on this device (32-bit ARM, or it does not load), and this job's head trains with MXNet"
+            why = "no MXNet on this device (32-bit ARM, or it does not load), and this job trains with MXNet"
         if why:
             ineligible[dev.id] = why
         else:

@@ -40,7 +40,7 @@ log = logging.getLogger("edge_agent.coordinator.service")  # the service's log: 
 STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c", "engine", "models",
               "job", "job_state", "outbox", "profile", "name")
 RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine", "depth",
-                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits",
+                  "trainer", "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits",
                   "label_counts")
 # Refusals of the message, not of the job; except local_fault: that device cannot take the job
 # now (disk full...), a dropout rather than a wait until the round's deadline.

@@ -27,7 +27,10 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
 }
 # Training choices a command may set: name -> the values accepted (depth: also 0..8).
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),
-                                              "tail": ("full", "bias")}
+                                              "tail": ("full", "bias"), "trainer": ("auto", "numpy", "mxnet")}
+# Every training key a request carries to the training child (agent/lifecycle.py's spec):
+# one list, so a parameter accepted here cannot be dropped on the way (trainer once was).
+TRAIN_KEYS = (*TRAIN_PARAMS, *TRAIN_CHOICES)
 
 
 
@@ -44,7 +47,7 @@ class FinetuneRequest:
     budget_wh: float | None
     power_cap_w: float | None
     deadline_at: float
-    train: dict[str, Any] = field(default_factory=dict)  # TRAIN_PARAMS given by the command
+    train: dict[str, Any] = field(default_factory=dict)  # TRAIN_KEYS given by the command
 
     @property
     def local_id(self) -> str:

@@ -342,3 +342,28 @@ def make_head_trainer(*, symbol_json: str, params: Mapping[str, np.ndarray], inp
                           f"computes ({why}); this head needs 'mxnet' (or 'auto')")
     return HeadTrainer(symbol_json=symbol_json, params=params, input_name=input_name, num_classes=num_classes,
                        config=config, train_labels=train_labels, threads=threads)
+
+
+def numpy_head_logits(bundle: Any) -> Any:
+    """A numpy logits function for the bundle's head at its depth -- one dense layer, or a
+    tail of the ops numpy_tail computes (predicting: BatchNorm on its stored statistics) --
+    else None (MXNet computes it). The engine selection's top-1 check then needs no MXNet,
+    which a 32-bit device does not have."""
+    from .trainer import head_from_bundle
+
+    symbol_json, params = head_from_bundle(bundle)
+    form = dense_head_form(symbol_json, bundle.manifest.split_tensor)
+    if form is not None:
+        if form.weight not in params or form.bias not in params:
+            return None
+        weight, bias = np.asarray(params[form.weight], np.float32), np.asarray(params[form.bias], np.float32)
+        return lambda features: _affine(form, weight, bias.reshape(-1), features)
+    try:
+        program = TailProgram(symbol_json, bundle.manifest.split_tensor)
+    except UnsupportedTail:
+        return None
+    weights = {name: np.asarray(params[name], np.float32) for name in (*program.arg_names, *program.aux_names)
+               if name in params}
+    if len(weights) != len(program.arg_names) + len(program.aux_names):
+        return None
+    return lambda features: program.forward(weights, features, train=False)[0]

@@ -161,6 +161,35 @@ def learn_rates(cache_dir: Path, rates: dict[str, float], measured: dict[str, fl
     return new
 
 
+def trains_in_numpy(bundle: Any, depth: int) -> bool:
+    """Whether depth `depth`'s tail trains without MXNet (module doc): a one-dense-layer head
+    at depth 0, or at any depth a symbol whose every op numpy_tail.py computes. The agent's
+    planner and the coordinator's round selection (which keeps a job that needs MXNet away
+    from a device without it) both ask this, so they cannot disagree."""
+    from ..int8.bundle import HEAD_SYMBOL, depth_file
+    from ..int8.head_form import dense_head_form
+    from .numpy_tail import unsupported
+
+    text = bundle.read(depth_file(depth, HEAD_SYMBOL)).decode("utf-8")
+    tensor = bundle.manifest.depths[depth].tensor if bundle.manifest.depths else bundle.manifest.split_tensor
+    return (depth == 0 and dense_head_form(text, tensor) is not None) or not unsupported(text, tensor)
+
+
+def numpy_depths(bundle: Any) -> tuple[bool, ...]:
+    """`trains_in_numpy` for every depth of the bundle (a head-only bundle: depth 0 alone)."""
+    return tuple(trains_in_numpy(bundle, k) for k in range(max(1, len(bundle.manifest.depths))))
+
+
+def archive_numpy_depths(archive: str | Path) -> tuple[bool, ...]:
+    """`numpy_depths` of a bundle archive (unpacked and verified in a temporary directory)."""
+    import tempfile
+
+    from ..int8.bundle_files import unpack_bundle
+
+    with tempfile.TemporaryDirectory(prefix="edge-agent-depths-") as tmp:
+        return numpy_depths(unpack_bundle(archive, Path(tmp) / "bundle"))
+
+
 def mxnet_available() -> bool:
     return importlib.util.find_spec("mxnet") is not None
 

@@ -337,6 +337,7 @@ class _Job(DepthPlanning, JobReport):
         cpu_start = time.process_time()
         # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
         from ..int8.engine_cost import SelectionStopped
+        from .dense_head import numpy_head_logits
 
         try:
             selection, runner = select_engine(
@@ -344,7 +345,8 @@ class _Job(DepthPlanning, JobReport):
                 state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(), env=env, keep_runner=True,
                 preference=prof["backends"], images=len(dataset), meter=_GovernorMeter(self, gov),
                 watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True,
-                clocks=Clocks(cpu=cpu_seconds))
+                clocks=Clocks(cpu=cpu_seconds),
+                logits=numpy_head_logits(bundle))  # no MXNet for the top-1 check of a tail numpy computes
         except SelectionStopped as exc:  # the budget ran out choosing the engine: a stop, not a failure
             return self._stopped_in_selection(bundle, dataset, prof, str(exc))
         assert runner is not None

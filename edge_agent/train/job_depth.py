@@ -57,12 +57,11 @@ class DepthPlanning:
                     config: Any, prof: dict[str, Any], wpc: float | None, cache_root: Path,
                     probe_report: dict[str, Any], threads: int) -> Any:
         """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
-        from ..int8.bundle import HEAD_SYMBOL, depth_file
+        from ..int8.bundle import HEAD_SYMBOL
         from ..int8.cli import default_state_dir
         from ..int8.head_form import dense_head_form
         from ..int8.selection import cached_selection
-        from .depth_plan import load_rates, plan_depth
-        from .numpy_tail import unsupported
+        from .depth_plan import load_rates, plan_depth, trains_in_numpy
 
         request = self.args["depth"]
         if checkpoint is not None and isinstance(checkpoint.meta.get("depth"), int):
@@ -71,11 +70,8 @@ class DepthPlanning:
         symbol_json = bundle.read(HEAD_SYMBOL).decode("utf-8")  # the head's form only: no parameter file read
         dense = self.args["trainer"] != "mxnet" and dense_head_form(symbol_json, bundle.manifest.split_tensor) is not None
 
-        def numpy_tail(depth: int) -> bool:  # every op of the depth's symbol is one numpy_tail computes
-            if self.args["trainer"] == "mxnet":
-                return False
-            text = bundle.read(depth_file(depth, HEAD_SYMBOL)).decode("utf-8")
-            return not unsupported(text, bundle.manifest.depths[depth].tensor)
+        def numpy_tail(depth: int) -> bool:  # unless the job asks for MXNet (the coordinator asks the same)
+            return self.args["trainer"] != "mxnet" and trains_in_numpy(bundle, depth)
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
                           mem_cap_mb=prof["memory_cap_mb"],

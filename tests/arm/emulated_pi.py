@@ -1,7 +1,7 @@
 """`make test-arm`: the project on an emulated Raspberry Pi OS (Debian Bookworm arm64, and
 armhf for 32-bit Pi OS), under qemu-user with binfmt_misc, as root.
 
-For each architecture:
+For each architecture (the two side by side, one thread each: qemu-user runs on one core):
   1. a Bookworm root file system from Debian's packages (debootstrap), cached as a tarball
      under build/arm/ and unpacked fresh for every run (outside the source tree:
      $EDGE_AGENT_ARM_WORK, default /var/tmp/edge-agent-test-arm);
@@ -9,16 +9,25 @@ For each architecture:
      root (chroot; the postinst builds the venv from the wheels with the root's Python 3.11);
   3. in the root: `edge-agent doctor`, `edge-agent probe` (the kernels' auxv check must win
      over the host's /proc/cpuinfo), `edge-agent kernels --bench` (native must run a NEON
-     variant), `edge-agent finetune` with the numpy trainer and -- arm64 -- the MXNet trainer
-     on a deep tail (conv + BatchNorm + dense); armhf must refuse MXNet with one line;
-  4. arm64: one remote-triggered round of the chroot's agent against `edge-coordinator
-     serve` and mosquitto on the host (the chroot shares the host's network namespace).
+     variant), `edge-agent finetune --trainer numpy`; arm64: probe and the native kernels
+     again as a Raspberry Pi 4's Cortex-A72 (QEMU_CPU=cortex-a72: no dot product, so the
+     plain NEON variant); armhf: `--trainer mxnet` refused with one line.
+Then one fleet on the host's `edge-coordinator serve` and mosquitto (the chroots share the
+host's network namespace), with `edge-agent run` in each root, as a Pi 4 (arm64) and a
+32-bit Pi Zero 2 W (armhf), and two jobs on a multi-depth bundle:
+  A. `--depth 1` on every device: a mixed arm64 + armhf round that trains the deep tail
+     (conv + BatchNorm + dense) on both, in numpy -- the 32-bit device is selected because
+     numpy trains that depth (issue 35 #25);
+  B. `--depth 1 --param trainer=mxnet`: the coordinator leaves the 32-bit device out (its
+     hello says no MXNet) and the arm64 device trains the deep tail with MXNet Gluon, as
+     its result (in the update's metrics) says (#24); its model reaches it as a head patch
+     on job A's version.
 Bundles and data are made on the host. Prints one line per check and "N passed, N failed".
 
 What emulation cannot tell: speed, sensors, accelerators, thermal behaviour (see
 docs/deployment.md, "Verified under emulation").
 
-usage: tests/arm/emulated_pi.py [--arch arm64,armhf] [--keep]
+usage: tests/arm/emulated_pi.py [--arch arm64,armhf] [--keep] [--serial]
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +68,9 @@ INCLUDE = {
 QEMU = {"arm64": "qemu-aarch64", "armhf": "qemu-arm"}
 MACHINE = {"arm64": "aarch64", "armhf": "armv7l"}
 NEON = {"arm64": {"neon", "neon_dot"}, "armhf": {"armv7_neon"}}
+# The board each architecture's agent runs on in the fleet (tests/fixtures/boards).
+BOARD = {"arm64": "raspberry-pi-4", "armhf": "raspberry-pi-zero-2w-32bit"}
+PI4_CPU = "cortex-a72"  # QEMU_CPU: the Pi 4's core (Armv8.0-A: NEON, no dot product)
 ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8",
        "PYTHONUNBUFFERED=1", "DEBIAN_FRONTEND=noninteractive"]
 
@@ -157,6 +171,7 @@ class Root:
         self.arch = arch
         self.path = WORK / f"root-{arch}"
         self.mounts: list[Path] = []
+        self.installed = False  # the .deb is installed: checks and the fleet may run here
 
     def unpack(self) -> str:
         self.umount()
@@ -176,8 +191,10 @@ class Root:
         unmount_all(self.path)
         self.mounts.clear()
 
-    def run(self, *cmd: str, timeout: float = 1800, check: bool = True) -> subprocess.CompletedProcess:
-        return sh(["chroot", str(self.path), "/usr/bin/env", "-i", *ENV, *cmd], timeout=timeout, check=check)
+    def run(self, *cmd: str, timeout: float = 1800, check: bool = True,
+            env: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        """`cmd` in the root; `env`: more NAME=VALUE (QEMU_CPU reaches qemu through it)."""
+        return sh(["chroot", str(self.path), "/usr/bin/env", "-i", *ENV, *env, *cmd], timeout=timeout, check=check)
 
     def popen(self, *cmd: str, log_path: Path) -> subprocess.Popen:
         out = open(log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -191,46 +208,37 @@ class Root:
 # ---------------------------------------------------------------------------- host-made inputs
 
 def make_inputs(dest: Path) -> dict[str, Path]:
-    """The digits bundle (head: one dense layer), a deep-tail bundle (conv3 + BN + dense,
-    split after pool1) and one device's data, made on the host with MXNet; cached."""
-    import numpy as np
-
-    from edge_agent.int8.bundle import load_bundle
-    from edge_agent.int8.bundle_create import create_bundle
+    """The digits bundle (head: one dense layer), a multi-depth one (depth 1: conv3 + BN +
+    dense, depth 2: conv2 too) and two devices' data, made on the host; cached."""
     from edge_agent.sim import scenario as demo
-    from edge_agent.sim.models import digits_cnn, fit_classifier
 
     dest.mkdir(parents=True, exist_ok=True)
-    digits = demo.ensure_bundle(dest / "digits")
-    deep = dest / "digits-deep"
-    try:
-        load_bundle(deep)
-    except Exception:  # noqa: BLE001 - missing or half-written: build it
-        sc = demo.scenario(seed=0)
-        net = digits_cnn()
-        fit_classifier(net, sc.base_x, sc.base_y, epochs=2, seed=0)
-        calib = demo.to_pixels(sc.base_x[:64]).astype(np.float32) * np.float32(demo.PIXEL_SCALE)
-        create_bundle(net, deep, calibration=calib, labels=demo.LABELS, name="digits-deep", version="1",
-                      input_shape=(1, 8, 8), scale=demo.PIXEL_SCALE, split="features_pool1_fwd", overwrite=True)
-    dev = demo.scenario().devices[2]
-    data = demo.write_data(dest / "data", dev.images, dev.labels, "npz")
-    return {"digits": Path(digits), "deep": deep, "data": data}
+    sc = demo.scenario()
+    data = {arch: demo.write_data(dest / f"data-{arch}", dev.images, dev.labels, "npz")
+            for arch, dev in zip(("arm64", "armhf"), sc.devices[1:], strict=True)}
+    return {"digits": Path(demo.ensure_bundle(dest / "digits")),
+            "deep": Path(demo.ensure_bundle(dest / "digits-deep", depths=2)),
+            **{f"data-{arch}": path for arch, path in data.items()}}
 
 
 # ---------------------------------------------------------------------------- the checks
 
+_DEB_LOCK = threading.Lock()  # the builds share build/deb and dist/
+
+
 def build_deb(arch: str) -> Path:
     # `make test-arm` has made the venv (its prerequisite): -o keeps `make deb` from redoing it.
-    sh(["make", "-C", str(REPO), "-o", ".venv/.installed-test", "deb", f"ARCH={arch}"], timeout=3600)
+    with _DEB_LOCK:
+        sh(["make", "-C", str(REPO), "-o", ".venv/.installed-test", "deb", f"ARCH={arch}"], timeout=3600)
     (deb,) = (REPO / "dist").glob(f"edge-agent_*_{arch}.deb")
     return deb
 
 
-def run_arch(arch: str, res: Results, inputs: dict[str, Path], *, keep: bool) -> None:
-    root = Root(arch)
+def prepare_arch(root: Root, res: Results, inputs: dict[str, Path]) -> None:
+    """One architecture's root, installed (`root.installed`: the fleet runs in it, so it
+    stays mounted) and checked on its own."""
+    arch = root.arch
     box: dict[str, Path] = {}
-    if not res.check(f"{arch}: binfmt", lambda: ensure_binfmt(arch)):
-        return
     if not res.check(f"{arch}: root file system", lambda: ensure_rootfs(arch)):
         return
 
@@ -240,38 +248,32 @@ def run_arch(arch: str, res: Results, inputs: dict[str, Path], *, keep: bool) ->
 
     if not res.check(f"{arch}: make deb ARCH={arch}", deb):
         return
-    try:
-        if not res.check(f"{arch}: unpack + mount", root.unpack):
-            return
+    if not res.check(f"{arch}: unpack + mount", root.unpack):
+        return
 
-        def install() -> str:
-            work = root.path / "work"
-            shutil.copytree(inputs["digits"], work / "digits")
-            shutil.copytree(inputs["deep"], work / "digits-deep")
-            shutil.copytree(inputs["data"].parent, work / "data")
-            shutil.copyfile(box["deb"], root.path / "tmp" / box["deb"].name)
-            done = root.run("apt-get", "install", "-y", "--no-install-recommends", f"/tmp/{box['deb'].name}")
-            version = root.run("edge-agent", "--version").stdout.strip()
-            return f"{version}; {done.stdout.strip().splitlines()[-1][:120]}"
+    def install() -> str:
+        work = root.path / "work"
+        shutil.copytree(inputs["digits"], work / "digits")
+        shutil.copytree(inputs["deep"], work / "digits-deep")
+        shutil.copytree(inputs[f"data-{arch}"].parent, work / "data")
+        shutil.copyfile(box["deb"], root.path / "tmp" / box["deb"].name)
+        done = root.run("apt-get", "install", "-y", "--no-install-recommends", f"/tmp/{box['deb'].name}")
+        version = root.run("edge-agent", "--version").stdout.strip()
+        return f"{version}; {done.stdout.strip().splitlines()[-1][:120]}"
 
-        if not res.check(f"{arch}: apt-get install ./{box['deb'].name}", install):
-            return
-        res.check(f"{arch}: edge-agent doctor", lambda: doctor(root, arch))
-        res.check(f"{arch}: edge-agent probe", lambda: probe(root, arch))
-        res.check(f"{arch}: edge-agent kernels --bench", lambda: kernels(root, arch))
-        res.check(f"{arch}: edge-agent finetune --trainer numpy", lambda: finetune(root, "numpy", "/work/digits"))
-        if arch == "arm64":
-            res.check(f"{arch}: edge-agent finetune --trainer mxnet (deep tail)",
-                      lambda: finetune(root, "mxnet", "/work/digits-deep"))
-            res.check(f"{arch}: remote-triggered round against the host's coordinator + mosquitto",
-                      lambda: fleet_round(root, inputs))
-        else:
-            res.check(f"{arch}: --trainer mxnet refused in one line (no MXNet on 32-bit ARM)",
-                      lambda: no_mxnet(root))
-    finally:
-        root.umount()
-        if not keep and root.path.exists():
-            shutil.rmtree(root.path, ignore_errors=True)
+    if not res.check(f"{arch}: apt-get install ./{box['deb'].name}", install):
+        return
+    root.installed = True
+    res.check(f"{arch}: edge-agent doctor", lambda: doctor(root, arch))
+    res.check(f"{arch}: edge-agent probe", lambda: probe(root, arch))
+    res.check(f"{arch}: edge-agent kernels --bench", lambda: kernels(root, arch))
+    res.check(f"{arch}: edge-agent finetune --trainer numpy", lambda: finetune(root, "numpy", "/work/digits"))
+    if arch == "arm64":
+        res.check(f"{arch}: probe + native kernels as a Pi 4 (QEMU_CPU={PI4_CPU}: no dot product)",
+                  lambda: pi4_kernels(root))
+    else:
+        res.check(f"{arch}: --trainer mxnet refused in one line (no MXNet on 32-bit ARM)",
+                  lambda: no_mxnet(root))
 
 
 def doctor(root: Root, arch: str) -> str:
@@ -331,11 +333,24 @@ def finetune(root: Root, trainer: str, bundle: str) -> str:
     assert report["epochs_done"] == 2 and report["trainer"] == trainer, {k: report.get(k) for k in ("epochs_done",
                                                                                                    "trainer")}
     params = sorted(report["head"]["params"])
-    if bundle.endswith("deep"):
-        assert any("conv3" in p for p in params) and any("bn3" in p for p in params), params
     acc = report["accuracy"]
     return (f"accuracy {acc['before']:.3f} -> {acc['after']:.3f} on {acc['validation_samples']} samples, "
             f"engine {report['engine']['name']}, trained {len(params)} tensors")
+
+
+def pi4_kernels(root: Root) -> str:
+    """A Pi 4's core has no dot product: the kernels' own check must see that (the host's
+    /proc/cpuinfo cannot tell), run the plain NEON variant and agree with the reference."""
+    cpu = (f"QEMU_CPU={PI4_CPU}",)
+    check = json.loads(root.run("edge-agent", "probe", "--json", env=cpu).stdout)["cpu"]["kernel_check"]
+    runs = {name for name, ok in check["variants"].items() if ok}
+    assert "neon" in runs and "neon_dot" not in runs, check
+    done = root.run("edge-agent", "kernels", "--model", "/work/digits", "--bench", "--json", "--repeats", "1",
+                    "--backends", "native,reference", "--state-dir", "/work/kernels-a72", env=cpu, timeout=1800)
+    native = {c["name"]: c for c in json.loads(done.stdout)["candidates"]}["native"]
+    assert native["available"] and native["correct"], native
+    assert "variant neon " in native["reason"], native["reason"]
+    return f"kernels run {sorted(runs)}; native: {native['reason']}"
 
 
 def no_mxnet(root: Root) -> str:
@@ -347,78 +362,153 @@ def no_mxnet(root: Root) -> str:
     return err[-1][:120]
 
 
-def fleet_round(root: Root, inputs: dict[str, Path]) -> str:
-    """`edge-coordinator serve` + mosquitto on the host, `edge-agent run` in the chroot;
-    `edge-coordinator train` runs one round; the agent's update is aggregated."""
-    from edge_agent import keys
-    from edge_agent.config import public_key_text, render_config
-    from edge_agent.int8.bundle import pack_bundle
-    from edge_agent.transport.broker import MosquittoBroker
-    from tests.integration.conftest import (
-        Fleet,
-        ServeProcess,
-        board_tree,
-        online_devices,
-        register_digits,
-        wait_for,
-    )
+class ArmFleet:
+    """mosquitto and `edge-coordinator serve` on the host, `edge-agent run` in each root
+    (as the Pi of BOARD[arch]); the model is the multi-depth digits bundle."""
 
-    tmp = Path(tempfile.mkdtemp(prefix="arm-round-", dir=WORK))
-    broker = MosquittoBroker(workdir=tmp / "mosquitto")
-    broker.start()
-    fleet = Fleet(tmp, f"t-arm{os.getpid()}/edgeft/v1")
-    coord = ServeProcess(fleet, tmp, broker.port)
-    agent = None
-    try:
-        coord.start()
-        home = root.path / "work" / "agent"
-        key = keys.generate_private_key()
-        keys.save_private_key(home / "state" / "keys" / "device.key", key)
-        board_tree(home / "board", battery_pct=90)
-        text = render_config(device_name="pi-arm64", fleet=fleet.topics.fleet, broker_host="127.0.0.1",
-                             broker_port=broker.port, coordinator_public_key=public_key_text(fleet.coord_key),
-                             state_dir=Path("/work/agent/state"), device_id=keys.fingerprint(key),
-                             sysfs_root="/work/agent/board", data_dir="/work/data/data.npz",
-                             topic_prefix=fleet.topics.prefix)
-        text += "\n[service]\nstate_interval_s = 2\nprogress_interval_s = 2\n"
-        (home / "agent.toml").write_text(text)
-        agent = root.popen("edge-agent", "run", "--config", "/work/agent/agent.toml", log_path=tmp / "agent.log")
-        archive = pack_bundle(inputs["digits"], tmp / "digits.tar.gz")
-        register_digits(coord, archive.read_bytes(), tmp)
+    def __init__(self, roots: list[Root], inputs: dict[str, Path]) -> None:
+        from tests.integration.conftest import Fleet
 
-        def agent_log() -> str:
-            return (tmp / "agent.log").read_text(errors="replace")[-4000:]
+        self.roots, self.inputs = roots, inputs
+        self.tmp = Path(tempfile.mkdtemp(prefix="arm-fleet-", dir=WORK))
+        self.fleet = Fleet(self.tmp, f"t-arm{os.getpid()}/edgeft/v1")
+        self.broker: object | None = None
+        self.coord: object | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.ids: dict[str, str] = {}  # arch -> device id
 
-        assert wait_for(lambda: len(online_devices(coord)) == 1 or agent.poll() is not None, 600), \
-            coord.log_tail() + agent_log()
-        assert agent.poll() is None, agent_log()
-        done = coord.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "1",
-                         "--deadline", "1200s", "--epochs", "1", "--batch-size", "16", "--budget-wh", "1",
-                         "--update-bytes", "1024", "--poll", "1", check=False, timeout=1500)
-        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{coord.log_tail()}\n{agent_log()}"
+    def log(self, arch: str) -> str:
+        return (self.tmp / f"agent-{arch}.log").read_text(errors="replace")
+
+    def logs(self) -> str:
+        return self.coord.log_tail() + "".join(f"\n--- agent {a}\n{self.log(a)[-3000:]}" for a in self.agents)
+
+    def start(self) -> str:
+        from edge_agent import keys
+        from edge_agent.config import public_key_text, render_config
+        from edge_agent.int8.bundle import pack_bundle
+        from edge_agent.transport.broker import MosquittoBroker
+        from tests.integration.conftest import ServeProcess, board_tree, online_devices, wait_for
+
+        self.broker = MosquittoBroker(workdir=self.tmp / "mosquitto")
+        self.broker.start()
+        self.coord = ServeProcess(self.fleet, self.tmp, self.broker.port).start()
+        for root in self.roots:
+            home = root.path / "work" / "agent"
+            key = keys.generate_private_key()
+            self.ids[root.arch] = keys.fingerprint(key)
+            keys.save_private_key(home / "state" / "keys" / "device.key", key)
+            board_tree(home / "board", battery_pct=90, board=BOARD[root.arch])
+            text = render_config(device_name=f"pi-{root.arch}", fleet=self.fleet.topics.fleet,
+                                 broker_host="127.0.0.1", broker_port=self.broker.port,
+                                 coordinator_public_key=public_key_text(self.fleet.coord_key),
+                                 state_dir=Path("/work/agent/state"), device_id=self.ids[root.arch],
+                                 sysfs_root="/work/agent/board", data_dir="/work/data/data.npz",
+                                 topic_prefix=self.fleet.topics.prefix)
+            (home / "agent.toml").write_text(text + "\n[service]\nstate_interval_s = 2\nprogress_interval_s = 2\n")
+            self.agents[root.arch] = root.popen("edge-agent", "run", "--config", "/work/agent/agent.toml",
+                                                log_path=self.tmp / f"agent-{root.arch}.log")
+        archive = pack_bundle(self.inputs["deep"], self.tmp / "digits-deep.tar.gz")
+        self.coord.cli("model", "register", str(archive), "--name", "digits", "--version", "1")
+        want = set(self.ids.values())
+        gone = lambda: [a for a, p in self.agents.items() if p.poll() is not None]  # noqa: E731
+        assert wait_for(lambda: set(online_devices(self.coord)) == want or gone(), 900, 1.0), self.logs()
+        assert not gone(), self.logs()
+        with self.coord.registry() as reg:
+            caps = {arch: {k: d.state.get(k) for k in ("mxnet", "native")} for d in reg.list_devices()
+                    for arch, did in self.ids.items() if d.id == did}
+        for arch, cap in caps.items():  # what each hello said it can run
+            assert cap["mxnet"] is (arch == "arm64") and cap["native"] in NEON[arch], caps
+        return f"online with hello capabilities {caps}"
+
+    def train(self, *args: str) -> tuple[str, object]:
+        """`edge-coordinator train` of one round on `digits`; its job record."""
+        done = self.coord.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--deadline",
+                              "1200s", "--epochs", "1", "--batch-size", "16", "--budget-wh", "1", "--update-bytes",
+                              "4096", "--poll", "2", *args, check=False, timeout=1500)
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{self.logs()}"
         assert "-> new version" in done.stdout, done.stdout
-        with coord.registry() as reg:
-            (dev,) = reg.list_devices()
-            caps = {k: dev.state.get(k) for k in ("mxnet", "trainers", "native")}
-        assert caps["mxnet"] is True and caps["native"] in NEON["arm64"], caps
-        return f"{done.stdout.strip().splitlines()[-1][:100]}; hello capabilities {caps}"
-    finally:
-        if agent is not None and agent.poll() is None:
-            agent.terminate()
+        with self.coord.registry() as reg:
+            job = max(reg.list_jobs(), key=lambda j: j.created_at)
+        return done.stdout.strip().splitlines()[-1][:100], job
+
+    def updates(self, job: object) -> dict[str, object]:
+        """arch -> the accepted update of each device that took part in the job's round."""
+        from edge_agent.coordinator.records import UpdateStatus
+
+        with self.coord.registry() as reg:
+            (rnd,) = reg.list_rounds(job.id)
+            updates = {u.device_id: u for u in reg.list_updates(job.id, 1)}
+        arch_of = {did: arch for arch, did in self.ids.items()}
+        assert set(updates) == set(rnd.participants), (rnd.participants, updates)
+        assert all(u.status is UpdateStatus.ACCEPTED for u in updates.values()), updates
+        return {arch_of[did]: u for did, u in updates.items()}
+
+    def stop(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.agents.values():
             try:
-                agent.wait(60)
+                proc.wait(120)
             except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait(10)
-        coord.stop()
-        fleet.close()
-        broker.stop()
+                proc.kill()
+                proc.wait(10)
+        if self.coord is not None:
+            self.coord.stop()
+        self.fleet.close()
+        if self.broker is not None:
+            self.broker.stop()
+
+
+def _trained(updates: dict[str, object]) -> str:
+    return "; ".join(f"{arch}: {u.metrics.get('trainer')} at depth {u.metrics.get('depth')}, accuracy "
+                     f"{u.metrics.get('accuracy_before', 0):.2f} -> {u.metrics.get('accuracy_after', 0):.2f}"
+                     for arch, u in sorted(updates.items()))
+
+
+def deep_round_on_every_device(fleet: ArmFleet) -> str:
+    """Job A: every device trains depth 1 (conv3 + BN + dense) in numpy -- the armhf device
+    too, since numpy trains that depth (before issue 35 #25 it was left out as 'needs MXNet')."""
+    last, job = fleet.train("--min-devices", str(len(fleet.ids)), "--depth", "1")
+    updates = fleet.updates(job)
+    assert set(updates) == set(fleet.ids), updates
+    for arch, u in updates.items():
+        assert u.metrics.get("depth") == 1 and u.metrics.get("trainer") == "numpy", (arch, u.metrics)
+    return f"{last}; {_trained(updates)}"
+
+
+def mxnet_round(fleet: ArmFleet) -> str:
+    """Job B: `--param trainer=mxnet` on the same depth: the armhf device is not selected
+    (no MXNet), the arm64 one trains the deep tail with MXNet Gluon (issue 35 #24)."""
+    last, job = fleet.train("--min-devices", "1", "--depth", "1", "--param", "trainer=mxnet")
+    updates = fleet.updates(job)
+    assert set(updates) == {"arm64"}, updates
+    assert updates["arm64"].metrics.get("trainer") == "mxnet", updates["arm64"].metrics
+    assert updates["arm64"].metrics.get("depth") == 1, updates["arm64"].metrics
+    patched = f"model digits/{job.model_version}: fetching the head patch onto 1"
+    assert patched in fleet.log("arm64"), fleet.log("arm64")[-3000:]  # job A's version, as a patch on its root
+    return f"{last}; {_trained(updates)}; {patched[6:]}"
+
+
+def run_fleet(roots: list[Root], res: Results, inputs: dict[str, Path]) -> None:
+    arches = " + ".join(r.arch for r in roots)
+    fleet = ArmFleet(roots, inputs)
+    try:
+        if not res.check(f"fleet: serve + mosquitto on the host, `edge-agent run` in {arches}", fleet.start):
+            return
+        res.check(f"fleet: job A, --depth 1 on {arches} (numpy)", lambda: deep_round_on_every_device(fleet))
+        if "arm64" in fleet.ids:
+            res.check("fleet: job B, --depth 1 --param trainer=mxnet (arm64 only: MXNet)", lambda: mxnet_round(fleet))
+    finally:
+        fleet.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="arm64,armhf", help="comma-separated Debian architectures")
     parser.add_argument("--keep", action="store_true", help=f"keep {WORK}/root-<arch> after the run")
+    parser.add_argument("--serial", action="store_true", help="prepare one architecture after the other")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("tests/arm/emulated_pi.py: needs root (debootstrap, chroot, mount)", file=sys.stderr)
@@ -431,9 +521,20 @@ def main(argv: list[str] | None = None) -> int:
         inputs.update(make_inputs(BUILD / "inputs"))
         return ", ".join(p.name for p in inputs.values())
 
-    if res.check("host: bundles and data", prepare):
-        for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
-            run_arch(arch, res, inputs, keep=args.keep)
+    arches = [a.strip() for a in args.arch.split(",") if a.strip()]
+    roots = [Root(arch) for arch in arches if res.check(f"{arch}: binfmt", lambda a=arch: ensure_binfmt(a))]
+    try:
+        if roots and res.check("host: bundles and data", prepare):
+            with ThreadPoolExecutor(max_workers=1 if args.serial else len(roots)) as pool:
+                list(pool.map(lambda root: prepare_arch(root, res, inputs), roots))
+            ready = [r for r in roots if r.installed]
+            if ready:
+                run_fleet(ready, res, inputs)
+    finally:
+        for root in roots:
+            root.umount()
+            if not args.keep and root.path.exists():
+                shutil.rmtree(root.path, ignore_errors=True)
     print(f"{len(res.passed)} passed, {len(res.failed)} failed in {time.monotonic() - start:.0f} s", flush=True)
     return 0 if not res.failed else 1
 

@@ -82,6 +82,25 @@ def test_two_rounds_and_round_two_reaches_the_agents_as_a_head_patch(mosquitto, 
     assert all(a.alive for a in agents_) and coordinator.alive
 
 
+def test_a_round_trains_with_mxnet_when_the_job_asks_for_it(mosquitto, agents, serve, tmp_path, digits_bundle):
+    """Issue 35 #24: `--param trainer=mxnet` reaches the training child. The digits head is
+    one dense layer, which the agent trains in numpy unless the job says otherwise; the
+    device's result (carried to the coordinator's update record) names the trainer that ran."""
+    coordinator = serve(mosquitto.port).start()
+    agents_ = start_agents(agents, tmp_path, mosquitto.port, 1)
+    register_digits(coordinator, digits_bundle[1], tmp_path)
+    wait_online(coordinator, agents_)
+
+    done = train(coordinator, "--rounds", "1", "--min-devices", "1", "--param", "trainer=mxnet", *SHORT_ROUND)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{logs(coordinator, agents_)}"
+    with coordinator.registry() as reg:
+        (job,) = reg.list_jobs()
+        assert job.status is JobStatus.DONE and job.params["trainer"] == "mxnet"
+        (update,) = reg.list_updates(job.id, 1)
+        assert update.status is UpdateStatus.ACCEPTED
+        assert update.metrics["trainer"] == "mxnet", update.metrics
+
+
 def test_cancel_stops_the_agents_and_nothing_is_aggregated(mosquitto, agents, serve, tmp_path, digits_bundle):
     coordinator = serve(mosquitto.port).start()
     agents_ = start_agents(agents, tmp_path, mosquitto.port, 2)

@@ -5,6 +5,7 @@ re-entry limit, cancellation, restart recovery, and the hand-off to the outbox."
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from edge_agent.agent.child import FINETUNE_KEYS
 from edge_agent.agent.jobs import MAX_REENTRIES, Job, JobState, JobStore, transition
 from edge_agent.agent.lifecycle import DriverSettings, JobDriver
 from edge_agent.agent.models import ModelStore
@@ -22,6 +24,8 @@ from edge_agent.agent.policy import DeviceLimits
 from edge_agent.agent.runner import SPEC_FILE
 from edge_agent.agent.state import Readings
 from edge_agent.protocol import Topics
+from edge_agent.protocol.finetune import TRAIN_KEYS
+from edge_agent.train.job import run_finetune
 from edge_agent.transport import Outbox, OutboxKey
 
 S = JobState
@@ -67,6 +71,7 @@ SCRIPTED = textwrap.dedent(r'''
 class Rig:
     def __init__(self, tmp: Path, *, battery: float = 90.0, mode: str = "finish") -> None:
         self.tmp, self.battery, self.charging = tmp, battery, False
+        self.power_w: float | None = 2.5  # what the power monitor reads (None: no source gives a reading)
         self.data = tmp / "data"
         self.data.mkdir()
         self.set_mode(mode)
@@ -88,7 +93,8 @@ class Rig:
     def new_driver(self) -> JobDriver:
         """A fresh driver over the same files: what a restarted daemon builds."""
         return JobDriver(settings=self.settings, store=self.store, models=self.models, outbox=self.outbox,
-                         readings=lambda fresh=False: Readings(battery_pct=self.battery, charging=self.charging),
+                         readings=lambda fresh=False: Readings(battery_pct=self.battery, charging=self.charging,
+                                                               power_w=self.power_w),
                          publish=lambda phase, **kw: self.published.append({"phase": phase, **kw}))
 
     def set_mode(self, mode: str) -> None:
@@ -159,6 +165,43 @@ def test_the_data_label_settings_reach_the_training_child(rig: Rig) -> None:
     rig.run_until(lambda: rig.job().state is S.UPLOADING)
     spec = json.loads((rig.driver.job_dir(job) / SPEC_FILE).read_text())
     assert spec["label_map"] == "0=sky,1=tree" and spec["skip_unknown"] is True
+
+
+def test_every_training_parameter_of_the_command_reaches_the_training_child(rig: Rig) -> None:
+    """Issue 35 #24: `trainer` was accepted by the coordinator but dropped by the agent."""
+    params = {"epochs": 3, "batch_size": 8, "lr": 0.01, "patience": 2, "checkpoint_every": 5, "seed": 7,
+              "update_bytes": 4096, "augment": 1, "depth": 1, "bn": "update", "tail": "bias", "trainer": "mxnet"}
+    assert set(params) == set(TRAIN_KEYS)  # (a new key gets a value here too)
+    verdict, job = rig.driver.submit({"cmd_id": "j-r1", "action": "finetune", "job": "j", "round": 1,
+                                      "model": "digits", "version": "1", "params": params}, "j-r1")
+    assert verdict.accept and job is not None, verdict
+    rig.run_until(lambda: rig.job().state is S.UPLOADING)
+    spec = json.loads((rig.driver.job_dir(job) / SPEC_FILE).read_text())
+    assert {k: spec.get(k) for k in params} == params
+    assert set(FINETUNE_KEYS) <= set(inspect.signature(run_finetune).parameters)  # what the child passes on
+
+
+def test_a_job_no_power_source_can_meter_is_refused_or_failed_before_any_work(rig: Rig) -> None:
+    """Issue 35 #26: with no power reading the daemon said "power ok" and the child stopped
+    with an error only after engine selection and features (minutes on a Pi)."""
+    rig.power_w = None
+    verdict, created = rig.driver.submit({"cmd_id": "j-r1", "action": "finetune", "job": "j", "round": 1,
+                                         "model": "digits", "version": "1"}, "j-r1")
+    assert not verdict.accept and created is None and verdict.reason == "no_power_reading", verdict
+    assert "2 Wh energy budget cannot be enforced" in verdict.detail and "edge-agent probe" in verdict.detail
+    # accepted while the sensor read, failed before the next step: the job fails, untrained, saying why
+    rig.power_w = 2.5
+    rig.submit()
+    rig.power_w = None
+    rig.run_until(lambda: rig.job().state.terminal)
+    job = rig.job()
+    assert job.state is S.FAILED and "no power source gives a reading" in job.reason, job.history
+    assert [h[1] for h in job.history] == ["failed"] and not (rig.driver.job_dir(job) / SPEC_FILE).exists()
+    # without an energy budget there is nothing to meter against: accepted
+    rig.settings = dataclasses.replace(rig.settings, limits=dataclasses.replace(rig.settings.limits, energy_wh=None))
+    rig.driver = rig.new_driver()
+    rig.submit("k")
+    rig.run_until(lambda: rig.job("k-r1").state is S.UPLOADING)
 
 
 def test_waits_for_power_with_hysteresis_then_cancel_stops_the_child(rig: Rig) -> None:

@@ -8,14 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from edge_agent.coordinator.artefacts import ModelArtefacts
 from edge_agent.coordinator.selection import (
     capabilities_from_hello,
     head_needs_mxnet,
     job_needs,
     select_devices,
 )
+from edge_agent.int8.bundle_create import create_bundle
+from edge_agent.int8.bundle_files import pack_bundle
 from edge_agent.protocol.schema import Kind, check_body
+from edge_agent.sim import models
 from tests.unit.test_coordinator_rounds import T0, Clock, Harness, dev, softmax_head
 from tests.unit.test_coordinator_rounds import fleet as fleet  # the module-scoped fixture
 
@@ -29,9 +34,52 @@ def deep_head() -> dict[str, np.ndarray]:
 def test_which_jobs_need_mxnet() -> None:
     assert not head_needs_mxnet(softmax_head()) and head_needs_mxnet(deep_head())
     assert head_needs_mxnet({"w": np.zeros((4, 4)), "gamma": np.ones(4), "beta": np.zeros(4)})  # BatchNorm
-    assert job_needs({}, softmax_head()) == frozenset()
-    assert job_needs({}, deep_head()) == {"mxnet"}
-    assert job_needs({"trainer": "mxnet"}, softmax_head()) == {"mxnet"}
+    assert job_needs({}, None) == frozenset()  # nothing known: nobody excluded
+    assert job_needs({"trainer": "mxnet"}, (True,)) == {"mxnet"}
+    assert job_needs({}, (False,)) == {"mxnet"}  # a head only MXNet trains
+    # the job's depth decides (issue 35 #25): numpy trains depths 0 and 1 of this model, not 2
+    model = (True, True, False)
+    assert job_needs({"depth": "head"}, model) == job_needs({"depth": 1}, model) == frozenset()
+    assert job_needs({"depth": 2}, model) == {"mxnet"}
+    assert job_needs({}, model) == job_needs({"depth": "auto"}, model) == frozenset()  # auto: judged at depth 0
+    assert job_needs({"depth": "auto"}, (False, True)) == {"mxnet"}
+    assert job_needs({"depth": 5}, model) == frozenset()  # no such depth: the devices refuse it, saying so
+    assert job_needs({"depth": "head", "trainer": "numpy"}, model) == frozenset()
+    assert job_needs({"depth": "head", "trainer": "mxnet"}, model) == {"mxnet"}
+
+
+@pytest.fixture(scope="module")
+def multi_depth_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits CNN as a 3-depth bundle (0: dense head, 1: conv3 + BN + head, 2: conv2 +
+    conv3 + head): its registered head holds every depth's tensors."""
+    net = models.initialize(models.digits_cnn(), seed=0, randomize_bn=True)
+    calib = np.random.default_rng(0).uniform(0, 1, (32, 1, 8, 8)).astype(np.float32)
+    root = tmp_path_factory.mktemp("needs")
+    bundle = create_bundle(net, root / "deep", depths=2, calibration=calib, labels=[str(i) for i in range(10)],
+                           name="digits", version="1", input_shape=(1, 8, 8))
+    return pack_bundle(bundle.path, root / "deep.tar.gz")
+
+
+@pytest.mark.parametrize("params, all_devices", [({"depth": "head"}, True), ({"depth": 1}, True), ({}, True),
+                                                 ({"depth": "head", "trainer": "mxnet"}, False)])
+def test_a_32_bit_device_takes_part_at_any_depth_numpy_trains(tmp_path: Path, fleet: dict,
+                                                             multi_depth_archive: Path, params: dict,
+                                                             all_devices: bool) -> None:
+    """Issue 35 #25: every tensor of every depth counted as the head made a multi-depth model
+    'need MXNet', so 32-bit devices were left out of every job on it, even `--depth head`."""
+    h = Harness(tmp_path, fleet, Clock())
+    try:
+        mv = ModelArtefacts(h.reg).register_bundle(multi_depth_archive)
+        assert head_needs_mxnet(h.reg.load_head(mv))  # every depth's tensors: what was judged before
+        for i, (did, pub) in enumerate(zip(fleet["ids"], fleet["pubs"], strict=True)):
+            h.reg.enrol_device(device_id=did, public_key=pub, fleet="farm", approved=True)
+            h.reg.record_state(did, online=True, state={"battery_pct": 90, "mxnet": i >= 2})  # two 32-bit devices
+        h.engine.start_job(model_name="digits", model_version="1", rounds=1, min_devices=1, deadline_s=60,
+                           params=params)
+        (plan,) = h.engine.tick().opened
+        assert sorted(plan.devices) == sorted(fleet["ids"] if all_devices else fleet["ids"][2:])
+    finally:
+        h.reg.close()
 
 
 def test_hello_capabilities_are_type_checked() -> None:

@@ -165,6 +165,59 @@ def test_trainer_mxnet_keeps_the_tail_on_gluon_and_both_trainers_agree(job, bund
     assert abs(ours["accuracy"]["after"] - gluon["accuracy"]["after"]) <= 0.05
 
 
+# A device without MXNet (32-bit Raspberry Pi OS has no wheel): importing it fails.
+_NO_MXNET = """
+import json, sys
+sys.modules["mxnet"] = None
+from edge_agent.train.job import run_finetune
+model, data, state = sys.argv[1:4]
+r = run_finetune(model=model, data=data, state_dir=state, cache_dir=state + "-cache", depth=1, epochs=1,
+                 batch_size=16, val_fraction=0.3, profile="raspberry-pi-zero-2w")
+print(json.dumps({"trainer": r["trainer"], "depth": r["depth"]["depth"], "steps": r["steps"],
+                  "engine": r["engine"]["name"], "stop": r["stop_reason"]}))
+"""
+
+
+def test_a_device_without_mxnet_trains_a_tail_numpy_computes(bundle, data, tmp_path):
+    """Issue 35 #25/#27: an armhf device selected for `--depth 1` (conv3 + BN + dense, which
+    numpy trains) failed in its engine selection, whose top-1 check ran the tail in MXNet."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_MXNET, str(bundle), str(data), str(tmp_path / "job")],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["trainer"] == "numpy" and result["depth"] == 1 and result["steps"] > 0, result
+    assert result["stop"] == "done" and result["engine"], result
+
+
+def test_a_training_child_without_mxnet_fails_its_job_at_once_saying_why(tmp_path):
+    """A job that needs MXNet on a device without it (a head-only bundle, trainer=mxnet)
+    was retried until the re-entry limit and reported as 'likely a brown-out reboot loop'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from edge_agent.agent.runner import FAIL_CODES
+
+    spec = {"job_dir": str(tmp_path / "job"), "model_dir": str(demo.ensure_bundle(tmp_path / "digits")),
+            "data": str(demo.write_data(tmp_path / "data", demo.scenario().devices[0].images[:40],
+                                        demo.scenario().devices[0].labels[:40], "npz")),
+            "cache_dir": str(tmp_path / "cache"), "trainer": "mxnet", "epochs": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    script = ("import sys; sys.modules['mxnet'] = None; from edge_agent.agent.child import main; "
+              "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, "train", "--spec", str(tmp_path / "spec.json"),
+                           "--events-fd", "1", "--parent-pid", str(os.getpid())],
+                          capture_output=True, text=True, timeout=600, check=False)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode in FAIL_CODES, (done.returncode, done.stderr[-2000:])
+    assert "MXNet is not installed" in events[-1]["detail"], events[-1]
+
+
 def test_head_params_are_written_whole_and_only_the_tail_moves(job, bundle, base):
     r = job("d1")
     assert r["depth"]["depth"] == 1 and r["config"]["lr"] == TAIL_LR

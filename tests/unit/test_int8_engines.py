@@ -3,6 +3,8 @@ and quantisation accuracy on real data (scikit-learn's digits, held-out split)."
 
 from __future__ import annotations
 
+import gc
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +160,23 @@ def test_edgetpu_needs_a_coral_in_the_probe_and_says_why_not():
     found = engine.availability(CORAL_PROBE)
     assert not found.available
     assert found.reason.startswith("coral-usb found, but libedgetpu.so.1 does not load")
+
+
+@pytest.mark.parametrize("library, words", [("libedgetpu.so.1", "libedgetpu.so.1 does not load: "),
+                                            ("libm.so.6", "libm.so.6 does not load as a TFLite delegate: it has no "
+                                                          "tflite_plugin_create_delegate")])
+def test_a_delegate_that_does_not_load_is_reported_without_a_traceback(monkeypatch, library, words):
+    """Issue 35 #26: tflite-runtime's Delegate, failing half-built, printed an AttributeError
+    ('_library') traceback from its __del__ on Coral boards without the Edge TPU runtime."""
+    stray: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: stray.append(f"{u.exc_type.__name__}: {u.exc_value}"))
+    engine = EdgeTpuEngine(library=library)
+    avail = engine.availability(CORAL_PROBE)
+    gc.collect()
+    assert stray == []
+    assert not avail.available and avail.reason.startswith(f"coral-usb found, but {words}"), avail.reason
+    with pytest.raises(EngineError, match=re.escape(words)):  # prepare() says the same
+        engine._delegate()
 
 
 def test_edgetpu_prepare_needs_a_compiled_model_and_a_delegate(trained, tmp_path):

@@ -8,6 +8,7 @@ says so and selection falls back to the next engine.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 from ..engine import Availability, Int8Engine, Runner
@@ -15,7 +16,22 @@ from ._common import EngineError, interpreter_module
 from .tflite import TfliteRunner
 
 LIBRARY = "libedgetpu.so.1"
+PLUGIN_FUNCTIONS = ("tflite_plugin_create_delegate", "tflite_plugin_destroy_delegate")
 CORAL_KINDS = ("coral-usb", "coral-pcie", "coral-m2", "coral-devboard")
+
+
+def check_delegate_library(library: str) -> None:
+    """Raise EngineError unless `library` opens and exports the TFLite external-delegate
+    entry points. Checked before tflite-runtime's load_delegate sees it: its Delegate fails
+    half-built on such a library, and its __del__ then prints an AttributeError ('_library')
+    traceback on stderr -- on every Coral board whose runtime is missing."""
+    try:
+        lib = ctypes.CDLL(library)
+    except OSError as exc:
+        raise EngineError(f"{library} does not load: {str(exc).strip()[:200]}") from None
+    missing = [name for name in PLUGIN_FUNCTIONS if not hasattr(lib, name)]
+    if missing:
+        raise EngineError(f"{library} does not load as a TFLite delegate: it has no {', '.join(missing)}")
 
 
 def corals(probe: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -33,6 +49,7 @@ class EdgeTpuEngine(Int8Engine):
         self.library = library
 
     def _delegate(self) -> Any:
+        check_delegate_library(self.library)
         module, _ = interpreter_module()
         return module.load_delegate(self.library)
 
@@ -60,6 +77,8 @@ class EdgeTpuEngine(Int8Engine):
                               "`edge-coordinator model create --edgetpu-model`")
         try:
             delegate = self._delegate()
+        except EngineError:
+            raise
         except Exception as exc:  # as in availability()
             raise EngineError(f"{self.library} does not load: {str(exc).strip()[:200]}") from None
         # The compiled model holds an edgetpu-custom-op the project's reader does not parse: it
