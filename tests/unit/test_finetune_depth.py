@@ -153,7 +153,7 @@ def test_trainer_mxnet_keeps_the_tail_on_gluon_and_both_trainers_agree(job, bund
     assert (ours["trainer"], gluon["trainer"]) == ("numpy", "mxnet")
     assert gluon["depth"]["options"][2]["needs_mxnet"] and not ours["depth"]["options"][2]["needs_mxnet"]
     assert gluon["depth"]["predicted_peak_rss_mb"] > ours["depth"]["predicted_peak_rss_mb"] + 100
-    assert gluon["peak_rss_mb"] > ours["peak_rss_mb"]
+    # (not their measured peaks: both jobs run in this process, which loaded MXNet for the bundle)
     a, b = _written(ours), _written(gluon)
     assert set(a) == set(b) == set(base)
     moved = {n for n in base if not np.array_equal(a[n], base[n])}
