@@ -7,7 +7,7 @@
                updates, or a rule with nothing it can publish, fails the round with why
     learn      the server optimiser's step and the plateau rule (server_opt.py, plateau.py),
                judged by the server set's accuracy of the base version when there is one
-    gate       the candidate scored on the server set against the job's best version
+    gate       the candidate scored on the server set against the version it replaces
                (gate.py): a worse one is retried at a half and a quarter of its step, and if
                still worse the round publishes nothing and says why
     commit     the new head written, then ONE registry transaction: every update's verdict,
@@ -33,7 +33,6 @@ from ..atomic import CorruptFileError
 from ..errors import InputError
 from .aggregate import apply_delta
 from .aggregation import RoundAggregation
-from .evidence import TailEvidence
 from .gate import STEP_SCALES, GateVerdict, ValidationGate
 from .heads import HeadCache
 from .plateau import LearnStep, learn, published
@@ -176,23 +175,23 @@ class RoundCloser:
                 c.new_head = apply_delta(c.base_head, c.learned.step)
                 c.metrics["accuracy_source"] = "device-reported"
                 return
-            best_version, best_ok = self._best(c, tail)
+            base_ok = tail.correct(c.base_head, key=c.base.version)
             verdict: GateVerdict | None = None
             for scale in STEP_SCALES:
                 step = c.learned.step if scale == 1.0 else {k: (v * scale).astype(v.dtype)
                                                             for k, v in c.learned.step.items()}
                 head = apply_delta(c.base_head, step)
-                verdict = self.gate.judge(tail.correct(head), best_ok)
+                verdict = self.gate.judge(tail.correct(head), base_ok)
                 if verdict.ok:
                     c.new_head = head
                     c.metrics |= {"accuracy": round(verdict.accuracy, 6), "accuracy_samples": verdict.samples,
                                   "accuracy_source": "server set", "step_scale": scale,
-                                  "gate": f"vs {best_version}: {verdict.describe()}"}
+                                  "gate": f"vs {c.base.version}: {verdict.describe()}"}
                     self._plateau(c, verdict)
                     return
             assert verdict is not None
             c.reason = (f"gate: every step (x{', x'.join(f'{s:g}' for s in STEP_SCALES)}) scores worse than "
-                        f"{best_version} on the server set; at x{STEP_SCALES[-1]:g} {verdict.describe()}")
+                        f"{c.base.version} on the server set; at x{STEP_SCALES[-1]:g} {verdict.describe()}")
         except InputError as exc:
             c.reason = f"aggregate unusable: {exc}"[:1024]
 
@@ -208,19 +207,6 @@ class RoundCloser:
             c.learned = dataclasses.replace(c.learned, stop=stop, restore=restore)
             c.new_head = self.heads.head(c.job.model_name, restore)[1] if restore != f"{c.job.id}-r{c.rnd.number}" \
                 else c.new_head
-
-    def _best(self, c: Close, tail: TailEvidence) -> tuple[str, np.ndarray]:
-        """The job's best-scoring version so far (its start version included): the reference
-        a candidate may not fall below, so small losses cannot pile up round after round."""
-        best = (c.base.version, tail.correct(c.base_head, key=c.base.version))
-        for rnd in self.registry.list_rounds(c.job.id, participants=False):
-            v = rnd.aggregated_version
-            if v is None or v == c.base.version or rnd.number >= c.rnd.number:
-                continue
-            ok = tail.correct(self.heads.head(c.job.model_name, v)[1], key=v)
-            if ok.sum() > best[1].sum():
-                best = (v, ok)
-        return best
 
     def commit(self, c: Close, job_end: Callable[..., tuple[JobStatus | None, str]]) -> None:
         new_version = None

@@ -183,13 +183,16 @@ def test_trust_zeroes_a_flipped_update_and_rescales_a_scaled_one_to_the_server_n
 
 def test_trust_compares_each_update_with_what_its_own_classes_teach():
     """An update along class 1's direction is honest for a device holding class 1 only, and
-    earns no trust from a device claiming class 0 only."""
+    earns no trust from a device claiming class 0 only: the version is then the server's own
+    step alone."""
     server = _server_towards([1.0, 0.0])
     layout, ups = _fleet([[0.0, 1.0]], counts=[(0, 5)])
     assert _run("trust", layout, ups, server=server)[0].info["trust"] == {"d0": 1.0}
     layout, ups = _fleet([[0.0, 1.0]], counts=[(5, 0)])
-    with pytest.raises(NothingToAggregate, match="no update earned trust"):
-        _run("trust", layout, ups, server=server)
+    got, want = _run("trust", layout, ups, server=server)
+    assert got.info["trust"] == {"d0": 0.0} and got.shares == {"d0": 0.0} and got.info["server_share"] == 1.0
+    np.testing.assert_allclose(got.vec, [1.0, 0.0])
+    np.testing.assert_allclose(want.vec, [1.0, 0.0])
 
 
 def test_median_trust_counts_a_disagreeing_update_for_nothing_without_rejecting_it():

@@ -122,8 +122,9 @@ class TrustScored(Strategy):
                 for d, m in members.items() if m.weight > cap}
 
     def _aggregate(self, vec: np.ndarray, means: dict[str, float], trust: dict[str, float]) -> Aggregate:
-        if not any(means.values()):
-            raise _no_trust(trust)
+        """With no update trusted the version is the server's own step (the gate still judges
+        it): measured on the bench, 2-device fleets otherwise failed a third of their rounds,
+        an honest device disagreeing with its classes' reference as often as a flipped one."""
         w0 = self.server.weight
         info = {"trust": {d: round(t, 4) for d, t in trust.items()}, "zero_trust": sum(t == 0 for t in trust.values()),
                 "server_share": round(w0 / (sum(means.values()) + w0), 4), "reference_norm": self.server.norm}
