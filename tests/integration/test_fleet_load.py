@@ -44,3 +44,5 @@ def test_simulated_fleet_completes_a_round(tmp_path: Path, digits_bundle: tuple[
     assert len(reasons) == dropped
     assert all("simulated dropout" in r for r in reasons), reasons
     assert sim["errors"] == 0
+    # the close is measured to its end: the commit, then the version's manifest on the broker
+    assert 0 <= res["last_update_to_version_s"] <= res["last_update_to_broker_s"] < 120, res
