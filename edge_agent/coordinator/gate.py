@@ -5,10 +5,12 @@ replace, sample by sample. Two versions' accuracies on the same samples differ o
 they disagree, so the test is on the disagreements (McNemar's): b samples the candidate gets
 right and the current one wrong, c the reverse. The candidate is worse when
 
-    c - b > z x sqrt(b + c)     (z = 1.64: one-sided 5 %)   and   (c - b) / N > min_drop
+    c - b > z x sqrt(b + c)     (z = 2.33: one-sided 1 %)   and   (c - b) / N > min_drop
 
 -- significantly and by more than min_drop (0.5 point) -- so an honest round that moves
-accuracy by noise is never stopped, and a poisoned one that costs points is. A worse
+accuracy by noise is not stopped, and a poisoned one that costs points is. 1 %, not 5 %:
+a job tests every round, and at 5 % honest fleets of the bench lost 1 round in 60 to the
+gate (5 of 16 fleets); at 1 % none did, and the attacks cost no more. A worse
 candidate is retried at a half and a quarter of its step (the round's direction may be
 right and its length wrong: a late, noisy round); if even the quarter step is worse, the
 round publishes nothing and says why. The gate's score is the version's accuracy everywhere
@@ -41,7 +43,7 @@ class GateVerdict:
 
 @dataclass(frozen=True, kw_only=True)
 class ValidationGate:
-    z: float = 1.64
+    z: float = 2.33
     min_drop: float = 0.005
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ class RoundPolicy:
     samples_growth: float = 2.0  # ... and at this x the device's largest recent accepted count
     krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
     trust_kappa: float = 0.1  # trust rules: the cosine at which an update earns full trust
-    gate_z: float = 1.64  # the validation gate's one-sided significance (gate.py)
+    gate_z: float = 2.33  # the validation gate's one-sided significance (gate.py)
     gate_min_drop: float = 0.005  # ... and the smallest accuracy drop that stops a version
     max_abs_delta: float = 1e6  # any |value| above this: refused at arrival (a strike)
     quarantine_after: int = 3  # strikes (refused updates, net of accepted ones)
