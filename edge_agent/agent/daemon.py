@@ -60,6 +60,7 @@ from ..protocol import (
     TrustStore,
     Verifier,
 )
+from ..protocol.schema import clean_flat
 from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
 from .jobs import JobStore
 from .lifecycle import DriverSettings, JobDriver
@@ -179,7 +180,8 @@ class Daemon:
             if value is not None:
                 body[name] = round_pct(value) if name == "pct" else value
         if metrics:
-            body["metrics"] = {k: (v[:256] if isinstance(v, str) else v) for k, v in list(metrics.items())[:64]}
+            # (a value outside the protocol's range for its name is dropped, not the report)
+            body["metrics"] = clean_flat({k: (v[:256] if isinstance(v, str) else v) for k, v in metrics.items()})
         topic = self.topics.device(self.device_id, "progress")
         try:
             return self.channel.send(topic, Kind.PROGRESS, body, ttl=3600, timeout=5.0)

@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import __version__
 from ..power import PowerMonitor, ThermalMonitor
+from ..protocol.schema import clean_flat
 
 MAX_DETAIL = 256
 AGENT = f"edge-agent/{__version__}"
@@ -112,13 +113,10 @@ class DeviceState:
 
 
 def _flat(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop unknowns and cap strings: the protocol's flat maps take 256-character strings."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if value is None or value == "":
-            continue
-        out[key] = value[:256] if isinstance(value, str) else value
-    return out
+    """Drop unknowns, cap strings, and drop a reading outside the protocol's range for it
+    (protocol.schema.FLAT_ENTRIES: a broken sensor loses that fact, not the whole state)."""
+    return clean_flat({key: value[:256] if isinstance(value, str) else value
+                       for key, value in values.items() if value is not None and value != ""})
 
 
 def _text(value: Any) -> str:
@@ -148,7 +146,8 @@ def render_detail(facts: Mapping[str, Any]) -> str:
 
 def facts_from_state(body: Mapping[str, Any]) -> dict[str, Any]:
     """The facts of a state body: its `info`, else parsed back from `detail` (numbers and
-    booleans restored). Untrusted input: junk pairs are skipped."""
+    booleans restored). Untrusted input: junk pairs, and values the protocol's schema of
+    flat maps refuses (battery_pct=18446744073709551616), are skipped."""
     if isinstance(body.get("info"), dict):
         return {"status": body.get("status"), **body["info"]}
     out: dict[str, Any] = {"status": body.get("status")}
@@ -168,4 +167,4 @@ def facts_from_state(body: Mapping[str, Any]) -> dict[str, Any]:
                 except ValueError:
                     value = raw
         out[key] = value
-    return out
+    return clean_flat(out)

@@ -15,6 +15,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,26 @@ MAX_RECEIPTS = 10_000
 _CMD_ID = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,47})-r(?P<round>[0-9]{1,10})")
 
 
+class LineBudget:
+    """At most `per_minute` log lines a minute; `take()` says whether to log this one and how
+    many were not logged since the last that was (to count them into it)."""
+
+    def __init__(self, *, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute, self._clock = per_minute, clock
+        self._start, self._lines, self._hidden = -1e18, 0, 0
+
+    def take(self) -> tuple[bool, int]:
+        now = self._clock()
+        if now - self._start >= 60.0:
+            self._start, self._lines = now, 0
+        if self._lines >= self.per_minute:
+            self._hidden += 1
+            return False, 0
+        hidden, self._hidden = self._hidden, 0
+        self._lines += 1
+        return True, hidden
+
+
 class DeviceMessages:
     """Mixin of Coordinator: `handle(message)` and the per-kind handlers behind it."""
 
@@ -70,7 +91,7 @@ class DeviceMessages:
     _receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]]  # slot -> (when, receipt)
     _results: OrderedDict[tuple[str, str, int], dict[str, Any]]
     _replayed: dict[str, tuple[float, int]]
-    _reject_log: tuple[float, int, int]
+    _reject_lines: LineBudget
     shared: WorkerStore | None  # one of a workers group (workers.py); None: a lone serve
     chunks: SharedChunks | None
 
@@ -271,17 +292,12 @@ class DeviceMessages:
     def _warn_rejected(self, key: OutboxKey, receipt: Receipt) -> None:
         """Every rejected update at WARNING with its device and reason; at most 20 lines a
         minute (the rest are counted into the next line), so a hostile device cannot flood the log."""
-        now = time.monotonic()
-        start, lines, hidden = self._reject_log
-        if now - start >= 60.0:
-            start, lines = now, 0
-        if lines >= 20:
-            self._reject_log = (start, lines, hidden + 1)
+        shown, hidden = self._reject_lines.take()
+        if not shown:
             return
         more = f" ({hidden} more rejected updates not logged)" if hidden else ""
         log.warning("rejected update %s round %d from device %s: %s: %s%s", key.job, key.round, key.device,
                     receipt.reason, receipt.detail[:300], more)
-        self._reject_log = (start, lines + 1, 0)
 
     def receive(self, upload: CompletedUpload) -> Receipt:
         """Reassemble, check and store one complete upload; returns what to acknowledge."""

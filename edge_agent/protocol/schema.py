@@ -6,7 +6,7 @@ import base64
 import binascii
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -79,18 +79,26 @@ def _id(v: Any) -> None:
         raise ValueError("must be 1-64 of [A-Za-z0-9._-], not starting with . _ -")
 
 
-def _int(lo: int, hi: int) -> Callable[[Any], None]:
+def _number(lo: float, hi: float, *, integer: bool = False) -> Callable[[Any], None]:
+    """THE check of every numeric field (bodies and the entries of flat maps alike): the type
+    (an int, or a float unless `integer`; never a bool), the range, finite. The range is
+    compared first: `math.isfinite(10**400)` raises OverflowError, and untrusted bytes must
+    only ever be refused."""
+    what = "an integer" if integer else "a number"
+
     def check(v: Any) -> None:
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise ValueError(f"must be an integer in {lo}..{hi}")
+        if isinstance(v, bool) or not isinstance(v, int if integer else int | float) \
+                or not (lo <= v <= hi and math.isfinite(v)):
+            raise ValueError(f"must be {what} in {lo}..{hi}")
     return check
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], None]:
+    return _number(lo, hi, integer=True)
 
 
 def _num(lo: float, hi: float) -> Callable[[Any], None]:
-    def check(v: Any) -> None:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and lo <= v <= hi):
-            raise ValueError(f"must be a number in {lo}..{hi}")
-    return check
+    return _number(lo, hi)
 
 
 def _text(n: int) -> Callable[[Any], None]:
@@ -122,17 +130,25 @@ def _b64key(v: Any) -> None:
         raise ValueError("must be a base64 32-byte Ed25519 public key")
 
 
-def _flat(v: Any) -> None:
-    """A small flat mapping of id -> scalar (command parameters, metrics, metadata)."""
-    if not isinstance(v, dict) or len(v) > 64:
-        raise ValueError("must be an object of at most 64 entries")
-    for key, item in v.items():
-        _id(key)
-        if isinstance(item, str):
-            _text(256)(item)
-        elif not isinstance(item, bool | int) and not (isinstance(item, float) and math.isfinite(item)):
-            raise ValueError(f"entry {key!r} must be a string, finite number or boolean")
+def _either(*checks: Callable[[Any], None]) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        errors = []
+        for one in checks:
+            try:
+                return one(v)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(" or ".join(errors))
+    return check
 
+
+# Numbers in flat maps: a named entry below has its own range; any other number is an int or
+# finite float within +-2**53 (exact in JSON doubles, and in a 64-bit SQLite INTEGER: a device
+# once sent battery_pct = 2**64 and the registry's insert raised for every state it sent).
+MAX_FLAT_NUMBER = MAX_SEQ
+_ANY_NUMBER = _number(-MAX_FLAT_NUMBER, MAX_FLAT_NUMBER)
+_COUNTER = _int(0, MAX_SEQ)
+_WATTS, _WH, _CELSIUS, _FRACTION = _num(-1e5, 1e5), _num(0, 1e6), _num(-273.15, 1000), _num(0, 1)
 
 # A device's daily job allowance in its state `info` (agent.policy.Allowance.to_facts): jobs
 # left, the limit, when the next job frees up, and a standing refusal (reason id, short text).
@@ -142,15 +158,70 @@ ALLOWANCE_CHECKS: dict[str, Callable[[Any], None]] = {
     "jobs_left": _int(0, 100_000), "jobs_limit": _int(0, 100_000), "jobs_reset_at": _int(0, 1 << 40),
     "refuse": _id, "refuse_detail": _text(200)}
 
+# The entries of every flat map (hello info, state info, progress metrics, command params,
+# manifest meta) by name: a name means the same thing, with the same type and range, in all of
+# them (energy_wh in a state, in a result and in a probe reply). Agents drop a reading outside
+# its range before sending (`clean_flat`): a broken sensor loses that fact, not the message.
+FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
+    # device facts (state info; a probe reply's metrics): agent/state.py
+    "battery_pct": _num(0, 100), "charging": _bool, "on_power": _bool, "energy_wh": _WH, "power_w": _WATTS,
+    "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS,
+    # capabilities (hello info): doctor.capabilities
+    "mxnet": _bool,
+    # job progress and results (progress metrics): agent/lifecycle.py, agent/child.py
+    "step": _COUNTER, "epoch": _COUNTER, "steps": _COUNTER, "watts": _WATTS, "val_accuracy": _FRACTION,
+    "accuracy_before": _FRACTION, "accuracy_after": _FRACTION, "num_samples": _int(0, 1_000_000_000),
+    "duration_s": _num(0, 1e10), "depth": _either(_int(0, 64), _id), "resumed": _bool,
+    "update_chunks": _int(0, 0xFFFF), "update_wire_bytes": _int(0, 1 << 40), "update_dense_bytes": _int(0, 1 << 40),
+    "update_k": _COUNTER, "update_bits": _int(0, 64), "update_ratio": _num(0, 1e9), "update_energy_kept": _FRACTION,
+    # command parameters (the device's policy judges the training ones: agent/policy.py)
+    "deadline": _num(0, 1 << 40), "budget_wh": _WH, "power_cap_w": _num(0, 1e4),
+    # model manifest meta: transport/models.py
+    "head_bytes": _int(0, MAX_BUNDLE_BYTES), "head_only": _bool,
+}
 
-def _state_info(v: Any) -> None:
-    _flat(v)
-    for key, check in ALLOWANCE_CHECKS.items():
-        if key in v:
-            try:
-                check(v[key])
-            except ValueError as exc:
-                raise ValueError(f"entry {key} {exc}") from None
+
+def _flat_entry(key: Any, item: Any) -> None:
+    _id(key)
+    check = FLAT_ENTRIES.get(key)
+    if check is not None:
+        check(item)
+    elif isinstance(item, str):
+        _text(256)(item)
+    elif isinstance(item, bool):
+        pass
+    elif isinstance(item, int | float):
+        _ANY_NUMBER(item)
+    else:
+        raise ValueError("must be a string, finite number or boolean")
+
+
+def _flat(v: Any) -> None:
+    """A small flat mapping of id -> scalar (command parameters, metrics, metadata)."""
+    if not isinstance(v, dict) or len(v) > 64:
+        raise ValueError("must be an object of at most 64 entries")
+    for key, item in v.items():
+        try:
+            _flat_entry(key, item)
+        except ValueError as exc:
+            shown = key if isinstance(key, str) and ID_RE.fullmatch(key) else repr(str(key)[:64])
+            raise ValueError(f"entry {shown} {exc}") from None
+
+
+def clean_flat(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `values` a flat map may carry (FLAT_ENTRIES, 256-character strings),
+    at most 64; the rest dropped. What a sender applies to its own readings, and a receiver to
+    facts it parsed itself (agent.state.facts_from_state)."""
+    out: dict[str, Any] = {}
+    for key, item in values.items():
+        if len(out) == 64:
+            break
+        try:
+            _flat_entry(key, item)
+        except ValueError:
+            continue
+        out[key] = item
+    return out
 
 
 _ROUND = _int(0, (1 << 32) - 1)
@@ -160,7 +231,7 @@ Schema = dict[str, tuple[Callable[[Any], None], bool]]
 SCHEMAS: dict[Kind, Schema] = {
     Kind.HELLO: {"public_key": (_b64key, True), "agent": (_text(64), False), "info": (_flat, False)},
     Kind.STATE: {"status": (_enum("online", "offline", "idle", "busy"), True), "agent": (_text(64), False),
-                 "job": (_id, False), "detail": (_text(256), False), "info": (_state_info, False)},
+                 "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False)},
     Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping", "probe"), True),
                "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
                "sha256": (_hex64, False), "head_sha256": (_hex64, False), "params": (_flat, False)},
