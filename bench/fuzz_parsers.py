@@ -1,6 +1,7 @@
-"""Generated-message fuzzing of every parser that sees untrusted bytes on a device.
+"""Generated-message fuzzing of every parser that sees untrusted bytes on a device, and of the
+coordinator's handlers of what devices send.
 
-Five targets, each fed mutations of real, valid inputs (made here with real keys, the real
+Each target is fed mutations of real, valid inputs (made here with real keys, the real
 codec and the demo's real bundle), so most cases get past the first check and reach the
 deeper ones:
 
@@ -10,6 +11,9 @@ deeper ones:
     chunk       parse_chunk + one long-lived Reassembler (its memory bounds are checked)
     manifest    a bundle's manifest.json bytes (bundle.parse_manifest)
     bundle_tar  a bundle archive (gzip or plain tar) through unpack_bundle into a temp dir
+    coordinator_<kind>  (hello, state, progress, refusal, update) a device message signed
+                by the approved device's key (mostly), its body mutated, through the serving
+                coordinator's verifier and handler (CoordinatorHost)
 
 A crash is any exception other than the target's documented refusal (Rejection objects,
 InputError subclasses, policy.BadParams); each is recorded with its case number and input,
@@ -472,7 +476,10 @@ class CoordinatorHost:
                           "on_power": False, "energy_wh": 12.5, "power_w": 3.2, "temp_c": 51.3, "engine": "tflite",
                           "models": "digits@1", "outbox": 0, "jobs_left": 47, "jobs_limit": 48}},
                 {"status": "busy", "job": job, "detail": f"status=busy battery_pct=70 job={job} power_w=4.5"},
-                {"status": "offline", "agent": "edge-agent/0.1"}])
+                {"status": "offline", "agent": "edge-agent/0.1"},
+                # what a stolen key sent (issue 35): numbers past a 64-bit column, in the text an
+                # older agent sends instead of `info`
+                {"status": "idle", "detail": "battery_pct=18446744073709551616 power_w=1e999 energy_wh=-5"}])
         if kind == "progress":
             return rng.choice([
                 {"phase": "training", "job": job, "round": 1, "cmd_id": cmd_id, "pct": 42.5, "detail": "step 10",
