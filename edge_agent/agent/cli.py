@@ -52,7 +52,9 @@ commands by policy, run fine-tune jobs in a child process through a persisted st
 (resumed after a restart), and send each compressed update from the on-disk outbox until the
 coordinator acknowledges it. Under systemd it sends READY=1, STATUS= and WATCHDOG=1.
 
-SIGTERM stops it cleanly: the training child checkpoints, the device reports "offline"."""
+SIGTERM stops it cleanly: the training child checkpoints, the device reports "offline"; exit 0.
+Ctrl-C does the same and exits 130 (interrupted). One daemon per state directory: a second
+`run` on the same config exits 69."""
 
 RUN_EPILOG = """\
 examples:

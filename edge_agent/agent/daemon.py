@@ -11,7 +11,7 @@ Rejection; a refused command is answered with a signed `refusal` (reason code + 
 the device's progress topic; an exception in a step is logged and the loop goes on (only
 a run of failing iterations — a local fault such as an unwritable state directory — ends
 the process with exit code 1, for systemd to restart). SIGTERM/SIGINT: publish `offline`
-(retained), stop the training child cleanly (it checkpoints), exit 0.
+(retained), stop the training child cleanly (it checkpoints), exit 0 (SIGINT, Ctrl-C: 130).
 
 Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_sha256, params):
     finetune     job, round, model, version required; sha256 of the bundle archive when the
@@ -46,8 +46,9 @@ from typing import Any
 
 from .. import __version__
 from ..config import AgentConfig, load_identity, public_key_text
-from ..errors import EXIT_FAILURE, EXIT_OK, ConfigError, InputError
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ConfigError, InputError
 from ..keys import enrolment_code, fingerprint
+from ..locks import hold_locks
 from ..protocol import (
     MAX_BINARY_BYTES,
     Kind,
@@ -74,6 +75,7 @@ TICK_S = 0.25
 MAX_MESSAGES_PER_ITERATION = 64
 MAX_FAILING_ITERATIONS = 100
 STATE_TTL = 7 * 86400
+LOCK_FILE = "agent.lock"
 HOOKS_ENV = "EDGE_AGENT_TEST_HOOKS"
 HANG_FILE = "debug/hang"
 FAIL_FILE = "debug/fail"
@@ -93,15 +95,28 @@ class Daemon:
                 (sd / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a deployment problem a restart cannot fix
             raise ConfigError(f"{config.path}: device.state_dir: cannot create {sd}: {exc.strerror or exc}") from exc
+        # One daemon per state directory (exit 69 for a second): two copies on one config wrote
+        # one state dir and took each other's broker session over 1,147 times in 10 minutes.
+        self._lock_fds = hold_locks(sd, [(LOCK_FILE, True)], lambda _, pid: (
+            f"{sd}: another edge-agent run (pid {pid}) is using this state directory ({config.path}); "
+            "stop it first (systemctl stop edge-agent) or give this one its own device.state_dir"))
+        try:
+            self._setup(config, sd, watchdog)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _setup(self, config: AgentConfig, sd: Path, watchdog: Watchdog | None) -> None:
         self.topics = Topics(fleet=config.fleet, prefix=config.topic_prefix)
         self.signer = Signer(key=self.key, topics=self.topics, sequence=SequenceCounter(path=sd / "keys" / "seq"))
         trust = TrustStore()
         trust.add(config.coordinator_public_key, role="coordinator")
         self.hooks = os.environ.get(HOOKS_ENV) == "1"
-        # strict_missing: a lost window file means "only what is issued from now on", never "empty".
+        # strict_missing: a lost window file means "only what is issued from now on", never "empty";
+        # and so does a lost replay/ directory on a device that was enrolled before.
         window = ReplayWindow(directory=sd / "replay", strict_missing=True,
                               known_senders=(fingerprint(config.coordinator_public_key),),
-                              fault_file=sd / ENOSPC_FILE if self.hooks else None)
+                              enrolled=ever_enrolled(sd), fault_file=sd / ENOSPC_FILE if self.hooks else None)
         self.verifier = Verifier(topics=self.topics, trust=trust, replay=window)
         g = config.get
         max_message = int(g("broker", "max_message_bytes"))
@@ -333,7 +348,7 @@ class Daemon:
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda num, frame: self._stop.set())
+            signal.signal(sig, lambda num, frame: self.stop(num))
         log.info("edge-agent %s: device %s (%s), fleet %s, broker %s:%s", __version__, self.device_id, self.name,
                  self.config.fleet, self.config.get("broker", "host"), self.config.get("broker", "port"))
         log.info("enrolment code %s: the coordinator shows it for this device (`edge-coordinator devices`); "
@@ -359,10 +374,15 @@ class Daemon:
                     return EXIT_FAILURE
                 self._stop.wait(min(5.0, 0.1 * failing))
         self.shutdown()
-        return EXIT_OK
+        # SIGTERM (systemd) is the normal stop: 0. Ctrl-C is an interruption: 130, as the
+        # exit-code table says, so `edge-agent run && ...` does not go on as if it had ended.
+        return EXIT_INTERRUPTED if self._stopped_by == signal.SIGINT else EXIT_OK
 
-    def stop(self) -> None:
+    def stop(self, signum: int | None = None) -> None:
+        self._stopped_by = signum
         self._stop.set()
+
+    _stopped_by: int | None = None
 
     def shutdown(self) -> None:
         log.info("stopping: checkpointing the training child, publishing offline")
@@ -378,6 +398,27 @@ class Daemon:
                                   ttl=STATE_TTL, retain=True, timeout=5.0)
         self.client.stop()
         self.watchdog.stop()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        for fd in self._lock_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock_fds = []
+
+
+def ever_enrolled(state_dir: Path) -> bool:
+    """Has this device been in service before? It has signed messages (keys/seq: its first
+    hello, which enrolment needs, wrote it), or has job records or queued updates. Not the
+    device key alone: `edge-agent init` makes it before the device was ever enrolled, and
+    nothing can be sent to a device before its first hello (so there is nothing to replay)."""
+    def has_entries(sub: str) -> bool:
+        try:
+            return any(True for _ in (state_dir / sub).iterdir())
+        except OSError:
+            return False
+
+    return (state_dir / "keys" / "seq").exists() or has_entries("jobs") or has_entries("outbox")
 
 
 def round_pct(value: float) -> float:

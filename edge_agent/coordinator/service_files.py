@@ -4,7 +4,6 @@ running `serve` says about itself, read by the CLI) and the lock that keeps a se
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -13,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text, read_limited
-from ..errors import EXIT_UNAVAILABLE, EdgeAgentError, InputError
+from ..errors import InputError
 from ..keys import load_or_create_private_key
+from ..locks import AlreadyRunning, hold_locks
 
 SERVE_FILE = "serve.json"
 KEY_FILE = "keys/coordinator.key"
@@ -69,10 +69,8 @@ def serving(info: dict[str, Any] | None, *, now: float | None = None, stale_s: f
     return True
 
 
-class AlreadyServing(EdgeAgentError):
+class AlreadyServing(AlreadyRunning):
     """Another `serve` holds this state directory (two would fight over one client id)."""
-
-    exit_code = EXIT_UNAVAILABLE
 
 
 def lock_state_dir(state_dir: Path, *, worker: str | None = None) -> list[int]:
@@ -81,23 +79,14 @@ def lock_state_dir(state_dir: Path, *, worker: str | None = None) -> list[int]:
     the directory (bundles, heads, stored payloads): each holds serve.lock shared and its
     own serve-<worker>.lock exclusively, so workers run side by side, two with one worker id
     (one MQTT client id) do not, and a lone serve and workers never run on one directory."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fds: list[int] = []
+    def busy(name: str, holder: str) -> str:
+        pid = (read_serve_file(state_dir) or {}).get("pid", holder)
+        what = (f"serve worker {worker}" if name != "serve.lock" else
+                f"serve (pid {pid}) outside a workers group" if worker is not None else f"serve (pid {pid})")
+        return f"{state_dir}: another edge-coordinator {what} is using this state directory"
+
+    locks = [("serve.lock", worker is None), *([(f"serve-{worker}.lock", True)] if worker is not None else [])]
     try:
-        for name, mode in (("serve.lock", fcntl.LOCK_EX if worker is None else fcntl.LOCK_SH),
-                           *(((f"serve-{worker}.lock", fcntl.LOCK_EX),) if worker is not None else ())):
-            fds.append(os.open(state_dir / name, os.O_RDWR | os.O_CREAT, 0o644))
-            try:
-                fcntl.flock(fds[-1], mode | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = (read_serve_file(state_dir) or {}).get("pid", "?")
-                what = (f"serve worker {worker}" if name != "serve.lock" else
-                        f"serve (pid {pid}) outside a workers group" if worker is not None else
-                        f"serve (pid {pid})")
-                raise AlreadyServing(f"{state_dir}: another edge-coordinator {what} is using this state "
-                                     "directory") from None
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
+        return hold_locks(state_dir, locks, busy)
+    except AlreadyRunning as exc:
+        raise AlreadyServing(str(exc)) from None
