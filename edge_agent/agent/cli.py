@@ -238,6 +238,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"  broker   {g('broker', 'host')}:{g('broker', 'port')} ({tls}), topics {config.topic_prefix}/{config.fleet}/...")
         print(f"  profile  {config.profile.name if config.profile else 'none (generic defaults)'}")
         print(f"  state    {config.state_dir}; key {config.key_file}")
+        from ..keys import fingerprint
+        from .coordinator_trust import ROTATION_FILE, CoordinatorTrust
+
+        trusted = CoordinatorTrust(state_dir=config.state_dir, configured=config.coordinator_public_key)
+        moved = trusted.key_id != fingerprint(config.coordinator_public_key)
+        print(f"  coordinator key {trusted.key_id}" + (f" (rotated from agent.toml's: {config.state_dir / ROTATION_FILE})"
+                                                        if moved else ""))
         print(f"  data     {g('data', 'dir') or 'not set: fine-tune commands are refused (no_data)'}")
         print(f"  budget   {_budget_line(config)}")
         print(f"  policy   accept_finetune={g('policy', 'accept_finetune')} min_battery_pct={g('policy', 'min_battery_pct')} "

@@ -23,6 +23,8 @@ Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_s
     ping         -> progress phase "pong"        probe  -> progress "probe" + fresh hello/state
 Replies go to the progress topic: phase "accepted" / job states / "pong" / "probe", or a
 `refusal` (reasons: policy.py's codes, or the protocol's: bad_signature, expired, ...).
+A `key_rotation` (retained on coordinator/key/<trusted key id>, signed by the trusted key)
+moves the device's trust to the coordinator's new key (coordinator_trust.py).
 
 Test hook (only with EDGE_AGENT_TEST_HOOKS=1 in the environment): while the file
 <state_dir>/debug/hang exists the main loop blocks without calling watchdog.alive(), as a
@@ -47,7 +49,7 @@ from typing import Any
 from .. import __version__
 from ..config import AgentConfig, load_identity, public_key_text
 from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ConfigError, InputError
-from ..keys import enrolment_code, fingerprint
+from ..keys import enrolment_code
 from ..locks import hold_locks
 from ..protocol import (
     MAX_BINARY_BYTES,
@@ -63,6 +65,7 @@ from ..protocol import (
 )
 from ..protocol.schema import clean_flat
 from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
+from .coordinator_trust import CoordinatorTrust
 from .jobs import JobStore
 from .lifecycle import DriverSettings, JobDriver
 from .models import ModelStore
@@ -109,14 +112,16 @@ class Daemon:
     def _setup(self, config: AgentConfig, sd: Path, watchdog: Watchdog | None) -> None:
         self.topics = Topics(fleet=config.fleet, prefix=config.topic_prefix)
         self.signer = Signer(key=self.key, topics=self.topics, sequence=SequenceCounter(path=sd / "keys" / "seq"))
-        trust = TrustStore()
-        trust.add(config.coordinator_public_key, role="coordinator")
+        # agent.toml's coordinator key, or the one a verified rotation moved this device to
+        self.coordinator = CoordinatorTrust(state_dir=sd, configured=config.coordinator_public_key)
+        self.trust = trust = TrustStore()
+        trust.add(self.coordinator.key, role="coordinator")
         self.hooks = os.environ.get(HOOKS_ENV) == "1"
         # strict_missing: a lost window file means "only what is issued from now on", never "empty";
         # and so does a lost replay/ directory on a device that was enrolled before.
-        window = ReplayWindow(directory=sd / "replay", strict_missing=True,
-                              known_senders=(fingerprint(config.coordinator_public_key),),
-                              enrolled=ever_enrolled(sd), fault_file=sd / ENOSPC_FILE if self.hooks else None)
+        self.window = window = ReplayWindow(directory=sd / "replay", strict_missing=True,
+                                            known_senders=(self.coordinator.key_id,), enrolled=ever_enrolled(sd),
+                                            fault_file=sd / ENOSPC_FILE if self.hooks else None)
         self.verifier = Verifier(topics=self.topics, trust=trust, replay=window)
         g = config.get
         max_message = int(g("broker", "max_message_bytes"))
@@ -124,7 +129,8 @@ class Daemon:
             host=g("broker", "host"), port=int(g("broker", "port")), client_id=f"edge-agent-{self.device_id}",
             clean_session=False, keepalive=int(g("broker", "keepalive_s")), tls=self._tls(),
             username=g("broker", "username"), password=self._password(), will=self._will,
-            subscriptions=self.topics.device_subscriptions(self.device_id),
+            subscriptions=[*self.topics.device_subscriptions(self.device_id),
+                           self.topics.coordinator_key(self.coordinator.key_id)],  # (its rotation, if ever)
             admit=Admission(self.verifier),  # signed commands and acks jump any junk flood
             backoff_base=float(g("broker", "reconnect_min_s")), backoff_cap=float(g("broker", "reconnect_max_s")),
             max_payload=max_message)
@@ -270,6 +276,21 @@ class Daemon:
             self.models.add(result)
         elif result.kind is Kind.REFUSAL:
             log.warning("the coordinator refused our message: %s: %s", result.body["reason"], result.body["detail"])
+        elif result.kind is Kind.KEY_ROTATION:
+            self.rotate_coordinator_key(result)
+
+    def rotate_coordinator_key(self, msg: Message) -> None:
+        """The coordinator's new key, signed by the one trusted now: trust it instead (persisted
+        first), and follow its own rotation topic from now on."""
+        old_id = self.coordinator.key_id
+        new = self.coordinator.rotate(msg)
+        if new is None:
+            return
+        self.window.expect(self.coordinator.key_id)
+        self.trust.add(new, role="coordinator")
+        self.trust.remove(old_id)
+        self.client.subscribe(self.topics.coordinator_key(self.coordinator.key_id))
+        self.client.unsubscribe(self.topics.coordinator_key(old_id))
 
     def command(self, msg: Message) -> None:
         body, cmd_id = msg.body, msg.body["cmd_id"]

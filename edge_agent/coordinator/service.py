@@ -170,7 +170,13 @@ class Coordinator(DeviceMessages):
         engine = RoundEngine if self.shared is None else SharedRoundEngine
         self.engine = engine(registry=self.registry, policy=o.policy, metrics=metrics)
         self.artefacts = ModelArtefacts(self.registry)
-        self.key, self.public_key = coordinator_key(self.state_dir)
+        try:  # a lost key with devices enrolled is refused (exit 78), never silently re-made
+            self.key, self.public_key = coordinator_key(self.state_dir, devices=len(self.registry.list_devices()))
+        except BaseException:
+            self.registry.close()
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
         self.key_id = fingerprint(self.key)
         self.topics = Topics(fleet=o.fleet, prefix=o.topic_prefix)
         local_seq = SequenceCounter(path=self.state_dir / "keys" / "seq")
@@ -214,6 +220,8 @@ class Coordinator(DeviceMessages):
         self._connects = 0
         self._peeks: dict[str, float] = {}
         self._replayed: dict[str, tuple[float, int]] = {}  # device -> (when, its window's high or 0)
+        self._unknown_key: dict[str, float] = {}  # device -> when it refused our command as unknown_key
+        self._rotations_sent = -1  # connection (count) on which the key rotations were last published
         self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json)
         self._reject_lines = LineBudget(per_minute=20)  # rejected-update log lines
         self._next_beat = 0.0
@@ -346,7 +354,7 @@ class Coordinator(DeviceMessages):
             log.error("job %s failed: %s", job_id, why)
         if result.closed:
             release_freed_memory()  # a round's arrays are gone: give their pages back (flat RSS)
-        if self.client.connected:
+        if self.client.connected and self._publish_rotations():  # devices move to our key before our commands
             for plan in self.engine.pending_dispatches():
                 self._dispatch(plan)
             self._retain()
@@ -384,6 +392,27 @@ class Coordinator(DeviceMessages):
 
     _peeked = -1
     _down_since = 0.0
+
+    def _publish_rotations(self) -> bool:
+        """Once per connection: each retired key's signed statement that our key is the one
+        now (key_rotation.py), retained; False while the broker has not taken them all."""
+        connects = self.client.stats["connects"]
+        if self._rotations_sent == connects:
+            return True
+        from .key_rotation import rotation_messages
+
+        messages = rotation_messages(self.state_dir, self.topics, self.signer.sequence, self.public_key)
+        infos = [self.client.publish(topic, payload, retain=True) for topic, payload in messages]
+        sent = self.client.wait_published(infos, timeout=10.0)
+        if not all(sent):
+            log.warning("key rotation not published yet (%d of %d taken by the broker); retried next tick",
+                        sum(sent), len(messages))
+            return False
+        if messages:
+            log.info("published the rotation of %d retired coordinator key(s) to this key (%s)", len(messages),
+                     self.key_id)
+        self._rotations_sent = connects
+        return True
 
     def _retain(self) -> None:
         """Apply the retention policy when due; retract pruned versions' retained messages."""

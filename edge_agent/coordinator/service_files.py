@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text, read_limited
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from ..keys import load_or_create_private_key
 from ..locks import AlreadyRunning, hold_locks
 
@@ -21,23 +21,41 @@ KEY_FILE = "keys/coordinator.key"
 PUBLIC_KEY_FILE = "coordinator.pub"
 
 
-def coordinator_key(state_dir: str | Path) -> tuple[Any, str]:
+def coordinator_key(state_dir: str | Path, *, devices: int = 0) -> tuple[Any, str]:
     """The coordinator's signing key (created, 0600, on first use) and its public key text,
-    also written to <state_dir>/coordinator.pub for `edge-agent init --coordinator-key`."""
+    also written to <state_dir>/coordinator.pub for `edge-agent init --coordinator-key`.
+
+    A missing key is created only on a first start. Once devices may trust it -- `devices`
+    are enrolled in the registry, or coordinator.pub says a key was made here -- a missing
+    key is a lost one: a new key would be a new trust anchor that every device refuses
+    (unknown_key), so this raises a ConfigError (exit 78) naming the ways back."""
     from ..config import public_key_text
 
     root = Path(state_dir)
-    (root / "keys").mkdir(mode=0o700, parents=True, exist_ok=True)
-    key, _ = load_or_create_private_key(root / KEY_FILE)
-    text = public_key_text(key)
     pub = root / PUBLIC_KEY_FILE
     try:
         current = read_limited(pub, 4096).decode().strip()
     except (OSError, InputError, UnicodeDecodeError):
         current = ""
+    if not (root / KEY_FILE).exists() and (devices or current):
+        raise ConfigError(lost_key_message(root, current, devices))
+    (root / "keys").mkdir(mode=0o700, parents=True, exist_ok=True)
+    key, _ = load_or_create_private_key(root / KEY_FILE)
+    text = public_key_text(key)
     if current != text:
         atomic_write_text(pub, text + "\n")
     return key, text
+
+
+def lost_key_message(root: Path, public: str, devices: int) -> str:
+    trusted = f" (public key {public[:44]})" if public else ""
+    who = f"{devices} enrolled device(s)" if devices else "devices given coordinator.pub"
+    return (f"{root / KEY_FILE} is missing, but {who} trust the key it held{trusted}: a new key would be refused "
+            "by every one of them (unknown_key), so none is made. Restore the file from a backup (0600), then "
+            "start again; to move to a new key afterwards, `edge-coordinator key rotate` signs the new key with "
+            "the old one, and devices switch by themselves. If the key is lost for good: `edge-coordinator key "
+            "rotate --without-old-key`, then re-run `edge-agent init --coordinator-key NEWKEY --force` on every "
+            "device (docs/fleet.md, Rotating the coordinator key)")
 
 
 def read_serve_file(state_dir: str | Path) -> dict[str, Any] | None:

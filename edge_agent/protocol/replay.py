@@ -168,6 +168,16 @@ class ReplayWindow:
         write_checked(self.directory / f"{sender}.replay",
                       json.dumps({"high": high, "mask": f"{mask:x}", "floor": floor}).encode(), mode=0o600)
 
+    def expect(self, sender: str) -> None:
+        """A sender this side was just told to trust (the coordinator's new key, from a
+        verified rotation): an empty window for it now, unless it has one, so a restart before
+        its first message does not take the missing window for a lost one."""
+        with self._lock:
+            if (self.directory / f"{validate_id(sender, 'sender')}.replay").exists():
+                return
+            self._save(sender, (0, 0, 0))
+            self._state[sender] = (0, 0, 0)
+
     def check_and_record(self, sender: str, seq: int, issued_at: int) -> str | None:
         """Record `seq` and return None if it is new, else why it is refused."""
         with self._lock:

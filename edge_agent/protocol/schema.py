@@ -45,6 +45,7 @@ class Kind(StrEnum):
     UPDATE_CHUNK = "update_chunk"
     MANIFEST = "manifest"
     MODEL_CHUNK = "model_chunk"
+    KEY_ROTATION = "key_rotation"
 
 
 class Reason(StrEnum):
@@ -174,8 +175,8 @@ FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
     "duration_s": _num(0, 1e10), "depth": _either(_int(0, 64), _id), "resumed": _bool,
     "update_chunks": _int(0, 0xFFFF), "update_wire_bytes": _int(0, 1 << 40), "update_dense_bytes": _int(0, 1 << 40),
     "update_k": _COUNTER, "update_bits": _int(0, 64), "update_ratio": _num(0, 1e9), "update_energy_kept": _FRACTION,
-    # command parameters (the device's policy judges the training ones: agent/policy.py)
-    "deadline": _num(0, 1 << 40), "budget_wh": _WH, "power_cap_w": _num(0, 1e4),
+    # (command parameters are bounded as any number here; the device's policy judges them and
+    # refuses one out of its range as bad_params, naming it: agent/policy.py)
     # model manifest meta: transport/models.py
     "head_bytes": _int(0, MAX_BUNDLE_BYTES), "head_only": _bool,
 }
@@ -256,12 +257,16 @@ SCHEMAS: dict[Kind, Schema] = {
                         "energy_kept": (_num(0, 1), False), "labels_sha256": (_hex64, False)},
     Kind.MODEL_CHUNK: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
+    # The coordinator's new public key, signed by an old one (coordinator/key_rotation.py): a
+    # device that trusts the old key moves its trust to the new one (agent/coordinator_trust.py).
+    Kind.KEY_ROTATION: {"public_key": (_b64key, True), "rotated_at": (_int(0, 1 << 40), True),
+                        "detail": (_text(256), False)},
 }
 BINARY_KINDS = frozenset({Kind.UPDATE_CHUNK, Kind.MODEL_CHUNK})
 WINDOWED_KINDS = frozenset({Kind.CMD, Kind.ACK, Kind.PROGRESS, Kind.REFUSAL})
 MAX_TTL: dict[Kind, int] = {Kind.HELLO: 365 * _DAY, Kind.STATE: 30 * _DAY, Kind.MANIFEST: 365 * _DAY,
                             Kind.MODEL_CHUNK: 365 * _DAY, Kind.UPDATE_CHUNK: _DAY, Kind.CMD: _DAY,
-                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY}
+                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY, Kind.KEY_ROTATION: 365 * _DAY}
 
 
 def check_envelope(env: dict[str, Any]) -> None:

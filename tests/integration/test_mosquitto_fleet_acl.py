@@ -383,3 +383,16 @@ def test_the_coordinators_queue_holds_a_devices_burst_and_other_devices_messages
         assert back.cond.wait_for(lambda: (topic, b"last chunk") in back.messages, TIMEOUT)
         from_a = [p for t, p in back.messages if t == topic]
     assert len(from_a) == 1501 and seen[-1] == (f"{fleet}/devices/{B}/update", b"b after the burst")
+
+
+def test_devices_read_the_coordinators_key_rotations_and_cannot_forge_one(peers, fleet: str) -> None:  # noqa: ANN001
+    """Issue 35, item 3: `key rotate` publishes the new key, signed by the old one, on
+    coordinator/key/<old key id>; every device must be able to read it (and none write it)."""
+    coord, a, b = (connected(peers, n) for n in ("coordinator", A, B))
+    rotation = f"{fleet}/coordinator/key/oldkeyid"
+    assert a.subscribe(rotation) == [1]
+    assert coord.subscribe(f"{fleet}/coordinator/#") == [1]
+    b.publish(rotation, b"forged by b")  # acknowledged (MQTT 3.1.1) but dropped
+    coord.publish(rotation, b"new key")
+    assert a.wait_for(rotation, b"new key") == [(rotation, b"new key")]
+    assert coord.wait_for(rotation, b"new key") == [(rotation, b"new key")]

@@ -52,6 +52,7 @@ VALID: dict[Kind, dict[str, Any]] = {
     Kind.UPDATE_CHUNK: {"job": "j", "round": 1, "upload": "ab" * 32, "index": 0, "count": 1, "size": 3,
                         "samples": 4, "energy_wh": 0.1, "energy_kept": 0.5, "labels_sha256": "ab" * 32},
     Kind.MODEL_CHUNK: {"name": "m", "version": "1", "sha256": "ab" * 32, "index": 0, "count": 1, "size": 3},
+    Kind.KEY_ROTATION: {"public_key": "A" * 43 + "=", "rotated_at": 1_800_000_000, "detail": "d"},
 }
 FLAT_FIELDS = {Kind.HELLO: "info", Kind.STATE: "info", Kind.CMD: "params", Kind.PROGRESS: "metrics",
                Kind.MANIFEST: "meta"}
