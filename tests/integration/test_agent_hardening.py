@@ -10,7 +10,7 @@ import time
 import pytest
 
 from edge_agent.protocol import Kind
-from tests.integration.conftest import Watcher, board_tree, enrol, wait_for
+from tests.integration.conftest import Watcher, online_agent, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +26,7 @@ def refusal(watcher: Watcher, cmd_id: str) -> dict | None:
 def test_a_deleted_replay_directory_refuses_a_captured_command(mosquitto, fleet, agents, tmp_path) -> None:  # noqa: ANN001
     """Before: with no marker and no window files the agent took its restart for a first start
     (empty windows) and accepted the captured, unexpired command a second time."""
-    data = tmp_path / "data"
-    data.mkdir()
-    agent = agents(tmp_path, mosquitto.port, sysfs_root=board_tree(tmp_path / "board"), data_dir=data)
-    watcher = Watcher(fleet, fleet.coordinator(mosquitto.port))
-    enrol(watcher, agent)
-    watcher.start()
-    agent.start()
-    assert wait_for(lambda: watcher.states(), 60), agent.log_tail()
+    agent, watcher = online_agent(agents, fleet, fleet.coordinator(mosquitto.port), tmp_path, mosquitto.port)
     coord, topic = watcher.side, agent.topic("cmd")
     captured = coord.signer.control(topic, Kind.CMD, {"cmd_id": "captured", "action": "ping"}, ttl=3600)
     assert coord.client.publish_wait(topic, captured, timeout=60)

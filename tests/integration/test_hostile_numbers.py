@@ -7,15 +7,11 @@ summaries, not one per message."""
 
 from __future__ import annotations
 
-import base64
-import time
-
 import pytest
 
 from edge_agent import keys
-from edge_agent.protocol import canonical_json
-from edge_agent.protocol.envelope import _signing_input
 from tests.integration.conftest import Side, announce, wait_for
+from tests.unit.test_protocol_numbers import sign_exactly
 
 pytestmark = pytest.mark.integration
 HOSTILE = 100
@@ -23,15 +19,8 @@ HOSTILE = 100
 
 def signed_raw(fleet, side: Side, channel: str, kind: str, body_json: str, *, key=None) -> tuple[str, bytes]:  # noqa: ANN001
     """A message signed over exactly `body_json` (a body our own Signer refuses to make)."""
-    key = key or side.key
     topic = fleet.topics.device(side.id, channel)
-    now = int(time.time())
-    env = {"v": 1, "kind": kind, "from": keys.fingerprint(key), "seq": side.signer.sequence.next(), "iat": now,
-           "exp": now + 3600, "body": "@BODY@"}
-    text = canonical_json(env).decode().replace('"@BODY@"', body_json)
-    address = f"{fleet.topics.fleet}/{topic[len(fleet.topics.root) + 1:]}"
-    sig = base64.b64encode(key.sign(_signing_input(address, b"J", text.encode()))).decode()
-    return topic, (text[:-1] + f',"sig":"{sig}"}}').encode()
+    return topic, sign_exactly(fleet.topics, topic, kind, body_json, key=key or side.key, seq=side.signer.sequence.next())
 
 
 def test_hostile_numbers_are_refused_at_the_edge_and_never_stall_serve(mosquitto, fleet, serve) -> None:  # noqa: ANN001

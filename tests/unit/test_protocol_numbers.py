@@ -136,23 +136,26 @@ def fleet(tmp_path):
     return f
 
 
-def sealed(f: Any, kind: Kind, body: Any, *, key: Any = None, raw_body: str | None = None) -> tuple[str, bytes]:
-    """A device message signed over exactly these bytes (a body the Signer would refuse);
-    `raw_body` is spliced in as written (numbers Python would print differently)."""
-    key = key or f.dkey
-    topic = f.topics.device(f.dev, {Kind.REFUSAL: "progress"}.get(kind, str(kind)))
-    f.seq += 1
+def sign_exactly(topics: Topics, topic: str, kind: str, body_text: str, *, key: Any, seq: int) -> bytes:
+    """A control message signed over exactly `body_text` as its body, a body our Signer refuses
+    to make (or numbers as Python would not print them: 1e999, 10**400 written out)."""
     import time
 
     now = int(time.time())
-    env = {"v": 1, "kind": str(kind), "from": keys.fingerprint(key), "seq": f.seq, "iat": now, "exp": now + 600,
-           "body": "@BODY@" if raw_body is not None else body}
-    text = canonical_json(env).decode()
-    if raw_body is not None:
-        text = text.replace('"@BODY@"', raw_body)
-    address = f"farm/{topic.split('/farm/', 1)[1]}"
+    env = {"v": 1, "kind": kind, "from": keys.fingerprint(key), "seq": seq, "iat": now, "exp": now + 600,
+           "body": "@BODY@"}
+    text = canonical_json(env).decode().replace('"@BODY@"', body_text)
+    address = f"{topics.fleet}/{topic[len(topics.root) + 1:]}"
     sig = base64.b64encode(key.sign(_signing_input(address, b"J", text.encode()))).decode()
-    return topic, (text[:-1] + f',"sig":"{sig}"}}').encode()
+    return (text[:-1] + f',"sig":"{sig}"}}').encode()
+
+
+def sealed(f: Any, kind: Kind, body: Any, *, key: Any = None, raw_body: str | None = None) -> tuple[str, bytes]:
+    """The fleet's device's message of `kind`, its body `body` or the text `raw_body`."""
+    topic = f.topics.device(f.dev, {Kind.REFUSAL: "progress"}.get(kind, str(kind)))
+    f.seq += 1
+    text = raw_body if raw_body is not None else canonical_json(body).decode()
+    return topic, sign_exactly(f.topics, topic, str(kind), text, key=key or f.dkey, seq=f.seq)
 
 
 @pytest.mark.parametrize("why", list(MALFORMED_INFO))
