@@ -12,7 +12,7 @@ DEB_MODE ?= offline
 
 help:
 	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
-	@echo "make test   - create .venv if needed, install with test extras, run ruff and pytest"
+	@echo "make test   - create .venv if needed, install with test extras, run ruff, the import layers and pytest"
 	@echo "make test-pg - the coordinator's tests with the registry on a throw-away PostgreSQL (apt-get install postgresql)"
 	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
 	@echo "make soak   - a fleet for 1,000 rounds (real mosquitto, 4 agents): growth per round -> BENCHMARKS.md"
@@ -33,10 +33,11 @@ $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard kernels/*
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m edge_agent.coordinator.demo $(DEMO_ARGS)
+	$(BIN)/python -m edge_agent.demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The coordinator's tests again with the registry on PostgreSQL: one throw-away cluster per
@@ -59,6 +60,7 @@ test-pg: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check . || true
 
 bench: $(STAMP)

@@ -6,7 +6,7 @@ child's JSON result plus what the parent sees of it through wait4(): process CPU
 peak RSS (ru_maxrss) and wall time. Inside the child, every role first does its imports --
 the training child's (numpy + edge_agent.train.job: MXNet comes later, inside the job,
 after the int8 features) or the fp32 baseline's (numpy + MXNet, through the same
-`edge_agent.train.mxnet_import` the trainer uses) -- then records its post-import point:
+`edge_agent.int8.mxnet_import` the trainer uses) -- then records its post-import point:
 
     base_hwm_mb   VmHWM after those imports
     peak_hwm_mb   VmHWM at the end (the process's peak RSS, from /proc/self/status)
@@ -19,7 +19,7 @@ Roles:
               parameters), every layer trainable, Gluon Adam, on the job's own train /
               validation split; validation accuracy after each epoch; stops as soon as it
               reaches cfg["target"] or after cfg["max_epochs"].
-- `prepare`:  the scenario's base bundle (edge_agent.train.demo.ensure_mobilenet_bundle):
+- `prepare`:  the scenario's base bundle (edge_agent.sim.scenario.ensure_mobilenet_bundle):
               built once per configuration, then reused.
 - `warmup`:   run_finetune once to make the device's one-time int8 engine selection (timed
               on its own), so the measured `ours` runs reuse the cached decision, as every
@@ -172,14 +172,14 @@ def _baseline(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import numpy as np
 
-    from edge_agent.train.mxnet_import import mxnet
+    from edge_agent.int8.mxnet_import import mxnet
 
     mx = mxnet()
     autograd, gluon = mx.autograd, mx.gluon
 
     from edge_agent.data import load_dataset, split_dataset
     from edge_agent.int8.bundle import load_bundle
-    from edge_agent.models import mobilenet_v2
+    from edge_agent.sim.models import mobilenet_v2
 
     if cfg.get("threads"):
         mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(int(cfg["threads"])))  # noqa: SLF001
@@ -248,7 +248,7 @@ def _baseline(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepare(cfg: dict[str, Any]) -> dict[str, Any]:
-    from edge_agent.train.demo import ensure_mobilenet_bundle
+    from edge_agent.sim.scenario import ensure_mobilenet_bundle
 
     bundle, params, built = ensure_mobilenet_bundle(cfg["dest"], **cfg["base"])
     return {"bundle": str(bundle), "params": str(params), "built": built}
@@ -269,7 +269,7 @@ def main(argv: list[str]) -> int:
     if role in TRAINING_CHILD:  # the real job imports MXNet itself, after its int8 features
         import edge_agent.train.job  # noqa: F401 - imports no MXNet at module level
     else:  # the same MXNet import the trainer does (scikit-learn / SciPy hidden)
-        from edge_agent.train.mxnet_import import mxnet
+        from edge_agent.int8.mxnet_import import mxnet
 
         mxnet()
     base_hwm = vm_hwm_mb()

@@ -2,7 +2,7 @@
 fine-tuning, on two real data sets, judged on held-out data.
 
 Data sets, both non-IID across 3 devices, each device with its own camera:
-- camera digits: bench_finetune's scenario (edge_agent.train.demo.camera_scenario:
+- camera digits: bench_finetune's scenario (edge_agent.sim.scenario.camera_scenario:
   scikit-learn's digits at 96x96x3, MobileNetV2 w0.5 pre-trained on three other devices);
   held-out = the 449 digits no device holds, through the fine-tuning device's camera.
 - textures: patches of the two photographs scikit-learn ships (edge_agent.sim.textures:
@@ -17,7 +17,7 @@ per image (crop + brightness, cached), and auto with the tail trained in MXNet G
 (`--trainer mxnet`; every other row trains its tail in numpy, train/numpy_tail.py, without
 importing MXNet) -- and the baseline, every layer of the fp32 net trained with Gluon Adam for
 BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
-job's head.params (edge_agent.train.infer). Energy above idle: the raspberry-pi-4 profile's
+job's head.params (edge_agent.inference.predictor). Energy above idle: the raspberry-pi-4 profile's
 CPU model on each process's own CPU seconds (as in bench_finetune); peak RSS: VmHWM;
 update bytes: the job's delta through the default codec (what the agent would send).
 Each depth's one-time engine selection (made on the first device) and each device's learnt
@@ -70,7 +70,7 @@ def _write_npz(path: Path, images: np.ndarray, labels: list[str]) -> Path:
     import io
 
     from edge_agent.atomic import atomic_write_bytes
-    from edge_agent.train.demo import to_pixels
+    from edge_agent.sim.scenario import to_pixels
     buf = io.BytesIO()
     np.savez(buf, x=to_pixels(images), y=np.asarray(labels))
     atomic_write_bytes(path, buf.getvalue())
@@ -78,8 +78,8 @@ def _write_npz(path: Path, images: np.ndarray, labels: list[str]) -> Path:
 
 
 def _digits(tmp: Path, n_devices: int) -> dict[str, Any]:
+    from edge_agent.sim import scenario as demo
     from edge_agent.sim.digits import apply_camera, load_digits_images, make_fleet
-    from edge_agent.train import demo
 
     bundle, params, _ = demo.ensure_mobilenet_bundle(_cache() / "digits-mobilenet-w0.5-s96-e3-d4", width=WIDTH,
                                                      size=96, epochs=3, depths=4)
@@ -100,8 +100,8 @@ def _digits(tmp: Path, n_devices: int) -> dict[str, Any]:
 
 def _textures(tmp: Path, n_devices: int) -> dict[str, Any]:
     from edge_agent.int8.bundle import load_bundle
+    from edge_agent.sim import scenario as demo
     from edge_agent.sim import textures
-    from edge_agent.train import demo
 
     size = 64
     sc = textures.scenario(size=32, n_devices=n_devices, seed=0)
@@ -127,7 +127,7 @@ def _textures(tmp: Path, n_devices: int) -> dict[str, Any]:
 
 
 def _update_bytes(bundle: Any, head_file: str) -> int:
-    from edge_agent.train.infer import tail_params
+    from edge_agent.inference.predictor import tail_params
     from edge_agent.updates import CompressionPolicy, UpdateEncoder, compute_delta
 
     base, trained = tail_params(bundle), tail_params(bundle, head_file)
@@ -138,8 +138,8 @@ def _update_bytes(bundle: Any, head_file: str) -> int:
 
 
 def _run_scenario(sc: dict[str, Any], tmp: Path, seeds: list[int], threads: int) -> list[dict[str, Any]]:
+    from edge_agent.inference.predictor import DepthPredictor, tail_params
     from edge_agent.int8.bundle import load_bundle
-    from edge_agent.train.infer import DepthPredictor, tail_params
 
     bundle = load_bundle(sc["bundle"])
     depths = sorted({v.get("depth") for _, v in VARIANTS if isinstance(v.get("depth"), int)} | {0})

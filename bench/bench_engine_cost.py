@@ -1,6 +1,6 @@
 """What each int8 engine would cost a fine-tune job, and whether it is accurate enough.
 
-The camera scenario's MobileNetV2 bundle (edge_agent.train.demo.ensure_mobilenet_bundle,
+The camera scenario's MobileNetV2 bundle (edge_agent.sim.scenario.ensure_mobilenet_bundle,
 width 0.5, 96x96, built once and reused) goes through the engine selection a job runs
 (`select_engine`, batch 32, every engine, no cache): per engine its prepare cost (CPU-s and
 J), per-image cost at the batch size, peak RSS growth over prepare + runs, top-1 agreement
@@ -46,7 +46,7 @@ def run(quick: bool = False) -> str:
     from bench.run import machine_description
     from edge_agent.int8.bundle import load_bundle
     from edge_agent.int8.selection import default_probe, profile_settings, select_engine
-    from edge_agent.train.demo import ensure_mobilenet_bundle
+    from edge_agent.sim.scenario import ensure_mobilenet_bundle
 
     model, _mhz, flags = _cpu()
     isa = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"))

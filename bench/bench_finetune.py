@@ -2,7 +2,7 @@
 selected engine, features once, the head trained under the budget governor -- vs full fp32
 fine-tuning of the whole network in MXNet, to the same validation accuracy, in one run.
 
-Scenario (edge_agent.train.demo.camera_scenario): scikit-learn's digits upsampled to
+Scenario (edge_agent.sim.scenario.camera_scenario): scikit-learn's digits upsampled to
 SIZE x SIZE and replicated to 3 channels; a MobileNetV2-style net (models.mobilenet_v2,
 width WIDTH) pre-trained from scratch on three base devices' shares, each seen through its
 own camera; three other devices fine-tune on their own shares, seen through their own
@@ -25,7 +25,7 @@ $EDGE_AGENT_BENCH_CACHE): pre-training takes minutes on a loaded 2-core machine.
 
 All processes are measured the same way (bench/_procs.py): CPU time and wall time of the
 whole process (wait4), VmHWM from /proc/self/status at the end (peak RSS), and CPU time at
-phase boundaries. Every MXNet import goes through edge_agent.train.mxnet_import (the same
+phase boundaries. Every MXNet import goes through edge_agent.int8.mxnet_import (the same
 hidden optional imports on both sides). Energy: one power model for all, the PROFILE's linear CPU model -- the
 one the CPU-estimate power source uses -- applied to each process's own CPU seconds on this
 machine's cores: energy above idle = (load_w - idle_w) x CPU-s / cores (the governor's "job"
@@ -88,7 +88,7 @@ def _cache_dir() -> Path:
 
 
 def run(quick: bool = False) -> str:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     started = time.perf_counter()
     reps = 1 if quick else 3

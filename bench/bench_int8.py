@@ -89,9 +89,9 @@ def _time_side_by_side(runs: dict[str, Callable[[], Any]], rounds: int, slow: di
 
 
 def _throughput(width: float, size: int, rounds: int, threads: int) -> tuple[list[str], float]:
-    from edge_agent import models
     from edge_agent.int8.bundle_create import create_bundle
     from edge_agent.int8.selection import Candidate, Oracle
+    from edge_agent.sim import models
 
     net = models.initialize(models.mobilenet_v2(width, num_classes=10, input_size=size), randomize_bn=True)
     rng = np.random.default_rng(0)
@@ -130,10 +130,10 @@ def _throughput(width: float, size: int, rounds: int, threads: int) -> tuple[lis
 def _accuracy(epochs: int) -> list[str]:
     import mxnet as mx
 
-    from edge_agent import models
     from edge_agent.int8 import engines
     from edge_agent.int8.bundle_create import create_bundle
     from edge_agent.int8.selection import default_probe
+    from edge_agent.sim import models
 
     x_train, y_train, x_test, y_test = models.load_digits_split()
     net = models.digits_cnn()

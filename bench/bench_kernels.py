@@ -1,6 +1,6 @@
 """Native int8 kernels vs numpy fp32 (OpenBLAS) and tflite-runtime/XNNPACK, side by side.
 
-Shapes: every layer of the MobileNetV2-style backbone (edge_agent.models.mobilenet_v2,
+Shapes: every layer of the MobileNetV2-style backbone (edge_agent.sim.models.mobilenet_v2,
 width 0.35, 96x96 input) at a fine-tuning batch. Per distinct layer shape:
 - native: the C kernel through its Python entry point (im2col, requantisation included);
 - GEMM: the native int8 GEMM on the layer's (M, K, N) and numpy fp32 `matmul` (OpenBLAS)
@@ -63,7 +63,7 @@ class Layer:
 
 def mobilenet_layers(width: float = WIDTH, input_size: int = INPUT_SIZE) -> list[Layer]:
     """The conv / depthwise layers of models.mobilenet_v2 (same settings and rounding)."""
-    from edge_agent.models import MOBILENET_V2_SETTINGS, make_divisible
+    from edge_agent.sim.models import MOBILENET_V2_SETTINGS, make_divisible
 
     stem = make_divisible(32 * width)
     layers = [Layer("conv", input_size, input_size, 3, stem, 3, 2)]

@@ -45,10 +45,8 @@ class PlateauSim:
     batch: int = 16
     seed: int = 0
     params: dict[str, Any] = field(default_factory=dict)  # job params: server_opt, plateau_patience...
-    # An honest fleet: no strikes or quarantine and no direction check, whose false positives on
-    # non-IID devices would leave some devices' data (and their accuracy reports) out.
-    policy: dict[str, Any] = field(default_factory=lambda: {
-        "quarantine_after": 1_000_000, "min_cosine": -1.0, "min_median_cosine": -1.0})
+    # An honest fleet, plain FedAvg: the plateau rule is what is measured here.
+    policy: dict[str, Any] = field(default_factory=lambda: {"quarantine_after": 1_000_000, "aggregator": "fedavg"})
 
 
 @dataclass

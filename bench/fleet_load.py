@@ -20,7 +20,7 @@ from edge_agent.sim.fleet_load import HEADS, LoadConfig, LoadFailed, run_load
 
 def base_bundle(cache: Path) -> Path:
     """The digits bundle (built once with MXNet, cached): the backbone the synthetic heads sit on."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(cache / "digits-bundle")
 

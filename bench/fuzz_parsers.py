@@ -247,7 +247,8 @@ class CommandTarget(Target):
     name = "command"
 
     def __init__(self) -> None:
-        from edge_agent.agent.policy import BadParams, DeviceLimits
+        from edge_agent.agent.policy import DeviceLimits
+        from edge_agent.protocol.finetune import BadParams
 
         self.root = _scratch()
         self.fleet = _Fleet(self.root)
@@ -286,7 +287,7 @@ class CommandTarget(Target):
             return f"rejected:{out.reason}"
         if out.kind is not Kind.CMD or out.body.get("action") != "finetune":
             return f"accepted:{out.body.get('action')}"
-        req = parse_finetune(out.body, self.limits)
+        req = parse_finetune(out.body, deadline_s=self.limits.deadline_s)
         verdict = check_finetune(req, self.limits, Conditions(battery_pct=80.0), active=[], accepted_last_day=0)
         return "accepted:finetune" if verdict.accept else f"refused:{verdict.reason}"
 
@@ -327,7 +328,7 @@ class ChunkTarget(Target):
 
 def demo_bundle_dir() -> Path:
     """The demo's digits bundle, built once into build/ (MXNet, a few seconds)."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(Path(__file__).resolve().parent.parent / "build" / "fuzz" / "digits-bundle")
 

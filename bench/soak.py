@@ -126,9 +126,9 @@ class Fleet:
     def start(self) -> None:
         from edge_agent import keys
         from edge_agent.config import public_key_text, render_config
-        from edge_agent.coordinator.demo_fleet import set_battery, write_sysfs
+        from edge_agent.demo.fleet import set_battery, write_sysfs
         from edge_agent.int8.bundle import pack_bundle
-        from edge_agent.train import demo
+        from edge_agent.sim import scenario as demo
         from edge_agent.transport.broker import MosquittoBroker
 
         a = self.args

@@ -25,6 +25,7 @@ log = logging.getLogger("edge_agent")
 _PLUGINS = (
     "edge_agent.int8.cli",
     "edge_agent.train.cli",
+    "edge_agent.inference.cli",
     "edge_agent.agent.service_cli",
     "edge_agent.agent.cli",
     "edge_agent.doctor",

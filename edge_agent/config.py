@@ -99,6 +99,32 @@ AGENT_SCHEMA: Schema = {
         "keep_job_days": number(1, 36500),
         "model_fetch_timeout_s": number(1, 7 * 86400),  # no progress for this long: the fetch fails
     },
+    # the local inference service (edge_agent/inference/, docs/deployment.md "Local inference")
+    "serve": {
+        "enabled": Field(bool),
+        "socket": Field(str),  # HTTP on this Unix socket (default /run/edge-agent/inference.sock under systemd)
+        "socket_group": Field(str, max_length=64),  # the application's group: may read and write the socket
+        "port": Field(int, minimum=0, maximum=65535),  # also 127.0.0.1:port (0: off); needs token_file
+        "token_file": Field(str),  # the bearer token TCP clients must send (Authorization: Bearer ...)
+        "model": Field(str, max_length=64),  # which installed model to serve (default: the only one)
+        "engine": Field(str, max_length=32),  # force an int8 engine (default: the device's selection)
+        "top_k": Field(int, minimum=1, maximum=100),
+        "max_body_mb": number(0.01, 256),
+        "max_image_pixels": Field(int, minimum=64, maximum=100_000_000),
+        "max_batch": Field(int, minimum=1, maximum=4096),
+        "max_inflight": Field(int, minimum=1, maximum=1024),  # requests being served or queued; more get 429
+        "read_timeout_s": number(0.1, 3600),  # a request body must arrive within this
+        "samples_per_label": Field(int, minimum=1, maximum=10_000_000),
+        "samples_max_mb": number(0.01, 1 << 20),
+        "samples_max_age_days": number(0.001, 36500),
+        "guard_tolerance": number(0, 1),  # a new model may be this much less accurate (fraction) and still swap in
+        "personal": Field(bool),  # keep and serve a personal tail where it is better on held-out samples
+        "finetune_after_samples": Field(int, minimum=0, maximum=10_000_000),  # 0: only on POST /v1/finetune
+        "finetune_budget_wh": number(0.0001, 1000),
+        "training_priority": Field(str, choices=("idle", "nice", "normal")),  # a fine-tune yields to requests
+        "refresh_s": number(0.05, 3600),
+        "prediction_memory_mb": number(0, 4096),  # recent predictions kept for corrections by id
+    },
 }
 _OVERRIDABLE = ("budget", "thermal", "training", "int8")
 SCHEMA: Schema = {**AGENT_SCHEMA, **{t: board_profiles.SCHEMA[t] for t in _OVERRIDABLE}}
@@ -114,6 +140,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                 "upload_ack_timeout_s": 120.0,
                 "upload_retry_min_s": 5.0, "upload_retry_max_s": 3600.0,
                 "keep_job_records": 500, "keep_job_days": 30.0, "model_fetch_timeout_s": 600.0},
+    "serve": {"enabled": False, "port": 0, "top_k": 3, "max_body_mb": 8.0, "max_image_pixels": 4_000_000,
+              "max_batch": 256, "max_inflight": 16, "read_timeout_s": 10.0, "samples_per_label": 1000,
+              "samples_max_mb": 256.0, "guard_tolerance": 0.02, "personal": True, "finetune_after_samples": 0,
+              "training_priority": "idle", "refresh_s": 2.0, "prediction_memory_mb": 16.0},
 }
 
 
@@ -272,6 +302,18 @@ def _check_semantics(report: Reporter, merged: dict[str, Any]) -> None:
             parse_public_key(coordinator_key)
         except ValueError as exc:
             report.error("coordinator", "public_key", str(exc))
+    serve = merged.get("serve", {})
+    if serve.get("port") and not serve.get("token_file"):
+        report.error("serve", "port", "a TCP port needs token_file: the bearer token every TCP client must send")
+    if serve.get("token_file") and not Path(serve["token_file"]).is_file():
+        report.error("serve", "token_file", f"{serve['token_file']}: no such file")
+    if serve.get("socket_group"):
+        import grp
+
+        try:
+            grp.getgrnam(serve["socket_group"])
+        except KeyError:
+            report.error("serve", "socket_group", f"no group named {serve['socket_group']!r} on this system")
     budget = merged.get("budget", {})
     if {"battery_floor_pct", "battery_resume_pct"} <= budget.keys() and \
             budget["battery_resume_pct"] <= budget["battery_floor_pct"]:

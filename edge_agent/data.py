@@ -2,7 +2,8 @@
 
 Three formats, detected from the path:
 
-- an image folder: one sub-folder per label (`data/cat/001.png`), PNG/JPEG/BMP/PGM,
+- an image folder: one sub-folder per label (`data/cat/001.png`), PNG/JPEG/BMP/PGM (or
+  `.npy`, one sample's raw values: what the daemon's local service stores for arrays),
   converted to the model's channels, resized down to its input size (aspect ratio not
   kept; an image smaller than the input in either side is skipped as `too-small`, never
   blown up) and normalised with the bundle's input spec (`x = (raw * scale - mean) / std`,
@@ -51,6 +52,7 @@ from .errors import InputError
 from .labels import INDICES
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".ppm")
+ARRAY_SUFFIX = ".npy"  # one sample's raw values in a label folder (the local service stores arrays so)
 MAX_IMAGE_BYTES = 32 << 20
 MAX_IMAGE_PIXELS = 40_000_000  # decompression-bomb guard, checked before decoding
 MAX_TABLE_BYTES = 512 << 20  # one CSV or NPZ file
@@ -276,28 +278,51 @@ class _Collector:
 # ---------------------------------------------------------------- images
 
 
-class _TooSmall(ValueError):
+class ImageTooSmall(ValueError):
     """An image smaller than the model's input: blowing it up would invent the detail."""
 
 
 def _decode_image(path: Path, spec: Any) -> np.ndarray:
     """One image file -> raw (1, C, H, W) float32 pixels; raises ValueError on any problem."""
+    return decode_image_bytes(read_limited(path, MAX_IMAGE_BYTES), spec)
+
+
+def decode_image_bytes(data: bytes, spec: Any, *, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Encoded image bytes -> raw (1, C, H, W) float32 pixels at the model's input size, as
+    training reads them (converted to its channels, resized down, never blown up); raises
+    ValueError (`ImageTooSmall` for an image smaller than the input) on any problem. The size is
+    checked from the header, before anything is decoded."""
     from PIL import Image
 
     channels, height, width = spec.shape
-    data = read_limited(path, MAX_IMAGE_BYTES)
     with Image.open(io.BytesIO(data)) as img:
-        if img.width * img.height > MAX_IMAGE_PIXELS:
-            raise ValueError(f"{img.width}x{img.height} is over {MAX_IMAGE_PIXELS} pixels")
+        if img.width * img.height > max_pixels:
+            raise ValueError(f"{img.width}x{img.height} is over {max_pixels} pixels")
         img.load()  # decode fully here: truncated files fail now, not later
         if img.width < width or img.height < height:
-            raise _TooSmall(f"{img.width}x{img.height} is smaller than the model's input {width}x{height}")
+            raise ImageTooSmall(f"{img.width}x{img.height} is smaller than the model's input {width}x{height}")
         converted = img.convert("L" if channels == 1 else "RGB")
         if converted.size != (width, height):
             converted = converted.resize((width, height), Image.BILINEAR)
         pixels = np.asarray(converted, dtype=np.float32)
     chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
     return chw[None]
+
+
+def decode_array_sample(data: bytes, spec: Any) -> np.ndarray:
+    """One `.npy` sample (raw values (C, H, W), or (H, W) for one channel, or flat C*H*W)
+    -> raw (1, C, H, W) float32; raises ValueError on a wrong shape, a non-numeric or a
+    non-finite array (no pickles)."""
+    arr = np.load(io.BytesIO(data), allow_pickle=False)
+    c, h, w = spec.shape
+    if arr.dtype.kind not in "fiu":
+        raise ValueError(f"array of {arr.dtype}, not numbers")
+    if tuple(arr.shape) not in ((c, h, w), (c * h * w,)) and not (c == 1 and tuple(arr.shape) == (h, w)):
+        raise ValueError(f"array of shape {tuple(arr.shape)}; the model takes ({c}, {h}, {w})")
+    raw = arr.astype(np.float32).reshape(1, c, h, w)
+    if not np.isfinite(raw).all():
+        raise ValueError("NaN or infinite value")
+    return raw
 
 
 def _load_image_folder(root: Path, spec: Any, coll: _Collector, max_files: int) -> None:
@@ -328,15 +353,17 @@ def _load_image_folder(root: Path, spec: Any, coll: _Collector, max_files: int) 
             if report.seen > max_files:
                 raise InputError(f"{root}: more than {max_files} files; split the data set or raise the limit")
             where = str(item)
-            if item.suffix.lower() not in IMAGE_SUFFIXES:
+            suffix = item.suffix.lower()
+            if suffix not in IMAGE_SUFFIXES and suffix != ARRAY_SUFFIX:
                 report.skip("not-an-image", where, f"suffix {item.suffix!r}")
                 continue
             if not known:
                 coll.reject_label(label, where)
                 continue
             try:
-                raw = _decode_image(item, spec)
-            except _TooSmall as exc:
+                raw = (decode_array_sample(read_limited(item, MAX_IMAGE_BYTES), spec) if suffix == ARRAY_SUFFIX
+                       else _decode_image(item, spec))
+            except ImageTooSmall as exc:
                 report.skip("too-small", where, str(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - any decoder failure is a counted skip

@@ -212,7 +212,7 @@ def _loadable(soname: str) -> bool:
 
 _MXNET_PROBE = """
 import json, numpy as np
-from edge_agent.train.mxnet_import import mxnet
+from edge_agent.int8.mxnet_import import mxnet
 mx = mxnet()
 a = mx.nd.array(np.arange(6, dtype=np.float32).reshape(2, 3))
 ok = bool(np.allclose(mx.nd.dot(a, a.T).asnumpy(), np.arange(6).reshape(2, 3) @ np.arange(6).reshape(2, 3).T))

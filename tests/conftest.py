@@ -59,6 +59,37 @@ def new_head_version(base_dir: Path, dest: Path, *, version: str, shift: float):
     return B.write_bundle_dir(dest, files, manifest)
 
 
+def reference_head(reg, job_id: str, number: int, *, accepted_only: bool = True):
+    """What the round's rule must publish, from its dense reference (strategies/) over the
+    stored updates decoded: base + reference aggregate. For checking an engine's streaming
+    close end to end (no server set: the rules that need none)."""
+    import numpy as np
+
+    from edge_agent.coordinator.aggregate import apply_delta
+    from edge_agent.coordinator.aggregation import strategy_options
+    from edge_agent.coordinator.rounds import RoundPolicy
+    from edge_agent.coordinator.strategies import DenseUpdate, RoundEvidence, make_strategy
+    from edge_agent.coordinator.streaming import Layout
+
+    job, rnd = reg.get_job(job_id), reg.get_round(job_id, number)
+    base = reg.load_head(reg.get_model(job.model_name, rnd.base_version))
+    layout = Layout(base)
+    ups = []
+    for u in reg.list_updates(job_id, number):
+        if accepted_only and u.status.value != "accepted":
+            continue
+        d = reg.load_delta(u)
+        present = None if set(d) == set(layout.names) else tuple(t for t, k in enumerate(layout.names) if k in d)
+        vec = np.concatenate([np.asarray(d[k], np.float64).ravel() if k in d else np.zeros(base[k].size)
+                              for k in layout.names])
+        ups.append(DenseUpdate(u.device_id, vec, u.weight if u.weight is not None else float(u.num_samples),
+                               present, None))
+    norms = reg.lineage_norm_history(job.model_name, before=(job_id, number))
+    evidence = RoundEvidence(layout, history_norm=float(np.median(norms)) if norms else None)
+    rule = make_strategy(job.params["aggregator"], strategy_options(RoundPolicy(), job.params), evidence)
+    return apply_delta(base, layout.unflatten(rule.reference(ups).vec))
+
+
 # ---------------------------------------------------------------- the registry on PostgreSQL
 # `pytest --pg` (make test-pg) runs every test's coordinator registry on a fresh database of
 # one throw-away PostgreSQL cluster (tests/pg_cluster.py): Registry(db=None) reads

@@ -180,6 +180,7 @@ def train(spec: dict[str, Any], events: Events) -> int:
         power_root=spec.get("sysfs_root", "/"), profile=spec.get("profile"),
         cache_max_mb=float(spec.get("cache_max_mb", 256)), poll_s=float(spec.get("poll_s", 30.0)),
         label_map=spec.get("label_map"), skip_unknown=bool(spec.get("skip_unknown", False)),
+        inference_energy=spec.get("inference_energy"),
         progress=_hold_after_checkpoint(events.progress), **extra)
     summary = {"stop_reason": report["stop_reason"], "steps": report["steps"], "engine": report["engine"]["name"],
                "num_samples": int(report["data"]["train"]), "energy_wh": report["energy"]["wh"],
@@ -187,6 +188,9 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
                "resumed": report["resumed"], "depth": int(report["depth"]["depth"]),
                "stop_detail": str(report["power"].get("stop_detail") or "")[:300]}
+    counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
+    if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
+        summary["label_counts"] = counts
     if report["stop_reason"] not in FINISHED or not report["steps"]:  # nothing trained: nothing to send
         atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
         return EXIT_STOPPED

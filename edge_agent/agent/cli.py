@@ -22,6 +22,7 @@ from ..errors import (
     UsageError,
     run_command,
 )
+from ..protocol.facts import parse_broker
 
 INIT_DESCRIPTION = """\
 Set this device up for a fleet: create its Ed25519 key (0600; kept if it already exists),
@@ -69,25 +70,6 @@ block (no watchdog pings) while it exists, and STATE_DIR/debug/fail makes every 
 
 
 SERVICE_USER = "edge-agent"  # the systemd unit's User= (packaging/systemd/edge-agent.service)
-
-
-def _broker(text: str) -> tuple[str, int | None]:
-    """HOST, HOST:PORT or [IPv6]:PORT."""
-    host, port = text.strip(), None
-    if host.startswith("["):
-        inner, _, rest = host[1:].partition("]")
-        host, port_text = inner, rest[1:] if rest.startswith(":") else ""
-    elif host.count(":") == 1:
-        host, port_text = host.split(":")
-    else:
-        port_text = ""
-    if port_text:
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise argparse.ArgumentTypeError(f"bad port in {text!r}")
-        port = int(port_text)
-    if not host or len(host) > 253 or any(c in host for c in " /#+\"'"):
-        raise argparse.ArgumentTypeError(f"bad broker host in {text!r}")
-    return host, port
 
 
 def _ident(text: str) -> str:
@@ -265,7 +247,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("init", help="create the device key and agent.toml; print the enrolment line",
                               description=INIT_DESCRIPTION, epilog=INIT_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--broker", required=True, type=_broker, metavar="HOST[:PORT]",
+    p.add_argument("--broker", required=True, type=parse_broker, metavar="HOST[:PORT]",
                    help="MQTT broker (port default 1883, or 8883 with --tls)")
     p.add_argument("--fleet", default="default", type=_ident, help="fleet name: a topic level (default 'default')")
     p.add_argument("--coordinator-key", required=True, metavar="KEY_OR_FILE",

@@ -1,4 +1,5 @@
-"""The agent daemon (`edge-agent run`): one small process, no numpy, no MXNet.
+"""The agent daemon (`edge-agent run`): one small process, no MXNet (and no numpy unless
+[serve] runs the local inference service in it: edge_agent/inference/).
 
 Main loop, every iteration (at most TICK_S apart while idle):
 
@@ -159,11 +160,18 @@ class Daemon:
             thermal_margin_c=float(g("thermal", "margin_c", 8.0)), cache_mb=int(g("data", "cache_mb")),
             label_map=g("data", "label_map"), skip_unknown=bool(g("data", "skip_unknown", False)),
             chunk_size=max(1024, min(64 * 1024, max_message - CHUNK_HEADROOM)),
-            progress_interval_s=float(g("service", "progress_interval_s")))
+            progress_interval_s=float(g("service", "progress_interval_s")),
+            child_priority=str(g("serve", "training_priority")) if g("serve", "enabled") else "normal",
+            inference_energy=str(sd / "serve" / "inference-energy.json") if g("serve", "enabled") else None)
         self.driver = JobDriver(settings=settings, store=JobStore(
             sd / "jobs", keep_records=int(g("service", "keep_job_records", 500)),
             keep_days=float(g("service", "keep_job_days", 30.0))), models=self.models,
                                 outbox=self.outbox, readings=self.device.readings, publish=self.progress)
+        self.inference = None  # the local inference service ([serve] enabled): threads of this process
+        if g("serve", "enabled"):
+            from ..inference.server import InferenceServer
+
+            self.inference = InferenceServer.from_config(config, probe=self.probe_report)
         self.watchdog = watchdog or Watchdog()
         self.state_interval = float(g("service", "state_interval_s"))
         self._stop = threading.Event()
@@ -220,9 +228,12 @@ class Daemon:
     def facts(self) -> dict[str, Any]:
         active = self.driver.active()
         job = active[0] if active else None
-        return self.device.facts(name=self.name, busy=bool(active), job=job.params.get("job") if job else None,
-                                 job_state=job.state.value if job else None, models=self.models.current(),
-                                 engine=self.driver.engine, outbox=len(self.outbox))
+        facts = self.device.facts(name=self.name, busy=bool(active), job=job.params.get("job") if job else None,
+                                  job_state=job.state.value if job else None, models=self.models.current(),
+                                  engine=self.driver.engine, outbox=len(self.outbox))
+        if self.inference is not None:
+            facts.update(self.inference.facts())
+        return facts
 
     def publish_state(self) -> None:
         facts = self.facts()
@@ -356,6 +367,9 @@ class Daemon:
             timeout = 0.0
         self.driver.step()
         self.models.poll(protect=self.driver.protected_models())
+        if self.inference is not None and self.inference.changed:  # a swap: the state says what is served
+            self.inference.changed = False
+            self.driver.changed = True
         if self.client.connected:
             self.uploader.pump(max_chunks=8)
             for key, why in self.uploader.dropped:
@@ -380,6 +394,8 @@ class Daemon:
         for problem in self.outbox.dropped_corrupt:
             log.error("outbox: %s", problem)
         self.driver.recover()
+        if self.inference is not None:
+            self.inference.start()
         self.client.start()
         self.watchdog.start()
         self.watchdog.ready(f"device {self.device_id}: connecting to the broker")
@@ -415,6 +431,9 @@ class Daemon:
             self.driver.shutdown(timeout=45.0)
         with contextlib.suppress(Exception):
             self.models.stop()
+        if self.inference is not None:
+            with contextlib.suppress(Exception):
+                self.inference.stop()
         with contextlib.suppress(Exception):
             if self.client.connected:
                 topic = self.topics.device(self.device_id, "state")

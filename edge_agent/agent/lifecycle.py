@@ -34,13 +34,13 @@ from typing import Any
 from ..atomic import fsync_dir
 from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
+from ..protocol.finetune import BadParams, parse_finetune
 from ..transport.outbox import Outbox, OutboxKey
 from .jobs import Job, JobState, JobStore
 from .models import ModelStore
 from .policy import (
     DAY_S,
     Allowance,
-    BadParams,
     Conditions,
     DeviceLimits,
     Verdict,
@@ -48,7 +48,6 @@ from .policy import (
     counted_jobs,
     daily_allowance,
     effective_budget,
-    parse_finetune,
 )
 from .runner import (
     EXIT_BUSY,
@@ -89,6 +88,11 @@ class DriverSettings:
     respawn_base_s: float = 2.0
     progress_interval_s: float = 30.0  # training progress on a cellular link: not every step
     python: tuple[str, ...] | None = None  # the child's interpreter line (tests); default: this one
+    # with the local inference service running: the training child yields to requests
+    # (inference/personal.lower_priority: "idle" = SCHED_IDLE) and its governor leaves the
+    # service's energy (this file) out of the job's
+    child_priority: str = "normal"
+    inference_energy: str | None = None
 
 
 class JobDriver:
@@ -151,7 +155,7 @@ class JobDriver:
         """A verified finetune command: refuse, acknowledge a repeat, or create the job."""
         now = self._clock()
         try:
-            req = parse_finetune(body, self.s.limits, now=now)
+            req = parse_finetune(body, deadline_s=self.s.limits.deadline_s, now=now)
         except BadParams as exc:
             return Verdict.refuse("bad_params", str(exc)), None
         with contextlib.suppress(FileNotFoundError, InputError):
@@ -283,6 +287,10 @@ class JobDriver:
         child = ChildProcess(command="train", spec=self._spec(job), job_dir=folder, name=f"job {job.job_id}",
                              python=self.s.python)
         child.start()
+        if self.s.child_priority != "normal" and child.pid is not None:
+            from ..inference.personal import lower_priority
+
+            lower_priority(child.pid, self.s.child_priority)
         self.children[job.job_id] = child
 
     def _spec(self, job: Job) -> dict[str, Any]:
@@ -295,7 +303,8 @@ class JobDriver:
                 "power_cap_w": p.get("power_cap_w"), "battery_floor_pct": self.s.battery_floor_pct,
                 "battery_resume_pct": self.s.battery_resume_pct, "thermal_limit_c": self.s.thermal_limit_c,
                 "deadline_at": p["deadline_at"], "poll_s": self.s.poll_s, "chunk_size": self.s.chunk_size,
-                "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown}
+                "label_map": self.s.label_map, "skip_unknown": self.s.skip_unknown,
+                "inference_energy": self.s.inference_energy}
         for key in ("epochs", "batch_size", "lr", "patience", "checkpoint_every", "seed", "update_bytes", "depth", "bn",
                     "tail", "augment"):
             if p.get(key) is not None:

@@ -32,34 +32,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..protocol.finetune import (
+    FinetuneRequest,
+)
 
 DAY_S = 86400.0
 # Two jobs an hour: an hourly schedule plus re-dispatches and short jobs fit, with headroom
 # (24 -- exactly one an hour -- left a device at its limit for most of every day).
 DEFAULT_MAX_JOBS_PER_DAY = 48
-MAX_UPDATE_BYTES = 64 << 20
 REASONS = ("bad_params", "finetune_disabled", "no_data", "busy", "daily_limit", "battery_low", "too_hot",
            "budget_exceeded", "power_cap_exceeded", "deadline_passed", "unknown_job", "internal_error",
            "local_fault")
-# Training parameters a command may set: name -> (type, minimum, maximum).
-TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
-    "epochs": (int, 1, 10_000),
-    "batch_size": (int, 1, 4096),
-    "lr": (float, 1e-9, 10.0),
-    "patience": (int, 1, 10_000),
-    "checkpoint_every": (int, 1, 1_000_000),
-    "seed": (int, 0, 2**31 - 1),
-    "update_bytes": (int, 256, MAX_UPDATE_BYTES),
-    "augment": (int, 0, 8),
-}
-# Training choices a command may set: name -> the values accepted (depth: also 0..8).
-TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),
-                                              "tail": ("full", "bias")}
-
-
 @dataclass(frozen=True)
 class Verdict:
     accept: bool
@@ -106,82 +93,6 @@ class Conditions:
     battery_pct: float | None = None
     charging: bool | None = None
     temp_c: float | None = None
-
-
-@dataclass(frozen=True)
-class FinetuneRequest:
-    """A `finetune` command, checked and resolved against the device's limits."""
-
-    job: str
-    round: int
-    model: str
-    version: str
-    sha256: str | None
-    head_sha256: str | None  # the version's head patch (int8.bundle_patch), when there is one
-    budget_wh: float | None
-    power_cap_w: float | None
-    deadline_at: float
-    train: dict[str, Any] = field(default_factory=dict)  # TRAIN_PARAMS given by the command
-
-    @property
-    def local_id(self) -> str:
-        """The device's job record id: one per (job, round), like the coordinator's cmd_id."""
-        return f"{self.job}-r{self.round}"
-
-    def to_params(self) -> dict[str, Any]:
-        """What the job record keeps (JSON-ready)."""
-        return {"job": self.job, "version": self.version, "sha256": self.sha256, "head_sha256": self.head_sha256,
-                "budget_wh": self.budget_wh,
-                "power_cap_w": self.power_cap_w, "deadline_at": self.deadline_at, **self.train}
-
-
-class BadParams(ValueError):
-    pass
-
-
-def _number(params: dict[str, Any], name: str, kind: type, lo: float, hi: float) -> Any:
-    value = params.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
-        raise BadParams(f"params.{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if not (lo <= value <= hi and math.isfinite(value)):  # compare first: a huge int would overflow isfinite
-        raise BadParams(f"params.{name} = {value!r} is outside {lo:g}..{hi:g}")
-    return kind(value)
-
-
-def parse_finetune(body: dict[str, Any], limits: DeviceLimits, *, now: float | None = None) -> FinetuneRequest:
-    """Resolve a finetune body (already schema-checked by the protocol); raises BadParams."""
-    now = time.time() if now is None else now
-    missing = [f for f in ("job", "round", "model", "version") if f not in body]
-    if missing:
-        raise BadParams(f"finetune needs {', '.join(missing)}")
-    if body["version"] == "current":
-        raise BadParams("version 'current' is reserved: name the version to train from")
-    params = dict(body.get("params") or {})
-    train = {}
-    for name, (kind, lo, hi) in TRAIN_PARAMS.items():
-        value = _number(params, name, kind, lo, hi)
-        if value is not None:
-            train[name] = value
-    for name, choices in TRAIN_CHOICES.items():
-        value = params.get(name)
-        if value is None:
-            continue
-        a_depth = name == "depth" and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 8
-        if a_depth or (isinstance(value, str) and value in choices):
-            train[name] = value
-        else:
-            more = " or a depth 0..8" if name == "depth" else ""
-            raise BadParams(f"params.{name} must be one of {', '.join(choices)}{more}, got {value!r:.40}")
-    budget_wh = _number(params, "budget_wh", float, 1e-6, 1e6)
-    power_cap_w = _number(params, "power_cap_w", float, 1e-3, 1e4)
-    deadline = _number(params, "deadline", float, 0, 1 << 40)
-    horizon = now + limits.deadline_s if limits.deadline_s else None
-    deadline_at = min(d for d in (deadline, horizon, now + 30 * DAY_S) if d is not None)
-    return FinetuneRequest(job=body["job"], round=body["round"], model=body["model"], version=body["version"],
-                           sha256=body.get("sha256"), head_sha256=body.get("head_sha256"), budget_wh=budget_wh, power_cap_w=power_cap_w,
-                           deadline_at=deadline_at, train=train)
 
 
 def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Conditions, *, active: list[str],

@@ -24,9 +24,9 @@ from typing import Any
 
 from .. import __version__
 from ..power import PowerMonitor, ThermalMonitor
+from ..protocol.facts import MAX_DETAIL
 from ..protocol.schema import clean_flat
 
-MAX_DETAIL = 256
 AGENT = f"edge-agent/{__version__}"
 
 
@@ -142,29 +142,3 @@ def render_detail(facts: Mapping[str, Any]) -> str:
         parts.append(part)
         size += len(part) + 1
     return " ".join(parts)
-
-
-def facts_from_state(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The facts of a state body: its `info`, else parsed back from `detail` (numbers and
-    booleans restored). Untrusted input: junk pairs, and values the protocol's schema of
-    flat maps refuses (battery_pct=18446744073709551616), are skipped."""
-    if isinstance(body.get("info"), dict):
-        return {"status": body.get("status"), **body["info"]}
-    out: dict[str, Any] = {"status": body.get("status")}
-    for pair in str(body.get("detail", ""))[:MAX_DETAIL].split():
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            continue
-        value: Any = raw
-        if raw in ("true", "false"):
-            value = raw == "true"
-        else:
-            try:
-                value = int(raw)
-            except ValueError:
-                try:
-                    value = float(raw)
-                except ValueError:
-                    value = raw
-        out[key] = value
-    return clean_flat(out)

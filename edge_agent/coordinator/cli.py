@@ -154,6 +154,15 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
     if args.archive:
         archive = pack_bundle(bundle.path, args.archive)
         print(f"archive {archive} ({archive.stat().st_size} bytes)")
+    if args.validation:
+        from ..atomic import atomic_write_bytes
+        from .server_set import pack_server_set, packed_for, read_server_set
+
+        data = read_server_set(args.validation, bundle)
+        side = packed_for(Path(bundle.path))
+        atomic_write_bytes(side, pack_server_set(data))
+        print(f"server set {side}: {len(data)} labelled samples (kept beside the bundle, not in it); "
+              "`model register` takes it with the bundle")
     return EXIT_OK
 
 
@@ -250,6 +259,10 @@ def add_model_commands(sub: Any) -> None:
                         help="activation range calibration (default: the quantiser's, min/max)")
     create.add_argument("--edgetpu-model", metavar="FILE", default=None,
                         help="the int8 model compiled by edgetpu_compiler, for Coral devices")
+    create.add_argument("--validation", metavar="DIR|NPZ", default=None,
+                        help="a small labelled server set (100-500 samples; image folders, CSV or NPZ as the "
+                             "agent reads data) the coordinator keeps to score every version and judge every "
+                             "update: written beside the bundle as OUTPUT.server-set.npz, registered with it")
     create.add_argument("--output", required=True, metavar="DIR", help="bundle directory to create")
     create.add_argument("--archive", metavar="FILE", default=None, help="also write the single-file .tar.gz")
     create.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")

@@ -34,6 +34,7 @@ from .fleet_views import (
     refusal_lines,
     table,
 )
+from .server_set import attach, packed_for
 
 
 class Unavailable(EdgeAgentError):
@@ -281,7 +282,30 @@ def cmd_register(args: argparse.Namespace) -> int:
         art = ModelArtefacts(reg).archive_for(mv)
         print(f"registered {mv.name} {mv.version}: head tensors {', '.join(reg.load_head(mv))}; archive "
               f"{art.path} ({art.size} bytes, sha256 {art.sha256[:16]}...)")
+        side = packed_for(Path(args.bundle))
+        validation = args.validation or (side if side.is_file() else None)
+        if validation is not None:
+            _attach_server_set(reg, mv, validation)
         print(f"train it: edge-coordinator train --model {mv.name} --devices all --rounds 3")
+    return EXIT_OK
+
+
+def _attach_server_set(reg: Any, mv: Any, path: str | Path) -> None:
+    sha, n, summary = attach(reg, mv, path)
+    reg.set_model_server_set(mv.name, sha, n)
+    print(f"server set of {mv.name}: {summary} (id {sha[:16]}); every version is scored on it and jobs "
+          "aggregate with the trust rule by default")
+
+
+def cmd_server_set(args: argparse.Namespace) -> int:
+    with _registry(args) as reg:
+        mv = _model(reg, args.model)
+        if args.path is None:
+            found = reg.model_server_set(mv.name)
+            print(f"{mv.name}: " + (f"server set {found[0][:16]}, {found[1]} samples" if found else
+                                    "no server set (attach one: edge-coordinator model server-set NAME DIR|NPZ)"))
+            return EXIT_OK
+        _attach_server_set(reg, mv, args.path)
     return EXIT_OK
 
 
@@ -349,7 +373,7 @@ def check_job_params(params: dict[str, Any]) -> None:
     """Refuse now what every device would refuse as bad_params: the finetune command the
     rounds will send goes through the protocol schema and the agent's own parser (their
     limits, not a copy of them). Raises UsageError naming the parameter and its range."""
-    from ..agent.policy import DeviceLimits, parse_finetune
+    from ..protocol.finetune import parse_finetune
     from ..protocol.schema import Kind, check_body
 
     sample = {k: v for k, v in params.items() if v is not None}
@@ -358,7 +382,7 @@ def check_job_params(params: dict[str, Any]) -> None:
             "version": "1", "params": sample}
     try:
         check_body(Kind.CMD, body)
-        parse_finetune(body, DeviceLimits())
+        parse_finetune(body)
     except ValueError as exc:  # BadParams too
         raise UsageError(f"devices would refuse this job (bad_params): {exc}") from None
 
@@ -379,6 +403,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_job_params({**params, "budget_wh": args.budget_wh})
     with _registry(args) as reg:
         mv = _model(reg, args.model)
+        if args.validation:
+            sha, n, summary = attach(reg, mv, args.validation)
+            params["server_set"] = sha
+            print(f"server set for this job: {summary} (id {sha[:16]})")
         parse_selector(args.devices)
         policy = _policy(args)
         sel = select_devices(reg.list_devices(), args.devices, now=time.time(), online_within_s=policy.online_within_s,
@@ -401,6 +429,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"job {job.id}: {args.rounds} round(s) of {mv.name} {mv.version} on {args.devices} "
               f"(>= {args.min_devices} device(s), {args.deadline:.0f} s per round"
               + (f", {args.budget_wh:g} Wh per device" if args.budget_wh else "") + ")")
+        why = job.params.get("aggregator_default")
+        print(f"aggregator: {job.params['aggregator']}" + (f" (the default: {why})" if why else " (as asked)"))
         if not serving(read_serve_file(state_dir(args))):
             print("warning: no `edge-coordinator serve` is running on this state directory; the job starts "
                   "when it does", file=sys.stderr)

@@ -8,6 +8,7 @@ import argparse
 import os
 from typing import Any
 
+from ..protocol.facts import parse_broker
 from .fleet_cli import (
     cmd_approve,
     cmd_cancel,
@@ -16,12 +17,13 @@ from .fleet_cli import (
     cmd_models,
     cmd_register,
     cmd_serve,
+    cmd_server_set,
     cmd_status,
     cmd_tag,
     cmd_train,
 )
 from .records import MAX_ROUNDS
-from .robust import AGGREGATORS
+from .strategies import AGGREGATORS
 
 DEFAULT_STATE_DIR = "~/.local/share/edge-coordinator"
 STATE_ENV = "EDGE_COORDINATOR_STATE_DIR"
@@ -182,18 +184,12 @@ def _state_arg(p: argparse.ArgumentParser) -> None:
                         "array files stay in --state-dir, which workers sharing a database must share too")
 
 
-def _broker(text: str) -> tuple[str, int | None]:
-    from ..agent.cli import _broker as parse
-
-    return parse(text)
-
-
 def add_fleet_commands(sub: Any) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser("serve", help="run the coordinator service (MQTT, rounds, publishing)",
                        description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=fmt)
     _state_arg(s)
-    s.add_argument("--broker", type=_broker, default=("127.0.0.1", None), metavar="HOST[:PORT]",
+    s.add_argument("--broker", type=parse_broker, default=("127.0.0.1", None), metavar="HOST[:PORT]",
                    help="MQTT broker (default 127.0.0.1:1883; 8883 with --tls)")
     s.add_argument("--embedded-broker", action="store_true",
                    help="run an in-process MQTT broker (amqtt) on the --broker loopback address: trials, demo")
@@ -218,8 +214,10 @@ def add_fleet_commands(sub: Any) -> None:
                    help="a device is online if heard from within this (default 300 s)")
     s.add_argument("--min-battery", type=_number(float, 0, 100), default=30.0, metavar="PCT",
                    help="select devices with at least this battery, unless on power (default 30)")
-    s.add_argument("--aggregator", choices=AGGREGATORS, default="fedavg_clipped",
-                   help="default aggregator (a job may choose its own; robust.py explains each)")
+    s.add_argument("--aggregator", choices=AGGREGATORS, default=None,
+                   help="the aggregator of every job that names none (default: chosen per job by its fleet size "
+                        "and whether the model has a server set: trust, median_trust or trimmed_mean; "
+                        "docs/fleet.md has the table)")
     s.add_argument("--max-wait", type=_duration, default=None, metavar="DURATION",
                    help="how long a round waits for enough eligible devices (default: the job's deadline)")
     s.add_argument("--tick", type=_SECONDS, default=1.0, metavar="S", help="seconds between round steps (default 1)")
@@ -315,8 +313,12 @@ def add_fleet_commands(sub: Any) -> None:
     t.add_argument("--batch-size", type=int, default=None, help="training batch size on each device")
     t.add_argument("--lr", type=float, default=None, help="learning rate")
     t.add_argument("--update-bytes", type=int, default=None, metavar="BYTES", help="byte budget of each update")
+    t.add_argument("--validation", metavar="DIR|NPZ", default=None,
+                   help="a server set for this job only (default: the model's, `model server-set`)")
     t.add_argument("--aggregator", choices=AGGREGATORS, default=None,
-                   help="aggregation rule (default: the coordinator's, fedavg_clipped)")
+                   help="aggregation rule (default: serve's --aggregator if set, else chosen by the fleet's size "
+                        "and whether the model has a server set -- trust with one, median_trust up to 100 "
+                        "devices per round, trimmed_mean beyond; train prints which and why)")
     t.add_argument("--devices-per-round", type=_COUNT, default=None, metavar="K",
                    help="sample K of the eligible devices each round (default: all)")
     t.add_argument("--server-opt", choices=("fedavg", "fedavgm", "fedadam"), default=None,
@@ -392,4 +394,21 @@ def add_register_command(msub: Any) -> None:
     r.add_argument("--name", help="model name (default: the manifest's)")
     r.add_argument("--version", help="version (default: the manifest's)")
     r.add_argument("--parent", help="a registered version this one derives from")
+    r.add_argument("--validation", metavar="DIR|NPZ", default=None,
+                   help="the model's server set: labelled samples (image folders, CSV or NPZ; 100-500, 200+ resolve "
+                        "half a point) that score every version and judge every update (default: BUNDLE.server-set"
+                        ".npz from `model create --validation`, when there is one)")
     r.set_defaults(func=cmd_register)
+    ss = msub.add_parser("server-set", help="attach (or show) a model's server set",
+                         description="The server set is a small labelled data set the coordinator keeps: 60 % of it "
+                                     "(by content hash) scores every candidate version before it is published (the "
+                                     "validation gate, and the version's accuracy in status, the dashboard, the "
+                                     "plateau rule and rollback), the rest trains the coordinator's own update that "
+                                     "the trust aggregator compares every device update with.",
+                         epilog="examples:\n  edge-coordinator model server-set digits labelled/      # one folder per "
+                                "label\n  edge-coordinator model server-set digits             # show it",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _state_arg(ss)
+    ss.add_argument("model", metavar="NAME[@VERSION]", help="registered model")
+    ss.add_argument("path", nargs="?", metavar="DIR|NPZ", help="labelled samples to attach (none: show the current)")
+    ss.set_defaults(func=cmd_server_set)

@@ -157,15 +157,19 @@ def _learning_json(reg: Registry, job_id: str) -> dict[str, Any] | None:
 
 def job_detail(reg: Registry, job_id: str) -> str:
     j = reg.get_job(job_id)
+    why = j.params.get("aggregator_default")
     lines = [f"job {j.id}: {j.status.value}" + (f" ({j.reason})" if j.reason else ""),
              f"  model {j.model_name} {j.model_version} on {j.selector}; {j.rounds} round(s), >= {j.min_devices} "
-             f"device(s), {j.deadline_s:.0f} s per round; params {j.params}"]
+             f"device(s), {j.deadline_s:.0f} s per round; params {j.params}",
+             f"  aggregator {j.params.get('aggregator', '?')}" + (f" (the default: {why})" if why else "")
+             + ("; server set " + str(j.params["server_set"])[:16] if j.params.get("server_set") else "")]
     lines += _learning_lines(reg, j)
     for rnd in reg.list_rounds(job_id):
         s = round_summary(reg, rnd)
         took = f"{rnd.ended_at - rnd.started_at:.0f} s" if rnd.ended_at else "running"
         lines.append(f"  round {rnd.number} [{rnd.state.value}, {took}] from {rnd.base_version}"
-                     + (f" -> {rnd.aggregated_version}" if rnd.aggregated_version else "")
+                     + (f" -> {rnd.aggregated_version}{_version_accuracy(reg, j, rnd.aggregated_version)}"
+                        if rnd.aggregated_version else "")
                      + (f": {rnd.reason}" if rnd.reason else ""))
         ratio = f", compression x{s['compression']:.1f}" if s["compression"] else ""
         if s["energy_kept"] is not None:
@@ -181,22 +185,59 @@ def job_detail(reg: Registry, job_id: str) -> str:
     return "\n".join(lines)
 
 
+def _version_accuracy(reg: Registry, job: Job, version: str) -> str:
+    m = reg.get_model(job.model_name, version).metrics
+    if m.get("accuracy_source") == "server set" and isinstance(m.get("accuracy"), int | float):
+        scaled = f", step x{m['step_scale']:g}" if m.get("step_scale", 1.0) != 1.0 else ""
+        return f" ({100 * m['accuracy']:.2f} % on the server set, {m.get('accuracy_samples')} samples{scaled})"
+    return ""
+
+
 def _learning_lines(reg: Registry, job: Job) -> list[str]:
-    """The best version the job measured (plateau.py) and how to roll the fleet back to it."""
+    """The best version the job measured (plateau.py), named for what its number is, and a
+    rollback suggestion only when the newest measured version is measurably worse."""
     from .plateau import job_learning
 
     learned = job_learning(reg.state_dir, job.id)
     best = (learned or {}).get("best")
     if not learned or not best:
         return []
-    out = [f"  best version {best['version']}: {100 * best['accuracy']:.2f} % global accuracy (the devices' "
-           f"validation splits, weighted by samples; measured in round {best['round']}); "
-           f"{len(learned['history'])} version(s) measured"
+    history = learned["history"]  # [version, measured in round, accuracy, samples, smoothed]
+    server = any(m.metrics.get("accuracy_source") == "server set" for m in reg.list_models(job.model_name)
+                 if m.job_id == job.id)
+    what = ("accuracy on the coordinator's server set" if server else
+            "device-reported accuracy, smoothed over versions (the plateau rule's moving average of the devices' "
+            "validation splits)")
+    out = [f"  best version {best['version']}: {100 * best['accuracy']:.2f} % {what}, measured in round "
+           f"{best['round']}; {len(history)} version(s) measured"
            + (f"; server lr decayed {learned['decays']}x" if learned["decays"] else "")]
-    newest = reg.list_models(job.model_name)
-    if newest and newest[-1].version != best["version"] and newest[-1].metrics.get("restored") != best["version"]:
-        out.append(f"  roll the fleet back to it: edge-coordinator models rollback {job.model_name} --to-best {job.id}")
+    current = _current_measured(reg, job.model_name, history)
+    if current is not None and current[0] != best["version"] and _measurably_worse(best["accuracy"], current):
+        out.append(f"  the model's current version ({current[0]}) scored {100 * current[2]:.2f} % on {current[3]} "
+                   f"samples, measurably below the best: edge-coordinator models rollback {job.model_name} "
+                   f"--to-best {job.id}")
     return out
+
+
+def _current_measured(reg: Registry, model: str, history: list[Any]) -> list[Any] | None:
+    """The history entry of what the model's newest version is (itself, or the version it
+    restores or rolls back to); None when that was never measured."""
+    by_version = {h[0]: h for h in history}
+    newest = reg.list_models(model)
+    if not newest:
+        return None
+    m = newest[-1]
+    for name in (m.version, m.metrics.get("restored"), m.metrics.get("rollback_of")):
+        if isinstance(name, str) and name in by_version:
+            return by_version[name]
+    return None
+
+
+def _measurably_worse(best: float, last: list[Any]) -> bool:
+    """More than two standard errors (and half a point) below the best, on the samples measured."""
+    acc, samples = float(last[2]), max(1, int(last[3]))
+    se = (max(acc * (1 - acc), 1e-4) / samples) ** 0.5
+    return best - acc > max(0.005, 2 * se)
 
 
 def progress_line(reg: Registry, job_id: str, now: float) -> tuple[str, Job]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +134,24 @@ class LearnStep:
 
 
 def learn(store: LearningStore, job_id: str, params: Mapping[str, Any], number: int, base_version: str,
-          delta: Mapping[str, np.ndarray], reports: Sequence[tuple[Mapping[str, Any], int]]) -> LearnStep:
+          delta: Mapping[str, np.ndarray], reports: Sequence[tuple[Mapping[str, Any], int]],
+          measured: tuple[float, int] | None = None) -> LearnStep:
     """Round `number` of a job closes with the aggregated `delta`: measure the base version
-    (the devices' reports), check the plateau rule, take the server optimiser's step, and
-    persist the state (before the caller commits the new version: a re-close recomputes)."""
+    (on the server set when there is one: `measured` = (accuracy, samples); else the
+    devices' reports, smoothed), check the plateau rule, take the server optimiser's step,
+    and persist the state (before the caller commits the new version: a re-close recomputes)."""
     opt, rule = ServerOpt.from_params(params), PlateauRule.from_params(params)
     _, info, moments = store.load(job_id, before=number)
-    acc, samples = global_accuracy(reports)
+    if measured is not None:  # the same samples every time: nothing to smooth
+        acc, samples = measured
+        rule = replace(rule, smoothing=1.0)
+    else:
+        acc, samples = global_accuracy(reports)
     decision = "continue"
     metrics: dict[str, Any] = {"server_opt": opt.name}
     if acc is not None:
         info, decision = observe(rule, info, base_version, acc, samples, number)
-        metrics["base_global_acc"] = round(acc, 6)
+        metrics["base_server_acc" if measured is not None else "base_global_acc"] = round(acc, 6)
     lr_scale = float(info.get("lr_scale", 1.0))
     step, moments = opt.step(delta, moments, lr_scale=lr_scale)
     metrics["server_lr"] = round(opt.lr * lr_scale, 9)
@@ -153,7 +159,8 @@ def learn(store: LearningStore, job_id: str, params: Mapping[str, Any], number: 
     if decision == "stop":
         best = info["best"]
         restore = best["version"]
-        stop = (f"plateau: global accuracy did not improve by more than {100 * rule.min_delta:g} points for "
+        what = "server-set accuracy" if measured is not None else "device-reported accuracy (smoothed)"
+        stop = (f"plateau: {what} did not improve by more than {100 * rule.min_delta:g} points for "
                 f"{rule.patience} version(s); best version {best['version']} ({100 * best['accuracy']:.2f} %, "
                 f"measured in round {best['round']}), restored as this round's version")
         info["stopped"] = stop

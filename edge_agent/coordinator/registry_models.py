@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import read_checked, write_checked
+from ..errors import InputError
 from .records import (
     IllegalTransition,
     ModelVersion,
@@ -119,3 +120,37 @@ class ModelStore:
     def load_head(self, mv: ModelVersion) -> dict[str, np.ndarray]:
         """The version's head parameters (integrity-checked)."""
         return load_arrays(read_checked(self._abs(mv.head_path), MAX_ARRAY_FILE_BYTES), where=mv.head_path)
+
+    # ---- server sets (server_set.py): content-addressed files, one per model at most
+    def server_set_path(self, sha256: str) -> Path:
+        if not isinstance(sha256, str) or len(sha256) != 64 or not all(ch in "0123456789abcdef" for ch in sha256):
+            raise InputError(f"server set id {str(sha256)[:70]!r} is not a sha256")
+        return self.state_dir / "server_sets" / f"{sha256[:16]}.npz"
+
+    def store_server_set(self, data: bytes) -> str:
+        """Write a packed server set (crash-safe); returns its sha256 (its id)."""
+        sha = hashlib.sha256(data).hexdigest()
+        path = self.server_set_path(sha)
+        if not path.exists():
+            write_checked(path, data)
+        return sha
+
+    def load_server_set(self, sha256: str) -> bytes:
+        try:
+            return read_checked(self.server_set_path(sha256), MAX_ARRAY_FILE_BYTES)
+        except FileNotFoundError:
+            raise NotFound(f"server set {sha256[:16]} is not stored in {self.state_dir}") from None
+
+    def set_model_server_set(self, name: str, sha256: str, samples: int, *, now: float | None = None) -> None:
+        check_id(name, "model name")
+        self.server_set_path(sha256)
+        with self._tx() as db:
+            db.execute("DELETE FROM server_sets WHERE model_name = ?", (name,))
+            db.execute("INSERT INTO server_sets (model_name, sha256, samples, created_at) VALUES (?, ?, ?, ?)",
+                       (name, sha256, int(samples), self._now(now)))
+
+    def model_server_set(self, name: str) -> tuple[str, int] | None:
+        """(sha256, samples) of the model's server set, or None."""
+        with self._read() as db:
+            row = db.execute("SELECT sha256, samples FROM server_sets WHERE model_name = ?", (name,)).fetchone()
+            return (str(row[0]), int(row[1])) if row else None

@@ -175,6 +175,17 @@ class UpdateStore:
                                                        before_round - rounds))
             return [float(r[0]) for r in rows]
 
+    def lineage_norm_history(self, model_name: str, *, before: tuple[str, int], limit: int = 200) -> list[float]:
+        """Norms of the most recent accepted updates of any job on `model_name` (the model's
+        lineage), leaving out job `before[0]`'s rounds from `before[1]` on."""
+        job_id, number = before
+        with self._read() as db:
+            rows = db.execute("SELECT u.norm FROM updates u JOIN jobs j ON j.id = u.job_id WHERE j.model_name = ? "
+                              "AND u.status = ? AND u.norm IS NOT NULL AND NOT (u.job_id = ? AND u.round >= ?) "
+                              "ORDER BY u.received_at DESC LIMIT ?",
+                              (model_name, UpdateStatus.ACCEPTED.value, job_id, number, limit))
+            return [float(r[0]) for r in rows]
+
     def device_directions(self, job_id: str, device_id: str, before_round: int, *, limit: int = 2) -> list[float]:
         """The device's `direction` (cosine with the job's previous step) in its last `limit`
         updates of this job before `before_round` (the (job, device, round) key's index)."""

@@ -36,42 +36,38 @@ jobs, the tick that opens and closes rounds, dispatch bookkeeping and closing a 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..atomic import CorruptFileError
 from ..errors import EdgeAgentError, InputError
-from .aggregate import apply_delta
-from .plateau import check_learning_params, learn
+from .aggregation import EvidenceSource, NoEvidence, RoundAggregation
+from .gate import ValidationGate
+from .heads import HeadCache
+from .partials import PartialStore
+from .plateau import check_learning_params
 from .records import (
     MAX_SAMPLES,
     IllegalTransition,
     Job,
     JobStatus,
-    ModelVersion,
     NotFound,
     ParticipantStatus,
     RoundRecord,
     RoundState,
-    UpdateRecord,
     UpdateStatus,
     check_text,
 )
 from .registry import Registry
-from .robust import AGGREGATORS, screen_norms
+from .round_close import RoundCloser
 from .round_intake import UpdateIntake
 from .round_types import Receipt, RoundOutcome, RoundPlan, RoundPolicy, TickResult, check_options
 from .selection import job_needs, sample_devices, select_devices
-from .server_opt import LearningStore
-from .streaming import HotCache, Layout, RunningSum, Sparse, window_hot
+from .strategies import AGGREGATORS, default_strategy
+from .strikes import Strikes
 
 if TYPE_CHECKING:  # prometheus-client is optional: metrics are passed in, never imported here
     from .metrics import CoordinatorMetrics
@@ -84,32 +80,44 @@ __all__ = ["AGGREGATORS", "Receipt", "RoundEngine", "RoundOutcome", "RoundPlan",
 
 
 # ---------------------------------------------------------------- the engine
-class RoundEngine(UpdateIntake):
+class RoundEngine:
+    """The round state machine, composed of explicit parts: `intake` (the receive path),
+    `aggregation` (each open round's rule, evidence and streaming partial), `closer` (the
+    close's steps), `strikes`, and the head cache they share. `evidence`: where the
+    coordinator's server sets come from (server_set.py; None: no server sets). `worker`:
+    this process's id in a serve workers group, whose partials go to the shared state dir."""
+
     def __init__(self, *, registry: Registry, policy: RoundPolicy | None = None,
-                 clock: Callable[[], float] = time.time, metrics: CoordinatorMetrics | None = None) -> None:
+                 clock: Callable[[], float] = time.time, metrics: CoordinatorMetrics | None = None,
+                 evidence: EvidenceSource | None = None, worker: str | None = None) -> None:
         if not isinstance(registry, Registry):
             raise TypeError("registry must be a Registry")
         if not callable(clock):
             raise TypeError("clock must be a callable returning seconds")
         self.registry, self.policy = registry, policy or RoundPolicy()
         self.clock, self.metrics = clock, metrics
+        self.evidence = evidence or NoEvidence()
         self._lock = threading.RLock()
-        self._heads: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+        self.heads = HeadCache(registry, max_update_bytes=self.policy.max_update_bytes)
+        self.strikes = Strikes(registry=registry, quarantine_after=self.policy.quarantine_after, clock=clock)
+        self.aggregation = RoundAggregation(registry=registry, heads=self.heads, policy=self.policy,
+                                            evidence=self.evidence, clock=clock, worker=worker,
+                                            partials=PartialStore(registry.state_dir) if worker else None)
+        self.intake = UpdateIntake(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
+                                   aggregation=self.aggregation, strikes=self.strikes, metrics=metrics)
+        self.closer = RoundCloser(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
+                                  aggregation=self.aggregation, strikes=self.strikes,
+                                  gate=ValidationGate(z=self.policy.gate_z, min_drop=self.policy.gate_min_drop))
         self._head_needs: dict[tuple[str, str], frozenset[str]] = {}  # (model, version) -> job_needs
-        self._label_digests: dict[str, str | None] = {}  # bundle path -> label_set_digest
-        self._layouts: dict[tuple[str, str], Layout] = {}
-        self._sums: dict[tuple[str, int], RunningSum] = {}  # open rounds' running sums (streaming.py)
-        self._unreadable: dict[tuple[str, int], dict[str, str]] = {}  # stored updates a rebuild could not read
-        self._history: dict[tuple[str, int], float | None] = {}  # (job, round) -> past accepted median norm
-        self._steps: dict[tuple[str, str, str], np.ndarray | None] = {}  # (job, model, version) -> unit step
-        self._cosines: dict[tuple[str, str], list[float]] = {}  # (job, device) -> recent median cosines
         self._metrics_at = float("-inf")  # when the fleet gauges are next refreshed (FLEET_METRICS_S)
 
     # ---- jobs
     def start_job(self, *, model_name: str, model_version: str, selector: str = "all", rounds: int = 1,
                   min_devices: int = 1, deadline_s: float = 600.0, budget_wh: float | None = None,
                   params: Mapping[str, Any] | None = None, job_id: str | None = None) -> Job:
-        """Create a PENDING job (the next `tick()` opens its first round)."""
+        """Create a PENDING job (the next `tick()` opens its first round). A job that names no
+        aggregator gets the default for its fleet (strategies.default_strategy), recorded in
+        its params with why (`aggregator_default`), so `train` and `status` can show it."""
         p = dict(params or {})
         if budget_wh is not None:
             p["budget_wh"] = budget_wh
@@ -121,14 +129,28 @@ class RoundEngine(UpdateIntake):
             raise InputError(f"budget_wh must be a positive number of Wh, got {p['budget_wh']!r}")
         self._robust_params(p)
         check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
+        if not p.get("aggregator"):
+            if self.policy.aggregator:
+                p["aggregator"], p["aggregator_default"] = self.policy.aggregator, "the coordinator's --aggregator"
+            else:
+                fleet = p.get("devices_per_round") or self._fleet_size(selector)
+                p["aggregator"], p["aggregator_default"] = default_strategy(
+                    int(fleet), self.evidence.has_server_set(model_name, p))
         return self.registry.create_job(job_id=job_id or f"job-{secrets.token_hex(6)}", model_name=model_name,
                                         model_version=model_version, selector=selector, rounds=rounds,
                                         min_devices=min_devices, deadline_s=deadline_s, params=p, now=self.clock())
 
-    def _options(self, params: Mapping[str, Any]) -> tuple[str, float, float, float]:
+    def _fleet_size(self, selector: str) -> int:
+        """Approved, unquarantined devices the selector matches (online or not)."""
+        sel = select_devices([d for d in self.registry.list_devices() if not d.quarantined], selector,
+                             now=self.clock(), online_within_s=float("inf"), min_battery_pct=0.0, budget_wh=None,
+                             allow_unknown_power=True, busy=frozenset(), job_id="", needs=frozenset())
+        return len(sel.eligible) + len(sel.ineligible)
+
+    def _options(self, params: Mapping[str, Any]) -> tuple[str | None, float, float]:
         pol = self.policy
         opts = (params.get("aggregator", pol.aggregator), params.get("trim_fraction", pol.trim_fraction),
-                params.get("norm_k", pol.norm_k), params.get("min_battery_pct", pol.min_battery_pct))
+                params.get("min_battery_pct", pol.min_battery_pct))
         check_options(*opts)
         return opts
 
@@ -165,7 +187,7 @@ class RoundEngine(UpdateIntake):
             self.registry.finish_round(job_id, rnd.number, state=RoundState.CANCELLED, reason=reason,
                                        verdicts={u.device_id: (UpdateStatus.REJECTED, "job_cancelled") for u in pending},
                                        now=self.clock())
-            self._forget(job_id, rnd.number)
+            self.aggregation.forget(job_id, rnd.number)
             self._count_round(RoundState.CANCELLED)
             plans.append(self._plan(job, rnd, tuple(live)))
         return plans
@@ -237,7 +259,7 @@ class RoundEngine(UpdateIntake):
     def _open_next(self, job: Job, rounds: list[RoundRecord], result: TickResult) -> RoundPlan | None:
         now, number = self.clock(), len(rounds) + 1
         base = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), job.model_version)
-        _, _, _, min_battery = self._options(job.params)
+        _, _, min_battery = self._options(job.params)
         busy = frozenset(d for r in self.registry.active_rounds() for d in r.with_status(*_LIVE))
         devices = self.registry.list_devices()
         quarantined = [d.id for d in devices if d.quarantined]
@@ -307,6 +329,20 @@ class RoundEngine(UpdateIntake):
         with self._lock:
             return self.registry.set_participants(job_id, round, moves, only_from=frozenset(_LIVE), now=self.clock())
 
+    def device_gone(self, device_id: str, reason: str) -> list[tuple[str, int]]:
+        """A device went offline (its broker will, or its goodbye): in every open round still
+        waiting for its update it is a dropout at once, so the round closes as soon as the
+        others are in instead of at its deadline. Returns the (job, round)s it dropped out of."""
+        with self._lock:
+            out = []
+            for job_id, number in self.registry.active_round_keys():
+                rnd = self.registry.get_round_for(job_id, number, device_id)  # its own row, not the round's
+                part = rnd.participants.get(device_id)
+                live = rnd.state is RoundState.OPEN and part is not None and part.status in _LIVE
+                if live and self._move(rnd.job_id, rnd.number, device_id, ParticipantStatus.DROPPED, reason):
+                    out.append((rnd.job_id, rnd.number))
+            return out
+
     def record_dropout(self, job_id: str, round: int, device_id: str, reason: str) -> bool:
         """A device said it will not deliver (refused: battery low, thermal, cancelled...)."""
         return self._move(job_id, round, device_id, ParticipantStatus.DROPPED, reason)
@@ -323,114 +359,33 @@ class RoundEngine(UpdateIntake):
             self.registry.set_participant(job_id, round, device_id, status, reason, now=self.clock())
             return True
 
-    # ---- closing
-    def close_round(self, job_id: str, number: int) -> RoundOutcome:
-        """Stop collecting, screen the stored updates, aggregate if enough were accepted, and
-        register the new (head-only) version -- or fail the round with the reason."""
+    # ---- receiving and closing
+    def receive_update(self, payload: bytes, *, sender: str, num_samples: int, wire_bytes: int | None = None,
+                       energy_wh: float | None = None, metrics: Mapping[str, Any] | None = None,
+                       energy_kept: float | None = None, labels_sha256: str | None = None) -> Receipt:
+        """UpdateIntake.receive (round_intake.py) under the engine's lock."""
         with self._lock:
-            now = self.clock()
+            return self.intake.receive(payload, sender=sender, num_samples=num_samples, wire_bytes=wire_bytes,
+                                       energy_wh=energy_wh, metrics=metrics, energy_kept=energy_kept,
+                                       labels_sha256=labels_sha256)
+
+    def close_round(self, job_id: str, number: int) -> RoundOutcome:
+        """Stop collecting, aggregate with the job's rule, gate on the server set, and register
+        the new (head-only) version -- or fail the round with the reason (round_close.py)."""
+        with self._lock:
             rnd = self.registry.get_round(job_id, number)
             if rnd.state is RoundState.OPEN:
-                rnd = self.registry.begin_closing(job_id, number, now=now)
+                rnd = self.registry.begin_closing(job_id, number, now=self.clock())
             job = self.registry.get_job(job_id)
             if rnd.state is RoundState.CLOSING and job.status.terminal:  # cancelled meanwhile
                 self._cancel_active(job_id, job.reason or f"job {job.status}")
-            if self.registry.get_round(job_id, number).state is not RoundState.CLOSING:  # finished: idempotent
+            rnd = self.registry.get_round(job_id, number)
+            if rnd.state is not RoundState.CLOSING:  # finished: idempotent
                 return self._outcome(job_id, number)
-            aggregator, trim, norm_k, _ = self._options(job.params)
-            _, clip_mult, krum_fraction = self._robust_params(job.params)
-            base_mv, base_head = self._head(job.model_name, rnd.base_version)
-            layout = self._layout(job.model_name, rnd.base_version)
-            acc = self._running(job_id, number, layout)
-            unreadable = self._unreadable.get((job_id, number), {})
-            verdicts: dict[str, tuple[UpdateStatus, str]] = {}
-            strikes: dict[str, str | None] = {}
-            recs: dict[str, UpdateRecord] = {}
-            for rec in self.registry.list_updates(job_id, number, UpdateStatus.PENDING):
-                if rec.device_id in unreadable or rec.norm is None:
-                    try:  # a legacy row (no norm), or one the rebuild could not read: try once more
-                        sp = self._sparse(rec, layout)
-                        if not math.isfinite(sp.norm) or sp.max_abs > self.policy.max_abs_delta:
-                            raise InputError(f"non-finite or out-of-bounds values (max |value| {sp.max_abs:.3g})")
-                        rec = dataclasses.replace(rec, norm=sp.norm, weight=float(rec.num_samples))
-                    except (CorruptFileError, InputError) as exc:
-                        verdicts[rec.device_id] = (UpdateStatus.REJECTED, f"unreadable: {str(exc)[:400]}")
-                        continue
-                recs[rec.device_id] = rec
-            devices = list(recs)
-            screen = screen_norms([recs[d].norm for d in devices], history=self._past_norm(job_id, number),
-                                  k=norm_k, min_updates=max(2, self.policy.norm_min_updates),
-                                  history_k=self.policy.history_k, small_ratio=self.policy.small_ratio)
-            for i, why in screen.rejected:
-                verdicts[devices[i]] = (UpdateStatus.REJECTED, why[:512])
-                strikes[devices[i]] = why
-            undecidable = screen.undecidable
-            good = self._against_progress([devices[i] for i in screen.accepted], job_id, number, recs, verdicts,
-                                          strikes)
-            cache: dict[str, Sparse] = {}
-
-            def load(device: str) -> Sparse:
-                if device not in cache:
-                    if len(cache) > 64:
-                        cache.clear()
-                    cache[device] = self._sparse(recs[device], layout)
-                return cache[device]
-
-            # the median's pass over the stored updates also keeps what a trimmed mean needs
-            hot_cache = HotCache(also=(lambda signs, n: window_hot(signs, n, aggregator, trim))
-                                 if aggregator == "trimmed_mean" else None)
-            if not undecidable and len(good) >= 2:
-                good, undecidable = self._direction(good, job_id, recs, load, layout, verdicts, strikes,
-                                                    quorum=job.min_devices, acc=acc, hot_cache=hot_cache)
-            if undecidable:
-                for d in good or [devices[i] for i in screen.accepted]:
-                    verdicts[d] = (UpdateStatus.REJECTED, undecidable[:512])
-                good = []
-            new_version, reason, info, learned = None, "", {}, None
-            if len(good) < job.min_devices:
-                reason = (f"{len(good)} accepted update(s), need {job.min_devices}; "
-                          f"{len(rnd.dropouts)} dropout(s), {len(verdicts)} rejected at screening")
-                if undecidable:
-                    reason += f"; {undecidable}"
-            else:
-                vec, info = self._aggregate(aggregator, good, recs, load, acc, layout, center=screen.center,
-                                            clip_mult=clip_mult, trim=trim, krum_fraction=krum_fraction,
-                                            hot_cache=hot_cache)
-                for d in info.pop("excluded", ()):
-                    verdicts[d] = (UpdateStatus.REJECTED, "krum_excluded: not among the Multi-Krum selection")
-                good = [d for d in good if d not in verdicts]
-                try:
-                    # the server optimiser's step and the plateau rule (server_opt.py, plateau.py)
-                    learned = learn(LearningStore(self.registry.state_dir), job_id, job.params, number,
-                                    rnd.base_version, layout.unflatten(vec),
-                                    [(recs[d].metrics, recs[d].num_samples) for d in good])
-                    info = {**info, **learned.metrics}
-                    new_head = (self._head(job.model_name, learned.restore)[1] if learned.restore
-                                else apply_delta(base_head, learned.step))
-                except InputError as exc:
-                    reason = f"aggregate unusable: {exc}"[:1024]
-                else:
-                    version = f"{job_id}-r{number}"
-                    rel, sha = self.registry.write_head(job.model_name, version, new_head)
-                    new_version = ModelVersion(
-                        name=job.model_name, version=version, parent=rnd.base_version, created_at=now,
-                        bundle_path=base_mv.bundle_path, head_path=rel, head_sha256=sha, head_only=True,
-                        metrics={"updates": len(good), "samples": sum(recs[d].num_samples for d in good),
-                                 "aggregator": aggregator, "dropouts": len(rnd.dropouts), "rejected": len(verdicts),
-                                 "mean_update_norm": float(np.mean([recs[d].norm for d in good])), **info},
-                        job_id=job_id, round=number)
-            for device_id in good:
-                verdicts[device_id] = (UpdateStatus.ACCEPTED, "")
-                strikes.setdefault(device_id, None)
-            state = RoundState.AGGREGATED if new_version else RoundState.FAILED
-            status, job_reason = self._job_end(job, number, aggregated=new_version is not None,
-                                               stop=learned.stop if learned is not None else "")
-            self.registry.finish_round(job_id, number, state=state, reason=reason, verdicts=verdicts,
-                                       new_version=new_version, job_status=status, job_reason=job_reason, now=now)
-            self._forget(job_id, number)
-            self._strike(strikes)
-            self._count_round(state)
-            return self._outcome(job_id, number)
+            self.closer.close(job, rnd, self._job_end)
+            outcome = self._outcome(job_id, number)
+            self._count_round(outcome.state)
+            return outcome
 
     def _outcome(self, job_id: str, number: int) -> RoundOutcome:
         rnd, job = self.registry.get_round(job_id, number), self.registry.get_job(job_id)

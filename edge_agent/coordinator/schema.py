@@ -87,4 +87,10 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX updates_by_round ON updates (job_id, round, status)",
         "CREATE INDEX updates_by_device ON updates (device_id, status, round)",
     ),
+    (  # 4 -> 5: the coordinator's own evidence (issue 34): a model's labelled server set, stored
+        # content-addressed as <state_dir>/server_sets/<sha256[:16]>.npz (a job may name another)
+        """CREATE TABLE server_sets (
+            model_name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, samples INTEGER NOT NULL,
+            created_at REAL NOT NULL)""",
+    ),
 ]

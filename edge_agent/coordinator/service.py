@@ -75,13 +75,13 @@ from .records import ModelVersion
 from .registry import Registry
 from .retention import AutoPrune, RetentionPolicy, needs_full
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
+from .server_set import StoredServerSets
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
 from .service_messages import DeviceMessages, LineBudget, _scalar
 from .workers import (
     GROUP_RE,
     SharedChunks,
     SharedReplay,
-    SharedRoundEngine,
     SharedSequence,
     WorkerStore,
     check_group,
@@ -167,8 +167,9 @@ class Coordinator(DeviceMessages):
                 os.close(fd)
             raise
         self.metrics = metrics
-        engine = RoundEngine if self.shared is None else SharedRoundEngine
-        self.engine = engine(registry=self.registry, policy=o.policy, metrics=metrics)
+        self.engine = RoundEngine(registry=self.registry, policy=o.policy, metrics=metrics,
+                                  evidence=StoredServerSets(self.registry),
+                                  worker=self.worker_id if self.shared is not None else None)
         self.artefacts = ModelArtefacts(self.registry)
         try:  # a lost key with devices enrolled is refused (exit 78), never silently re-made
             self.key, self.public_key = coordinator_key(self.state_dir, devices=len(self.registry.list_devices()))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from ..protocol import Kind, Message, Reason, Rejection, Signer, Topics
+from ..protocol.facts import facts_from_state
 from ..transport import Channel, MqttClient, OutboxKey, UpdateReceiver, ack_message
 from ..transport.uplink import CompletedUpload, expire
 from .pending import PendingDevices
@@ -39,7 +40,8 @@ log = logging.getLogger("edge_agent.coordinator.service")  # the service's log: 
 STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c", "engine", "models",
               "job", "job_state", "outbox", "profile", "name")
 RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine", "depth",
-                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits")
+                  "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits",
+                  "label_counts")
 # Refusals of the message, not of the job; except local_fault: that device cannot take the job
 # now (disk full...), a dropout rather than a wait until the round's deadline.
 _PROTOCOL_REASONS = frozenset(r.value for r in Reason) - {Reason.LOCAL_FAULT.value}
@@ -163,14 +165,14 @@ class DeviceMessages:
             self._trust_device(device, dev.public_key)
 
     def _state(self, msg: Message, device: str) -> None:
-        # numpy-free: the device's own encoding of its facts
-        from ..agent.state import facts_from_state
-
         facts = facts_from_state(msg.body)
         status = msg.body["status"]
         state: dict[str, Any] = {"status": status}
         if status == "offline":  # its last will or its goodbye: keep what it last reported
             self.registry.record_state(device, online=False, state=state)
+            for job, number in self.engine.device_gone(device, "offline: the broker reported the device gone "
+                                                       "(its will) while the round waited for its update"):
+                log.info("device %s went offline: a dropout of job %s round %d", device, job, number)
             return
         for key in STATE_KEYS:
             value = facts.get(key)

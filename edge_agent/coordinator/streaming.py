@@ -1,33 +1,23 @@
-"""Streaming aggregation (issue 18): O(1) work per received update, bounded memory at close.
+"""Streaming aggregation's machinery (issue 18): O(1) work per received update, bounded
+memory at close. The rules themselves are in strategies/; this module holds what they share.
 
 The coordinator keeps what arrived (the signed, compressed payload, ~40 kB for a 1M-parameter
 head at 2 %) and never a dense copy. Each update is decoded ONCE at arrival into a sparse
 vector over the head's flat coordinates (`decode_sparse`: positions + float32 values, the
-tensors concatenated in the base head's order), its norm is taken, and it is folded into
-the round's `RunningSum` (sum_i a_i d_i in float64, a_i its arrival weight). Closing a
-FedAvg round then costs O(P + outliers): the sum is corrected for the updates screening
-rejected, the round's weight cap and the clipping (`RunningSum.combine`), each correction
-one decode of one stored payload -- never a reload of every participant.
+tensors concatenated in the base head's order, as `Layout` lays them out), its norm is
+taken, and the round's rule folds it into its partial (strategies/base.py).
 
-The running sums are memory only. After a restart they are rebuilt from the stored
-payloads of the round's pending updates on first touch (rounds.py), which is exact: a sum
-of the same terms (in another order: float64, so the float32 result differs by at most
-rounding).
-
-Coordinate-wise rules (median, trimmed mean) need per coordinate only the entries that
-can land in the sorted window [lo, hi): a coordinate whose negatives all sort below `lo`
-and positives all above `hi` has a window of zeros (robust.py `sparse_window_sum`). The
-signs per coordinate (`SignCounts`, 8 bytes per coordinate) are kept with the running sum,
+Coordinate-wise rules (median, trimmed mean, median trust) need per coordinate only the
+entries that can land in the sorted window [lo, hi): a coordinate whose negatives all sort
+below `lo` and positives all above `hi` has a window of zeros (`sparse_window_sum`). The
+signs per coordinate (`SignCounts`, 8 bytes per coordinate) are counted as updates arrive,
 so at close the "hot" coordinates are known without reading an update; only their entries
 are gathered, in passes over the stored updates that each hold at most `cache_bytes`
-(8 bytes per entry), and sorted by blocks of `block_bytes`. With sparse updates from many
-devices few coordinates are hot: 10,000 x 1M at 2 % used to re-decode every update for each
-of ~136 blocks (about an hour of decoding). The direction check's median keeps what it
-gathered, with the trimmed mean's hot entries too (`HotCache`), so the cosines and the mean
-read no update again: a trimmed-mean close is one pass over the stored updates when the hot
-entries fit `cache_bytes`, a few passes otherwise. Updates are decoded once and kept when
-all of them fit in `cache_bytes`. Multi-Krum's Gram matrix runs by dense coordinate blocks
-of N rows (`block_gram`).
+(8 bytes per entry), and sorted by blocks of `block_bytes` (`block_window_mean`). With
+sparse updates from many devices few coordinates are hot: 10,000 x 1M at 2 % used to
+re-decode every update for each of ~136 blocks (about an hour of decoding). Updates are
+decoded once and kept when all of them fit in `cache_bytes`. Multi-Krum's Gram matrix runs
+by dense coordinate blocks of N rows (`block_gram`).
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -43,7 +32,6 @@ from ..updates.codec import EncodedTensor
 from ..updates.errors import UpdateFormatError
 from ..updates.indices import decode_indices
 from ..updates.quantize import dequantize
-from .robust import clip_scales, cosine, krum_select, round_weights, sparse_window_sum, window
 
 BLOCK_BYTES = 64 << 20  # working memory of one coordinate block
 CACHE_BYTES = 256 << 20  # decode every update once if all of them fit here
@@ -170,72 +158,6 @@ class SignCounts:
         return out
 
 
-class RunningSum:
-    """sum_i a_i d_i over the updates folded so far (float64), who is in it, and their signs
-    per coordinate (for median / trimmed mean at close)."""
-
-    def __init__(self, size: int) -> None:
-        self.vec = np.zeros(size, dtype=np.float64)
-        self.signs = SignCounts(size)
-        self.members: dict[str, float] = {}  # device -> the weight it was folded with
-        self.present: dict[str, tuple[int, ...] | None] = {}  # device -> the tensors it carried
-
-    def fold(self, device: str, sp: Sparse, weight: float) -> None:
-        if device in self.members:
-            return
-        self.vec[sp.idx] += weight * sp.vals.astype(np.float64)
-        self.signs.add(sp)
-        self.members[device] = float(weight)
-        self.present[device] = sp.present
-
-    def unfold(self, device: str, sp: Sparse) -> None:
-        self.present.pop(device, None)
-        weight = self.members.pop(device, None)
-        if weight is not None:
-            self.vec[sp.idx] -= weight * sp.vals.astype(np.float64)
-            self.signs.add(sp, -1)
-
-    def sign_counts(self, devices: Sequence[str], load: Callable[[str], Sparse]) -> SignCounts:
-        """The signs of exactly `devices`: the folded counts corrected by one decode per device
-        that differs (screening's rejections, legacy rows), or a fresh pass when most differ."""
-        want = set(devices)
-        extra = [d for d in devices if d not in self.members]
-        missing = [d for d in self.members if d not in want]
-        if len(extra) + len(missing) > max(4, len(want) // 2):
-            return SignCounts.of([lambda d=d: load(d) for d in devices], self.vec.size)
-        out = self.signs.copy()
-        for d in extra:
-            out.add(load(d))
-        for d in missing:
-            out.add(load(d), -1)
-        return out
-
-    def combine(self, coefs: Mapping[str, float], load: Callable[[str], Sparse], *,
-                norms: Mapping[str, float]) -> tuple[np.ndarray, int]:
-        """sum_i coefs[i] d_i over exactly the devices in `coefs` (every one folded or not):
-        the running sum plus one correction per device whose coefficient differs from its
-        folded weight (rejected ones have coefficient 0). Rebuilt from scratch instead when
-        the corrections would be many or large next to the result (float64 cancellation).
-        Returns (vector, number of payloads decoded)."""
-        fix = {d: c - self.members.get(d, 0.0) for d, c in coefs.items() if c != self.members.get(d, 0.0)}
-        fix.update({d: -w for d, w in self.members.items() if d not in coefs and w})
-        kept = sum(abs(c) * norms.get(d, 0.0) for d, c in coefs.items())
-        moved = sum(abs(c) * norms.get(d, 0.0) for d, c in fix.items())
-        rebuild = len(fix) > max(4, len(coefs) // 2) or not math.isfinite(moved) or moved > 1e4 * max(kept, 1e-300)
-        if rebuild:
-            out = np.zeros_like(self.vec)
-            for d, c in coefs.items():
-                if c:
-                    sp = load(d)
-                    out[sp.idx] += c * sp.vals.astype(np.float64)
-            return out, sum(1 for c in coefs.values() if c)
-        out = self.vec.copy()
-        for d, c in fix.items():
-            sp = load(d)
-            out[sp.idx] += c * sp.vals.astype(np.float64)
-        return out, len(fix)
-
-
 def _blocks(size: int, entries: int, n: int, block_bytes: int) -> list[tuple[int, int]]:
     """Coordinate ranges whose dense n-row block (8 n bytes per coordinate) or entries fit
     in block_bytes."""
@@ -269,85 +191,23 @@ def _source(loads: Sequence[Callable[[], Sparse]], kept: int, cache_bytes: int) 
     return get
 
 
-def window_hot(signs: SignCounts, n: int, aggregator: str, trim_fraction: float) -> np.ndarray:
-    """The coordinates whose window of n sorted values ([lo, hi) of `aggregator`) can hold a
-    non-zero value: negatives reaching past lo, or positives below hi."""
-    lo, hi = window(n, aggregator, trim_fraction)
-    return (signs.neg > lo) | (signs.pos > n - hi)
-
-
-class HotCache:
-    """The entries of a round's updates at a set of coordinates (`have`), kept in memory
-    between the coordinate-wise rules of one close. The direction check's median gathers,
-    in the same pass, the entries the aggregator's window will need (`also`: the trimmed
-    mean's hot coordinates, a superset of the median's), so a trimmed-mean round reads its
-    stored updates once for the median, the cosines and the mean, not three times. Used only
-    when what it would hold fits `cache_bytes` (8 bytes an entry)."""
-
-    def __init__(self, also: Callable[[SignCounts, int], np.ndarray] | None = None,
-                 cache_bytes: int = CACHE_BYTES) -> None:
-        self.also, self.cache_bytes = also, cache_bytes
-        self.have: np.ndarray | None = None
-        self.parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-    def covers(self, devices: Sequence[str], coords: np.ndarray) -> bool:
-        """Holds every entry of `devices` at the coordinates where `coords` is true."""
-        return (self.have is not None and all(d in self.parts for d in devices)
-                and not bool((coords & ~self.have).any()))
-
-    def fill(self, devices: Sequence[str], get: Callable[[int], Sparse], signs: SignCounts, hot: np.ndarray) -> bool:
-        """One pass: keep each update's entries at `hot` and at what `also` adds, or at `hot`
-        alone if the two do not fit; False (nothing kept) if not even that does."""
-        entries = signs.neg.astype(np.int64) + signs.pos
-        masks = ([hot | self.also(signs, len(devices))] if self.also is not None else []) + [hot]
-        mask = next((m for m in masks if 8 * int(entries[m].sum()) <= self.cache_bytes), None)
-        if mask is None:
-            return False
-        self.have, self.parts = None, {}
-        for i, d in enumerate(devices):
-            sp = get(i)
-            pick = mask[sp.idx]
-            self.parts[d] = (sp.idx[pick], sp.vals[pick])
-        self.have = mask
-        return True
-
-    def hot_parts(self, devices: Sequence[str], hot: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        out = []
-        for d in devices:
-            idx, vals = self.parts[d]
-            pick = hot[idx]
-            out.append((idx[pick], vals[pick]))
-        return out
-
-    def dot(self, device: str, vec: np.ndarray) -> float:
-        """<d, vec> for a `vec` that is zero wherever `have` is false."""
-        idx, vals = self.parts[device]
-        return _dot(vals.astype(np.float64), vec[idx])
-
-
 def block_window_mean(loads: Sequence[Callable[[], Sparse]], kept: int, size: int, lo: int, hi: int, *,
-                      signs: SignCounts | None = None, devices: Sequence[str] | None = None,
-                      hot_cache: HotCache | None = None, block_bytes: int = BLOCK_BYTES,
+                      signs: SignCounts | None = None, block_bytes: int = BLOCK_BYTES,
                       cache_bytes: int = CACHE_BYTES) -> np.ndarray:
     """Coordinate-wise mean of the sorted positions [lo, hi) over the updates `loads`
     (median / trimmed mean). `kept` = their total entries; `signs` = their SignCounts (one
     extra pass over the updates without it). Only the entries of hot coordinates are
-    gathered: from `hot_cache` (keyed by `devices`, filled here if they fit), else in passes
-    of at most cache_bytes; then sorted by blocks of block_bytes."""
+    gathered, in passes of at most cache_bytes; then sorted by blocks of block_bytes."""
     n = len(loads)
     get = _source(loads, kept, cache_bytes)
     if signs is None:
         signs = SignCounts.of([lambda i=i: get(i) for i in range(n)], size)
     neg, pos = signs.neg, signs.pos
-    hot = (neg > lo) | (pos > n - hi)  # window_hot's test for this [lo, hi)
+    hot = (neg > lo) | (pos > n - hi)  # a window that can hold a non-zero value
     need = np.where(hot, neg.astype(np.int64) + pos, 0)
     out = np.zeros(size, dtype=np.float64)
     if not need.any():
         return out  # every window holds zeros only: nothing to read
-    if hot_cache is not None and devices is not None and (
-            hot_cache.covers(devices, hot) or hot_cache.fill(devices, get, signs, hot)):
-        _window_blocks(hot_cache.hot_parts(devices, hot), out, 0, size, need, signs, n, lo, hi, block_bytes)
-        return out
     for a, b in _ranges(need, max(1, cache_bytes // 8)):
         if not need[a:b].any():
             continue
@@ -393,92 +253,51 @@ def block_gram(loads: Sequence[Callable[[], Sparse]], kept: int, size: int, *,
     return gram
 
 
-# ---------------------------------------------------------------- closing a round
-Load = Callable[[str], Sparse]
+# ---------------------------------------------------------------- coordinate-wise windows
+def _by_coord_then_value(coords: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The order sorting by coordinate, then value. Updates carry float32 values: then one
+    uint64 key (coordinate, the value's bits made order-preserving) sorts ~3x faster than
+    lexsort on two arrays (equal values may swap places: their sum is the same)."""
+    f32 = values.astype(np.float32)
+    if coords.size and int(coords.max()) < 2**32 and np.array_equal(f32, values):
+        bits = f32.view(np.uint32).astype(np.uint64)
+        key = np.where(bits >> np.uint64(31), ~bits & np.uint64(0xFFFFFFFF), bits | np.uint64(0x80000000))
+        return np.argsort(key | (coords.astype(np.uint64) << np.uint64(32)), kind="stable")
+    return np.lexsort((values, coords))
 
 
-def direction_check(good: Sequence[str], load: Load, norms: Mapping[str, float], size: int, kept: int,
-                    min_cosine: float, acc: RunningSum | None = None, hot_cache: HotCache | None = None
-                    ) -> tuple[list[str], dict[str, str], str, dict[str, float]]:
-    """Step 5 of robust.py's screening: (kept devices, device -> why rejected, undecidable,
-    device -> cosine with the round's coordinate-wise median; empty with 2 updates). `acc`:
-    the round's running sum, whose sign counts spare the median a pass over the updates;
-    `hot_cache`: the entries the median gathers, kept for the cosines and the aggregator."""
-    if len(good) == 2:
-        a, b = good
-        c = cosine(load(a).dot(load(b)), norms[a], norms[b])
-        if c < min_cosine:
-            return [], {}, (f"undecidable: the 2 updates point apart (cosine {c:.3f} < {min_cosine:g}) and "
-                            "there is no majority to tell which is honest"), {}
-        return list(good), {}, "", {}
-    lo, hi = window(len(good), "median", 0.0)
-    med = block_window_mean([lambda d=d: load(d) for d in good], kept, size, lo, hi,
-                            signs=acc.sign_counts(good, load) if acc is not None else None,
-                            devices=good, hot_cache=hot_cache)
-    med_norm = norm2(med)
-    cached = hot_cache is not None and hot_cache.covers(good, med != 0)
-    out, rejected, cosines = [], {}, {}
-    for d in good:
-        c = cosine(hot_cache.dot(d, med) if cached else load(d).dot_dense(med), norms[d], med_norm)
-        if med_norm > 0:
-            cosines[d] = c
-        if c < min_cosine and med_norm > 0:
-            rejected[d] = (f"direction_outlier: cosine {c:.3f} with the round's coordinate-wise median "
-                           f"< {min_cosine:g}")
-        else:
-            out.append(d)
-    return out, rejected, "", cosines
+def sparse_window_sum(coords: np.ndarray, values: np.ndarray, n: int, lo: int, hi: int, size: int, *,
+                      counts: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Per coordinate of [0, size): the sum of the sorted positions [lo, hi) of its n values,
+    where `coords`/`values` list the non-zero ones (each update at most once per coordinate)
+    and every missing value is 0. Exact: the same values are summed in the same ascending
+    order as sorting the dense column (zeros add nothing).
 
-
-def per_tensor_mean(vec: np.ndarray, weights: Mapping[str, float], present: Mapping[str, tuple[int, ...] | None],
-                    layout: Layout) -> np.ndarray:
-    """sum_i w_i d_i divided, tensor by tensor, by the weight of the updates that carry that
-    tensor (HeteroFL's rule): in a round where some devices trained only the head and others
-    the last blocks too, the blocks get the mean of those who trained them, not a mean
-    diluted by the head-only devices' absent (zero) deltas."""
-    out = vec.copy()
-    for t, name in enumerate(layout.names):
-        total = sum(w for d, w in weights.items() if present.get(d) is None or t in present[d])
-        lo = layout.offsets[name]
-        hi = lo + math.prod(layout.shapes[name])
-        out[lo:hi] = out[lo:hi] / total if total > 0 else 0.0
-    return out
-
-
-def aggregate_updates(aggregator: str, good: Sequence[str], *, weights: Mapping[str, float],
-                      norms: Mapping[str, float], kept: Mapping[str, int], load: Load, acc: RunningSum, size: int,
-                      center: float, clip_mult: float, samples_mult: float, trim_fraction: float,
-                      krum_fraction: float, layout: Layout | None = None,
-                      hot_cache: HotCache | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """The aggregate delta (flat float64) of the screened updates `good`, and what to record
-    of it (metrics; "excluded": devices Multi-Krum left out). `hot_cache`: entries the
-    direction check gathered (median / trimmed mean use them when they cover the window)."""
-    total_kept = sum(kept.get(d) or size for d in good)
-    if aggregator in ("fedavg", "fedavg_clipped"):
-        capped = round_weights([weights[d] for d in good], samples_mult)
-        bound = clip_mult * center
-        scales = clip_scales([norms[d] for d in good], bound) if aggregator == "fedavg_clipped" else [1.0] * len(good)
-        coefs = {d: w * s for d, w, s in zip(good, capped, scales, strict=True)}
-        vec, decoded = acc.combine(coefs, load, norms=norms)
-        info: dict[str, Any] = {"weights_capped": sum(c < weights[d] for d, c in zip(good, capped, strict=True)),
-                                "decoded_at_close": decoded}
-        if aggregator == "fedavg_clipped":
-            info |= {"clip_bound": float(bound), "clipped": sum(s < 1 for s in scales)}
-        present = {d: acc.present[d] if d in acc.present else load(d).present for d in good}
-        if layout is not None and any(p is not None for p in present.values()):
-            info["partial_updates"] = sum(p is not None for p in present.values())
-            return per_tensor_mean(vec, dict(zip(good, capped, strict=True)), present, layout), info
-        return vec / sum(capped), info
-    loads = [lambda d=d: load(d) for d in good]
-    if aggregator in ("median", "trimmed_mean"):
-        lo, hi = window(len(good), aggregator, trim_fraction)
-        return (block_window_mean(loads, total_kept, size, lo, hi, signs=acc.sign_counts(good, load),
-                                  devices=good, hot_cache=hot_cache), {"trimmed_each_end": lo})
-    if aggregator == "multi_krum":
-        chosen = [good[i] for i in krum_select(block_gram(loads, total_kept, size), krum_fraction)]
-        vec = np.zeros(size, dtype=np.float64)
-        for d in chosen:
-            sp = load(d)
-            vec[sp.idx] += sp.vals.astype(np.float64)
-        return vec / len(chosen), {"excluded": [d for d in good if d not in chosen]}
-    raise ValueError(f"unknown aggregator {aggregator!r}")
+    Sparse updates leave most coordinates with a few non-zeros among n: when a coordinate's
+    negatives all sort below `lo` and its positives all above `hi`, the window holds only
+    zeros, so only the other ("hot") coordinates' entries are sorted. `counts` = (negatives,
+    positives) per coordinate over all n updates, when the caller knows them: then the
+    entries given may be those of the hot coordinates only (streaming.py gathers no others)."""
+    values = np.asarray(values, dtype=np.float64)
+    coords = np.asarray(coords, dtype=np.int64)
+    nz = values != 0
+    coords, values = coords[nz], values[nz]
+    if not coords.size:
+        return np.zeros(size, dtype=np.float64)
+    if counts is None:
+        neg = np.bincount(coords[values < 0], minlength=size)
+        pos = np.bincount(coords[values > 0], minlength=size)
+    else:
+        neg, pos = (np.asarray(c, dtype=np.int64) for c in counts)
+    hot = (neg > lo) | (pos > n - hi)
+    pick = hot[coords]
+    coords, values = coords[pick], values[pick]
+    if not coords.size:
+        return np.zeros(size, dtype=np.float64)
+    order = _by_coord_then_value(coords, values)
+    cs, vs = coords[order], values[order]
+    rank = np.arange(cs.size, dtype=np.int64) - np.searchsorted(cs, cs, side="left")
+    zeros = n - neg - pos
+    pos_in_column = np.where(vs < 0, rank, rank + zeros[cs])
+    keep = (pos_in_column >= lo) & (pos_in_column < hi)
+    return np.bincount(cs[keep], weights=vs[keep], minlength=size)

@@ -27,12 +27,11 @@ workers, and every worker ingests (verifies, reassembles, stores, acks). What a 
     worker_results  a device's result metrics (its progress report) until its update
                     arrives, perhaps at another worker.
 
-Running sums (robust_rounds.py) are per process, so a leader's would hold only its own
-share (RunningSum.combine would load the rest at close, but a payload another worker stored
-that does not decode would then fail the close instead of being rejected as unreadable):
-`SharedRoundEngine` keeps none and builds the round's sum from the stored payloads when it
-closes (O(N) once per round, as after a restart; folded in device order, so the result does
-not depend on which worker received what).
+    partials        each worker folds the updates it stores into its round's streaming partial
+                    and keeps it in the shared state dir (partials.py, saved at most once a
+                    second); the leader's close merges the workers' partials and decodes only
+                    the payloads no partial covers yet (stored after their worker last saved, or
+                    by a worker killed with -9), instead of re-reading every stored payload.
 Duplicates cannot be counted twice: `Registry.add_update` checks and inserts under the
 registry's write lock, and (job, device, round) is unique.
 """
@@ -58,8 +57,6 @@ from ..transport.uplink import (
     UpdateReceiver,
 )
 from .db import WRITE_LOCK_KEY
-from .rounds import RoundEngine
-from .streaming import Layout, RunningSum
 
 log = logging.getLogger("edge_agent.coordinator.service")
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -303,18 +300,3 @@ class SharedChunks:
         """The update is stored (or judged): its chunks are not needed any more."""
         self.store.execute("DELETE FROM upload_chunks WHERE job_id = %s AND device_id = %s AND round = %s",
                            (key.job, key.device, key.round))
-
-
-class SharedRoundEngine(RoundEngine):
-    """A RoundEngine for one worker of several: no running sums in memory (another worker's
-    updates are not in this process); the round's sum is built from the stored payloads at
-    close. Folded in the registry's order (device id), so the result does not depend on
-    which worker received what, or when."""
-
-    def _fold(self, job: Any, base_version: str, number: int, device: str, sp: Any, weight: float) -> None:
-        return None
-
-    def _running(self, job_id: str, number: int, layout: Layout) -> RunningSum:
-        self._sums.pop((job_id, number), None)  # always from the registry: it has every worker's updates
-        self._unreadable.pop((job_id, number), None)
-        return super()._running(job_id, number, layout)

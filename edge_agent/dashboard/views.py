@@ -196,7 +196,10 @@ def device(reg: Registry, device_id: str, *, policy: RoundPolicy, now: float) ->
                 "power_w": h["power_w"], "energy_wh": h["energy_wh"]}
                for h in reg.device_history(dev.id, since=now - HISTORY_WINDOW_S)]
     facts = {k: dev.state.get(k) for k in ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "temp_c",
-                                           "status", "job", "job_phase", "job_pct", "outbox")}
+                                           "status", "job", "job_phase", "job_pct", "outbox",
+                                           # the local inference service (protocol.schema INFERENCE_CHECKS)
+                                           "served_model", "served_kind", "fleet_accuracy", "personal_accuracy",
+                                           "held_out", "inference_wh")}
     return {"row": row, "joined": joined, "refusals": refusals, "jobs": jobs, "history": history, "samples": samples,
             "facts": {k: v for k, v in facts.items() if v is not None}, "fleet": dev.fleet,
             "enrolled_at": dev.enrolled_at}

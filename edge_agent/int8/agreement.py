@@ -198,7 +198,7 @@ def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
     def logits(features: np.ndarray) -> np.ndarray:
         nonlocal head
         if head is None:
-            from ..train.dense_head import dense_head_logits
+            from .head_form import dense_head_logits
 
             head = dense_head_logits(bundle) or _mxnet_head(bundle)
         return head(features).reshape(len(features), -1)
@@ -207,7 +207,7 @@ def _head_logits(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def _mxnet_head(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
-    from ..train.mxnet_import import mxnet
+    from .mxnet_import import mxnet
 
     mx = mxnet()  # MXNetUnavailableError (one line, exit 69) where it cannot load: 32-bit ARM
 

@@ -12,6 +12,11 @@ The trainer calls it at step boundaries (see the example in `edge_agent/power/__
 Energy used is integrated from power samples taken at those boundaries (energy.py), and
 a step is refused when the predicted energy of the next step would overshoot the budget,
 so a job ends within one step's energy below its budget.
+
+Inference: a device that serves requests while it trains (edge_agent.inference) spends
+energy on them that a whole-device sensor counts into the job's. `inference_j` (the
+service's running total, in J) lets the governor account it as inference: the job's energy
+("job" basis) leaves it out, the device's total keeps it, and the report says how much.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import tzinfo
 
 from ..errors import ConfigError, InputError
@@ -59,6 +64,7 @@ class BudgetGovernor:
         max_sensor_failures: int = 10,
         tz: tzinfo | None = None,
         resume_from: Mapping[str, object] | None = None,
+        inference_j: Callable[[], float | None] | None = None,
     ) -> None:
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget: expected a Budget, got {type(budget).__name__}")
@@ -109,6 +115,8 @@ class BudgetGovernor:
         self.battery_start: float | None = None
         self.max_temp_c: float | None = None
         self._offset_total_j = self._offset_job_j = 0.0
+        self._inference = inference_j
+        self._inference_start = self._read_inference()
         if resume_from is not None:
             self._restore(resume_from)
         self._t0 = self.clock.monotonic()
@@ -251,6 +259,7 @@ class BudgetGovernor:
         return {
             "energy_wh_total": total_j / J_PER_WH,
             "energy_wh_job": job_j / J_PER_WH,
+            "inference_wh": self.inference_j() / J_PER_WH,
             "budget_wh": self.budget.budget_wh,
             "budget_basis": self.budget.budget_basis,
             "budget_used_fraction": (self._used_j() / budget_j) if budget_j else None,
@@ -310,7 +319,25 @@ class BudgetGovernor:
         return self._offset_total_j + self.meter.total_j
 
     def _job_j(self) -> float:
-        return self._offset_job_j + self.meter.job_j
+        return max(0.0, self._offset_job_j + self.meter.job_j - self.inference_j())
+
+    def _read_inference(self) -> float | None:
+        if self._inference is None:
+            return None
+        try:
+            value = self._inference()
+        except Exception:  # noqa: BLE001 - a reader that fails counts nothing, never stops the job
+            return None
+        return float(value) if value is not None and math.isfinite(value) else None
+
+    def inference_j(self) -> float:
+        """Inference energy spent since this run started (J); 0 without a reader."""
+        now = self._read_inference()
+        if now is None or self._inference_start is None:
+            if now is not None and self._inference_start is None:
+                self._inference_start = now  # the service started after the job did
+            return 0.0
+        return max(0.0, now - self._inference_start)
 
     def _used_j(self) -> float:
         return self._job_j() if self.budget.budget_basis == "job" else self._total_j()

@@ -159,6 +159,14 @@ ALLOWANCE_CHECKS: dict[str, Callable[[Any], None]] = {
     "jobs_left": _int(0, 100_000), "jobs_limit": _int(0, 100_000), "jobs_reset_at": _int(0, 1 << 40),
     "refuse": _id, "refuse_detail": _text(200)}
 
+# The local inference service's report in the same `info` (edge_agent.inference.server.facts):
+# the served model and whether it is the fleet version or the device's personal one, both
+# candidates' accuracy on the device's own held-out samples, and what serving cost.
+INFERENCE_CHECKS: dict[str, Callable[[Any], None]] = {
+    "served_model": _text(160), "served_kind": _enum("fleet", "personal"), "held_out": _int(0, 1 << 31),
+    "fleet_accuracy": _num(0.0, 1.0), "personal_accuracy": _num(0.0, 1.0), "inference_wh": _num(0.0, 1e9),
+    "inference_requests": _int(0, 1 << 53)}
+
 # The entries of every flat map (hello info, state info, progress metrics, command params,
 # manifest meta) by name: a name means the same thing, with the same type and range, in all of
 # them (energy_wh in a state, in a result and in a probe reply). Agents drop a reading outside
@@ -166,7 +174,7 @@ ALLOWANCE_CHECKS: dict[str, Callable[[Any], None]] = {
 FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
     # device facts (state info; a probe reply's metrics): agent/state.py
     "battery_pct": _num(0, 100), "charging": _bool, "on_power": _bool, "energy_wh": _WH, "power_w": _WATTS,
-    "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS,
+    "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS, **INFERENCE_CHECKS,
     # capabilities (hello info): doctor.capabilities
     "mxnet": _bool,
     # job progress and results (progress metrics): agent/lifecycle.py, agent/child.py
@@ -212,7 +220,7 @@ def _flat(v: Any) -> None:
 def clean_flat(values: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of `values` a flat map may carry (FLAT_ENTRIES, 256-character strings),
     at most 64; the rest dropped. What a sender applies to its own readings, and a receiver to
-    facts it parsed itself (agent.state.facts_from_state)."""
+    facts it parsed itself (protocol.facts.facts_from_state)."""
     out: dict[str, Any] = {}
     for key, item in values.items():
         if len(out) == 64:

@@ -160,7 +160,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
         label_column=args.label_column, label_map=args.label_map, skip_unknown=args.skip_unknown,
         power_root=args.power_root, profile=args.profile,
-        threads=args.threads, progress=bar,
+        threads=args.threads, progress=bar, inference_energy=args.inference_energy,
     )
     text = json.dumps(report, indent=2, sort_keys=True) + "\n"
     summary = data_summary(report["data"])
@@ -281,6 +281,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                     "one that disagrees with the reference is an error (exit 69)")
     o.add_argument("--force-engine", action="store_true",
                    help="use --engine even if it disagrees with the reference, with a warning")
+    o.add_argument("--inference-energy", metavar="FILE",
+                   help="the local inference service's energy file: its energy is not charged to this job")
     o.add_argument("--threads", type=_positive(int), help="CPU threads (default: the board profile's)")
     o.add_argument("--profile", help="board profile name (default: matched from the hardware probe)")
     o.add_argument("--power-root", default="/", metavar="ROOT",

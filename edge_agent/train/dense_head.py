@@ -28,88 +28,19 @@ spend more CPU-seconds, not fewer.
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, InputError
+from ..int8.head_form import DenseForm, _affine, dense_head_form
 from .numpy_tail import AUX_SUFFIXES, TailProgram, UnsupportedTail
 from .trainer import HeadTrainer, TrainConfig, TrainerCommon, freeze_batchnorm, select_trainable
 
 BACKENDS = ("auto", "numpy", "mxnet")
 ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8  # MXNet 1.9 Adam defaults
-_FLATTEN_OPS = ("Flatten", "flatten")
-
-
-@dataclass(frozen=True)
-class DenseForm:
-    """out = flatten(x) @ weight.T * alpha + bias * bias_scale"""
-
-    weight: str
-    bias: str
-    alpha: float = 1.0
-    bias_scale: float = 1.0
-
-
-def _flag(value: Any, default: bool) -> bool:
-    return default if value is None else str(value).strip().lower() in ("1", "true")
-
-
-def dense_head_form(symbol_json: str, input_name: str) -> DenseForm | None:
-    """The affine layer a head symbol computes, or None if it is anything else."""
-    try:
-        graph = json.loads(symbol_json)
-        nodes, heads = graph["nodes"], graph["heads"]
-        if len(heads) != 1:
-            return None
-
-        def node(ref: list[int]) -> dict[str, Any]:
-            return nodes[ref[0]]
-
-        def through_flatten(ref: list[int]) -> dict[str, Any]:
-            n = node(ref)
-            while n["op"] in _FLATTEN_OPS:
-                n = node(n["inputs"][0])
-            return n
-
-        def variable(ref: list[int]) -> str | None:
-            n = node(ref)
-            return n["name"] if n["op"] == "null" else None
-
-        out = node(heads[0])
-        attrs = out.get("attrs") or {}
-        if out["op"] == "FullyConnected":
-            if _flag(attrs.get("no_bias"), False) or not _flag(attrs.get("flatten"), True) or len(out["inputs"]) != 3:
-                return None
-            x, w, b = out["inputs"]
-            if through_flatten(x) != _input(nodes, input_name) or not variable(w) or not variable(b):
-                return None
-            return DenseForm(variable(w), variable(b))  # type: ignore[arg-type]
-        if out["op"] in ("broadcast_add", "elemwise_add", "_plus", "_Plus") and len(out["inputs"]) == 2:
-            gemm, bias = (node(r) for r in out["inputs"])
-            if gemm["op"] != "_linalg_gemm2":
-                gemm, bias = bias, gemm
-            g_attrs, b_attrs = gemm.get("attrs") or {}, bias.get("attrs") or {}
-            if (gemm["op"] != "_linalg_gemm2" or _flag(g_attrs.get("transpose_a"), False)
-                    or not _flag(g_attrs.get("transpose_b"), False) or len(gemm["inputs"]) != 2):
-                return None
-            x, w = gemm["inputs"]
-            if through_flatten(x) != _input(nodes, input_name) or not variable(w):
-                return None
-            scale = 1.0
-            if bias["op"] == "_mul_scalar":
-                scale = float(b_attrs.get("scalar", 1.0))
-                bias = node(bias["inputs"][0])
-            if bias["op"] != "null":
-                return None
-            return DenseForm(variable(w), bias["name"], float(g_attrs.get("alpha", 1.0)), scale)  # type: ignore[arg-type]
-    except (ValueError, KeyError, TypeError, IndexError):
-        return None
-    return None
 
 
 def softmax_loss(logits: np.ndarray, y: np.ndarray, class_weight: np.ndarray) -> tuple[float, np.ndarray]:
@@ -157,16 +88,6 @@ def optimizer_update(cfg: TrainConfig, t: int, weights: Mapping[str, np.ndarray]
             mean *= np.float32(cfg.momentum)
             mean -= np.multiply(g, lr, out=tmp)
             w += mean
-
-
-def _input(nodes: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
-    return next((n for n in nodes if n["op"] == "null" and n["name"] == name), None)
-
-
-def _affine(form: DenseForm, weight: np.ndarray, bias: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The head's logits: flatten(x) @ weight.T * alpha + bias * bias_scale, in float32."""
-    x2 = np.ascontiguousarray(x, np.float32).reshape(len(x), -1)
-    return (x2 @ weight.T) * np.float32(form.alpha) + bias * np.float32(form.bias_scale)
 
 
 class NumpyOptimiserState:
@@ -242,17 +163,24 @@ class DenseHeadTrainer(NumpyOptimiserState, TrainerCommon):
     def _logits(self, x: np.ndarray) -> np.ndarray:
         return _affine(self.form, self._w[self.form.weight], self._w[self.form.bias], x)
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        """One optimiser step on a batch; returns its mean (weighted) loss."""
-        f, cfg = self.form, self.config
+    def _loss_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        f = self.form
         x2 = np.ascontiguousarray(x, np.float32).reshape(len(x), -1)
         if x2.shape[1] != self._w[f.weight].shape[1]:
             raise InputError(f"features have {x2.shape[1]} values, the head takes {self._w[f.weight].shape[1]}")
         value, g = softmax_loss(self._logits(x2), y, self.class_weight)
-        grads = {f.weight: (g.T @ x2) * np.float32(f.alpha), f.bias: g.sum(axis=0) * np.float32(f.bias_scale)}
+        return value, {f.weight: (g.T @ x2) * np.float32(f.alpha), f.bias: g.sum(axis=0) * np.float32(f.bias_scale)}
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One optimiser step on a batch; returns its mean (weighted) loss."""
+        value, grads = self._loss_grads(x, y)
         self._t += 1
-        optimizer_update(cfg, self._t, self._w, self._m, self._v, grads)
+        optimizer_update(self.config, self._t, self._w, self._m, self._v, grads)
         return value
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """d(mean loss)/d(trained parameter) on a batch, at the current parameters (no step)."""
+        return self._loss_grads(x, y)[1]
 
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
         outs = [self._logits(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
@@ -335,6 +263,13 @@ class NumpyTailTrainer(NumpyOptimiserState, TrainerCommon):
             if out.shape[1] != num_classes:
                 raise UnsupportedTail(f"the tail gives {out.shape[1]} outputs, the model has {num_classes} classes")
 
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """d(mean loss)/d(trained parameter) on a batch, at the current parameters (no step,
+        moving statistics untouched)."""
+        logits, values, caches = self.program.forward(self._w, x, train=True)
+        _, g = softmax_loss(logits, y, self.class_weight)
+        return self.program.backward(values, caches, g.astype(np.float32))
+
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One optimiser step on a batch; returns its mean (weighted) loss."""
         logits, values, caches = self.program.forward(self._w, x, train=True)
@@ -407,17 +342,3 @@ def make_head_trainer(*, symbol_json: str, params: Mapping[str, np.ndarray], inp
                           f"computes ({why}); this head needs 'mxnet' (or 'auto')")
     return HeadTrainer(symbol_json=symbol_json, params=params, input_name=input_name, num_classes=num_classes,
                        config=config, train_labels=train_labels, threads=threads)
-
-
-def dense_head_logits(bundle: Any) -> Any:
-    """A numpy logits function for the bundle's head if it is one dense layer, else None
-    (the engine selection's top-1 check then needs no MXNet either)."""
-    from .trainer import head_from_bundle
-
-    symbol_json, params = head_from_bundle(bundle)
-    form = dense_head_form(symbol_json, bundle.manifest.split_tensor)
-    if form is None or form.weight not in params or form.bias not in params:
-        return None
-    weight, bias = np.asarray(params[form.weight], np.float32), np.asarray(params[form.bias], np.float32)
-
-    return lambda features: _affine(form, weight, bias.reshape(-1), features)

@@ -101,6 +101,7 @@ def run_finetune(
     threads: int | None = None,
     cache_max_mb: float = 256.0,
     poll_s: float = 30.0,
+    inference_energy: str | os.PathLike[str] | None = None,
     progress: ProgressCallback | None = None,
     clock: Any = None,
 ) -> dict[str, Any]:
@@ -123,7 +124,9 @@ def run_finetune(
     the classifier ("bias"). `lr` defaults to 0.01 for a one-dense-layer head and 0.001 deeper (pre-trained
     conv layers want a smaller step: bench_depth). `augment`: K extra views of every
     training image (`augment_kinds` of crop, brightness, flip; train/augment.py), made
-    before the int8 prefix and cached like the images themselves.
+    before the int8 prefix and cached like the images themselves. `inference_energy`: the
+    local inference service's energy file (edge_agent.power.inference_energy): what it spends
+    while this job trains is accounted as inference, not charged to the job's budget.
     """
     from ..labels import parse_label_map
     from ..power import Budget
@@ -157,8 +160,18 @@ def run_finetune(
             val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
-            threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s))
+            threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s,
+            inference_energy=str(inference_energy) if inference_energy else None))
         return job.run()
+
+
+def _inference_reader(path: str | None) -> Any:
+    """The governor's view of the inference service's energy total (None: no service)."""
+    if not path:
+        return None
+    from ..power.inference_energy import read_inference_j
+
+    return lambda: read_inference_j(Path(path))
 
 
 class _Job(DepthPlanning, JobReport):
@@ -280,7 +293,7 @@ class _Job(DepthPlanning, JobReport):
                                      probe_report, threads)
         bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth
         symbol_json, base_params = head_from_bundle(bundle)  # numpy only: MXNet comes after the features
-        from .dense_head import dense_head_form
+        from ..int8.head_form import dense_head_form
 
         if a["lr"] is None and (self.plan.depth > 0 or dense_head_form(symbol_json, bundle.manifest.split_tensor) is None):
             # pre-trained conv / BatchNorm weights, a depth's or a head split before them:
@@ -296,7 +309,8 @@ class _Job(DepthPlanning, JobReport):
         gov_state = checkpoint.meta.get("governor") if checkpoint is not None else None
         self.gov = gov = BudgetGovernor(budget=budget, sources=monitor, thermal=ThermalMonitor(a["power_root"]),
                                         clock=self.clock, max_threads=threads, poll_s=a["poll_s"],
-                                        resume_from=gov_state if isinstance(gov_state, dict) else None)
+                                        resume_from=gov_state if isinstance(gov_state, dict) else None,
+                                        inference_j=_inference_reader(a.get("inference_energy")))
 
         # features for every usable sample, through the selected int8 engine and the cache
         from ..int8.cli import default_state_dir

@@ -59,8 +59,8 @@ class DepthPlanning:
         """The training depth (train/depth_plan.py); a resumed job keeps its checkpoint's."""
         from ..int8.bundle import HEAD_SYMBOL, depth_file
         from ..int8.cli import default_state_dir
+        from ..int8.head_form import dense_head_form
         from ..int8.selection import cached_selection
-        from .dense_head import dense_head_form
         from .depth_plan import load_rates, plan_depth
         from .numpy_tail import unsupported
 

@@ -105,7 +105,7 @@ def head_from_bundle(bundle: Any) -> tuple[str, dict[str, np.ndarray]]:
 def linear_head(in_units: int, num_classes: int, *, input_name: str = "features", seed: int = 0
                 ) -> tuple[str, dict[str, np.ndarray]]:
     """A flatten + dense head as (symbol JSON, parameters): a head for any Runner's features."""
-    from .mxnet_import import mxnet
+    from ..int8.mxnet_import import mxnet
 
     mx = mxnet()
 
@@ -190,6 +190,9 @@ class TrainerCommon:
         return self.batch_order(n, epoch)[batch * bs:(batch + 1) * bs]
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        raise NotImplementedError
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
@@ -277,7 +280,7 @@ class HeadTrainer(TrainerCommon):
         train_labels: np.ndarray | None = None,
         threads: int | None = None,
     ) -> None:
-        from .mxnet_import import mxnet
+        from ..int8.mxnet_import import mxnet
 
         self.mx = mx = mxnet()
         gluon = mx.gluon
@@ -342,6 +345,18 @@ class HeadTrainer(TrainerCommon):
         if not math.isfinite(value):
             raise FloatingPointError("training loss became non-finite; lower the learning rate")
         return value
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """d(mean loss)/d(trained parameter) on a batch, at the current parameters (no step)."""
+        mx = self.mx
+        data = mx.nd.array(np.ascontiguousarray(x, np.float32))
+        label = mx.nd.array(y.astype(np.float32))
+        weight = mx.nd.array(self.class_weight[y].reshape(-1, 1))
+        with mx.autograd.record(train_mode=False):
+            loss = self._loss(self.block(data), label, weight)
+        loss.backward()
+        own = self.block.collect_params()
+        return {n: own[n].grad().asnumpy() / len(y) for n in self.trainable}
 
     def predict(self, x: np.ndarray, *, batch_size: int = 512) -> np.ndarray:
         mx = self.mx

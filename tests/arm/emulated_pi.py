@@ -197,8 +197,8 @@ def make_inputs(dest: Path) -> dict[str, Path]:
 
     from edge_agent.int8.bundle import load_bundle
     from edge_agent.int8.bundle_create import create_bundle
-    from edge_agent.models import digits_cnn, fit_classifier
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
+    from edge_agent.sim.models import digits_cnn, fit_classifier
 
     dest.mkdir(parents=True, exist_ok=True)
     digits = demo.ensure_bundle(dest / "digits")

@@ -442,7 +442,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes
     """The demo's digits bundle (built once per session; MXNet runs in this test process,
     never in the agent daemon) and its archive bytes as the coordinator publishes them."""
     from edge_agent.int8.bundle import pack_bundle
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     bundle = demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
     archive = pack_bundle(bundle, tmp_path_factory.mktemp("archive") / "digits.tar.gz")
@@ -451,7 +451,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes
 
 def device_data(dest: Path, device: int = 2) -> Path:
     """One simulated device's own digits (through its camera) as an NPZ, as `--data` reads."""
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     dev = demo.scenario().devices[device]
     return demo.write_data(dest, dev.images, dev.labels, "npz")

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from edge_agent import keys
-from edge_agent.agent.state import facts_from_state
 from edge_agent.protocol import Kind, SequenceCounter, Signer
+from edge_agent.protocol.facts import facts_from_state
 from tests.integration.conftest import Watcher, board_tree, enrol, set_battery, wait_for
 
 pytestmark = pytest.mark.integration

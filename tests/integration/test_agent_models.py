@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from edge_agent.agent.state import facts_from_state
+from edge_agent.protocol.facts import facts_from_state
 from edge_agent.transport.models import publish_model
 from tests.conftest import new_head_version
 from tests.integration.conftest import online_agent, wait_for

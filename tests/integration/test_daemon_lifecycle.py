@@ -14,7 +14,7 @@ import time
 import pytest
 
 from edge_agent.agent.jobs import JobState, JobStore
-from edge_agent.agent.state import facts_from_state
+from edge_agent.protocol.facts import facts_from_state
 from edge_agent.train.checkpoints import CheckpointStore
 from edge_agent.transport.models import publish_model
 from tests.integration.conftest import (

@@ -20,7 +20,7 @@ DEVICES, ROUNDS = 2, 2
 def test_the_shortened_demo_reports_every_round(tmp_path):
     out = tmp_path / "demo-out"
     # the deadline only bounds a hang: a round closes as soon as both devices have reported
-    argv = [sys.executable, "-m", "edge_agent.coordinator.demo", "--devices", str(DEVICES), "--rounds", str(ROUNDS),
+    argv = [sys.executable, "-m", "edge_agent.demo", "--devices", str(DEVICES), "--rounds", str(ROUNDS),
             "--min-devices", str(DEVICES), "--epochs", "2", "--deadline", "600s", "--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=REPO, check=False)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(out.glob("**/*.log")))
@@ -59,9 +59,9 @@ def test_the_shortened_demo_reports_every_round(tmp_path):
 
 def test_the_demo_refuses_bad_sizes_with_a_usage_error(tmp_path):
     for args in (["--devices", "0"], ["--devices", "2", "--min-devices", "3"]):
-        done = subprocess.run([sys.executable, "-m", "edge_agent.coordinator.demo", *args, "--out", str(tmp_path)],
+        done = subprocess.run([sys.executable, "-m", "edge_agent.demo", *args, "--out", str(tmp_path)],
                               capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
         assert done.returncode != 0 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr
-    helptext = subprocess.run([sys.executable, "-m", "edge_agent.coordinator.demo", "--help"], capture_output=True,
+    helptext = subprocess.run([sys.executable, "-m", "edge_agent.demo", "--help"], capture_output=True,
                               text=True, timeout=120, cwd=REPO, check=False).stdout
     assert "--min-devices" in helptext and "--rounds" in helptext

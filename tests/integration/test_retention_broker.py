@@ -54,7 +54,7 @@ def retained_versions(port: int, root: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
 

@@ -8,13 +8,12 @@ import pytest
 
 from edge_agent.agent.policy import (
     REASONS,
-    BadParams,
     Conditions,
     DeviceLimits,
     check_finetune,
     effective_budget,
-    parse_finetune,
 )
+from edge_agent.protocol.finetune import BadParams, parse_finetune
 
 NOW = 1_800_000_000.0
 
@@ -34,18 +33,18 @@ def _body(**params: object) -> dict:
 def _check(tmp_path: Path, body: dict, conditions: Conditions | None = None, *, active: list[str] | None = None,
            recent: int = 0, **limits: object):
     lim = _limits(tmp_path, **limits)
-    return check_finetune(parse_finetune(body, lim, now=NOW), lim, conditions or Conditions(battery_pct=90),
+    return check_finetune(parse_finetune(body, deadline_s=lim.deadline_s, now=NOW), lim, conditions or Conditions(battery_pct=90),
                           active=active or [], accepted_last_day=recent, now=NOW)
 
 
 def test_a_reasonable_command_is_accepted_and_resolved_against_the_device(tmp_path: Path) -> None:
     lim = _limits(tmp_path)
-    req = parse_finetune(_body(epochs=5, budget_wh=1.5, update_bytes=4096, aggregator="fedavg"), lim, now=NOW)
+    req = parse_finetune(_body(epochs=5, budget_wh=1.5, update_bytes=4096, aggregator="fedavg"), deadline_s=lim.deadline_s, now=NOW)
     assert check_finetune(req, lim, Conditions(battery_pct=55), active=[], accepted_last_day=2, now=NOW).accept
     assert req.local_id == "j-r2" and req.train == {"epochs": 5, "update_bytes": 4096}  # aggregator: ignored
     assert req.deadline_at == NOW + 3600  # no deadline given: the device's own horizon
     assert effective_budget(req, lim) == {"budget_wh": 1.5, "power_cap_w": 5.0}
-    later = parse_finetune(_body(deadline=NOW + 99_999), lim, now=NOW)
+    later = parse_finetune(_body(deadline=NOW + 99_999), deadline_s=lim.deadline_s, now=NOW)
     assert later.deadline_at == NOW + 3600  # capped at the device's deadline_s
 
 
@@ -84,4 +83,4 @@ def test_charging_overrides_a_low_battery_and_unknown_battery_is_not_low(tmp_pat
 ])
 def test_bad_parameters_are_refused_not_guessed(tmp_path: Path, body: dict, words: str) -> None:
     with pytest.raises(BadParams, match=words.replace(".", r"\.")):
-        parse_finetune(body, _limits(tmp_path), now=NOW)
+        parse_finetune(body, deadline_s=_limits(tmp_path).deadline_s, now=NOW)

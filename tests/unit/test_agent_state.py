@@ -9,8 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from edge_agent.agent.state import MAX_DETAIL, DeviceState, facts_from_state, render_detail
+from edge_agent.agent.state import DeviceState, render_detail
 from edge_agent.hardware.probe import probe
+from edge_agent.protocol.facts import MAX_DETAIL, facts_from_state
 
 BOARDS = Path(__file__).resolve().parents[1] / "fixtures" / "boards"
 REPO = Path(__file__).resolve().parents[2]

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.int8 import bundle as B
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8.engines.reference import QGraphRunner
 from edge_agent.int8.float_graph import run_float
 from edge_agent.int8.onnx_import import import_onnx
+from edge_agent.sim import models
 
 LABELS = [str(i) for i in range(10)]
 SHAPE = (3, 32, 32)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent import models
 from edge_agent.int8 import bundle as B
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8.bundle_patch import apply_patch, pack_patch, patch_version
+from edge_agent.sim import models
 from tests.conftest import new_head_version
 
 LABELS = [str(i) for i in range(10)]

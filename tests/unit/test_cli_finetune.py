@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edge_agent import cli
-from edge_agent.train import demo
+from edge_agent.sim import scenario as demo
 from edge_agent.train.cli import ProgressBar
 from edge_agent.train.job import Progress
 

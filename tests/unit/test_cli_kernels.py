@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.cli import main as agent_main
 from edge_agent.coordinator.cli import main as coordinator_main
 from edge_agent.errors import EXIT_CONFIG, EXIT_DATAERR, EXIT_UNAVAILABLE, EXIT_USAGE
 from edge_agent.int8 import bundle as B
 from edge_agent.int8.engine import ENV_FORCE_BACKEND
+from edge_agent.sim import models
 
 PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}}, "accelerators": [],
          "board": {"model": "test board"}, "profile": {"name": None}}

@@ -150,3 +150,18 @@ def test_tls_needs_a_usable_ca_and_client_certificate(tmp_path: Path) -> None:
     good = load_config(_write(tmp_path, _rendered(tmp_path, tls=True, ca_file=str(ca.cert),
                                                   cert_file=str(device.cert), key_file=str(device.key))))
     assert good.get("broker", "tls") is True and good.get("broker", "cert_file") == str(device.cert)
+
+
+def test_serve_table_defaults_and_errors_name_the_key(tmp_path: Path) -> None:
+    from edge_agent.inference.server import ServeOptions
+
+    config = load_config(_write(tmp_path, _rendered(tmp_path) + '\n[serve]\nenabled = true\n'))
+    opts = ServeOptions.from_config(config, probe={})
+    assert opts.socket_path == tmp_path / "state" / "inference.sock" and opts.port == 0 and opts.token is None
+    assert opts.limits.max_inflight == 16 and opts.training_priority == "idle" and opts.guard_tolerance == 0.02
+    for extra, words in (("port = 8765", "serve.port: a TCP port needs token_file"),
+                         ('socket_group = "no-such-group-xyz"', "no group named 'no-such-group-xyz'"),
+                         ('training_priority = "fast"', "training_priority"),
+                         ("max_inflight = 0", "max_inflight")):
+        with pytest.raises(ConfigError, match=words.replace(".", r"\W")):
+            load_config(_write(tmp_path, _rendered(tmp_path) + f"\n[serve]\nenabled = true\n{extra}\n"))

@@ -154,7 +154,8 @@ def test_train_explains_what_is_wrong_before_queueing_anything(capsys, fleet_dir
     with Registry(state_dir=state) as reg:
         (job,) = reg.list_jobs()
     assert (job.rounds, job.min_devices, job.deadline_s, job.status) == (3, 2, 900.0, JobStatus.PENDING)
-    assert job.params == {"budget_wh": 0.5, "epochs": 2, "patience": 4, "note": "hi"}
+    assert job.params == {"budget_wh": 0.5, "epochs": 2, "patience": 4, "note": "hi", "aggregator": "median_trust",
+                          "aggregator_default": "no server set, at most 100 devices per round"}
     assert job.id in out
 
     # tags select devices
@@ -168,10 +169,10 @@ def test_train_explains_what_is_wrong_before_queueing_anything(capsys, fleet_dir
 
 
 def test_train_refuses_what_every_device_would_refuse_at_the_agents_own_limits(capsys, fleet_dir):
-    """The job's settings go through the agent's parser (agent.policy.TRAIN_PARAMS): a value
+    """The job's settings go through the agent's parser (protocol.finetune.TRAIN_PARAMS): a value
     just inside a device limit is queued, one just outside is exit 64 naming the limit."""
-    from edge_agent.agent.policy import TRAIN_PARAMS
     from edge_agent.errors import EXIT_USAGE
+    from edge_agent.protocol.finetune import TRAIN_PARAMS
 
     state, _ = fleet_dir
     sd = ("--state-dir", str(state))
@@ -230,8 +231,8 @@ def test_key_is_created_once_private_and_printed(capsys, tmp_path):
 # ---------------------------------------------------------------- bundles: register, build, publishable
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory) -> Path:
-    from edge_agent import models
     from edge_agent.int8.bundle_create import create_bundle
+    from edge_agent.sim import models
 
     x, y, _, _ = models.load_digits_split()
     net = models.digits_cnn()

@@ -1,13 +1,12 @@
-"""Robust aggregation (issue 17) through the real RoundEngine, registry files and update
-codec: every attack a stolen device key allows, against every aggregator, in rounds of 2, 3
-and 10 devices -- with and without an earlier round to learn from. Also the pure rules
-(robust.py) and per-device strikes / quarantine / release."""
+"""Robust aggregation through the real RoundEngine, registry files and update codec: every
+attack a stolen device key allows, against the robust rules, in rounds of 2, 3 and 10
+devices, with and without an earlier round; per-device strikes, quarantine and release; and
+the server set's trust rule and validation gate end to end (issue 34)."""
 
 from __future__ import annotations
 
 import base64
 import logging
-import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,15 +17,9 @@ import pytest
 from edge_agent.coordinator.cli import main as coordinator_main
 from edge_agent.coordinator.records import RoundState, UpdateStatus
 from edge_agent.coordinator.registry import Registry
-from edge_agent.coordinator.robust import (
-    AGGREGATORS,
-    arrival_weight,
-    krum_select,
-    lower_median,
-    round_weights,
-    screen_norms,
-)
+from edge_agent.coordinator.round_intake import arrival_weight
 from edge_agent.coordinator.rounds import RoundEngine, RoundPolicy
+from edge_agent.coordinator.strategies.base import lower_median
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
 from edge_agent.updates.codec import encode_tensors
 from edge_agent.updates.wire import UpdateHeader, encode_update, pack_update
@@ -38,6 +31,7 @@ KEYS = [generate_private_key() for _ in range(10)]
 IDS = [fingerprint(k) for k in KEYS]
 PUBS = [base64.b64encode(public_key_bytes(k)).decode() for k in KEYS]
 ATTACKS = ("sign_flip", "scale100", "inflated_samples", "tiny_norm", "nan", "inf", "huge")
+ROBUST = ("median_trust", "fedavg_clipped", "median", "trimmed_mean", "multi_krum")
 
 
 @pytest.fixture
@@ -144,7 +138,8 @@ def flat_norm(d: dict[str, np.ndarray]) -> float:
     return float(np.linalg.norm(flat(d)))
 
 
-def assert_not_poisoned(fleet: Fleet, out: object, mean: dict, max_norm: float, attackers: int) -> None:
+def assert_not_poisoned(fleet: Fleet, out: object, mean: dict, max_norm: float, attackers: int,
+                        min_cos: float = 0.5) -> None:
     """Either nothing is published (and the round says why), or what is published points
     with the honest mean and is no larger than an honest update; no hostile update is used
     (a tiny one may be: it is harmless)."""
@@ -154,142 +149,107 @@ def assert_not_poisoned(fleet: Fleet, out: object, mean: dict, max_norm: float, 
     got = flat(fleet.published_delta(out))
     assert np.isfinite(got).all()
     cos = float(got @ flat(mean) / (np.linalg.norm(got) * np.linalg.norm(flat(mean))))
-    assert cos > 0.5, (cos, out)
+    assert cos > min_cos, (cos, out)
     assert np.linalg.norm(got) <= 1.5 * max_norm, (np.linalg.norm(got), max_norm)
 
 
-@pytest.mark.parametrize("aggregator", AGGREGATORS)
-@pytest.mark.parametrize("n", [2, 3, 10])
+def shares(fleet: Fleet, out: object) -> dict[str, str]:
+    """device -> its verdict reason, for the accepted updates of the round."""
+    return {u.device_id: u.reason for u in fleet.reg.list_updates(out.job_id, out.round) if u.device_id in out.accepted}
+
+
+@pytest.mark.parametrize(("aggregator", "n"), [(a, n) for a in ROBUST for n in (3, 10)
+                                                if n == 10 or a not in ("trimmed_mean", "multi_krum")])
 def test_every_attack_after_an_honest_round(state_dir: Path, aggregator: str, n: int) -> None:
-    """Round 1 is honest (history); rounds 2.. each carry one attack by 1 device (n < 10) or
-    2 devices (n = 10, 20 %). Nothing poisoned is ever published, honest devices are never
-    ejected by screening, and every attack is refused (sign flips among 10: by the cosine with
-    the round's coordinate-wise median)."""
+    """Round 1 is honest; rounds 2.. each carry one attack by 1 device (n = 3) or 2 (n = 10).
+    Every round publishes, nothing poisoned is published, no honest update is ever rejected,
+    and non-finite or out-of-bounds updates are refused at arrival. (With 3 updates the
+    trimmed mean trims nothing and Multi-Krum has no neighbours to compare: strategies/ says
+    so; they are robust rules for larger rounds.)"""
     fleet = Fleet(state_dir, n, quarantine_after=1000)
     attackers = 2 if n == 10 else 1
     fleet.start(1 + len(ATTACKS), aggregator)
     out, _, _ = fleet.run_round(None, 0)
-    assert out.state is RoundState.AGGREGATED and len(out.accepted) + len(out.rejected) == n
+    krum = sum(why.startswith("krum_excluded") for why in out.rejected.values())  # Multi-Krum leaves f out
+    assert out.state is RoundState.AGGREGATED and len(out.accepted) + krum == n
     for attack in ATTACKS:
         fleet.clock.t += 1
         out, mean, max_norm = fleet.run_round(attack, attackers)
+        assert out.state is RoundState.AGGREGATED, (attack, out.reason)
         assert_not_poisoned(fleet, out, mean, max_norm, attackers)
         liars = set(fleet.ids[:attackers])
-        assert not liars & set(out.accepted), (attack, out.rejected)
         screened = {d: why for d, why in out.rejected.items() if d not in liars}
-        assert all(why.startswith(("krum_excluded", "undecidable")) for why in screened.values()), (attack, screened)
-        if n >= 3 or attack in ("scale100", "nan", "inf", "huge"):  # a majority, or a refusal that needs none
-            assert out.state is RoundState.AGGREGATED, (attack, out.reason, out.rejected)
+        assert all(why.startswith("krum_excluded") for why in screened.values()), (attack, screened)
         if attack in ("nan", "inf", "huge"):
             assert all(out.rejected[d].startswith(("malformed", "out_of_bounds", "non_finite")) for d in liars)
 
 
-@pytest.mark.parametrize("aggregator", AGGREGATORS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_first_round_with_one_attacker_publishes_nothing_poisoned(state_dir: Path, aggregator: str, n: int) -> None:
-    """No history at all (a new job each time, first round): with 2 devices a disagreement
-    is undecidable (nothing is published, the round says why); with 3 the honest majority
-    decides."""
+def test_a_first_round_with_one_attacker_publishes_or_says_why(state_dir: Path, n: int) -> None:
+    """No history at all (a new job each time, first round), no server set, the default rule:
+    every round either publishes something not poisoned, or fails naming why; a flipped
+    update among honest ones counts for nothing (it is not rejected: it only disagrees).
+    With 2 devices nothing tells a liar from an honest one: what is published may be weak,
+    but never points against the honest update nor reaches further than it."""
     fleet = Fleet(state_dir, n, quarantine_after=1000)
     for attack in ATTACKS:
-        fleet.start(1, aggregator)
+        job = fleet.engine.start_job(model_name="m", model_version="1", rounds=1, min_devices=1, deadline_s=100)
+        assert fleet.reg.get_job(job.id).params["aggregator"] == "median_trust"
         out, mean, max_norm = fleet.run_round(attack, 1)
-        assert_not_poisoned(fleet, out, mean, max_norm, 1)
-        if out.new_version is None:
-            assert "need 1" in out.reason
-        if n == 3 and attack != "tiny_norm":
-            assert out.state is RoundState.AGGREGATED and fleet.ids[0] not in out.accepted, (attack, out)
-        if n == 2 and attack in ("sign_flip", "scale100", "inflated_samples"):
-            assert out.new_version is None and "undecidable" in out.reason, (attack, out.reason)
+        assert_not_poisoned(fleet, out, mean, max_norm, 1, min_cos=0.5 if n == 3 else 0.0)
+        assert out.new_version is not None or out.reason, attack
+        if n == 3 and attack in ("sign_flip", "inflated_samples"):
+            assert shares(fleet, out)[fleet.ids[0]].startswith("counted for nothing"), (attack, out)
         fleet.clock.t += 1
 
 
 def test_repeat_offender_is_quarantined_logged_listed_and_released(state_dir: Path, caplog, capsys) -> None:
     fleet = Fleet(state_dir, 4, quarantine_after=2)
     liar = fleet.ids[0]
-    fleet.start(4, "fedavg_clipped")
+    fleet.start(4, "median_trust")
     with caplog.at_level(logging.WARNING, logger="edge_agent.coordinator.rounds"):
         for _ in range(2):
-            out, _, _ = fleet.run_round("scale100", 1)
-            assert out.rejected[liar].startswith("norm_outlier")
+            out, _, _ = fleet.run_round("huge", 1)
+            assert out.rejected[liar].startswith("out_of_bounds")
             fleet.clock.t += 1
     dev = fleet.reg.get_device(liar)
-    assert dev.quarantined and dev.strikes == 2 and "norm_outlier" in dev.quarantine_reason
+    assert dev.quarantined and dev.strikes == 2 and "out_of_bounds" in dev.quarantine_reason
     assert [r.getMessage() for r in caplog.records if liar in r.getMessage()][0].startswith(f"device {liar} quarantined")
     assert all(not fleet.reg.get_device(d).quarantined and fleet.reg.get_device(d).strikes == 0 for d in fleet.ids[1:])
     plan = fleet.next_plan()  # round 3: selection skips the quarantined device
     assert liar not in plan.devices and len(plan.devices) == 3
     for i in range(1, 4):
         fleet.send(plan, i, fleet.honest())
-    fleet.engine.tick()  # round 3 closes; round 4 waits: the quarantined device is not eligible? it is not
+    fleet.engine.tick()
     code = coordinator_main(["devices", "--state-dir", str(state_dir), "--json"])
     listed = {d["id"]: d for d in __import__("json").loads(capsys.readouterr().out)}
-    assert code == 0 and listed[liar]["quarantined"] and "norm_outlier" in listed[liar]["quarantine_reason"]
+    assert code == 0 and listed[liar]["quarantined"] and "out_of_bounds" in listed[liar]["quarantine_reason"]
     assert coordinator_main(["devices", "--state-dir", str(state_dir), "--release", liar[:8]]) == 0
     assert f"released {liar}" in capsys.readouterr().out
     dev = fleet.reg.get_device(liar)  # the CLI wrote through its own connection (WAL: visible here)
     assert not dev.quarantined and dev.strikes == 0
 
 
-def test_sign_flips_among_10_are_rejected_every_round_and_struck_on_their_mean(state_dir: Path) -> None:
-    """Default policy: a flipped update points against the round's coordinate-wise median
-    (which the 8 honest devices control), so it is rejected from the first round; strikes come
-    only once the mean of the device's last 3 cosines is below too, then quarantine."""
-    fleet = Fleet(state_dir, 10)
-    liars = set(fleet.ids[:2])
-    fleet.start(6, "fedavg_clipped")
-    for rnd in range(5):
+def test_disagreement_is_never_a_strike(state_dir: Path) -> None:
+    """Sign flips among 10, round after round: they count for nothing, but a disagreeing
+    update is no proof of hostility (honest non-IID devices disagree too), so no strike and
+    no quarantine -- only what no honest device sends (non-finite, out of bounds) strikes."""
+    fleet = Fleet(state_dir, 10, quarantine_after=1)
+    fleet.start(4, "median_trust")
+    for _ in range(3):
         out, mean, max_norm = fleet.run_round("sign_flip", 2)
         fleet.clock.t += 1
         assert_not_poisoned(fleet, out, mean, max_norm, 2)
-        assert out.state is RoundState.AGGREGATED and set(out.accepted) == set(fleet.ids[2:])
-        assert all(out.rejected[d].startswith("direction_outlier") for d in liars), out.rejected
-        strikes = {fleet.reg.get_device(d).strikes for d in liars}
-        assert strikes == ({0} if rnd < 2 else {rnd - 1}), (rnd, strikes)  # from the 3rd round on
-    assert all(fleet.reg.get_device(d).quarantined for d in liars)
-    assert "direction_outlier: mean cosine" in fleet.reg.get_device(fleet.ids[0]).quarantine_reason
-    assert fleet.ids[0] not in fleet.next_plan().devices  # round 6 opened without them
-    assert all(fleet.reg.get_device(d).strikes == 0 for d in fleet.ids[2:])
-
-
-def test_honest_updates_pointing_away_from_the_median_are_not_struck(state_dir: Path) -> None:
-    """Non-IID: one honest device's update points away from the fleet's in most rounds
-    (cosine about -0.2 with the median: rejected for that round) and with it in others (about
-    +0.3: accepted); the mean of its last 3 never stays below the strike threshold, so it
-    takes no strike and is never quarantined (quarantine_after=1 here)."""
-    fleet = Fleet(state_dir, 10, quarantine_after=1)
-    u = flat(fleet.direction) / flat_norm(fleet.direction)
-    v = fleet.rng.normal(size=u.size)
-    v = (v - (v @ u) * u) / np.linalg.norm(v - (v @ u) * u)
-    sizes = [int(np.prod(s)) for s in SHAPES.values()]
-
-    def pointing(c: float) -> dict[str, np.ndarray]:
-        vec = 0.05 * flat_norm(fleet.direction) * (c * u + math.sqrt(1 - c * c) * v)
-        parts = np.split(vec, np.cumsum(sizes)[:-1])
-        return {k: p.reshape(s).astype(np.float32) for (k, s), p in zip(SHAPES.items(), parts, strict=True)}
-
-    fleet.start(8, "fedavg_clipped")
-    odd = fleet.ids[2]
-    for rnd, c in enumerate((-0.2, 0.3, -0.2, -0.2, 0.3, -0.2, -0.2, 0.3)):
-        plan = fleet.next_plan()
-        for i in range(10):
-            fleet.send(plan, i, pointing(c) if i == 2 else fleet.honest())
-        result = fleet.engine.tick()
-        (out,) = result.closed
-        fleet.opened = result.opened
-        fleet.clock.t += 1
-        if c > 0:
-            assert odd in out.accepted, (rnd, out.rejected)
-        else:
-            assert out.rejected[odd].startswith("direction_outlier: cosine"), (rnd, out.rejected)
-        assert len(out.accepted) >= 9 and out.state is RoundState.AGGREGATED
-        assert not fleet.reg.get_device(odd).quarantined and fleet.reg.get_device(odd).strikes == 0
+        assert out.state is RoundState.AGGREGATED and not out.rejected
+        assert all(shares(fleet, out)[d].startswith("counted for nothing") for d in fleet.ids[:2])
+        assert all(shares(fleet, out)[d] == "" for d in fleet.ids[2:])
+    assert not any(fleet.reg.get_device(d).quarantined or fleet.reg.get_device(d).strikes for d in fleet.ids)
 
 
 def test_an_accepted_update_takes_a_strike_off(state_dir: Path) -> None:
     fleet = Fleet(state_dir, 4, quarantine_after=3)
-    fleet.start(3, "fedavg_clipped")
-    fleet.run_round("scale100", 1)
+    fleet.start(3, "median_trust")
+    fleet.run_round("huge", 1)
     fleet.clock.t += 1
     assert fleet.reg.get_device(fleet.ids[0]).strikes == 1 and fleet.reg.get_device(fleet.ids[1]).strikes == 0
     out, _, _ = fleet.run_round(None, 0)
@@ -318,43 +278,10 @@ def test_sample_counts_are_capped_by_the_round_and_the_device_history(state_dir:
     assert (rec.num_samples, rec.weight) == (1_000_000, 200.0)
 
 
-# ---------------------------------------------------------------- the pure rules
-def test_screen_norms_small_rounds_and_history() -> None:
-    # two updates, no history: agreement within small_ratio passes, a 100x one is undecidable
-    assert screen_norms([1.0, 1.3], history=None).accepted == [0, 1]
-    s = screen_norms([1.0, 100.0], history=None)
-    assert s.accepted == [] and s.undecidable.startswith("undecidable")
-    # ... and so is a tiny one against an honest one, with no strike for either (no rejected list)
-    assert screen_norms([1e-6, 1.0], history=None).rejected == []
-    # with history the liar is told apart, and a tiny update cannot eject the honest one
-    s = screen_norms([1.0, 100.0], history=1.1)
-    assert s.accepted == [0] and s.rejected[0][0] == 1 and "previous rounds" in s.rejected[0][1]
-    s = screen_norms([1e-6, 1.0], history=1.1)  # ... and a tiny one is refused: it only dilutes
-    assert s.accepted == [1] and s.rejected[0][1].startswith("norm_tiny")
-    # three updates, two tiny liars: history keeps the center up, the honest one stays
-    assert 2 in screen_norms([1e-6, 1e-6, 1.2], history=1.0).accepted
-    # one update with history: judged against it
-    assert screen_norms([50.0], history=1.0).accepted == []
-    assert screen_norms([1.5], history=1.0).center == pytest.approx(1.5)
-
-
 def test_weights_and_medians() -> None:
     assert lower_median([5, 1]) == 1 and lower_median([3, 1, 2]) == 2 and lower_median([4, 1, 3, 2]) == 2
-    assert round_weights([100, 120, 1e9], 2.0) == [100, 120, 240]
-    assert round_weights([1e9, 100], 2.0) == [200, 100]  # two updates: the smaller count sets the cap
     assert arrival_weight(1_000_000_000, 300.0, None) == 300 and arrival_weight(50, 300.0, 40) == 40
     assert arrival_weight(50, None, None) == 50
-
-
-def test_krum_picks_the_cluster() -> None:
-    rng = np.random.default_rng(1)
-    honest = [np.ones(20) + 0.1 * rng.normal(size=20) for _ in range(8)]
-    liars = [-5 * np.ones(20), 5 * np.ones(20) + 3]
-    x = np.stack(honest + liars)
-    chosen = krum_select(x @ x.T, 0.2)
-    assert chosen == list(range(8))
-    assert krum_select(x[:2] @ x[:2].T, 0.2) == [0, 1]  # two updates: no neighbours to compare
-    assert math.isclose(float(np.mean(x[chosen], axis=0).mean()), 1.0, abs_tol=0.1)
 
 
 def test_rejected_updates_keep_no_file_and_accepted_ones_keep_the_payload(state_dir: Path) -> None:
@@ -370,3 +297,34 @@ def test_rejected_updates_keep_no_file_and_accepted_ones_keep_the_payload(state_
     assert recs[fleet.ids[0]].delta_path.endswith(".eaup") and recs[fleet.ids[1]].delta_path is None
     assert recs[fleet.ids[1]].status is UpdateStatus.REJECTED and recs[fleet.ids[1]].reason.startswith("out_of_bounds")
     assert not list(state_dir.rglob("updates/**/*.npz"))
+
+
+# ---------------------------------------------------------------- with a server set
+def test_the_trust_rule_and_the_gate_decide_with_the_server_set() -> None:
+    """Three digits devices, one flipping its updates, the default rule with a server set
+    (trust): the flip counts for nothing, every round publishes, each version's accuracy is
+    the server set's, and the fleet learns (held-out accuracy rises)."""
+    from edge_agent.sim.poisoning import digits_fleet, simulate
+
+    data = digits_fleet(3, seed=1)
+    run = simulate(data, attack="sign_flip", attackers=1, rounds=4, server_set=True, seed=1)
+    assert run.aggregator == "trust" and run.failed == 0 and run.rejected_honest == 0
+    assert run.accuracy[-1] > run.accuracy[0] + 0.1
+
+
+def test_the_gate_refuses_what_the_server_set_shows_worse() -> None:
+    """Plain FedAvg (no defence) with a x100 attacker: after its first round (which happens
+    to help: the attacker's own direction, against a random start), each aggregate would
+    wreck the model. The gate scores every candidate on the server set against the best
+    version so far, tries a half and a quarter step, and publishes nothing worse: the rounds
+    say why, and accuracy holds where the unguarded fleet's collapses."""
+    from edge_agent.sim.poisoning import digits_fleet, simulate
+
+    data = digits_fleet(3, seed=2)
+    hit = simulate(data, attack="scale100", attackers=1, rounds=4, server_set=True, aggregator="fedavg", seed=2)
+    unguarded = simulate(data, attack="scale100", attackers=1, rounds=4, server_set=False, aggregator="fedavg",
+                         seed=2)
+    assert hit.failed >= 2 and all(r.startswith("gate: every step") for r in hit.reasons), hit.reasons
+    assert "on the server set" in hit.reasons[0] and "newly wrong" in hit.reasons[0]
+    assert min(hit.accuracy[1:]) >= hit.accuracy[0] - 0.02
+    assert unguarded.accuracy[-1] < hit.accuracy[-1] - 0.1

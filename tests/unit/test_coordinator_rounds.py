@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.coordinator.aggregate import fedavg
 from edge_agent.coordinator.metrics import CoordinatorMetrics
 from edge_agent.coordinator.records import (
     Device,
@@ -25,7 +24,8 @@ from edge_agent.errors import InputError
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
 from edge_agent.sim.digits import make_fleet
 from edge_agent.updates.codec import compute_delta, encode_tensors
-from edge_agent.updates.wire import UpdateHeader, decode_update, encode_update, pack_update
+from edge_agent.updates.wire import UpdateHeader, encode_update, pack_update
+from tests.conftest import reference_head
 
 N_DEV = 6
 T0 = 1_700_000_000.0
@@ -190,10 +190,11 @@ def test_two_round_job_on_non_iid_digits(h: Harness, fleet: dict) -> None:
     h.setup(base)
     x_test, y_test = fleet["test"]
     job = h.engine.start_job(model_name="digits", model_version="1", selector="all", rounds=2, min_devices=3,
-                             deadline_s=600, budget_wh=1.0, params={"epochs": 2})
+                             deadline_s=600, budget_wh=1.0, params={"epochs": 2, "aggregator": "fedavg_clipped"})
     assert job.status is JobStatus.PENDING
     (plan,) = h.engine.tick().opened
-    assert (plan.round, plan.model_version, plan.params) == (1, "1", {"epochs": 2, "budget_wh": 1.0})
+    assert (plan.round, plan.model_version, plan.params) == (1, "1", {"epochs": 2, "budget_wh": 1.0,
+                                                                      "aggregator": "fedavg_clipped"})
     assert sorted(plan.devices) == sorted(fleet["ids"]) and plan.cmd_id == f"{job.id}-r1"
     assert h.engine.pending_dispatches() == [plan]
     ids = fleet["ids"]
@@ -203,21 +204,20 @@ def test_two_round_job_on_non_iid_digits(h: Harness, fleet: dict) -> None:
     assert h.engine.pending_dispatches() == []
     assert [h.send(i, plan) for i in range(4)] == ["accepted"] * 4
     assert h.send(0, plan) == "duplicate"  # a resend (the ack was lost)
-    assert h.send(4, plan, scale=1000.0) == "accepted"  # stored; screened at close
+    assert h.send(4, plan, scale=1000.0) == "accepted"  # stored; clipped at close
     assert h.send(5, plan) == "rejected"  # dispatch failed: it dropped out
     result = h.engine.tick()  # everyone reported or dropped: closes without waiting for the deadline
     (out,) = result.closed
     assert out.state is RoundState.AGGREGATED and out.job_status is JobStatus.RUNNING
-    assert sorted(out.accepted) == sorted(ids[:4])
-    assert list(out.rejected) == [ids[4]] and out.rejected[ids[4]].startswith("norm_outlier")
+    assert sorted(out.accepted) == sorted(ids[:5]) and not out.rejected  # the x1000 one is clipped, not ejected
     assert out.dropouts == {ids[5]: "dispatch_failed: publish timed out"}
     v1 = out.new_version
     assert (v1.version, v1.parent, v1.head_only, v1.bundle_path) == (f"{job.id}-r1", "1", True, "/srv/bundles/digits-1")
-    assert v1.metrics["updates"] == 4 and v1.metrics["samples"] == sum(len(fleet["y"][i]) for i in range(4))
+    assert v1.metrics["updates"] == 5 and v1.metrics["samples"] == sum(len(fleet["y"][i]) for i in range(5))
+    assert v1.metrics["clipped"] == 1 and v1.metrics["accuracy_source"] == "device-reported"
     head1 = h.reg.load_head(v1)
-    # the new head is exactly base + FedAvg of what the four accepted devices sent
-    decoded = [(decode_update(h.sent[(i, 1)][0]).deltas, h.sent[(i, 1)][1]) for i in range(4)]
-    want = {k: base[k] + fedavg(decoded)[k] for k in base}
+    # the new head is exactly base + the clipped FedAvg of what the five devices sent
+    want = reference_head(h.reg, job.id, 1)
     for k in base:
         np.testing.assert_allclose(head1[k], want[k], rtol=1e-6, atol=1e-6)
     assert accuracy(head1, x_test, y_test) > accuracy(base, x_test, y_test) + 0.4
@@ -414,8 +414,8 @@ def test_bad_jobs_are_refused_at_start(h: Harness, kwargs: dict) -> None:
 
 
 def test_policy_is_validated_at_construction() -> None:
-    for bad in ({"aggregator": "mean"}, {"online_within_s": 0}, {"norm_k": -1}, {"max_wait_s": -5},
-                {"min_battery_pct": 101}):
+    for bad in ({"aggregator": "mean"}, {"online_within_s": 0}, {"trust_kappa": 0}, {"max_wait_s": -5},
+                {"min_battery_pct": 101}, {"gate_min_drop": 1.0}):
         with pytest.raises((ValueError, InputError)):
             RoundPolicy(**bad)
     with pytest.raises(TypeError):
@@ -450,3 +450,23 @@ def test_bogus_energy_report_does_not_cost_the_update(h: Harness, fleet: dict) -
     r = h.engine.receive_update(payload, sender=fleet["ids"][0], num_samples=n, energy_wh=float("nan"))
     assert r.status == "accepted"
     assert h.reg.list_updates(job.id)[0].energy_wh is None
+
+
+def test_a_device_gone_offline_is_a_dropout_at_once_and_the_round_closes(h: Harness, fleet: dict) -> None:
+    """Its broker will (an offline state) while the round waits for its update: a dropout now,
+    so the round closes as soon as the others are in, not at its deadline. A device that
+    already sent its update, or a round that is not waiting for it, is not touched."""
+    h.setup(softmax_head())
+    job = h.engine.start_job(model_name="digits", model_version="1", rounds=1, min_devices=2, deadline_s=600,
+                             params={"aggregator": "fedavg"})
+    (plan,) = h.engine.tick().opened
+    ids = fleet["ids"]
+    for i in range(N_DEV - 1):
+        assert h.send(i, plan) == "accepted"
+    assert h.engine.tick().closed == []  # still waiting for the last one
+    assert h.engine.device_gone(ids[0], "offline: will") == []  # already reported
+    assert h.engine.device_gone(ids[-1], "offline: will") == [(job.id, 1)]
+    assert h.engine.device_gone(ids[-1], "offline: will") == []  # once
+    (out,) = h.engine.tick().closed  # no clock movement: closed because everyone settled
+    assert out.state is RoundState.AGGREGATED and out.dropouts == {ids[-1]: "offline: will"}
+    assert h.clock() < plan.deadline_at

@@ -1,6 +1,7 @@
-"""Streaming aggregation (issue 18): the coordinator's running sums and coordinate-block
-rules give the batch result (aggregate.py over dense decoded deltas), survive a restart
-mid-round, read O(1) registry rows per received update, and keep what arrived."""
+"""Streaming aggregation (issue 18): the rules' streaming partials and coordinate-block
+machinery give the batch result (each rule's dense reference over the decoded deltas),
+survive a restart mid-round, read O(1) registry rows per received update, and keep what
+arrived."""
 
 from __future__ import annotations
 
@@ -14,19 +15,23 @@ import numpy as np
 import pytest
 
 from edge_agent.coordinator import registry as registry_module
-from edge_agent.coordinator.aggregate import apply_delta, coordinate_median, fedavg, trimmed_mean
+from edge_agent.coordinator.aggregate import apply_delta
 from edge_agent.coordinator.records import RoundState, UpdateStatus
 from edge_agent.coordinator.registry import MIGRATIONS, Registry
-from edge_agent.coordinator.robust import sparse_window_sum
 from edge_agent.coordinator.rounds import RoundEngine, RoundPolicy
+from edge_agent.coordinator.strategies import (
+    DenseUpdate,
+    RoundEvidence,
+    StrategyOptions,
+    make_strategy,
+)
 from edge_agent.coordinator.streaming import (
-    HotCache,
     Layout,
-    RunningSum,
+    SignCounts,
     block_gram,
     block_window_mean,
     sparse_from_dense,
-    window_hot,
+    sparse_window_sum,
 )
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
 from edge_agent.updates.wire import UpdateHeader, decode_update, encode_update
@@ -102,6 +107,21 @@ def published(c: Coordinator, out: object) -> dict[str, np.ndarray]:
     return c.reg.load_head(out.new_version)
 
 
+def reference(c: Coordinator, aggregator: str, sent: list[tuple[dict[str, np.ndarray], int]],
+              **options: float) -> dict[str, np.ndarray]:
+    """The rule's dense reference over the decoded deltas, applied to the base: what the
+    engine's streaming close must publish."""
+    layout = Layout(c.base)
+    ups = []
+    for i, (d, n) in enumerate(sent):
+        present = None if set(d) == set(layout.names) else tuple(t for t, k in enumerate(layout.names) if k in d)
+        vec = np.concatenate([np.asarray(d[k], np.float64).ravel() if k in d else np.zeros(int(np.prod(SHAPES[k])))
+                              for k in layout.names])
+        ups.append(DenseUpdate(IDS[i], vec, float(n), present))
+    agg = make_strategy(aggregator, StrategyOptions(**options), RoundEvidence(layout)).reference(ups)
+    return apply_delta(c.base, layout.unflatten(agg.vec))
+
+
 # ---------------------------------------------------------------- the coordinate-block maths
 def test_sparse_window_sum_equals_sorting_the_dense_columns() -> None:
     rng = np.random.default_rng(0)
@@ -118,7 +138,7 @@ def test_sparse_window_sum_equals_sorting_the_dense_columns() -> None:
 
 
 def test_the_one_key_sort_orders_float32_values_as_lexsort_does() -> None:
-    from edge_agent.coordinator.robust import _by_coord_then_value
+    from edge_agent.coordinator.streaming import _by_coord_then_value
 
     rng = np.random.default_rng(1)
     for _ in range(100):
@@ -168,10 +188,7 @@ def test_hot_passes_and_sign_counts_give_the_same_window_mean() -> None:
         dense = np.zeros((n, 500))
         for i, s in enumerate(sps):
             dense[i, s.idx] = s.vals
-        acc = RunningSum(500)
-        for i, s in enumerate(sps):
-            acc.fold(str(i), s, 1.0)
-        signs = acc.sign_counts([str(i) for i in range(n)], lambda d, sps=sps: sps[int(d)])
+        signs = SignCounts.of([lambda s=s: s for s in sps], 500)
         for lo, hi in ((n // 2, n // 2 + 1), (1, n - 1), (n // 4, n - n // 4)):
             want = np.sort(dense, axis=0)[lo:hi].mean(axis=0)
             for sg in (None, signs):
@@ -181,45 +198,14 @@ def test_hot_passes_and_sign_counts_give_the_same_window_mean() -> None:
                     np.testing.assert_array_equal(got, want)
 
 
-def test_sign_counts_follow_folds_unfolds_and_corrections() -> None:
-    sps = _sparse_updates(12, 300, 0.4, 4)
-    dense = np.zeros((12, 300))
-    for i, s in enumerate(sps):
-        dense[i, s.idx] = s.vals
-    acc = RunningSum(300)
-    for i, s in enumerate(sps[:10]):
-        acc.fold(str(i), s, 1.0)
-    acc.unfold("3", sps[3])
-    decoded: list[str] = []
-
-    def load(d: str):
-        decoded.append(d)
-        return sps[int(d)]
-    for devices in ([str(i) for i in range(10) if i != 3],  # exactly the folded ones: no decode
-                    [str(i) for i in range(12) if i not in (3, 5)],  # two extra, one left out
-                    ["0", "1"]):  # most differ: counted afresh
-        decoded.clear()
-        got = acc.sign_counts(devices, load)
-        rows = dense[[int(d) for d in devices]]
-        np.testing.assert_array_equal(got.neg, (rows < 0).sum(axis=0))
-        np.testing.assert_array_equal(got.pos, (rows > 0).sum(axis=0))
-        assert len(decoded) <= max(4, len(devices) // 2) + 1 or decoded == devices
-    decoded.clear()
-    acc.sign_counts([str(i) for i in range(10) if i != 3], load)
-    assert decoded == []
-
-
 def test_a_window_of_zeros_reads_no_update() -> None:
     """Many sparse updates whose coordinates rarely overlap: every trimmed window is zeros, and
     with the signs known the mean is found without decoding one update (10,000 devices x 1M
     parameters at 2 % re-decoded every update once per coordinate block before)."""
     sps = _sparse_updates(40, 2000, 0.02, 5)
-    acc = RunningSum(2000)
-    for i, s in enumerate(sps):
-        acc.fold(str(i), s, 1.0)
+    signs = SignCounts.of([lambda s=s: s for s in sps], 2000)  # counted as the updates arrived
     reads = []
     loads = [lambda i=i: reads.append(i) or sps[i] for i in range(40)]
-    signs = acc.sign_counts([str(i) for i in range(40)], lambda d: sps[int(d)])
     got = block_window_mean(loads, sum(s.kept for s in sps), 2000, 8, 32, signs=signs, cache_bytes=0)
     assert reads == [] and not got.any()
     dense = np.zeros((40, 2000))
@@ -232,64 +218,11 @@ def test_a_window_of_zeros_reads_no_update() -> None:
     assert sorted(reads) == list(range(40))  # one pass: each update read once
 
 
-def test_one_pass_serves_the_median_the_cosines_and_the_trimmed_mean() -> None:
-    """The direction check's median gathers what the trimmed mean's window needs too (HotCache):
-    a trimmed-mean close reads each stored update once, with the same results as without it;
-    after a rejection (fewer devices) it is still exact, reading again only if it must."""
-    sps = _sparse_updates(30, 3000, 0.9, 6)  # dense enough that many medians are not zero
-    devices = [str(i) for i in range(30)]
-    dense = np.zeros((30, 3000))
-    for i, s in enumerate(sps):
-        dense[i, s.idx] = s.vals
-    acc = RunningSum(3000)
-    for d, s in zip(devices, sps, strict=True):
-        acc.fold(d, s, 1.0)
-    reads: list[int] = []
-    loads = [lambda i=i: reads.append(i) or sps[i] for i in range(30)]
-    kept = sum(s.kept for s in sps)
-    cache = HotCache(also=lambda signs, n: window_hot(signs, n, "trimmed_mean", 0.2), cache_bytes=8 * kept)
-    signs = acc.sign_counts(devices, lambda d: sps[int(d)])
-    med = block_window_mean(loads, kept, 3000, 14, 16, signs=signs, devices=devices, hot_cache=cache, cache_bytes=0)
-    np.testing.assert_array_equal(med, np.sort(dense, axis=0)[14:16].mean(axis=0))
-    assert sorted(reads) == list(range(30)) and cache.covers(devices, med != 0)
-    for i in (0, 7):
-        assert cache.dot(str(i), med) == pytest.approx(float(dense[i] @ med), rel=1e-12)
-    trimmed = block_window_mean(loads, kept, 3000, 6, 24, signs=signs, devices=devices, hot_cache=cache,
-                                cache_bytes=0)
-    np.testing.assert_array_equal(trimmed, np.sort(dense, axis=0)[6:24].mean(axis=0))
-    assert len(reads) == 30  # nothing read again
-    fewer = devices[1:]
-    got = block_window_mean(loads[1:], kept, 3000, 5, 24, signs=acc.sign_counts(fewer, lambda d: sps[int(d)]),
-                            devices=fewer, hot_cache=cache, cache_bytes=0)
-    np.testing.assert_array_equal(got, np.sort(dense[1:], axis=0)[5:24].mean(axis=0))
-
-
-def test_running_sum_corrections_and_rebuild_equal_the_direct_sum() -> None:
-    sps = _sparse_updates(6, 200, 0.5, 2)
-    acc = RunningSum(200)
-    for i, s in enumerate(sps):
-        acc.fold(str(i), s, 10.0 + i)
-    acc.fold("0", sps[0], 99.0)  # folding twice is a no-op
-    norms = {str(i): s.norm for i, s in enumerate(sps)}
-    dense = np.zeros((6, 200))
-    for i, s in enumerate(sps):
-        dense[i, s.idx] = s.vals
-    for coefs in ({str(i): 10.0 + i for i in range(6)},  # nothing to correct
-                  {**{str(i): 10.0 + i for i in range(5)}, "5": 3.0},  # one capped / clipped
-                  {str(i): 10.0 + i for i in range(4)},  # two rejected
-                  {str(i): 1.0 for i in range(6)}):  # everything differs: rebuilt
-        vec, decoded = acc.combine(coefs, lambda d: sps[int(d)], norms=norms)
-        want = sum(c * dense[int(d)] for d, c in coefs.items())
-        np.testing.assert_allclose(vec, want, rtol=1e-12, atol=1e-12)
-        assert decoded <= 6
-    _, decoded = acc.combine({str(i): 10.0 + i for i in range(6)}, lambda d: sps[int(d)], norms=norms)
-    assert decoded == 0  # the clean case reads no stored update
-
-
 # ---------------------------------------------------------------- the engine, end to end
-@pytest.mark.parametrize("aggregator", ["fedavg", "fedavg_clipped", "trimmed_mean", "median", "multi_krum"])
+@pytest.mark.parametrize("aggregator", ["fedavg", "fedavg_clipped", "trimmed_mean", "median", "multi_krum",
+                                        "median_trust"])
 def test_streaming_close_equals_the_batch_aggregate(state_dir: Path, aggregator: str) -> None:
-    c = Coordinator(state_dir, 6, direction_max_n=0)
+    c = Coordinator(state_dir, 6)
     plan = c.start(aggregator, trim_fraction=0.2)
     scales = [1.0, 1.5, 2.0, 2.5, 3.0, 5.0]  # diverse norms: the largest is clipped (> 2 x median), not rejected
     sent = []
@@ -299,22 +232,9 @@ def test_streaming_close_equals_the_batch_aggregate(state_dir: Path, aggregator:
         sent.append((decode_update(payload).deltas, samples))
     out = c.close()
     assert out.state is RoundState.AGGREGATED and len(out.accepted) == (6 if aggregator != "multi_krum" else 5)
-    if aggregator == "fedavg":
-        want = fedavg(sent)
-    elif aggregator == "fedavg_clipped":
-        norms = [float(np.sqrt(sum(np.sum(np.square(v, dtype=np.float64)) for v in d.values()))) for d, _ in sent]
-        bound = 2.0 * float(np.median(norms))
-        scaled = [({k: v * min(1.0, bound / nm) for k, v in d.items()}, n) for (d, n), nm in zip(sent, norms, strict=True)]
-        want = fedavg(scaled)
+    if aggregator == "fedavg_clipped":
         assert out.new_version.metrics["clipped"] >= 1 and out.new_version.metrics["decoded_at_close"] >= 1
-    elif aggregator == "trimmed_mean":
-        want = trimmed_mean(sent, 0.2)
-    elif aggregator == "median":
-        want = coordinate_median(sent)
-    else:
-        used = [sent[i] for i in range(6) if IDS[i] in out.accepted]
-        want = {k: np.mean([d[k] for d, _ in used], axis=0) for k in SHAPES}
-    expected = apply_delta(c.base, want)
+    expected = reference(c, aggregator, sent, trim_fraction=0.2)
     got = published(c, out)
     for k in SHAPES:
         np.testing.assert_allclose(got[k], expected[k], rtol=1e-6, atol=1e-7)
@@ -326,7 +246,7 @@ def test_a_tensor_only_some_updates_carry_is_averaged_over_those(state_dir: Path
     updates leave `w` out). `w` is the weighted mean of the three that trained it -- not that
     mean diluted by three absent (zero) deltas -- and `b` the mean of all six; the same after
     a restart rebuilds the running sum from the stored payloads."""
-    c = Coordinator(state_dir, 6, direction_max_n=0)
+    c = Coordinator(state_dir, 6)
     plan = c.start("fedavg")
     sent = []
     for i, d in enumerate(deltas(6, 4)):
@@ -339,9 +259,10 @@ def test_a_tensor_only_some_updates_carry_is_averaged_over_those(state_dir: Path
             c.reopen()
     out = c.close()
     assert out.state is RoundState.AGGREGATED and len(out.accepted) == 6
-    assert out.new_version.metrics["partial_updates"] == 3
-    want_w = fedavg([(d, n) for d, n in sent if "w" in d])["w"]
-    want_b = fedavg([({"b": d["b"]}, n) for d, n in sent])["b"]
+    carriers = [(d, n) for d, n in sent if "w" in d]
+    want_w = sum(n * d["w"].astype(np.float64) for d, n in carriers) / sum(n for _, n in carriers)
+    want_b = sum(n * d["b"].astype(np.float64) for d, n in sent) / sum(n for _, n in sent)
+    np.testing.assert_allclose(reference(c, "fedavg", sent)["w"], c.base["w"] + want_w, rtol=1e-6, atol=1e-7)
     got = published(c, out)
     np.testing.assert_allclose(got["w"], c.base["w"] + want_w, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got["b"], c.base["b"] + want_b, rtol=1e-6, atol=1e-7)
@@ -360,67 +281,20 @@ def _send_flat(c: Coordinator, plan, vecs: list[np.ndarray]) -> None:
         assert c.receive(encode_update(header, d, density=1.0, bits=8), i, 100) == "accepted"
 
 
-@pytest.mark.parametrize("other", ["noise", "flipped"])
-def test_near_zero_cosines_are_kept_to_meet_the_quorum_but_sign_flips_are_not(state_dir: Path, other: str) -> None:
-    """A converged job: two of four honest updates are mostly noise, a hair below the small
-    round's cosine floor (0.0). Rejecting both left 2 of the 3 the job needs, so round after
-    round failed (the year-long soak); the best of them is kept to meet the quorum. An update
-    pointing against the round (a sign flip) is never taken back, even if the round fails."""
-    c = Coordinator(state_dir, 4)
-    c.engine.start_job(model_name="m", model_version="1", rounds=1, min_devices=3 if other == "noise" else 4,
-                       deadline_s=100, params={"aggregator": "fedavg_clipped"}, job_id="job")
-    (plan,) = c.engine.tick().opened
-    rng = np.random.default_rng(7)
-    flat = rng.normal(size=sum(int(np.prod(s)) for s in SHAPES.values()))
-    vecs = [flat + 0.1 * rng.normal(size=flat.size) for _ in range(2)]
-    if other == "noise":
-        for _ in range(2):  # orthogonal noise with a small negative part: cosines -0.10..-0.02
-            n = rng.normal(size=flat.size)
-            vecs.append(n - (n @ flat) / (flat @ flat) * flat - 0.5 * flat)
-    else:
-        vecs += [flat + 0.1 * rng.normal(size=flat.size), -flat + 0.1 * rng.normal(size=flat.size)]
-    _send_flat(c, plan, vecs)
-    out = c.close()
-    reasons = [str(r) for r in out.rejected.values()]
-    assert len(reasons) == 1 and reasons[0].startswith("direction_outlier")
-    if other == "noise":
-        assert out.state is RoundState.AGGREGATED and len(out.accepted) == 3
-        assert IDS[0] in out.accepted and IDS[1] in out.accepted
-    else:
-        assert out.state is RoundState.FAILED and list(out.rejected) == [IDS[3]]
-
-
-def test_a_fleet_split_two_against_two_below_the_floor_still_publishes(state_dir: Path) -> None:
-    """Two of four honest updates at cosine ~-0.2 with the median, below the quorum rule's
-    floor (-0.1): a split fleet, not two outliers. Rejecting both failed the round, and the
-    next round (same base, same data) the same, for ever (the soak: 788 rounds). The best of
-    them is taken back so the rejected are a minority; the other stays out."""
-    c = Coordinator(state_dir, 4)
-    c.engine.start_job(model_name="m", model_version="1", rounds=1, min_devices=3, deadline_s=100,
-                       params={"aggregator": "fedavg_clipped"}, job_id="job")
-    (plan,) = c.engine.tick().opened
-    rng = np.random.default_rng(3)
-    flat = rng.normal(size=sum(int(np.prod(s)) for s in SHAPES.values()))
-    vecs = [flat + 0.1 * rng.normal(size=flat.size) for _ in range(2)]
-    for _ in range(2):  # orthogonal to the fleet and a little against it: cosines ~-0.16 and ~-0.24
-        n = rng.normal(size=flat.size)
-        vecs.append(0.6 * (n - (n @ flat) / (flat @ flat) * flat) - 0.3 * flat)
-    _send_flat(c, plan, vecs)
-    out = c.close()
-    cosines = [float(str(r).split("cosine ")[1].split()[0]) for r in out.rejected.values()]
-    assert out.state is RoundState.AGGREGATED and len(out.accepted) == 3 and len(out.rejected) == 1
-    assert IDS[0] in out.accepted and IDS[1] in out.accepted
-    assert all(-0.5 < x < -0.1 for x in cosines), cosines  # the premise: below the quorum rule's floor
-
-
 def test_a_clean_fedavg_close_reads_no_stored_update_and_an_outlier_costs_one(state_dir: Path) -> None:
     c = Coordinator(state_dir, 8)
     plan = c.start("fedavg_clipped")
     for i, d in enumerate(deltas(8, 2)):
+        c.receive(c.payload(plan, i, d), i, 100)
+    out = c.close()
+    assert out.new_version.metrics["decoded_at_close"] == 0 and out.new_version.metrics["clipped"] == 0
+    c = Coordinator(state_dir / "outlier", 8)
+    plan = c.start("fedavg_clipped")
+    for i, d in enumerate(deltas(8, 2)):
         c.receive(c.payload(plan, i, d if i else {k: 40 * v for k, v in d.items()}), i, 100)
     out = c.close()
-    assert list(out.rejected) == [IDS[0]] and out.rejected[IDS[0]].startswith("norm_outlier")
-    assert out.new_version.metrics["decoded_at_close"] == 1  # unfolding the outlier; nothing else re-read
+    assert not out.rejected and out.new_version.metrics["clipped"] == 1  # a long update is clipped, not ejected
+    assert out.new_version.metrics["decoded_at_close"] == 1  # clipping the outlier; nothing else re-read
 
 
 def test_restart_mid_round_keeps_the_running_sum(state_dir: Path, tmp_path: Path, new_registry_db) -> None:
@@ -438,7 +312,7 @@ def test_restart_mid_round_keeps_the_running_sum(state_dir: Path, tmp_path: Path
             assert c.receive(payloads[0], 0, 100) == "duplicate"
         for i in range(3, 6):
             assert c.receive(payloads[i], i, 100 + i) == "accepted"
-        assert len(c.engine._sums[("job", 1)].members) == 6  # rebuilt on first touch, then folded
+        assert len(c.engine.aggregation._partials[("job", 1)].members) == 6  # rebuilt on first touch, then folded
         out = c.close()
         assert out.state is RoundState.AGGREGATED and len(out.accepted) == 6
         heads.append(published(c, out))
@@ -459,7 +333,7 @@ def test_restart_while_closing_rebuilds_from_the_payloads(state_dir: Path) -> No
     c.reopen()
     out = c.close()
     got = published(c, out)
-    want = apply_delta(c.base, fedavg(sent))
+    want = reference(c, "fedavg", sent)
     for k in SHAPES:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
 
@@ -498,7 +372,7 @@ def test_a_legacy_dense_row_from_before_the_upgrade_is_still_aggregated(state_di
     out = c.close()
     assert sorted(out.accepted) == sorted(IDS[:3])
     decoded = [decode_update(c.payload(plan, i, sent[i])).deltas for i in range(2)] + [sent[2]]
-    want = apply_delta(c.base, fedavg([(d, 10) for d in decoded]))
+    want = reference(c, "fedavg", [(d, 10) for d in decoded])
     got = published(c, out)
     for k in SHAPES:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)

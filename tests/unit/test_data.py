@@ -12,7 +12,7 @@ from PIL import Image
 from edge_agent.data import detect_format, load_dataset, sample_hash, split_dataset, split_indices
 from edge_agent.errors import InputError
 from edge_agent.int8.bundle import InputSpec
-from edge_agent.train.demo import write_data
+from edge_agent.sim.scenario import write_data
 
 LABELS = ["cat", "dog", "owl"]
 SPEC = InputSpec(shape=(1, 4, 4), scale=1 / 255.0)

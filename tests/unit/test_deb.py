@@ -274,8 +274,10 @@ def test_target_dependencies_are_judged_for_the_target_not_this_host() -> None:
     arm64 = {r.split("=")[0].split("<")[0].split(">")[0] for r in bd.target_dependencies(deps, "arm64")}
     armhf = {r.split("=")[0].split("<")[0].split(">")[0] for r in bd.target_dependencies(deps, "armhf")}
     assert {"mxnet", "tflite-runtime", "numpy"} <= arm64 == names
-    # 32-bit Pi OS: no MXNet/onnx/tflite-runtime wheels; numpy and cryptography are Debian's.
-    assert armhf == names - {"mxnet", "onnx", "tflite-runtime", "numpy", "cryptography"}
+    # 32-bit Pi OS: no MXNet/onnx/tflite-runtime wheels; numpy, cryptography and the local
+    # inference service's starlette, uvicorn and Pillow are Debian's.
+    assert armhf == names - {"mxnet", "onnx", "tflite-runtime", "numpy", "cryptography", "starlette", "uvicorn",
+                             "Pillow"}
     assert all(";" not in r for r in bd.target_dependencies(deps, "armhf"))
 
 

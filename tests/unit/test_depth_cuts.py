@@ -19,11 +19,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_agent import models
 from edge_agent.int8.cut_points import candidate_cuts
 from edge_agent.int8.depth_cuts import MAX_DEPTHS, depth_costs, depth_cuts
 from edge_agent.int8.onnx_export import export_onnx
 from edge_agent.int8.onnx_import import load_onnx
+from edge_agent.sim import models
 
 SIZE = 32
 CLASSES = 10

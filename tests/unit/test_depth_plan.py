@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
-from edge_agent.agent.policy import BadParams, DeviceLimits, parse_finetune
 from edge_agent.errors import UsageError
 from edge_agent.int8.bundle_create import create_bundle
+from edge_agent.protocol.finetune import BadParams, parse_finetune
+from edge_agent.sim import models
 from edge_agent.train import depth_plan as DP
 
 LABELS = [str(i) for i in range(10)]
@@ -225,7 +225,7 @@ def test_an_uncached_engine_choice_adds_the_selection_to_the_prediction(deep):
 def test_the_agent_accepts_depth_bn_and_tail_job_parameters(tmp_path, params, expected):
     body = {"cmd_id": "c", "action": "finetune", "job": "j", "round": 2, "model": "digits", "version": "3",
             "params": {**params, "bn": "update", "tail": "bias"}}
-    req = parse_finetune(body, DeviceLimits(data_dir=str(tmp_path)), now=1_800_000_000.0)
+    req = parse_finetune(body, now=1_800_000_000.0)
     assert req.train["depth"] == expected and req.train["bn"] == "update" and req.train["tail"] == "bias"
 
 
@@ -235,4 +235,4 @@ def test_the_agent_refuses_bad_depth_bn_and_tail(tmp_path, params):
     body = {"cmd_id": "c", "action": "finetune", "job": "j", "round": 2, "model": "digits", "version": "3",
             "params": params}
     with pytest.raises(BadParams, match=next(iter(params))):
-        parse_finetune(body, DeviceLimits(data_dir=str(tmp_path)), now=1_800_000_000.0)
+        parse_finetune(body, now=1_800_000_000.0)

@@ -89,7 +89,7 @@ def _stand_in_mxnet(tmp: Path) -> Path:
 def test_mxnet_that_cannot_load_is_one_line_and_exit_69(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(_stand_in_mxnet(tmp_path))}
     code = ("from edge_agent.errors import run_command\n"
-            "from edge_agent.train.mxnet_import import mxnet\n"
+            "from edge_agent.int8.mxnet_import import mxnet\n"
             "raise SystemExit(run_command('edge-agent', mxnet))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=120)
@@ -122,7 +122,7 @@ def test_doctor_reports_and_repairs_an_armpl_linked_mxnet(tmp_path: Path) -> Non
 
 
 def test_a_missing_mxnet_says_what_still_works() -> None:
-    from edge_agent.train.mxnet_import import _explain
+    from edge_agent.int8.mxnet_import import _explain
 
     text = _explain(ModuleNotFoundError("No module named 'mxnet'", name="mxnet"))
     assert text.startswith("MXNet is not installed") and "--trainer numpy" in text

@@ -21,7 +21,7 @@ from edge_agent.int8 import selection as sel
 from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.engine import Availability, Int8Engine, Runner
 from edge_agent.int8.engines.reference import QGraphRunner
-from edge_agent.train import demo
+from edge_agent.sim import scenario as demo
 from edge_agent.train.job import run_finetune
 from tests.unit.test_finetune_governor import STEP_J, Board, BoardClock
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.atomic import read_checked
 from edge_agent.int8.bundle import BACKBONE_INT8, HEAD_SYMBOL, depth_file, load_bundle
 from edge_agent.int8.bundle_create import create_bundle
 from edge_agent.int8.requantize import symbol_variables
 from edge_agent.mxparams import load_params, split_names
-from edge_agent.train import demo
+from edge_agent.sim import models
+from edge_agent.sim import scenario as demo
 from edge_agent.train.job import HEAD_LR, TAIL_LR, Progress, run_finetune
 
 FAST = dict(epochs=8, patience=4, val_fraction=0.3, profile="raspberry-pi-4", batch_size=16, engine="reference",
@@ -114,7 +114,7 @@ def _held_out(sc):
 
 
 def test_depth_2_reports_its_plan_and_beats_the_bundle_on_held_out_data(job, bundle, sc):
-    from edge_agent.train.infer import DepthPredictor, tail_params
+    from edge_agent.inference.predictor import DepthPredictor, tail_params
 
     r = job("d2")
     d = r["depth"]

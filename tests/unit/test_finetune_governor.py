@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.power.clock import ManualClock
-from edge_agent.train import demo
+from edge_agent.sim import scenario as demo
 from edge_agent.train.job import Progress, run_finetune
 
 IDLE_W = 2.7  # the raspberry-pi-4 profile's idle figure

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from edge_agent.errors import InputError
-from edge_agent.train import demo
+from edge_agent.sim import scenario as demo
 from edge_agent.train.checkpoints import CheckpointMismatchError
 from edge_agent.train.job import JobStateError, Progress, run_finetune
 
@@ -231,7 +231,7 @@ def test_mxnet_import_hides_sklearn_only_while_mxnet_imports() -> None:
     import subprocess
     import sys
 
-    script = ("import sys; from edge_agent.train.mxnet_import import mxnet; mx = mxnet(); "
+    script = ("import sys; from edge_agent.int8.mxnet_import import mxnet; mx = mxnet(); "
               "assert 'sklearn' not in sys.modules and 'scipy' not in sys.modules; "
               "assert float(mx.nd.ones((2,)).sum().asscalar()) == 2.0; assert mxnet() is mx; "
               "import sklearn.base; print('ok', mx.model.BASE_ESTIMATOR is object)")

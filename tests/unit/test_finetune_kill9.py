@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.train import demo
+from edge_agent.sim import scenario as demo
 
 KILLS = 21  # seven of each kind
 DEEP_KILLS = 9  # three of each at depth 2 (an MXNet tail with two convs: each attempt costs more)

@@ -18,15 +18,15 @@ from bench.fuzz_parsers import (
     mutate_bytes,
     mutate_json,
 )
-from edge_agent.agent.policy import BadParams, DeviceLimits, parse_finetune
 from edge_agent.int8.bundle import ManifestError, parse_manifest
+from edge_agent.protocol.finetune import BadParams, parse_finetune
 
 CASES = {"envelope": 3000, "command": 1500, "chunk": 5000, "manifest": 2000, "bundle_tar": 300}
 
 
 @pytest.fixture(scope="module")
 def digits_bundle_dir(tmp_path_factory):
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(tmp_path_factory.mktemp("fuzz") / "digits-bundle")
 
@@ -84,7 +84,7 @@ def test_mutations_are_deterministic_and_do_not_alias():
 def test_found_by_fuzzing_huge_integers_are_refused_not_crashes(digits_bundle_dir):
     body = {"job": "j", "round": 1, "model": "m", "version": "1", "params": {"epochs": 10**400}}
     with pytest.raises(BadParams, match="epochs"):
-        parse_finetune(body, DeviceLimits(), now=time.time())
+        parse_finetune(body, now=time.time())
     manifest = json.loads((digits_bundle_dir / "manifest.json").read_text())
     manifest["input"]["normalisation"]["scale"] = 10**400
     with pytest.raises(ManifestError, match="scale"):

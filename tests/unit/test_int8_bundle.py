@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.errors import InputError
 from edge_agent.int8 import bundle as B
 from edge_agent.int8 import bundle_create as BC
+from edge_agent.sim import models
 
 LABELS = [str(i) for i in range(10)]
 

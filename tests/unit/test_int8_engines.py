@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import engines
 from edge_agent.int8.engines._common import EngineError, thread_count, usable_cpus
@@ -20,6 +19,7 @@ from edge_agent.int8.engines.reference import ReferenceEngine
 from edge_agent.int8.engines.tflite import TfliteEngine, TfliteRunner
 from edge_agent.int8.quantize import quantize_input
 from edge_agent.int8.selection import FLOAT_TOLERANCE_STEPS
+from edge_agent.sim import models
 
 CORAL_PROBE = {"accelerators": [{"kind": "coral-usb", "runtime_loads": False}]}
 

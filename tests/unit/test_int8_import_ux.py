@@ -171,7 +171,7 @@ def test_unknown_split_names_a_few_useful_candidates(files, tmp_path, capsys) ->
 def test_mxnet_model_nodes_and_create_take_the_shape_from_calib(tmp_path, capsys) -> None:
     import mxnet as mx
 
-    from edge_agent import models
+    from edge_agent.sim import models
 
     net = models.initialize(models.digits_cnn(), seed=0)
     net.hybridize()

@@ -12,7 +12,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from edge_agent import models
 from edge_agent.atomic import FileTooLargeError
 from edge_agent.errors import InputError
 from edge_agent.int8.float_graph import run_float
@@ -24,6 +23,7 @@ from edge_agent.int8.onnx_import import (
     load_onnx,
     node_names,
 )
+from edge_agent.sim import models
 
 DIGITS_SHAPE = (1, 1, 8, 8)
 MOBILE_SHAPE = (1, 3, 32, 32)

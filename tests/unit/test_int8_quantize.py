@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.errors import InputError
 from edge_agent.int8.float_graph import FloatGraph, run_float
 from edge_agent.int8.onnx_export import export_onnx
@@ -29,6 +28,7 @@ from edge_agent.int8.quantize import (
 from edge_agent.int8.reference import check_graph, run_graph
 from edge_agent.int8.testing import run_tflite
 from edge_agent.int8.tflite_writer import write_tflite
+from edge_agent.sim import models
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.errors import EXIT_UNAVAILABLE, ConfigError
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import selection as sel
@@ -26,6 +25,7 @@ from edge_agent.int8.engine import (
 )
 from edge_agent.int8.engines.edgetpu import EdgeTpuEngine
 from edge_agent.int8.engines.reference import QGraphRunner, ReferenceEngine
+from edge_agent.sim import models
 
 PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}}, "accelerators": [],
          "board": {"model": "test board"}}

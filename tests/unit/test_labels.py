@@ -60,7 +60,7 @@ def _device_camera(raw: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def texture_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from edge_agent.int8.bundle_create import create_bundle
-    from edge_agent.models import digits_cnn, fit_classifier
+    from edge_agent.sim.models import digits_cnn, fit_classifier
 
     x, y = _patches(0, 160, half=0)
     x01 = x / 255.0

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from edge_agent import models
+from edge_agent.sim import models
 
 
 def test_module_imports_without_mxnet() -> None:
-    code = "import sys, edge_agent.models; assert 'mxnet' not in sys.modules, 'mxnet imported'"
+    code = "import sys, edge_agent.sim.models; assert 'mxnet' not in sys.modules, 'mxnet imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.errors import ConfigError
 from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.bundle_create import create_bundle
-from edge_agent.train import demo
+from edge_agent.sim import models
+from edge_agent.sim import scenario as demo
 from edge_agent.train.dense_head import NumpyTailTrainer, make_head_trainer
 from edge_agent.train.numpy_tail import UnsupportedTail, unsupported
 from edge_agent.train.trainer import HeadTrainer, TrainConfig, head_from_bundle
@@ -300,7 +300,7 @@ import json, sys
 import numpy as np
 from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.engines import load_engine
-from edge_agent.train import demo
+from edge_agent.sim import scenario as demo
 from edge_agent.train.dense_head import NumpyTailTrainer, make_head_trainer
 from edge_agent.train.trainer import TrainConfig, head_from_bundle
 from edge_agent.sim.digits import apply_camera, load_digits_images
@@ -342,10 +342,10 @@ def test_training_on_real_digits_features_raises_held_out_accuracy_without_mxnet
           f"images: {r['before']:.3f} -> {r['after']:.3f}")
     assert r["backend"] == "NumpyTailTrainer" and not r["mxnet"]
     assert r["after"] >= r["before"] + 0.10
-    # the trained tensors are MXNet's, by name and layout: MXNet's tail in edge_agent.train.infer
+    # the trained tensors are MXNet's, by name and layout: MXNet's tail in edge_agent.inference.predictor
     # (the evaluation path of head.params) gives the same held-out accuracy
+    from edge_agent.inference.predictor import DepthPredictor
     from edge_agent.sim.digits import apply_camera, load_digits_images
-    from edge_agent.train.infer import DepthPredictor
 
     sc = demo.scenario()
     images, labels = load_digits_images()

@@ -693,3 +693,35 @@ def test_state_carries_the_budget_across_a_restart(tmp_path: Path) -> None:
             clock=clock,
             resume_from={"energy_j_job": float("nan")},
         )
+
+
+def test_inference_energy_is_accounted_as_inference_not_charged_to_the_job(tmp_path: Path) -> None:
+    """A device serving requests while it trains: the whole-device sensor counts both; the
+    service's energy total (edge_agent.power.inference_energy) is left out of the job's energy."""
+    from edge_agent.power.inference_energy import InferenceEnergy, read_inference_j
+
+    energy = InferenceEnergy(watts_per_cpu=1.0, path=tmp_path / "serve" / "energy.json")
+    energy.add(5.0)  # before the job: never the job's
+    energy.flush()
+    clock = ManualClock(start_epoch=datetime(2024, 6, 1, 12, 0).timestamp())
+    world = World(tmp_path / "board", clock)
+    gov = BudgetGovernor(budget=Budget(budget_wh=1.0), sources=monitor_for(tmp_path / "board", "hwmon-ina"),
+                         clock=clock, max_threads=NCPU,
+                         inference_j=lambda: read_inference_j(tmp_path / "serve" / "energy.json"))
+    plain = BudgetGovernor(budget=Budget(budget_wh=1.0), sources=monitor_for(tmp_path / "board", "hwmon-ina"),
+                           clock=clock, max_threads=NCPU)
+    for _ in range(3):
+        for g in (gov, plain):
+            g.before_step()
+        world.background_w = 1.0  # the inference service's requests, on the same sensor
+        clock.advance(10.0)
+        world.background_w = 0.0
+        energy.add(10.0)  # 10 CPU-s at 1 W per CPU = the 10 J that 1 W for 10 s drew
+        energy.flush()
+        for g in (gov, plain):
+            g.after_step(10.0)
+    served, charged = gov.report(), plain.report()
+    assert served["inference_wh"] == pytest.approx(30.0 / 3600)
+    assert served["energy_wh_job"] == pytest.approx(charged["energy_wh_job"] - 30.0 / 3600, rel=1e-6)
+    assert served["energy_wh_total"] == pytest.approx(charged["energy_wh_total"])  # the device's total keeps it
+    assert plain.report()["inference_wh"] == 0.0

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_agent import keys
-from edge_agent.agent.state import facts_from_state
 from edge_agent.protocol import (
     Kind,
     Message,
@@ -31,6 +30,7 @@ from edge_agent.protocol import (
     check_body,
 )
 from edge_agent.protocol.envelope import _signing_input
+from edge_agent.protocol.facts import facts_from_state
 from edge_agent.protocol.schema import FLAT_ENTRIES, MAX_FLAT_NUMBER, SCHEMAS, clean_flat
 
 HUGE = 10**400

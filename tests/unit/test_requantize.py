@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import models
 from edge_agent.int8.bundle import (
     BACKBONE_INT8,
     BACKBONE_ONNX,
@@ -34,6 +33,7 @@ from edge_agent.int8.engines.reference import QGraphRunner
 from edge_agent.int8.float_graph import run_float
 from edge_agent.int8.onnx_import import import_onnx
 from edge_agent.int8.requantize import refresh_prefixes
+from edge_agent.sim import models
 from edge_agent.train.trainer import head_from_bundle
 
 LABELS = [str(i) for i in range(10)]

@@ -31,7 +31,7 @@ DAY = 86400.0
 
 @pytest.fixture(scope="module")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
 

@@ -1,8 +1,10 @@
-"""SharedRoundEngine (coordinator/workers.py): two workers' engines on one PostgreSQL
-registry and one state directory, each receiving some of a round's updates; the leader
-dies right after the round stopped collecting, the other closes it. The new head equals a
-lone RoundEngine's (SQLite) on the same updates, and no update is counted twice. Needs a
-throw-away PostgreSQL (tests/pg_cluster.py): skipped without it."""
+"""Serve workers of a group (coordinator/workers.py, partials.py): two engines on one
+PostgreSQL registry and one state directory, each receiving some of a round's updates and
+folding them into its own partial, saved to the shared state dir. One worker is killed
+(its last folds never saved); the other closes the round by merging the partials and reading
+only the payloads no partial covers. The new head equals a lone engine's (SQLite) on the same
+updates, nothing is counted twice, and nothing is lost. Needs a throw-away PostgreSQL
+(tests/pg_cluster.py): skipped without it."""
 
 from __future__ import annotations
 
@@ -11,15 +13,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_agent.coordinator.partials import PartialStore
 from edge_agent.coordinator.records import RoundState, UpdateStatus
 from edge_agent.coordinator.registry import Registry
 from edge_agent.coordinator.rounds import RoundEngine, RoundPolicy
-from edge_agent.coordinator.workers import SharedRoundEngine
 from edge_agent.updates.codec import compute_delta
 from edge_agent.updates.wire import UpdateHeader, encode_update
-from tests.unit.test_coordinator_rounds import N_DEV, Clock, fleet, softmax_head, train_locally  # noqa: F401
+from tests.unit.test_coordinator_rounds import N_DEV, fleet, softmax_head, train_locally  # noqa: F401
 
-PARAMS = [{"aggregator": "fedavg_clipped"}, {"aggregator": "trimmed_mean", "trim_fraction": 0.2}]
+PARAMS = [{"aggregator": "fedavg_clipped"}, {"aggregator": "trimmed_mean", "trim_fraction": 0.2},
+          {"aggregator": "median_trust"}]
+
+
+class Clock:
+    """Time stands still: a worker saves its partial at its first fold and then at most once a
+    second, so its later folds are not in its file when it dies."""
+
+    t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def setup(reg: Registry, fleet: dict, base: dict[str, np.ndarray]) -> None:  # noqa: F811
@@ -50,8 +63,8 @@ def test_a_round_split_over_two_workers_closes_on_the_survivor_as_one_engine_wou
         setup(reg_a, fleet, base)
         setup(lone_reg, fleet, base)
         policy = RoundPolicy()
-        a = SharedRoundEngine(registry=reg_a, policy=policy, clock=clock)
-        b = SharedRoundEngine(registry=reg_b, policy=policy, clock=clock)
+        a = RoundEngine(registry=reg_a, policy=policy, clock=clock, worker="a")
+        b = RoundEngine(registry=reg_b, policy=policy, clock=clock, worker="b")
         lone = RoundEngine(registry=lone_reg, policy=policy, clock=clock)
         job = a.start_job(model_name="digits", model_version="1", min_devices=4, deadline_s=300, params=params)
         lone.start_job(model_name="digits", model_version="1", min_devices=4, deadline_s=300, params=params,
@@ -64,16 +77,21 @@ def test_a_round_split_over_two_workers_closes_on_the_survivor_as_one_engine_wou
             assert worker.receive_update(payload, sender=sender, num_samples=n).status == "accepted"
             assert (b if worker is a else a).receive_update(payload, sender=sender, num_samples=n).status == "duplicate"
             assert lone.receive_update(payload, sender=sender, num_samples=n).status == "accepted"
-        assert not a._sums and not b._sums  # workers keep no running sums: the close reads the registry
-        reg_a.begin_closing(job.id, 1)  # the leader (a) is killed right after it stopped the round
+        saved, _ = PartialStore(shared_dir).load_all(job.id, 1, a.heads.layout("digits", "1"))
+        in_a = len(a.aggregation._partials[(job.id, 1)].members)
+        assert len(saved["a"].members) == 1 < in_a  # a's later folds never reached its file ...
+        reg_a.begin_closing(job.id, 1)  # ... for it is killed right after it stopped the round
         reg_a.close()
         (out,) = b.tick().closed  # b leads now
         ref = lone.close_round(job.id, 1)
         assert out.state is RoundState.AGGREGATED and sorted(out.accepted) == sorted(ref.accepted)
         assert len(reg_b.list_updates(job.id, 1, UpdateStatus.ACCEPTED)) == N_DEV
+        b_had = N_DEV - in_a
+        assert out.new_version.metrics["folded_at_close"] == N_DEV - b_had - len(saved["a"].members)
         head, want = reg_b.load_head(out.new_version), lone_reg.load_head(ref.new_version)
         for name in want:
             np.testing.assert_allclose(head[name], want[name], rtol=1e-6, atol=1e-8)
+        assert not (shared_dir / "partials" / job.id / "r1").exists()  # forgotten with the round
     finally:
         for reg in (reg_a, reg_b, lone_reg):
             reg.close()

@@ -98,7 +98,7 @@ def test_the_update_chunk_schema_bounds_the_new_fields() -> None:
 # ---------------------------------------------------------------- the coordinator's side
 @pytest.fixture(scope="module")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edge_agent.train import demo
+    from edge_agent.sim import scenario as demo
 
     return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
 

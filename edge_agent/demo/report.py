@@ -7,9 +7,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .artefacts import ModelArtefacts
-from .fleet_views import round_summary
-from .registry import Registry
+from ..coordinator.artefacts import ModelArtefacts
+from ..coordinator.fleet_views import round_summary
+from ..coordinator.registry import Registry
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -58,7 +58,7 @@ class _Hide(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         if fullname.partition(".")[0] in self.names:
-            raise ImportError(f"{fullname} hidden while MXNet imports (edge_agent.train.mxnet_import)")
+            raise ImportError(f"{fullname} hidden while MXNet imports (edge_agent.int8.mxnet_import)")
         return None
 
 

@@ -125,8 +125,8 @@ class BatterySimulator:
 def held_out(n_devices: int, *, base_devices: int = 3, alpha: float = 1.0, seed: int = 0) -> tuple[Any, Any]:
     """Digits no device and no base training ever saw, each through one fine-tuning device's
     camera (round-robin): how the fleet's model does on the fleet's inputs."""
+    from ..sim import scenario as demo
     from ..sim.digits import apply_camera, load_digits_images, make_fleet
-    from ..train import demo
 
     sc = demo.scenario(n_devices=n_devices, base_devices=base_devices, alpha=alpha, seed=seed)
     fleet = make_fleet(n_devices=base_devices + n_devices, alpha=alpha, seed=seed, min_per_device=40)
@@ -149,7 +149,7 @@ class GlobalEvaluator:
     def __init__(self, bundle_dir: Path, x: np.ndarray, y: np.ndarray, *, cache_dir: Path) -> None:
         from ..int8.bundle import load_bundle
         from ..int8.selection import select_engine
-        from ..train.demo import to_pixels
+        from ..sim.scenario import to_pixels
 
         root = load_bundle(bundle_dir)
         # the deepest depth's prefix is frozen for every device at every depth: its features stay

@@ -50,7 +50,7 @@ def scenario(*, n_devices: int = 3, base_devices: int = 3, alpha: float = 1.0, s
     """
     from dataclasses import replace
 
-    from ..sim.digits import apply_camera, load_digits_images, make_fleet
+    from .digits import apply_camera, load_digits_images, make_fleet
 
     fleet = make_fleet(n_devices=base_devices + n_devices, alpha=alpha, seed=seed, min_per_device=40)
     images, labels = load_digits_images()
@@ -82,7 +82,7 @@ def build_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, *, 
     """Train the digits CNN on (x in [0, 1], y) and write it as a bundle at `dest`
     (and, with `save_params`, the fp32 Gluon parameters of the whole net there)."""
     from ..int8.bundle_create import create_bundle
-    from ..models import digits_cnn, fit_classifier
+    from .models import digits_cnn, fit_classifier
 
     net = digits_cnn()
     fit_classifier(net, x, y, epochs=epochs, seed=seed)
@@ -189,7 +189,7 @@ def camera_scenario(*, size: int = 96, n_devices: int = 3, base_devices: int = 3
     """
     from dataclasses import replace
 
-    from ..sim.digits import apply_camera, load_digits_images, make_fleet
+    from .digits import apply_camera, load_digits_images, make_fleet
 
     fleet = make_fleet(n_devices=base_devices + n_devices, alpha=alpha, seed=seed, min_per_device=40)
     images, labels = load_digits_images()
@@ -216,7 +216,7 @@ def train_mobilenet(x: np.ndarray, y: np.ndarray, *, width: float, epochs: int, 
     import mxnet as mx
     from mxnet import autograd, gluon
 
-    from ..models import initialize, mobilenet_v2, refresh_batchnorm
+    from .models import initialize, mobilenet_v2, refresh_batchnorm
 
     x = np.ascontiguousarray(x, np.float32)
     net = initialize(mobilenet_v2(width, num_classes=num_classes, input_size=int(x.shape[-1])), seed=seed)

@@ -1,6 +1,6 @@
 """`make demo`: a whole fleet on this machine, trained by remote-triggered rounds.
 
-    python -m edge_agent.coordinator.demo [--devices 4] [--rounds 3] [--out demo-out]
+    python -m edge_agent.demo [--devices 4] [--rounds 3] [--out demo-out]
 
 (tests/integration/test_demo.py runs a shortened demo, 2 devices and 2 rounds, and checks
 its report.)
@@ -103,7 +103,7 @@ DEMO_DEPTHS = 2  # the digits CNN's two convs below the pool: a device may train
 
 def build_base(out: Path, n_devices: int) -> Path:
     from ..int8.bundle import load_bundle
-    from ..train import demo
+    from ..sim import scenario as demo
 
     target = out / "base-bundle"
     with contextlib.suppress(Exception):
@@ -118,8 +118,8 @@ def build_base(out: Path, n_devices: int) -> Path:
 
 
 def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> dict[str, dict[str, Any]]:
-    from ..train import demo
-    from .demo_fleet import write_sysfs
+    from ..sim import scenario as demo
+    from .fleet import write_sysfs
 
     sc = demo.scenario(n_devices=args.devices)
     devices: dict[str, dict[str, Any]] = {}
@@ -149,11 +149,11 @@ def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edge_agent.coordinator.demo",
+    p = argparse.ArgumentParser(prog="python -m edge_agent.demo",
                                 description="A coordinator and N agent processes on this machine: base model, "
                                             "then R remote-triggered fine-tune rounds; prints a per-round table.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="example:\n  python -m edge_agent.coordinator.demo --devices 4 --rounds 3")
+                                epilog="example:\n  python -m edge_agent.demo --devices 4 --rounds 3")
     p.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--min-devices", type=int, default=None,
@@ -205,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[Any]) -> int:
+    from ..coordinator.registry import Registry
+    from ..coordinator.service_files import read_serve_file
     from ..transport.broker import free_port
-    from .demo_fleet import BATTERY_WH, LOAD_W, BatterySimulator, GlobalEvaluator, held_out
-    from .demo_report import collect, plot, print_table
-    from .registry import Registry
-    from .service_files import read_serve_file
+    from .fleet import BATTERY_WH, LOAD_W, BatterySimulator, GlobalEvaluator, held_out
+    from .report import collect, plot, print_table
 
     bundle = build_base(out, args.devices)
     port = free_port()
@@ -271,6 +271,9 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "demo-plot.png")
     say(f"wrote {out / 'demo-report.json'} and {out / 'demo-plot.png'}")
+    from ..sim.application import demo_loop
+
+    demo_loop(out, devices, say)  # the local inference service's feedback loop (edge_agent/sim/application.py)
     if ui and args.ui_linger > 0:
         say(f"the dashboard stays up at http://{ui}/ for {args.ui_linger:.0f} s (Ctrl-C ends it sooner)")
         time.sleep(args.ui_linger)

@@ -1,0 +1,226 @@
+"""Every aggregation rule's streaming form equals its dense reference on random fleets
+(hypothesis), whatever the order updates arrive in and however they are split between
+workers' partials; and each rule's own selection or weighting is pinned by a case where it,
+and only it, must give a specific answer (so mutating a rule fails a test even where the
+reference shares the mutated helper)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge_agent.coordinator.partials import partial_from_bytes, partial_to_bytes
+from edge_agent.coordinator.strategies import (
+    STRATEGIES,
+    Contribution,
+    DenseUpdate,
+    NothingToAggregate,
+    RoundEvidence,
+    ServerEvidence,
+    StrategyOptions,
+    make_strategy,
+)
+from edge_agent.coordinator.streaming import Layout, Sparse, sparse_from_dense
+
+SHAPES = {"w": (3, 4), "b": (4,), "v": (5,)}
+CLASSES = 3
+
+
+def _layout() -> Layout:
+    return Layout({k: np.zeros(s, np.float32) for k, s in SHAPES.items()})
+
+
+def _server(rng: np.random.Generator, size: int) -> ServerEvidence:
+    return ServerEvidence(update=rng.normal(size=size), class_gradients=rng.normal(size=(CLASSES, size)),
+                          root_counts=np.array([5, 3, 4]), weight=12.0)
+
+
+@st.composite
+def fleets(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    n = draw(st.integers(1, 7))
+    rng = np.random.default_rng(seed)
+    layout = _layout()
+    updates = []
+    for i in range(n):
+        vec = rng.normal(size=layout.size) * rng.choice([1e-3, 1.0, 10.0])
+        vec[rng.random(layout.size) < draw(st.sampled_from([0.0, 0.3, 0.8]))] = 0.0  # top-k sparsity
+        present = None
+        if draw(st.booleans()) and n > 1:  # a job at one depth: some tensors absent
+            present = tuple(sorted(rng.choice(len(SHAPES), size=rng.integers(1, len(SHAPES)), replace=False).tolist()))
+            mask = np.zeros(layout.size, bool)
+            for t in present:
+                name = layout.names[t]
+                mask[layout.offsets[name]:layout.offsets[name] + math.prod(layout.shapes[name])] = True
+            vec = np.where(mask, vec, 0.0)
+        vec = vec.astype(np.float32).astype(np.float64)  # updates travel as float32
+        counts = tuple(int(c) for c in rng.integers(0, 20, CLASSES)) if draw(st.booleans()) else None
+        updates.append(DenseUpdate(f"dev-{i}", vec, float(rng.integers(1, 1000)), present, counts))
+    history = draw(st.one_of(st.none(), st.floats(0.01, 50.0)))
+    return layout, updates, RoundEvidence(layout, history_norm=history, server=_server(rng, layout.size)), seed
+
+
+def _sparse(u: DenseUpdate, layout: Layout) -> Sparse:
+    sp = sparse_from_dense(layout.unflatten(u.vec), layout)
+    return dataclasses.replace(sp, present=u.present)
+
+
+def _stream(rule, updates, layout, order, split, *, via_bytes=False):
+    sparse = {u.device: _sparse(u, layout) for u in updates}
+    parts = [rule.start(), rule.start()]
+    for k, i in enumerate(order):
+        u = updates[i]
+        rule.accumulate(parts[k % 2 if split else 0],
+                        Contribution(u.device, sparse[u.device], u.weight, u.label_counts))
+    if via_bytes:  # workers keep their partials on disk
+        parts = [partial_from_bytes(partial_to_bytes(p), layout) for p in parts]
+    merged = rule.merge(parts[0], parts[1])
+    return rule.finalize(merged, lambda d: sparse[d])
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleet=fleets(), data=st.data())
+def test_the_streaming_form_equals_the_reference(name, fleet, data):
+    layout, updates, evidence, seed = fleet
+    options = StrategyOptions(trim_fraction=data.draw(st.sampled_from([0.0, 0.2, 0.4])))
+    order = data.draw(st.permutations(range(len(updates))))
+    split, via_bytes = data.draw(st.booleans()), data.draw(st.booleans())
+    try:
+        want = make_strategy(name, options, evidence).reference(updates)
+    except NothingToAggregate:
+        with pytest.raises(NothingToAggregate):
+            _stream(make_strategy(name, options, evidence), updates, layout, order, split)
+        return
+    got = _stream(make_strategy(name, options, evidence), updates, layout, order, split, via_bytes=via_bytes)
+    scale = max(1e-12, max(float(np.abs(u.vec).max()) for u in updates))
+    np.testing.assert_allclose(got.vec, want.vec, rtol=1e-9, atol=1e-9 * scale)
+    assert got.shares.keys() == want.shares.keys()
+    for d in want.shares:
+        assert got.shares[d] == pytest.approx(want.shares[d], rel=1e-9, abs=1e-12)
+    assert got.excluded == want.excluded
+
+
+# ---------------------------------------------------------------- each rule's own decision
+def _fleet(vectors, weights=None, counts=None):
+    layout = Layout({"x": np.zeros(len(vectors[0]), np.float32)})
+    ups = [DenseUpdate(f"d{i}", np.asarray(v, np.float64), float(weights[i] if weights else 10),
+                       None, counts[i] if counts else None) for i, v in enumerate(vectors)]
+    return layout, ups
+
+
+def _run(name, layout, ups, *, options=None, server=None, history=None):
+    evidence = RoundEvidence(layout, history_norm=history, server=server)
+    rule = make_strategy(name, options or StrategyOptions(), evidence)
+    streamed = _stream(rule, ups, layout, range(len(ups)), False)
+    return streamed, make_strategy(name, options or StrategyOptions(), evidence).reference(ups)
+
+
+def test_fedavg_weights_by_samples_capped_at_twice_the_lower_median():
+    layout, ups = _fleet([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]], weights=[10, 30, 20, 1000])
+    got, _ = _run("fedavg", layout, ups)
+    # lower median 20 -> cap 40: weights 10, 30, 20, 40
+    np.testing.assert_allclose(got.vec, [(10 + 40) / 100, (30 + 40) / 100])
+    assert got.info["weights_capped"] == 1
+
+
+def test_fedavg_clipped_clips_the_long_update_to_twice_the_median_norm():
+    vecs = [[1.0, 0], [0, 1.0], [1.0, 0], [0, 1.0], [100.0, 0]]
+    layout, ups = _fleet(vecs)
+    got, _ = _run("fedavg_clipped", layout, ups)
+    assert got.info["clip_bound"] == pytest.approx(2.0) and got.info["clipped"] == 1
+    np.testing.assert_allclose(got.vec, [(1 + 1 + 2) / 5, 2 / 5])
+
+
+def test_median_ignores_one_outlier_and_trimmed_mean_trims_each_end():
+    vecs = [[1.0], [2.0], [3.0], [4.0], [1000.0]]
+    layout, ups = _fleet(vecs)
+    assert _run("median", layout, ups)[0].vec.tolist() == [3.0]
+    assert _run("trimmed_mean", layout, ups, options=StrategyOptions(trim_fraction=0.2))[0].vec.tolist() == [3.0]
+    assert _run("trimmed_mean", layout, ups, options=StrategyOptions(trim_fraction=0.0))[0].vec.tolist() == [202.0]
+
+
+def test_multi_krum_and_only_multi_krum_excludes_the_update_far_from_the_rest():
+    """Five updates near (1, 1) and one at (-3, 5), with a norm like theirs after scaling:
+    Multi-Krum must exclude exactly that one (not "the first N - f")."""
+    rng = np.random.default_rng(3)
+    vecs = [np.array([1.0, 1.0]) + 0.05 * rng.normal(size=2) for _ in range(5)]
+    vecs.insert(2, np.array([-3.0, 5.0]))  # not last: a "first n - f" choice would keep it
+    layout, ups = _fleet(vecs)
+    got, ref = _run("multi_krum", layout, ups, options=StrategyOptions(krum_fraction=0.2))
+    assert set(got.excluded) == {"d2"} and set(ref.excluded) == {"d2"}
+    assert got.shares["d2"] == 0.0
+    np.testing.assert_allclose(got.vec, np.mean([v for i, v in enumerate(vecs) if i != 2], axis=0))
+    for other in ("fedavg", "median", "trimmed_mean", "median_trust"):
+        assert not _run(other, layout, ups)[0].excluded
+
+
+def _server_towards(direction, *, classes=2):
+    direction = np.asarray(direction, np.float64)
+    # class 0 teaches `direction`, class 1 teaches its perpendicular: descent = -gradient
+    perp = np.array([-direction[1], direction[0]])
+    return ServerEvidence(update=direction.copy(), class_gradients=-np.stack([direction, perp]),
+                          root_counts=np.array([10, 10]), weight=20.0)
+
+
+def test_trust_zeroes_a_flipped_update_and_rescales_a_scaled_one_to_the_server_norm():
+    server = _server_towards([1.0, 0.0])
+    layout, ups = _fleet([[1.0, 0.2], [-1.0, -0.2], [300.0, 30.0]], weights=[10, 10, 10],
+                         counts=[(1, 0), (1, 0), (1, 0)])
+    got, _ = _run("trust", layout, ups, server=server)
+    assert got.info["trust"] == {"d0": 1.0, "d1": 0.0, "d2": 1.0}
+    assert got.shares["d1"] == 0.0
+    # d0 kept (norm 1.02 inside [0.5, 2]); d2 moved to 2 x the server norm; the server takes part
+    d2 = np.array([300.0, 30.0]) * 2.0 / np.linalg.norm([300.0, 30.0])
+    want = (10 * np.array([1.0, 0.2]) + 10 * d2 + 20 * np.array([1.0, 0.0])) / 40
+    np.testing.assert_allclose(got.vec, want)
+
+
+def test_trust_compares_each_update_with_what_its_own_classes_teach():
+    """An update along class 1's direction is honest for a device holding class 1 only, and
+    earns no trust from a device claiming class 0 only."""
+    server = _server_towards([1.0, 0.0])
+    layout, ups = _fleet([[0.0, 1.0]], counts=[(0, 5)])
+    assert _run("trust", layout, ups, server=server)[0].info["trust"] == {"d0": 1.0}
+    layout, ups = _fleet([[0.0, 1.0]], counts=[(5, 0)])
+    with pytest.raises(NothingToAggregate, match="no update earned trust"):
+        _run("trust", layout, ups, server=server)
+
+
+def test_median_trust_counts_a_disagreeing_update_for_nothing_without_rejecting_it():
+    layout, ups = _fleet([[1.0, 0.1], [0.9, 0.0], [1.1, -0.1], [-1.0, 0.0]])
+    got, _ = _run("median_trust", layout, ups)
+    assert got.info["trust"]["d3"] == 0.0 and got.shares["d3"] == 0.0 and not got.excluded
+    assert all(got.info["trust"][d] == 1.0 for d in ("d0", "d1", "d2"))
+    np.testing.assert_allclose(got.vec, [1.0, 0.0], atol=1e-12)
+
+
+def test_median_trust_holds_its_reference_norm_to_the_lineage_history():
+    """Two tiny updates cannot shrink the honest one: the reference norm stays within
+    [0.5, 2] x the lineage's recent median."""
+    layout, ups = _fleet([[1e-6, 0.0], [1e-6, 0.0], [1.0, 0.0]])
+    got, _ = _run("median_trust", layout, ups, history=1.0)
+    np.testing.assert_allclose(got.vec, [(0.5 + 0.5 + 1.0) / 3, 0.0])  # tiny ones moved up to 0.5 x 1.0
+    got, _ = _run("median_trust", layout, ups)  # no history: the tiny median rules, the big one shrinks
+    assert got.vec[0] < 1e-5
+
+
+def test_partials_of_two_workers_cannot_count_one_update_twice():
+    layout, ups = _fleet([[1.0, 0.0]])
+    rule = make_strategy("fedavg", StrategyOptions(), RoundEvidence(layout))
+    a, b = rule.start(), rule.start()
+    c = Contribution("d0", _sparse(ups[0], layout), 10.0)
+    rule.accumulate(a, c)
+    rule.accumulate(b, c)
+    with pytest.raises(ValueError, match="counted twice"):
+        rule.merge(a, b)
+
+
+def test_trust_refuses_to_start_without_a_server_set():
+    with pytest.raises(ValueError, match="server set"):
+        make_strategy("trust", StrategyOptions(), RoundEvidence(_layout()))
