@@ -268,9 +268,10 @@ class CommandTarget(Target):
         return mutate_json(env, rng) if rng.random() < 0.2 else {**env, "body": mutate_json(env["body"], rng)}
 
     def judge(self, env: Any) -> str:
-        from edge_agent.agent.policy import Conditions, check_finetune, parse_finetune
+        from edge_agent.agent.policy import Conditions, check_finetune
         from edge_agent.protocol import Kind, Rejection
         from edge_agent.protocol.envelope import _signing_input, canonical_json
+        from edge_agent.protocol.finetune import parse_finetune
 
         f = self.fleet
         if isinstance(env, dict):

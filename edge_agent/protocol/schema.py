@@ -165,7 +165,7 @@ ALLOWANCE_CHECKS: dict[str, Callable[[Any], None]] = {
 INFERENCE_CHECKS: dict[str, Callable[[Any], None]] = {
     "served_model": _text(160), "served_kind": _enum("fleet", "personal"), "held_out": _int(0, 1 << 31),
     "fleet_accuracy": _num(0.0, 1.0), "personal_accuracy": _num(0.0, 1.0), "inference_wh": _num(0.0, 1e9),
-    "inference_requests": _int(0, 1 << 53)}
+    "inference_requests": _int(0, MAX_SEQ)}  # (2**53 - 1: every flat-map number fits a double exactly)
 
 # The entries of every flat map (hello info, state info, progress metrics, command params,
 # manifest meta) by name: a name means the same thing, with the same type and range, in all of
