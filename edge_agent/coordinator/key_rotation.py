@@ -26,26 +26,36 @@ re-enrol the devices instead (`--without-old-key` and `edge-agent init` on each)
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text
-from ..errors import EXIT_OK, InputError
+from ..errors import EXIT_OK, EdgeAgentError, InputError
 from ..keys import fingerprint, generate_private_key, load_private_key, save_private_key
 from ..protocol import Kind, Signer, Topics
 from .service_files import KEY_FILE, PUBLIC_KEY_FILE, lock_state_dir
 
+log = logging.getLogger(__name__)
 RETIRED_DIR = "keys/retired"
 ROTATION_TTL = 365 * 86400.0
 
 
 def retired_keys(state_dir: Path) -> list[Any]:
-    """The coordinator's earlier keys (private), oldest rotation first."""
+    """The coordinator's earlier keys (private), oldest rotation first; one that cannot be
+    read is logged and left out (the others' devices must still be able to follow)."""
     folder = Path(state_dir) / RETIRED_DIR
     paths = sorted(folder.glob("*.key"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-    return [load_private_key(p) for p in paths]
+    found = []
+    for path in paths:
+        try:
+            found.append(load_private_key(path))
+        except (OSError, EdgeAgentError) as exc:  # KeyFileError: unreadable, malformed, too open
+            log.error("retired coordinator key %s unusable: %s; devices still trusting it cannot follow the "
+                      "rotation (restore it, or re-enrol them)", path, exc)
+    return found
 
 
 def rotation_messages(state_dir: Path, topics: Topics, sequence: Any, public_key: str) -> list[tuple[str, bytes]]:

@@ -147,6 +147,15 @@ def test_key_rotate_is_signed_by_the_old_key_and_devices_follow_only_that(fleet_
     other = keys.generate_private_key()  # re-enrolled with `init --coordinator-key OTHER --force`
     assert CoordinatorTrust(state_dir=device.state, configured=other.public_key()).key_id == keys.fingerprint(other)
 
+    # a second rotation: both retired keys point at the newest; an unreadable one is left out, logged
+    assert run(capsys, "key", "rotate", "--state-dir", str(fleet_dir))[0] == 0
+    newest = public_key_text(keys.load_private_key(fleet_dir / "keys" / "coordinator.key"))
+    signed = rotation_messages(fleet_dir, device.topics, SequenceCounter(path=tmp_path / "s"), newest)
+    assert sorted(t.rsplit("/", 1)[1] for t, _ in signed) == sorted([keys.fingerprint(old), keys.fingerprint(new)])
+    (fleet_dir / RETIRED_DIR / f"{keys.fingerprint(old)}.key").chmod(0o644)
+    (topic, _), = rotation_messages(fleet_dir, device.topics, SequenceCounter(path=tmp_path / "s"), newest)
+    assert topic.endswith(keys.fingerprint(new))
+
 
 def test_a_rotation_not_signed_by_the_trusted_key_is_refused(device, tmp_path) -> None:
     trusted, rogue, new = (keys.generate_private_key() for _ in range(3))
