@@ -25,7 +25,7 @@ SIZES = (100, 1000, 5000)
 
 def fill(state_dir: Path, n: int) -> None:
     now = time.time()
-    with Registry(state_dir=state_dir) as reg, reg._tx() as db:  # one transaction: fast to set up
+    with Registry(state_dir=state_dir) as reg, reg.db.tx() as db:  # one transaction: fast to set up
         for i in range(n):
             pub = base64.b64encode(public_key_bytes(generate_private_key())).decode()
             state = json.dumps({"name": f"pi-{i:05d}", "status": "busy" if i % 7 == 0 else "idle",

@@ -188,6 +188,7 @@ def run(quick: bool = False) -> str:
                              + (" (within 0.5)" if gap <= 0.5 else " (NOT within 0.5)"))
             rows.append(f"| {name} | {plateau} | {r.rounds_run} | {100 * best:.2f} (r{at}) | "
                         f"{100 * r.published_acc:.2f} | {gap:.2f} | {r.lr_decays} | {r.seconds:.0f} s |")
+    soak = _soak_with_server_set(quick)
     return "\n".join([
         "## Plateau detection and server optimisers (bench_plateau)",
         "",
@@ -218,4 +219,42 @@ def run(quick: bool = False) -> str:
         "--min-delta, which can be while the test accuracy still creeps up (the cost is the second figure "
         "above). A larger --patience or a smaller --min-delta trades rounds for that last fraction of a point.",
         "",
+        *soak,
     ])
+
+
+def _soak_with_server_set(quick: bool) -> list[str]:
+    """The soak's fleet (4 devices, a few dozen digits each: bench/soak.py) in one long job,
+    with the model's server set: the gate holds every version within reach of the best, and
+    the plateau rule, judging each version on the server set, stops within its patience."""
+    from edge_agent.sim.poisoning import digits_fleet
+    from edge_agent.sim.poisoning import simulate as fleet_job
+
+    rounds, patience = (60, 5) if quick else (200, 10)
+    rows, checks = [], []
+    for seed in (0, 1):
+        data = digits_fleet(4, seed=seed, per_device=40)
+        for stop in (False, True):
+            params = {"plateau_patience": patience, "plateau_min_delta": 0.005} if stop else {}
+            r = fleet_job(data, rounds=rounds, server_set=True, seed=seed, params=params)
+            peak = max(range(len(r.accuracy)), key=r.accuracy.__getitem__)
+            scores = [a for a in r.server_accuracy if a is not None]
+            score_peak = max(range(len(scores)), key=scores.__getitem__) if scores else 0
+            drop = 100 * (r.accuracy[peak] - r.accuracy[-1])
+            if stop:
+                checks.append(len(scores) - 1 - score_peak <= patience and r.reason.startswith("plateau"))
+            else:
+                checks.append(drop <= 1.0)
+            rows.append(f"| {seed} | {'--patience ' + str(patience) if stop else 'none'} | {len(r.accuracy)} | "
+                        f"{100 * r.accuracy[peak]:.1f} (r{peak + 1}) | {100 * r.accuracy[-1]:.1f} | {drop:.1f} | "
+                        f"{r.failed} | {(r.reason or r.status)[:90]} |")
+    return ["### The soak's fleet with a server set", "",
+            f"4 devices of 40 camera digits each (the soak's few dozen), one job of up to {rounds} rounds, the "
+            "default rule with the model's 300-sample server set (trust; every version gated against the job's "
+            "best), edge_agent/sim/poisoning.py's MLP head. Test accuracy on 449 held-out digits; peak = the best "
+            "version's; drop = from the peak to the last version. With `--patience`, the plateau rule judges each "
+            "version by its server-set score.", "",
+            "| seed | plateau rule | rounds run | peak test acc % (round) | last % | drop (points) | rounds the gate "
+            "stopped | job |", "|---|---|---:|---:|---:|---:|---:|---|", *rows, "",
+            f"Targets: accuracy within 1 point of its peak to the end without a plateau rule, and a stop within "
+            f"{patience} versions of the server-set peak with one: {sum(checks)} of {len(checks)} met.", ""]

@@ -2,7 +2,9 @@
 
 mosquitto's `use_identity_as_username true` makes a client's certificate CN its username,
 and the ACL grants each device only `.../devices/<CN>/...`. So the CN of a device
-certificate IS its device id, and the coordinator's CN is `coordinator`.
+certificate IS its device id, and the coordinator's CN is `coordinator`. Each worker of a
+`serve --workers-group` has its own, `coordinator-<worker id>`: the CN is also the client
+id, and two connections with one certificate replace each other at the broker.
 
 Keys are EC P-256 (small and fast on a Pi Zero); private keys are written 0600 through the
 crash-safe writer and never overwritten unless asked.
@@ -21,6 +23,22 @@ from .errors import ConfigError, InputError
 
 _CN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 COORDINATOR_CN = "coordinator"
+WORKER_CN_PREFIX = "coordinator-"
+# serve's --worker-id (workers.GROUP_RE), short enough that the CN stays within 64 characters
+_WORKER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,51}$")
+
+
+def worker_cn(worker_id: str) -> str:
+    """The certificate CN (and MQTT user and client id) of serve worker `worker_id`."""
+    if not _WORKER_RE.match(worker_id):
+        raise InputError(f"worker id {worker_id[:80]!r}: 1-52 letters, digits, '_' or '-' (what `serve "
+                         "--worker-id` takes), starting with a letter or digit")
+    return WORKER_CN_PREFIX + worker_id
+
+
+def is_coordinator_name(name: str) -> bool:
+    """The coordinator's CN or a worker's: names the ACL gives every device's topics."""
+    return name == COORDINATOR_CN or name.startswith(WORKER_CN_PREFIX)
 
 
 @dataclass

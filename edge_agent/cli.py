@@ -37,6 +37,8 @@ EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EX
 def _cmd_probe(args: argparse.Namespace) -> int:
     from .hardware.probe import probe, render
 
+    if not Path(args.root).is_dir():
+        raise UsageError(f"--root {args.root}: no such directory (a filesystem root: / or a captured board tree)")
     report = probe(args.root)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))

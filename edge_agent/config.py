@@ -98,6 +98,8 @@ AGENT_SCHEMA: Schema = {
         "keep_job_records": Field(int, minimum=1, maximum=1_000_000),  # finished job records kept (jobs.py)
         "keep_job_days": number(1, 36500),
         "model_fetch_timeout_s": number(1, 7 * 86400),  # no progress for this long: the fetch fails
+        # no answer to the hello for this long: a problem (log, STATUS=, run --check), hello re-sent (agent/link.py)
+        "coordinator_silence_s": number(1, 7 * 86400),
     },
     # the local inference service (edge_agent/inference/, docs/deployment.md "Local inference")
     "serve": {
@@ -139,7 +141,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "service": {"state_interval_s": 60.0, "progress_interval_s": 30.0, "outbox_max_mb": 64,
                 "upload_ack_timeout_s": 120.0,
                 "upload_retry_min_s": 5.0, "upload_retry_max_s": 3600.0,
-                "keep_job_records": 500, "keep_job_days": 30.0, "model_fetch_timeout_s": 600.0},
+                "keep_job_records": 500, "keep_job_days": 30.0, "model_fetch_timeout_s": 600.0,
+                "coordinator_silence_s": 300.0},
     "serve": {"enabled": False, "port": 0, "top_k": 3, "max_body_mb": 8.0, "max_image_pixels": 4_000_000,
               "max_batch": 256, "max_inflight": 16, "read_timeout_s": 10.0, "samples_per_label": 1000,
               "samples_max_mb": 256.0, "guard_tolerance": 0.02, "personal": True, "finetune_after_samples": 0,
@@ -278,6 +281,9 @@ def _check_semantics(report: Reporter, merged: dict[str, Any]) -> None:
         value = merged.get(table, {}).get(key)
         if isinstance(value, str) and not _ID_RE.match(value):
             report.error(table, key, "use letters, digits, '.', '_' or '-' (max 64; no '/', '+', '#')")
+    root = merged.get("device", {}).get("sysfs_root")
+    if isinstance(root, str) and not Path(root).is_dir():
+        report.error("device", "sysfs_root", f"{root}: no such directory (\"/\" on a device)")
     broker = merged.get("broker", {})
     if not _PREFIX_RE.match(broker.get("topic_prefix", "")):
         report.error("broker", "topic_prefix", "'/'-separated segments of letters, digits, '.', '_', '-'")

@@ -62,6 +62,10 @@ examples:
   edge-agent run --config /etc/edge-agent/agent.toml --check     # validate, print, exit
   edge-agent run --config /etc/edge-agent/agent.toml
 
+--check also prints what the running (or last) daemon knows of the coordinator hearing this
+device (STATE_DIR/link.json): its hello answered, or not for [service] coordinator_silence_s
+(default 300 s): then it exits 69 (a broker ACL for another fleet, or no serve on this fleet).
+
 exit codes:
 """ + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items()) + """
 
@@ -160,6 +164,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
     if not existing.is_dir():  # found now, not after the key has been created
         raise UsageError(f"--config {config_path}: {existing} is not a directory")
     owner = _service_owner(args.service_user)  # (refused before anything is written)
+    if not Path(args.sysfs_root).is_dir():
+        raise UsageError(f"--sysfs-root {args.sysfs_root}: no such directory")
     report = probe(args.sysfs_root)
     matched = report["profile"]["name"]
     profile = load_profiles().profiles.get(matched) if matched else None
@@ -231,10 +237,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"  budget   {_budget_line(config)}")
         print(f"  policy   accept_finetune={g('policy', 'accept_finetune')} min_battery_pct={g('policy', 'min_battery_pct')} "
               f"max_jobs_per_day={g('policy', 'max_jobs_per_day')}")
-        return EXIT_OK
+        return _check_link(config, device_id)
     from .daemon import Daemon
 
     return Daemon(config).run()
+
+
+def _check_link(config: Any, device_id: str) -> int:
+    """What the daemon last knew of being heard by the coordinator (STATE_DIR/link.json):
+    exit 69 while it reports a problem under this config's fleet and topics."""
+    import time
+
+    from ..errors import EXIT_UNAVAILABLE
+    from ..protocol import Topics
+    from .link import LINK_FILE, read_link
+
+    doc = read_link(config.state_dir / LINK_FILE)
+    if doc is None:
+        print("  link     not run yet (after `edge-agent run` starts, this says whether the coordinator answers)")
+        return EXIT_OK
+    topic = Topics(fleet=config.fleet, prefix=config.topic_prefix).device(device_id, "hello")
+    when = doc.get("updated_at")
+    age = f"as of {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}" if isinstance(when, int | float) else ""
+    if doc.get("hello_topic") != topic:
+        print(f"  link     last run used {str(doc.get('hello_topic'))[:200]} (another fleet or prefix): restart the "
+              "agent to use this config")
+        return EXIT_OK
+    if doc.get("problem"):
+        print(f"  link     PROBLEM ({age}): {str(doc['problem'])[:1000]}")
+        return EXIT_UNAVAILABLE
+    acked = doc.get("acknowledged_at")
+    if doc.get("waiting_since") is None and isinstance(acked, int | float):
+        print(f"  link     the coordinator answered this device's hello at "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(acked))}")
+    else:
+        print(f"  link     hello sent, no answer from the coordinator yet ({age})")
+    return EXIT_OK
 
 
 def _budget_line(config: Any) -> str:
@@ -277,7 +315,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--config", default="/etc/edge-agent/agent.toml", metavar="PATH",
                    help="agent.toml (default /etc/edge-agent/agent.toml)")
-    r.add_argument("--check", action="store_true", help="validate the config and key, print a summary, exit")
+    r.add_argument("--check", action="store_true",
+                   help="validate the config and key, print a summary and whether the coordinator answers, exit")
     r.set_defaults(func=_cmd_run)
 
 

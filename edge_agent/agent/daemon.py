@@ -5,7 +5,8 @@ Main loop, every iteration (at most TICK_S apart while idle):
 
     watchdog.alive() -> receive one verified message (or a Rejection) -> dispatch
     -> drive jobs (jobs.py table, lifecycle.py) -> finish model activations
-    -> pump the outbox (a few chunks) -> publish hello / state when due
+    -> pump the outbox (a few chunks) -> publish hello / state when due (the hello again
+       while the coordinator has not answered it, or says it does not know us: link.py)
 
 Nothing that arrives can kill it: the Verifier turns any bytes into a Message or a
 Rejection; a refused command is answered with a signed `refusal` (reason code + text) on
@@ -21,7 +22,8 @@ Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_s
                  (epoch s), epochs, batch_size, lr, patience, checkpoint_every, seed,
                  update_bytes (unknown params are ignored)
     cancel       job (+ round)        fetch_model  model, version (+ sha256, head_sha256)
-    ping         -> progress phase "pong"        probe  -> progress "probe" + fresh hello/state
+    ping         -> progress phase "pong" (a ping with cmd_id hello-<seq> answers our hello: link.py)
+    probe        -> progress "probe" + fresh hello/state
 Replies go to the progress topic: phase "accepted" / job states / "pong" / "probe", or a
 `refusal` (reasons: policy.py's codes, or the protocol's: bad_signature, expired, ...).
 A `key_rotation` (retained on coordinator/key/<trusted key id>, signed by the trusted key)
@@ -69,6 +71,7 @@ from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsCo
 from .coordinator_trust import CoordinatorTrust
 from .jobs import JobStore
 from .lifecycle import DriverSettings, JobDriver
+from .link import HELLO_ACK_PREFIX, LINK_FILE, CoordinatorLink
 from .models import ModelStore
 from .policy import DeviceLimits, Verdict
 from .sdnotify import Watchdog
@@ -173,6 +176,10 @@ class Daemon:
 
             self.inference = InferenceServer.from_config(config, probe=self.probe_report)
         self.watchdog = watchdog or Watchdog()
+        # Is the coordinator hearing us? (an ACL for another fleet drops everything silently)
+        self.link = CoordinatorLink(path=sd / LINK_FILE, fleet=config.fleet,
+                                    hello_topic=self.topics.device(self.device_id, "hello"),
+                                    silence_s=float(g("service", "coordinator_silence_s", 300.0)))
         self.state_interval = float(g("service", "state_interval_s"))
         self._stop = threading.Event()
         self._connects = 0
@@ -245,8 +252,9 @@ class Daemon:
     def _update_status(self) -> None:
         """systemd's STATUS= line (`systemctl status edge-agent`), sent when it changes."""
         active = self.driver.active()
+        silent = self.link.status() if self.client.connected else ""
         status = (f"busy: job {active[0].job_id} {active[0].state.value}" if active else "idle") + \
-            ("" if self.client.connected else "; broker unreachable, retrying")
+            ("" if self.client.connected else "; broker unreachable, retrying") + (f"; {silent}" if silent else "")
         if status != self._status:
             self._status = status
             self.watchdog.status(status)
@@ -255,7 +263,8 @@ class Daemon:
         topic = self.topics.device(self.device_id, "hello")
         body: dict[str, Any] = {"public_key": public_key_text(self.key), "agent": AGENT,
                                 "info": self.device.hello_info(self.name)}
-        self.channel.send(topic, Kind.HELLO, body, ttl=365 * 86400, retain=True, timeout=5.0)
+        if self.channel.send(topic, Kind.HELLO, body, ttl=365 * 86400, retain=True, timeout=5.0):
+            self.link.hello_sent()  # the coordinator answers a fresh hello (link.py)
 
     def _model_changed(self, fetch: Any) -> None:
         self.driver.changed = True
@@ -267,6 +276,13 @@ class Daemon:
         if isinstance(result, Rejection):
             self.channel.reply_to(result)  # a refused command is answered; junk elsewhere is not
             return
+        if result.kind is Kind.ACK and result.body.get("reason") == "unknown_key":  # our update: sender unknown
+            self.link.refused("unknown_key", str(result.body.get("detail", "")))
+        elif result.kind in (Kind.CMD, Kind.ACK):  # signed by the coordinator, for us: it knows this device
+            self.link.heard(f"{result.kind} {result.body.get('cmd_id') or result.body.get('status', '')}")
+        if result.kind is Kind.CMD and result.body["action"] == "ping" and \
+                result.body["cmd_id"].startswith(HELLO_ACK_PREFIX):
+            return  # the coordinator's answer to our hello: nothing to reply
         if result.kind is Kind.CMD:
             try:
                 self.command(result)
@@ -287,6 +303,7 @@ class Daemon:
             self.models.add(result)
         elif result.kind is Kind.REFUSAL:
             log.warning("the coordinator refused our message: %s: %s", result.body["reason"], result.body["detail"])
+            self.link.refused(result.body["reason"], result.body["detail"])
         elif result.kind is Kind.KEY_ROTATION:
             self.rotate_coordinator_key(result)
 
@@ -380,8 +397,11 @@ class Daemon:
                 self._connects = connects
                 self.publish_hello()
                 self.publish_state()
-            elif self.driver.changed or time.monotonic() >= self._next_state:
-                self.publish_state()
+            else:
+                if self.link.hello_due():  # refused as unknown, or not answered: say it again
+                    self.publish_hello()
+                if self.driver.changed or time.monotonic() >= self._next_state:
+                    self.publish_state()
         self._update_status()
 
     def run(self) -> int:

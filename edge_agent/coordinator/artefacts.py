@@ -24,29 +24,37 @@ No MXNet here: head.params is read and written by mxparams (numpy only).
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import hashlib
 import logging
+import tarfile
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write_text, read_limited, sha256_file
+from ..atomic import atomic_write_bytes, atomic_write_text, read_limited, sha256_file
 from ..errors import ConfigError, InputError
 from ..int8.bundle import (
     HEAD_PARAMS,
+    MANIFEST,
     MAX_ARCHIVE_BYTES,
+    MAX_MANIFEST_BYTES,
     Bundle,
+    FileEntry,
     bundle_params,
     load_bundle,
     pack_bundle,
     params_files,
+    parse_manifest,
     unpack_bundle,
-    write_bundle_dir,
 )
-from ..int8.bundle_patch import PATCH_SUFFIX, pack_patch, patch_version
+from ..int8.bundle_files import archive_bytes
+from ..int8.bundle_patch import PATCH_SUFFIX, patch_version
 from ..int8.requantize import refresh_prefixes
 from .records import ModelVersion, check_id
 from .registry import Registry
@@ -73,6 +81,7 @@ class ModelArtefacts:
         self.registry = registry
         self.root = registry.state_dir / BUNDLES
         self._cache: OrderedDict[tuple[str, str], Artefact] = OrderedDict()
+        self._roots: dict[Path, tuple[str, Bundle]] = {}  # root archive -> (its sha256, unpacked once)
 
     def archive_path(self, name: str, version: str) -> Path:
         return self.root / check_id(name, "model name") / f"{check_id(version, 'model version')}.tar.gz"
@@ -183,7 +192,9 @@ class ModelArtefacts:
 
     def patch_for(self, mv: ModelVersion) -> Artefact | None:
         """A head-only version's patch on its root bundle, built once; None for a registered
-        bundle (nothing to patch it onto) or a version id too long to suffix."""
+        bundle (nothing to patch it onto) or a version id too long to suffix. Built in memory
+        from the cached root (`_root`): the version's files are never written as a bundle
+        directory, only the patch archive and its full archive's sha256."""
         if not mv.head_only or mv.bundle_path is None or len(patch_version(mv.version)) > 64:
             return None
         key = (mv.name, patch_version(mv.version))
@@ -191,16 +202,18 @@ class ModelArtefacts:
         if cached is not None:
             return cached
         target = self.archive_path(*key)
-        with tempfile.TemporaryDirectory(prefix="edge-coordinator-patch-") as tmp:
-            root = self._abs(mv.bundle_path)
-            new = self._build_dir(mv, root, Path(tmp))  # (the root unpacked at tmp/root)
-            _, carried = pack_patch(new.path, Path(tmp) / "root", target)  # reproducible: rebuilt the same
-            head_bytes = new.manifest.files[HEAD_PARAMS].size
-            if self._expected_sha(mv) is None:  # what commands pin; the full archive itself is not kept
-                full = pack_bundle(new.path, Path(tmp) / "full.tar.gz")
-                atomic_write_text(self.archive_path(mv.name, mv.version).with_suffix(".sha256"),
-                                  sha256_file(full) + "\n")
-        art = Artefact(mv.name, key[1], target, sha256_file(target), target.stat().st_size, head_bytes)
+        root = self._root(self._abs(mv.bundle_path))
+        manifest, files = self._version_files(mv, root)
+        carried = sorted(f for f, entry in manifest.files.items()
+                         if f not in root.manifest.files or root.manifest.files[f].sha256 != entry.sha256)
+        raw = manifest.to_bytes()
+        atomic_write_bytes(target, archive_bytes(raw, [(f, files[f]) for f in carried]))  # reproducible
+        if self._expected_sha(mv) is None:  # what commands pin; the full archive itself is not kept
+            full = archive_bytes(raw, [(f, files[f]) for f in sorted(files)])
+            atomic_write_text(self.archive_path(mv.name, mv.version).with_suffix(".sha256"),
+                              hashlib.sha256(full).hexdigest() + "\n")
+        art = Artefact(mv.name, key[1], target, sha256_file(target), target.stat().st_size,
+                       manifest.files[HEAD_PARAMS].size)
         log.info("head patch %s for model %s %s: %d bytes (%s)", target.name, mv.name, mv.version, art.size,
                  ", ".join(carried))
         self._remember(key, art)
@@ -219,23 +232,38 @@ class ModelArtefacts:
         size = path.stat().st_size
         if size > MAX_ARCHIVE_BYTES:
             raise InputError(f"{path}: {size} bytes is over the archive limit")
-        with tempfile.TemporaryDirectory(prefix="edge-coordinator-head-") as tmp:
-            head_bytes = unpack_bundle(path, Path(tmp) / "b").manifest.files[HEAD_PARAMS].size
-        return Artefact(mv.name, mv.version, path, sha256_file(path), size, head_bytes)
+        return Artefact(mv.name, mv.version, path, sha256_file(path), size, _manifest_of(path).files[HEAD_PARAMS].size)
 
     def _build(self, mv: ModelVersion, root_archive: Path, target: Path) -> None:
-        """Root bundle + this version's head -> a verified bundle -> a reproducible archive."""
-        with tempfile.TemporaryDirectory(prefix="edge-coordinator-build-") as tmp:
-            built = self._build_dir(mv, root_archive, Path(tmp))
-            pack_bundle(built.path, target)
-        atomic_write_text(target.with_suffix(".sha256"), sha256_file(target) + "\n")
+        """Root bundle + this version's head -> a reproducible archive (in memory, then one
+        atomic write)."""
+        manifest, files = self._version_files(mv, self._root(root_archive))
+        data = archive_bytes(manifest.to_bytes(), [(f, files[f]) for f in sorted(files)])
+        atomic_write_bytes(target, data)
+        atomic_write_text(target.with_suffix(".sha256"), hashlib.sha256(data).hexdigest() + "\n")
         log.info("built bundle %s for model %s %s (head only; backbone of %s)", target.name, mv.name, mv.version,
                  root_archive.name)
 
-    def _build_dir(self, mv: ModelVersion, root_archive: Path, tmp: Path) -> Bundle:
-        """The version's bundle directory under `tmp`: the root's files with this head."""
+    def _root(self, root_archive: Path) -> Bundle:
+        """The root bundle, unpacked (verified) once under <state_dir>/cache/roots/ and kept:
+        every version of the model is built on it."""
+        sha = sha256_file(root_archive)
+        if self._roots.get(root_archive) is not None and self._roots[root_archive][0] == sha:
+            return self._roots[root_archive][1]
+        dest = self.registry.state_dir / "cache" / "roots" / sha[:16]
+        try:
+            bundle = load_bundle(dest)
+        except (InputError, OSError):
+            bundle = unpack_bundle(root_archive, dest, overwrite=True)
+        if len(self._roots) > 8:
+            self._roots.clear()
+        self._roots[root_archive] = (sha, bundle)
+        return bundle
+
+    def _version_files(self, mv: ModelVersion, base: Bundle) -> tuple[Any, dict[str, bytes]]:
+        """(manifest with its file entries filled in, files) of the version: the root's files
+        with this head -- exactly what `write_bundle_dir` would write, checked the same way."""
         head = self.registry.load_head(mv)
-        base: Bundle = unpack_bundle(root_archive, tmp / "root")
         files = {f: base.read(f) for f in base.manifest.files}
         base_params, prefixes = bundle_params(base)
         if set(base_params) != set(head):
@@ -249,10 +277,25 @@ class ModelArtefacts:
         if rebuilt:
             log.info("model %s %s: re-quantised %s (weights inside them changed)", mv.name, mv.version,
                      ", ".join(rebuilt))
-        manifest = base.manifest
+        manifest = copy.deepcopy(base.manifest)  # the cached root's stays as it is
         manifest.version, manifest.parent_version = mv.version, mv.parent
         manifest.created = dt.datetime.fromtimestamp(mv.created_at, dt.UTC).isoformat(timespec="seconds")
         manifest.extra = {**manifest.extra, "head_only": not rebuilt, "root_bundle": base.sha256,
                           **({"requantised": rebuilt} if rebuilt else {}),
                           **({"job": mv.job_id, "round": mv.round} if mv.job_id else {})}
-        return write_bundle_dir(tmp / "new", files, manifest)
+        manifest.files = {n: FileEntry(hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()}
+        parse_manifest(manifest.to_bytes(), where=f"model {mv.name} {mv.version}")  # what a device will parse
+        return manifest, files
+
+
+def _manifest_of(archive: Path) -> Any:
+    """An archive's manifest, read without unpacking the rest."""
+    try:
+        with tarfile.open(archive, mode="r:gz") as tar:
+            member = tar.getmember(MANIFEST)
+            handle = tar.extractfile(member) if member.isfile() and member.size <= MAX_MANIFEST_BYTES else None
+            if handle is None:
+                raise InputError(f"{archive}: no readable {MANIFEST}")
+            return parse_manifest(handle.read(), where=f"{archive}: {MANIFEST}")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise InputError(f"{archive}: not a bundle archive ({exc})") from None

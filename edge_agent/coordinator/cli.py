@@ -38,6 +38,12 @@ Sources (one of):
   --onnx FILE                    an ONNX model (opset as exported by MXNet or PyTorch)
   --mxnet PREFIX                 an exported Gluon HybridBlock: PREFIX-symbol.json and
                                  PREFIX-0000.params (what HybridBlock.export(PREFIX) writes)
+  --example                      a starter model for a first real round: the demo's digits
+                                 CNN (labels 0-9, 8x8 grey), trained here in seconds on
+                                 scikit-learn's bundled digits (the [demo] extra); with
+                                 --example-data DIR, each example device's own digits
+                                 (DIR/device-N/digits.npz, through its own simulated camera)
+                                 to copy to a device's data folder
 
 Calibration (--calib): an .npz holding an (N, C, H, W) float array named x, data or images
 (already normalised), or a folder of .npy arrays (normalised) and/or images (.png/.jpg:
@@ -53,6 +59,7 @@ examples:
   edge-coordinator model create --mxnet exported/net --split features_gap_fwd \\
       --calib images/ --labels labels.txt --name birds --version 2 --parent-version 1 \\
       --scale 0.00392157 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225 --output birds-2
+  edge-coordinator model create --example --output models/digits-1 --example-data example-data
   edge-coordinator model nodes resnet18.onnx     # where to --split
   edge-coordinator model inspect models/digits-1.tar.gz
 """
@@ -136,6 +143,17 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
     from ..int8.bundle import pack_bundle
     from ..int8.bundle_create import create_bundle
 
+    if args.example:
+        return _cmd_model_example(args)
+    missing = [f"--{n}" for n in ("calib", "labels", "name", "version") if not getattr(args, n)]
+    if missing:
+        from ..errors import UsageError
+
+        raise UsageError(f"model create --onnx/--mxnet needs {', '.join(missing)}")
+    if args.example_data:
+        from ..errors import UsageError
+
+        raise UsageError("--example-data goes with --example")
     if args.mxnet:
         source: Any = _mxnet_block(args.mxnet, args.input_name)
         args.input_shape = _mxnet_input_shape(args)
@@ -163,6 +181,48 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
         atomic_write_bytes(side, pack_server_set(data))
         print(f"server set {side}: {len(data)} labelled samples (kept beside the bundle, not in it); "
               "`model register` takes it with the bundle")
+    return EXIT_OK
+
+
+EXAMPLE_DEPTHS = 2  # the digits CNN's two convs below its pool (the demo's depths)
+
+
+def _cmd_model_example(args: argparse.Namespace) -> int:
+    """The demo's base bundle (edge_agent/sim/scenario.py): the digits CNN trained on clean
+    digits no example device holds; and, with --example-data, each device's own share."""
+    from ..errors import ConfigError, UsageError
+    from ..int8.bundle import pack_bundle
+
+    for flag, value in (("--calib", args.calib), ("--labels", args.labels), ("--split", args.split),
+                        ("--parent-version", args.parent_version), ("--input-shape", args.input_shape)):
+        if value:
+            raise UsageError(f"--example builds its own model: drop {flag}")
+    try:
+        import sklearn  # noqa: F401 - the digits live in scikit-learn
+
+        from ..sim import scenario as demo  # the simulation's room: imported only for --example
+    except ImportError as exc:
+        raise ConfigError(f"--example needs the [demo] extra ({exc.name}): pip install '/path/to/checkout[demo]'") from None
+    scenario = demo.scenario()  # the base model's digits and three example devices' (none in common)
+    bundle = demo.build_bundle(args.output, scenario.base_x, scenario.base_y, name=args.name or "digits",
+                               version=args.version or "1", overwrite=args.overwrite,
+                               depths=min(args.depths, EXAMPLE_DEPTHS))
+    m = bundle.manifest
+    print(f"bundle {bundle.path}: {m.name} {m.version} (sha256 {bundle.sha256[:16]}...), the example digits CNN "
+          f"trained on {len(scenario.base_y)} clean digits; labels {','.join(m.labels)}, input 1x8x8 grey")
+    for line in _depth_lines(m):
+        print(line)
+    if args.archive:
+        archive = pack_bundle(bundle.path, args.archive)
+        print(f"archive {archive} ({archive.stat().st_size} bytes)")
+    if args.example_data:
+        root = Path(args.example_data)
+        for i, dev in enumerate(scenario.devices, 1):
+            written = demo.write_data(root / f"device-{i}", dev.images, dev.labels, "npz")
+            written.rename(written.with_name("digits.npz"))
+            print(f"example data for a device: {written.with_name('digits.npz')} ({len(dev.labels)} digits through "
+                  "its own simulated camera)")
+    print(f"register it: edge-coordinator model register {bundle.path} --name {m.name} --version {m.version}")
     return EXIT_OK
 
 
@@ -236,13 +296,17 @@ def add_model_commands(sub: Any) -> None:
     src = create.add_mutually_exclusive_group(required=True)
     src.add_argument("--onnx", metavar="FILE", help="ONNX model file")
     src.add_argument("--mxnet", metavar="PREFIX", help="exported Gluon block: PREFIX-symbol.json + PREFIX-0000.params")
+    src.add_argument("--example", action="store_true",
+                     help="a starter model: the demo's digits CNN, trained here on scikit-learn's digits (see above)")
+    create.add_argument("--example-data", metavar="DIR", default=None,
+                        help="with --example: write each of three example devices' digits to DIR/device-N/digits.npz")
     create.add_argument("--split", metavar="NODE",
                         help="node (or tensor) where the frozen backbone ends and the head begins")
-    create.add_argument("--calib", required=True, metavar="PATH", help="calibration .npz or folder (see above)")
-    create.add_argument("--labels", required=True, metavar="FILE|A,B,...",
+    create.add_argument("--calib", metavar="PATH", help="calibration .npz or folder (see above; not with --example)")
+    create.add_argument("--labels", metavar="FILE|A,B,...",
                         help="class labels: a file with one per line, or a comma-separated list")
-    create.add_argument("--name", required=True, help="model name ([A-Za-z0-9._+-], up to 64)")
-    create.add_argument("--version", required=True, help="this bundle's version")
+    create.add_argument("--name", help="model name ([A-Za-z0-9._+-], up to 64; --example: digits)")
+    create.add_argument("--version", help="this bundle's version (--example: 1)")
     create.add_argument("--parent-version", default=None, help="the version this one was derived from")
     create.add_argument("--input-shape", type=_shape, default=None, metavar="C,H,W",
                         help="input shape (for --mxnet, default: the --calib arrays' shape; "

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_OK, EXIT_UNAVAILABLE, EdgeAgentError, InputError, UsageError
+from ..errors import EXIT_OK, EXIT_UNAVAILABLE, ConfigError, EdgeAgentError, InputError, UsageError
 from .fleet_views import (
     device_rows,
     devices_json,
@@ -34,7 +34,7 @@ from .fleet_views import (
     refusal_lines,
     table,
 )
-from .server_set import attach, packed_for
+from .server_set import StoredServerSets, attach, packed_for
 
 
 class Unavailable(EdgeAgentError):
@@ -107,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            auto_approve=args.auto_approve, tick_s=args.tick, policy=policy,
                            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                            ack_interval=args.ack_interval, retention=policy_from_args(args),
-                           workers_group=args.workers_group, worker_id=args.worker_id)
+                           workers_group=args.workers_group, worker_id=args.worker_id,
+                           silence_s=args.silence_alert)
     if args.workers_group and args.embedded_broker:  # amqtt has no $share/ subscriptions
         raise UsageError("--workers-group needs a broker with MQTT shared subscriptions (mosquitto 2, EMQX, "
                          "HiveMQ, VerneMQ), not --embedded-broker")
@@ -119,12 +120,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_ui_options(args.ui, args.ui_token)  # a bad address or a missing token: exit 64 before starting
     broker = None
     if args.embedded_broker:
-        from ..transport.broker import EmbeddedBroker
+        from ..transport.broker import BrokerError, EmbeddedBroker
 
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise UsageError(f"--embedded-broker listens on loopback only; --broker {host} is not loopback")
-        broker = EmbeddedBroker(port=port, host="127.0.0.1" if host == "localhost" else host)
-        broker.start()
+        bind = "127.0.0.1" if host == "localhost" else host
+        _check_port_free(bind, port, f"--embedded-broker on --broker {host}:{port}",
+                         "another broker (or serve) listens there: pick another --broker port, or drop "
+                         "--embedded-broker to use that broker")
+        broker = EmbeddedBroker(port=port, host=bind)
+        try:
+            broker.start()
+        except BrokerError as exc:
+            raise ConfigError(f"--embedded-broker on --broker {host}:{port}: {exc}") from None
         logging.getLogger(__name__).info("embedded MQTT broker (amqtt) on %s:%d: for trials and the demo, "
                                          "not for production", host, port)
     metrics = server = None
@@ -136,7 +144,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from .metrics import CoordinatorMetrics  # prometheus-client: only when asked for
 
             metrics = CoordinatorMetrics()
-            server = metrics.serve(port=args.metrics_port, address=args.metrics_addr)
+            try:
+                server = metrics.serve(port=args.metrics_port, address=args.metrics_addr)
+            except OSError as exc:
+                raise ConfigError(f"--metrics-port {args.metrics_port} (--metrics-addr {args.metrics_addr}): cannot "
+                                  f"listen there: {exc.strerror or exc}; another process uses it? pick another "
+                                  "port (0: any free one)") from None
             logging.getLogger(__name__).info("Prometheus metrics on %s", server.url)
         coordinator = Coordinator(options, metrics=metrics)
         ui = None
@@ -158,6 +171,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.close()
         if broker is not None:
             broker.stop()
+
+
+def _check_port_free(host: str, port: int, what: str, hint: str) -> None:
+    """A TCP port someone already listens on is a ConfigError naming the flag, before a
+    library (amqtt) fails on it with a traceback."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot listen there: {exc.strerror or exc}; {hint}") from None
 
 
 def cmd_key(args: argparse.Namespace) -> int:
@@ -186,8 +213,12 @@ def cmd_devices(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(devices_json(devices, policy, time.time()), indent=2))
             return EXIT_OK
+        problems = _serve_problems(args)
         if not devices:
-            print("no devices yet: start an agent (`edge-agent run`) pointed at this coordinator's broker")
+            print("no devices yet: start an agent (`edge-agent run`) pointed at this coordinator's broker"
+                  + ("" if problems else ", on the same fleet"))
+            for problem in problems:
+                print(f"PROBLEM: {problem}")
             return EXIT_OK
         print(table(device_rows(devices, policy, time.time())))
         refusing = refusal_lines(devices, time.time())
@@ -201,7 +232,31 @@ def cmd_devices(args: argparse.Namespace) -> int:
         if pending:
             print(f"\n{len(pending)} waiting for approval: edge-coordinator approve {' '.join(pending[:3])}"
                   + (" ..." if len(pending) > 3 else ""))
+        for problem in problems:
+            print(f"\nPROBLEM: {problem}")
     return EXIT_OK
+
+
+def _link_line(info: dict[str, Any]) -> str:
+    """serve's loopback check (link_health.py), as `status` shows it."""
+    link = info.get("link") if isinstance(info.get("link"), dict) else {}
+    ok_at, failed = link.get("loopback_ok_at"), link.get("loopback_failed_since")
+    if isinstance(failed, int | float):
+        return "link: the broker drops this coordinator's messages (see PROBLEM)"
+    if isinstance(ok_at, int | float):
+        return (f"link: the broker delivers this coordinator's messages (checked "
+                f"{time.strftime('%H:%M:%S', time.localtime(ok_at))})")
+    return "link: not checked yet (serve checks within 30 s of connecting)"
+
+
+def _serve_problems(args: argparse.Namespace) -> list[str]:
+    """What the running serve reports as wrong (serve.json): its link silent, its counter behind..."""
+    from .service_files import read_serve_file, serving
+
+    info = read_serve_file(state_dir(args))
+    if not serving(info):
+        return []
+    return [str(p)[:1000] for p in (info.get("problems") or [])[:10]]
 
 
 def _resolve(devices: list[Any], ref: str) -> Any:
@@ -423,7 +478,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise Unavailable(msg + "\n(--wait-for-devices queues the job anyway; it starts when enough "
                                         "devices are eligible, or fails after --deadline)")
             print(msg)
-        job = RoundEngine(registry=reg, policy=policy).start_job(
+        job = RoundEngine(registry=reg, policy=policy, evidence=StoredServerSets(reg)).start_job(
             model_name=mv.name, model_version=mv.version, selector=args.devices, rounds=args.rounds,
             min_devices=args.min_devices, deadline_s=args.deadline, budget_wh=args.budget_wh, params=params)
         print(f"job {job.id}: {args.rounds} round(s) of {mv.name} {mv.version} on {args.devices} "
@@ -496,6 +551,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = read_serve_file(state_dir(args))
         print(f"coordinator: {'serving ' + str(info.get('broker')) if serving(info) else 'not running'}"
               + (f", fleet {info.get('fleet')}" if info else ""))
+        if serving(info):
+            print(_link_line(info))
         for problem in (info.get("problems") or [])[:10] if serving(info) else []:
             print(f"PROBLEM: {str(problem)[:1000]}")
         print(table(jobs_table(reg, jobs)) if jobs else "no jobs yet: edge-coordinator train --model NAME ...")

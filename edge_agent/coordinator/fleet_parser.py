@@ -221,6 +221,9 @@ def add_fleet_commands(sub: Any) -> None:
     s.add_argument("--max-wait", type=_duration, default=None, metavar="DURATION",
                    help="how long a round waits for enough eligible devices (default: the job's deadline)")
     s.add_argument("--tick", type=_SECONDS, default=1.0, metavar="S", help="seconds between round steps (default 1)")
+    s.add_argument("--silence-alert", type=_duration, default=600.0, metavar="DURATION",
+                   help="connected this long without one message from any device: say so in `status` and the "
+                        "log (a wrong --fleet, or a broker ACL for another fleet; default 10m)")
     s.add_argument("--ack-interval", type=_SECONDS, default=5.0, metavar="S",
                    help="at most one ack per repeated upload per S seconds (default 5)")
     s.add_argument("--workers-group", default=None, metavar="NAME",

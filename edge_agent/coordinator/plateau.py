@@ -136,39 +136,58 @@ class LearnStep:
 def learn(store: LearningStore, job_id: str, params: Mapping[str, Any], number: int, base_version: str,
           delta: Mapping[str, np.ndarray], reports: Sequence[tuple[Mapping[str, Any], int]],
           measured: tuple[float, int] | None = None) -> LearnStep:
-    """Round `number` of a job closes with the aggregated `delta`: measure the base version
-    (on the server set when there is one: `measured` = (accuracy, samples); else the
-    devices' reports, smoothed), check the plateau rule, take the server optimiser's step,
-    and persist the state (before the caller commits the new version: a re-close recomputes)."""
+    """Round `number` of a job closes with the aggregated `delta`: take the server
+    optimiser's step and persist the state (before the caller commits the new version: a
+    re-close recomputes). Without a server set, the plateau rule judges the base version by
+    the devices' reports (smoothed) here. With one (`measured` = the base version's server-set
+    accuracy and samples), each version is judged when the gate scores it (`published`); the
+    job's start version is recorded here once, as the first reference."""
     opt, rule = ServerOpt.from_params(params), PlateauRule.from_params(params)
     _, info, moments = store.load(job_id, before=number)
-    if measured is not None:  # the same samples every time: nothing to smooth
-        acc, samples = measured
-        rule = replace(rule, smoothing=1.0)
-    else:
-        acc, samples = global_accuracy(reports)
     decision = "continue"
     metrics: dict[str, Any] = {"server_opt": opt.name}
-    if acc is not None:
-        info, decision = observe(rule, info, base_version, acc, samples, number)
-        metrics["base_server_acc" if measured is not None else "base_global_acc"] = round(acc, 6)
+    if measured is not None:
+        if not info.get("history"):
+            info, _ = observe(replace(rule, smoothing=1.0), info, base_version, measured[0], measured[1], number)
+        metrics["base_server_acc"] = round(measured[0], 6)
+    else:
+        acc, samples = global_accuracy(reports)
+        if acc is not None:
+            info, decision = observe(rule, info, base_version, acc, samples, number)
+            metrics["base_global_acc"] = round(acc, 6)
     lr_scale = float(info.get("lr_scale", 1.0))
     step, moments = opt.step(delta, moments, lr_scale=lr_scale)
     metrics["server_lr"] = round(opt.lr * lr_scale, 9)
-    stop, restore = "", None
+    stop, restore, more = _decide(rule, info, decision, "device-reported accuracy (smoothed)")
+    metrics |= more
+    store.save(job_id, number, info, moments)
+    return LearnStep(step, stop, restore, metrics)
+
+
+def published(store: LearningStore, job_id: str, params: Mapping[str, Any], number: int, version: str,
+              accuracy: float, samples: int) -> tuple[str, str | None, dict[str, Any]]:
+    """The server set's score of the version round `number` is about to publish (the gate's):
+    the plateau rule's observation and decision on it, added to the state `learn` saved for
+    the round. Returns (why the job stops, or "", the version to publish instead -- the best
+    -- or None, metrics for the version)."""
+    rule = replace(PlateauRule.from_params(params), smoothing=1.0)  # the same samples every time
+    _, info, moments = store.load(job_id, before=number + 1)
+    info, decision = observe(rule, info, version, accuracy, samples, number)
+    stop, restore, metrics = _decide(rule, info, decision, "server-set accuracy")
+    store.save(job_id, number, info, moments)
+    return stop, restore, metrics
+
+
+def _decide(rule: PlateauRule, info: dict[str, Any], decision: str, what: str
+            ) -> tuple[str, str | None, dict[str, Any]]:
     if decision == "stop":
         best = info["best"]
-        restore = best["version"]
-        what = "server-set accuracy" if measured is not None else "device-reported accuracy (smoothed)"
         stop = (f"plateau: {what} did not improve by more than {100 * rule.min_delta:g} points for "
                 f"{rule.patience} version(s); best version {best['version']} ({100 * best['accuracy']:.2f} %, "
                 f"measured in round {best['round']}), restored as this round's version")
         info["stopped"] = stop
-        metrics["restored"] = restore
-    elif decision == "decay":
-        metrics["lr_decayed"] = True
-    store.save(job_id, number, info, moments)
-    return LearnStep(step, stop, restore, metrics)
+        return stop, best["version"], {"restored": best["version"]}
+    return "", None, ({"lr_decayed": True} if decision == "decay" else {})
 
 
 def job_learning(state_dir: str | Path, job_id: str) -> dict[str, Any] | None:

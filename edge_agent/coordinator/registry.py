@@ -38,15 +38,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .db import PgConnection, redact, resolve
 from .records import (
     JOB_TRANSITIONS,
     PARTICIPANT_TRANSITIONS,
@@ -69,17 +65,18 @@ from .records import (
     check_text,
     check_time,
 )
+from .registry_db import DB_NAME, RegistryDb
 from .registry_models import MAX_ARRAY_FILE_BYTES, ModelStore
 from .registry_reports import HISTORY_KEYS, FleetReports
 from .registry_updates import UpdateStore
 from .schema import MIGRATIONS
 
-DB_NAME = "registry.sqlite3"
 __all__ = ["DB_NAME", "MAX_ARRAY_FILE_BYTES", "MIGRATIONS", "Registry"]
 
 
-class Registry(ModelStore, UpdateStore, FleetReports):
-    """The SQLite registry under `state_dir`. Thread-safe (one lock around one connection)."""
+class Registry:
+    """The registry under `state_dir`: devices, jobs, rounds and participants here, composed with its
+    parts (module doc). Thread-safe (one lock around one connection: registry_db.py)."""
 
     def __init__(self, *, state_dir: str | Path, clock: Callable[[], float] = time.time,
                  busy_timeout_s: float = 10.0, read_only: bool = False, db: str | None = None) -> None:
@@ -90,77 +87,34 @@ class Registry(ModelStore, UpdateStore, FleetReports):
         None: $EDGE_COORDINATOR_DB if set, else that file (db.resolve)."""
         if not callable(clock):
             raise TypeError("clock must be a callable returning seconds")
-        if not 0 < busy_timeout_s <= 600:
-            raise ValueError(f"busy_timeout_s must be in (0, 600], got {busy_timeout_s}")
-        self.state_dir = Path(state_dir).resolve()
-        self.path = self.state_dir / DB_NAME
-        self._clock = clock
-        self._lock = threading.RLock()
-        url = resolve(db)
-        self.dialect = "sqlite" if url is None else "postgresql"
-        self.where = str(self.path) if url is None else redact(url)  # what messages name: never a password
-        if url is not None:
-            self._open_postgres(url, busy_timeout_s, read_only)
-            return
-        if read_only:
-            self._open_read_only(busy_timeout_s)
-            return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: no implicit transactions; every write is an explicit BEGIN IMMEDIATE.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=busy_timeout_s)
-        self._db.row_factory = sqlite3.Row
-        try:
-            for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL"):
-                self._db.execute(f"PRAGMA {pragma}")
-            self._migrate()
-        except sqlite3.DatabaseError as exc:  # not a database, or corrupt beyond SQLite's recovery
-            self._db.close()
-            raise ConfigError(f"{self.path}: not a usable registry database ({exc})") from None
-        except BaseException:
-            self._db.close()
-            raise
+        self.db = RegistryDb(state_dir=state_dir, clock=clock, busy_timeout_s=busy_timeout_s, read_only=read_only,
+                             db=db)
+        self.state_dir, self.path, self.dialect, self.where = self.db.state_dir, self.db.path, self.db.dialect, \
+            self.db.where
+        # the parts, each given the database and what else it reads explicitly
+        self.models = ModelStore(self.db)
+        self.updates = UpdateStore(self.db, round_row=self._round, device_row=self._device,
+                                   move_participant=self._move_participant)
+        self.reports = FleetReports(self.db)
+        # their methods are the registry's API: callers need not know which part holds what
+        m, u, r = self.models, self.updates, self.reports
+        (self.write_head, self.add_model_version, self.get_model, self.list_models, self.load_head,
+         self.server_set_path, self.store_server_set, self.load_server_set, self.set_model_server_set,
+         self.model_server_set) = (m.write_head, m.add_model_version, m.get_model, m.list_models, m.load_head,
+                                   m.server_set_path, m.store_server_set, m.load_server_set,
+                                   m.set_model_server_set, m.model_server_set)
+        (self.add_update, self.has_update, self.list_updates, self.load_payload, self.load_delta,
+         self.job_norm_history, self.lineage_norm_history, self.device_directions, self.device_samples_history,
+         self.apply_strikes, self.release_device) = (
+            u.add_update, u.has_update, u.list_updates, u.load_payload, u.load_delta, u.job_norm_history,
+            u.lineage_norm_history, u.device_directions, u.device_samples_history, u.apply_strikes,
+            u.release_device)
+        (self.device_history, self.totals, self.energy_by_device, self.newest_job_of_devices,
+         self.participations) = (r.device_history, r.totals, r.energy_by_device, r.newest_job_of_devices,
+                                 r.participations)
 
-    def _open_postgres(self, url: str, timeout_s: float, read_only: bool) -> None:
-        import psycopg  # (PgConnection reports a missing psycopg as one line first)
-
-        self._db = PgConnection(url, read_only=read_only, connect_timeout_s=timeout_s)  # type: ignore[assignment]
-        try:
-            if read_only:
-                version = self.schema_version
-                if version != len(MIGRATIONS):
-                    raise ConfigError(f"{self.where}: schema version {version}, this viewer reads {len(MIGRATIONS)}")
-            else:
-                if not self.state_dir.is_dir():
-                    self.state_dir.mkdir(parents=True, exist_ok=True)
-                self._migrate()
-        except psycopg.Error as exc:
-            self._db.close()
-            raise ConfigError(f"{self.where}: not a usable registry database ({str(exc).strip().splitlines()[0]})") from None
-        except BaseException:
-            self._db.close()
-            raise
-
-    def _open_read_only(self, busy_timeout_s: float) -> None:
-        if not self.path.is_file():
-            raise ConfigError(f"{self.path}: no registry here (start `edge-coordinator serve` first)")
-        uri = f"{self.path.as_uri()}?mode=ro"
-        self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False,
-                                   timeout=busy_timeout_s)
-        self._db.row_factory = sqlite3.Row
-        try:
-            version = self.schema_version
-        except sqlite3.DatabaseError as exc:
-            self._db.close()
-            raise ConfigError(f"{self.path}: not a usable registry database ({exc})") from None
-        if version != len(MIGRATIONS):
-            self._db.close()
-            raise ConfigError(f"{self.path}: schema version {version}, this viewer reads {len(MIGRATIONS)}")
-
-    # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
 
     def __enter__(self) -> Registry:
         return self
@@ -168,60 +122,22 @@ class Registry(ModelStore, UpdateStore, FleetReports):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def _tx(self, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
-        """One transaction: IMMEDIATE (a writer; writers run one at a time) or DEFERRED (a
-        reader's snapshot). On PostgreSQL the same through PgConnection.begin."""
-        with self._lock:
-            pg = isinstance(self._db, PgConnection)
-            if pg:
-                self._db.begin(write=mode != "DEFERRED")
-            else:
-                self._db.execute(f"BEGIN {mode}")
-            try:
-                yield self._db
-            except BaseException:
-                try:
-                    self._db.rollback() if pg else self._db.execute("ROLLBACK")
-                except Exception:  # a lost connection: the server rolls back; keep the first error
-                    pass
-                raise
-            self._db.commit() if pg else self._db.execute("COMMIT")
-
-    def _read(self) -> Any:
-        return self._tx("DEFERRED")  # a consistent snapshot across several SELECTs
-
-    def _now(self, now: float | None) -> float:
-        return check_time(self._clock() if now is None else now, "now")
-
     @property
     def schema_version(self) -> int:
-        with self._read() as db:
-            return int(db.execute("SELECT version FROM schema_version").fetchone()[0])
+        return self.db.schema_version
 
-    def _migrate(self) -> None:
-        with self._tx() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-            row = db.execute("SELECT version FROM schema_version").fetchone()
-            if row is None:
-                db.execute("INSERT INTO schema_version (version) VALUES (0)")
-            version = 0 if row is None else int(row[0])
-            if version > len(MIGRATIONS):
-                raise ConfigError(f"{self.where}: schema version {version} is newer than this coordinator "
-                                  f"understands ({len(MIGRATIONS)}); upgrade edge-agent")
-            for statements in MIGRATIONS[version:]:
-                for sql in statements:
-                    db.execute(sql)
-            db.execute("UPDATE schema_version SET version = ?", (len(MIGRATIONS),))
+    # the database's own, as the methods below use them
+    def _tx(self, mode: str = "IMMEDIATE") -> Any:
+        return self.db.tx(mode)
 
-    def _rel(self, path: Path) -> str:
-        return path.relative_to(self.state_dir).as_posix()
+    def _read(self) -> Any:
+        return self.db.read()
+
+    def _now(self, now: float | None) -> float:
+        return self.db.now(now)
 
     def _abs(self, rel: str) -> Path:
-        path = (self.state_dir / rel).resolve()
-        if not path.is_relative_to(self.state_dir):  # a tampered row must not reach outside
-            raise ConfigError(f"{self.where}: stored path {rel!r} leaves the state directory")
-        return path
+        return self.db.abs(rel)
 
     # ------------------------------------------------------------------ devices
     def enrol_device(self, *, device_id: str, public_key: str, fleet: str, board: str = "",
@@ -271,7 +187,7 @@ class Registry(ModelStore, UpdateStore, FleetReports):
             db.execute("UPDATE devices SET online = ?, state = ?, last_seen = ? WHERE id = ?",
                        (int(bool(online)), json.dumps(merged, sort_keys=True), when, device_id))
             if any(k in new for k in HISTORY_KEYS):
-                self._sample_history(db, device_id, merged, when)
+                FleetReports.sample_history(db, device_id, merged, when)
             return self._device(db, device_id)
 
     def record_heard(self, device_id: str, *, at: float, online: bool = True,
@@ -326,7 +242,7 @@ class Registry(ModelStore, UpdateStore, FleetReports):
                   status=JobStatus.PENDING, reason="", created_at=self._now(now), updated_at=self._now(now))
         job.validate()
         with self._tx() as db:
-            self._model(db, model_name, model_version)
+            self.models.row(db, model_name, model_version)
             if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
                 raise IllegalTransition(f"job {job_id!r} already exists")
             db.execute("INSERT INTO jobs (id, model_name, model_version, selector, params, rounds, min_devices, "
@@ -383,7 +299,7 @@ class Registry(ModelStore, UpdateStore, FleetReports):
         check_time(deadline_at, "deadline")
         with self._tx() as db:
             job = self._job(db, job_id)
-            self._model(db, job.model_name, base_version)
+            self.models.row(db, job.model_name, base_version)
             if db.execute("SELECT 1 FROM rounds WHERE job_id = ? AND number = ?", (job_id, number)).fetchone():
                 raise IllegalTransition(f"job {job_id}: round {number} already exists")
             db.execute("INSERT INTO rounds (job_id, number, state, base_version, started_at, deadline_at) "
@@ -541,10 +457,10 @@ class Registry(ModelStore, UpdateStore, FleetReports):
             cur = db.executemany("UPDATE updates SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND "
                                  "device_id = ?", rows)
             if rows and cur.rowcount != len(rows):
-                missing = [r[4] for r in rows if not self._has_update(db, job_id, r[4], number)]
+                missing = [r[4] for r in rows if not UpdateStore.has_row(db, job_id, r[4], number)]
                 raise NotFound(f"no update from {', '.join(map(repr, missing[:5]))} in job {job_id} round {number}")
             if new_version is not None:
-                self._insert_model(db, new_version)
+                self.models.insert(db, new_version)
             self._set_round(db, rnd, state, reason=reason, ended_at=when,
                             version=new_version.version if new_version else None)
             if job_status is not None:

@@ -1,8 +1,7 @@
 """The registry's read models for people watching the fleet (the CLI's `status`, the
 dashboard): per-device battery/power history, energy and byte totals, and each device's
-rounds. A mixin of `Registry`: it reads through the registry's own read transaction
-(`_read`), and `Registry.record_state` writes the history samples through
-`_sample_history` inside its own write transaction.
+rounds. Given the registry's database; `Registry.record_state` writes the history samples
+through `sample_history` inside its own write transaction.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 
 from ..protocol.schema import MAX_FLAT_NUMBER
 from .records import check_time
+from .registry_db import RegistryDb
 
 HISTORY_EVERY_S = 60.0  # at most one battery/power sample per device per minute
 HISTORY_KEEP_S = 7 * 86400.0  # and a week of them
@@ -30,13 +30,13 @@ def _sample(value: Any) -> float | int | None:
 
 
 class FleetReports:
-    """Read-only queries over the registry's tables (needs the host's `_read()`)."""
+    """Read-only queries over the registry's tables, in its database (`db`)."""
 
-    def _read(self) -> Any:  # provided by Registry
-        raise NotImplementedError
+    def __init__(self, db: RegistryDb) -> None:
+        self.db = db
 
     @staticmethod
-    def _sample_history(db: sqlite3.Connection, device_id: str, state: Mapping[str, Any], when: float) -> None:
+    def sample_history(db: sqlite3.Connection, device_id: str, state: Mapping[str, Any], when: float) -> None:
         """Append a battery/power sample unless one was taken within HISTORY_EVERY_S; drop
         the device's samples older than HISTORY_KEEP_S (so the table stays bounded)."""
         last = db.execute("SELECT MAX(at) FROM device_history WHERE device_id = ?", (device_id,)).fetchone()[0]
@@ -51,14 +51,14 @@ class FleetReports:
 
     def device_history(self, device_id: str, *, since: float) -> list[dict[str, Any]]:
         """The device's battery/power samples since `since`, oldest first."""
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT at, battery_pct, power_w, energy_wh, on_power FROM device_history "
                               "WHERE device_id = ? AND at >= ? ORDER BY at", (device_id, check_time(since, "since")))
             return [dict(r) for r in rows]
 
     def totals(self, job_id: str | None = None) -> dict[str, float]:
         """Bytes on the wire, fp32 bytes, energy and counts of stored updates (one job or all)."""
-        with self._read() as db:
+        with self.db.read() as db:
             row = db.execute("SELECT COUNT(*), COALESCE(SUM(wire_bytes), 0), COALESCE(SUM(fp32_bytes), 0), "
                              "COALESCE(SUM(energy_wh), 0), COALESCE(SUM(CASE WHEN status = 'accepted' THEN 1 ELSE 0 END), 0) "
                              "FROM updates WHERE job_id = COALESCE(?, job_id)", (job_id,)).fetchone()
@@ -67,14 +67,14 @@ class FleetReports:
 
     def energy_by_device(self, *, since: float) -> dict[str, float]:
         """Energy (Wh) each device reported spending on updates received since `since`."""
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT device_id, SUM(energy_wh) FROM updates WHERE received_at >= ? AND "
                               "energy_wh IS NOT NULL GROUP BY device_id", (check_time(since, "since"),))
             return {r[0]: float(r[1]) for r in rows}
 
     def newest_job_of_devices(self) -> dict[str, str]:
         """For each device ever selected for a round: the newest job (by creation) it was selected for."""
-        with self._read() as db:
+        with self.db.read() as db:
             # the newest by a window, not SQLite's bare column beside MAX() (PostgreSQL has none)
             rows = db.execute("SELECT device_id, job_id FROM (SELECT p.device_id, p.job_id, ROW_NUMBER() OVER "
                               "(PARTITION BY p.device_id ORDER BY j.created_at DESC, j.id DESC) AS n "
@@ -84,7 +84,7 @@ class FleetReports:
     def participations(self, device_id: str) -> list[dict[str, Any]]:
         """Every round the device was selected for, newest first: its participant status and
         reason, and its update (bytes, energy, status, metrics) if one arrived."""
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute(
                 "SELECT p.job_id, p.round, p.status, p.reason, p.dispatched_at, r.started_at, r.state, "
                 "u.wire_bytes, u.fp32_bytes, u.energy_wh, u.status AS update_status, u.reason AS update_reason, "

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,40 +37,19 @@ from .records import (
     dump_arrays,
     load_arrays,
 )
+from .registry_db import RegistryDb
 from .registry_models import MAX_ARRAY_FILE_BYTES
 
 
 class UpdateStore:
-    """Received updates, screening history, strikes and quarantine (needs the host's
-    `state_dir`, `_tx`, `_read`, `_now`, `_rel`, `_abs`, `_round`, `_device`,
-    `_move_participant`)."""
+    """Received updates, screening history, strikes and quarantine, in the registry's
+    database. It reads rounds and devices and moves participants with the registry's own
+    row functions, given explicitly (they are the registry's tables)."""
 
-    state_dir: Path  # provided by Registry
-
-    def _tx(self, mode: str = "IMMEDIATE") -> Any:  # provided by Registry
-        raise NotImplementedError
-
-    def _read(self) -> Any:  # provided by Registry
-        raise NotImplementedError
-
-    def _now(self, now: float | None) -> float:  # provided by Registry
-        raise NotImplementedError
-
-    def _rel(self, path: Path) -> str:  # provided by Registry
-        raise NotImplementedError
-
-    def _abs(self, rel: str) -> Path:  # provided by Registry
-        raise NotImplementedError
-
-    def _round(self, db: sqlite3.Connection, job_id: str, number: int, *, only: str | None = None) -> RoundRecord:
-        raise NotImplementedError  # provided by Registry
-
-    def _device(self, db: sqlite3.Connection, device_id: str) -> Device:  # provided by Registry
-        raise NotImplementedError
-
-    def _move_participant(self, db: sqlite3.Connection, rnd: RoundRecord, device_id: str,
-                          status: ParticipantStatus, reason: str, now: float) -> None:  # provided by Registry
-        raise NotImplementedError
+    def __init__(self, db: RegistryDb, *, round_row: Callable[..., RoundRecord],
+                 device_row: Callable[[sqlite3.Connection, str], Device],
+                 move_participant: Callable[..., None]) -> None:
+        self.db, self._round, self._device, self._move_participant = db, round_row, device_row, move_participant
 
     def add_update(self, *, job_id: str, device_id: str, round: int, num_samples: int, wire_bytes: int,
                    fp32_bytes: int, sha256: str, deltas: Mapping[str, np.ndarray] | None = None,
@@ -87,15 +65,15 @@ class UpdateStore:
         becomes REPORTED. O(1) in the round's size: only this participant's row is read."""
         rec = UpdateRecord(job_id=job_id, device_id=device_id, round=round, num_samples=num_samples,
                            wire_bytes=wire_bytes, fp32_bytes=fp32_bytes, sha256=sha256,
-                           received_at=self._now(now), status=UpdateStatus(status),
+                           received_at=self.db.now(now), status=UpdateStatus(status),
                            reason=check_text(reason, "reason", limit=512), delta_path=None, energy_wh=energy_wh,
                            metrics=check_flat(dict(metrics or {}), "metrics"))
         rec.validate()
         for value, what in ((norm, "norm"), (weight, "weight")):
             if value is not None:
                 check_time(value, what)  # finite and >= 0
-        with self._tx() as db:
-            if self._has_update(db, job_id, device_id, round):
+        with self.db.tx() as db:
+            if self.has_row(db, job_id, device_id, round):
                 return "duplicate"
             rnd = self._round(db, job_id, round, only=device_id)
             part = rnd.participants.get(device_id)
@@ -106,7 +84,7 @@ class UpdateStore:
                     return "not_participant"
             path = None
             if payload is not None or deltas is not None:  # the file first: a committed row names a complete file
-                where = self.state_dir / "updates" / job_id / f"r{round}"
+                where = self.db.state_dir / "updates" / job_id / f"r{round}"
                 path = where / f"{device_id}.{sha256[:16]}.{'eaup' if payload is not None else 'npz'}"
                 write_checked(path, bytes(payload) if payload is not None else dump_arrays(deltas or {}))
             try:
@@ -114,7 +92,7 @@ class UpdateStore:
                            "sha256, received_at, status, reason, delta_path, energy_wh, metrics, norm, weight, kept, "
                            "direction) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (job_id, device_id, round, num_samples, wire_bytes, fp32_bytes, sha256, rec.received_at,
-                            rec.status.value, rec.reason, path and self._rel(path), energy_wh,
+                            rec.status.value, rec.reason, path and self.db.rel(path), energy_wh,
                             json.dumps(rec.metrics, sort_keys=True), norm, weight, kept,
                             None if direction is None or not -1.01 <= direction <= 1.01 else float(direction)))
                 if part is not None and part.status in (ParticipantStatus.SELECTED, ParticipantStatus.DISPATCHED):
@@ -127,17 +105,17 @@ class UpdateStore:
             return "inserted"
 
     def has_update(self, job_id: str, device_id: str, round: int) -> bool:
-        with self._read() as db:
-            return self._has_update(db, job_id, device_id, round)
+        with self.db.read() as db:
+            return self.has_row(db, job_id, device_id, round)
 
     @staticmethod
-    def _has_update(db: sqlite3.Connection, job_id: str, device_id: str, round: int) -> bool:
+    def has_row(db: sqlite3.Connection, job_id: str, device_id: str, round: int) -> bool:
         return db.execute("SELECT 1 FROM updates WHERE job_id = ? AND device_id = ? AND round = ?",
                           (job_id, device_id, round)).fetchone() is not None
 
     def list_updates(self, job_id: str, round: int | None = None,
                      status: UpdateStatus | None = None) -> list[UpdateRecord]:
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT * FROM updates WHERE job_id = ? AND round = COALESCE(?, round) AND "
                               "status = COALESCE(?, status) ORDER BY round, device_id",
                               (job_id, round, status and status.value))
@@ -149,7 +127,7 @@ class UpdateStore:
         if rec.delta_path is None:
             raise NotFound(f"update from {rec.device_id} in job {rec.job_id} round {rec.round} has no stored delta")
         try:
-            return read_checked(self._abs(rec.delta_path), MAX_ARRAY_FILE_BYTES)
+            return read_checked(self.db.abs(rec.delta_path), MAX_ARRAY_FILE_BYTES)
         except FileNotFoundError:
             raise CorruptFileError(f"{rec.delta_path}: the stored update is missing") from None
 
@@ -169,7 +147,7 @@ class UpdateStore:
     # ------------------------------------------------------------------ screening history, reputation
     def job_norm_history(self, job_id: str, before_round: int, *, rounds: int = 3) -> list[float]:
         """Norms of the accepted updates of the job's last `rounds` rounds before `before_round`."""
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT norm FROM updates WHERE job_id = ? AND status = ? AND round < ? AND round >= ? "
                               "AND norm IS NOT NULL", (job_id, UpdateStatus.ACCEPTED.value, before_round,
                                                        before_round - rounds))
@@ -179,7 +157,7 @@ class UpdateStore:
         """Norms of the most recent accepted updates of any job on `model_name` (the model's
         lineage), leaving out job `before[0]`'s rounds from `before[1]` on."""
         job_id, number = before
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT u.norm FROM updates u JOIN jobs j ON j.id = u.job_id WHERE j.model_name = ? "
                               "AND u.status = ? AND u.norm IS NOT NULL AND NOT (u.job_id = ? AND u.round >= ?) "
                               "ORDER BY u.received_at DESC LIMIT ?",
@@ -189,7 +167,7 @@ class UpdateStore:
     def device_directions(self, job_id: str, device_id: str, before_round: int, *, limit: int = 2) -> list[float]:
         """The device's `direction` (cosine with the job's previous step) in its last `limit`
         updates of this job before `before_round` (the (job, device, round) key's index)."""
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT direction FROM updates WHERE job_id = ? AND device_id = ? AND round < ? AND "
                               "direction IS NOT NULL ORDER BY round DESC LIMIT ?",
                               (job_id, device_id, before_round, limit))
@@ -197,7 +175,7 @@ class UpdateStore:
 
     def device_samples_history(self, device_id: str, *, limit: int = 10) -> int | None:
         """The most samples the device reported in its last `limit` accepted updates."""
-        with self._read() as db:
+        with self.db.read() as db:
             rows = db.execute("SELECT num_samples FROM updates WHERE device_id = ? AND status = ? "
                               "ORDER BY round DESC LIMIT ?", (device_id, UpdateStatus.ACCEPTED.value, limit))
             counts = [int(r[0]) for r in rows]
@@ -207,9 +185,9 @@ class UpdateStore:
                       now: float | None = None) -> list[Device]:
         """device -> why it was screened out (a strike) or None (accepted: one strike off).
         Returns the devices this quarantined (strikes reached `quarantine_after`)."""
-        when = self._now(now)
+        when = self.db.now(now)
         out = []
-        with self._tx() as db:  # an accepted update costs one cheap statement (most devices have no strike)
+        with self.db.tx() as db:  # an accepted update costs one cheap statement (most devices have no strike)
             db.executemany("UPDATE devices SET strikes = strikes - 1 WHERE id = ? AND strikes > 0",
                            [(check_id(d, "device id"),) for d, why in strikes.items() if not why])
             for device_id, why in strikes.items():
@@ -227,7 +205,7 @@ class UpdateStore:
 
     def release_device(self, device_id: str) -> Device:
         """Lift a quarantine (and clear the strikes): the device is selectable again."""
-        with self._tx() as db:
+        with self.db.tx() as db:
             self._device(db, device_id)
             db.execute("UPDATE devices SET quarantined_at = NULL, quarantine_reason = '', strikes = 0 WHERE id = ?",
                        (device_id,))

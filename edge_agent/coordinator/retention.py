@@ -196,7 +196,7 @@ def current(registry: Registry) -> set[tuple[str, str]]:
     """The versions active jobs start from or train now: the start, the open round's base,
     the latest version (not every version a long job made on the way)."""
     found: set[tuple[str, str]] = set()
-    with registry._read() as db:
+    with registry.db.read() as db:
         for row in db.execute("SELECT id, model_name, model_version FROM jobs WHERE status IN ('pending', 'running')"):
             found.add((row["model_name"], row["model_version"]))
             for r in db.execute("SELECT base_version, aggregated_version FROM rounds WHERE job_id = ? AND "
@@ -211,7 +211,7 @@ def best_versions(registry: Registry, recent: int = RECENT_JOBS) -> dict[tuple[s
     restores it) and of the newest `recent` jobs (`models rollback --to-best JOB`)."""
     from .plateau import job_learning
 
-    with registry._read() as db:
+    with registry.db.read() as db:
         jobs = db.execute("SELECT id, model_name, status FROM jobs ORDER BY created_at DESC").fetchall()
     out: dict[tuple[str, str], str] = {}
     for i, job in enumerate(jobs):
@@ -271,13 +271,13 @@ def _version_files(registry: Registry, mv: ModelVersion, chunk_bytes: int) -> Ve
     arts = ModelArtefacts(registry)
     full = arts.archive_path(mv.name, mv.version)
     patch = arts.archive_path(mv.name, patch_version(mv.version)) if len(patch_version(mv.version)) <= 64 else None
-    candidates = [registry._abs(mv.head_path), full, full.with_suffix(".sha256")]
+    candidates = [registry.db.abs(mv.head_path), full, full.with_suffix(".sha256")]
     if patch is not None:
         candidates.append(patch)
     files = [(p, s) for p in candidates if (s := _size(p)) is not None]
     # the full archive may have been built, published and deleted (archives are built on
     # demand): retract as many chunks as the root bundle's archive would need, plus one
-    root = _size(registry._abs(mv.bundle_path)) if mv.bundle_path else None
+    root = _size(registry.db.abs(mv.bundle_path)) if mv.bundle_path else None
     full_bytes = _size(full) or (int(root * 1.1) if root else chunk_bytes)
     retract = [(mv.version, max(1, math.ceil(full_bytes / chunk_bytes)) + 1)]
     if patch is not None:
@@ -291,7 +291,7 @@ def _old_rows(registry: Registry, before: float) -> tuple[list[int], list[tuple[
     (aggregate/rounds: the last 10). Jobs, rounds and version rows stay: the lineage."""
     old = (f"r.state IN ({', '.join('?' * len(ENDED))}) AND COALESCE(r.ended_at, r.started_at) < ? AND "
            "j.status NOT IN ('pending', 'running')")
-    with registry._read() as db:
+    with registry.db.read() as db:
         updates = [int(row[0]) for row in db.execute(
             "SELECT u.id FROM updates u JOIN rounds r ON r.job_id = u.job_id AND r.number = u.round "
             f"JOIN jobs j ON j.id = u.job_id WHERE {old} AND u.id NOT IN (SELECT id FROM (SELECT id, ROW_NUMBER() "
@@ -310,7 +310,7 @@ def _old_learning(registry: Registry, before: float, recent: int = RECENT_JOBS) 
     root = registry.state_dir / "learning"
     if not root.is_dir():
         return []
-    with registry._read() as db:
+    with registry.db.read() as db:
         rows = db.execute(
             "SELECT j.id, j.status, MAX(COALESCE(r.ended_at, r.started_at, j.updated_at)) AS last, "
             "ROW_NUMBER() OVER (ORDER BY j.created_at DESC, j.id DESC) AS n FROM jobs j "
@@ -327,14 +327,14 @@ def _old_learning(registry: Registry, before: float, recent: int = RECENT_JOBS) 
 def _update_files(registry: Registry, before: float) -> list[tuple[int, Path, int]]:
     """Payload files of ended rounds: rejected ones at once, the others once `before` passed."""
     out = []
-    with registry._read() as db:
+    with registry.db.read() as db:
         rows = db.execute(
             "SELECT u.id, u.delta_path FROM updates u JOIN rounds r ON r.job_id = u.job_id AND r.number = u.round "
             f"WHERE u.delta_path IS NOT NULL AND r.state IN ({', '.join('?' * len(ENDED))}) "
             "AND (u.status = 'rejected' OR COALESCE(r.ended_at, r.started_at) < ?) ORDER BY u.id",
             (*ENDED, before)).fetchall()
     for row in rows:
-        path = registry._abs(row["delta_path"])
+        path = registry.db.abs(row["delta_path"])
         out.append((int(row["id"]), path, _size(path) or 0))
     return out
 
@@ -367,7 +367,7 @@ def apply(registry: Registry, result: PrunePlan, *, now: float | None = None) ->
         with contextlib.suppress(OSError):
             path.rmdir()
             freed += size
-    with registry._tx() as db:
+    with registry.db.tx() as db:
         for vp in result.versions:
             row = db.execute("SELECT metrics FROM model_versions WHERE name = ? AND version = ?",
                              (vp.name, vp.version)).fetchone()
@@ -438,8 +438,8 @@ def truncate_wal(registry: Registry) -> None:
     if registry.dialect != "sqlite":
         return
     try:
-        with registry._lock:
-            registry._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with registry.db.lock:
+            registry.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     except sqlite3.Error as exc:  # a reader holding a snapshot: the next run does it
         log.debug("wal checkpoint: %s", exc)
 

@@ -36,7 +36,7 @@ from .aggregation import RoundAggregation
 from .evidence import TailEvidence
 from .gate import STEP_SCALES, GateVerdict, ValidationGate
 from .heads import HeadCache
-from .plateau import LearnStep, learn
+from .plateau import LearnStep, learn, published
 from .records import (
     Job,
     JobStatus,
@@ -188,12 +188,26 @@ class RoundCloser:
                     c.metrics |= {"accuracy": round(verdict.accuracy, 6), "accuracy_samples": verdict.samples,
                                   "accuracy_source": "server set", "step_scale": scale,
                                   "gate": f"vs {best_version}: {verdict.describe()}"}
+                    self._plateau(c, verdict)
                     return
             assert verdict is not None
             c.reason = (f"gate: every step (x{', x'.join(f'{s:g}' for s in STEP_SCALES)}) scores worse than "
                         f"{best_version} on the server set; at x{STEP_SCALES[-1]:g} {verdict.describe()}")
         except InputError as exc:
             c.reason = f"aggregate unusable: {exc}"[:1024]
+
+    def _plateau(self, c: Close, verdict: GateVerdict) -> None:
+        """The plateau rule on the version the gate passed (plateau.published): a job that
+        stops publishes its best version's head instead."""
+        stop, restore, metrics = published(LearningStore(self.registry.state_dir), c.job.id, c.job.params,
+                                           c.rnd.number, f"{c.job.id}-r{c.rnd.number}", verdict.accuracy,
+                                           verdict.samples)
+        c.metrics |= metrics
+        if restore is not None:
+            assert c.learned is not None
+            c.learned = dataclasses.replace(c.learned, stop=stop, restore=restore)
+            c.new_head = self.heads.head(c.job.model_name, restore)[1] if restore != f"{c.job.id}-r{c.rnd.number}" \
+                else c.new_head
 
     def _best(self, c: Close, tail: TailEvidence) -> tuple[str, np.ndarray]:
         """The job's best-scoring version so far (its start version included): the reference

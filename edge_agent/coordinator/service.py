@@ -70,6 +70,7 @@ from ..transport import (
 from ..transport.models import publish_model, retract_model
 from .artefacts import ModelArtefacts
 from .db import DB_ENV, resolve
+from .link_health import LinkHealth
 from .pending import PendingDevices
 from .records import ModelVersion
 from .registry import Registry
@@ -118,6 +119,7 @@ class ServeOptions:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept (retention.py)
     workers_group: str | None = None  # one of several workers on a PostgreSQL registry (workers.py)
     worker_id: str | None = None  # default <host>-<pid>; its MQTT client id and its lock in state_dir
+    silence_s: float = 600.0  # connected this long without one device message: a `status` problem (link_health.py)
 
     def __post_init__(self) -> None:
         Topics(fleet=self.fleet, prefix=self.topic_prefix)  # validates both
@@ -212,6 +214,8 @@ class Coordinator(DeviceMessages):
         self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]
                                role="coordinator")
+        self.link = LinkHealth(client=self.client, topics=self.topics, client_id=client_id, silence_s=o.silence_s,
+                               heard=lambda: self.channel.accepted + sum(self.channel.rejected.values()))
         self.receiver = self._new_receiver()
         self._receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]] = OrderedDict()
         self._results: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
@@ -330,6 +334,7 @@ class Coordinator(DeviceMessages):
 
     # ------------------------------------------------------------------ the periodic step
     def tick(self) -> None:
+        self.problems = self.link.update(self.problems)  # its messages lost, or no device heard
         connects = self.client.stats["connects"]
         if connects != self._connects:  # a new connection: the broker may have lost retained models
             self._connects, self._published = connects, set()
@@ -583,7 +588,7 @@ class Coordinator(DeviceMessages):
             "broker": f"{o.host}:{o.port}", "fleet": o.fleet, "topic_prefix": o.topic_prefix,
             "connected": self.client.connected, "coordinator_key": self.public_key, "key_id": self.key_id,
             "auto_approve": o.auto_approve, "policy": asdict(o.policy), "errors": self.errors,
-            "metrics_port": o.metrics_port, "problems": self.problems[:10]}
+            "metrics_port": o.metrics_port, "problems": self.problems[:10], "link": self.link.summary()}
         if stopped:
             info["stopped_at"] = time.time()
         if self.shared is not None:  # each worker its own file; the leader's is also serve.json

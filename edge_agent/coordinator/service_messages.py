@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError
 from ..protocol import Kind, Message, Reason, Rejection, Signer, Topics
 from ..protocol.facts import facts_from_state
+from ..protocol.hello import hello_answer
 from ..transport import Channel, MqttClient, OutboxKey, UpdateReceiver, ack_message
 from ..transport.uplink import CompletedUpload, expire
 from .pending import PendingDevices
@@ -163,6 +164,9 @@ class DeviceMessages:
                                   enrolled=existing is None)
         if dev.approved and device not in self._trusted:
             self._trust_device(device, dev.public_key)
+        answer = hello_answer(self.signer, self.topics, msg)  # "heard you" (protocol/hello.py)
+        if answer is not None:
+            self.client.publish(*answer)
 
     def _state(self, msg: Message, device: str) -> None:
         facts = facts_from_state(msg.body)

@@ -143,6 +143,16 @@ def held_out(n_devices: int, *, base_devices: int = 3, alpha: float = 1.0, seed:
     return x, labels[test]
 
 
+def server_and_test(x: np.ndarray, y: np.ndarray, n_devices: int) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """The held-out digits split in two: the coordinator's labelled server set (what an
+    operator would keep: samples from the field, labelled) and the test set the demo reports
+    global accuracy on, which nothing trains or gates on. `held_out` put sample i through
+    device i % n_devices's camera: each half takes every other such group of n_devices, so
+    both see every camera."""
+    server = (np.arange(len(y)) // n_devices) % 2 == 0
+    return (x[server], y[server]), (x[~server], y[~server])
+
+
 class GlobalEvaluator:
     """Accuracy of head versions on fixed test features from the bundle's int8 backbone."""
 

@@ -46,6 +46,9 @@ def collect(reg: Registry, evaluator: Any, *, devices: dict[str, Any]) -> dict[s
             "local_acc_after": _mean([m.get("accuracy_after") for m in accepted]),
             "depths": sorted({int(m["depth"]) for m in accepted if isinstance(m.get("depth"), int)}),
             "global_acc": round(evaluator.accuracy(reg.load_head(new)), 4) if new else None,
+            "server_acc": new.metrics.get("accuracy") if new and new.metrics.get("accuracy_source") == "server set"
+            else None,
+            "aggregator": new.metrics.get("aggregator") if new else None, "reason": rnd.reason,
             "bytes_up": s["wire_bytes"], "bytes_fp32": s["fp32_bytes"],
             "bytes_down": art.size * (len(sent) - len(patched)) + (patch.size * len(patched) if patch else 0),
             "full_bytes_down": art.size * len(sent), "head_patches": len(patched),
@@ -68,19 +71,22 @@ def _kb(n: int) -> str:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    head = ["round", "devices", "depth", "local acc before", "local acc after", "global acc", "bytes up",
-            "bytes down", "compression", "energy Wh"]
-    rows = [["base", "-", "-", "-", "-", _pct(report["global_acc_base"]), "-", "-", "-", "-"]]
+    head = ["round", "devices", "depth", "local acc before", "local acc after", "server set", "global acc",
+            "bytes up", "bytes down", "compression", "energy Wh"]
+    rows = [["base", "-", "-", "-", "-", "-", _pct(report["global_acc_base"]), "-", "-", "-", "-"]]
     for r in report["rounds"]:
         rows.append([str(r["round"]), f"{r['devices']}/{r['selected']}",
                      ",".join(map(str, r.get("depths") or [])) or "-", _pct(r["local_acc_before"]),
-                     _pct(r["local_acc_after"]), _pct(r["global_acc"]), _kb(r["bytes_up"]), _kb(r["bytes_down"]),
+                     _pct(r["local_acc_after"]), _pct(r.get("server_acc")), _pct(r["global_acc"]), _kb(r["bytes_up"]),
+                     _kb(r["bytes_down"]),
                      f"x{r['compression']:.1f}" if r["compression"] else "-",
                      f"{r['energy_wh']:.4f}" if r["energy_wh"] is not None else "-"])
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     line = "+".join("-" * (w + 2) for w in widths)
-    print(f"\njob {report['job']} ({report['status']}): model {report['model']}, "
-          f"global accuracy on {report['test_samples']} held-out digits")
+    rule = next((r["aggregator"] for r in report["rounds"] if r.get("aggregator")), None)
+    print(f"\njob {report['job']} ({report['status']}): model {report['model']}, aggregator {rule or '-'}; "
+          f"server set: the version's accuracy on the coordinator's labelled digits (what gates it); "
+          f"global acc: on {report['test_samples']} other held-out digits nothing trains or gates on")
     print(line)
     for row in [head, *rows]:
         print(" | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
@@ -90,6 +96,8 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["rounds"]:
         for dev, why in r["dropouts"].items():
             print(f"round {r['round']}: {dev} dropped out: {why}")
+        if r.get("reason"):
+            print(f"round {r['round']}: {r['reason']}")
     full = sum(r["full_bytes_down"] for r in report["rounds"])
     print("bytes down: the whole bundle to a device that has no version of the model yet, else the version's "
           f"patch (manifest, head.params and any int8 prefix re-quantised because weights inside it changed): {_kb(sum(r['bytes_down'] for r in report['rounds']))} in all, "

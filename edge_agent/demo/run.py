@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..coordinator.strategies import AGGREGATORS
+
 PY = sys.executable
 T0 = time.monotonic()
 
@@ -164,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-bytes", type=int, default=None,
                    help="byte budget of each update (default: the agent's, which adapts to the trained tensors)")
     p.add_argument("--deadline", default="150s", help="per-round deadline (default 150s)")
+    p.add_argument("--aggregator", choices=AGGREGATORS, default=None,
+                   help="the jobs' aggregation rule (default: the coordinator's choice for the fleet -- trust with "
+                        "the demo's server set, median_trust with --no-server-set)")
+    p.add_argument("--no-server-set", dest="server_set", action="store_false",
+                   help="register the base model without its labelled server set (half the held-out digits)")
     p.add_argument("--out", default="demo-out", help="working directory (default ./demo-out)")
     p.add_argument("--ui", default="auto", metavar="ADDR:PORT|auto|off",
                    help="the coordinator's web dashboard (default auto: 127.0.0.1:8080, or a free port if taken)")
@@ -208,7 +215,14 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     from ..coordinator.registry import Registry
     from ..coordinator.service_files import read_serve_file
     from ..transport.broker import free_port
-    from .fleet import BATTERY_WH, LOAD_W, BatterySimulator, GlobalEvaluator, held_out
+    from .fleet import (
+        BATTERY_WH,
+        LOAD_W,
+        BatterySimulator,
+        GlobalEvaluator,
+        held_out,
+        server_and_test,
+    )
     from .report import collect, plot, print_table
 
     bundle = build_base(out, args.devices)
@@ -225,9 +239,17 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     if ui:
         say(f"dashboard (read-only, live): http://{ui}/  -- open it in a browser while the demo runs")
     key = run_cli([*cli, "key", "--state-dir", str(coord)]).strip()
-    run_cli([*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)],
-            log=out / "cli.log")
-    say(f"registered the base bundle as model digits 1; coordinator key {key[:16]}...")
+    x, y = held_out(args.devices)
+    (server_x, server_y), (x, y) = server_and_test(x, y, args.devices)
+    register = [*cli, "model", "register", str(bundle), "--name", "digits", "--version", "1", "--state-dir", str(coord)]
+    if args.server_set:
+        from ..sim import scenario as demo
+
+        register += ["--validation", str(demo.write_data(out / "server-set", server_x, server_y, "npz"))]
+    run_cli(register, log=out / "cli.log")
+    say(f"registered the base bundle as model digits 1; coordinator key {key[:16]}..."
+        + (f"; its server set: {len(server_y)} labelled held-out digits the coordinator scores every version on"
+           if args.server_set else "; no server set (--no-server-set)"))
 
     devices = setup_devices(args, out, port, key)
     for name, info in devices.items():
@@ -238,7 +260,6 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     say(f"{len(devices)} agents started: " + ", ".join(
         f"{n} ({d['samples']} digits, {d['classes']} classes, battery {d['battery']:.0f}%)" for n, d in devices.items()))
 
-    x, y = held_out(args.devices)
     evaluator = GlobalEvaluator(bundle, x, y, cache_dir=out / "cache")
     say(f"global test set: {len(y)} held-out digits through the devices' cameras (int8 backbone: {evaluator.engine})")
 
@@ -255,6 +276,7 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
                  "--min-devices", str(args.min_devices), "--deadline", args.deadline, "--budget-wh", "0.05",
                  "--epochs", str(args.epochs), "--batch-size", "16",
                  *(["--update-bytes", str(args.update_bytes)] if args.update_bytes else []),
+                 *(["--aggregator", args.aggregator] if args.aggregator else []),
                  *(["--depth", args.depth] if args.depth != "auto" else []), "--state-dir", str(coord)]
         print("  $ edge-coordinator " + " ".join(train[3:]), flush=True)
         code = subprocess.run(train, check=False).returncode

@@ -64,7 +64,12 @@ def _cpufreq(sysroot: SysRoot) -> dict[str, Any]:
 
 
 def probe(root: str | os.PathLike[str] = "/", *, profiles_directory: Path | None = None) -> dict[str, Any]:
-    """Probe the device under `root` and return the JSON-ready report."""
+    """Probe the device under `root` and return the JSON-ready report. A `root` that is not a
+    directory is an InputError (a typo must not report an empty board and succeed)."""
+    if not Path(root).is_dir():
+        from ..errors import InputError
+
+        raise InputError(f"{root}: no such directory to probe (a filesystem root: / or a captured board tree)")
     problems = Problems()
     sysroot = SysRoot(root, problems=problems)
     live = _is_live(Path(root))

@@ -99,15 +99,23 @@ def pack_bundle(bundle_dir: str | os.PathLike[str], archive: str | os.PathLike[s
     """Verify a bundle and write it as one reproducible tar.gz (atomically). `only`: the
     files to include besides the manifest (a head patch: bundle_patch), default all."""
     bundle = load_bundle(bundle_dir)
+    names = sorted(bundle.manifest.files if only is None else only)
+    atomic_write_bytes(archive, archive_bytes(read_limited(bundle.path / MANIFEST, MAX_MANIFEST_BYTES),
+                                              [(f, bundle.read(f)) for f in names]))
+    return Path(archive)
+
+
+def archive_bytes(manifest: bytes, files: list[tuple[str, bytes]]) -> bytes:
+    """The reproducible tar.gz of a manifest and files (in the order given: pack_bundle sorts
+    them): what pack_bundle writes, from bytes in memory (the coordinator builds versions so,
+    without writing and re-reading a bundle directory)."""
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-        for fname in [MANIFEST, *sorted(bundle.manifest.files if only is None else only)]:
-            data = read_limited(bundle.path / MANIFEST, MAX_MANIFEST_BYTES) if fname == MANIFEST else bundle.read(fname)
+        for fname, data in [(MANIFEST, manifest), *files]:
             info = tarfile.TarInfo(fname)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
-    atomic_write_bytes(archive, buf.getvalue())
-    return Path(archive)
+    return buf.getvalue()
 
 
 def unpack_bundle(archive: str | os.PathLike[str], dest: str | os.PathLike[str], *,

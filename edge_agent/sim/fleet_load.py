@@ -10,7 +10,9 @@ connect (hello, state) until the registry shows them all approved and online; `t
 --detach` queues one round over all of them; the registry (read-only, through `Registry`:
 SQLite or PostgreSQL, whichever serve runs on) then says when it closed. Figures: time to
 connect all; updates/s ingested (accepted updates over the span from the first to the last
-received_at); the time from the last update to the new model version (its created_at);
+received_at); the time from the last update to the round's commit (the new version's created_at
+and the round's ended_at are both stamped at the commit) and to the new version's manifest
+arriving at a subscriber on the broker (what a device sees: the close's real end);
 serve's peak RSS (VmHWM); bytes the round added under the state dir; the compressed bytes
 received (the updates' wire_bytes).
 
@@ -77,6 +79,10 @@ class LoadConfig:
     # every this many s of the round, serve dumps its threads' stacks into its log (SIGUSR1,
     # faulthandler): where its loop spends the round, counted in `serve_stacks` (0: never)
     stack_every_s: float = 0.0
+    # serve processes: 1, or a workers group of N on PostgreSQL (`serve --workers-group`), which
+    # share the devices' messages through MQTT shared subscriptions and the close's work
+    # through their saved partials (coordinator/partials.py)
+    workers: int = 1
 
 
 # serve with a SIGUSR1 handler that prints the main thread's stack (faulthandler's format, which
@@ -199,7 +205,10 @@ class LoadRun:
         self.state = self.workdir / "coordinator"
         self.cli = [sys.executable, "-m", "edge_agent.coordinator.cli"]
         self.broker: LoadBroker | None = None
-        self.serve: subprocess.Popen[bytes] | None = None
+        self.serve: subprocess.Popen[bytes] | None = None  # the first (or only) serve
+        self.serves: list[subprocess.Popen[bytes]] = []
+        self.watcher: Any = None  # an MQTT subscriber to the model's manifests: when a version is out
+        self.manifests: dict[str, float] = {}  # manifest topic -> when it first arrived (time.time())
         self.fleet: SimFleet | None = None
         self.prefix = f"load{os.getpid()}/edgeft/v1"
         self.partial: dict[str, Any] = {}  # measure()'s figures as they come
@@ -249,7 +258,6 @@ class LoadRun:
             t0 = time.monotonic()
             self.pre_enrol()
             self.pre_enrol_s = time.monotonic() - t0
-        log = open(self.workdir / "coordinator.log", "ab")  # noqa: SIM115 - handed to the child
         if cfg.profile_serve:
             prof = [sys.executable, "-m", "cProfile", "-o", str(self.workdir / "serve.prof"), "-m",
                     "edge_agent.coordinator.cli"]
@@ -257,13 +265,40 @@ class LoadRun:
             prof = [sys.executable, "-c", _STACK_SAMPLER]
         else:
             prof = self.cli
-        self.serve = subprocess.Popen(
-            [*prof, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
-             self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
-             "--aggregator", cfg.aggregator], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-            env=self.env, preexec_fn=self._pre())  # noqa: PLW1509
-        log.close()
+        if cfg.workers > 1 and self.db is None:
+            raise RuntimeError("a workers group needs a PostgreSQL registry (db=postgresql://...)")
+        for i in range(cfg.workers):
+            group = ["--workers-group", "load", "--worker-id", f"w{i}"] if cfg.workers > 1 else []
+            log = open(self.workdir / ("coordinator.log" if i == 0 else f"coordinator-{i}.log"), "ab")  # noqa: SIM115
+            self.serves.append(subprocess.Popen(
+                [*prof, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
+                 self.prefix, "--state-dir", str(self.state), "--tick", str(cfg.tick_s), "--auto-approve",
+                 "--aggregator", cfg.aggregator, *group], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                env=self.env, preexec_fn=self._pre()))  # noqa: PLW1509
+            log.close()
+        self.serve = self.serves[0]
         self._wait(self._serving, 120, "serve did not connect to the broker")
+        self._watch_manifests()
+
+    def _watch_manifests(self) -> None:
+        """Subscribe to the model's manifests, as a device would: the arrival of a new version's
+        is when the round's result is out."""
+        import paho.mqtt.client as mqtt
+
+        from ..protocol import Topics
+
+        assert self.broker is not None
+        topic = f"{Topics(fleet='sim', prefix=self.prefix).root}/models/simhead/+/manifest"
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"load-watch-{os.getpid()}")
+
+        def on_message(_c: Any, _u: Any, msg: Any) -> None:
+            self.manifests.setdefault(msg.topic, time.time())
+
+        client.on_message = on_message
+        client.on_connect = lambda c, *_: c.subscribe(topic, qos=1)
+        client.connect("127.0.0.1", self.broker.port)
+        client.loop_start()
+        self.watcher = client
 
     def pre_enrol(self) -> None:
         """Enrol and approve every simulated device in the registry (serve not running yet)."""
@@ -288,9 +323,11 @@ class LoadRun:
         return bool(info and serving(info) and info.get("connected"))
 
     def _check(self) -> None:
-        if self.serve is not None and self.serve.poll() is not None:
-            tail = (self.workdir / "coordinator.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"serve exited {self.serve.returncode}:\n{tail}")
+        for i, serve in enumerate(self.serves):
+            if serve.poll() is not None:
+                log = self.workdir / ("coordinator.log" if i == 0 else f"coordinator-{i}.log")
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"serve {i} exited {serve.returncode}:\n{tail}")
 
     def _wait(self, pred: Any, timeout: float, what: str, interval: float = 0.5) -> None:
         deadline = time.monotonic() + timeout
@@ -314,7 +351,7 @@ class LoadRun:
                    else "json_extract(state, '$.battery_pct')")
         # one COUNT per poll (10,000 devices every second): Registry has no counting method for
         # this, so the query runs in its read snapshot, through its dialect layer
-        with reg._read() as db:
+        with reg.db.read() as db:
             return int(db.execute("SELECT COUNT(*) FROM devices WHERE approved = 1 AND online = 1 AND "
                                   f"{battery} IS NOT NULL").fetchone()[0])
 
@@ -340,7 +377,8 @@ class LoadRun:
         """CPU seconds so far of serve, the broker and this process (the simulated fleet)."""
         assert self.serve is not None and self.broker is not None
         own = os.times()
-        return {"serve": cpu_s(self.serve.pid), "broker": cpu_s(self.broker._proc.pid),  # type: ignore[union-attr]
+        return {"serve": sum(cpu_s(p.pid) for p in self.serves),
+                "broker": cpu_s(self.broker._proc.pid),  # type: ignore[union-attr]
                 "sim": own.user + own.system}
 
     def _phase(self, out: dict[str, Any], name: str, since: tuple[float, dict[str, float]]) -> tuple[float, dict[str, float]]:
@@ -397,7 +435,7 @@ class LoadRun:
         self._wait(over, cfg.timeout_s, f"round of job {job} did not end")
         out["round_wall_s"] = time.monotonic() - t1
         self._phase(out, "round", mark)
-        out["rss_mb"] = _hwm_mb(self.serve.pid)
+        out["rss_mb"] = max(_hwm_mb(p.pid) for p in self.serves)
         time.sleep(1.0)  # the new version's files and the WAL settle
         out["disk_mb"] = (_du(self.state) - disk0) / 1e6
         out.update(self._round_figures(job))
@@ -469,7 +507,7 @@ class LoadRun:
         state, reason, ended, deadline, version = (rnd.state.value, rnd.reason, rnd.ended_at, rnd.deadline_at,
                                                    rnd.aggregated_version)
         # aggregates, not rows: 10,000 updates; Registry has no method for these (see online())
-        with reg._read() as db:
+        with reg.db.read() as db:
             ups = db.execute("SELECT status, COUNT(*), COALESCE(SUM(wire_bytes), 0), MIN(received_at), "
                              "MAX(received_at) FROM updates WHERE job_id = ? GROUP BY status", (job,)).fetchall()
             dup = db.execute("SELECT COUNT(*) FROM (SELECT device_id FROM updates WHERE job_id = ? "
@@ -490,7 +528,21 @@ class LoadRun:
                 "updates_per_s": (sum(v[0] for v in by.values()) - 1) / span if span > 0 else float("nan"),
                 "ingest_span_s": span,
                 "last_update_to_version_s": (created - last) if created and last else float("nan"),
-                "last_update_to_close_s": (ended - last) if ended and last else float("nan")}
+                "last_update_to_close_s": (ended - last) if ended and last else float("nan"),
+                "last_update_to_broker_s": self._on_broker(version, last)}
+
+    def _on_broker(self, version: str | None, last: float | None, wait_s: float = 30.0) -> float:
+        """Seconds from the last update to the new version's first manifest on the broker (its
+        head patch's or its archive's, whichever came first); nan if it never came."""
+        if not version or last is None:
+            return float("nan")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            seen = [t for topic, t in list(self.manifests.items()) if f"/{version}" in topic]
+            if seen:
+                return min(seen) - last
+            time.sleep(0.05)
+        return float("nan")
 
     def close(self) -> None:
         if self.fleet is not None:
@@ -498,13 +550,18 @@ class LoadRun:
                 self.fleet.stop()
             except Exception:  # stopping must go on to serve and the broker
                 pass
-        if self.serve is not None and self.serve.poll() is None:
-            self.serve.terminate()
+        if self.watcher is not None:
+            self.watcher.loop_stop()
+            self.watcher.disconnect()
+        for serve in self.serves:
+            if serve.poll() is None:
+                serve.terminate()
+        for serve in self.serves:
             try:
-                self.serve.wait(60)
+                serve.wait(60)
             except subprocess.TimeoutExpired:
-                self.serve.kill()
-                self.serve.wait(10)
+                serve.kill()
+                serve.wait(10)
         if self.broker is not None:
             self.broker.stop()
         if self._reader is not None:

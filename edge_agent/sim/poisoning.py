@@ -92,13 +92,17 @@ def _through_cameras(images: np.ndarray, cams: list[Any], apply: Any) -> np.ndar
     return out
 
 
-def digits_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, sizes: list[float] | None = None) -> FleetData:
+def digits_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, sizes: list[float] | None = None,
+                 per_device: int | None = None) -> FleetData:
     """Digits: 449 test and SERVER_SAMPLES server samples held out, the rest split over the
-    devices (`sizes`: relative data sizes, e.g. [10, 1] for one device with 10x the other's)."""
+    devices (`sizes`: relative data sizes, e.g. [10, 1] for one device with 10x the other's;
+    `per_device`: at most that many samples each, as the soak's small devices)."""
     images, labels = load_digits_images()
     perm = np.random.default_rng([seed, 0x7E57]).permutation(len(labels))
     test_idx, srv_idx, train_idx = perm[:449], perm[449:449 + SERVER_SAMPLES], perm[449 + SERVER_SAMPLES:]
     parts = _parts(labels[train_idx], n_devices, alpha, seed, sizes)
+    if per_device is not None:
+        parts = [p[np.random.default_rng([seed, d]).permutation(len(p))[:per_device]] for d, p in enumerate(parts)]
     cams = [camera_params(device_seed(seed, d)) for d in range(n_devices)]
     xs = [apply_camera(images[train_idx[p]], cams[d]).reshape(len(p), -1) for d, p in enumerate(parts)]
     ys = [labels[train_idx[p]] for p in parts]
@@ -307,6 +311,9 @@ class Run:
     rejected_honest: int = 0  # honest updates REJECTED
     uncounted_honest: int = 0  # honest updates accepted with no share of the aggregate
     aggregator: str = ""
+    status: str = ""  # the job's, at the end
+    reason: str = ""
+    server_accuracy: list[float | None] = field(default_factory=list)  # each round's version, on the server set
 
     def at(self, rounds: int) -> float:
         return self.accuracy[min(rounds, len(self.accuracy)) - 1]
@@ -319,9 +326,11 @@ PUBS = [base64.b64encode(public_key_bytes(k)).decode() for k in KEYS]
 
 def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, rounds: int = 30,
              server_set: bool = True, aggregator: str | None = None, seed: int = 0,
-             policy: RoundPolicy | None = None, early_stop: dict[int, int] | None = None) -> Run:
+             policy: RoundPolicy | None = None, early_stop: dict[int, int] | None = None,
+             params: dict[str, Any] | None = None) -> Run:
     """One federated job through the real engine. `early_stop`: device -> the round from
-    which it trains one epoch only (a device stopped early by its budget)."""
+    which it sends half its update (a device stopped early by its budget); `params`: more
+    job params (the plateau rule's, the server optimiser's)."""
     n = len(data.xs)
     if n > len(IDS):
         raise ValueError(f"at most {len(IDS)} simulated devices")
@@ -337,7 +346,7 @@ def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, 
         for i in range(n):
             reg.enrol_device(device_id=IDS[i], public_key=PUBS[i], fleet="f", approved=True)
             reg.record_state(IDS[i], online=True, state={"battery_pct": 90, "data_samples": len(data.ys[i])})
-        params = {"aggregator": aggregator} if aggregator else {}
+        params = {**({"aggregator": aggregator} if aggregator else {}), **(params or {})}
         job = engine.start_job(model_name="sim", model_version="1", rounds=rounds, min_devices=1, deadline_s=100,
                                params=params)
         run, heads, silence = Run(aggregator=str(reg.get_job(job.id).params.get("aggregator"))), {"1": glob}, 0
@@ -396,6 +405,9 @@ def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, 
                 heads[out.new_version.version] = reg.load_head(out.new_version)
                 base = heads[out.new_version.version]
             run.accuracy.append(model.accuracy(base, data.test_x, data.test_y))
+            run.server_accuracy.append(out.new_version.metrics.get("accuracy") if out.new_version else None)
+        final = reg.get_job(job.id)
+        run.status, run.reason = final.status.value, final.reason
         reg.close()
         return run
     finally:

@@ -5,7 +5,10 @@ either as a verified `Message` or as a `Rejection` (already logged, rate-limited
 counted by reason); neither raises, whatever the bytes were. `reply_to(rejection)` tells
 the sender why, where that is useful and cannot start a loop: a device answers refused
 commands with a `refusal` on its progress topic; the coordinator answers refused update
-chunks with a `rejected, retry` ack. Nobody answers a refusal, or junk on other topics.
+chunks with a `rejected, retry` ack, and a state or progress from a key it does not know
+with an `unknown_key` refusal on that device's ack topic (it sends its hello again:
+protocol/hello.py), at most once a minute per device. Nobody answers a refusal, or junk on
+other topics.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import one_line
 from ..protocol import Kind, Message, Rejection, Signer, Verifier
+from ..protocol.hello import ASK_AGAIN_CHANNELS, ask_for_hello
 from .mqtt import MqttClient
 from .uplink import rejection_ack
 
 log = logging.getLogger(__name__)
 SUMMARY_S = 10.0
+ASK_AGAIN_S = 60.0  # a device whose hello the coordinator lacks is asked again at most this often
+ASK_MEMORY = 10_000  # devices remembered for that (oldest forgotten first)
 
 
 class _Bucket:
@@ -95,6 +101,10 @@ class Channel:
         self.client, self.signer, self.verifier, self.role = client, signer, verifier, role
         self.topics = signer.topics
         self._replies = _Bucket(reply_rate, reply_burst, clock)
+        # A fixed ACL makes a whole fleet's states arrive at once from unknown keys: asking each
+        # device for its hello has its own, larger budget (and once per device per ASK_AGAIN_S).
+        self._asks = _Bucket(20.0, 200, clock)
+        self._asked: OrderedDict[str, float] = OrderedDict()
         self._logs = _Bucket(log_rate, int(max(log_rate, 1)) * 2, clock)
         self._clock = clock
         self._unlogged: Counter[str] = Counter()  # rejections not logged one by one, by reason
@@ -159,6 +169,19 @@ class Channel:
             infos.append(self.client.publish(topic, payload) if not infos or infos[-1] is not None else None)
         return self.client.wait_published(infos, timeout=timeout)
 
+    def _ask_due(self, device: str) -> bool:
+        now = self._clock()
+        last = self._asked.get(device)
+        if last is not None and now - last < ASK_AGAIN_S:
+            return False
+        if not self._asks.take():
+            return False
+        self._asked[device] = now
+        self._asked.move_to_end(device)
+        while len(self._asked) > ASK_MEMORY:
+            self._asked.popitem(last=False)
+        return True
+
     def reply_to(self, rejection: Rejection, *, ttl: float = 3600.0) -> bool:
         """Tell the sender why its message was refused (policy in the module doc); True if sent."""
         route = rejection.route
@@ -170,6 +193,11 @@ class Channel:
                                                                          rejection.refusal_body(), ttl=ttl))
         elif self.role == "coordinator" and route.channel == "update":
             reply = rejection_ack(self.signer, self.topics, rejection, ttl=ttl)
+        elif self.role == "coordinator" and route.channel in ASK_AGAIN_CHANNELS:
+            reply = ask_for_hello(self.signer, self.topics, rejection, ttl=ttl)
+            if reply is None or not self._ask_due(route.device):
+                return False
+            return self.client.publish(reply[0], reply[1]) is not None  # not waited for: a burst of these
         else:
             return False
         if reply is None or not self._replies.take():

@@ -126,6 +126,7 @@ class MqttClient:
         self._drops: Counter[str] = Counter()  # since the last summary line, by why
         self._drops_logged_at = 0.0
         self._subs: set[str] = set()
+        self._taps: dict[str, Callable[[bytes], None]] = {}  # topic -> callback (tap())
         for topic_filter in subscriptions:
             self._check_filter(topic_filter)
             self._subs.add(topic_filter)
@@ -190,6 +191,22 @@ class MqttClient:
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until connected and the broker has confirmed the standing subscriptions."""
         return self._up.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        """Connected, and the broker has confirmed the standing subscriptions (taps too)."""
+        return self._up.is_set()
+
+    def tap(self, topic: str, callback: Callable[[bytes], None]) -> None:
+        """Subscribe to exactly `topic` (no wildcards), now and after every reconnect; its
+        messages go to `callback(payload)` in the network thread, never to the inbox. For a
+        client's own loopback check: what it publishes there must come back (LoopbackProbe)."""
+        self._check_filter(topic)
+        if "+" in topic or "#" in topic:
+            raise ValueError(f"a tap is one topic, not a filter: {topic!r}")
+        with self._lock:
+            self._taps[topic] = callback
+        self.subscribe(topic)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -295,6 +312,10 @@ class MqttClient:
 
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
         try:
+            tapped = self._taps.get(msg.topic)
+            if tapped is not None:
+                tapped(bytes(msg.payload))
+                return
             size = len(msg.payload)
             if size > self.max_payload:
                 self._dropped("dropped_oversize", f"over {self.max_payload} bytes")

@@ -26,6 +26,7 @@ from edge_agent.protocol import (
     TrustStore,
     Verifier,
 )
+from edge_agent.protocol.hello import ANSWER_PREFIX as HELLO_ANSWER
 from edge_agent.transport import (
     Channel,
     MqttClient,
@@ -203,6 +204,7 @@ class DeviceLoop(_Loop):
         kw = {"ack_timeout": 1.0, "publish_timeout": 2.0, "retry_base": 0.2, "retry_cap": 1.0, **uploader_kw}
         self.uploader = Uploader(client=side.client, outbox=outbox, signer=side.signer, topics=fleet.topics, **kw)
         self.commands: list[Message] = []
+        self.hello_answers: list[Message] = []  # serve's answers to a hello (protocol/hello.py): not commands
         self.rejections: list[Rejection] = []
         self.ack_results: list[str] = []
         self.acks: list[Message] = []
@@ -216,6 +218,8 @@ class DeviceLoop(_Loop):
             if result.kind is Kind.ACK:
                 self.acks.append(result)
                 self.ack_results.append(self.uploader.handle_ack(result))
+            elif result.kind is Kind.CMD and result.body["cmd_id"].startswith(HELLO_ANSWER):
+                self.hello_answers.append(result)
             elif result.kind is Kind.CMD:
                 self.commands.append(result)
         self._pump()

@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,56 +25,16 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from edge_agent import certs, keys
-from edge_agent.transport.broker import MosquittoBroker
+from tests.integration.shipped_broker import SHIPPED_ACL, SHIPPED_CONF, FleetBroker, make_certs
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED_CONF = REPO / "packaging/mosquitto/edge-agent-fleet.conf"
-SHIPPED_ACL = REPO / "packaging/mosquitto/acl"
-MAKE_CERTS = REPO / "packaging/mosquitto/make-certs"
 AWS_CHUNK = 128 * 1024  # the largest chunk the agent sends (AWS IoT Core's limit)
 TIMEOUT = 60.0  # bounds a hang only: every wait is for an event
 # A device id is its Ed25519 key's fingerprint (edge_agent.keys), and its certificate's CN.
 A, B = (keys.fingerprint(keys.generate_private_key()) for _ in range(2))
 FLEET_NAME = f"f{uuid.uuid4().hex[:10]}"  # the fleet the ACL is rendered for
 OTHER_FLEET = f"edgeft/v1/o{uuid.uuid4().hex[:10]}"
-
-
-def fleet_config(text: str, *, port: int, cert_dir: Path, workdir: Path) -> str:
-    """The shipped config with its paths and listener moved into the test; every rewritten
-    line must exist exactly once, so a changed shipped file fails here, not silently."""
-    rewrites = {
-        "listener 8883": f"listener {port} 127.0.0.1",
-        "cafile /etc/mosquitto/edge-agent/ca.pem": f"cafile {cert_dir}/ca.pem",
-        "certfile /etc/mosquitto/edge-agent/server.pem": f"certfile {cert_dir}/server.pem",
-        "keyfile /etc/mosquitto/edge-agent/server.key": f"keyfile {cert_dir}/server.key",
-        "acl_file /etc/mosquitto/edge-agent/acl": f"acl_file {cert_dir}/acl",
-    }
-    lines = text.splitlines()
-    for old in rewrites:
-        assert lines.count(old) == 1, f"{SHIPPED_CONF.name}: expected the line {old!r} once"
-    lines = [rewrites.get(line, line) for line in lines]
-    # What Debian's /etc/mosquitto/mosquitto.conf provides around conf.d, for a test broker.
-    header = [f"log_dest file {workdir}/mosquitto.log", "log_type all", "connection_messages true",
-              "persistence false", *(["user root"] if os.geteuid() == 0 else [])]
-    return "\n".join(header + lines) + "\n"
-
-
-class FleetBroker(MosquittoBroker):
-    """MosquittoBroker (start on a free port, wait, stop) with the shipped fleet config."""
-
-    def __init__(self, *, workdir: Path, cert_dir: Path) -> None:
-        super().__init__(workdir=workdir)
-        self.cert_dir = cert_dir
-
-    def config_text(self) -> str:
-        return fleet_config(SHIPPED_CONF.read_text(), port=self.port, cert_dir=self.cert_dir, workdir=self.workdir)
-
-
-def make_certs(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(MAKE_CERTS), *map(str, args)], capture_output=True, text=True,
-                          timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -383,6 +341,99 @@ def test_the_coordinators_queue_holds_a_devices_burst_and_other_devices_messages
         assert back.cond.wait_for(lambda: (topic, b"last chunk") in back.messages, TIMEOUT)
         from_a = [p for t, p in back.messages if t == topic]
     assert len(from_a) == 1501 and seen[-1] == (f"{fleet}/devices/{B}/update", b"b after the burst")
+
+
+def test_serve_workers_have_their_own_certificates_and_do_not_replace_each_other(tmp_path: Path) -> None:
+    """Two `serve --workers-group` workers on the shipped config: with one certificate each
+    (make-certs worker, and their lines in the ACL) both stay connected and both get the
+    coordinator's grant; sharing the coordinator's certificate, the second connection
+    replaces the first (the CN is the client id), which is why each needs its own."""
+    d = tmp_path / "certs"
+    for args in (["init"], ["server", "127.0.0.1"], ["coordinator"], ["worker", "w1", "w2"], ["device", A],
+                 ["acl", "--fleet", FLEET_NAME, "--workers", "w1", "w2"]):
+        proc = make_certs(*args, "--dir", d)
+        assert proc.returncode == 0, (args, proc.stderr)
+    assert certs_cn(d / "coordinator-w1.pem") == "coordinator-w1"
+    acl = (d / "acl").read_text()
+    for user in ("coordinator", "coordinator-w1", "coordinator-w2"):
+        assert f"user {user}\ntopic readwrite edgeft/v1/{FLEET_NAME}/#\n" in acl, acl
+    broker = FleetBroker(workdir=tmp_path / "mosquitto", cert_dir=d)
+    broker.start()
+    made: list[Peer] = []
+    try:
+        fleet = f"edgeft/v1/{FLEET_NAME}"
+
+        def peer(name: str) -> Peer:
+            made.append(Peer(broker, name, cert_dir=d))
+            assert made[-1].start(), broker.log_tail(1500)
+            return made[-1]
+
+        w1, w2, dev = peer("coordinator-w1"), peer("coordinator-w2"), peer(A)
+        for w in (w1, w2):  # the group's shared subscription, and each worker's own loopback topic
+            assert w.subscribe(f"$share/g/{fleet}/devices/+/+", f"{fleet}/probe/{w.name}") == [1, 1]
+            w.publish(f"{fleet}/probe/{w.name}", b"loop " + w.name.encode())
+            w.wait_for(f"{fleet}/probe/{w.name}", b"loop " + w.name.encode())
+        assert dev.subscribe(f"{fleet}/devices/{A}/cmd") == [1]
+        w2.publish(f"{fleet}/devices/{A}/cmd", b"a command from w2")
+        dev.wait_for(f"{fleet}/devices/{A}/cmd", b"a command from w2")
+        for i in range(6):  # the broker spreads the group's messages over the connected workers
+            dev.publish(f"{fleet}/devices/{A}/state", b"state %d" % i)
+        states = lambda: sorted(p for w in (w1, w2) for t, p in list(w.messages) if t.endswith("/state"))  # noqa: E731
+        assert wait_until(lambda: len(states()) == 6), states()
+        assert states() == [b"state %d" % i for i in range(6)]  # each exactly once, to one worker or the other
+        assert not w1.disconnected.is_set() and not w2.disconnected.is_set()
+        log = broker.log_tail(200_000)
+        assert "as coordinator-w1 (" in log and "as coordinator-w2 (" in log
+        assert "already connected" not in log, log[-2000:]
+
+        # The failure the workers' certificates avoid: one certificate, two connections.
+        first, second = Peer(broker, "coordinator", cert_dir=d), Peer(broker, "coordinator", cert_dir=d)
+        made += [first, second]
+        assert first.start() and second.start()
+        assert first.disconnected.wait(TIMEOUT)
+        assert "Client coordinator already connected, closing old connection." in broker.log_tail(200_000)
+    finally:
+        for p in made:
+            p.stop()
+        broker.stop()
+
+
+def certs_cn(pem: Path) -> str:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = x509.load_pem_x509_certificate(pem.read_bytes())
+    return cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+
+
+def wait_until(predicate, timeout: float = TIMEOUT) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_make_certs_acl_never_overwrites_silently_and_takes_force(tmp_path: Path) -> None:
+    first = make_certs("acl", "--fleet", "farm", "--dir", tmp_path)
+    assert first.returncode == 0, first.stderr
+    rendered = (tmp_path / "acl").read_text()
+    again = make_certs("acl", "--fleet", "farm", "--dir", tmp_path)  # the same ACL again: nothing to refuse
+    assert again.returncode == 0 and "unchanged" in again.stdout, again.stderr
+    other = make_certs("acl", "--fleet", "farm1", "--dir", tmp_path)
+    assert other.returncode == 78, other.stderr
+    assert "--force" in other.stderr and "edgeft/v1/farm/#" in other.stderr and "edgeft/v1/farm1/#" in other.stderr
+    assert (tmp_path / "acl").read_text() == rendered  # untouched
+    forced = make_certs("acl", "--fleet", "farm1", "--force", "--dir", tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert "edgeft/v1/farm1/#" in (tmp_path / "acl").read_text()
+    bad = make_certs("acl", "--fleet", "farm", "--no-such-flag", "--dir", tmp_path)
+    assert bad.returncode == 64 and "--no-such-flag" in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr
+    worker = make_certs("acl", "--fleet", "farm", "--workers", "w/1", "--out", "-")
+    assert worker.returncode == 65 and "worker id" in worker.stderr, worker.stderr
+    taken = make_certs("device", "coordinator-w1", "--dir", tmp_path)
+    assert taken.returncode == 65 and "coordinator's name" in taken.stderr, taken.stderr
 
 
 def test_devices_read_the_coordinators_key_rotations_and_cannot_forge_one(peers, fleet: str) -> None:  # noqa: ANN001

@@ -1,5 +1,7 @@
 """Three `edge-coordinator serve --workers-group` workers on one PostgreSQL registry and a
-real mosquitto (shared subscriptions), a round of simulated devices (edge_agent/sim) whose
+real mosquitto (shared subscriptions) running the shipped TLS + ACL config (packaging/
+mosquitto: each worker and each device with its own certificate from `make-certs`, the ACL
+rendered with `--workers`), a round of simulated devices (edge_agent/sim) whose
 updates come in several chunks (so one upload's chunks land on different workers), and a
 kill -9 of one worker -- the leader, or one that only ingests -- mid-round. Then: every
 update a device saw acknowledged is in the registry exactly once and accepted, the round
@@ -26,7 +28,8 @@ import pytest
 from edge_agent import keys
 from edge_agent.coordinator.workers import _LEADER_NS  # the leader lock's namespace
 from edge_agent.sim.devices import SimFleet, SimOptions, UpdatePool
-from edge_agent.sim.fleet_load import LoadBroker, wide_head_bundle
+from edge_agent.sim.fleet_load import wide_head_bundle
+from tests.integration.shipped_broker import FleetBroker, make_certs
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +60,12 @@ class Group:
         self.tmp, self.url = tmp, url
         self.state = tmp / "coordinator"
         self.prefix = f"w{os.getpid()}{int(time.time() * 1000) % 100000}/edgeft/v1"
-        self.broker = LoadBroker(workdir=tmp / "mosquitto")
+        self.certs = tmp / "fleet-certs"
+        for args in (["init"], ["server", "127.0.0.1"], ["worker", *WORKERS],
+                     ["acl", "--fleet", "sim", "--prefix", self.prefix, "--workers", *WORKERS]):
+            done = make_certs(*args, "--dir", self.certs)
+            assert done.returncode == 0, (args, done.stderr)
+        self.broker = FleetBroker(workdir=tmp / "mosquitto", cert_dir=self.certs)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.fleet: SimFleet | None = None
 
@@ -87,6 +95,12 @@ class Group:
         self.fleet = SimFleet(options=opts, count=DEVICES, pool=pool, coordinator_key=self.key.public_key(),
                               labels=labels)
         self.fleet.build()
+        ids = [d.id for d in self.fleet.devices]  # each device its certificate, CN = its id
+        done = make_certs("device", *ids, "--dir", self.certs)
+        assert done.returncode == 0, done.stderr
+        for dev in self.fleet.devices:
+            dev.client.tls_set(ca_certs=str(self.certs / "ca.pem"), certfile=str(self.certs / f"{dev.id}.pem"),
+                               keyfile=str(self.certs / f"{dev.id}.key"))
 
     def cli(self, *args: str) -> str:
         done = subprocess.run([*CLI, *args, "--state-dir", str(self.state), "--db", self.url], capture_output=True,
@@ -99,7 +113,9 @@ class Group:
         self.procs[worker] = subprocess.Popen(
             [*CLI, "serve", "--broker", f"127.0.0.1:{self.broker.port}", "--fleet", "sim", "--topic-prefix",
              self.prefix, "--state-dir", str(self.state), "--db", self.url, "--workers-group", "g", "--worker-id",
-             worker, "--tick", "0.3", "--ack-interval", "0.5", "--auto-approve"],
+             worker, "--tick", "0.3", "--ack-interval", "0.5", "--auto-approve", "--tls",
+             "--ca-file", str(self.certs / "ca.pem"), "--cert-file", str(self.certs / f"coordinator-{worker}.pem"),
+             "--key-file", str(self.certs / f"coordinator-{worker}.key")],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
 
@@ -124,8 +140,8 @@ class Group:
 
         return Registry(state_dir=self.state, db=self.url, read_only=True)
 
-    def log(self, worker: str) -> str:
-        return (self.tmp / f"{worker}.log").read_text(errors="replace")[-4000:]
+    def log(self, worker: str, n: int = 4000) -> str:
+        return (self.tmp / f"{worker}.log").read_text(errors="replace")[-n:]
 
     def stored(self, job: str) -> int:
         return sql(self.url, "SELECT COUNT(*) FROM updates WHERE job_id = %s", (job,))[0][0]
@@ -258,5 +274,13 @@ def test_a_worker_killed_mid_round_loses_and_doubles_nothing(victim: str, pg_url
         group.start_worker(res["killed"])  # the same worker id again: its lock and client id are free
         wait(lambda: group.connected(res["killed"]), 60, "the restarted worker did not connect")
         assert group.leader() == leader  # it rejoins as a follower
+        log = group.broker.log_tail(10_000_000)
+        for worker in WORKERS:  # each worker its own identity: nobody took anybody's connection
+            assert f" as coordinator-{worker} (" in log
+        assert "already connected, closing old connection" not in log
+        assert "Denied PUBLISH" not in log  # the ACL's worker lines grant what the group does
     finally:
         group.close()
+    for worker in WORKERS:  # stopped with SIGTERM by close(): a clean stop logs no error
+        errors = [ln for ln in group.log(worker, 10_000_000).splitlines() if " ERROR " in ln[:40]]
+        assert errors == [], errors

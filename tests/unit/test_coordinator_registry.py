@@ -79,7 +79,7 @@ def test_schema_is_versioned_wal_with_foreign_keys(tmp_path: Path) -> None:
     db.close()
     with Registry(state_dir=tmp_path) as reg:  # reopening migrates nothing twice
         assert reg.schema_version == len(MIGRATIONS)
-        assert reg._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert reg.db.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
 
 
 @pytest.mark.sqlite_only("edits the file with sqlite3 (test_registry_pg.py: the same on PostgreSQL)")
@@ -95,7 +95,7 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.sqlite_only("reads the file with sqlite3 (test_registry_pg.py: the same on PostgreSQL)")
 def test_migrations_apply_in_one_transaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import edge_agent.coordinator.registry as registry_module
+    import edge_agent.coordinator.registry_db as registry_module
 
     Registry(state_dir=tmp_path).close()
     broken = [*MIGRATIONS, ("ALTER TABLE devices ADD COLUMN note TEXT", "THIS IS NOT SQL")]
@@ -109,7 +109,7 @@ def test_migrations_apply_in_one_transaction(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(registry_module, "MIGRATIONS", [*MIGRATIONS, ("ALTER TABLE devices ADD COLUMN note TEXT",)])
     with Registry(state_dir=tmp_path) as reg:
         assert reg.schema_version == len(MIGRATIONS) + 1
-        assert "note" in {r[1] for r in reg._db.execute("PRAGMA table_info(devices)")}
+        assert "note" in {r[1] for r in reg.db.conn.execute("PRAGMA table_info(devices)")}
 
 
 @pytest.mark.sqlite_only("a damaged SQLite file")

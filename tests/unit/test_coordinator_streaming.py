@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.coordinator import registry as registry_module
+from edge_agent.coordinator import registry_db as registry_module
 from edge_agent.coordinator.aggregate import apply_delta
 from edge_agent.coordinator.records import RoundState, UpdateStatus
 from edge_agent.coordinator.registry import MIGRATIONS, Registry
@@ -347,13 +347,13 @@ def test_receiving_an_update_reads_the_same_rows_whatever_the_round_size(state_d
         d = deltas(2, 5)
         c.receive(c.payload(plan, 0, d[0]), 0, 10)  # the first one builds the (empty) running sum
         statements: list[str] = []
-        c.reg._db.set_trace_callback(statements.append)
+        c.reg.db.conn.set_trace_callback(statements.append)
         assert c.receive(c.payload(plan, 1, d[1]), 1, 10) == "accepted"
-        c.reg._db.set_trace_callback(None)
+        c.reg.db.conn.set_trace_callback(None)
         counts.append(len(statements))
         plans = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
         for sql in plans:  # every lookup uses an index (no full scan of a table)
-            q = c.reg._db.execute("EXPLAIN QUERY PLAN " + sql).fetchall()
+            q = c.reg.db.conn.execute("EXPLAIN QUERY PLAN " + sql).fetchall()
             assert not any(str(r[3]).startswith("SCAN") and "USING" not in str(r[3]) for r in q), (sql, q)
         c.reg.close()
     assert counts[0] == counts[1], counts

@@ -225,7 +225,7 @@ def _fleet_of(state_dir: Path, n: int) -> None:
         key = generate_private_key()
         pub = base64.b64encode(public_key_bytes(key)).decode()
         # n rows written in one transaction (enrol_device checks each key: slow to do 1,000 times)
-        with reg._tx() as db:
+        with reg.db.tx() as db:
             for i in range(n):
                 state = json.dumps({"name": f"pi-{i:04d}", "status": "idle", "battery_pct": i % 100, "on_power": False})
                 db.execute("INSERT INTO devices (id, fleet, public_key, enrolled_at, approved, tags, board, profile, "
@@ -242,9 +242,9 @@ def test_the_fleet_page_costs_the_same_queries_for_1000_devices_as_for_10(tmp_pa
         _fleet_of(tmp_path / f"coord{n}", n)
         with Registry(state_dir=tmp_path / f"coord{n}") as reg:
             seen: list[str] = []
-            reg._db.set_trace_callback(seen.append)
+            reg.db.conn.set_trace_callback(seen.append)
             data = views.fleet(reg, policy=RoundPolicy(), now=NOW)
-            reg._db.set_trace_callback(None)
+            reg.db.conn.set_trace_callback(None)
         assert len(data["rows"]) == n and data["counts"]["devices"] == n
         statements[n] = len(seen)
     assert statements[1000] == statements[10], statements

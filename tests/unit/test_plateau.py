@@ -137,3 +137,44 @@ def test_train_refuses_plateau_options_without_patience_and_bad_values(tmp_path:
 
     with Registry(state_dir=tmp_path) as reg, pytest.raises(InputError, match="server_opt must be one of"):
         RoundEngine(registry=reg).start_job(model_name="digits", model_version="1", params={"server_opt": "sgd"})
+
+
+def test_with_a_server_set_the_plateau_rule_judges_each_version_on_it_and_publishes_the_best() -> None:
+    """Each version is scored on the server set when the gate passes it, the plateau rule
+    decides on those scores (no lag, no smoothing), and a job that stops publishes the best
+    version's head: its server-set score is the best of the job's."""
+    from edge_agent.sim.poisoning import digits_fleet, simulate
+
+    patience = 2
+    run = simulate(digits_fleet(3, seed=4), rounds=40, server_set=True, seed=4,
+                   params={"plateau_patience": patience, "plateau_min_delta": 0.01})
+    assert run.status == "done" and run.reason.startswith("plateau: server-set accuracy did not improve"), run.reason
+    scores = [a for a in run.server_accuracy if a is not None]
+    peak = max(range(len(scores)), key=scores.__getitem__)
+    assert len(scores) < 40 and len(scores) - 1 - peak <= patience + 1  # stopped within its patience
+    assert run.accuracy[-1] == run.accuracy[peak]  # the last version is the best one's head
+
+
+@pytest.mark.parametrize(("current", "suggested"), [(0.69, False), (0.60, True)])
+def test_status_names_what_the_best_accuracy_is_and_suggests_a_rollback_only_when_measurably_worse(
+        tmp_path: Path, capsys, current: float, suggested: bool) -> None:
+    """Issue 35 item 12: the job summary called the plateau rule's smoothed average "global
+    accuracy" and suggested a rollback after every job. It now says the number is the devices'
+    reports, smoothed (or the server set's), and suggests a rollback only when the model's
+    current version scored measurably (2 standard errors, half a point) below the best."""
+    with Registry(state_dir=tmp_path) as reg:
+        head = {"w": np.zeros(2, np.float32)}
+        reg.add_model_version(name="digits", version="1", head=head)
+        job = reg.create_job(job_id="job-a", model_name="digits", model_version="1", selector="all", rounds=3,
+                             min_devices=1, deadline_s=60, params={"aggregator": "fedavg"}, now=1.0)
+        for v, parent in (("job-a-r1", "1"), ("job-a-r2", "job-a-r1")):
+            reg.add_model_version(name="digits", version=v, head=head, parent=parent, head_only=True)
+        # what learn() records: [version, measured in round, accuracy, samples, smoothed]
+        history = [["1", 1, 0.5, 300, 0.5], ["job-a-r1", 2, 0.70, 300, 0.70], ["job-a-r2", 3, current, 300, current]]
+        LearningStore(tmp_path).save(job.id, 3, {"history": history, "best": {"version": "job-a-r1", "accuracy": 0.70,
+                                                                           "round": 2}}, {})
+    assert main(["status", "job-a", "--state-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "best version job-a-r1: 70.00 % device-reported accuracy, smoothed over versions" in out
+    assert "global accuracy" not in out
+    assert ("models rollback digits --to-best job-a" in out) is suggested

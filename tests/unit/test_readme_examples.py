@@ -118,8 +118,9 @@ def _fixtures(root: Path) -> None:
     """What the examples name: net.onnx, calib.npz, my-images/, coord.pub, ca.pem, tests/."""
     from PIL import Image
 
-    from edge_agent import certs, keys, models
+    from edge_agent import certs, keys
     from edge_agent.int8.onnx_export import export_onnx
+    from edge_agent.sim import models
 
     x_train, y_train, _, _ = models.load_digits_split()
     net = models.digits_cnn()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import edge_agent.coordinator.registry as registry_module
+import edge_agent.coordinator.registry_db as registry_module
 from edge_agent.coordinator.db import redact, resolve, translate
 from edge_agent.coordinator.records import ParticipantStatus, RoundState
 from edge_agent.coordinator.registry import MIGRATIONS, Registry

@@ -25,11 +25,14 @@
         return {x: xs, y: ys, name: s[1], type: s[2] === "bar" ? "bar" : "scatter",
                 mode: "lines+markers", yaxis: s[3]};
       });
+      // data-y / data-y2: each axis's own scale (a fraction's 0..1, a ratio from 0), so
+      // plotly's autorange neither pads an accuracy past 100 % nor blows noise up to a slope
       Plotly.react(div, traces, {
         title: {text: div.dataset.title || "", font: {size: 14}}, barmode: "group",
         margin: {l: 48, r: 48, t: div.dataset.title ? 36 : 12, b: 64}, height: 280,
         legend: {orientation: "h", y: -0.25}, xaxis: {automargin: true, type: div.dataset.xtype || "category"},
-        yaxis: {automargin: true}, yaxis2: {overlaying: "y", side: "right", automargin: true}
+        yaxis: Object.assign({automargin: true}, JSON.parse(div.dataset.y || "{}")),
+        yaxis2: Object.assign({overlaying: "y", side: "right", automargin: true}, JSON.parse(div.dataset.y2 || "{}"))
       }, {responsive: true, displaylogo: false, displayModeBar: false});
     });
   }
