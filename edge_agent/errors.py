@@ -80,6 +80,20 @@ class CliParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one log line: its type, message and the innermost frame it came from
+    (file:line in function). For failures on untrusted input, where a traceback per message
+    would let a sender flood the log; the full traceback goes to debug level."""
+    where = ""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        code = tb.tb_frame.f_code
+        where = f" (at {os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name})"
+    return f"{type(exc).__name__}: {str(exc)[:300]}{where}"
+
+
 def _silence_stdout() -> None:
     """The reader went away: point stdout at /dev/null so the interpreter's final flush
     cannot raise again (the recipe in Python's signal module documentation)."""

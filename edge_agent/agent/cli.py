@@ -53,7 +53,9 @@ commands by policy, run fine-tune jobs in a child process through a persisted st
 (resumed after a restart), and send each compressed update from the on-disk outbox until the
 coordinator acknowledges it. Under systemd it sends READY=1, STATUS= and WATCHDOG=1.
 
-SIGTERM stops it cleanly: the training child checkpoints, the device reports "offline"."""
+SIGTERM stops it cleanly: the training child checkpoints, the device reports "offline"; exit 0.
+Ctrl-C does the same and exits 130 (interrupted). One daemon per state directory: a second
+`run` on the same config exits 69."""
 
 RUN_EPILOG = """\
 examples:
@@ -224,6 +226,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"  broker   {g('broker', 'host')}:{g('broker', 'port')} ({tls}), topics {config.topic_prefix}/{config.fleet}/...")
         print(f"  profile  {config.profile.name if config.profile else 'none (generic defaults)'}")
         print(f"  state    {config.state_dir}; key {config.key_file}")
+        from ..keys import fingerprint
+        from .coordinator_trust import ROTATION_FILE, CoordinatorTrust
+
+        trusted = CoordinatorTrust(state_dir=config.state_dir, configured=config.coordinator_public_key)
+        moved = trusted.key_id != fingerprint(config.coordinator_public_key)
+        print(f"  coordinator key {trusted.key_id}" + (f" (rotated from agent.toml's: {config.state_dir / ROTATION_FILE})"
+                                                        if moved else ""))
         print(f"  data     {g('data', 'dir') or 'not set: fine-tune commands are refused (no_data)'}")
         print(f"  budget   {_budget_line(config)}")
         print(f"  policy   accept_finetune={g('policy', 'accept_finetune')} min_battery_pct={g('policy', 'min_battery_pct')} "

@@ -13,7 +13,7 @@ Rejection; a refused command is answered with a signed `refusal` (reason code + 
 the device's progress topic; an exception in a step is logged and the loop goes on (only
 a run of failing iterations — a local fault such as an unwritable state directory — ends
 the process with exit code 1, for systemd to restart). SIGTERM/SIGINT: publish `offline`
-(retained), stop the training child cleanly (it checkpoints), exit 0.
+(retained), stop the training child cleanly (it checkpoints), exit 0 (SIGINT, Ctrl-C: 130).
 
 Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_sha256, params):
     finetune     job, round, model, version required; sha256 of the bundle archive when the
@@ -26,6 +26,8 @@ Commands (`cmd` body: cmd_id, action, job, round, model, version, sha256, head_s
     probe        -> progress "probe" + fresh hello/state
 Replies go to the progress topic: phase "accepted" / job states / "pong" / "probe", or a
 `refusal` (reasons: policy.py's codes, or the protocol's: bad_signature, expired, ...).
+A `key_rotation` (retained on coordinator/key/<trusted key id>, signed by the trusted key)
+moves the device's trust to the coordinator's new key (coordinator_trust.py).
 
 Test hook (only with EDGE_AGENT_TEST_HOOKS=1 in the environment): while the file
 <state_dir>/debug/hang exists the main loop blocks without calling watchdog.alive(), as a
@@ -49,8 +51,9 @@ from typing import Any
 
 from .. import __version__
 from ..config import AgentConfig, load_identity, public_key_text
-from ..errors import EXIT_FAILURE, EXIT_OK, ConfigError, InputError
-from ..keys import enrolment_code, fingerprint
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ConfigError, InputError
+from ..keys import enrolment_code
+from ..locks import hold_locks
 from ..protocol import (
     MAX_BINARY_BYTES,
     Kind,
@@ -63,7 +66,9 @@ from ..protocol import (
     TrustStore,
     Verifier,
 )
+from ..protocol.schema import clean_flat
 from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
+from .coordinator_trust import CoordinatorTrust
 from .jobs import JobStore
 from .lifecycle import DriverSettings, JobDriver
 from .link import HELLO_ACK_PREFIX, LINK_FILE, CoordinatorLink
@@ -77,6 +82,7 @@ TICK_S = 0.25
 MAX_MESSAGES_PER_ITERATION = 64
 MAX_FAILING_ITERATIONS = 100
 STATE_TTL = 7 * 86400
+LOCK_FILE = "agent.lock"
 HOOKS_ENV = "EDGE_AGENT_TEST_HOOKS"
 HANG_FILE = "debug/hang"
 FAIL_FILE = "debug/fail"
@@ -96,15 +102,30 @@ class Daemon:
                 (sd / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a deployment problem a restart cannot fix
             raise ConfigError(f"{config.path}: device.state_dir: cannot create {sd}: {exc.strerror or exc}") from exc
+        # One daemon per state directory (exit 69 for a second): two copies on one config wrote
+        # one state dir and took each other's broker session over 1,147 times in 10 minutes.
+        self._lock_fds = hold_locks(sd, [(LOCK_FILE, True)], lambda _, pid: (
+            f"{sd}: another edge-agent run (pid {pid}) is using this state directory ({config.path}); "
+            "stop it first (systemctl stop edge-agent) or give this one its own device.state_dir"))
+        try:
+            self._setup(config, sd, watchdog)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _setup(self, config: AgentConfig, sd: Path, watchdog: Watchdog | None) -> None:
         self.topics = Topics(fleet=config.fleet, prefix=config.topic_prefix)
         self.signer = Signer(key=self.key, topics=self.topics, sequence=SequenceCounter(path=sd / "keys" / "seq"))
-        trust = TrustStore()
-        trust.add(config.coordinator_public_key, role="coordinator")
+        # agent.toml's coordinator key, or the one a verified rotation moved this device to
+        self.coordinator = CoordinatorTrust(state_dir=sd, configured=config.coordinator_public_key)
+        self.trust = trust = TrustStore()
+        trust.add(self.coordinator.key, role="coordinator")
         self.hooks = os.environ.get(HOOKS_ENV) == "1"
-        # strict_missing: a lost window file means "only what is issued from now on", never "empty".
-        window = ReplayWindow(directory=sd / "replay", strict_missing=True,
-                              known_senders=(fingerprint(config.coordinator_public_key),),
-                              fault_file=sd / ENOSPC_FILE if self.hooks else None)
+        # strict_missing: a lost window file means "only what is issued from now on", never "empty";
+        # and so does a lost replay/ directory on a device that was enrolled before.
+        self.window = window = ReplayWindow(directory=sd / "replay", strict_missing=True,
+                                            known_senders=(self.coordinator.key_id,), enrolled=ever_enrolled(sd),
+                                            fault_file=sd / ENOSPC_FILE if self.hooks else None)
         self.verifier = Verifier(topics=self.topics, trust=trust, replay=window)
         g = config.get
         max_message = int(g("broker", "max_message_bytes"))
@@ -112,7 +133,8 @@ class Daemon:
             host=g("broker", "host"), port=int(g("broker", "port")), client_id=f"edge-agent-{self.device_id}",
             clean_session=False, keepalive=int(g("broker", "keepalive_s")), tls=self._tls(),
             username=g("broker", "username"), password=self._password(), will=self._will,
-            subscriptions=self.topics.device_subscriptions(self.device_id),
+            subscriptions=[*self.topics.device_subscriptions(self.device_id),
+                           self.topics.coordinator_key(self.coordinator.key_id)],  # (its rotation, if ever)
             admit=Admission(self.verifier),  # signed commands and acks jump any junk flood
             backoff_base=float(g("broker", "reconnect_min_s")), backoff_cap=float(g("broker", "reconnect_max_s")),
             max_payload=max_message)
@@ -194,7 +216,8 @@ class Daemon:
             if value is not None:
                 body[name] = round_pct(value) if name == "pct" else value
         if metrics:
-            body["metrics"] = {k: (v[:256] if isinstance(v, str) else v) for k, v in list(metrics.items())[:64]}
+            # (a value outside the protocol's range for its name is dropped, not the report)
+            body["metrics"] = clean_flat({k: (v[:256] if isinstance(v, str) else v) for k, v in metrics.items()})
         topic = self.topics.device(self.device_id, "progress")
         try:
             return self.channel.send(topic, Kind.PROGRESS, body, ttl=3600, timeout=5.0)
@@ -281,6 +304,24 @@ class Daemon:
         elif result.kind is Kind.REFUSAL:
             log.warning("the coordinator refused our message: %s: %s", result.body["reason"], result.body["detail"])
             self.link.refused(result.body["reason"], result.body["detail"])
+        elif result.kind is Kind.KEY_ROTATION:
+            self.rotate_coordinator_key(result)
+
+    def rotate_coordinator_key(self, msg: Message) -> None:
+        """The coordinator's new key, signed by the one trusted now: trust it instead (persisted
+        first), and follow its own rotation topic from now on."""
+        old_id = self.coordinator.key_id
+        new = self.coordinator.rotate(msg)
+        if new is None:
+            return
+        self.trust.add(new, role="coordinator")
+        self.trust.remove(old_id)
+        self.client.subscribe(self.topics.coordinator_key(self.coordinator.key_id))
+        self.client.unsubscribe(self.topics.coordinator_key(old_id))
+        try:
+            self.window.expect(self.coordinator.key_id)
+        except OSError as exc:  # (disk full: its first command then re-synchronises the window)
+            log.error("replay window for the new coordinator key not written: %s", exc.strerror or exc)
 
     def command(self, msg: Message) -> None:
         body, cmd_id = msg.body, msg.body["cmd_id"]
@@ -365,7 +406,7 @@ class Daemon:
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda num, frame: self._stop.set())
+            signal.signal(sig, lambda num, frame: self.stop(num))
         log.info("edge-agent %s: device %s (%s), fleet %s, broker %s:%s", __version__, self.device_id, self.name,
                  self.config.fleet, self.config.get("broker", "host"), self.config.get("broker", "port"))
         log.info("enrolment code %s: the coordinator shows it for this device (`edge-coordinator devices`); "
@@ -393,10 +434,15 @@ class Daemon:
                     return EXIT_FAILURE
                 self._stop.wait(min(5.0, 0.1 * failing))
         self.shutdown()
-        return EXIT_OK
+        # SIGTERM (systemd) is the normal stop: 0. Ctrl-C is an interruption: 130, as the
+        # exit-code table says, so `edge-agent run && ...` does not go on as if it had ended.
+        return EXIT_INTERRUPTED if self._stopped_by == signal.SIGINT else EXIT_OK
 
-    def stop(self) -> None:
+    def stop(self, signum: int | None = None) -> None:
+        self._stopped_by = signum
         self._stop.set()
+
+    _stopped_by: int | None = None
 
     def shutdown(self) -> None:
         log.info("stopping: checkpointing the training child, publishing offline")
@@ -415,6 +461,27 @@ class Daemon:
                                   ttl=STATE_TTL, retain=True, timeout=5.0)
         self.client.stop()
         self.watchdog.stop()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        for fd in self._lock_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock_fds = []
+
+
+def ever_enrolled(state_dir: Path) -> bool:
+    """Has this device been in service before? It has signed messages (keys/seq: its first
+    hello, which enrolment needs, wrote it), or has job records or queued updates. Not the
+    device key alone: `edge-agent init` makes it before the device was ever enrolled, and
+    nothing can be sent to a device before its first hello (so there is nothing to replay)."""
+    def has_entries(sub: str) -> bool:
+        try:
+            return any(True for _ in (state_dir / sub).iterdir())
+        except OSError:
+            return False
+
+    return (state_dir / "keys" / "seq").exists() or has_entries("jobs") or has_entries("outbox")
 
 
 def round_pct(value: float) -> float:

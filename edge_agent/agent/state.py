@@ -25,6 +25,7 @@ from typing import Any
 from .. import __version__
 from ..power import PowerMonitor, ThermalMonitor
 from ..protocol.facts import MAX_DETAIL
+from ..protocol.schema import clean_flat
 
 AGENT = f"edge-agent/{__version__}"
 
@@ -112,13 +113,10 @@ class DeviceState:
 
 
 def _flat(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop unknowns and cap strings: the protocol's flat maps take 256-character strings."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if value is None or value == "":
-            continue
-        out[key] = value[:256] if isinstance(value, str) else value
-    return out
+    """Drop unknowns, cap strings, and drop a reading outside the protocol's range for it
+    (protocol.schema.FLAT_ENTRIES: a broken sensor loses that fact, not the whole state)."""
+    return clean_flat({key: value[:256] if isinstance(value, str) else value
+                       for key, value in values.items() if value is not None and value != ""})
 
 
 def _text(value: Any) -> str:

@@ -137,9 +137,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).info("embedded MQTT broker (amqtt) on %s:%d: for trials and the demo, "
                                          "not for production", host, port)
     metrics = server = None
-    stop = threading.Event()
+    stop, signals = threading.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda num, _: (signals.append(num), stop.set()))
     try:
         if args.metrics_port is not None:
             from .metrics import CoordinatorMetrics  # prometheus-client: only when asked for
@@ -161,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 ui = start_ui(options.state_dir, address=args.ui, token_file=args.ui_token, policy=policy,
                               db=options.db)
                 logging.getLogger(__name__).info("dashboard on %s", ui.url)
-            return coordinator.run(stop)
+            code = coordinator.run(stop)
+            return 130 if signal.SIGINT in signals else code  # Ctrl-C: EXIT_INTERRUPTED; SIGTERM: 0
         finally:
             if ui is not None:
                 ui.close()

@@ -1,4 +1,4 @@
-"""The argument parser of the fleet commands (`edge-coordinator serve|key|devices|approve|
+"""The argument parser of the fleet commands (`edge-coordinator serve|key [rotate]|devices|approve|
 train|status|models|cancel` and `model register`): options, help texts with examples.
 The commands themselves are in fleet_cli.py."""
 
@@ -147,6 +147,34 @@ examples:
 Ctrl-C stops watching; the job keeps running (edge-coordinator status JOB / cancel JOB)."""
 
 
+KEY_HELP = """\
+Print the coordinator's Ed25519 public key (base64), creating the key pair in STATE_DIR/keys
+on first use. Devices refuse commands not signed by it.
+
+`key rotate` (with serve stopped) makes a new key and keeps the old one in keys/retired/;
+serve then publishes the new key signed by the old one, and every device that trusts the old
+key switches to the new one by itself. A lost key cannot sign that: restore it from a backup.
+If it is gone for good, `key rotate --without-old-key` makes a key no device can verify, and
+every device needs `edge-agent init --coordinator-key NEWKEY --force`."""
+
+KEY_EPILOG = """\
+examples:
+  edge-agent init --coordinator-key "$(edge-coordinator key)" ...
+  systemctl stop edge-coordinator && edge-coordinator key rotate && systemctl start edge-coordinator"""
+
+
+def _key_command(args: argparse.Namespace) -> int:
+    if args.action == "rotate":
+        from .key_rotation import cmd_key_rotate
+
+        return cmd_key_rotate(args)
+    if args.without_old_key:
+        from ..errors import UsageError
+
+        raise UsageError("--without-old-key goes with `key rotate`")
+    return cmd_key(args)
+
+
 def _state_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=os.environ.get(STATE_ENV, DEFAULT_STATE_DIR), metavar="DIR",
                    help=f"the coordinator's registry, keys and bundles (default ${STATE_ENV} or {DEFAULT_STATE_DIR})")
@@ -214,14 +242,15 @@ def add_fleet_commands(sub: Any) -> None:
     s.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     s.set_defaults(func=cmd_serve)
 
-    k = sub.add_parser("key", help="print the coordinator's public key (created on first use)",
-                       description="Print the coordinator's Ed25519 public key (base64), creating the key pair "
-                                   "in STATE_DIR/keys on first use. Devices refuse commands not signed by it.",
-                       epilog="example:\n  edge-agent init --coordinator-key \"$(edge-coordinator key)\" ...",
-                       formatter_class=fmt)
+    k = sub.add_parser("key", help="print the coordinator's public key (created on first use), or `key rotate`",
+                       description=KEY_HELP, epilog=KEY_EPILOG, formatter_class=fmt)
     _state_arg(k)
+    k.add_argument("action", nargs="?", choices=("show", "rotate"), default="show",
+                   help="show (default) or rotate: a new key, signed by the old one so devices follow")
+    k.add_argument("--without-old-key", action="store_true",
+                   help="with rotate: the old key is lost; make a new one no device can verify (re-enrol them all)")
     k.add_argument("-v", "--verbose", action="store_true", help="also say where the key is kept")
-    k.set_defaults(func=cmd_key)
+    k.set_defaults(func=_key_command)
 
     d = sub.add_parser("devices", help="list devices: approval, online, battery, board, engine, last seen",
                        description="List enrolled devices as the registry knows them (from their signed hello "

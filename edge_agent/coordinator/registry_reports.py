@@ -7,16 +7,26 @@ through `sample_history` inside its own write transaction.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from collections.abc import Mapping
 from typing import Any
 
+from ..protocol.schema import MAX_FLAT_NUMBER
 from .records import check_time
 from .registry_db import RegistryDb
 
 HISTORY_EVERY_S = 60.0  # at most one battery/power sample per device per minute
 HISTORY_KEEP_S = 7 * 86400.0  # and a week of them
 HISTORY_KEYS = ("battery_pct", "power_w", "energy_wh")
+
+
+def _sample(value: Any) -> float | int | None:
+    """A number a history column can hold (the protocol bounds them; a registry written by an
+    older coordinator may not): a 64-bit SQLite INTEGER overflowed on battery_pct = 2**64."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value if abs(value) <= MAX_FLAT_NUMBER and math.isfinite(value) else None
 
 
 class FleetReports:
@@ -32,8 +42,7 @@ class FleetReports:
         last = db.execute("SELECT MAX(at) FROM device_history WHERE device_id = ?", (device_id,)).fetchone()[0]
         if last is not None and when - last < HISTORY_EVERY_S:
             return
-        values = [state.get(k) if isinstance(state.get(k), int | float) and not isinstance(state.get(k), bool)
-                  else None for k in HISTORY_KEYS]
+        values = [_sample(state.get(k)) for k in HISTORY_KEYS]
         on_power = state.get("on_power")
         db.execute("INSERT OR IGNORE INTO device_history (device_id, at, battery_pct, power_w, energy_wh, on_power) "
                    "VALUES (?, ?, ?, ?, ?, ?)",

@@ -43,13 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
-from ..errors import ConfigError, EdgeAgentError, InputError, TransientError
+from ..errors import ConfigError, EdgeAgentError, InputError, TransientError, one_line
 from ..heap import release_freed_memory
 from ..keys import fingerprint, public_key_from_bytes
 from ..protocol import (
     DEFAULT_PREFIX,
     MAX_BINARY_BYTES,
     Kind,
+    Message,
+    Rejection,
     ReplayWindow,
     SequenceCounter,
     Signer,
@@ -76,7 +78,7 @@ from .retention import AutoPrune, RetentionPolicy, needs_full
 from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
 from .server_set import StoredServerSets
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
-from .service_messages import DeviceMessages, _scalar
+from .service_messages import DeviceMessages, LineBudget, _scalar
 from .workers import (
     GROUP_RE,
     SharedChunks,
@@ -171,7 +173,13 @@ class Coordinator(DeviceMessages):
                                   evidence=StoredServerSets(self.registry),
                                   worker=self.worker_id if self.shared is not None else None)
         self.artefacts = ModelArtefacts(self.registry)
-        self.key, self.public_key = coordinator_key(self.state_dir)
+        try:  # a lost key with devices enrolled is refused (exit 78), never silently re-made
+            self.key, self.public_key = coordinator_key(self.state_dir, devices=len(self.registry.list_devices()))
+        except BaseException:
+            self.registry.close()
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
         self.key_id = fingerprint(self.key)
         self.topics = Topics(fleet=o.fleet, prefix=o.topic_prefix)
         local_seq = SequenceCounter(path=self.state_dir / "keys" / "seq")
@@ -217,12 +225,16 @@ class Coordinator(DeviceMessages):
         self._connects = 0
         self._peeks: dict[str, float] = {}
         self._replayed: dict[str, tuple[float, int]] = {}  # device -> (when, its window's high or 0)
+        self._unknown_key: dict[str, float] = {}  # device -> when it refused our command as unknown_key
+        self._rotations_sent = -1  # connection (count) on which the key rotations were last published
         self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json)
-        self._reject_log = (0.0, 0, 0)  # rejected-update log lines: (minute start, lines, not logged)
+        self._reject_lines = LineBudget(per_minute=20)  # rejected-update log lines
         self._next_beat = 0.0
         self._trust_synced_at = time.monotonic()  # _sync_trust just below
         self.started_at = time.time()
-        self.errors = 0
+        self.errors = 0  # every failed step since the start (serve.json)
+        self.tick_failures = 0  # ticks failed in a row: their back-off
+        self._failure_lines = LineBudget(per_minute=20)  # log lines for messages that failed
         self._sync_trust()
         self.pending.sync(self.registry)
 
@@ -240,17 +252,49 @@ class Coordinator(DeviceMessages):
         next_tick = 0.0
         while not stop.is_set():
             try:
-                result = self.channel.receive(timeout=0.05)
-                if result is not None:
-                    self.handle(result)
-                if time.monotonic() >= next_tick:
-                    self.tick()  # the next one tick_s after this one ENDS: a slow tick (a round of
-                    next_tick = time.monotonic() + self.options.tick_s  # 10,000) must leave time for messages
-            except Exception:  # a bug or a local fault (disk full): log it, keep serving
+                result = self.channel.receive(timeout=0.05)  # (never raises for any bytes received)
+            except Exception:  # a local fault in the transport: not a message's doing
                 self.errors += 1
-                log.exception("coordinator loop step failed (%d so far)", self.errors)
-                stop.wait(min(5.0, 0.2 * self.errors))
+                log.exception("coordinator receive failed (%d errors so far)", self.errors)
+                stop.wait(0.2)
+                continue
+            if result is not None:
+                self.step_message(result)
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.step_tick()
         return 0
+
+    def step_message(self, result: Message | Rejection) -> None:
+        """Handle one received message. A failure costs that message only: no wait (the next
+        device's message is taken at once) and one rate-limited line without a traceback (a
+        hostile device must not stall the loop, nor fill the log); the traceback at debug."""
+        try:
+            self.handle(result)
+        except Exception as exc:
+            self.errors += 1
+            device = (result.route.device if result.route else None) or "?"
+            shown, hidden = self._failure_lines.take()
+            if shown:
+                more = f" ({hidden} more failed messages not logged)" if hidden else ""
+                log.error("%s from device %s not handled: %s%s", result.kind or "message", device, one_line(exc), more)
+            log.debug("%s from device %s not handled", result.kind, device, exc_info=exc)
+
+    def step_tick(self) -> float:
+        """One tick; returns the seconds until the next. The next one comes tick_s after this
+        one ENDS (a slow tick -- a round of 10,000 -- must leave time for messages). A failed
+        tick (a local fault: disk full, database gone) backs off, doubling per failure in a
+        row up to 5 s (or tick_s if longer), and only the ticks: messages are still taken
+        meanwhile; the first good tick resets it."""
+        try:
+            self.tick()
+        except Exception:
+            self.errors += 1
+            self.tick_failures += 1
+            log.exception("coordinator tick failed (%d in a row)", self.tick_failures)
+            tick_s = self.options.tick_s
+            return min(max(5.0, tick_s), tick_s * 2 ** min(self.tick_failures, 16))
+        self.tick_failures = 0
+        return self.options.tick_s
 
     def close(self) -> None:
         try:
@@ -318,7 +362,7 @@ class Coordinator(DeviceMessages):
             log.error("job %s failed: %s", job_id, why)
         if result.closed:
             release_freed_memory()  # a round's arrays are gone: give their pages back (flat RSS)
-        if self.client.connected:
+        if self.client.connected and self._publish_rotations():  # devices move to our key before our commands
             for plan in self.engine.pending_dispatches():
                 self._dispatch(plan)
             self._retain()
@@ -356,6 +400,27 @@ class Coordinator(DeviceMessages):
 
     _peeked = -1
     _down_since = 0.0
+
+    def _publish_rotations(self) -> bool:
+        """Once per connection: each retired key's signed statement that our key is the one
+        now (key_rotation.py), retained; False while the broker has not taken them all."""
+        connects = self.client.stats["connects"]
+        if self._rotations_sent == connects:
+            return True
+        from .key_rotation import rotation_messages
+
+        messages = rotation_messages(self.state_dir, self.topics, self.signer.sequence, self.public_key)
+        infos = [self.client.publish(topic, payload, retain=True) for topic, payload in messages]
+        sent = self.client.wait_published(infos, timeout=10.0)
+        if not all(sent):
+            log.warning("key rotation not published yet (%d of %d taken by the broker); retried next tick",
+                        sum(sent), len(messages))
+            return False
+        if messages:
+            log.info("published the rotation of %d retired coordinator key(s) to this key (%s)", len(messages),
+                     self.key_id)
+        self._rotations_sent = connects
+        return True
 
     def _retain(self) -> None:
         """Apply the retention policy when due; retract pruned versions' retained messages."""

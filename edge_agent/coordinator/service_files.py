@@ -4,7 +4,6 @@ running `serve` says about itself, read by the CLI) and the lock that keeps a se
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -13,31 +12,50 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text, read_limited
-from ..errors import EXIT_UNAVAILABLE, EdgeAgentError, InputError
+from ..errors import ConfigError, InputError
 from ..keys import load_or_create_private_key
+from ..locks import AlreadyRunning, hold_locks
 
 SERVE_FILE = "serve.json"
 KEY_FILE = "keys/coordinator.key"
 PUBLIC_KEY_FILE = "coordinator.pub"
 
 
-def coordinator_key(state_dir: str | Path) -> tuple[Any, str]:
+def coordinator_key(state_dir: str | Path, *, devices: int = 0) -> tuple[Any, str]:
     """The coordinator's signing key (created, 0600, on first use) and its public key text,
-    also written to <state_dir>/coordinator.pub for `edge-agent init --coordinator-key`."""
+    also written to <state_dir>/coordinator.pub for `edge-agent init --coordinator-key`.
+
+    A missing key is created only on a first start. Once devices may trust it -- `devices`
+    are enrolled in the registry, or coordinator.pub says a key was made here -- a missing
+    key is a lost one: a new key would be a new trust anchor that every device refuses
+    (unknown_key), so this raises a ConfigError (exit 78) naming the ways back."""
     from ..config import public_key_text
 
     root = Path(state_dir)
-    (root / "keys").mkdir(mode=0o700, parents=True, exist_ok=True)
-    key, _ = load_or_create_private_key(root / KEY_FILE)
-    text = public_key_text(key)
     pub = root / PUBLIC_KEY_FILE
     try:
         current = read_limited(pub, 4096).decode().strip()
     except (OSError, InputError, UnicodeDecodeError):
         current = ""
+    if not (root / KEY_FILE).exists() and (devices or current):
+        raise ConfigError(lost_key_message(root, current, devices))
+    (root / "keys").mkdir(mode=0o700, parents=True, exist_ok=True)
+    key, _ = load_or_create_private_key(root / KEY_FILE)
+    text = public_key_text(key)
     if current != text:
         atomic_write_text(pub, text + "\n")
     return key, text
+
+
+def lost_key_message(root: Path, public: str, devices: int) -> str:
+    trusted = f" (public key {public[:44]})" if public else ""
+    who = f"{devices} enrolled device(s)" if devices else "devices given coordinator.pub"
+    return (f"{root / KEY_FILE} is missing, but {who} trust the key it held{trusted}: a new key would be refused "
+            "by every one of them (unknown_key), so none is made. Restore the file from a backup (0600), then "
+            "start again; to move to a new key afterwards, `edge-coordinator key rotate` signs the new key with "
+            "the old one, and devices switch by themselves. If the key is lost for good: `edge-coordinator key "
+            "rotate --without-old-key`, then re-run `edge-agent init --coordinator-key NEWKEY --force` on every "
+            "device (docs/fleet.md, Rotating the coordinator key)")
 
 
 def read_serve_file(state_dir: str | Path) -> dict[str, Any] | None:
@@ -69,10 +87,8 @@ def serving(info: dict[str, Any] | None, *, now: float | None = None, stale_s: f
     return True
 
 
-class AlreadyServing(EdgeAgentError):
+class AlreadyServing(AlreadyRunning):
     """Another `serve` holds this state directory (two would fight over one client id)."""
-
-    exit_code = EXIT_UNAVAILABLE
 
 
 def lock_state_dir(state_dir: Path, *, worker: str | None = None) -> list[int]:
@@ -81,23 +97,14 @@ def lock_state_dir(state_dir: Path, *, worker: str | None = None) -> list[int]:
     the directory (bundles, heads, stored payloads): each holds serve.lock shared and its
     own serve-<worker>.lock exclusively, so workers run side by side, two with one worker id
     (one MQTT client id) do not, and a lone serve and workers never run on one directory."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fds: list[int] = []
+    def busy(name: str, holder: str) -> str:
+        pid = (read_serve_file(state_dir) or {}).get("pid", holder)
+        what = (f"serve worker {worker}" if name != "serve.lock" else
+                f"serve (pid {pid}) outside a workers group" if worker is not None else f"serve (pid {pid})")
+        return f"{state_dir}: another edge-coordinator {what} is using this state directory"
+
+    locks = [("serve.lock", worker is None), *([(f"serve-{worker}.lock", True)] if worker is not None else [])]
     try:
-        for name, mode in (("serve.lock", fcntl.LOCK_EX if worker is None else fcntl.LOCK_SH),
-                           *(((f"serve-{worker}.lock", fcntl.LOCK_EX),) if worker is not None else ())):
-            fds.append(os.open(state_dir / name, os.O_RDWR | os.O_CREAT, 0o644))
-            try:
-                fcntl.flock(fds[-1], mode | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = (read_serve_file(state_dir) or {}).get("pid", "?")
-                what = (f"serve worker {worker}" if name != "serve.lock" else
-                        f"serve (pid {pid}) outside a workers group" if worker is not None else
-                        f"serve (pid {pid})")
-                raise AlreadyServing(f"{state_dir}: another edge-coordinator {what} is using this state "
-                                     "directory") from None
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
+        return hold_locks(state_dir, locks, busy)
+    except AlreadyRunning as exc:
+        raise AlreadyServing(str(exc)) from None

@@ -15,6 +15,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,26 @@ MAX_RECEIPTS = 10_000
 _CMD_ID = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,47})-r(?P<round>[0-9]{1,10})")
 
 
+class LineBudget:
+    """At most `per_minute` log lines a minute; `take()` says whether to log this one and how
+    many were not logged since the last that was (to count them into it)."""
+
+    def __init__(self, *, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute, self._clock = per_minute, clock
+        self._start, self._lines, self._hidden = -1e18, 0, 0
+
+    def take(self) -> tuple[bool, int]:
+        now = self._clock()
+        if now - self._start >= 60.0:
+            self._start, self._lines = now, 0
+        if self._lines >= self.per_minute:
+            self._hidden += 1
+            return False, 0
+        hidden, self._hidden = self._hidden, 0
+        self._lines += 1
+        return True, hidden
+
+
 class DeviceMessages:
     """Mixin of Coordinator: `handle(message)` and the per-kind handlers behind it."""
 
@@ -73,7 +94,8 @@ class DeviceMessages:
     _receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]]  # slot -> (when, receipt)
     _results: OrderedDict[tuple[str, str, int], dict[str, Any]]
     _replayed: dict[str, tuple[float, int]]
-    _reject_log: tuple[float, int, int]
+    _unknown_key: dict[str, float]
+    _reject_lines: LineBudget
     shared: WorkerStore | None  # one of a workers group (workers.py); None: a lone serve
     chunks: SharedChunks | None
 
@@ -171,8 +193,11 @@ class DeviceMessages:
                                        profile=dev.profile, engine=engine[:128])
 
     def _progress(self, msg: Message, device: str) -> None:
-        if msg.body.get("cmd_id") and self._replayed.pop(device, None):  # it takes our commands again
-            self._check_replayed()
+        if msg.body.get("cmd_id"):  # it takes our commands again
+            if self._replayed.pop(device, None):
+                self._check_replayed()
+            if self._unknown_key.pop(device, None):
+                self._check_unknown_key()
         b = msg.body
         phase, job, rnd = b["phase"], b.get("job"), b.get("round")
         update: dict[str, Any] = {"job_phase": phase[:64], "job_pct": b.get("pct")}
@@ -204,6 +229,9 @@ class DeviceMessages:
                 (high or "already accepted" in msg.body["detail"]):  # not a re-sync after a lost window
             self._replayed[device] = (time.time(), int(high["high"]) if high else 0)
             self._check_replayed()
+        if reason == Reason.UNKNOWN_KEY and msg.body.get("ref_kind") == Kind.CMD:  # it does not know our key
+            self._unknown_key[device] = time.time()
+            self._check_unknown_key()
         match = _CMD_ID.fullmatch(cmd)
         if match is None or reason in _PROTOCOL_REASONS:  # a replayed or expired copy is not a "no"
             return
@@ -217,6 +245,7 @@ class DeviceMessages:
         recent = {d: v for d, v in self._replayed.items() if now - v[0] < REPLAYED_WINDOW_S}
         self._replayed = recent
         approved = len(self._trusted)
+        before = " ".join(self.problems)  # a problem already shown is not logged again
         self.problems = [p for p in self.problems if not p.startswith("replayed:")]
         if recent and (len(recent) >= 2 or len(recent) >= approved):
             high = max(v[1] for v in recent.values())
@@ -225,7 +254,28 @@ class DeviceMessages:
                        f"sequence counter ({self.state_dir / 'keys' / 'seq'}) is behind theirs (lost, restored "
                        f"from a backup, or the clock was set back). Fix: stop serve, `echo {floor} > "
                        f"{self.state_dir / 'keys' / 'seq.floor'}`, start serve (docs/fleet.md, Lost sequence counter)")
-            if problem.split(" Fix:")[0] not in " ".join(self.problems):
+            if problem.split(" Fix:")[0] not in before:
+                log.error("%s", problem)
+            self.problems.append(problem)
+
+    def _check_unknown_key(self) -> None:
+        """Devices refusing our commands as signed by a key they do not know: our key is not
+        the one they were given (keys/coordinator.key replaced, or re-made after it was lost).
+        Several devices, or every approved one, within REPLAYED_WINDOW_S: a fleet-wide problem
+        in `status`, with the ways back."""
+        now = time.time()
+        self._unknown_key = {d: t for d, t in self._unknown_key.items() if now - t < REPLAYED_WINDOW_S}
+        before = " ".join(self.problems)  # a problem already shown is not logged again
+        self.problems = [p for p in self.problems if not p.startswith("unknown_key:")]
+        n = len(self._unknown_key)
+        if n and (n >= 2 or n >= len(self._trusted)):
+            problem = (f"unknown_key: {n} device(s) refuse this coordinator's commands as signed by a key they do not "
+                       f"know: this coordinator's key ({self.signer.key_id}, {self.state_dir / 'keys' / 'coordinator.key'}"
+                       ") is not the one they trust. Fix: restore the key they were given from a backup (then "
+                       "`edge-coordinator key rotate` moves them to a new key they can verify), or re-enrol each device "
+                       "with `edge-agent init --coordinator-key $(edge-coordinator key) --force` (docs/fleet.md, "
+                       "Rotating the coordinator key)")
+            if problem.split(" Fix:")[0] not in before:
                 log.error("%s", problem)
             self.problems.append(problem)
 
@@ -274,17 +324,12 @@ class DeviceMessages:
     def _warn_rejected(self, key: OutboxKey, receipt: Receipt) -> None:
         """Every rejected update at WARNING with its device and reason; at most 20 lines a
         minute (the rest are counted into the next line), so a hostile device cannot flood the log."""
-        now = time.monotonic()
-        start, lines, hidden = self._reject_log
-        if now - start >= 60.0:
-            start, lines = now, 0
-        if lines >= 20:
-            self._reject_log = (start, lines, hidden + 1)
+        shown, hidden = self._reject_lines.take()
+        if not shown:
             return
         more = f" ({hidden} more rejected updates not logged)" if hidden else ""
         log.warning("rejected update %s round %d from device %s: %s: %s%s", key.job, key.round, key.device,
                     receipt.reason, receipt.detail[:300], more)
-        self._reject_log = (start, lines + 1, 0)
 
     def receive(self, upload: CompletedUpload) -> Receipt:
         """Reassemble, check and store one complete upload; returns what to acknowledge."""

@@ -10,6 +10,8 @@ Topics (`<prefix>` defaults to `edgeft/v1`; tests use a unique prefix each):
     <prefix>/<fleet>/devices/<id>/update     device -> coord   update chunks (binary)
     <prefix>/<fleet>/models/<name>/<version>/manifest      coord -> fleet  retained
     <prefix>/<fleet>/models/<name>/<version>/chunk/<i>     coord -> fleet  retained (binary)
+    <prefix>/<fleet>/coordinator/key/<old key id>          coord -> fleet  retained: the new
+                                          coordinator key, signed by the old one (key rotation)
 
 Control messages are canonical JSON: {"v","kind","from","seq","iat","exp","body","sig"}.
 Binary messages (chunks) are `EFB1 | u16 header length | header JSON | signature | data`,

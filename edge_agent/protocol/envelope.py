@@ -161,6 +161,8 @@ class Signer:
             raise ValueError(f"{kind} cannot be sent on topic {topic!r}")
         if route.signer in ("device", "self") and route.device != self.key_id:
             raise ValueError(f"key {self.key_id} cannot sign for device {route.device}")
+        if route.key is not None and route.key != self.key_id:
+            raise ValueError(f"key {self.key_id} cannot sign the rotation of key {route.key}")
         body = dict(body)
         check_body(kind, body)
         if not 0 < ttl <= MAX_TTL[kind]:
@@ -303,6 +305,8 @@ class Verifier:
     def _check_route(route: Route, kind: Kind, sender: str, body: dict[str, Any], data: bytes) -> None:
         if route.signer in ("device", "self") and sender != route.device:
             raise _Bad(Reason.WRONG_SIGNER, f"sender {sender} may not publish on device {route.device}'s topics")
+        if route.key is not None and sender != route.key:  # a rotation away from key K is K's to sign
+            raise _Bad(Reason.WRONG_SIGNER, f"rotation of key {route.key} signed by {sender}")
         if route.model is not None and (body["name"], body["version"]) != (route.model, route.version):
             raise _Bad(Reason.BAD_SCHEMA, f"body names {body['name']}/{body['version']}, topic {route.model}/{route.version}")
         if kind in BINARY_KINDS:

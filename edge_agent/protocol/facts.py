@@ -12,12 +12,15 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+from .schema import clean_flat
+
 MAX_DETAIL = 256
 
 
 def facts_from_state(body: Mapping[str, Any]) -> dict[str, Any]:
     """The facts of a state body: its `info`, else parsed back from `detail` (numbers and
-    booleans restored). Untrusted input: junk pairs are skipped."""
+    booleans restored). Untrusted input: junk pairs, and values the protocol's schema of
+    flat maps refuses (battery_pct=18446744073709551616), are skipped."""
     if isinstance(body.get("info"), dict):
         return {"status": body.get("status"), **body["info"]}
     out: dict[str, Any] = {"status": body.get("status")}
@@ -37,7 +40,7 @@ def facts_from_state(body: Mapping[str, Any]) -> dict[str, Any]:
                 except ValueError:
                     value = raw
         out[key] = value
-    return out
+    return clean_flat(out)
 
 
 def parse_broker(text: str) -> tuple[str, int | None]:

@@ -100,14 +100,18 @@ class ReplayWindow:
     re-synchronisation: the refused command is answered with a `replayed` refusal saying so,
     and the coordinator's next command (issued now) is accepted. The very first start of a
     device (no marker yet) creates an empty window for each of `known_senders` (so what is
-    queued for it, then or after later restarts, is accepted).
+    queued for it, then or after later restarts, is accepted) -- unless the caller knows
+    the device has been `enrolled` before (it has signed messages, jobs or queued updates):
+    then a directory without a marker was lost (deleted), not new, and each known sender's
+    window is written with "refuse everything issued before this start", so a captured,
+    unexpired command cannot be replayed into it, after this start or a later one.
 
     `fault_file` is a test hook (the daemon passes it only with EDGE_AGENT_TEST_HOOKS=1):
     while that file exists every write fails with ENOSPC, as on a full disk.
     """
 
     def __init__(self, *, directory: str | Path, size: int = 1024, clock: Clock = time.time,
-                 strict_missing: bool = False, known_senders: tuple[str, ...] = (),
+                 strict_missing: bool = False, known_senders: tuple[str, ...] = (), enrolled: bool = False,
                  fault_file: Path | None = None) -> None:
         if not 1 <= size <= 65536:
             raise ValueError("size must be 1..65536")
@@ -120,11 +124,17 @@ class ReplayWindow:
         if strict_missing:
             marker = self.directory / INIT_MARKER
             used = marker.exists() or any(self.directory.glob("*.replay"))
-            self._strict = used
+            self._strict = used or enrolled
             try:
-                if not used:  # first start: the senders we expect get a window now, so a missing one is lost
+                if not used:  # first start, or a lost directory: the senders we expect get a window
+                    # now (so a missing one later is lost): empty on a first start, and on a lost
+                    # directory one that refuses what was issued before this start (as a lost file)
+                    floor = self._started + 1 if enrolled else 0
+                    if enrolled:
+                        log.warning("replay windows in %s are missing but this device was enrolled before: "
+                                    "accepting only messages issued after %d", self.directory, self._started)
                     for sender in known_senders:
-                        self._save(validate_id(sender, "sender"), (0, 0, 0))
+                        self._save(validate_id(sender, "sender"), (0, 0, floor))
                 if not marker.exists():
                     write_checked(marker, str(self._started).encode(), mode=0o600)
             except OSError as exc:  # (disk full at first start: a missing window is then treated as lost)
@@ -157,6 +167,16 @@ class ReplayWindow:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory / f"{sender}.replay"))
         write_checked(self.directory / f"{sender}.replay",
                       json.dumps({"high": high, "mask": f"{mask:x}", "floor": floor}).encode(), mode=0o600)
+
+    def expect(self, sender: str) -> None:
+        """A sender this side was just told to trust (the coordinator's new key, from a
+        verified rotation): an empty window for it now, unless it has one, so a restart before
+        its first message does not take the missing window for a lost one."""
+        with self._lock:
+            if (self.directory / f"{validate_id(sender, 'sender')}.replay").exists():
+                return
+            self._save(sender, (0, 0, 0))
+            self._state[sender] = (0, 0, 0)
 
     def check_and_record(self, sender: str, seq: int, issued_at: int) -> str | None:
         """Record `seq` and return None if it is new, else why it is refused."""

@@ -6,7 +6,7 @@ import base64
 import binascii
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -45,6 +45,7 @@ class Kind(StrEnum):
     UPDATE_CHUNK = "update_chunk"
     MANIFEST = "manifest"
     MODEL_CHUNK = "model_chunk"
+    KEY_ROTATION = "key_rotation"
 
 
 class Reason(StrEnum):
@@ -79,18 +80,26 @@ def _id(v: Any) -> None:
         raise ValueError("must be 1-64 of [A-Za-z0-9._-], not starting with . _ -")
 
 
-def _int(lo: int, hi: int) -> Callable[[Any], None]:
+def _number(lo: float, hi: float, *, integer: bool = False) -> Callable[[Any], None]:
+    """THE check of every numeric field (bodies and the entries of flat maps alike): the type
+    (an int, or a float unless `integer`; never a bool), the range, finite. The range is
+    compared first: `math.isfinite(10**400)` raises OverflowError, and untrusted bytes must
+    only ever be refused."""
+    what = "an integer" if integer else "a number"
+
     def check(v: Any) -> None:
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise ValueError(f"must be an integer in {lo}..{hi}")
+        if isinstance(v, bool) or not isinstance(v, int if integer else int | float) \
+                or not (lo <= v <= hi and math.isfinite(v)):
+            raise ValueError(f"must be {what} in {lo}..{hi}")
     return check
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], None]:
+    return _number(lo, hi, integer=True)
 
 
 def _num(lo: float, hi: float) -> Callable[[Any], None]:
-    def check(v: Any) -> None:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and lo <= v <= hi):
-            raise ValueError(f"must be a number in {lo}..{hi}")
-    return check
+    return _number(lo, hi)
 
 
 def _text(n: int) -> Callable[[Any], None]:
@@ -122,17 +131,25 @@ def _b64key(v: Any) -> None:
         raise ValueError("must be a base64 32-byte Ed25519 public key")
 
 
-def _flat(v: Any) -> None:
-    """A small flat mapping of id -> scalar (command parameters, metrics, metadata)."""
-    if not isinstance(v, dict) or len(v) > 64:
-        raise ValueError("must be an object of at most 64 entries")
-    for key, item in v.items():
-        _id(key)
-        if isinstance(item, str):
-            _text(256)(item)
-        elif not isinstance(item, bool | int) and not (isinstance(item, float) and math.isfinite(item)):
-            raise ValueError(f"entry {key!r} must be a string, finite number or boolean")
+def _either(*checks: Callable[[Any], None]) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        errors = []
+        for one in checks:
+            try:
+                return one(v)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(" or ".join(errors))
+    return check
 
+
+# Numbers in flat maps: a named entry below has its own range; any other number is an int or
+# finite float within +-2**53 (exact in JSON doubles, and in a 64-bit SQLite INTEGER: a device
+# once sent battery_pct = 2**64 and the registry's insert raised for every state it sent).
+MAX_FLAT_NUMBER = MAX_SEQ
+_ANY_NUMBER = _number(-MAX_FLAT_NUMBER, MAX_FLAT_NUMBER)
+_COUNTER = _int(0, MAX_SEQ)
+_WATTS, _WH, _CELSIUS, _FRACTION = _num(-1e5, 1e5), _num(0, 1e6), _num(-273.15, 1000), _num(0, 1)
 
 # A device's daily job allowance in its state `info` (agent.policy.Allowance.to_facts): jobs
 # left, the limit, when the next job frees up, and a standing refusal (reason id, short text).
@@ -142,24 +159,78 @@ ALLOWANCE_CHECKS: dict[str, Callable[[Any], None]] = {
     "jobs_left": _int(0, 100_000), "jobs_limit": _int(0, 100_000), "jobs_reset_at": _int(0, 1 << 40),
     "refuse": _id, "refuse_detail": _text(200)}
 
-
 # The local inference service's report in the same `info` (edge_agent.inference.server.facts):
 # the served model and whether it is the fleet version or the device's personal one, both
 # candidates' accuracy on the device's own held-out samples, and what serving cost.
 INFERENCE_CHECKS: dict[str, Callable[[Any], None]] = {
     "served_model": _text(160), "served_kind": _enum("fleet", "personal"), "held_out": _int(0, 1 << 31),
     "fleet_accuracy": _num(0.0, 1.0), "personal_accuracy": _num(0.0, 1.0), "inference_wh": _num(0.0, 1e9),
-    "inference_requests": _int(0, 1 << 53)}
+    "inference_requests": _int(0, MAX_SEQ)}  # (2**53 - 1: every flat-map number fits a double exactly)
+
+# The entries of every flat map (hello info, state info, progress metrics, command params,
+# manifest meta) by name: a name means the same thing, with the same type and range, in all of
+# them (energy_wh in a state, in a result and in a probe reply). Agents drop a reading outside
+# its range before sending (`clean_flat`): a broken sensor loses that fact, not the message.
+FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
+    # device facts (state info; a probe reply's metrics): agent/state.py
+    "battery_pct": _num(0, 100), "charging": _bool, "on_power": _bool, "energy_wh": _WH, "power_w": _WATTS,
+    "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS, **INFERENCE_CHECKS,
+    # capabilities (hello info): doctor.capabilities
+    "mxnet": _bool,
+    # job progress and results (progress metrics): agent/lifecycle.py, agent/child.py
+    "step": _COUNTER, "epoch": _COUNTER, "steps": _COUNTER, "watts": _WATTS, "val_accuracy": _FRACTION,
+    "accuracy_before": _FRACTION, "accuracy_after": _FRACTION, "num_samples": _int(0, 1_000_000_000),
+    "duration_s": _num(0, 1e10), "depth": _either(_int(0, 64), _id), "resumed": _bool,
+    "update_chunks": _int(0, 0xFFFF), "update_wire_bytes": _int(0, 1 << 40), "update_dense_bytes": _int(0, 1 << 40),
+    "update_k": _COUNTER, "update_bits": _int(0, 64), "update_ratio": _num(0, 1e9), "update_energy_kept": _FRACTION,
+    # (command parameters are bounded as any number here; the device's policy judges them and
+    # refuses one out of its range as bad_params, naming it: agent/policy.py)
+    # model manifest meta: transport/models.py
+    "head_bytes": _int(0, MAX_BUNDLE_BYTES), "head_only": _bool,
+}
 
 
-def _state_info(v: Any) -> None:
-    _flat(v)
-    for key, check in {**ALLOWANCE_CHECKS, **INFERENCE_CHECKS}.items():
-        if key in v:
-            try:
-                check(v[key])
-            except ValueError as exc:
-                raise ValueError(f"entry {key} {exc}") from None
+def _flat_entry(key: Any, item: Any) -> None:
+    _id(key)
+    check = FLAT_ENTRIES.get(key)
+    if check is not None:
+        check(item)
+    elif isinstance(item, str):
+        _text(256)(item)
+    elif isinstance(item, bool):
+        pass
+    elif isinstance(item, int | float):
+        _ANY_NUMBER(item)
+    else:
+        raise ValueError("must be a string, finite number or boolean")
+
+
+def _flat(v: Any) -> None:
+    """A small flat mapping of id -> scalar (command parameters, metrics, metadata)."""
+    if not isinstance(v, dict) or len(v) > 64:
+        raise ValueError("must be an object of at most 64 entries")
+    for key, item in v.items():
+        try:
+            _flat_entry(key, item)
+        except ValueError as exc:
+            shown = key if isinstance(key, str) and ID_RE.fullmatch(key) else repr(str(key)[:64])
+            raise ValueError(f"entry {shown} {exc}") from None
+
+
+def clean_flat(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `values` a flat map may carry (FLAT_ENTRIES, 256-character strings),
+    at most 64; the rest dropped. What a sender applies to its own readings, and a receiver to
+    facts it parsed itself (protocol.facts.facts_from_state)."""
+    out: dict[str, Any] = {}
+    for key, item in values.items():
+        if len(out) == 64:
+            break
+        try:
+            _flat_entry(key, item)
+        except ValueError:
+            continue
+        out[key] = item
+    return out
 
 
 _ROUND = _int(0, (1 << 32) - 1)
@@ -169,7 +240,7 @@ Schema = dict[str, tuple[Callable[[Any], None], bool]]
 SCHEMAS: dict[Kind, Schema] = {
     Kind.HELLO: {"public_key": (_b64key, True), "agent": (_text(64), False), "info": (_flat, False)},
     Kind.STATE: {"status": (_enum("online", "offline", "idle", "busy"), True), "agent": (_text(64), False),
-                 "job": (_id, False), "detail": (_text(256), False), "info": (_state_info, False)},
+                 "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False)},
     Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping", "probe"), True),
                "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
                "sha256": (_hex64, False), "head_sha256": (_hex64, False), "params": (_flat, False)},
@@ -194,12 +265,16 @@ SCHEMAS: dict[Kind, Schema] = {
                         "energy_kept": (_num(0, 1), False), "labels_sha256": (_hex64, False)},
     Kind.MODEL_CHUNK: {"name": (_id, True), "version": (_id, True), "sha256": (_hex64, True),
                        "index": (_INDEX, True), "count": (_COUNT, True), "size": (_SIZE, True)},
+    # The coordinator's new public key, signed by an old one (coordinator/key_rotation.py): a
+    # device that trusts the old key moves its trust to the new one (agent/coordinator_trust.py).
+    Kind.KEY_ROTATION: {"public_key": (_b64key, True), "rotated_at": (_int(0, 1 << 40), True),
+                        "detail": (_text(256), False)},
 }
 BINARY_KINDS = frozenset({Kind.UPDATE_CHUNK, Kind.MODEL_CHUNK})
 WINDOWED_KINDS = frozenset({Kind.CMD, Kind.ACK, Kind.PROGRESS, Kind.REFUSAL})
 MAX_TTL: dict[Kind, int] = {Kind.HELLO: 365 * _DAY, Kind.STATE: 30 * _DAY, Kind.MANIFEST: 365 * _DAY,
                             Kind.MODEL_CHUNK: 365 * _DAY, Kind.UPDATE_CHUNK: _DAY, Kind.CMD: _DAY,
-                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY}
+                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY, Kind.KEY_ROTATION: 365 * _DAY}
 
 
 def check_envelope(env: dict[str, Any]) -> None:

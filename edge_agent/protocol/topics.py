@@ -38,6 +38,7 @@ class Route:
     model: str | None = None
     version: str | None = None
     index: int | None = None
+    key: str | None = None  # coordinator/key/<key id>: the old key a rotation is signed by
 
 
 class Topics:
@@ -65,6 +66,11 @@ class Topics:
     def model_filter(self, name: str, version: str) -> str:
         return f"{self.root}/models/{validate_id(name, 'model')}/{validate_id(version, 'version')}/#"
 
+    def coordinator_key(self, key_id: str) -> str:
+        """Where the rotation away from coordinator key `key_id` is published (retained),
+        signed by that key: a device trusting it subscribes here."""
+        return f"{self.root}/coordinator/key/{validate_id(key_id, 'key id')}"
+
     def device_subscriptions(self, device_id: str) -> list[str]:
         return [self.device(device_id, "cmd"), self.device(device_id, "ack")]
 
@@ -86,4 +92,6 @@ class Topics:
             if len(parts) == 5 and parts[3] == "chunk" and re.fullmatch(r"0|[1-9][0-9]{0,4}", parts[4]):
                 return Route(topic, address, "chunk", (Kind.MODEL_CHUNK,), "coordinator", model=parts[1],
                              version=parts[2], index=int(parts[4]))
+        if len(parts) == 3 and parts[:2] == ["coordinator", "key"] and ID_RE.fullmatch(parts[2]):
+            return Route(topic, address, "key", (Kind.KEY_ROTATION,), "coordinator", key=parts[2])
         return None

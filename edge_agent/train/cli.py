@@ -140,7 +140,7 @@ def _depth(text: str) -> str | int:
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
     from ..data import data_summary
-    from ..errors import EXIT_FAILURE, EXIT_OK
+    from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
     from .job import run_finetune
 
     state_dir = Path(args.state_dir) if args.state_dir else _default_state_dir(args.model, args.data)
@@ -178,6 +178,9 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
               f"report: {args.report}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    if report["stop_reason"] == "cancelled":  # Ctrl-C or SIGTERM: `finetune && deploy` must not go on
+        print("cancelled: the checkpoint is kept (--resume goes on from it)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK if report["stop_reason"] not in ("error",) else EXIT_FAILURE
 
 

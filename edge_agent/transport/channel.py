@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..errors import one_line
 from ..protocol import Kind, Message, Rejection, Signer, Verifier
 from ..protocol.hello import ASK_AGAIN_CHANNELS, ask_for_hello
 from .mqtt import MqttClient
@@ -123,9 +124,11 @@ class Channel:
             log.error("verifier failed on a message on %r: %s: %s", rec.topic[:200], type(exc).__name__, exc)
             self.rejected["internal_error"] += 1
             return None
-        except Exception:  # a bug must not kill the receive loop (its traceback is worth having)
-            log.exception("verifier failed on a message on %r", rec.topic[:200])
+        except Exception as exc:  # a bug must not kill the receive loop, nor its sender flood the log
             self.rejected["internal_error"] += 1
+            if self._logs.take():  # one line, rate-limited: never a traceback per untrusted message
+                log.error("verifier failed on a message on %r: %s", rec.topic[:200], one_line(exc))
+            log.debug("verifier failure on %r", rec.topic[:200], exc_info=True)
             return None
         if isinstance(result, Rejection):
             self.rejected[str(result.reason)] += 1

@@ -33,7 +33,15 @@ pytestmark = pytest.mark.integration
 
 
 def queued_upload(agent) -> list[bytes]:
-    """What a daemon leaves behind when it was stopped while uploading: a job and its update."""
+    """What a daemon leaves behind when it was stopped while uploading: a job and its update,
+    and the replay window its first start made (without it, a device with a job and a queued
+    update has lost its replay/ directory: only commands issued after this start are taken)."""
+    from edge_agent.config import load_config
+    from edge_agent.keys import fingerprint
+    from edge_agent.protocol import ReplayWindow
+
+    coordinator = fingerprint(load_config(agent.config).coordinator_public_key)
+    ReplayWindow(directory=agent.state_dir / "replay", strict_missing=True, known_senders=(coordinator,))
     job = Job(job_id="jz-r4", round=4, model="digits@1", params={"job": "jz", "cmd_id": "jz-r4",
                                                                   "deadline_at": time.time() + 3600})
     for step in (JobState.PREPARING, JobState.TRAINING, JobState.UPLOADING):

@@ -434,3 +434,16 @@ def test_make_certs_acl_never_overwrites_silently_and_takes_force(tmp_path: Path
     assert worker.returncode == 65 and "worker id" in worker.stderr, worker.stderr
     taken = make_certs("device", "coordinator-w1", "--dir", tmp_path)
     assert taken.returncode == 65 and "coordinator's name" in taken.stderr, taken.stderr
+
+
+def test_devices_read_the_coordinators_key_rotations_and_cannot_forge_one(peers, fleet: str) -> None:  # noqa: ANN001
+    """Issue 35, item 3: `key rotate` publishes the new key, signed by the old one, on
+    coordinator/key/<old key id>; every device must be able to read it (and none write it)."""
+    coord, a, b = (connected(peers, n) for n in ("coordinator", A, B))
+    rotation = f"{fleet}/coordinator/key/oldkeyid"
+    assert a.subscribe(rotation) == [1]
+    assert coord.subscribe(f"{fleet}/coordinator/#") == [1]
+    b.publish(rotation, b"forged by b")  # acknowledged (MQTT 3.1.1) but dropped
+    coord.publish(rotation, b"new key")
+    assert a.wait_for(rotation, b"new key") == [(rotation, b"new key")]
+    assert coord.wait_for(rotation, b"new key") == [(rotation, b"new key")]

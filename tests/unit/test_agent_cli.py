@@ -178,3 +178,40 @@ def test_init_hands_the_key_and_config_to_the_service_user(tmp_path, coordinator
     config = os.stat(tmp_path / "agent.toml")
     assert (config.st_uid, config.st_gid, stat.S_IMODE(config.st_mode)) == (0, nobody.pw_gid, 0o640)
     assert _init(tmp_path, str(coordinator_pub), "--force", "--service-user", "no-such-user-x") == EXIT_USAGE
+
+
+def test_a_second_run_on_one_state_dir_exits_69_and_ctrl_c_exits_130(tmp_path, coordinator_pub) -> None:
+    """Issue 35, items 9 and 10. A second `run` on the same config is refused (exit 69, naming
+    the first one's pid) -- before: it ran beside the first, both writing one state dir and
+    taking each other's broker session over. The first then stops cleanly on Ctrl-C with 130,
+    the exit-code table's "interrupted" (before: 0). No broker is needed: the daemon starts,
+    takes its lock and keeps trying to connect (port 9 refuses)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    assert _init(tmp_path, str(coordinator_pub), tls=()) == 0
+    config = tmp_path / "agent.toml"
+    config.write_text(config.read_text().replace("port = 8883", "port = 9").replace("port = 1883", "port = 9"))
+    argv = [sys.executable, "-m", "edge_agent.agent.cli", "run", "--config", str(config)]
+    log = tmp_path / "first.log"
+    with log.open("wb") as out:
+        first = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120  # (bounds a hang only) its start-up line: it holds the lock
+        while "enrolment code" not in log.read_text(errors="replace"):
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.05)
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 69, (second.returncode, second.stderr[-2000:])
+        assert f"another edge-agent run (pid {first.pid}) is using this state directory" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # the first is untouched
+        first.send_signal(signal.SIGINT)
+        assert first.wait(60) == 130, log.read_text(errors="replace")[-3000:]
+        assert "stopping: checkpointing the training child" in log.read_text(errors="replace")  # a clean stop
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(10)

@@ -127,3 +127,32 @@ def test_progress_bar_shows_step_loss_energy_power_and_temperature() -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0] == ("[######------------------] step 30/120 epoch 2/4 loss 0.4321 0.0123/0.5 Wh 5.2 W 61 C")
     assert "PAUSED: pause(battery-low)" in lines[1]
+
+
+def test_ctrl_c_during_training_exits_130_not_0(bundle: Path, device_data: tuple, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35, item 10: the job stops cleanly (checkpoint, report: "cancelled"), and the
+    command says it was interrupted (130, the exit-code table's), so `finetune && deploy`
+    does not go on with a cancelled head. Before: exit 0. Driven by the job's own progress:
+    SIGINT at its third training step, on any machine."""
+    import os
+    import signal
+
+    shown = ProgressBar.__call__
+
+    def ctrl_c_at_step_3(self: ProgressBar, ev: Progress) -> None:
+        shown(self, ev)
+        if ev.phase == "train" and ev.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(ProgressBar, "__call__", ctrl_c_at_step_3)
+    data = demo.write_data(tmp_path / "d", *device_data, "npz")
+    report_path = tmp_path / "report.json"
+    code = cli.main(["finetune", "--model", str(bundle), "--data", str(data), "--state-dir", str(tmp_path / "s"),
+                     "--epochs", "50", "--patience", "50", "--profile", "raspberry-pi-4", "--report", str(report_path)])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    report = json.loads(report_path.read_text())
+    assert report["stop_reason"] == "cancelled" and report["steps"] == 3
+    assert "cancelled: the checkpoint is kept" in err

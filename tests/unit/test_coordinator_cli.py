@@ -291,3 +291,32 @@ def test_register_then_build_a_head_only_version_deterministically(capsys, tmp_p
     rc, _, err = run(capsys, "model", "register", str(bundle_dir), "--name", "digits", "--version", "2.head",
                      "--state-dir", str(state))
     assert rc == 65 and "reserved for head patches" in err
+
+
+def test_serve_exits_130_on_ctrl_c_and_0_on_sigterm(tmp_path):
+    """Issue 35, item 10 (the other long-running commands' Ctrl-C): serve stops cleanly either
+    way; Ctrl-C is an interruption (130, as the exit-code table says), SIGTERM (systemd) a
+    normal stop (0). Before: 0 for both. No broker: serve keeps trying port 9 meanwhile."""
+    import signal
+    import subprocess
+    import sys
+
+    from edge_agent.coordinator.service_files import read_serve_file, serving
+
+    for sig, expected in ((signal.SIGINT, 130), (signal.SIGTERM, 0)):
+        state = tmp_path / sig.name
+        proc = subprocess.Popen([sys.executable, "-m", "edge_agent.coordinator.cli", "serve", "--state-dir",
+                                 str(state), "--broker", "127.0.0.1:9", "--fleet", "farm"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120  # (bounds a hang only) its heartbeat: the loop runs
+            while not serving(read_serve_file(state)):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+                time.sleep(0.05)
+            proc.send_signal(sig)
+            assert proc.wait(60) == expected, sig
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            proc.stderr.close()
