@@ -250,8 +250,8 @@ def _soak_with_server_set(quick: bool) -> list[str]:
                         f"{r.failed} | {(r.reason or r.status)[:90]} |")
     return ["### The soak's fleet with a server set", "",
             f"4 devices of 40 camera digits each (the soak's few dozen), one job of up to {rounds} rounds, the "
-            "default rule with the model's 300-sample server set (trust; every version gated against the job's "
-            "best), edge_agent/sim/poisoning.py's MLP head. Test accuracy on 449 held-out digits; peak = the best "
+            "default rule with the model's 300-sample server set (trust; every version gated against the one it "
+            "replaces), edge_agent/sim/poisoning.py's MLP head. Test accuracy on 449 held-out digits; peak = the best "
             "version's; drop = from the peak to the last version. With `--patience`, the plateau rule judges each "
             "version by its server-set score.", "",
             "| seed | plateau rule | rounds run | peak test acc % (round) | last % | drop (points) | rounds the gate "
