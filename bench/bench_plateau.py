@@ -194,8 +194,8 @@ def run(quick: bool = False) -> str:
         "",
         f"A {rounds}-round federated job on the simulated digits fleet (10 devices, Dirichlet alpha 0.3 label "
         "skew, all taking part in every round, softmax-regression head, 2 local epochs of SGD at lr 0.5), driven "
-        "through the real RoundEngine (default fedavg_clipped aggregation and norm screening; strikes, quarantine "
-        "and the direction check off: an honest fleet), registry and update wire format. Devices report their "
+        "through the real RoundEngine (the plain fedavg rule, no server set, quarantine off: an honest fleet), "
+        "registry and update wire format. Devices report their "
         "validation accuracy (20 % of their data, never trained on) of "
         "the version they were sent (`accuracy_before`); the plateau rule uses only that. The accuracies below "
         "are on the coordinator-side test set (the 450 digits no device holds: one digit is 0.22 points). Best: "
