@@ -66,10 +66,20 @@ def test_key_rotation_and_a_lost_key_through_serve_and_a_real_agent(mosquitto, f
     assert not pongs(watcher, "old-key-ping")
 
     # the agent restarts: it still trusts the new key (the rotation was persisted)
+    heard = agent.log_tail(100_000).count("the coordinator heard this device's hello")
     assert agent.terminate() == 0
-    agent.start()
-    watcher.command(agent, {"cmd_id": "after-restart", "action": "ping"})
-    assert wait_for(lambda: pongs(watcher, "after-restart"), 90), agent.log_tail()
+    agent.start()  # a command sent before it subscribes again would be lost: wait for its hello's answer
+    assert wait_for(lambda: agent.log_tail(100_000).count("the coordinator heard this device's hello") > heard, 90), \
+        agent.log_tail()
+    # serve signs with this key too (its hello answers), from its own sequence counter: a ping
+    # of ours numbered below serve's last is a replay to the agent, so ask again until one passes
+    for attempt in range(6):
+        watcher.command(agent, {"cmd_id": f"after-restart-{attempt}", "action": "ping"})
+        if wait_for(lambda a=attempt: pongs(watcher, f"after-restart-{a}"), 15):
+            break
+    else:
+        raise AssertionError(agent.log_tail())
+    assert "now trusting" not in agent.log_tail(100_000).rsplit("enrolment code", 1)[-1]  # trusted from disk
 
     # ---- the key is deleted: serve refuses to start (78) and names the ways back
     assert coordinator.stop() == 0
