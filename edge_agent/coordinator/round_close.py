@@ -176,22 +176,22 @@ class RoundCloser:
                 c.metrics["accuracy_source"] = "device-reported"
                 return
             base_ok = tail.correct(c.base_head, key=c.base.version)
-            tried: list[tuple[float, dict[str, np.ndarray], GateVerdict]] = []
+            verdict: GateVerdict | None = None
             for scale in STEP_SCALES:
                 step = c.learned.step if scale == 1.0 else {k: (v * scale).astype(v.dtype)
                                                             for k, v in c.learned.step.items()}
                 head = apply_delta(c.base_head, step)
-                tried.append((scale, head, self.gate.judge(tail.correct(head), base_ok)))
-            passed = [t for t in tried if t[2].ok]
-            if passed:  # the best-scoring step that passes (the longest of equals)
-                scale, c.new_head, verdict = max(passed, key=lambda t: (t[2].accuracy, t[0]))
-                c.metrics |= {"accuracy": round(verdict.accuracy, 6), "accuracy_samples": verdict.samples,
-                              "accuracy_source": "server set", "step_scale": scale,
-                              "gate": f"vs {c.base.version}: {verdict.describe()}"}
-                self._plateau(c, verdict)
-                return
+                verdict = self.gate.judge(tail.correct(head), base_ok)
+                if verdict.ok:
+                    c.new_head = head
+                    c.metrics |= {"accuracy": round(verdict.accuracy, 6), "accuracy_samples": verdict.samples,
+                                  "accuracy_source": "server set", "step_scale": scale,
+                                  "gate": f"vs {c.base.version}: {verdict.describe()}"}
+                    self._plateau(c, verdict)
+                    return
+            assert verdict is not None
             c.reason = (f"gate: every step (x{', x'.join(f'{s:g}' for s in STEP_SCALES)}) scores worse than "
-                        f"{c.base.version} on the server set; at x{STEP_SCALES[-1]:g} {tried[-1][2].describe()}")
+                        f"{c.base.version} on the server set; at x{STEP_SCALES[-1]:g} {verdict.describe()}")
         except InputError as exc:
             c.reason = f"aggregate unusable: {exc}"[:1024]
 
