@@ -118,7 +118,10 @@ def test_depth_2_reports_its_plan_and_beats_the_bundle_on_held_out_data(job, bun
 
     r = job("d2")
     d = r["depth"]
-    assert (d["depth"], d["requested"], d["reason"], d["bn"], d["tail"]) == (2, "2", "asked for", "frozen", "full")
+    assert (d["depth"], d["requested"], d["bn"], d["tail"]) == (2, "2", "frozen", "full")
+    # honoured as asked; the planner may add that it predicts more than the profile's cap (its
+    # prediction starts from this process's RSS, which the tests run before it have grown)
+    assert d["reason"].startswith("asked for"), d["reason"]
     assert [o["depth"] for o in d["options"]] == [0, 1, 2]
     chosen = d["options"][2]
     assert d["predicted_wh"] == chosen["predicted_wh"] > 0 and d["predicted_cpu_s"] == chosen["predicted_cpu_s"] > 0
