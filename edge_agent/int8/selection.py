@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
     AGREEMENT_MAX_SAMPLES,
     DEFAULT_WATTS_PER_CPU,
+    RECHECK_BATCHES,
     SYSTEM_CLOCKS,
     Clocks,
     CpuMeter,
@@ -72,6 +74,7 @@ from .selection_cache import (
     hardware_fingerprint,
     load_cached,
 )
+from .shared_choice import FINGERPRINT_SAMPLES, SharedChoice, kind_of, matching, output_fingerprint
 
 __all__ = [
     "CACHE_DIR", "CACHE_FORMAT", "FLOAT_TOLERANCE_STEPS", "INT8_TOLERANCE_UNITS", "MAX_CACHE_BYTES",
@@ -92,6 +95,14 @@ PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose median CPU time prices a
 # before it is spent instead of overrun by the probe
 PROBE_PREDICT_CPU_S = 0.5
 VARIANT_PREPARE_MAX_S = 2.0  # other thread counts are tried for engines this cheap to prepare
+# An engine whose class says it costs at least this many CPU-seconds to prepare (its
+# prepare_cpu_s_hint: mxnet-onednn, 6 s) is prepared last, and only when the job could pay for
+# it: not when preparing it alone would cost more than the whole job on an engine already
+# checked. Its prepare is taken at PREPARE_HINT_LOW x the hint (measured 2.9-3.3 CPU-s on an
+# EPYC core, half its hint; a faster core may do better), the checked engine's job at the
+# per-image CPU of its check runs (cold, so an over-estimate): both err towards preparing.
+EXPENSIVE_PREPARE_S = 2.0
+PREPARE_HINT_LOW = 0.25
 PREDICT_IMAGES = (100, 1000, 10000)
 
 
@@ -154,6 +165,7 @@ def select_engine(
     mem_cap_mb: float | None = None,
     recheck_cached: bool = False,
     clocks: Clocks = SYSTEM_CLOCKS,
+    shared: Sequence[SharedChoice] = (),
 ) -> tuple[Selection, Runner | None]:
     """Choose the engine for `bundle` here; returns the decision and (with `keep_runner`)
     the chosen engine's prepared runner. Raises EngineUnavailableError if nothing is correct,
@@ -163,7 +175,9 @@ def select_engine(
     `meter` charges each phase (the job's budget governor; it may refuse one), else CPU
     seconds x `watts_per_cpu`. `recheck_cached` re-times a cached choice on a few batches
     and falls back to one thread when it got RECHECK_FACTOR slower (see _use_cached).
-    `clocks`: where wall and CPU seconds are read (tests: virtual clocks)."""
+    `clocks`: where wall and CPU seconds are read (tests: virtual clocks). `shared`: choices
+    other devices measured (shared_choice.py); one made on a device of this kind is re-checked
+    (same outputs, about the same speed) instead of measuring every engine."""
     env = os.environ if env is None else env
     threads = thread_count(threads)  # None and "all cores" are the same decision
     if batch_size < 1:
@@ -191,6 +205,13 @@ def select_engine(
             if hit is not None:
                 return hit
     x = check_batch_for(bundle, batch_size)
+    fleet = matching(shared, kind_of(key)) if not forced else None
+    if fleet is not None:
+        adopted = _adopt_shared(fleet, bundle, by_name, probe, key, x, path, images=images, meter=meter,
+                                wpc=wpc, keep_runner=keep_runner, clocks=clocks)
+        if isinstance(adopted, tuple):
+            return adopted
+        _log.info("fleet-shared int8 choice %s not taken (%s): measuring every engine", fleet.engine, adopted)
     spent = 0.0
     # the probe: reference images price the rest, so that a budget too small for the
     # selection is refused before it is spent (meter.before("selection", ...))
@@ -232,8 +253,11 @@ def select_engine(
     meter.before("selection", predicted + per_sample * batch_size)  # + one batch of the job
     with measured(meter, "agreement", pred_oracle, clocks=clocks) as ph:
         oracle = Oracle(bundle, x, logits=logits)
+        if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
+            oracle.rounding_sensitivity()
     spent += ph.joules
     runners: dict[tuple[str, int], Runner] = {}
+    check_rate: dict[str, float] = {}  # CPU-s per image of each engine's check runs
 
     def prepare_and_check(row: Candidate) -> None:
         nonlocal spent
@@ -246,7 +270,9 @@ def select_engine(
                 row.prepare_cpu_s, row.prepare_s = clocks.cpu() - c0, clocks.wall() - w0
                 row.prepare_j = row.prepare_cpu_s * wpc
                 runners[(row.name, threads)] = runner
+                c1 = clocks.cpu()
                 oracle.check(runner, row)
+                check_rate[row.name] = (clocks.cpu() - c1) / oracle.images_per_check()
             except Exception as exc:  # one failing engine is a row in the table, not a crash
                 row.error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
                 row.correct = False
@@ -256,7 +282,12 @@ def select_engine(
 
     # the reference (~25x slower, never the winner) is prepared and timed only when nothing
     # else is correct: its agreement is already the oracle's
-    for row in others if not forced else todo:
+    hints = {r.name: float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
+    for row in sorted(others, key=lambda r: hints[r.name]) if not forced else todo:  # cheapest first
+        why = None if forced else _dominated(row, hints[row.name], rows, check_rate, images)
+        if why:
+            row.reason += f"; not prepared: {why}"
+            continue
         prepare_and_check(row)
     ref = _row(todo, "reference")
     if not forced and ref is not None and others:
@@ -333,6 +364,11 @@ def select_engine(
     selection.energy_j = spent
     for row in rows:
         row.chosen = row.name == selection.chosen
+    chosen_runner = runners.get((selection.chosen, selection.threads)) if selection.chosen else None
+    if not forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
+        selection.share = SharedChoice(kind_of(key), chosen_row.name, selection.threads, batch_size,
+                                       chosen_row.latency_ms, chosen_row.per_image_cpu_s or 1e-9,
+                                       output_fingerprint(chosen_runner, bundle.calibration())).to_json()
     if not forced and path is not None:
         atomic_write_json(path, selection.to_json())
         selection.cache_file = str(path)
@@ -340,6 +376,78 @@ def select_engine(
     for runner in runners.values():
         runner.close()
     return selection, keep
+
+def _dominated(row: Candidate, hint_s: float, rows: list[Candidate], check_rate: Mapping[str, float],
+               images: int) -> str | None:
+    """Why an engine expensive to prepare need not be prepared for a job of `images` images
+    (see EXPENSIVE_PREPARE_S), or None. CPU-seconds on both sides: the same watts multiply them."""
+    if hint_s < EXPENSIVE_PREPARE_S:
+        return None
+    jobs = [((r.prepare_cpu_s or 0.0) + images * check_rate[r.name], r.name)
+            for r in rows if r.correct and r.name in check_rate]
+    if not jobs:
+        return None
+    best_s, best = min(jobs)
+    low = hint_s * PREPARE_HINT_LOW
+    if low <= best_s:
+        return None
+    return (f"its prepare alone (~{low:.2g} CPU-s or more) costs more than a {images:,}-image job on {best} "
+            f"(~{best_s:.2g} CPU-s)")
+
+
+def _adopt_shared(choice: SharedChoice, bundle: Any, by_name: Mapping[str, Int8Engine | None], probe: dict[str, Any],
+                  key: dict[str, Any], x: np.ndarray, path: Path | None, *, images: int, meter: Meter, wpc: float,
+                  keep_runner: bool, clocks: Clocks) -> tuple[Selection, Runner | None] | str:
+    """A device of this kind measured `choice`: take it if this device's engine gives the same
+    outputs (the fingerprint) at about the same speed (recheck). Returns the selection, or why
+    not (then every engine is measured)."""
+    engine = by_name.get(choice.engine)
+    if engine is None:
+        return f"{choice.engine} is not a candidate here"
+    if not _still_available(engine, probe):
+        return f"{choice.engine} is not available here"
+    runs = FINGERPRINT_SAMPLES + (RECHECK_BATCHES + 1) * len(x)
+    predicted = wpc * (choice.per_image_cpu_s * runs + float(getattr(engine, "prepare_cpu_s_hint", 1.0)))
+    runner: Runner | None = None
+    why = ""
+    with measured(meter, "shared-recheck", predicted, clocks=clocks) as ph:
+        try:
+            c0 = clocks.cpu()
+            runner = engine.prepare(bundle, threads=choice.threads)
+            prepare_cpu_s = clocks.cpu() - c0
+            if output_fingerprint(runner, bundle.calibration()) != choice.fingerprint:
+                why = "its outputs here differ from the measuring device's"
+            else:
+                good, now = recheck(runner, x, choice.latency_ms / 1000.0, clocks=clocks)
+                if not good:
+                    why = f"{now * 1e3:.1f} ms per batch here, {choice.latency_ms:.1f} where it was measured"
+        except Exception as exc:  # a shared choice that fails here is measured, not fatal
+            why = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    if why:
+        if runner is not None:
+            runner.close()
+        return why
+    assert runner is not None
+    row = Candidate(choice.engine, True, f"the fleet's choice for this kind of device, re-checked here: same outputs, "
+                    f"{now * 1e3:.1f} ms per batch ({choice.latency_ms:.1f} where measured)", correct=True,
+                    basis="fleet", threads=choice.threads, latency_ms=now * 1e3, images_per_s=len(x) / now,
+                    per_image_s=now / len(x), per_image_cpu_s=choice.per_image_cpu_s,
+                    per_image_j=choice.per_image_cpu_s * wpc, prepare_cpu_s=prepare_cpu_s,
+                    prepare_j=prepare_cpu_s * wpc, chosen=True)
+    row.predicted_j = {str(n): round(predict_job(row, n)[0], 3) for n in PREDICT_IMAGES}
+    selection = Selection(choice.engine, [row], key, len(x), images=images, threads=choice.threads,
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), energy_j=ph.joules, source="fleet",
+                          share=choice.to_json(), chosen_for={str(n): choice.engine for n in PREDICT_IMAGES})
+    selection.notes.append(f"int8 engine {choice.engine} ({choice.threads} thread(s)) as measured by a device of this "
+                           f"kind; re-checked here in {ph.cpu_s:.2f} CPU-s instead of measuring every engine")
+    if path is not None:
+        atomic_write_json(path, selection.to_json())
+        selection.cache_file = str(path)
+    if keep_runner:
+        return selection, runner
+    runner.close()
+    return selection, None
+
 
 def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine | None], probe: dict[str, Any], *,
                 images: int, mem_cap_mb: float | None, keep_runner: bool,

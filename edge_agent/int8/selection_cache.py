@@ -12,7 +12,6 @@ records' JSON form) needs none of the preparing, checking and timing that making
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from typing import Any
 from .. import __version__
 from ..atomic import read_limited
 from ..errors import InputError
+from ..protocol.engine_choice import kind_of
 from . import engines as registry
 from .bundle import BACKBONE_INT8
 from .engines._common import thread_count
@@ -70,7 +70,11 @@ class Candidate:
     per_image_s: float | None = None
     per_image_cpu_s: float | None = None
     per_image_j: float | None = None
+    per_image_spread: float | None = None  # relative half-IQR of the timed rounds' CPU (engine_cost.relative_spread)
     peak_mb: float | None = None  # peak RSS growth over prepare + runs
+    # the engine class's static prepare_cpu_s_hint: what settles a tie of measured costs
+    # (engine_cost.choose); None in caches made before it was recorded
+    prepare_cpu_s_hint: float | None = None
     by_threads: dict[str, float] = field(default_factory=dict)  # threads -> per-image J
     predicted_j: dict[str, float] = field(default_factory=dict)  # images -> job J
 
@@ -90,6 +94,8 @@ class Selection:
     threads: int | None = None  # the chosen engine's thread count
     energy_j: float = 0.0  # what this selection (or re-check) cost
     chosen_for: dict[str, str] = field(default_factory=dict)  # images -> engine (PREDICT_IMAGES)
+    source: str = "measured"  # | "fleet": a device of this kind measured it, this one re-checked it
+    share: dict[str, Any] | None = None  # the SharedChoice JSON this device reports (shared_choice.py)
 
     def candidate(self, name: str) -> Candidate | None:
         return next((c for c in self.candidates if c.name == name), None)
@@ -97,7 +103,7 @@ class Selection:
     def to_json(self) -> dict[str, Any]:
         return {"format": CACHE_FORMAT, "chosen": self.chosen, "key": self.key,
                 "batch_size": self.batch_size, "created": self.created, "threads": self.threads,
-                "images": self.images, "chosen_for": self.chosen_for,
+                "images": self.images, "chosen_for": self.chosen_for, "source": self.source, "share": self.share,
                 "candidates": [asdict(c) for c in self.candidates]}
 
 
@@ -126,8 +132,8 @@ def cache_key(bundle: Any, fingerprint: str, *, batch_size: int, threads: int | 
 
 
 def cache_path(state_dir: str | os.PathLike[str], key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return Path(state_dir) / CACHE_DIR / f"{digest}.json"
+    """Named by the key's kind: the devices that share a choice share this name."""
+    return Path(state_dir) / CACHE_DIR / f"{kind_of(key)}.json"
 
 
 def load_cached(path: Path, key: dict[str, Any]) -> Selection | None:
@@ -144,7 +150,9 @@ def load_cached(path: Path, key: dict[str, Any]) -> Selection | None:
         return Selection(chosen, cands, key, int(obj["batch_size"]), cached=True,
                          created=str(obj.get("created", "")), cache_file=str(path),
                          threads=int(threads) if isinstance(threads, int) else None,
-                         images=int(obj.get("images", 0)), chosen_for=dict(obj.get("chosen_for", {})))
+                         images=int(obj.get("images", 0)), chosen_for=dict(obj.get("chosen_for", {})),
+                         source="fleet" if obj.get("source") == "fleet" else "measured",
+                         share=obj["share"] if isinstance(obj.get("share"), dict) else None)
     except FileNotFoundError:
         return None
     except (OSError, InputError, ValueError, TypeError, KeyError, AttributeError) as exc:

@@ -201,10 +201,11 @@ def test_forced_engine_unknown_or_unavailable(bundle, tmp_path):
 
 def test_real_registry_falls_back_from_edgetpu_and_checks_every_engine(bundle, tmp_path):
     coral = {**PROBE, "accelerators": [{"kind": "coral-usb", "runtime_loads": False}]}
+    # a job of 10^7 images: long enough that mxnet-onednn's multi-second prepare could pay off
     selection, runner = sel.select_engine(bundle, probe=coral, preference=["edgetpu", "tflite", "mxnet-onednn",
                                                                           "reference", "npu9000"],
                                           state_dir=tmp_path, repeats=2, batch_size=16, env={},
-                                          keep_runner=True)
+                                          keep_runner=True, images=10**7)
     rows = {c.name: c for c in selection.candidates}
     assert not rows["edgetpu"].available and "libedgetpu.so.1 does not load" in rows["edgetpu"].reason
     assert not rows["npu9000"].available and "unknown engine" in rows["npu9000"].reason
@@ -213,6 +214,17 @@ def test_real_registry_falls_back_from_edgetpu_and_checks_every_engine(bundle, t
     assert rows["reference"].latency_ms is None and "not timed" in rows["reference"].reason  # tflite is correct
     assert selection.chosen in ("tflite", "mxnet-onednn", "reference")
     assert runner.run(bundle.calibration()[:4]).shape == (4, 32, 1, 1)
+
+
+def test_an_engine_whose_prepare_costs_more_than_the_whole_job_is_not_prepared(bundle, tmp_path):
+    """mxnet-onednn says it costs ~6 CPU-s to prepare (an MXNet import, its own quantisation):
+    for 1,000 images of a net tflite runs in microseconds, that is never worth paying."""
+    selection, _ = sel.select_engine(bundle, probe=PROBE, preference=["tflite", "mxnet-onednn"], state_dir=tmp_path,
+                                     repeats=2, batch_size=16, env={}, images=1000, use_cache=False)
+    onednn = selection.candidate("mxnet-onednn")
+    assert onednn.available and onednn.correct is None and onednn.prepare_cpu_s is None
+    assert "not prepared: its prepare alone" in onednn.reason and "1,000-image job on tflite" in onednn.reason
+    assert selection.chosen == "tflite"
 
 
 def test_near_ties_are_left_out_of_the_top1_check(bundle):
