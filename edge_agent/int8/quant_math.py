@@ -38,11 +38,6 @@ def trunc_div(a: np.ndarray, b: ArrayLike) -> np.ndarray:
     return np.where(a < 0, -q, q)
 
 
-def _trunc_div_pow2(v: np.ndarray, k: int) -> np.ndarray:
-    """v / 2**k with C truncation, branch-free: add 2**k - 1 to negatives, then shift."""
-    return (v + ((v >> 63) & ((1 << k) - 1))) >> k
-
-
 def wrap_int32(x: ArrayLike) -> np.ndarray:
     """Two's-complement wrap of an int64 value into int32 range (what int32 hardware does)."""
     x = np.asarray(x, dtype=np.int64)
@@ -81,9 +76,12 @@ def saturating_rounding_doubling_high_mul(a: ArrayLike, b: ArrayLike) -> np.ndar
     """
     a = np.asarray(a, dtype=np.int64)
     b = np.asarray(b, dtype=np.int64)
-    p = a * b
-    nudge = (1 << 30) - ((p >> 63) & ((1 << 31) - 1))  # 2**30, or 1 - 2**30 when p < 0
-    r = _trunc_div_pow2(p + nudge, 31)
+    # The C rule folds into one floor: for p < 0, (p + 1 - 2**30) / 2**31 truncated is
+    # (p + 1 - 2**30 + 2**31 - 1) >> 31 = (p + 2**30) >> 31, the same as for p >= 0. Two
+    # passes over the activations instead of seven: most of the reference's requantisation.
+    r = a * b
+    r += 1 << 30
+    r >>= 31
     if np.any(b == INT32_MIN):
         r = np.where((a == INT32_MIN) & (b == INT32_MIN), INT32_MAX, r)
     return r
@@ -98,10 +96,12 @@ def rounding_divide_by_pot(x: ArrayLike, exponent: ArrayLike) -> np.ndarray:
     """
     x = np.asarray(x, dtype=np.int64)
     e = np.asarray(exponent, dtype=np.int64)
-    mask = (np.int64(1) << e) - 1
-    remainder = x & mask
-    threshold = (mask >> 1) + (x < 0)
-    return (x >> e) + (remainder > threshold)
+    # The same rule as one floor: (x + 2**(e-1) - [x < 0]) >> e for e > 0 (a negative tie
+    # moves away from zero), x for e == 0. Four passes over the activations instead of six.
+    r = x + ((np.int64(1) << e) >> 1)
+    r += (x >> 63) if np.all(e > 0) else (x >> 63) * (e > 0)  # x >> 63: -1 for negatives, else 0
+    r >>= e
+    return r
 
 
 def multiply_by_quantized_multiplier(x: ArrayLike, multiplier: ArrayLike, shift: ArrayLike) -> np.ndarray:
