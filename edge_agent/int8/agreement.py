@@ -41,6 +41,7 @@ this module calls correct.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,10 @@ from .engine_cost import (
     fp32_features,
     top1_agreement,
 )
+from .oracle_answers import SPOT_CHECK_SAMPLES, OracleAnswers
+from .oracle_answers import load as load_answers
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .selection_cache import Candidate
@@ -102,6 +107,43 @@ def in_chunks(run: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: int
     return np.concatenate([run(x[i:i + chunk]) for i in range(0, len(x), chunk)])
 
 
+def quantized_input(runner: Any, x: np.ndarray) -> np.ndarray:
+    """The int8 NHWC input the reference's graph takes for the float NCHW batch `x`."""
+    from .quant_math import quantize
+
+    tin = runner.graph.tensor(runner.graph.inputs[0])
+    return quantize(x.transpose(0, 2, 3, 1), float(tin.scale[0]), int(tin.zero_point[0]))
+
+
+def rounding_sensitivity(graph: Any, q: np.ndarray, clean_int8: np.ndarray) -> float:
+    """The largest output change (int8 units) seen when ROUNDING_FLIP_RATE of every int8 op
+    output is moved by one unit, on the first ROUNDING_SAMPLES samples (`q`, whose reference
+    output is `clean_int8`): how much legitimate rounding differences can grow."""
+    from .reference import run_graph
+    from .reference_ops import KERNELS
+
+    rng = np.random.default_rng(0)
+
+    def flipping(kernel: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        def run(graph: Any, op: Any, args: list[Any]) -> np.ndarray:
+            y = kernel(graph, op, args)
+            if y.dtype != np.int8:
+                return y
+            flip = (rng.random(y.shape) < ROUNDING_FLIP_RATE) * rng.choice(np.array([-1, 1], np.int16), y.shape)
+            return np.clip(y.astype(np.int16) + flip, -128, 127).astype(np.int8)
+        return run
+
+    q = q[:ROUNDING_SAMPLES]
+    clean = clean_int8[:ROUNDING_SAMPLES].astype(np.int32)
+    kernels = {kind: flipping(k) for kind, k in KERNELS.items()}
+    worst = 0
+    for _ in range(ROUNDING_SEEDS):
+        out = run_graph(graph, q, kernels=kernels)
+        out = out if isinstance(out, np.ndarray) else out[graph.outputs[0]]
+        worst = max(worst, int(np.max(np.abs(out.astype(np.int32) - clean))))
+    return float(worst)
+
+
 class Oracle:
     """The reference's answers on the check batch, and the head that turns features into
     logits for the top-1 check (numpy for a dense head, else MXNet; loaded on first use)."""
@@ -109,35 +151,56 @@ class Oracle:
     def __init__(self, bundle: Any, x: np.ndarray, *,
                  logits: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         from .engines.reference import QGraphRunner
-        from .quant_math import quantize
 
         self.runner = QGraphRunner(bundle.qgraph())
         graph = self.runner.graph
-        tin, tout = graph.tensor(graph.inputs[0]), graph.tensor(graph.outputs[0])
+        tout = graph.tensor(graph.outputs[0])
         self.x = x
-        self.q = quantize(x.transpose(0, 2, 3, 1), float(tin.scale[0]), int(tin.zero_point[0])) \
-            if self.runner.int8_io else None
+        self.q = quantized_input(self.runner, x) if self.runner.int8_io else None
         self.out_scale = float(tout.scale[0]) if tout.scale is not None else 1.0
-        self.int8 = self.runner.run_int8(self.q) if self.q is not None else None
         # task level: top-1 vs the fp32 model on the bundle's calibration samples
         calib = bundle.calibration()
         self.samples = np.ascontiguousarray(calib[:AGREEMENT_MAX_SAMPLES])
         self.ref_samples: np.ndarray | None = None
-        task_level_runs = len(self.samples) >= AGREEMENT_MIN_SAMPLES and importlib.util.find_spec("onnx") is not None
-        if task_level_runs and len(x) <= len(self.samples) and np.array_equal(x, self.samples[:len(x)]):
-            # the check batch is the first calibration samples (check_batch_for): one reference
-            # run answers both (the reference is ~75x the native engine's cost per image)
-            self.ref_samples = in_chunks(self.runner.run, self.samples)
+        self._fp32: np.ndarray | None = None
+        self._sensitivity: float | None = None
+        prefix = len(x) <= len(self.samples) and np.array_equal(x, self.samples[:len(x)])
+        answers = self._stored_answers(bundle) if prefix and len(self.samples) >= AGREEMENT_MIN_SAMPLES else None
+        self.answers_stored = answers is not None
+        if answers is not None:  # computed where the bundle was made (oracle_answers.py)
+            self.int8, self.ref_samples, self._fp32 = answers.ref_int8[:len(x)], answers.ref, answers.fp32
+            self._sensitivity = answers.sensitivity
             self.float = self.ref_samples[:len(x)]
         else:
-            self.float = in_chunks(self.runner.run, x)
+            self.int8 = in_chunks(self.runner.run_int8, self.q) if self.q is not None else None
+            task_level_runs = len(self.samples) >= AGREEMENT_MIN_SAMPLES and importlib.util.find_spec("onnx") is not None
+            if task_level_runs and prefix:
+                # the check batch is the first calibration samples (check_batch_for): one reference
+                # run answers both (the reference is ~75x the native engine's cost per image)
+                self.ref_samples = in_chunks(self.runner.run, self.samples)
+                self.float = self.ref_samples[:len(x)]
+            else:
+                self.float = in_chunks(self.runner.run, x)
         self._logits = logits or _head_logits(bundle)
         self.ref_logits = self._logits(self.float)
         self.top1 = self.ref_logits.argmax(axis=1)
         self.decided_samples: int | None = None
-        self._sensitivity: float | None = None
         self.inconclusive = self._task_level_evidence(bundle)  # "" when the task level decides
         self.task_level = not self.inconclusive
+
+    def _stored_answers(self, bundle: Any) -> OracleAnswers | None:
+        """The bundle's stored answers, if they are this reference's: SPOT_CHECK_SAMPLES of
+        them are recomputed here and must be equal, bit for bit."""
+        answers = load_answers(bundle, len(self.samples))
+        if answers is None or self.q is None:
+            return None
+        spot = self.runner.run_int8(self.q[:SPOT_CHECK_SAMPLES])
+        if spot.shape == answers.ref_int8[:SPOT_CHECK_SAMPLES].shape and \
+                np.array_equal(spot, answers.ref_int8[:SPOT_CHECK_SAMPLES]):
+            return answers
+        _log.warning("%s: the stored reference answers differ from this reference's on the first %d samples; "
+                     "computing them here", bundle.path, SPOT_CHECK_SAMPLES)
+        return None
 
     def _task_level_evidence(self, bundle: Any) -> str:
         """Run the task-level baseline; return why it cannot decide ("" when it can)."""
@@ -146,7 +209,7 @@ class Oracle:
             return f"{n} calibration samples, the task-level check needs {need} with a decided top-1"
         # the fp32 model runs from backbone.onnx, which needs the onnx package: 32-bit ARM has
         # no wheel for it (nor MXNet)
-        if importlib.util.find_spec("onnx") is None:
+        if self._fp32 is None and importlib.util.find_spec("onnx") is None:
             return "no onnx package here, so no fp32 model to agree with"
         if self.ref_samples is None:
             self.ref_samples = in_chunks(self.runner.run, self.samples)
@@ -156,7 +219,8 @@ class Oracle:
             # e.g. random weights: features ~1e-10, every sample a tie, and any engine "agrees"
             return (f"{self.decided_samples} of {n} calibration samples have a top-1 that one output step "
                     f"cannot flip; the task-level check needs {need}")
-        self.fp32_top1 = self._logits(in_chunks(fp32_features(bundle), self.samples)).argmax(axis=1)
+        fp32 = self._fp32 if self._fp32 is not None else in_chunks(fp32_features(bundle), self.samples)
+        self.fp32_top1 = self._logits(fp32).argmax(axis=1)
         self.ref_agreement = top1_agreement(ref_logits.argmax(axis=1), self.fp32_top1)
         return ""
 
@@ -164,29 +228,7 @@ class Oracle:
         """The largest output change (int8 units) seen when ROUNDING_FLIP_RATE of every int8
         op output is moved by one unit: how much legitimate rounding differences can grow."""
         if self._sensitivity is None:
-            from .reference import run_graph
-            from .reference_ops import KERNELS
-
-            rng = np.random.default_rng(0)
-
-            def flipping(kernel: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-                def run(graph: Any, op: Any, args: list[Any]) -> np.ndarray:
-                    y = kernel(graph, op, args)
-                    if y.dtype != np.int8:
-                        return y
-                    flip = (rng.random(y.shape) < ROUNDING_FLIP_RATE) * rng.choice(np.array([-1, 1], np.int16), y.shape)
-                    return np.clip(y.astype(np.int16) + flip, -128, 127).astype(np.int8)
-                return run
-
-            q = self.q[:ROUNDING_SAMPLES]
-            clean = self.int8[:ROUNDING_SAMPLES].astype(np.int32)
-            kernels = {kind: flipping(k) for kind, k in KERNELS.items()}
-            worst = 0
-            for _ in range(ROUNDING_SEEDS):
-                out = run_graph(self.runner.graph, q, kernels=kernels)
-                out = out if isinstance(out, np.ndarray) else out[self.runner.graph.outputs[0]]
-                worst = max(worst, int(np.max(np.abs(out.astype(np.int32) - clean))))
-            self._sensitivity = float(worst)
+            self._sensitivity = rounding_sensitivity(self.runner.graph, self.q, self.int8)
         return self._sensitivity
 
     def int8_tolerance(self) -> float:

@@ -60,8 +60,9 @@ BACKBONE_EDGETPU = "backbone_int8_edgetpu.tflite"
 HEAD_SYMBOL = "head-symbol.json"
 HEAD_PARAMS = "head.params"
 CALIBRATION = "calibration.npz"
+ORACLE = "oracle.npz"  # the reference's and the fp32 model's answers on the calibration samples
 REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBRATION)
-OPTIONAL_FILES = (BACKBONE_EDGETPU,)
+OPTIONAL_FILES = (BACKBONE_EDGETPU, ORACLE)
 MAX_DEPTH = 8
 _DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json|head\.params)\Z")  # \Z: no "\n" after
 _COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements")
@@ -354,7 +355,7 @@ class Bundle:
                               "build it with `edge-coordinator model create --depths N`)")
         spec = self.manifest.depths[depth]
         aliases = {f: depth_file(depth, f) for f in (BACKBONE_INT8, HEAD_SYMBOL)}
-        files = {f: e for f, e in self.manifest.files.items() if f != BACKBONE_EDGETPU}  # compiled for depth 0
+        files = {f: e for f, e in self.manifest.files.items() if f not in (BACKBONE_EDGETPU, ORACLE)}  # for depth 0
         files.update({f: self.manifest.files[real] for f, real in aliases.items()})
         manifest = dataclasses.replace(self.manifest, split_tensor=spec.tensor, split_node=spec.node,
                                        feature_shape=spec.feature_shape, files=files)

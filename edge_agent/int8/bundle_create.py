@@ -30,6 +30,7 @@ from .bundle import (
     MAX_CALIBRATION_SAMPLES,
     MAX_DEPTH,
     MAX_FILE_BYTES,
+    ORACLE,
     REQUIRED_FILES,
     Bundle,
     BundleError,
@@ -368,7 +369,19 @@ def create_bundle(
         arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
         kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
         files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
-    return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
+    bundle = write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
+    return _with_oracle_answers(bundle, files, manifest)
+
+
+def _with_oracle_answers(bundle: Bundle, files: dict[str, bytes], manifest: Manifest) -> Bundle:
+    """The bundle again with oracle.npz (oracle_answers.py): the reference's and the fp32
+    model's answers, computed here once instead of on every device's first job."""
+    from .oracle_answers import compute
+
+    answers = compute(bundle)
+    if answers is None:
+        return bundle
+    return write_bundle_dir(bundle.path, {**files, ORACLE: answers}, manifest, overwrite=True)
 
 
 def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[str], where: str,

@@ -186,11 +186,12 @@ def test_depths_0_keeps_the_head_only_layout(flat, deep):
     assert set(obj) == HEAD_ONLY_KEYS and "depths" not in obj
     assert raw == (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
     assert B.parse_manifest(raw).to_bytes() == raw and flat.manifest.depths == []
-    assert sorted(flat.manifest.files) == sorted(B.REQUIRED_FILES)
-    # the deep bundle's manifest is the head-only one plus "depths" and the depth files
+    assert sorted(flat.manifest.files) == sorted([*B.REQUIRED_FILES, B.ORACLE])
+    # the deep bundle's manifest is the head-only one plus "depths" and the depth files, without
+    # the oracle's answers (a federated version changes weights inside its fp32 backbone)
     other = _raw(deep)
     assert set(other) == HEAD_ONLY_KEYS | {"depths"}
-    assert set(other["files"]) == set(obj["files"]) | set(_depth_files(DEPTHS))
+    assert set(other["files"]) == (set(obj["files"]) - {B.ORACLE}) | set(_depth_files(DEPTHS))
     for key in ("input", "labels", "split", "extra", "source"):
         assert other[key] == obj[key], key
     # depth 0 of the deep bundle is the head-only bundle: same backbone, same int8 model

@@ -1,0 +1,107 @@
+"""The oracle's answers travel with the bundle (`oracle.npz`), computed where it is made.
+
+Judging an engine (agreement.py) needs the bit-exact reference's output and the fp32
+model's features on the bundle's calibration samples: on the camera MobileNetV2 bundle that
+was ~4.5 of a fresh device's ~7 CPU-seconds of engine selection, the same numbers on every
+device -- the reference is integer arithmetic, and the fp32 features only feed a top-1. So
+`create_bundle` computes them once and stores them; a device checks they belong to this
+bundle (the int8 backbone's and the calibration file's sha256 are inside, and the manifest
+pins the file's own hash), re-runs the reference on SPOT_CHECK_SAMPLES samples to confirm
+they are this reference's answers, and uses them. Anything that does not hold -- another
+backbone, a depth view, a multi-depth bundle (a federated version changes weights inside
+its fp32 backbone), a malformed file -- means the device computes them itself, as before.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .bundle import BACKBONE_INT8, CALIBRATION, MAX_FILE_BYTES, ORACLE
+
+_log = logging.getLogger(__name__)
+
+SPOT_CHECK_SAMPLES = 2
+_KEYS = {"ref", "ref_int8", "fp32", "sensitivity", "backbone_sha256", "calibration_sha256"}
+
+
+@dataclass(frozen=True)
+class OracleAnswers:
+    ref: np.ndarray  # the reference's features (float32) on calibration[:n]
+    ref_int8: np.ndarray  # its int8 output on the same samples
+    fp32: np.ndarray  # the fp32 backbone's features on the same samples
+    sensitivity: float  # agreement.rounding_sensitivity of the int8 graph
+
+
+def applies(bundle: Any) -> bool:
+    """Whether answers can be stored for (or used by) this bundle view."""
+    return getattr(bundle, "depth", 0) == 0 and not bundle.manifest.depths
+
+
+def compute(bundle: Any) -> bytes | None:
+    """oracle.npz for a written bundle (None where it does not apply: depths, float I/O)."""
+    from .agreement import AGREEMENT_MAX_SAMPLES, in_chunks, quantized_input, rounding_sensitivity
+    from .engine_cost import fp32_features
+    from .engines.reference import QGraphRunner
+
+    if not applies(bundle):
+        return None
+    runner = QGraphRunner(bundle.qgraph())
+    if not runner.int8_io:
+        return None
+    samples = np.ascontiguousarray(bundle.calibration()[:AGREEMENT_MAX_SAMPLES])
+    q = quantized_input(runner, samples)
+    ref_int8 = in_chunks(runner.run_int8, q)
+    arrays = {
+        "ref": in_chunks(runner.run, samples).astype(np.float32),
+        "ref_int8": ref_int8,
+        "fp32": in_chunks(fp32_features(bundle), samples).astype(np.float32),
+        "sensitivity": np.float64(rounding_sensitivity(runner.graph, q, ref_int8)),
+        "backbone_sha256": np.str_(bundle.manifest.files[BACKBONE_INT8].sha256),
+        "calibration_sha256": np.str_(bundle.manifest.files[CALIBRATION].sha256),
+    }
+    out = io.BytesIO()
+    np.savez_compressed(out, **arrays)
+    return out.getvalue()
+
+
+def load(bundle: Any, n_samples: int) -> OracleAnswers | None:
+    """The stored answers for this bundle's first `n_samples` calibration samples, or None
+    (absent, not for this view, or unusable: a warning says why)."""
+    if not applies(bundle) or ORACLE not in bundle.manifest.files:
+        return None
+    try:
+        return _parse(bundle, bundle.read(ORACLE), n_samples)
+    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        _log.warning("%s: %s not used (%s); the device computes the reference's answers itself",
+                     bundle.path, ORACLE, str(exc)[:200])
+        return None
+
+
+def _parse(bundle: Any, data: bytes, n: int) -> OracleAnswers:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:  # declared sizes bound what will inflate
+        total = sum(i.file_size for i in zf.infolist())
+        if total > MAX_FILE_BYTES:
+            raise ValueError(f"{total} bytes uncompressed")
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        if set(npz.files) != _KEYS:
+            raise ValueError(f"arrays {sorted(npz.files)[:8]}, expected {sorted(_KEYS)}")
+        arrays = {k: npz[k] for k in _KEYS}
+    files = bundle.manifest.files
+    if str(arrays["backbone_sha256"]) != files[BACKBONE_INT8].sha256 or \
+            str(arrays["calibration_sha256"]) != files[CALIBRATION].sha256:
+        raise ValueError("made for another backbone or calibration set")
+    ref, ref_int8, fp32 = arrays["ref"], arrays["ref_int8"], arrays["fp32"]
+    if ref.dtype != np.float32 or fp32.dtype != np.float32 or ref_int8.dtype != np.int8:
+        raise ValueError(f"dtypes {ref.dtype}, {ref_int8.dtype}, {fp32.dtype}")
+    if len(ref) != n or len(ref_int8) != n or len(fp32) != n or ref.size != ref_int8.size or fp32.ndim < 2:
+        raise ValueError(f"shapes {ref.shape}, {ref_int8.shape}, {fp32.shape} for {n} samples")
+    sensitivity = float(arrays["sensitivity"])
+    if not (np.isfinite(ref).all() and np.isfinite(fp32).all() and np.isfinite(sensitivity) and sensitivity >= 0):
+        raise ValueError("non-finite values")
+    return OracleAnswers(ref, ref_int8, fp32, sensitivity)

@@ -1,0 +1,123 @@
+"""The oracle's answers made with the bundle (oracle.npz): the same verdicts as computing them
+on the device, used only where they are this bundle's and this reference's, and anything
+else -- another backbone, a depth view, a damaged or forged file -- computed on the device."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import numpy as np
+import pytest
+
+from edge_agent.int8 import bundle_create as BC
+from edge_agent.int8 import selection as sel
+from edge_agent.int8.agreement import Oracle, check_batch_for
+from edge_agent.int8.bundle import ORACLE, load_bundle
+from edge_agent.int8.bundle_files import write_bundle_dir
+from edge_agent.int8.oracle_answers import load
+from edge_agent.sim import models
+
+PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}}, "accelerators": [],
+         "board": {"model": "test board"}}
+VERDICT = ("correct", "basis", "max_diff", "tolerance", "top1_match", "top1_checked", "agreement_samples",
+           "top1_fp32", "reference_top1_fp32", "mean_steps", "rounding_sensitivity", "agreement_decided")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    x_train, y_train, _, _ = models.load_digits_split()
+    net = models.digits_cnn()
+    models.fit_classifier(net, x_train, y_train, epochs=3)
+    root = tmp_path_factory.mktemp("oracle")
+    kw = dict(labels=[str(i) for i in range(10)], name="digits", input_shape=(1, 8, 8), scale=1 / 16, version="1")
+    return root, BC.create_bundle(net, root / "with", calibration=x_train[:64], **kw)
+
+
+def _rewrite(bundle, dest, **changes):
+    """The bundle's files with `changes` (name -> bytes, or None to drop), written to `dest`."""
+    files = {f: bundle.read(f) for f in bundle.manifest.files}
+    for name, data in changes.items():
+        name = name.replace("_", ".")
+        if data is None:
+            files.pop(name)
+        else:
+            files[name] = data
+    return write_bundle_dir(dest, files, copy.deepcopy(bundle.manifest), overwrite=True)
+
+
+def _npz(**arrays) -> bytes:
+    out = io.BytesIO()
+    np.savez_compressed(out, **arrays)
+    return out.getvalue()
+
+
+def _select(bundle, tmp_path):
+    selection, _ = sel.select_engine(bundle, probe=PROBE, preference=["tflite", "native"], state_dir=tmp_path,
+                                     use_cache=False, repeats=2, batch_size=16, threads=1, env={})
+    return {c.name: {f: getattr(c, f) for f in VERDICT} for c in selection.candidates}
+
+
+def test_a_created_bundle_carries_the_answers_and_they_give_the_same_verdicts(made, tmp_path):
+    root, bundle = made
+    assert ORACLE in bundle.manifest.files and load(bundle, 64) is not None
+    stored = Oracle(bundle, check_batch_for(bundle, 16))
+    without = _rewrite(bundle, root / "without", oracle_npz=None)
+    computed = Oracle(without, check_batch_for(without, 16))
+    assert stored.answers_stored and not computed.answers_stored
+    np.testing.assert_array_equal(stored.float, computed.float)
+    np.testing.assert_array_equal(stored.int8, computed.int8)
+    np.testing.assert_array_equal(stored.fp32_top1, computed.fp32_top1)
+    assert stored.rounding_sensitivity() == computed.rounding_sensitivity()
+    assert stored.ref_agreement == computed.ref_agreement and stored.inconclusive == computed.inconclusive == ""
+    assert _select(bundle, tmp_path / "a") == _select(without, tmp_path / "b")
+
+
+def test_answers_that_are_not_this_references_are_not_used(made, caplog):
+    root, bundle = made
+    with np.load(io.BytesIO(bundle.read(ORACLE))) as z:
+        arrays = {k: z[k] for k in z.files}
+    forged = {**arrays, "ref_int8": arrays["ref_int8"].copy()}
+    forged["ref_int8"][0].flat[0] ^= 1  # one unit of one sample: the spot check's first sample
+    tampered = _rewrite(bundle, root / "forged", oracle_npz=_npz(**forged))
+    with caplog.at_level(logging.WARNING, logger="edge_agent.int8.agreement"):
+        oracle = Oracle(tampered, check_batch_for(tampered, 16))
+    assert not oracle.answers_stored and "differ from this reference's" in caplog.text
+    np.testing.assert_array_equal(oracle.int8, Oracle(bundle, check_batch_for(bundle, 16)).int8)
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(backbone_sha256=np.str_("0" * 64)), "another backbone"),
+    (dict(extra=np.zeros(3)), "expected"),
+    (dict(fp32=np.zeros((3, 2), np.float32)), "shapes"),
+    (dict(ref=np.full((64, 32, 1, 1), np.nan, np.float32)), "non-finite"),
+    (dict(ref_int8=np.zeros((64, 1, 1, 32), np.int16)), "dtypes"),
+])
+def test_an_unusable_answers_file_is_computed_on_the_device_with_a_warning(made, caplog, change, why):
+    root, bundle = made
+    with np.load(io.BytesIO(bundle.read(ORACLE))) as z:
+        arrays = {k: z[k] for k in z.files}
+    bad = _rewrite(bundle, root / "bad", oracle_npz=_npz(**{**arrays, **change}))
+    with caplog.at_level(logging.WARNING, logger="edge_agent.int8.oracle_answers"):
+        assert load(bad, 64) is None
+    assert why in caplog.text
+    assert not Oracle(bad, check_batch_for(bad, 16)).answers_stored
+
+
+def test_not_a_zip_is_refused_too(made, caplog):
+    root, bundle = made
+    bad = _rewrite(bundle, root / "garbage", oracle_npz=b"PK\x03\x04 not really a zip")
+    with caplog.at_level(logging.WARNING, logger="edge_agent.int8.oracle_answers"):
+        assert load(bad, 64) is None
+    assert "not used" in caplog.text
+
+
+def test_a_multi_depth_bundle_and_its_depth_views_carry_none(tmp_path):
+    x_train, y_train, _, _ = models.load_digits_split()
+    net = models.digits_cnn()
+    models.fit_classifier(net, x_train, y_train, epochs=1)
+    deep = BC.create_bundle(net, tmp_path / "deep", calibration=x_train[:64], labels=[str(i) for i in range(10)],
+                            name="digits", input_shape=(1, 8, 8), scale=1 / 16, version="1", depths=1)
+    assert ORACLE not in deep.manifest.files and ORACLE not in deep.at_depth(1).manifest.files
+    assert load(load_bundle(deep.path), 64) is None
