@@ -129,15 +129,18 @@ def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0, depths: int = 
     import fcntl
 
     from ..errors import InputError
-    from ..int8.bundle import load_bundle
+    from ..int8.bundle import ORACLE, load_bundle
 
     target = Path(dest)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build it once
         try:
-            if len(load_bundle(target).manifest.depths) != (depths + 1 if depths else 0):
+            manifest = load_bundle(target).manifest
+            if len(manifest.depths) != (depths + 1 if depths else 0):
                 raise InputError("other depths")
+            if not depths and ORACLE not in manifest.files:
+                raise InputError("made before bundles carried the oracle's answers")
         except (InputError, OSError):
             sc = scenario(seed=seed)
             build_bundle(target, sc.base_x, sc.base_y, seed=seed, overwrite=True, depths=depths)
@@ -153,7 +156,7 @@ def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0, depths: int = 
 # the base devices' shares, each seen through its own camera.
 
 
-CAMERA_BUNDLE_FORMAT = 2
+CAMERA_BUNDLE_FORMAT = 3  # 3: oracle.npz (the oracle's answers) in the bundle
 
 
 def upsample(images: np.ndarray, size: int) -> np.ndarray:
