@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +46,30 @@ AGREEMENT_MAX_SAMPLES = 256
 # bound only (a transposed layout or a wrong scale is tens of steps and more). Measured on
 # the camera bundle: tflite 1.4, native 0, mxnet-onednn (its own calibration) 6.3.
 SANITY_MEAN_STEPS = 10.0
+# Two candidates whose predicted job energies are closer than this (relative to the dearer)
+# are a tie: the evidence does not separate them, and a static order decides (see `choose`).
+# The half-IQR of one engine's 3 timed rounds (`relative_spread`) was 0.1-16 % at one thread
+# on this 2-core VM under CI load (tflite <= 14 %, native <= 16 %; 2-thread rows, whose pool
+# threads share the vCPUs, up to 43 %): 12 % covers a typical round's noise, and a row's own
+# larger spread widens it (`noise_margin`). It stays below the differences that matter: on
+# the camera MobileNetV2 (bench_engine_cost) native costs 7.7 mJ/image, tflite 11.8 (35 %
+# more), mxnet-onednn 17.2, and those stay decided.
+NOISE_FLOOR = 0.12
+# ... and jobs whose CPU-seconds differ by less than this are a tie whatever the ratio: a
+# prepare is timed once, and between selections of the demo bundle (digits CNN, 1,000
+# images, 12-38 ms of CPU per engine) tflite's prepare took 2.6-18 ms of CPU and native's
+# per image 11-33 us, so the two jobs differed by up to 25 ms either way (60 selections on
+# this 2-core VM with CI load; the old rule chose tflite in 9 of 40, native in the rest, and
+# tflite in 40 of 40 under `taskset -c 0`). CPU-seconds, not joules: the noise is CPU time,
+# whatever the profile's watts; 50 ms of one core is 0.1 J at 2 W, 1.3e-4 Wh at the x86
+# profile's 9.5 W: nothing a device should choose an engine by.
+NOISE_FLOOR_CPU_S = 0.05
+# Memory is compared in buckets: RSS growth moves by a few MB between runs (allocator, imports).
+MEMORY_BUCKET_MB = 16.0
+# The interface's default prepare hint, and the engines that declare another (what
+# `Int8Engine.prepare_cpu_s_hint` says today), for rows made before Candidate carried it.
+DEFAULT_PREPARE_HINT = 1.0
+KNOWN_PREPARE_HINTS: dict[str, float] = {"mxnet-onednn": 6.0}
 DEFAULT_WATTS_PER_CPU = 2.0  # no profile: a typical small-board core above idle
 RECHECK_BATCHES = 3
 # A cached choice is re-timed at job start; slower than this factor x its cached batch time
@@ -148,9 +172,12 @@ def measured(meter: Meter, phase: str, predicted_j: float = 0.0, *, clocks: Cloc
 
 
 def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
-                clocks: Clocks = SYSTEM_CLOCKS) -> dict[Any, tuple[float, float]]:
+                clocks: Clocks = SYSTEM_CLOCKS,
+                spread: dict[Any, float] | None = None) -> dict[Any, tuple[float, float]]:
     """Median (wall s, CPU s) per `run(x)` for each runner, rounds interleaved (every runner
-    once per round) so that load drifting on a shared machine hits all alike."""
+    once per round) so that load drifting on a shared machine hits all alike. `spread`, when
+    given, is filled with each runner's relative spread of its CPU times (`relative_spread`):
+    the noise `choose` allows that runner."""
     for runner in runners.values():
         runner.run(x)
     wall: dict[Any, list[float]] = {k: [] for k in runners}
@@ -161,7 +188,24 @@ def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
             runner.run(x)
             wall[key].append(clocks.wall() - w0)
             cpu[key].append(clocks.cpu() - c0)
+    if spread is not None:
+        spread.update({k: relative_spread(cpu[k]) for k in runners})
     return {k: (float(np.median(wall[k])), float(np.median(cpu[k]))) for k in runners}
+
+
+def relative_spread(samples: list[float]) -> float:
+    """Half the inter-quartile range over the median (numpy's linear quartiles): robust to
+    the one hiccup a few rounds on a shared machine carry, and for 3-5 rounds about the
+    standard error of their median (half an IQR is 0.67 sigma; the median of n rounds is off
+    by ~1.25 sigma / sqrt(n)). 0.0 for fewer than two samples (nothing to tell), inf for a
+    median of zero with a spread (nothing can be said relative to it)."""
+    if len(samples) < 2:
+        return 0.0
+    q25, med, q75 = (float(v) for v in np.percentile(samples, [25, 50, 75]))
+    half_iqr = (q75 - q25) / 2.0
+    if med <= 0.0:
+        return 0.0 if half_iqr <= 0.0 else math.inf
+    return half_iqr / med
 
 
 def predict_job(row: Any, images: int) -> tuple[float, float]:
@@ -171,14 +215,145 @@ def predict_job(row: Any, images: int) -> tuple[float, float]:
     return j, s
 
 
-def choose(rows: list[Any], images: int, mem_cap_mb: float | None = None) -> Any | None:
-    """The correct candidate with the least predicted job energy (then time) whose peak
-    memory fits the cap; None when none qualifies."""
-    ok = [r for r in rows if r.correct and r.per_image_j is not None
-          and (mem_cap_mb is None or r.peak_mb is None or not math.isfinite(r.peak_mb) or r.peak_mb <= mem_cap_mb)]
+def _fits(row: Any, mem_cap_mb: float | None) -> bool:
+    peak = row.peak_mb
+    return mem_cap_mb is None or peak is None or not math.isfinite(peak) or peak <= mem_cap_mb
+
+
+def _eligible(rows: list[Any], mem_cap_mb: float | None) -> list[Any]:
+    return [r for r in rows if r.correct and r.per_image_j is not None and _fits(r, mem_cap_mb)]
+
+
+def noise_margin(a: Any, b: Any) -> float:
+    """The relative noise two candidates' predictions are compared within: NOISE_FLOOR, or
+    the larger measured spread of their per-image CPU times (`per_image_spread`) when the
+    rows carry one."""
+    spreads = [s for r in (a, b) if (s := getattr(r, "per_image_spread", None)) is not None and not math.isnan(s)]
+    return max([NOISE_FLOOR, *spreads])
+
+
+def _job_cpu_s(row: Any, images: int) -> float:
+    """A job's predicted CPU-seconds: the row's own CPU figures, else its joules at
+    DEFAULT_WATTS_PER_CPU (rows that carry joules only)."""
+    prep, per = getattr(row, "prepare_cpu_s", None), getattr(row, "per_image_cpu_s", None)
+    if per is not None:
+        return (prep or 0.0) + images * per
+    return predict_job(row, images)[0] / DEFAULT_WATTS_PER_CPU
+
+
+@dataclass(frozen=True)
+class _Gap:
+    rel: float  # |Ja - Jb| over the dearer
+    margin: float  # noise_margin(a, b)
+    cpu_s: float  # |CPU-s a - CPU-s b| of the whole job
+    relative: bool  # within the relative margin
+    absolute: bool  # within NOISE_FLOOR_CPU_S
+
+    @property
+    def tied(self) -> bool:
+        return self.relative or self.absolute
+
+
+def _gap(a: Any, b: Any, images: int) -> _Gap:
+    ja, jb = predict_job(a, images)[0], predict_job(b, images)[0]
+    dearer, gap = max(ja, jb), abs(ja - jb)
+    margin = noise_margin(a, b)
+    cpu_s = abs(_job_cpu_s(a, images) - _job_cpu_s(b, images))
+    return _Gap(gap / dearer if dearer > 0 else 0.0, margin, cpu_s, gap <= margin * dearer,
+                cpu_s <= NOISE_FLOOR_CPU_S)
+
+
+def prepare_hint(name: str, hints: Mapping[str, float] | None = None, row: Any = None) -> float:
+    """The static CPU-seconds an engine's prepare is expected to cost (its class's
+    `prepare_cpu_s_hint`): `hints` first, then the row's own (`Candidate.prepare_cpu_s_hint`,
+    set when the row was made), then the registered engine class, then KNOWN_PREPARE_HINTS,
+    then the interface's default."""
+    if hints is not None and name in hints:
+        return float(hints[name])
+    own = getattr(row, "prepare_cpu_s_hint", None) if row is not None else None
+    if own is not None:
+        return float(own)
+    try:
+        from . import engines as registry
+
+        engine = registry.load_engine(name)
+        if not isinstance(engine, registry.BrokenEngine):
+            return float(engine.prepare_cpu_s_hint)
+    except Exception:  # an unknown name (a test's fake engine), an engine that fails to load
+        pass
+    return KNOWN_PREPARE_HINTS.get(name, DEFAULT_PREPARE_HINT)
+
+
+def _memory_bucket(row: Any) -> float:
+    peak = row.peak_mb
+    if peak is None or not math.isfinite(peak):
+        return math.inf  # unknown: last
+    return float(math.floor(max(peak, 0.0) / MEMORY_BUCKET_MB))
+
+
+def _static_key(row: Any, hints: Mapping[str, float] | None) -> tuple[float, float, str]:
+    """The order among candidates the evidence does not separate: cheaper to prepare by the
+    engine's static hint, then lighter in memory (MEMORY_BUCKET_MB buckets, unknown last),
+    then by name. None of it is measured in this selection, so it cannot flip between runs."""
+    return prepare_hint(row.name, hints, row), _memory_bucket(row), row.name
+
+
+def _ranked(rows: list[Any], images: int, mem_cap_mb: float | None,
+            hints: Mapping[str, float] | None) -> tuple[Any, list[Any]] | None:
+    """(the chosen row, the rows tied with the cheapest), or None when none qualifies."""
+    ok = _eligible(rows, mem_cap_mb)
     if not ok:
         return None
-    return min(ok, key=lambda r: predict_job(r, images))
+    # the anchor: the cheapest by energy, then time, then name (no dependence on row order)
+    cheapest = min(ok, key=lambda r: (*predict_job(r, images), r.name))
+    tied = [r for r in ok if r is cheapest or _gap(r, cheapest, images).tied]
+    return min(tied, key=lambda r: _static_key(r, hints)), tied
+
+
+def choose(rows: list[Any], images: int, mem_cap_mb: float | None = None, *,
+           hints: Mapping[str, float] | None = None) -> Any | None:
+    """The correct candidate with the least predicted job energy whose peak memory fits the
+    cap; None when none qualifies. Candidates within the measurement noise of the cheapest
+    (`noise_margin` of its energy, or NOISE_FLOOR_CPU_S of its CPU time) are a tie, settled
+    by a static order: the lower prepare hint (`hints` name -> CPU-s, else see
+    `prepare_hint`), the lighter memory bucket, the name. The tie set is taken around the
+    single cheapest row, so a chain (a ~ b ~ c, a !~ c) cannot make the answer depend on the
+    rows' order."""
+    ranked = _ranked(rows, images, mem_cap_mb, hints)
+    return ranked[0] if ranked else None
+
+
+def choice_margin_note(rows: list[Any], images: int, chosen: str | None, mem_cap_mb: float | None = None, *,
+                       hints: Mapping[str, float] | None = None) -> str | None:
+    """One line on how far the chosen engine stood from its closest competitor (the cheapest
+    other qualifying one) for a job of `images` images, for `Selection.notes`; None when
+    there was no competitor (or `chosen` does not qualify)."""
+    ok = _eligible(rows, mem_cap_mb)
+    mine = next((r for r in ok if r.name == chosen), None)
+    others = [r for r in ok if r.name != chosen]
+    if mine is None or not others:
+        return None
+    other = min(others, key=lambda r: (*predict_job(r, images), r.name))
+    gap = _gap(mine, other, images)
+    j_mine, j_other = predict_job(mine, images)[0], predict_job(other, images)[0]
+    head = (f"{mine.name} chosen over {other.name} for {images} images: {gap.rel * 100:.0f} % "
+            f"{'apart' if gap.tied else 'cheaper' if j_mine < j_other else 'dearer'} ({j_mine:.3g} J vs {j_other:.3g} J)")
+    noise = f"the {gap.margin * 100:.0f} % measurement noise"
+    if not gap.tied:
+        return f"{head}, beyond {noise}"
+    h_mine, h_other = prepare_hint(mine.name, hints, mine), prepare_hint(other.name, hints, other)
+    if _static_key(mine, hints) > _static_key(other, hints):  # not this rule's pick (a forced engine)
+        why = f"{other.name} comes first in the static order"
+    elif h_mine != h_other:
+        why = f"the one cheaper to prepare ({h_mine:g} vs {h_other:g} CPU-s hint)"
+    elif _memory_bucket(mine) != _memory_bucket(other):
+        why = f"the one lighter in memory ({MEMORY_BUCKET_MB:g} MB buckets)"
+    else:
+        why = "first by name (same prepare hint and memory)"
+    if gap.relative:
+        return f"{head}, within {noise}; {why}"
+    return (f"{head}, beyond {noise} but {gap.cpu_s * 1e3:.0f} ms of CPU, within its "
+            f"{NOISE_FLOOR_CPU_S * 1e3:.0f} ms floor; {why}")
 
 
 def top1_agreement(top1: np.ndarray, fp32_top1: np.ndarray) -> float:

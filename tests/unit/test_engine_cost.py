@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge_agent.errors import EXIT_USAGE
 from edge_agent.int8 import agreement
@@ -288,3 +290,222 @@ def test_the_selection_cost_is_predicted_from_the_probes_cpu_time_not_the_meters
                 + per_sample * batch * (repeats + 1)  # timing it
                 + per_sample * batch)  # and one batch of the job
     assert predictions == [pytest.approx(expected)] * 2  # whatever the meter said
+
+
+# ---------------------------------------------------------------- decisions on evidence, not noise (issue 37)
+
+NAMES = ("alpha", "bravo", "charlie", "delta", "echo")
+HINTS = (None, 0.5, 1.0, 6.0)  # None: the row predates the field (the registry's, else 1.0)
+
+
+def _cand(name: str, prepare_j: float, per_image_j: float, *, peak_mb: float | None = 10.0, correct: bool = True,
+          spread: float | None = None, hint: float | None = None) -> SimpleNamespace:
+    return SimpleNamespace(name=name, correct=correct, prepare_j=prepare_j, per_image_j=per_image_j,
+                           prepare_s=prepare_j, per_image_s=per_image_j, peak_mb=peak_mb,
+                           per_image_spread=spread, prepare_cpu_s_hint=hint)
+
+
+def _static(row: SimpleNamespace) -> tuple:
+    hint = 1.0 if row.prepare_cpu_s_hint is None else row.prepare_cpu_s_hint  # NAMES are not registered
+    return hint, (row.peak_mb // ec.MEMORY_BUCKET_MB) if row.peak_mb is not None else float("inf"), row.name
+
+
+@st.composite
+def candidate_rows(draw: st.DrawFn) -> list[SimpleNamespace]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=len(NAMES), unique=True))
+    return [_cand(name, draw(st.floats(0.0, 50.0)), draw(st.floats(1e-4, 0.1)),
+                  peak_mb=draw(st.one_of(st.none(), st.floats(0.0, 500.0))), correct=draw(st.booleans()),
+                  spread=draw(st.one_of(st.none(), st.floats(0.0, 0.5))), hint=draw(st.sampled_from(HINTS)))
+            for name in names]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=candidate_rows(), images=st.integers(1, 100_000), data=st.data())
+def test_the_choice_does_not_depend_on_the_rows_order(rows, images, data) -> None:
+    shuffled = data.draw(st.permutations(rows))
+    first, again = ec.choose(rows, images), ec.choose(shuffled, images)
+    assert (first and first.name) == (again and again.name)
+
+
+@st.composite
+def tied_pair(draw: st.DrawFn) -> tuple[list[SimpleNamespace], int]:
+    """Two engines of the same job energy (>= 1 J: the absolute floor out of the way), plus
+    a third one clearly dearer; each per-image cost is later moved by up to half the floor."""
+    images = draw(st.integers(100, 10_000))
+    job_j = draw(st.floats(1.0, 100.0))
+    a_name, b_name, c_name = draw(st.permutations(NAMES))[:3]
+    rows = []
+    for name in (a_name, b_name):
+        share = draw(st.floats(0.05, 1.0))  # the part of the job that is per image
+        rows.append(_cand(name, job_j * (1 - share), job_j * share / images,
+                          peak_mb=draw(st.one_of(st.none(), st.floats(0.0, 100.0))),
+                          spread=draw(st.one_of(st.none(), st.floats(0.0, ec.NOISE_FLOOR))),
+                          hint=draw(st.sampled_from(HINTS))))
+    rows.append(_cand(c_name, job_j * 2, 0.0, peak_mb=0.0, hint=0.1))  # best static order, but 2x the energy
+    return rows, images
+
+
+@settings(max_examples=300, deadline=None)
+@given(pair=tied_pair(), data=st.data())
+def test_a_tie_within_the_noise_is_settled_by_the_static_order_whatever_the_noise(pair, data) -> None:
+    rows, images = pair
+    expected = min(rows[:2], key=_static).name  # cheaper to prepare, lighter, then by name
+    assert ec.choose(rows, images).name == expected
+    half = ec.NOISE_FLOOR / 2
+    noisy = [_cand(r.name, r.prepare_j, r.per_image_j * data.draw(st.floats(1 - half, 1 + half)), peak_mb=r.peak_mb,
+                   spread=r.per_image_spread, hint=r.prepare_cpu_s_hint) for r in rows]
+    assert ec.choose(data.draw(st.permutations(noisy)), images).name == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(images=st.integers(1, 10_000), job_j=st.floats(0.01, 100.0), share=st.floats(0.0, 1.0),
+       spreads=st.tuples(st.one_of(st.none(), st.floats(0.0, 0.4)), st.one_of(st.none(), st.floats(0.0, 0.4))),
+       beyond=st.floats(1.01, 5.0), names=st.permutations(NAMES))
+def test_a_candidate_cheaper_beyond_the_margin_wins(images, job_j, share, spreads, beyond, names) -> None:
+    cheap = _cand(names[0], job_j * (1 - share), job_j * share / images, peak_mb=400.0, spread=spreads[0], hint=6.0)
+    margin = ec.noise_margin(cheap, _cand("x", 0, 0, spread=spreads[1]))
+    # dearer than `cheap` by `beyond` x the margin, and by more than the absolute floor (CPU-s
+    # at 2 W: these rows carry joules only)
+    dear_j = max(job_j / (1 - min(margin * beyond, 0.99)), job_j + ec.NOISE_FLOOR_CPU_S * ec.DEFAULT_WATTS_PER_CPU * beyond)
+    dear = _cand(names[1], dear_j, 0.0, peak_mb=0.0, spread=spreads[1], hint=0.1)  # better in every static way
+    assert ec.choose([dear, cheap], images).name == cheap.name
+    assert ec.choose([cheap, dear], images).name == cheap.name
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=candidate_rows(), images=st.integers(1, 100_000), cap=st.floats(1.0, 400.0))
+def test_the_memory_cap_is_respected_before_any_tie_break(rows, images, cap) -> None:
+    chosen = ec.choose(rows, images, cap)
+    fits = [r for r in rows if r.peak_mb is None or r.peak_mb <= cap]
+    if chosen is None:
+        assert not [r for r in fits if r.correct]
+    else:
+        assert chosen.correct and (chosen.peak_mb is None or chosen.peak_mb <= cap)
+        assert chosen is ec.choose(fits, images)
+
+
+def test_a_chain_of_ties_is_taken_around_the_cheapest() -> None:
+    # b is within 12 % of a and of c, c is not within 12 % of a: the tie is {a, b}, however
+    # the rows are ordered, and c's better static order does not win it
+    a, b, c = _cand("c-a", 100.0, 0.0, hint=1.0), _cand("b-b", 110.0, 0.0, hint=1.0), _cand("a-c", 121.0, 0.0, hint=0.5)
+    for rows in ([a, b, c], [c, b, a], [b, c, a]):
+        assert ec.choose(rows, 1000).name == "b-b"  # tied with the cheapest, first by name
+    assert ec.choose([a, _cand("b-b", 130.0, 0.0)], 1000).name == "c-a"  # 23 % apart: a clear win
+    # a measured spread wider than the floor widens the tie
+    assert ec.choose([a, _cand("b-b", 130.0, 0.0, spread=0.25)], 1000).name == "b-b"
+
+
+def test_the_prepare_hint_settles_a_tie_before_memory_and_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rows made before Candidate carried the hint: the registered class's (mxnet-onednn: 6 CPU-s)
+    heavy, light = _cand("mxnet-onednn", 10.0, 0.001), _cand("tflite", 10.5, 0.001, peak_mb=300.0)
+    assert ec.prepare_hint("mxnet-onednn") == 6.0 and ec.prepare_hint("tflite") == 1.0
+    assert ec.prepare_hint("no-such-engine") == ec.DEFAULT_PREPARE_HINT
+    monkeypatch.setattr(ec, "KNOWN_PREPARE_HINTS", {})  # the registered class's, not the table's
+    assert ec.prepare_hint("mxnet-onednn") == 6.0
+    monkeypatch.undo()
+    assert ec.choose([heavy, light], 1000).name == "tflite"  # within the noise: the one cheaper to prepare
+    assert ec.choose([heavy, light], 1000, hints={"tflite": 9.0}).name == "mxnet-onednn"  # a mapping wins
+    light.prepare_cpu_s_hint = 7.0  # and the row's own (Candidate.prepare_cpu_s_hint) before the registry
+    assert ec.choose([heavy, light], 1000).name == "mxnet-onednn"
+    # same hints: the lighter memory bucket, unknown memory last, then the name
+    assert ec.choose([_cand("b", 10, 0, peak_mb=40.0), _cand("a", 10, 0, peak_mb=17.0)], 1).name == "a"
+    assert ec.choose([_cand("b", 10, 0, peak_mb=1.0), _cand("a", 10, 0, peak_mb=15.0)], 1).name == "a"  # one bucket
+    assert ec.choose([_cand("b", 10, 0, peak_mb=300.0), _cand("a", 10, 0, peak_mb=None)], 1).name == "b"
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=candidate_rows(), images=st.integers(1, 100_000))
+def test_the_margin_note_names_both_engines_and_the_margin(rows, images) -> None:
+    chosen = ec.choose(rows, images)
+    note = ec.choice_margin_note(rows, images, chosen and chosen.name)
+    eligible = [r for r in rows if r.correct]
+    if chosen is None or len(eligible) < 2:
+        assert note is None
+        return
+    other = min((r for r in eligible if r is not chosen), key=lambda r: (ec.predict_job(r, images)[0], r.name))
+    assert note.startswith(f"{chosen.name} chosen over {other.name} for {images} images: ")
+    margin = ec.noise_margin(chosen, other)
+    noise = f"the {margin * 100:.0f} % measurement noise"
+    j_chosen, j_other = ec.predict_job(chosen, images)[0], ec.predict_job(other, images)[0]
+    if abs(j_chosen - j_other) <= margin * max(j_chosen, j_other):
+        assert " % apart (" in note and f"within {noise}; " in note
+    elif abs(j_chosen - j_other) / ec.DEFAULT_WATTS_PER_CPU <= ec.NOISE_FLOOR_CPU_S:
+        assert " % apart (" in note and f"beyond {noise} but " in note and "within its 50 ms floor; " in note
+    else:
+        assert " % cheaper (" in note and note.endswith(f"beyond {noise}")
+
+
+def test_the_margin_note_says_why() -> None:
+    tflite, native = _cand("tflite", 0.01, 25e-6, hint=1.0), _cand("native", 0.005, 31e-6, hint=1.0)
+    assert ec.choice_margin_note([tflite, native], 1000, "native") == (
+        "native chosen over tflite for 1000 images: 3 % apart (0.036 J vs 0.035 J), within the 12 % "
+        "measurement noise; first by name (same prepare hint and memory)")
+    mx = _cand("mxnet-onednn", 10.0, 0.004, spread=0.2)
+    tf = _cand("tflite", 10.4, 0.004)
+    assert ec.choice_margin_note([mx, tf], 1000, "tflite").endswith(
+        "3 % apart (14.4 J vs 14 J), within the 20 % measurement noise; the one cheaper to prepare (1 vs 6 CPU-s hint)")
+    assert ec.choice_margin_note([_cand("a", 1.0, 0.01), _cand("b", 100.0, 0.01)], 1000, "a") == (
+        "a chosen over b for 1000 images: 90 % cheaper (11 J vs 110 J), beyond the 12 % measurement noise")
+    assert ec.choice_margin_note([_cand("a", 1.0, 0.01)], 1000, "a") is None
+    assert ec.choice_margin_note([mx, tf], 1000, "mxnet-onednn").endswith(  # not this rule's pick
+        "within the 20 % measurement noise; tflite comes first in the static order")
+    # the demo bundle on a loaded machine: far apart in ratio, a few ms of CPU in all
+    tflite, native = _cand("tflite", 0.0145, 24.2e-6), _cand("native", 0.0095, 47.8e-6)
+    tflite.prepare_cpu_s, tflite.per_image_cpu_s = 0.00725, 12.1e-6
+    native.prepare_cpu_s, native.per_image_cpu_s = 0.00475, 23.9e-6
+    assert ec.choose([tflite, native], 1000).name == "native"
+    assert ec.choice_margin_note([tflite, native], 1000, "native") == (
+        "native chosen over tflite for 1000 images: 32 % apart (0.0573 J vs 0.0387 J), beyond the 12 % "
+        "measurement noise but 9 ms of CPU, within its 50 ms floor; first by name (same prepare hint and memory)")
+    native.per_image_cpu_s = 73e-6  # what the absolute floor reads: CPU-seconds, whatever the joules say
+    assert ec.choose([tflite, native], 1000).name == "tflite"
+
+
+class Rounds(Runner):
+    """Each run costs the next of `cpu_s` on the virtual clock (the first: the warm-up)."""
+
+    def __init__(self, clock: VirtualTime, cpu_s: list[float]) -> None:
+        self.clock, self.cpu_s = clock, list(cpu_s)
+
+    def run(self, batch):
+        cost = self.cpu_s.pop(0)
+        self.clock.cpu_s += cost
+        self.clock.wall_s += 2 * cost
+        return batch
+
+
+def test_time_rounds_reports_each_runners_spread() -> None:
+    virtual = VirtualTime()
+    steady = Rounds(virtual, [9.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    noisy = Rounds(virtual, [9.0, 1.0, 2.0, 1.5, 1.0, 3.0])  # median 1.5, quartiles 1.0 and 2.0
+    spread: dict = {}
+    seconds = ec.time_rounds({"steady": steady, "noisy": noisy}, np.zeros(1), repeats=5, clocks=virtual.clocks,
+                             spread=spread)
+    assert seconds == {"steady": (2.0, 1.0), "noisy": (3.0, 1.5)}  # the return is what it was
+    assert spread == {"steady": 0.0, "noisy": pytest.approx(0.5 / 1.5)}
+    assert ec.relative_spread([1.0]) == 0.0 and ec.relative_spread([0.0, 0.0]) == 0.0
+    assert ec.relative_spread([1.0, 2.0, 3.0]) == pytest.approx(0.25)  # (2.5 - 1.5) / 2 / 2
+    # without the out-parameter the call is the old one
+    again = Rounds(virtual, [1.0] * 3)
+    assert ec.time_rounds({"a": again}, np.zeros(1), repeats=2, clocks=virtual.clocks) == {"a": (2.0, 1.0)}
+
+
+def test_the_fallback_table_says_what_the_engine_classes_say() -> None:
+    from edge_agent.int8 import engines as registry
+
+    for name in registry.engine_names():
+        engine = registry.load_engine(name)
+        if not isinstance(engine, registry.BrokenEngine):
+            assert ec.KNOWN_PREPARE_HINTS.get(name, ec.DEFAULT_PREPARE_HINT) == engine.prepare_cpu_s_hint, name
+
+
+def test_a_cache_made_before_the_new_fields_still_loads(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from edge_agent.int8.selection_cache import Candidate
+
+    old = asdict(Candidate("tflite", True, "found", correct=True, per_image_j=0.001))
+    del old["per_image_spread"], old["prepare_cpu_s_hint"]
+    row = Candidate(**old)
+    assert row.per_image_spread is None and row.prepare_cpu_s_hint is None
+    assert ec.prepare_hint(row.name, row=row) == 1.0
