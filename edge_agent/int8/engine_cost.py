@@ -69,7 +69,7 @@ MEMORY_BUCKET_MB = 16.0
 # The interface's default prepare hint, and the engines that declare another (what
 # `Int8Engine.prepare_cpu_s_hint` says today), for rows made before Candidate carried it.
 DEFAULT_PREPARE_HINT = 1.0
-KNOWN_PREPARE_HINTS: dict[str, float] = {"mxnet-onednn": 6.0}
+KNOWN_PREPARE_HINTS: dict[str, float] = {"mxnet-onednn": 6.0, "native": 0.1, "tflite": 0.2}
 DEFAULT_WATTS_PER_CPU = 2.0  # no profile: a typical small-board core above idle
 RECHECK_BATCHES = 3
 # A cached choice is re-timed at job start; slower than this factor x its cached batch time

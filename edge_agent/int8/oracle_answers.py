@@ -99,8 +99,9 @@ def _parse(bundle: Any, data: bytes, n: int) -> OracleAnswers:
     ref, ref_int8, fp32 = arrays["ref"], arrays["ref_int8"], arrays["fp32"]
     if ref.dtype != np.float32 or fp32.dtype != np.float32 or ref_int8.dtype != np.int8:
         raise ValueError(f"dtypes {ref.dtype}, {ref_int8.dtype}, {fp32.dtype}")
-    if len(ref) != n or len(ref_int8) != n or len(fp32) != n or ref.size != ref_int8.size or fp32.ndim < 2:
+    if not n <= len(ref) == len(ref_int8) == len(fp32) or ref.size != ref_int8.size or fp32.ndim < 2:
         raise ValueError(f"shapes {ref.shape}, {ref_int8.shape}, {fp32.shape} for {n} samples")
+    ref, ref_int8, fp32 = ref[:n], ref_int8[:n], fp32[:n]  # the same samples (the calibration's sha256)
     sensitivity = float(arrays["sensitivity"])
     if not (np.isfinite(ref).all() and np.isfinite(fp32).all() and np.isfinite(sensitivity) and sensitivity >= 0):
         raise ValueError("non-finite values")

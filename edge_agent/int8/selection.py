@@ -33,6 +33,7 @@ import numpy as np
 from ..atomic import atomic_write_json
 from ..errors import EXIT_UNAVAILABLE, ConfigError, EdgeAgentError
 from . import engines as registry
+from . import oracle_answers
 from .agreement import (
     FLOAT_TOLERANCE_STEPS,
     INT8_TOLERANCE_UNITS,
@@ -45,6 +46,7 @@ from .agreement import (
     disagreement,
     evidence_notes,
 )
+from .bundle import ORACLE
 from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
     AGREEMENT_MAX_SAMPLES,
@@ -54,6 +56,8 @@ from .engine_cost import (
     Clocks,
     CpuMeter,
     Meter,
+    SelectionStopped,
+    choice_margin_note,
     choose,
     measured,
     predict_job,
@@ -61,6 +65,7 @@ from .engine_cost import (
     time_rounds,
 )
 from .engines._common import thread_count
+from .oracle_answers import SPOT_CHECK_SAMPLES
 from .selection_cache import (
     CACHE_DIR,
     CACHE_FORMAT,
@@ -139,7 +144,8 @@ def availability_report(preference: list[str] | None = None, probe: dict[str, An
             continue
         try:
             avail = engine.availability(probe)
-            rows.append(Candidate(name, bool(avail.available), avail.reason))
+            rows.append(Candidate(name, bool(avail.available), avail.reason,
+                                  prepare_cpu_s_hint=float(getattr(engine, "prepare_cpu_s_hint", 1.0))))
         except Exception as exc:  # a probing engine must never take the others down
             rows.append(Candidate(name, False, f"availability check failed: {type(exc).__name__}: {exc}"))
     return rows
@@ -217,7 +223,7 @@ def select_engine(
     # selection is refused before it is spent (meter.before("selection", ...))
     from .engines.reference import ReferenceEngine
 
-    meter.before("selection", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
+    meter.before("selection-probe", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
     with measured(meter, "probe", clocks=clocks) as ph:  # (just checked above) the first call pays one-off costs ...
         # which engines can run here: cheap by contract (Int8Engine.availability), and metered
         # with the probe all the same; a forced engine is the only one asked
@@ -245,11 +251,16 @@ def select_engine(
     n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
-    pred_oracle = per_sample * (len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
+    stored = oracle_answers.applies(bundle) and bundle.has(ORACLE)  # then only a spot check runs
+    pred_oracle = per_sample * (SPOT_CHECK_SAMPLES if stored else len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
     pred_prepare = {r.name: per_sample * (len(x) + n_agree) + wpc * float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0))
                     for r in todo}
-    pred_timing = per_sample * len(x) * (repeats + 1) * max(1, len(others or todo)) * threads
-    predicted = pred_oracle + sum(pred_prepare[r.name] for r in (others or todo)) + pred_timing
+    hints = {r.name: float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
+    # what is sure to be spent: engines expensive to prepare are priced when they come up (and
+    # skipped when the job is too small for them or the budget cannot pay: _dominated)
+    likely = [r for r in (others or todo) if forced or hints[r.name] < EXPENSIVE_PREPARE_S] or (others or todo)
+    pred_timing = per_sample * len(x) * (repeats + 1) * len(likely) * threads
+    predicted = pred_oracle + sum(pred_prepare[r.name] for r in likely) + pred_timing
     meter.before("selection", predicted + per_sample * batch_size)  # + one batch of the job
     with measured(meter, "agreement", pred_oracle, clocks=clocks) as ph:
         oracle = Oracle(bundle, x, logits=logits)
@@ -282,9 +293,9 @@ def select_engine(
 
     # the reference (~25x slower, never the winner) is prepared and timed only when nothing
     # else is correct: its agreement is already the oracle's
-    hints = {r.name: float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
     for row in sorted(others, key=lambda r: hints[r.name]) if not forced else todo:  # cheapest first
-        why = None if forced else _dominated(row, hints[row.name], rows, check_rate, images)
+        why = None if forced else (_dominated(row, hints[row.name], rows, check_rate, images)
+                                   or _unaffordable(meter, row.name, hints[row.name], pred_prepare[row.name]))
         if why:
             row.reason += f"; not prepared: {why}"
             continue
@@ -312,7 +323,8 @@ def select_engine(
              and (c.correct or forced)}
     try:
         with measured(meter, "timing", pred_timing, clocks=clocks) as ph:
-            seconds = time_rounds(timed, x, repeats=repeats, clocks=clocks)
+            spreads: dict[tuple[str, int], float] = {}
+            seconds = time_rounds(timed, x, repeats=repeats, clocks=clocks, spread=spreads)
         spent += ph.joules
     except EdgeAgentError:
         raise
@@ -326,6 +338,7 @@ def select_engine(
         best = min(mine, key=lambda t: (round(mine[t][1] / batch_size * wpc, 6), mine[t][0]))
         wall, cpu = mine[best]
         row.threads = best
+        row.per_image_spread = spreads.get((row.name, best))
         row.latency_ms, row.images_per_s = wall * 1000.0, batch_size / wall
         row.per_image_s, row.per_image_cpu_s = wall / batch_size, cpu / batch_size
         row.per_image_j = row.per_image_cpu_s * wpc
@@ -356,6 +369,9 @@ def select_engine(
         if mem_cap_mb is not None and choose(rows, images, mem_cap_mb) is None:
             selection.notes.append(f"no correct engine fits the {mem_cap_mb:g} MB memory cap; cheapest used")
         selection.chosen = best_row.name
+        note = choice_margin_note(rows, images, selection.chosen, mem_cap_mb) or choice_margin_note(rows, images, selection.chosen)
+        if note:
+            selection.notes.append(note)
         selection.chosen_for = {str(n): (choose(rows, n, mem_cap_mb) or best_row).name for n in PREDICT_IMAGES}
     chosen_row = selection.candidate(selection.chosen)
     if chosen_row is not None:  # how the chosen engine was judged, in the job's report too
@@ -393,6 +409,18 @@ def _dominated(row: Candidate, hint_s: float, rows: list[Candidate], check_rate:
         return None
     return (f"its prepare alone (~{low:.2g} CPU-s or more) costs more than a {images:,}-image job on {best} "
             f"(~{best_s:.2g} CPU-s)")
+
+
+def _unaffordable(meter: Meter, name: str, hint_s: float, predicted_j: float) -> str | None:
+    """Why an engine expensive to prepare is skipped because the job's budget cannot pay for
+    it (the meter refuses its prepare), or None: a cheaper engine was checked already."""
+    if hint_s < EXPENSIVE_PREPARE_S:
+        return None
+    try:
+        meter.before(f"prepare:{name}", predicted_j)
+    except SelectionStopped:
+        return f"the job's energy budget cannot pay for its prepare (~{predicted_j:.3g} J predicted)"
+    return None
 
 
 def _adopt_shared(choice: SharedChoice, bundle: Any, by_name: Mapping[str, Int8Engine | None], probe: dict[str, Any],
@@ -465,6 +493,10 @@ def _use_cached(cached: Selection, bundle: Any, by_name: Mapping[str, Int8Engine
     t = best.threads or cached.key.get("threads") or 1
     cached.images, cached.chosen, cached.threads = images, best.name, t
     cached.notes.extend(evidence_notes(best))
+    note = choice_margin_note(cached.candidates, images, best.name, mem_cap_mb) or \
+        choice_margin_note(cached.candidates, images, best.name)
+    if note:
+        cached.notes.append(note)
     for row in cached.candidates:
         row.chosen = row.name == best.name
     if not keep_runner and not recheck_cached:

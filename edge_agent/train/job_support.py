@@ -55,11 +55,15 @@ class _GovernorMeter:
         budget_j = self.job.budget.budget_j
         if budget_j is None or used + predicted_j <= budget_j:
             return
-        if phase == "selection":
+        if phase in ("selection", "selection-probe"):
+            what = ("pricing the int8 engine selection for this model on this device needs ~"
+                    f"{predicted_j / 3600.0:.4g} Wh (predicted; the selection's own cost is known once it is priced)"
+                    if phase == "selection-probe" else
+                    f"choosing the int8 engine for this model on this device needs ~{predicted_j / 3600.0:.4g} Wh "
+                    "(predicted, one batch of the job included)")
             raise BudgetTooSmallError(
-                f"--budget-wh {self.job.budget.budget_wh:g} is too small for this job: choosing the int8 engine "
-                f"for this model on this device needs ~{predicted_j / 3600.0:.4g} Wh (predicted) plus one "
-                f"batch, and {used / 3600.0:.4g} Wh is spent already; give a larger budget, or run "
+                f"--budget-wh {self.job.budget.budget_wh:g} is too small for this job: {what}, and "
+                f"{used / 3600.0:.4g} Wh is spent already; give a larger budget, or run "
                 f"`edge-agent kernels --model {self.job.args['model']} --bench` once (its choice is cached and reused)")
         raise SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase}: "
                                f"~{predicted_j / 3600.0:.4g} Wh more; {used / 3600.0:.4g} of "

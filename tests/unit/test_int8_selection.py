@@ -220,7 +220,7 @@ def test_an_engine_whose_prepare_costs_more_than_the_whole_job_is_not_prepared(b
     """mxnet-onednn says it costs ~6 CPU-s to prepare (an MXNet import, its own quantisation):
     for 1,000 images of a net tflite runs in microseconds, that is never worth paying."""
     selection, _ = sel.select_engine(bundle, probe=PROBE, preference=["tflite", "mxnet-onednn"], state_dir=tmp_path,
-                                     repeats=2, batch_size=16, env={}, images=1000, use_cache=False)
+                                     repeats=2, batch_size=16, env={}, images=1000, use_cache=False, threads=1)
     onednn = selection.candidate("mxnet-onednn")
     assert onednn.available and onednn.correct is None and onednn.prepare_cpu_s is None
     assert "not prepared: its prepare alone" in onednn.reason and "1,000-image job on tflite" in onednn.reason

@@ -152,6 +152,8 @@ class TfliteRunner(Runner):
 
 class TfliteEngine(Int8Engine):
     name = "tflite"
+    # tflite_runtime's import and the interpreter with XNNPACK (0.03-0.09 CPU-s on an EPYC core; a Pi core is 3-5x slower)
+    prepare_cpu_s_hint = 0.2
 
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
         try:
