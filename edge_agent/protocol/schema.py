@@ -132,13 +132,13 @@ def _b64key(v: Any) -> None:
         raise ValueError("must be a base64 32-byte Ed25519 public key")
 
 
-def _objects(n: int) -> Callable[[Any], None]:
-    """A list of at most n objects: the bound checked before parsing. Each entry is parsed
+def _entries(n: int) -> Callable[[Any], None]:
+    """A list of at most n entries: the bound checked before parsing. Each entry is parsed
     strictly by its reader (e.g. engine choices: protocol.engine_choice), which can drop one
     bad entry and keep the rest of the message."""
     def check(v: Any) -> None:
-        if not isinstance(v, list) or len(v) > n or not all(isinstance(x, dict) for x in v):
-            raise ValueError(f"must be a list of at most {n} objects")
+        if not isinstance(v, list) or len(v) > n:
+            raise ValueError(f"must be a list of at most {n} entries")
     return check
 
 
@@ -251,7 +251,7 @@ _ROUND = _int(0, (1 << 32) - 1)
 # them only to a peer that said it reads them (the agent's hello `engine_choices: true`; a
 # coordinator whose finetune commands carry the field), since an older peer's strict schema
 # would refuse the whole message.
-_ENGINE_CHOICES = _objects(MAX_SHARED_CHOICES)
+_ENGINE_CHOICES = _entries(MAX_SHARED_CHOICES)
 _INDEX, _COUNT = _int(0, 0xFFFE), _int(1, 0xFFFF)
 _SIZE = _int(0, MAX_BINARY_BYTES)
 Schema = dict[str, tuple[Callable[[Any], None], bool]]
