@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,14 @@ def choice(i: int = 0, **change: Any) -> dict[str, Any]:
 
 # The lifecycle's scripted child, whose result also lists what `measured.json` in its data
 # directory says the device measured in full (what the real child reads from its cache).
-MEASURING = SCRIPTED.replace('"engine": "native", "steps": 4}', '"engine": "native", "steps": 4, '
-                             '"engine_choices": json.load(open(os.path.join(spec["data"], "measured.json")))}')
+_MEASURED = '"engine_choices": json.load(open(os.path.join(spec["data"], "measured.json")))}'
+MEASURING = SCRIPTED.replace('"engine": "native", "steps": 4}', f'"engine": "native", "steps": 4, {_MEASURED}') \
+    .replace('"steps": 1})', f'"steps": 1, {_MEASURED})')
 
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Rig:
-    assert MEASURING != SCRIPTED
+    assert MEASURING.count("measured.json") == 2
     r = Rig(tmp_path)
     (tmp_path / "child.py").write_text(MEASURING)
     return r
@@ -94,6 +96,38 @@ def test_bad_choices_in_a_command_are_refused_as_bad_params(rig: Rig) -> None:
     assert verdict.detail == "engine_choices[1]: latency_ms must be a positive number"
     verdict, job = submit(rig, engine_choices=[choice(1), choice(1)])
     assert job is None and verdict.detail == "engine_choices: a kind appears twice"
+
+
+def test_a_stopped_job_that_measured_reports_it_and_keeps_it_in_its_record(rig: Rig) -> None:
+    measured(rig, [choice(7)])
+    rig.set_mode("sensor-error")  # the governor stopped it after engine selection: nothing to upload
+    submit(rig, engine_choices=[])
+    rig.run_until(lambda: rig.job().state is S.FAILED)
+    assert rig.driver.shared_choices() == [choice(7)]
+    again = rig.new_driver()
+    again.recover()
+    assert again.shared_choices() == [choice(7)]
+
+
+def test_a_result_the_child_left_before_a_restart_is_reported(rig: Rig) -> None:
+    from edge_agent.agent.jobs import Job, transition
+    from edge_agent.agent.runner import UPDATE_FILE, pack_chunks
+    from edge_agent.atomic import atomic_write_json, write_checked
+
+    job = Job(job_id="a-r1", round=1, model="digits@1", params={"job": "a", "deadline_at": time.time() + 99,
+                                                                 "engine_choices": []})
+    for state in (S.PREPARING, S.TRAINING):
+        transition(job, state)
+    rig.store.save(job)
+    folder = rig.driver.job_dir(job)
+    folder.mkdir(parents=True)
+    write_checked(folder / UPDATE_FILE, pack_chunks([b"chunk"]))
+    atomic_write_json(folder / RESULT_FILE, {"status": "trained", "stop_reason": "done", "steps": 4,
+                                             "engine_choices": [choice(7)]})
+    rig.driver = rig.new_driver()
+    rig.driver.recover()
+    rig.run_until(lambda: rig.job("a-r1").state is S.UPLOADING)
+    assert rig.driver.shared_choices() == [choice(7)]
 
 
 def test_a_damaged_measured_list_is_not_reported(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
