@@ -15,7 +15,8 @@ battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
 chunk_size, label_map, skip_unknown and the command's optional training keys (protocol.finetune.TRAIN_KEYS:
 epochs, batch_size, lr, ..., update_bytes, depth, ..., trainer) and engine_choices (the
 fleet's int8 engine choices, JSON). result.json says which trainer ran, and lists the engine
-choices this device measured in full (`engine_choices`: what its state reports). Activate spec: archive, dest (+ base: a patch's base).
+choices this device measured in full (`engine_choices`: what its state reports). Activate
+spec: archive, dest (+ base: a patch's base).
 
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
 and run again writes the same bytes; the committed residual is only replaced by the
