@@ -63,7 +63,7 @@ PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py test
 	tests/integration/test_fleet_agents.py tests/integration/test_fleet_security.py tests/integration/test_device_limits.py \
 	tests/integration/test_retention_broker.py tests/integration/test_update_metadata.py tests/integration/test_dashboard.py \
 	tests/integration/test_agent_models.py tests/integration/test_transport_upload.py tests/integration/test_transport_models.py \
-	tests/integration/test_fleet_load.py
+	tests/integration/test_fleet_load.py tests/integration/test_fleet_engine_choices.py
 test-pg: $(STAMP)
 	$(BIN)/python -m pytest --pg $(PG_TESTS) $(PYTEST_ARGS)
 

@@ -13,8 +13,10 @@ Train spec (JSON): job_dir, job, round, device_id, model_name, version, model_di
 cache_dir, cache_max_mb, residual_file, sysfs_root, profile, budget_wh, power_cap_w,
 battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
 chunk_size, label_map, skip_unknown and the command's optional training keys (protocol.finetune.TRAIN_KEYS:
-epochs, batch_size, lr, ..., update_bytes, depth, ..., trainer). result.json says which
-trainer ran. Activate spec: archive, dest (+ base: a patch's base).
+epochs, batch_size, lr, ..., update_bytes, depth, ..., trainer) and engine_choices (the
+fleet's int8 engine choices, JSON). result.json says which trainer ran, and lists the engine
+choices this device measured in full (`engine_choices`: what its state reports). Activate
+spec: archive, dest (+ base: a patch's base).
 
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
 and run again writes the same bytes; the committed residual is only replaced by the
@@ -171,11 +173,37 @@ def _hold_after_checkpoint(progress: Callable[[Any], None]) -> Callable[[Any], N
     return hooked
 
 
+def _fleet_choices(spec: dict[str, Any]) -> tuple[Any, ...]:
+    """The command's engine choices (their JSON form in the spec), parsed; unusable ones cost
+    a full engine selection, not the job."""
+    from ..protocol.engine_choice import parse_choices
+
+    try:
+        return tuple(parse_choices(spec.get("engine_choices") or []))
+    except InputError as exc:
+        log.warning("%s; choosing the engine without them", exc)
+        return ()
+
+
+def _measured_choices(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine choices this device measured in full, from the selection cache the job
+    used (train/job.py's state_dir), for the daemon's state message."""
+    from ..int8.cli import default_state_dir
+    from ..int8.shared_choice import shared_choices
+
+    try:
+        return [c.to_json() for c in shared_choices(spec.get("cache_dir") or default_state_dir())]
+    except OSError as exc:
+        log.warning("engine choices not read: %s", exc)
+        return []
+
+
 def train(spec: dict[str, Any], events: Events) -> int:
     from ..train.job import run_finetune
 
     job_dir = Path(spec["job_dir"])
     extra = {k: spec[k] for k in FINETUNE_KEYS if spec.get(k) is not None}
+    extra["engine_choices"] = _fleet_choices(spec)
     report = run_finetune(
         model=spec["model_dir"], data=spec["data"], state_dir=job_dir, cache_dir=spec.get("cache_dir"),
         budget_wh=spec.get("budget_wh"), power_cap_w=spec.get("power_cap_w"),
@@ -191,7 +219,8 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "energy_source": report["energy"]["source"], "accuracy_before": report["accuracy"]["before"],
                "accuracy_after": report["accuracy"]["after"], "duration_s": report["duration_s_all_runs"],
                "resumed": report["resumed"], "depth": int(report["depth"]["depth"]), "trainer": report["trainer"],
-               "stop_detail": str(report["power"].get("stop_detail") or "")[:300]}
+               "stop_detail": str(report["power"].get("stop_detail") or "")[:300],
+               "engine_choices": _measured_choices(spec)}
     counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
     if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
         summary["label_counts"] = counts

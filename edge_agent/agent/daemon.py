@@ -245,7 +245,9 @@ class Daemon:
     def publish_state(self) -> None:
         facts = self.facts()
         topic = self.topics.device(self.device_id, "state")
-        if self.channel.send(topic, Kind.STATE, self.device.state_body(facts, self.driver.allowance().to_facts()), ttl=STATE_TTL, retain=True, timeout=5.0):
+        body = self.device.state_body(facts, self.driver.allowance().to_facts(),
+                                      engine_choices=self.driver.shared_choices())
+        if self.channel.send(topic, Kind.STATE, body, ttl=STATE_TTL, retain=True, timeout=5.0):
             self._next_state = time.monotonic() + self.state_interval
             self.driver.changed = False
 

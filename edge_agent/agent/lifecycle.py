@@ -17,6 +17,12 @@
 * uploading: the Uploader sends the chunks until the coordinator's ack; then `done`.
 
 Governor pause/resume cycles are not restarts: resuming does not count as a re-entry.
+
+Fleet-shared engine choices (issue 37): a command's `engine_choices` go with the job to the
+training child, which starts engine selection from the one of its kind; the child's result
+lists the choices this device measured in full (int8.shared_choice.shared_choices), kept
+here for the state message. They are reported only once a command carried the field: that
+coordinator reads them (an older one's strict schema would refuse the whole state).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 from ..atomic import fsync_dir
 from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
+from ..protocol.engine_choice import parse_choices
 from ..protocol.finetune import TRAIN_KEYS, BadParams, parse_finetune
 from ..transport.outbox import Outbox, OutboxKey
 from .jobs import Job, JobState, JobStore
@@ -111,6 +118,8 @@ class JobDriver:
         self._retry_at: dict[str, float] = {}
         self.stopping = False
         self.engine: str | None = None
+        self.measured: list[dict[str, Any]] = []  # the engine choices this device measured (JSON form)
+        self.coordinator_reads_choices = False  # a command carried `engine_choices`
         self.changed = True  # something worth a state message happened
         self._counted: dict[str, float] | None = None  # jobs counted against the daily limit (policy)
 
@@ -139,6 +148,22 @@ class JobDriver:
     def protected_models(self) -> set[tuple[str, str]]:
         return {tuple(j.model.split("@", 1)) for j in self.active()}  # type: ignore[misc]
 
+    def shared_choices(self) -> list[dict[str, Any]]:
+        """The engine choices for the state message: none until a coordinator showed it reads them."""
+        return list(self.measured) if self.coordinator_reads_choices else []
+
+    def _take_choices(self, result: dict[str, Any], where: str) -> None:
+        """A child's result lists the choices this device measured in full (checked: it is a file)."""
+        if "engine_choices" not in result:
+            return
+        try:
+            choices = [c.to_json() for c in parse_choices(result["engine_choices"], where=f"{where}: engine_choices")]
+        except InputError as exc:
+            log.warning("%s; not reported", exc)
+            return
+        if choices != self.measured:
+            self.measured, self.changed = choices, True
+
     def allowance(self) -> Allowance:
         """Today's job allowance for the state message (store read once, then kept here)."""
         now = self._clock()
@@ -160,6 +185,8 @@ class JobDriver:
             req = parse_finetune(body, deadline_s=self.s.limits.deadline_s, now=now)
         except BadParams as exc:
             return Verdict.refuse("bad_params", str(exc)), None
+        if req.relays_choices and not self.coordinator_reads_choices:
+            self.coordinator_reads_choices = self.changed = True  # (the next state reports ours)
         with contextlib.suppress(FileNotFoundError, InputError):
             existing = self.store.load(req.local_id)
             return Verdict(True, "duplicate", f"job {req.local_id} is already {existing.state.value}"), existing
@@ -210,9 +237,12 @@ class JobDriver:
                 self._advance(job, S.PAUSED, "agent restarted; resuming from the last checkpoint")
             elif job.state is S.PREPARING:
                 self._advance(job, S.WAITING_FOR_POWER, "agent restarted")
-        for job in self.store.all():
+        for job in sorted(self.store.all(), key=lambda j: j.created):
             if job.result.get("engine"):
                 self.engine = str(job.result["engine"])
+            self._take_choices(job.result, f"job {job.job_id}")
+            if "engine_choices" in job.params:  # (kept 30 days: the next command says it again)
+                self.coordinator_reads_choices = True
 
     def step(self) -> None:
         for job in self.active():
@@ -321,6 +351,8 @@ class JobDriver:
         for key in TRAIN_KEYS:
             if p.get(key) is not None:
                 spec[key] = p[key]
+        if p.get("engine_choices"):
+            spec["engine_choices"] = p["engine_choices"]
         return spec
 
     def _train(self, job: Job) -> None:
@@ -364,6 +396,9 @@ class JobDriver:
 
     def _on_exit(self, job: Job, child: ChildProcess, code: int) -> None:
         result = read_result(self.job_dir(job)) or {}
+        if "engine_choices" in result:  # (a stopped job may have measured them: kept in its record)
+            self._take_choices(result, f"job {job.job_id}")
+            job.result["engine_choices"] = result["engine_choices"]
         why = f"{describe_exit(code)}: {child.last_error or result.get('stop_reason') or 'no detail'}"
         if job.params.get("cancel"):
             self._advance(job, S.CANCELLED, "cancelled by the coordinator")
@@ -407,6 +442,7 @@ class JobDriver:
         job.result = {k: v for k, v in result.items() if k != "status"}
         if result.get("engine"):
             self.engine = str(result["engine"])
+        self._take_choices(result, f"job {job.job_id}")
         if job.state is S.PAUSED:
             self._advance(job, S.TRAINING, "finished before the restart")
         self._advance(job, S.UPLOADING, f"{len(chunks)} chunk(s), {sum(map(len, chunks))} bytes queued")

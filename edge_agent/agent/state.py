@@ -13,12 +13,16 @@ registry merges (battery_pct, on_power, energy_wh, status, ...):
 They travel in the retained `state` message's `info` field, and as a human-readable
 summary of `k=v` pairs in its `detail` text (at most 256 characters, what `mosquitto_sub`
 shows), which `facts_from_state` can also read back. Nothing here imports numpy.
+
+Beside `info`, a state may carry `engine_choices`: the int8 engine choices this device
+measured in full, for the rest of its fleet (sent only to a coordinator whose commands
+carry them, i.e. one that reads them: an older one's strict schema would refuse the state).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +90,12 @@ class DeviceState:
     def hello_info(self, name: str) -> dict[str, Any]:
         # Capabilities (mxnet, trainers, native): round selection skips a device that cannot
         # run a job, e.g. a 32-bit Pi (no MXNet wheel) for a head that trains with MXNet.
+        # engine_choices: this agent reads the fleet's int8 engine choices in a finetune command.
         from ..doctor import capabilities
 
         return _flat({"name": name, "board": self.board, "arch": self.arch, "profile": self.profile,
                       "hw_fingerprint": self.fingerprint, "accelerators": self.accelerators,
-                      **capabilities()})
+                      **capabilities(), "engine_choices": True})
 
     def facts(self, *, name: str, busy: bool, job: str | None, job_state: str | None, models: Mapping[str, str],
               engine: str | None, outbox: int) -> dict[str, Any]:
@@ -102,13 +107,18 @@ class DeviceState:
             "engine": engine, "models": ",".join(f"{n}@{v}" for n, v in sorted(models.items())) or None,
             "job": job, "job_state": job_state, "outbox": outbox})
 
-    def state_body(self, facts: Mapping[str, Any], allowance: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def state_body(self, facts: Mapping[str, Any], allowance: Mapping[str, Any] | None = None, *,
+                   engine_choices: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+        """`engine_choices`: the int8 engine choices this device measured in full (their JSON
+        form), for a coordinator known to read them (lifecycle.JobDriver.shared_choices)."""
         body: dict[str, Any] = {"status": facts["status"], "agent": AGENT, "detail": render_detail(facts)}
         if facts.get("job"):
             body["job"] = facts["job"]
         body["info"] = dict(facts)
         if allowance is not None:  # policy.Allowance.to_facts: round selection skips a device that would refuse
             body["info"].update(allowance)
+        if engine_choices:
+            body["engine_choices"] = [dict(c) for c in engine_choices]
         return body
 
 

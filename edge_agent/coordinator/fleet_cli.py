@@ -26,6 +26,7 @@ from ..errors import EXIT_OK, EXIT_UNAVAILABLE, ConfigError, EdgeAgentError, Inp
 from .fleet_views import (
     device_rows,
     devices_json,
+    engine_choice_lines,
     job_detail,
     job_json,
     jobs_table,
@@ -34,6 +35,7 @@ from .fleet_views import (
     refusal_lines,
     table,
 )
+from .registry_choices import MAX_KINDS
 from .server_set import StoredServerSets, attach, packed_for
 
 
@@ -209,11 +211,15 @@ def cmd_devices(args: argparse.Namespace) -> int:
         print(f"released {dev.id} ({was}): it is selected for rounds again")
         return EXIT_OK
     with _registry(args) as reg:
+        if getattr(args, "engine_choices", False):
+            print(json.dumps([c.choice.to_json() for c in reg.engine_choices()], indent=2))
+            return EXIT_OK
         devices = reg.list_devices()
         policy = _policy(args)
         if args.json:
             print(json.dumps(devices_json(devices, policy, time.time()), indent=2))
             return EXIT_OK
+        shared = reg.engine_choices(limit=MAX_KINDS)
         problems = _serve_problems(args)
         if not devices:
             print("no devices yet: start an agent (`edge-agent run`) pointed at this coordinator's broker"
@@ -222,6 +228,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
                 print(f"PROBLEM: {problem}")
             return EXIT_OK
         print(table(device_rows(devices, policy, time.time())))
+        if shared:
+            print("\nint8 engines the fleet shares (a device of the kind re-checks it instead of measuring):\n"
+                  + "\n".join(engine_choice_lines(shared, devices, time.time())))
         refusing = refusal_lines(devices, time.time())
         if refusing:
             print("\nnot taking jobs now:\n" + "\n".join(refusing))

@@ -255,10 +255,14 @@ def add_fleet_commands(sub: Any) -> None:
     d = sub.add_parser("devices", help="list devices: approval, online, battery, board, engine, last seen",
                        description="List enrolled devices as the registry knows them (from their signed hello "
                                    "and state messages).",
-                       epilog="examples:\n  edge-coordinator devices\n  edge-coordinator devices --json",
+                       epilog="examples:\n  edge-coordinator devices\n  edge-coordinator devices --json\n"
+                              "  edge-coordinator devices --engine-choices > choices.json",
                        formatter_class=fmt)
     _state_arg(d)
     d.add_argument("--json", action="store_true", help="print JSON")
+    d.add_argument("--engine-choices", action="store_true",
+                   help="print the fleet's int8 engine choices as the JSON list every finetune command carries "
+                        "(for `edge-agent finetune --engine-choices FILE` on a device by hand)")
     d.add_argument("--release", metavar="DEVICE", help="lift the quarantine of a device whose updates were "
                    "repeatedly screened out (it is selected for rounds again)")
     d.set_defaults(func=cmd_devices)

@@ -10,8 +10,10 @@ from typing import Any
 
 from ..errors import InputError
 from ..keys import enrolment_code_of
+from ..protocol.engine_choice import MAX_SHARED_CHOICES
 from .records import Device, Job, ModelVersion, ParticipantStatus, RoundRecord, UpdateStatus
 from .registry import Registry
+from .registry_choices import StoredChoice
 from .rounds import RoundPolicy
 from .selection import refusal
 
@@ -93,6 +95,21 @@ def devices_json(devices: Sequence[Device], policy: RoundPolicy, now: float) -> 
              "tags": list(d.tags), "state": d.state, "last_seen": d.last_seen, "enrolled_at": d.enrolled_at,
              "quarantined": d.quarantined, "quarantine_reason": d.quarantine_reason, "strikes": d.strikes}
             for d in devices]
+
+
+def engine_choice_lines(stored: Sequence[StoredChoice], devices: Sequence[Device], now: float) -> list[str]:
+    """One line per device kind: the int8 engine the fleet uses there (what finetune commands
+    relay: the newest MAX_SHARED_CHOICES), and who measured it when."""
+    names = {d.id: str(d.state.get("name") or "") for d in devices}
+    lines = []
+    for s in stored[:MAX_SHARED_CHOICES]:
+        c, name = s.choice, names.get(s.device_id, "")
+        lines.append(f"  kind {c.kind[:8]}: {c.engine}, {c.threads} thread(s), {c.latency_ms:.1f} ms/batch of "
+                     f"{c.batch_size}; measured by {s.device_id}" + (f" ({_short(name, 16)})" if name else "")
+                     + f", reported {ago(s.reported_at, now)}")
+    if len(stored) > MAX_SHARED_CHOICES:
+        lines.append(f"  ({len(stored) - MAX_SHARED_CHOICES} older kind(s) stored, not relayed)")
+    return lines
 
 
 def model_rows(models: Sequence[ModelVersion]) -> list[list[str]]:

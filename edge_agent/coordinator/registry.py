@@ -6,7 +6,8 @@ several processes share (db.py: the dialect layer); schema and migrations in sch
 record types and validators in records.py; crash-safe array files in `state_dir` either way. This module holds the connection, transactions and
 migrations, devices, jobs, rounds and participants; mixins hold the rest: model versions
 (registry_models.py), received updates, screening history and strikes
-(registry_updates.py), read models for the CLI and dashboard (registry_reports.py).
+(registry_updates.py), read models for the CLI and dashboard (registry_reports.py), the
+fleet's int8 engine choices (registry_choices.py).
 
     <state_dir>/updates/<job>/r<round>/<device>.<sha256[:16]>.eaup  the update payload as received
                                                                     (legacy rows: .npz dense deltas)
@@ -65,6 +66,7 @@ from .records import (
     check_text,
     check_time,
 )
+from .registry_choices import EngineChoiceStore
 from .registry_db import DB_NAME, RegistryDb
 from .registry_models import MAX_ARRAY_FILE_BYTES, ModelStore
 from .registry_reports import HISTORY_KEYS, FleetReports
@@ -92,6 +94,7 @@ class Registry:
         self.updates = UpdateStore(self.db, round_row=self._round, device_row=self._device,
                                    move_participant=self._move_participant)
         self.reports = FleetReports(self.db)
+        self.choices = EngineChoiceStore(self.db)
         # their methods are the registry's API: callers need not know which part holds what
         m, u, r = self.models, self.updates, self.reports
         (self.write_head, self.add_model_version, self.get_model, self.list_models, self.load_head,
@@ -108,6 +111,7 @@ class Registry:
         (self.device_history, self.totals, self.energy_by_device, self.newest_job_of_devices,
          self.participations) = (r.device_history, r.totals, r.energy_by_device, r.newest_job_of_devices,
                                  r.participations)
+        self.record_engine_choices, self.engine_choices = self.choices.record, self.choices.latest
 
     def close(self) -> None:
         self.db.close()
@@ -211,6 +215,18 @@ class Registry:
         with self._read() as db:
             rows = db.execute("SELECT * FROM devices WHERE fleet = COALESCE(?, fleet) ORDER BY id", (fleet,))
             return [Device.from_row(r) for r in rows]
+
+    def states_of(self, device_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The stored state of each of these devices (unknown ids left out): one query per
+        500 ids, for a dispatch that reads what each device said it can do."""
+        ids = [check_id(d, "device id") for d in device_ids]
+        out: dict[str, dict[str, Any]] = {}
+        with self._read() as db:
+            for start in range(0, len(ids), 500):
+                part = ids[start:start + 500]
+                rows = db.execute(f"SELECT id, state FROM devices WHERE id IN ({', '.join('?' * len(part))})", part)
+                out.update({r["id"]: json.loads(r["state"]) for r in rows})
+        return out
 
     def approved_keys(self) -> dict[str, str]:
         """device id -> base64 public key of every approved device (for the TrustStore)."""

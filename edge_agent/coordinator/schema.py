@@ -9,7 +9,8 @@ edit a released entry: append a new one (ALTER TABLE ..., CREATE INDEX ...).
 
 Tables: devices, model_versions, jobs, rounds, participants (one row per device selected
 for a round: its dispatch / report / dropout and why), updates (UNIQUE (job, device,
-round): the de-duplication key). JSON columns hold small flat objects (tags, state,
+round): the de-duplication key), device_history, server_sets, engine_choices (one row per
+device kind: the fleet's int8 engine choice). JSON columns hold small flat objects (tags, state,
 params, metrics). Times are UNIX seconds (REAL).
 """
 
@@ -92,5 +93,14 @@ MIGRATIONS: list[tuple[str, ...]] = [
         """CREATE TABLE server_sets (
             model_name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, samples INTEGER NOT NULL,
             created_at REAL NOT NULL)""",
+    ),
+    (  # 5 -> 6: fleet-shared int8 engine choices (issue 37): the latest per device kind, which
+        # device measured it and when it was reported (registry_choices.py; at most MAX_KINDS rows)
+        """CREATE TABLE engine_choices (
+            kind TEXT PRIMARY KEY, engine TEXT NOT NULL, threads INTEGER NOT NULL,
+            batch_size INTEGER NOT NULL, latency_ms REAL NOT NULL, per_image_cpu_s REAL NOT NULL,
+            fingerprint TEXT NOT NULL, device_id TEXT NOT NULL REFERENCES devices (id),
+            reported_at REAL NOT NULL)""",
+        "CREATE INDEX engine_choices_by_time ON engine_choices (reported_at)",
     ),
 ]

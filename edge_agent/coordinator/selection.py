@@ -39,8 +39,10 @@ class Selection:
 
 def capabilities_from_hello(info: Mapping[str, Any]) -> dict[str, Any]:
     """The capability keys of a hello's info, type-checked (untrusted input); absent ones are
-    left out, so an older agent's device keeps whatever was stored (nothing)."""
-    out: dict[str, Any] = {}
+    left out, so an older agent's device keeps whatever was stored (nothing). Except
+    `engine_choices` (the agent reads a finetune command's engine choices): always set, so a
+    device whose agent went back to an older version is sent none again."""
+    out: dict[str, Any] = {"engine_choices": info.get("engine_choices") is True}
     if isinstance(info.get("mxnet"), bool):
         out["mxnet"] = info["mxnet"]
     for key in ("trainers", "native"):

@@ -501,16 +501,23 @@ class Coordinator(DeviceMessages):
         params = {k: v for k, v in plan.params.items() if _scalar(v) and v is not None}
         params["deadline"] = int(plan.deadline_at)
         ttl = min(86400.0, max(60.0, plan.deadline_at - now))
+        # the fleet's int8 engine choices (registry_choices.py), to the devices whose hello said
+        # they read them: an older agent's strict schema would refuse the whole command
+        choices = [c.choice.to_json() for c in self.registry.engine_choices()]
         for start in range(0, len(plan.devices), DISPATCH_BATCH):
             results: dict[str, str | None] = {}
             signed: list[tuple[str, str, bytes]] = []
-            for device in plan.devices[start:start + DISPATCH_BATCH]:
+            batch = plan.devices[start:start + DISPATCH_BATCH]
+            readers = {d for d, state in self.registry.states_of(batch).items() if state.get("engine_choices") is True}
+            for device in batch:
                 body = {"cmd_id": plan.cmd_id, "action": "finetune", "job": plan.job_id, "round": plan.round,
                         "model": plan.model_name, "version": plan.model_version, "sha256": sha, "params": params,
                         **({"head_sha256": patch.sha256} if patch is not None else {})}
+                if device in readers:
+                    body["engine_choices"] = choices
                 topic = self.topics.device(device, "cmd")
                 try:
-                    signed.append((device, topic, self.signer.control(topic, Kind.CMD, body, ttl=ttl)))
+                    signed.append((device, topic, self._finetune_command(topic, body, ttl)))
                 except ValueError as exc:  # a job parameter our own schema refuses: the device cannot be told
                     results[device] = str(exc)[:200]
             sent = self.channel.send_many([(t, payload) for _, t, payload in signed], timeout=10.0)
@@ -522,6 +529,17 @@ class Coordinator(DeviceMessages):
                          delivered[0] if len(delivered) == 1 else f"{len(delivered)} devices")
             if not all(sent):
                 return  # disconnected: the rest stay selected and are sent on a later tick
+
+    def _finetune_command(self, topic: str, body: dict[str, Any], ttl: float) -> bytes:
+        """The signed command; one over the size limit with engine choices goes with fewer
+        (the device then measures its engine itself), never not at all."""
+        while True:
+            try:
+                return self.signer.control(topic, Kind.CMD, body, ttl=ttl)
+            except ValueError:
+                if not body.get("engine_choices"):
+                    raise
+                body = {**body, "engine_choices": body["engine_choices"][:len(body["engine_choices"]) // 2]}
 
     def _cancel(self, plan: RoundPlan) -> None:
         signed = []

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from ..protocol import Kind, Message, Reason, Rejection, Signer, Topics
+from ..protocol.engine_choice import MAX_SHARED_CHOICES, SharedChoice
 from ..protocol.facts import facts_from_state
 from ..protocol.hello import hello_answer
 from ..transport import Channel, MqttClient, OutboxKey, UpdateReceiver, ack_message
@@ -191,6 +192,18 @@ class DeviceMessages:
         if isinstance(engine, str) and engine and engine != dev.engine and engine.isprintable():
             self.registry.enrol_device(device_id=device, public_key=dev.public_key, fleet=dev.fleet, board=dev.board,
                                        profile=dev.profile, engine=engine[:128])
+        if "engine_choices" in msg.body and not dev.quarantined:  # (a quarantined device's word is not relayed)
+            self._engine_choices(msg, device)
+
+    def _engine_choices(self, msg: Message, device: str) -> None:
+        """The int8 engine choices a device measured in full (its state's `engine_choices`,
+        at most MAX_SHARED_CHOICES by the schema): each parsed strictly, a bad one left out
+        with one warning per message, the rest kept (registry_choices.py)."""
+        choices, bad = reported_choices(msg.body["engine_choices"])
+        if bad:
+            log.warning("state from %s: %d engine choice(s) ignored: %s", device, len(bad), "; ".join(bad[:3])[:600])
+        if choices:
+            self.registry.record_engine_choices(device, choices, at=min(float(msg.issued_at), time.time()))
 
     def _progress(self, msg: Message, device: str) -> None:
         if msg.body.get("cmd_id"):  # it takes our commands again
@@ -373,6 +386,28 @@ class DeviceMessages:
                                      reason=receipt.reason or None, detail=receipt.detail or None)
         if not self.client.publish_wait(topic, payload, timeout=10.0):
             log.warning("ack for %s not delivered to the broker; the device will send again", key)
+
+
+def reported_choices(value: Any) -> tuple[list[SharedChoice], list[str]]:
+    """A state's `engine_choices` entry by entry: the good ones (one per kind, the first) and
+    why each other one was left out."""
+    if not isinstance(value, list):
+        return [], ["not a list"]
+    good: dict[str, SharedChoice] = {}
+    bad: list[str] = []
+    for i, item in enumerate(value[:MAX_SHARED_CHOICES]):
+        try:
+            choice = SharedChoice.from_json(item, where=f"engine_choices[{i}]")
+        except InputError as exc:
+            bad.append(str(exc))
+            continue
+        if choice.kind in good:
+            bad.append(f"engine_choices[{i}]: kind {choice.kind} appears twice")
+        else:
+            good[choice.kind] = choice
+    if len(value) > MAX_SHARED_CHOICES:
+        bad.append(f"{len(value) - MAX_SHARED_CHOICES} beyond the first {MAX_SHARED_CHOICES}")
+    return list(good.values()), bad
 
 
 def _scalar(value: Any) -> bool:

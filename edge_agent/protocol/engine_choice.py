@@ -57,7 +57,8 @@ class SharedChoice:
                 raise InputError(f"{where}: {name} must be an integer in 1..{hi}")
         for name in ("latency_ms", "per_image_cpu_s"):
             value = obj[name]
-            if type(value) not in (int, float) or not math.isfinite(value) or not 0 < value < 1e6:
+            # (the range first: math.isfinite(10**400) raises OverflowError, and JSON can carry it)
+            if type(value) not in (int, float) or not 0 < value < 1e6 or not math.isfinite(value):
                 raise InputError(f"{where}: {name} must be a positive number")
         return cls(obj["kind"], obj["engine"], obj["threads"], obj["batch_size"], float(obj["latency_ms"]),
                    float(obj["per_image_cpu_s"]), obj["fingerprint"])

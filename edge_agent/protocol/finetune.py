@@ -3,6 +3,10 @@ a `FinetuneRequest` (agent/policy.py then checks it against its own limits), and
 coordinator refuses a job at `train` that every device would refuse as bad_params -- with
 the same parser, so the two can never disagree. Unknown parameters are ignored, not
 refused: the coordinator passes its job parameters (aggregator, ...) through unchanged.
+
+The command's `engine_choices` (the int8 engine choices the coordinator heard from devices
+that measured them in full: protocol/engine_choice.py) are parsed strictly here; a bad list
+is bad_params. An older coordinator sends none: an empty tuple, and `relays_choices` False.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..errors import InputError
+from .engine_choice import SharedChoice, parse_choices
 
 DAY_S = 86400.0
 MAX_UPDATE_BYTES = 64 << 20
@@ -48,6 +55,8 @@ class FinetuneRequest:
     power_cap_w: float | None
     deadline_at: float
     train: dict[str, Any] = field(default_factory=dict)  # TRAIN_KEYS given by the command
+    engine_choices: tuple[SharedChoice, ...] = ()  # the fleet's: the device uses the one of its kind
+    relays_choices: bool = False  # the command had the field: its coordinator reads the choices states report
 
     @property
     def local_id(self) -> str:
@@ -58,7 +67,8 @@ class FinetuneRequest:
         """What the job record keeps (JSON-ready)."""
         return {"job": self.job, "version": self.version, "sha256": self.sha256, "head_sha256": self.head_sha256,
                 "budget_wh": self.budget_wh,
-                "power_cap_w": self.power_cap_w, "deadline_at": self.deadline_at, **self.train}
+                "power_cap_w": self.power_cap_w, "deadline_at": self.deadline_at, **self.train,
+                **({"engine_choices": [c.to_json() for c in self.engine_choices]} if self.relays_choices else {})}
 
 
 class BadParams(ValueError):
@@ -107,6 +117,11 @@ def parse_finetune(body: dict[str, Any], *, deadline_s: float | None = None, now
     deadline = _number(params, "deadline", float, 0, 1 << 40)
     horizon = now + deadline_s if deadline_s else None
     deadline_at = min(d for d in (deadline, horizon, now + 30 * DAY_S) if d is not None)
+    try:
+        choices = tuple(parse_choices(body["engine_choices"])) if "engine_choices" in body else ()
+    except InputError as exc:
+        raise BadParams(str(exc)) from None
     return FinetuneRequest(job=body["job"], round=body["round"], model=body["model"], version=body["version"],
                            sha256=body.get("sha256"), head_sha256=body.get("head_sha256"), budget_wh=budget_wh, power_cap_w=power_cap_w,
-                           deadline_at=deadline_at, train=train)
+                           deadline_at=deadline_at, train=train, engine_choices=choices,
+                           relays_choices="engine_choices" in body)

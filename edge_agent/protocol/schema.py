@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..errors import InputError
+from .engine_choice import MAX_SHARED_CHOICES
 
 PROTOCOL_VERSION = 1
 BINARY_MAGIC = b"EFB1"
@@ -131,6 +132,16 @@ def _b64key(v: Any) -> None:
         raise ValueError("must be a base64 32-byte Ed25519 public key")
 
 
+def _entries(n: int) -> Callable[[Any], None]:
+    """A list of at most n entries: the bound checked before parsing. Each entry is parsed
+    strictly by its reader (e.g. engine choices: protocol.engine_choice), which can drop one
+    bad entry and keep the rest of the message."""
+    def check(v: Any) -> None:
+        if not isinstance(v, list) or len(v) > n:
+            raise ValueError(f"must be a list of at most {n} entries")
+    return check
+
+
 def _either(*checks: Callable[[Any], None]) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         errors = []
@@ -175,8 +186,9 @@ FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
     # device facts (state info; a probe reply's metrics): agent/state.py
     "battery_pct": _num(0, 100), "charging": _bool, "on_power": _bool, "energy_wh": _WH, "power_w": _WATTS,
     "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS, **INFERENCE_CHECKS,
-    # capabilities (hello info): doctor.capabilities
-    "mxnet": _bool,
+    # capabilities (hello info): doctor.capabilities; engine_choices: the agent reads a command's
+    # `engine_choices` (an older agent's strict schema would refuse the whole command)
+    "mxnet": _bool, "engine_choices": _bool,
     # job progress and results (progress metrics): agent/lifecycle.py, agent/child.py
     "step": _COUNTER, "epoch": _COUNTER, "steps": _COUNTER, "watts": _WATTS, "val_accuracy": _FRACTION,
     "accuracy_before": _FRACTION, "accuracy_after": _FRACTION, "num_samples": _int(0, 1_000_000_000),
@@ -234,16 +246,24 @@ def clean_flat(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _ROUND = _int(0, (1 << 32) - 1)
+# Fleet-shared int8 engine choices (protocol/engine_choice.py): a device's state reports the
+# ones it measured, a finetune command relays the ones the coordinator heard. Each side sends
+# them only to a peer that said it reads them (the agent's hello `engine_choices: true`; a
+# coordinator whose finetune commands carry the field), since an older peer's strict schema
+# would refuse the whole message.
+_ENGINE_CHOICES = _entries(MAX_SHARED_CHOICES)
 _INDEX, _COUNT = _int(0, 0xFFFE), _int(1, 0xFFFF)
 _SIZE = _int(0, MAX_BINARY_BYTES)
 Schema = dict[str, tuple[Callable[[Any], None], bool]]
 SCHEMAS: dict[Kind, Schema] = {
     Kind.HELLO: {"public_key": (_b64key, True), "agent": (_text(64), False), "info": (_flat, False)},
     Kind.STATE: {"status": (_enum("online", "offline", "idle", "busy"), True), "agent": (_text(64), False),
-                 "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False)},
+                 "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False),
+                 "engine_choices": (_ENGINE_CHOICES, False)},
     Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping", "probe"), True),
                "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
-               "sha256": (_hex64, False), "head_sha256": (_hex64, False), "params": (_flat, False)},
+               "sha256": (_hex64, False), "head_sha256": (_hex64, False), "params": (_flat, False),
+               "engine_choices": (_ENGINE_CHOICES, False)},
     Kind.ACK: {"job": (_id, True), "round": (_ROUND, True), "upload": (_hex64, True),
                "status": (_enum("accepted", "duplicate", "rejected"), True), "reason": (_id, False),
                "detail": (_text(512), False), "retry": (_bool, False)},

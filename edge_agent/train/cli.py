@@ -137,6 +137,21 @@ def _depth(text: str) -> str | int:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("depth: ")) from None
 
 
+MAX_CHOICES_FILE = 64 * 1024
+
+
+def _engine_choices(path: str) -> tuple[Any, ...]:
+    """`--engine-choices FILE`: a JSON list of fleet engine choices, parsed strictly."""
+    from ..atomic import read_limited
+    from ..errors import InputError
+    from ..protocol.engine_choice import parse_choices
+
+    try:
+        return tuple(parse_choices(json.loads(read_limited(path, MAX_CHOICES_FILE)), where=path))
+    except (OSError, ValueError, InputError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise argparse.ArgumentTypeError(str(exc)[:300]) from None
+
+
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
     from ..data import data_summary
@@ -164,6 +179,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         label_column=args.label_column, label_map=args.label_map, skip_unknown=args.skip_unknown,
         power_root=args.power_root, profile=args.profile,
         threads=args.threads, progress=bar, inference_energy=args.inference_energy,
+        engine_choices=args.engine_choices,
     )
     text = json.dumps(report, indent=2, sort_keys=True) + "\n"
     summary = data_summary(report["data"])
@@ -291,6 +307,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                     "one that disagrees with the reference is an error (exit 69)")
     o.add_argument("--force-engine", action="store_true",
                    help="use --engine even if it disagrees with the reference, with a warning")
+    o.add_argument("--engine-choices", type=_engine_choices, default=(), metavar="FILE",
+                   help="a JSON list of int8 engine choices other devices measured (what a fleet finetune command "
+                        "carries: `edge-coordinator devices --engine-choices` prints it); the one made on a device "
+                        "of this kind is only re-checked here, not measured again")
     o.add_argument("--inference-energy", metavar="FILE",
                    help="the local inference service's energy file: its energy is not charged to this job")
     o.add_argument("--threads", type=_positive(int), help="CPU threads (default: the board profile's)")

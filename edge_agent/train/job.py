@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import numpy as np
 
 from ..atomic import atomic_write_json
 from ..errors import ConfigError, InputError, UsageError
+from ..protocol.engine_choice import SharedChoice
 from .checkpoints import Checkpoint, CheckpointStore
 from .job_depth import DepthPlanning, _output_grid
 from .job_report import JOB_FILE, REPORT_FILE, REPORT_SCHEMA, JobReport  # noqa: F401 - the file names, for callers
@@ -104,6 +105,7 @@ def run_finetune(
     cache_max_mb: float = 256.0,
     poll_s: float = 30.0,
     inference_energy: str | os.PathLike[str] | None = None,
+    engine_choices: Sequence[SharedChoice] = (),
     progress: ProgressCallback | None = None,
     clock: Any = None,
 ) -> dict[str, Any]:
@@ -134,6 +136,9 @@ def run_finetune(
     before the int8 prefix and cached like the images themselves. `inference_energy`: the
     local inference service's energy file (edge_agent.power.inference_energy): what it spends
     while this job trains is accounted as inference, not charged to the job's budget.
+    `engine_choices`: the fleet's int8 engine choices (a finetune command's, or `--engine-choices
+    FILE`): engine selection starts from the one made on a device of this kind and only
+    re-checks it (int8/shared_choice.py) instead of measuring every engine.
     """
     from ..labels import parse_label_map
     from ..power import Budget
@@ -159,6 +164,9 @@ def run_finetune(
 
     if trainer not in BACKENDS:
         raise ConfigError(f"trainer: expected one of {', '.join(BACKENDS)}, got {trainer!r}")
+    engine_choices = tuple(engine_choices)
+    if not all(isinstance(c, SharedChoice) for c in engine_choices):
+        raise UsageError("engine_choices: expected SharedChoice records (protocol.engine_choice.parse_choices)")
     state = Path(state_dir)
     with _locked(state):
         job = _Job(state=state, budget=budget, progress=progress, clock=clock, args=dict(
@@ -170,7 +178,7 @@ def run_finetune(
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
             threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s,
-            inference_energy=str(inference_energy) if inference_energy else None))
+            inference_energy=str(inference_energy) if inference_energy else None, engine_choices=engine_choices))
         return job.run()
 
 
@@ -345,7 +353,7 @@ class _Job(DepthPlanning, JobReport):
                 state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(), env=env, keep_runner=True,
                 preference=prof["backends"], images=len(dataset), meter=_GovernorMeter(self, gov),
                 watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True,
-                clocks=Clocks(cpu=cpu_seconds),
+                clocks=Clocks(cpu=cpu_seconds), shared=a["engine_choices"],
                 logits=numpy_head_logits(bundle))  # no MXNet for the top-1 check of a tail numpy computes
         except SelectionStopped as exc:  # the budget ran out choosing the engine: a stop, not a failure
             return self._stopped_in_selection(bundle, dataset, prof, str(exc))

@@ -83,10 +83,13 @@ def test_a_32_bit_device_takes_part_at_any_depth_numpy_trains(tmp_path: Path, fl
 
 
 def test_hello_capabilities_are_type_checked() -> None:
-    assert capabilities_from_hello({"mxnet": False, "trainers": "numpy", "native": "armv7_neon", "name": "x"}) == {
-        "mxnet": False, "trainers": "numpy", "native": "armv7_neon"}
-    assert capabilities_from_hello({"mxnet": "no", "trainers": 3, "native": "a\nb"}) == {}
-    assert capabilities_from_hello({}) == {}  # an older agent
+    assert capabilities_from_hello({"mxnet": False, "trainers": "numpy", "native": "armv7_neon", "name": "x",
+                                    "engine_choices": True}) == {
+        "mxnet": False, "trainers": "numpy", "native": "armv7_neon", "engine_choices": True}
+    assert capabilities_from_hello({"mxnet": "no", "trainers": 3, "native": "a\nb", "engine_choices": 1}) == {
+        "engine_choices": False}
+    # an older agent: it is sent no engine choices (they would make its strict schema refuse the command)
+    assert capabilities_from_hello({}) == {"engine_choices": False}
 
 
 def test_selection_skips_devices_without_mxnet_only_for_jobs_that_need_it() -> None:
