@@ -184,6 +184,8 @@ def run_kernels(args: argparse.Namespace) -> int:
                           "cached": bool(selection and selection.cached),
                           "cache_file": selection.cache_file if selection else "",
                           "notes": selection.notes if selection else [],
+                          # what this device reports to its fleet (shared_choice.py), or null
+                          "share": selection.share if selection and selection.source == "measured" else None,
                           "candidates": [r.__dict__ for r in rows]}, indent=2))
     else:
         print(render(info, rows, selection, forced))

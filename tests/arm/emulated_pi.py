@@ -9,7 +9,9 @@ For each architecture (the two side by side, one thread each: qemu-user runs on 
      root (chroot; the postinst builds the venv from the wheels with the root's Python 3.11);
   3. in the root: `edge-agent doctor`, `edge-agent probe` (the kernels' auxv check must win
      over the host's /proc/cpuinfo), `edge-agent kernels --bench` (native must run a NEON
-     variant), `edge-agent finetune --trainer numpy`; arm64: probe and the native kernels
+     variant), `edge-agent finetune --trainer numpy`, a first job given the choice
+     `kernels --bench` measured (as the fleet would relay it: it must re-check that choice,
+     not measure every engine, as its report's notes say); arm64: probe and the native kernels
      again as a Raspberry Pi 4's Cortex-A72 (QEMU_CPU=cortex-a72: no dot product, so the
      plain NEON variant); armhf: `--trainer mxnet` refused with one line.
 Then one fleet on the host's `edge-coordinator serve` and mosquitto (the chroots share the
@@ -268,6 +270,8 @@ def prepare_arch(root: Root, res: Results, inputs: dict[str, Path]) -> None:
     res.check(f"{arch}: edge-agent probe", lambda: probe(root, arch))
     res.check(f"{arch}: edge-agent kernels --bench", lambda: kernels(root, arch))
     res.check(f"{arch}: edge-agent finetune --trainer numpy", lambda: finetune(root, "numpy", "/work/digits"))
+    res.check(f"{arch}: a first job with the fleet's engine choice skips the full measurement",
+              lambda: shared_choice(root))
     if arch == "arm64":
         res.check(f"{arch}: probe + native kernels as a Pi 4 (QEMU_CPU={PI4_CPU}: no dot product)",
                   lambda: pi4_kernels(root))
@@ -322,6 +326,23 @@ def kernels(root: Root, arch: str) -> str:
         assert not cands.get("mxnet-onednn", {"available": False})["available"]
     return f"native: {native['reason']}; chosen {report['chosen']}; " + ", ".join(
         f"{n} {c['latency_ms']:.0f} ms" for n, c in cands.items() if c.get("latency_ms"))
+
+
+def shared_choice(root: Root) -> str:
+    """A first job given the choice `kernels --bench` measured above (what this device reports
+    to its coordinator, as a device of the same kind would receive it in a finetune command)
+    re-checks it instead of measuring every engine (issue 37)."""
+    done = root.run("edge-agent", "kernels", "--model", "/work/digits", "--json", "--state-dir", "/work/kernels-state")
+    share = json.loads(done.stdout)["share"]
+    assert share, "kernels --bench left no choice to share"
+    (root.path / "work" / "choices.json").write_text(json.dumps([share]))
+    root.run("edge-agent", "finetune", "--model", "/work/digits", "--data", "/work/data/data.npz", "--trainer",
+             "numpy", "--epochs", "1", "--state-dir", "/work/ft-shared", "--cache-dir", "/work/ft-shared-cache",
+             "--engine-choices", "/work/choices.json", "--report", "/work/ft-shared.json", "-q", timeout=1800)
+    engine = json.loads((root.path / "work" / "ft-shared.json").read_text())["engine"]
+    adopted = [n for n in engine["notes"] if "as measured by a device of this kind" in n]
+    assert engine["name"] == share["engine"] and adopted, engine
+    return f"{share['engine']}: {adopted[0]}"
 
 
 def finetune(root: Root, trainer: str, bundle: str) -> str:
