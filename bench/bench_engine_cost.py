@@ -59,7 +59,8 @@ def run(quick: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="bench-engine-cost-") as tmp:
         selection, _ = select_engine(bundle, probe=probe, batch_size=32, threads=None, state_dir=tmp,
                                      repeats=3 if quick else 7, use_cache=False, env={}, images=1000,
-                                     watts_per_cpu=wpc, mem_cap_mb=profile.get("memory_cap_mb"))
+                                     watts_per_cpu=wpc, mem_cap_mb=profile.get("memory_cap_mb"),
+                                     measure_all=True)  # every engine priced, even one a job would skip
     out = [
         "## Engine cost and task-level agreement (camera MobileNetV2)",
         "",

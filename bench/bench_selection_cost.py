@@ -51,14 +51,12 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     probe = sel.default_probe()
     profile = sel.profile_settings(probe)
     wpc = float(profile.get("watts_per_cpu") or 2.0)
-    if args["mode"] == "exhaustive":  # every engine prepared, whatever the job's size
-        sel.EXPENSIVE_PREPARE_S = float("inf")
     shared = [SharedChoice.from_json(args["share"])] if args.get("share") else []
     base_mb = _hwm_mb()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     selection, _ = sel.select_engine(bundle, probe=probe, batch_size=BATCH, state_dir=args["state"], env={},
                                      images=IMAGES, watts_per_cpu=wpc, mem_cap_mb=profile.get("memory_cap_mb"),
-                                     shared=shared)
+                                     shared=shared, measure_all=args["mode"] == "exhaustive")
     cpu = time.process_time() - cpu0
     return {"chosen": selection.chosen, "threads": selection.threads, "cpu_s": cpu, "wall_s": time.perf_counter() - wall0,
             "peak_mb": _hwm_mb(), "base_mb": base_mb, "j": cpu * wpc, "source": selection.source,

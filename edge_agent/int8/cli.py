@@ -163,7 +163,7 @@ def run_kernels(args: argparse.Namespace) -> int:
                                              batch_size=batch_size, threads=threads, env=env,
                                              state_dir=state_dir, repeats=args.repeats, use_cache=False,
                                              images=args.images, watts_per_cpu=profile.get("watts_per_cpu"),
-                                             mem_cap_mb=profile.get("memory_cap_mb"))
+                                             mem_cap_mb=profile.get("memory_cap_mb"), measure_all=True)
             rows = selection.candidates
         else:
             selection = sel.cached_selection(bundle, probe=report, preference=preference,

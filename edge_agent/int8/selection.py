@@ -172,6 +172,7 @@ def select_engine(
     recheck_cached: bool = False,
     clocks: Clocks = SYSTEM_CLOCKS,
     shared: Sequence[SharedChoice] = (),
+    measure_all: bool = False,
 ) -> tuple[Selection, Runner | None]:
     """Choose the engine for `bundle` here; returns the decision and (with `keep_runner`)
     the chosen engine's prepared runner. Raises EngineUnavailableError if nothing is correct,
@@ -183,7 +184,8 @@ def select_engine(
     and falls back to one thread when it got RECHECK_FACTOR slower (see _use_cached).
     `clocks`: where wall and CPU seconds are read (tests: virtual clocks). `shared`: choices
     other devices measured (shared_choice.py); one made on a device of this kind is re-checked
-    (same outputs, about the same speed) instead of measuring every engine."""
+    (same outputs, about the same speed) instead of measuring every engine. `measure_all`
+    (`kernels --bench`): every available engine is prepared and timed, whatever the job."""
     env = os.environ if env is None else env
     threads = thread_count(threads)  # None and "all cores" are the same decision
     if batch_size < 1:
@@ -258,7 +260,8 @@ def select_engine(
     hints = {r.name: float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
     # what is sure to be spent: engines expensive to prepare are priced when they come up (and
     # skipped when the job is too small for them or the budget cannot pay: _dominated)
-    likely = [r for r in (others or todo) if forced or hints[r.name] < EXPENSIVE_PREPARE_S] or (others or todo)
+    likely = [r for r in (others or todo) if forced or measure_all or hints[r.name] < EXPENSIVE_PREPARE_S] \
+        or (others or todo)
     pred_timing = per_sample * len(x) * (repeats + 1) * len(likely) * threads
     predicted = pred_oracle + sum(pred_prepare[r.name] for r in likely) + pred_timing
     meter.before("selection", predicted + per_sample * batch_size)  # + one batch of the job
@@ -294,7 +297,7 @@ def select_engine(
     # the reference (~25x slower, never the winner) is prepared and timed only when nothing
     # else is correct: its agreement is already the oracle's
     for row in sorted(others, key=lambda r: hints[r.name]) if not forced else todo:  # cheapest first
-        why = None if forced else (_dominated(row, hints[row.name], rows, check_rate, images)
+        why = None if forced or measure_all else (_dominated(row, hints[row.name], rows, check_rate, images)
                                    or _unaffordable(meter, row.name, hints[row.name], pred_prepare[row.name]))
         if why:
             row.reason += f"; not prepared: {why}"
