@@ -9,7 +9,7 @@ architectures (tests/fixtures/models/zoo.py: Gluon ResNet-18 v1, Gluon MobileNet
 torchvision's MobileNetV2 export). Each selection runs in its own fresh interpreter
 (`python -m bench.bench_selection_cost --child '<json>'`) with its own empty state directory;
 CPU-s is that process's CPU time over the `select_engine` call (every thread: XNNPACK's pool
-too), peak RSS is the process's VmHWM (the interpreter, numpy and the bundle included), J is
+too; the head's top-1 through numpy where it can, as a job does), peak RSS is the process's VmHWM (the interpreter, numpy and the bundle included), J is
 CPU-s x the matched board profile's watts per busy CPU. Medians of REPEATS runs; the chosen
 engine is the most frequent one, with how often it was chosen.
 """
@@ -52,9 +52,13 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     profile = sel.profile_settings(probe)
     wpc = float(profile.get("watts_per_cpu") or 2.0)
     shared = [SharedChoice.from_json(args["share"])] if args.get("share") else []
+    from edge_agent.train.dense_head import numpy_head_logits
+
+    logits = numpy_head_logits(bundle)  # as a job does: a head numpy computes needs no MXNet for the top-1 check
     base_mb = _hwm_mb()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     selection, _ = sel.select_engine(bundle, probe=probe, batch_size=BATCH, state_dir=args["state"], env={},
+                                     logits=logits,
                                      images=IMAGES, watts_per_cpu=wpc, mem_cap_mb=profile.get("memory_cap_mb"),
                                      shared=shared, measure_all=args["mode"] == "exhaustive")
     cpu = time.process_time() - cpu0
