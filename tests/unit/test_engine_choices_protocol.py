@@ -10,20 +10,15 @@ from typing import Any
 
 import pytest
 
-from edge_agent import keys
 from edge_agent.protocol import (
     Kind,
     Message,
-    ReplayWindow,
-    SequenceCounter,
-    Signer,
     Topics,
-    TrustStore,
-    Verifier,
     check_body,
 )
 from edge_agent.protocol.engine_choice import MAX_SHARED_CHOICES, SharedChoice
 from edge_agent.protocol.finetune import BadParams, parse_finetune
+from tests.unit.signed_wire import signed_wire
 
 NOW = 1_800_000_000.0
 BODY = {"cmd_id": "j-r1", "action": "finetune", "job": "j", "round": 1, "model": "digits", "version": "1"}
@@ -98,14 +93,8 @@ def test_the_schemas_bound_the_list_before_any_entry_is_parsed() -> None:
 
 def test_a_signed_command_and_state_with_choices_travel_and_verify(tmp_path: Path) -> None:
     topics = Topics(fleet="farm", prefix="test/h37")
-    ckey, dkey = keys.generate_private_key(), keys.generate_private_key()
-    dev = keys.fingerprint(dkey)
-    coord = Signer(key=ckey, topics=topics, sequence=SequenceCounter(path=tmp_path / "c.seq"))
-    device = Signer(key=dkey, topics=topics, sequence=SequenceCounter(path=tmp_path / "d.seq"))
-    trust = TrustStore()
-    trust.add(ckey.public_key(), role="coordinator")
-    trust.add(dkey.public_key(), role="device")
-    verifier = Verifier(topics=topics, trust=trust, replay=ReplayWindow(directory=tmp_path / "replay"))
+    w = signed_wire(tmp_path, topics)
+    dev, coord, device, verifier = w.dev, w.coord, w.device, w.verifier
     full = [choice(i, latency_ms=123456.123456, per_image_cpu_s=99999.123456789) for i in range(MAX_SHARED_CHOICES)]
     cmd_topic, state_topic = topics.device(dev, "cmd"), topics.device(dev, "state")
     cmd = verifier.open(cmd_topic, coord.control(cmd_topic, Kind.CMD, {**BODY, "engine_choices": full}, ttl=600))

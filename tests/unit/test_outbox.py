@@ -8,21 +8,16 @@ import random
 
 import pytest
 
-from edge_agent import keys
 from edge_agent.atomic import CorruptFileError
 from edge_agent.errors import InputError, TransientError
 from edge_agent.protocol import (
     Kind,
-    ReplayWindow,
-    SequenceCounter,
-    Signer,
     Topics,
-    TrustStore,
-    Verifier,
 )
 from edge_agent.transport import MqttClient, UpdateReceiver, Uploader, ack_message
 from edge_agent.transport.backoff import full_jitter
 from edge_agent.transport.outbox import Outbox, OutboxFullError, OutboxKey, upload_digest
+from tests.unit.signed_wire import signed_wire
 
 KEY = OutboxKey("job-1", "dev1", 3)
 
@@ -189,14 +184,8 @@ def test_full_jitter_stays_within_its_growing_ceiling():
 @pytest.fixture
 def wire(tmp_path):
     topics = Topics(fleet="farm")
-    ckey, dkey = keys.generate_private_key(), keys.generate_private_key()
-    dev = keys.fingerprint(dkey)
-    coord = Signer(key=ckey, topics=topics, sequence=SequenceCounter(path=tmp_path / "c.seq"))
-    device = Signer(key=dkey, topics=topics, sequence=SequenceCounter(path=tmp_path / "d.seq"))
-    trust = TrustStore()
-    trust.add(ckey.public_key(), role="coordinator")
-    trust.add(dkey.public_key(), role="device")
-    verifier = Verifier(topics=topics, trust=trust, replay=ReplayWindow(directory=tmp_path / "rw"))
+    w = signed_wire(tmp_path, topics)
+    dev, coord, device, verifier = w.dev, w.coord, w.device, w.verifier
     box = Outbox(directory=tmp_path / "outbox")
     client = MqttClient(host="127.0.0.1", port=1, client_id="never-started")  # pump is not used here
     return dev, topics, coord, device, verifier, box, client
