@@ -21,10 +21,13 @@ from this module.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +154,66 @@ def availability_report(preference: list[str] | None = None, probe: dict[str, An
     return rows
 
 
+@dataclass
+class _Ask:
+    """What one selection is asked: the inputs every step reads (never writes)."""
+
+    bundle: Any
+    by_name: dict[str, Int8Engine | None]
+    rows_from: list[tuple[str, Int8Engine | None]]  # the candidates, in preference order
+    probe: dict[str, Any]
+    key: dict[str, Any]
+    path: Path | None
+    batch_size: int
+    threads: int
+    images: int
+    repeats: int
+    mem_cap_mb: float | None
+    forced: str | None
+    env: Mapping[str, str]
+    measure_all: bool
+    wpc: float
+    meter: Meter
+    clocks: Clocks
+    logits: Callable[[np.ndarray], np.ndarray] | None
+
+    @functools.cached_property
+    def x(self) -> np.ndarray:
+        """The check batch: the bundle's first calibration samples at the job's batch size
+        (read only when something is measured: a cached choice needs none)."""
+        return check_batch_for(self.bundle, self.batch_size)
+
+
+class _Ledger:
+    """The joules each metered phase cost (the meter may refuse a phase before it starts)."""
+
+    def __init__(self, ask: _Ask) -> None:
+        self.ask, self.spent = ask, 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str, predicted_j: float = 0.0) -> Iterator[Any]:
+        with measured(self.ask.meter, name, predicted_j, clocks=self.ask.clocks) as ph:
+            yield ph
+        self.spent += ph.joules
+
+
+@dataclass
+class _Prices:
+    """Predicted joules of the phases to come, from the probe's per-sample price."""
+
+    per_sample: float
+    oracle: float
+    prepare: dict[str, float]
+    timing: float
+    hints: dict[str, float]  # the engines' prepare_cpu_s_hint
+
+
+@dataclass
+class _Prepared:
+    runners: dict[tuple[str, int], Runner] = field(default_factory=dict)
+    check_rate: dict[str, float] = field(default_factory=dict)  # CPU-s per image of each engine's check runs
+
+
 def select_engine(
     bundle: Any,
     *,
@@ -185,13 +248,56 @@ def select_engine(
     `clocks`: where wall and CPU seconds are read (tests: virtual clocks). `shared`: choices
     other devices measured (shared_choice.py); one made on a device of this kind is re-checked
     (same outputs, about the same speed) instead of measuring every engine. `measure_all`
-    (`kernels --bench`): every available engine is prepared and timed, whatever the job."""
-    env = os.environ if env is None else env
-    threads = thread_count(threads)  # None and "all cores" are the same decision
+    (`kernels --bench`): every available engine is prepared and timed, whatever the job.
+
+    The steps: the cache, else the fleet's choice, else a measurement -- probe (availability,
+    the reference's price per sample) -> predict (the budget may refuse here) -> the oracle ->
+    prepare and check the candidates (cheapest first, dominated ones skipped) -> time the
+    correct ones -> decide -> record (cache, what to share)."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    ask = _ask(bundle, probe=probe, preference=preference, batch_size=batch_size, threads=threads,
+               state_dir=state_dir, repeats=repeats, env=env, logits=logits, engines=engines, images=images,
+               meter=meter, watts_per_cpu=watts_per_cpu, mem_cap_mb=mem_cap_mb, clocks=clocks, measure_all=measure_all)
+    if not ask.forced and use_cache and ask.path is not None:
+        cached = load_cached(ask.path, ask.key)
+        hit = None if cached is None else _use_cached(
+            cached, bundle, ask.by_name, ask.probe, images=images, mem_cap_mb=mem_cap_mb, keep_runner=keep_runner,
+            recheck_cached=recheck_cached, clocks=clocks)
+        if hit is not None:
+            return hit
+    fleet = matching(shared, kind_of(ask.key)) if not ask.forced else None
+    if fleet is not None:
+        adopted = _adopt_shared(fleet, bundle, ask.by_name, ask.probe, ask.key, ask.x, ask.path, images=images,
+                                meter=ask.meter, wpc=ask.wpc, keep_runner=keep_runner, clocks=clocks)
+        if isinstance(adopted, tuple):
+            return adopted
+        _log.info("fleet-shared int8 choice %s not taken (%s): measuring every engine", fleet.engine, adopted)
+    ledger = _Ledger(ask)
+    rows, per_sample = _probe(ask, ledger)
+    prices, upfront = _predict(ask, rows, per_sample)
+    ask.meter.before("selection", upfront)
+    with ledger.phase("agreement", prices.oracle):
+        oracle = Oracle(bundle, ask.x, logits=logits)
+        if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
+            oracle.rounding_sensitivity()
+    prepared = _prepare_and_check(ask, rows, oracle, prices, ledger)
+    _add_thread_variants(ask, rows, prepared)
+    _time(ask, rows, prepared, prices, ledger)
+    selection = _decide(ask, rows, prepared)
+    selection.energy_j = ledger.spent
+    return _record(ask, selection, prepared, keep_runner=keep_runner)
+
+
+def _ask(bundle: Any, *, probe: dict[str, Any] | None, preference: list[str] | None, batch_size: int,
+         threads: int | None, state_dir: str | os.PathLike[str] | None, repeats: int, env: Mapping[str, str] | None,
+         logits: Callable[[np.ndarray], np.ndarray] | None, engines: list[tuple[str, Int8Engine | None]] | None,
+         images: int, meter: Meter | None, watts_per_cpu: float | None, mem_cap_mb: float | None, clocks: Clocks,
+         measure_all: bool) -> _Ask:
+    """The inputs resolved: the candidates (a forced engine outside them added), the cache key."""
+    env = os.environ if env is None else env
+    threads = thread_count(threads)  # None and "all cores" are the same decision
     wpc = float(watts_per_cpu) if watts_per_cpu else DEFAULT_WATTS_PER_CPU
-    meter = meter if meter is not None else CpuMeter(wpc)
     probe = default_probe() if probe is None else probe
     names = [n for n, _ in engines] if engines is not None else registry.candidates(preference)
     loaded = engines if engines is not None else _load_engines(names)
@@ -203,198 +309,223 @@ def select_engine(
         loaded = [*loaded, (forced, registry.load_engine(forced))]  # forced but outside the profile
     key = cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=threads,
                     preference=[n for n, _ in loaded])
-    path = cache_path(state_dir, key) if state_dir is not None else None
-    by_name = dict(loaded)
-    if not forced and use_cache and path is not None:
-        cached = load_cached(path, key)
-        if cached is not None:
-            hit = _use_cached(cached, bundle, by_name, probe, images=images, mem_cap_mb=mem_cap_mb,
-                              keep_runner=keep_runner, recheck_cached=recheck_cached, clocks=clocks)
-            if hit is not None:
-                return hit
-    x = check_batch_for(bundle, batch_size)
-    fleet = matching(shared, kind_of(key)) if not forced else None
-    if fleet is not None:
-        adopted = _adopt_shared(fleet, bundle, by_name, probe, key, x, path, images=images, meter=meter,
-                                wpc=wpc, keep_runner=keep_runner, clocks=clocks)
-        if isinstance(adopted, tuple):
-            return adopted
-        _log.info("fleet-shared int8 choice %s not taken (%s): measuring every engine", fleet.engine, adopted)
-    spent = 0.0
-    # the probe: reference images price the rest, so that a budget too small for the
-    # selection is refused before it is spent (meter.before("selection", ...))
+    return _Ask(bundle, dict(loaded), loaded, probe, key, cache_path(state_dir, key) if state_dir is not None else None,
+                batch_size, threads, images, repeats, mem_cap_mb, forced, env, measure_all,
+                wpc, meter if meter is not None else CpuMeter(wpc), clocks, logits)
+
+
+def _probe(ask: _Ask, ledger: _Ledger) -> tuple[list[Candidate], float]:
+    """Which engines can run here, and the reference's price per sample (joules), so that a
+    budget too small for the selection is refused before it is spent."""
     from .engines.reference import ReferenceEngine
 
-    meter.before("selection-probe", wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
-    with measured(meter, "probe", clocks=clocks) as ph:  # (just checked above) the first call pays one-off costs ...
+    forced = ask.forced
+    ask.meter.before("selection-probe", ask.wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
+    with ledger.phase("probe") as ph:  # (just checked above) the first call pays one-off costs ...
         # which engines can run here: cheap by contract (Int8Engine.availability), and metered
         # with the probe all the same; a forced engine is the only one asked
-        rows = availability_report(probe=probe, engines=[(n, e) for n, e in loaded if not forced or n == forced])
+        rows = availability_report(probe=ask.probe, engines=[(n, e) for n, e in ask.rows_from if not forced or n == forced])
         if forced:
-            rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in loaded if n != forced]
-        probe_runner = (by_name.get("reference") or ReferenceEngine()).prepare(bundle)
-        probe_runner.run(x[:1])
-    spent += ph.joules
-    n_probe = min(len(x), PROBE_SAMPLES)
+            rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in ask.rows_from if n != forced]
+        probe_runner = (ask.by_name.get("reference") or ReferenceEngine()).prepare(ask.bundle)
+        probe_runner.run(ask.x[:1])
+    n_probe = min(len(ask.x), PROBE_SAMPLES)
     # ... so the per-sample price comes from the runs after it: CPU-seconds (the median of
     # PROBE_REPEATS runs) x watts per CPU. Not the meter's joules: a power source read around a
     # few milliseconds (a sensor, or /proc/stat's 10 ms jiffies with every process's load in
     # them) predicted 0.0013-0.42 Wh for a selection that cost ~0.005 Wh. The phase itself is
     # predicted at the cold image's CPU time, which buys ~200 warm ones.
-    with measured(meter, "probe", wpc * ph.cpu_s, clocks=clocks) as ph:
+    with ledger.phase("probe", ask.wpc * ph.cpu_s):
         runs = []
         for _ in range(PROBE_REPEATS):
-            c0 = clocks.cpu()
-            probe_runner.run(x[:n_probe])
-            runs.append(clocks.cpu() - c0)
-    spent += ph.joules
+            c0 = ask.clocks.cpu()
+            probe_runner.run(ask.x[:n_probe])
+            runs.append(ask.clocks.cpu() - c0)
     probe_runner.close()
-    per_sample = wpc * max(float(np.median(runs)) / n_probe, 1e-9)  # joules
-    n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
+    return rows, ask.wpc * max(float(np.median(runs)) / n_probe, 1e-9)
+
+
+def _predict(ask: _Ask, rows: list[Candidate], per_sample: float) -> tuple[_Prices, float]:
+    """Each phase's predicted joules, and what is sure to be spent (+ one batch of the job):
+    engines expensive to prepare are priced when they come up (and skipped when the job is too
+    small for them or the budget cannot pay: _dominated, _unaffordable)."""
+    x, bundle = ask.x, ask.bundle
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
+    n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
     stored = oracle_answers.applies(bundle) and bundle.has(ORACLE)  # then only a spot check runs
-    pred_oracle = per_sample * (SPOT_CHECK_SAMPLES if stored else len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
-    pred_prepare = {r.name: per_sample * (len(x) + n_agree) + wpc * float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0))
-                    for r in todo}
-    hints = {r.name: float(getattr(by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
-    # what is sure to be spent: engines expensive to prepare are priced when they come up (and
-    # skipped when the job is too small for them or the budget cannot pay: _dominated)
-    likely = [r for r in (others or todo) if forced or measure_all or hints[r.name] < EXPENSIVE_PREPARE_S] \
+    oracle = per_sample * (SPOT_CHECK_SAMPLES if stored else len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
+    hints = {r.name: float(getattr(ask.by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
+    prepare = {r.name: per_sample * (len(x) + n_agree) + ask.wpc * hints[r.name] for r in todo}
+    likely = [r for r in (others or todo) if ask.forced or ask.measure_all or hints[r.name] < EXPENSIVE_PREPARE_S] \
         or (others or todo)
-    pred_timing = per_sample * len(x) * (repeats + 1) * len(likely) * threads
-    predicted = pred_oracle + sum(pred_prepare[r.name] for r in likely) + pred_timing
-    meter.before("selection", predicted + per_sample * batch_size)  # + one batch of the job
-    with measured(meter, "agreement", pred_oracle, clocks=clocks) as ph:
-        oracle = Oracle(bundle, x, logits=logits)
-        if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
-            oracle.rounding_sensitivity()
-    spent += ph.joules
-    runners: dict[tuple[str, int], Runner] = {}
-    check_rate: dict[str, float] = {}  # CPU-s per image of each engine's check runs
+    timing = per_sample * len(x) * (ask.repeats + 1) * len(likely) * ask.threads
+    upfront = oracle + sum(prepare[r.name] for r in likely) + timing + per_sample * len(x)
+    return _Prices(per_sample, oracle, prepare, timing, hints), upfront
+
+
+def _prepare_and_check(ask: _Ask, rows: list[Candidate], oracle: Oracle, prices: _Prices,
+                       ledger: _Ledger) -> _Prepared:
+    """Prepare each candidate and check it against the oracle, cheapest to prepare first; an
+    engine expensive to prepare is skipped when dominated or unaffordable. The reference (~25x
+    slower, never the winner) is prepared and timed only when nothing else is correct: its
+    agreement is already the oracle's."""
+    out = _Prepared()
+    todo = [r for r in rows if r.available]
+    others = [r for r in todo if r.name != "reference"]
 
     def prepare_and_check(row: Candidate) -> None:
-        nonlocal spent
-        engine = by_name[row.name]
+        engine = ask.by_name[row.name]
         assert engine is not None
-        with measured(meter, f"prepare:{row.name}", pred_prepare[row.name], clocks=clocks) as ph:
+        with ledger.phase(f"prepare:{row.name}", prices.prepare[row.name]) as ph:
             try:
-                c0, w0 = clocks.cpu(), clocks.wall()
-                runner = engine.prepare(bundle, threads=threads)
-                row.prepare_cpu_s, row.prepare_s = clocks.cpu() - c0, clocks.wall() - w0
-                row.prepare_j = row.prepare_cpu_s * wpc
-                runners[(row.name, threads)] = runner
-                c1 = clocks.cpu()
+                c0, w0 = ask.clocks.cpu(), ask.clocks.wall()
+                runner = engine.prepare(ask.bundle, threads=ask.threads)
+                row.prepare_cpu_s, row.prepare_s = ask.clocks.cpu() - c0, ask.clocks.wall() - w0
+                row.prepare_j = row.prepare_cpu_s * ask.wpc
+                out.runners[(row.name, ask.threads)] = runner
+                c1 = ask.clocks.cpu()
                 oracle.check(runner, row)
-                check_rate[row.name] = (clocks.cpu() - c1) / oracle.images_per_check()
+                out.check_rate[row.name] = (ask.clocks.cpu() - c1) / oracle.images_per_check()
             except Exception as exc:  # one failing engine is a row in the table, not a crash
                 row.error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
                 row.correct = False
-        spent += ph.joules
         row.peak_mb = round(ph.peak_mb, 1) if np.isfinite(ph.peak_mb) else None
-        row.threads = threads
+        row.threads = ask.threads
 
-    # the reference (~25x slower, never the winner) is prepared and timed only when nothing
-    # else is correct: its agreement is already the oracle's
-    for row in sorted(others, key=lambda r: hints[r.name]) if not forced else todo:  # cheapest first
-        why = None if forced or measure_all else (_dominated(row, hints[row.name], rows, check_rate, images)
-                                   or _unaffordable(meter, row.name, hints[row.name], pred_prepare[row.name]))
+    if ask.forced:
+        for row in todo:
+            prepare_and_check(row)
+        return out
+    for row in sorted(others, key=lambda r: prices.hints[r.name]):
+        hint = prices.hints[row.name]
+        why = None if ask.measure_all else (_dominated(row, hint, rows, out.check_rate, ask.images)
+                                            or _unaffordable(ask.meter, row.name, hint, prices.prepare[row.name]))
         if why:
             row.reason += f"; not prepared: {why}"
             continue
         prepare_and_check(row)
     ref = _row(todo, "reference")
-    if not forced and ref is not None and others:
-        if any(r.correct for r in others):
-            ref.reason += "; not timed: another engine is correct"
-        else:
-            prepare_and_check(ref)
-    elif not forced and ref is not None:
+    if ref is not None and others and any(r.correct for r in others):
+        ref.reason += "; not timed: another engine is correct"
+    elif ref is not None:
         prepare_and_check(ref)
-    # other thread counts of cheaply prepared engines (XNNPACK's pool: 1 thread can beat 2
-    # on a busy machine, and always costs less CPU)
+    return out
+
+
+def _add_thread_variants(ask: _Ask, rows: list[Candidate], prepared: _Prepared) -> None:
+    """Other thread counts of cheaply prepared correct engines (XNNPACK's pool: 1 thread can
+    beat 2 on a busy machine, and always costs less CPU)."""
     for row in rows:
-        if row.correct and (row.name, threads) in runners and threads > 1 and (row.prepare_cpu_s or 0) < VARIANT_PREPARE_MAX_S:
-            engine = by_name[row.name]
-            assert engine is not None
-            for t in range(1, threads):
-                try:
-                    runners[(row.name, t)] = engine.prepare(bundle, threads=t)
-                except Exception as exc:  # keep the thread count that worked
-                    _log.warning("%s with %d threads: %s", row.name, t, exc)
-    timed = {k: r for k, r in runners.items() if (c := _row(rows, k[0])) is not None and not c.error
-             and (c.correct or forced)}
+        if not (row.correct and (row.name, ask.threads) in prepared.runners and ask.threads > 1
+                and (row.prepare_cpu_s or 0) < VARIANT_PREPARE_MAX_S):
+            continue
+        engine = ask.by_name[row.name]
+        assert engine is not None
+        for t in range(1, ask.threads):
+            try:
+                prepared.runners[(row.name, t)] = engine.prepare(ask.bundle, threads=t)
+            except Exception as exc:  # keep the thread count that worked
+                _log.warning("%s with %d threads: %s", row.name, t, exc)
+
+
+def _time(ask: _Ask, rows: list[Candidate], prepared: _Prepared, prices: _Prices, ledger: _Ledger) -> None:
+    """Time the correct engines (a forced one whatever its verdict) side by side, and fill
+    each row's costs at its cheapest thread count."""
+    timed = {k: r for k, r in prepared.runners.items() if (c := _row(rows, k[0])) is not None and not c.error
+             and (c.correct or ask.forced)}
+    spreads: dict[tuple[str, int], float] = {}
     try:
-        with measured(meter, "timing", pred_timing, clocks=clocks) as ph:
-            spreads: dict[tuple[str, int], float] = {}
-            seconds = time_rounds(timed, x, repeats=repeats, clocks=clocks, spread=spreads)
-        spent += ph.joules
+        with ledger.phase("timing", prices.timing):
+            seconds = time_rounds(timed, ask.x, repeats=ask.repeats, clocks=ask.clocks, spread=spreads)
     except EdgeAgentError:
         raise
     except Exception as exc:  # a runner that checked fine but fails when timed
         raise EngineUnavailableError(f"timing the int8 engines failed: {type(exc).__name__}: {exc}") from exc
+    batch, wpc = ask.batch_size, ask.wpc
     for row in rows:
         mine = {t: v for (n, t), v in seconds.items() if n == row.name}
         if not mine:
             continue
-        row.by_threads = {str(t): round(cpu / batch_size * wpc, 9) for t, (_, cpu) in sorted(mine.items())}
-        best = min(mine, key=lambda t: (round(mine[t][1] / batch_size * wpc, 6), mine[t][0]))
+        row.by_threads = {str(t): round(cpu / batch * wpc, 9) for t, (_, cpu) in sorted(mine.items())}
+        best = min(mine, key=lambda t: (round(mine[t][1] / batch * wpc, 6), mine[t][0]))
         wall, cpu = mine[best]
         row.threads = best
         row.per_image_spread = spreads.get((row.name, best))
-        row.latency_ms, row.images_per_s = wall * 1000.0, batch_size / wall
-        row.per_image_s, row.per_image_cpu_s = wall / batch_size, cpu / batch_size
+        row.latency_ms, row.images_per_s = wall * 1000.0, batch / wall
+        row.per_image_s, row.per_image_cpu_s = wall / batch, cpu / batch
         row.per_image_j = row.per_image_cpu_s * wpc
         row.predicted_j = {str(n): round(predict_job(row, n)[0], 3) for n in PREDICT_IMAGES}
-    selection = Selection(None, rows, key, batch_size, forced=bool(forced), images=images,
+
+
+def _decide(ask: _Ask, rows: list[Candidate], prepared: _Prepared) -> Selection:
+    """The forced engine (if it may run), else the correct one with the least predicted job
+    energy (ties within noise settled by engine_cost.choose); with the notes saying how."""
+    images, cap = ask.images, ask.mem_cap_mb
+    selection = Selection(None, rows, ask.key, ask.batch_size, forced=bool(ask.forced), images=images,
                           created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    if forced:
-        row = selection.candidate(forced)
-        if row is None or (forced, threads) not in runners or row.error:
-            why = (row.error or row.reason) if row else "not loaded"
-            raise EngineUnavailableError(f"{ENV_FORCE_BACKEND}={forced}: engine cannot run this model: {why}")
-        if not row.correct:
-            what = disagreement(row)
-            if env.get(ENV_FORCE_WRONG, "").strip() not in ("1", "true", "yes"):
-                raise EngineUnavailableError(
-                    f"{ENV_FORCE_BACKEND}={forced}: the engine disagrees with the reference on this model "
-                    f"({what}), so it is not run; --force-engine ({ENV_FORCE_WRONG}=1) runs it anyway")
-            note = f"forced engine {forced} disagrees with the reference ({what}); used anyway ({ENV_FORCE_WRONG}=1)"
-            _log.warning("%s", note)
-            selection.notes.append(note)
-        selection.chosen = forced
+    if ask.forced:
+        selection.chosen = _forced_choice(ask, selection, prepared)
     else:
-        best_row = choose(rows, images, mem_cap_mb) or choose(rows, images)
+        best_row = choose(rows, images, cap) or choose(rows, images)
         if best_row is None:
             raise EngineUnavailableError("no int8 engine is both available and correct here: " + "; ".join(
                 f"{c.name}: {c.error or c.reason}" + (f" ({disagreement(c)})" if c.correct is False and not c.error else "")
                 for c in rows))
-        if mem_cap_mb is not None and choose(rows, images, mem_cap_mb) is None:
-            selection.notes.append(f"no correct engine fits the {mem_cap_mb:g} MB memory cap; cheapest used")
+        if cap is not None and choose(rows, images, cap) is None:
+            selection.notes.append(f"no correct engine fits the {cap:g} MB memory cap; cheapest used")
         selection.chosen = best_row.name
-        note = choice_margin_note(rows, images, selection.chosen, mem_cap_mb) or choice_margin_note(rows, images, selection.chosen)
+        note = choice_margin_note(rows, images, best_row.name, cap) or choice_margin_note(rows, images, best_row.name)
         if note:
             selection.notes.append(note)
-        selection.chosen_for = {str(n): (choose(rows, n, mem_cap_mb) or best_row).name for n in PREDICT_IMAGES}
+        selection.chosen_for = {str(n): (choose(rows, n, cap) or best_row).name for n in PREDICT_IMAGES}
     chosen_row = selection.candidate(selection.chosen)
     if chosen_row is not None:  # how the chosen engine was judged, in the job's report too
         selection.notes.extend(evidence_notes(chosen_row))
-    selection.threads = chosen_row.threads if chosen_row is not None and chosen_row.threads else threads
-    selection.energy_j = spent
+    selection.threads = chosen_row.threads if chosen_row is not None and chosen_row.threads else ask.threads
     for row in rows:
         row.chosen = row.name == selection.chosen
-    chosen_runner = runners.get((selection.chosen, selection.threads)) if selection.chosen else None
-    if not forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
-        selection.share = SharedChoice(kind_of(key), chosen_row.name, selection.threads, batch_size,
+    return selection
+
+
+def _forced_choice(ask: _Ask, selection: Selection, prepared: _Prepared) -> str:
+    """The forced engine, if it runs and agrees (or --force-engine says to run it anyway)."""
+    forced = ask.forced
+    assert forced is not None
+    row = selection.candidate(forced)
+    if row is None or (forced, ask.threads) not in prepared.runners or row.error:
+        why = (row.error or row.reason) if row else "not loaded"
+        raise EngineUnavailableError(f"{ENV_FORCE_BACKEND}={forced}: engine cannot run this model: {why}")
+    if not row.correct:
+        what = disagreement(row)
+        if ask.env.get(ENV_FORCE_WRONG, "").strip() not in ("1", "true", "yes"):
+            raise EngineUnavailableError(
+                f"{ENV_FORCE_BACKEND}={forced}: the engine disagrees with the reference on this model "
+                f"({what}), so it is not run; --force-engine ({ENV_FORCE_WRONG}=1) runs it anyway")
+        note = f"forced engine {forced} disagrees with the reference ({what}); used anyway ({ENV_FORCE_WRONG}=1)"
+        _log.warning("%s", note)
+        selection.notes.append(note)
+    return forced
+
+
+def _record(ask: _Ask, selection: Selection, prepared: _Prepared, *, keep_runner: bool
+            ) -> tuple[Selection, Runner | None]:
+    """What this device would share (a measured, unforced choice), the cache, and the chosen
+    runner kept (with `keep_runner`); every other runner closed."""
+    chosen_row = selection.candidate(selection.chosen) if selection.chosen else None
+    chosen_runner = prepared.runners.get((selection.chosen, selection.threads)) if selection.chosen else None
+    if not ask.forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
+        selection.share = SharedChoice(kind_of(ask.key), chosen_row.name, selection.threads, ask.batch_size,
                                        chosen_row.latency_ms, chosen_row.per_image_cpu_s or 1e-9,
-                                       output_fingerprint(chosen_runner, bundle.calibration())).to_json()
-    if not forced and path is not None:
-        atomic_write_json(path, selection.to_json())
-        selection.cache_file = str(path)
-    keep = runners.pop((selection.chosen, selection.threads), None) if keep_runner and selection.chosen else None
-    for runner in runners.values():
+                                       output_fingerprint(chosen_runner, ask.bundle.calibration())).to_json()
+    if not ask.forced and ask.path is not None:
+        atomic_write_json(ask.path, selection.to_json())
+        selection.cache_file = str(ask.path)
+    keep = prepared.runners.pop((selection.chosen, selection.threads), None) if keep_runner and selection.chosen else None
+    for runner in prepared.runners.values():
         runner.close()
     return selection, keep
+
 
 def _dominated(row: Candidate, hint_s: float, rows: list[Candidate], check_rate: Mapping[str, float],
                images: int) -> str | None:
