@@ -300,7 +300,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--state-dir", metavar="DIR",
                    help="checkpoints, head.params and report.json (default: one per model+data under "
                         "$XDG_STATE_HOME/edge-agent/finetune)")
-    s.add_argument("--cache-dir", metavar="DIR", help="feature cache and engine choice (default: STATE_DIR/cache)")
+    s.add_argument("--cache-dir", metavar="DIR",
+                   help="feature cache and engine choice (default: features in STATE_DIR/cache, the engine choice in "
+                        "the directory `kernels --bench` shares: $EDGE_AGENT_STATE_DIR, else /var/lib/edge-agent if "
+                        "writable, else ~/.local/state/edge-agent)")
     s.add_argument("--checkpoint-every", type=_positive(int), default=50, metavar="N", help="steps (default 50)")
     o = p.add_argument_group("device")
     o.add_argument("--engine", help="force an int8 engine (tflite, native, mxnet-onednn, reference, edgetpu); "

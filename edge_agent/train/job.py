@@ -7,7 +7,7 @@ it is what `edge-agent finetune` runs in-process and what the agent daemon runs 
 process. Everything it needs to continue lives in `state_dir`:
 
     state_dir/lock             flock: one job per state directory
-    state_dir/job.json         status (running / done), model, data, stop reason
+    state_dir/job.json         status (running / done / stopped / refused), model, data, stop reason
     state_dir/checkpoints/     ckpt-<seq>.ckpt (the newest two; see checkpoints.py)
     state_dir/head.params      the trained head, MXNet ndarray format (as in a bundle)
     state_dir/report.json      the last report
@@ -344,7 +344,7 @@ class _Job(DepthPlanning, JobReport):
         used_before = gov.charge_overhead()
         cpu_start = time.process_time()
         # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
-        from ..int8.engine_cost import SelectionStopped
+        from ..int8.engine_cost import BudgetTooSmallError, SelectionStopped
         from .dense_head import numpy_head_logits
 
         try:
@@ -357,6 +357,10 @@ class _Job(DepthPlanning, JobReport):
                 logits=numpy_head_logits(bundle))  # no MXNet for the top-1 check of a tail numpy computes
         except SelectionStopped as exc:  # the budget ran out choosing the engine: a stop, not a failure
             return self._stopped_in_selection(bundle, dataset, prof, str(exc))
+        except BudgetTooSmallError as exc:  # refused before the selection was spent: nothing left running
+            atomic_write_json(self.state / JOB_FILE, {"status": "refused", "stop_reason": "budget-too-small",
+                                                      "detail": str(exc)[:500], "model": a["model"]})
+            raise
         assert runner is not None
         self.selection_j = gov.charge_overhead() - used_before
         self.selection_cached = bool(selection.cached)

@@ -158,6 +158,10 @@ def test_a_budget_smaller_than_selection_stops_before_starting(bundle_dir: Path,
         _job(bundle_dir, data, tmp_path, clock, budget_wh)
     assert err.value.exit_code == EXIT_USAGE
     assert clock.work_steps == 2  # only the probe (a warm-up image, then 3 x 4 priced) was spent
+    import json
+
+    job = json.loads((tmp_path / "state" / "job.json").read_text())  # not left "running" with a dead pid
+    assert job["status"] == "refused" and job["stop_reason"] == "budget-too-small", job
 
 
 def test_a_first_job_pays_for_selection_within_its_budget(bundle_dir: Path, data: Path, tmp_path: Path) -> None:
