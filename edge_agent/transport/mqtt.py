@@ -73,6 +73,23 @@ class Received:
     received_at: float
 
 
+
+class _PahoLog:
+    """paho's log lines, less one: "Client is not connected" from paho's network thread when
+    it runs once more after the session ended (our disconnect, or the broker's). That is
+    benign, but paho logs it at ERROR, and a clean SIGTERM logged it now and then (CI)."""
+
+    def __init__(self, logger: logging.Logger, winding_down: threading.Event) -> None:
+        self.logger, self.winding_down = logger, winding_down
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        if self.winding_down.is_set() and str(msg).startswith("Client is not connected"):
+            level = logging.DEBUG
+        self.logger.log(level, msg, *args)
+
+    def __getattr__(self, name: str) -> Any:  # anything else paho asks of a Logger
+        return getattr(self.logger, name)
+
 class MqttClient:
     """One MQTT connection kept alive in the background. Keyword-only, validated arguments."""
 
@@ -146,7 +163,8 @@ class MqttClient:
                         protocol=paho.MQTTv311, reconnect_on_failure=False)
         c.connect_timeout = connect_timeout
         c.max_queued_messages_set(max_queued)
-        c.enable_logger(self._log.getChild("paho"))
+        self._winding_down = threading.Event()  # between leaving a session and paho's thread joined
+        c.enable_logger(_PahoLog(self._log.getChild("paho"), self._winding_down))  # type: ignore[arg-type]
         if username is not None:
             c.username_pw_set(username, password)
         if tls is not None:
@@ -244,10 +262,12 @@ class MqttClient:
                     self._log.warning("mqtt %s: no session after %d s; reconnecting", self.client_id, self.keepalive)
                     woke = False
                     break
+            self._winding_down.set()
             if self._stop.is_set() or not woke:
                 with self._lock:
                     self._client.disconnect()  # paho's loop only ends with unacked messages once the socket closes
             self._client.loop_stop()  # joins paho's network thread
+            self._winding_down.clear()
             self._set_down()
             if self._stop.is_set():
                 break
