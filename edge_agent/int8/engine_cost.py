@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import EdgeAgentError, UsageError
+from ..errors import EXIT_UNAVAILABLE, EdgeAgentError, UsageError
 
 # An engine may agree with fp32 on this many fewer samples, as a fraction, than the
 # reference (0.5 points, the issue's figure), but always on one sample fewer: with the
@@ -81,6 +81,12 @@ class BudgetTooSmallError(EdgeAgentError):
     """The energy budget cannot pay for engine selection plus one training step."""
 
     exit_code = UsageError.exit_code
+
+
+class EngineUnavailableError(EdgeAgentError):
+    """No engine (or not the forced one) can run this model here."""
+
+    exit_code = EXIT_UNAVAILABLE
 
 
 class SelectionStopped(EdgeAgentError):

@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_agent.errors import EXIT_USAGE
-from edge_agent.int8 import agreement
+from edge_agent.int8 import agreement, selection_measure
 from edge_agent.int8 import engine_cost as ec
 from edge_agent.int8 import selection as sel
 from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.engine import Availability, Int8Engine, Runner
 from edge_agent.int8.engines.reference import QGraphRunner
+from edge_agent.int8.oracle_answers import SPOT_CHECK_SAMPLES
 from edge_agent.sim import scenario as demo
 from edge_agent.train.job import run_finetune
 from tests.unit.test_finetune_governor import STEP_J, Board, BoardClock
@@ -114,7 +115,7 @@ def test_a_cached_choice_is_rechecked_and_falls_back_under_contention(bundle_dir
     """Selection's clocks are virtual: under `taskset -c 0` with three CPU hogs the old
     version, which compared two real wall-clock figures against RECHECK_FACTOR, failed 3/3."""
     monkeypatch.setattr(sel, "thread_count", lambda _t: 2)  # two threads whatever this machine has
-    monkeypatch.setattr(sel, "AGREEMENT_MAX_SAMPLES", 32)  # the verdict is not under test here
+    monkeypatch.setattr(selection_measure, "AGREEMENT_MAX_SAMPLES", 32)  # the verdict is not under test here
     monkeypatch.setattr(agreement, "AGREEMENT_MAX_SAMPLES", 32)  # (the Oracle's samples; sel's prices them)
     bundle = load_bundle(bundle_dir)
     virtual = VirtualTime()
@@ -274,7 +275,7 @@ def test_the_selection_cost_is_predicted_from_the_probes_cpu_time_not_the_meters
     """One bundle's selection was predicted at 0.0013-0.42 Wh (~0.005 Wh actual) from a
     few-millisecond probe priced by the meter. Now: CPU time of the probe, median of
     PROBE_REPEATS runs, x watts per CPU; the meter's figures only charge the budget."""
-    monkeypatch.setattr(sel, "AGREEMENT_MAX_SAMPLES", 32)
+    monkeypatch.setattr(selection_measure, "AGREEMENT_MAX_SAMPLES", 32)
     monkeypatch.setattr(agreement, "AGREEMENT_MAX_SAMPLES", 32)
     bundle = load_bundle(bundle_dir)
     wpc, batch, repeats = 2.0, 4, 2
@@ -290,7 +291,7 @@ def test_the_selection_cost_is_predicted_from_the_probes_cpu_time_not_the_meters
     per_sample = wpc * PricedReference.PER_IMAGE_S  # the median run: the 50x one left out
     n_agree = min(len(bundle.calibration()), 32)
     assert bundle.has("oracle.npz")  # the reference's answers came with the bundle: a spot check is left
-    expected = (per_sample * sel.SPOT_CHECK_SAMPLES  # the oracle
+    expected = (per_sample * SPOT_CHECK_SAMPLES  # the oracle
                 + per_sample * (batch + n_agree) + wpc * 1.0  # preparing and checking the one other engine
                 + per_sample * batch * (repeats + 1)  # timing it
                 + per_sample * batch)  # and one batch of the job

@@ -1,0 +1,425 @@
+"""Measuring the engines on this device: the steps `select_engine` runs when neither a
+cached nor a fleet-shared choice can be used.
+
+    probe (availability, the reference's price per sample) -> predict (the budget may refuse)
+    -> the oracle -> prepare and check (cheapest first, dominated ones skipped) -> thread
+    variants -> time the correct ones -> decide -> record (cache, what to share)
+
+Each step is a function over one `Ask` (the inputs, never written by a step) and a
+`_Ledger` (the joules each metered phase cost); `measure` runs them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import atomic_write_json
+from ..errors import EdgeAgentError
+from . import engines as registry
+from . import oracle_answers
+from .agreement import (
+    ROUNDING_SAMPLES,
+    ROUNDING_SEEDS,
+    Oracle,
+    check_batch_for,
+    disagreement,
+    evidence_notes,
+)
+from .bundle import ORACLE
+from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
+from .engine_cost import (
+    AGREEMENT_MAX_SAMPLES,
+    Clocks,
+    EngineUnavailableError,
+    Meter,
+    SelectionStopped,
+    choice_margin_note,
+    choose,
+    measured,
+    predict_job,
+    time_rounds,
+)
+from .oracle_answers import SPOT_CHECK_SAMPLES
+from .selection_cache import Candidate, Selection
+from .shared_choice import SharedChoice, kind_of, output_fingerprint
+
+_log = logging.getLogger(__name__)
+
+PROBE_SAMPLES = 4  # priced after a warm-up call: one cold image cost ~200x a warm one
+PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose median CPU time prices a sample
+# What the first probe phase (engine availability, the bundle's graph, one cold reference
+# image) is predicted to cost before anything is measured: ~0.08 CPU-s for the demo bundle on
+# a Zen 2 core and several times that on a Cortex-A72, so a budget below it is refused
+# before it is spent instead of overrun by the probe
+PROBE_PREDICT_CPU_S = 0.5
+VARIANT_PREPARE_MAX_S = 2.0  # other thread counts are tried for engines this cheap to prepare
+# An engine whose class says it costs at least this many CPU-seconds to prepare (its
+# prepare_cpu_s_hint: mxnet-onednn, 6 s) is prepared last, and only when the job could pay for
+# it: not when preparing it alone would cost more than the whole job on an engine already
+# checked. Its prepare is taken at PREPARE_HINT_LOW x the hint (measured 2.9-3.3 CPU-s on an
+# EPYC core, half its hint; a faster core may do better), the checked engine's job at the
+# per-image CPU of its check runs (cold, so an over-estimate): both err towards preparing.
+EXPENSIVE_PREPARE_S = 2.0
+PREPARE_HINT_LOW = 0.25
+PREDICT_IMAGES = (100, 1000, 10000)
+
+
+def _row(rows: list[Candidate], name: str) -> Candidate | None:
+    return next((c for c in rows if c.name == name), None)
+
+
+def load_engines(names: list[str]) -> list[tuple[str, Int8Engine | None]]:
+    out: list[tuple[str, Int8Engine | None]] = []
+    for name in names:
+        try:
+            out.append((name, registry.load_engine(name)))
+        except KeyError:
+            out.append((name, None))
+    return out
+
+
+def availability_report(preference: list[str] | None = None, probe: dict[str, Any] | None = None,
+                        *, engines: list[tuple[str, Int8Engine | None]] | None = None) -> list[Candidate]:
+    """Every candidate's availability (or why not), errors caught: nothing is prepared."""
+    rows = []
+    for name, engine in engines if engines is not None else load_engines(registry.candidates(preference)):
+        if engine is None:
+            rows.append(Candidate(name, False, f"unknown engine (known: {', '.join(registry.engine_names())})"))
+            continue
+        try:
+            avail = engine.availability(probe)
+            rows.append(Candidate(name, bool(avail.available), avail.reason,
+                                  prepare_cpu_s_hint=float(getattr(engine, "prepare_cpu_s_hint", 1.0))))
+        except Exception as exc:  # a probing engine must never take the others down
+            rows.append(Candidate(name, False, f"availability check failed: {type(exc).__name__}: {exc}"))
+    return rows
+
+
+@dataclass
+class Ask:
+    """What one selection is asked: the inputs every step reads (never writes)."""
+
+    bundle: Any
+    by_name: dict[str, Int8Engine | None]
+    rows_from: list[tuple[str, Int8Engine | None]]  # the candidates, in preference order
+    probe: dict[str, Any]
+    key: dict[str, Any]
+    path: Path | None
+    batch_size: int
+    threads: int
+    images: int
+    repeats: int
+    mem_cap_mb: float | None
+    forced: str | None
+    env: Mapping[str, str]
+    measure_all: bool
+    wpc: float
+    meter: Meter
+    clocks: Clocks
+    logits: Callable[[np.ndarray], np.ndarray] | None
+
+    @functools.cached_property
+    def x(self) -> np.ndarray:
+        """The check batch: the bundle's first calibration samples at the job's batch size
+        (read only when something is measured: a cached choice needs none)."""
+        return check_batch_for(self.bundle, self.batch_size)
+
+
+class _Ledger:
+    """The joules each metered phase cost (the meter may refuse a phase before it starts)."""
+
+    def __init__(self, ask: Ask) -> None:
+        self.ask, self.spent = ask, 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str, predicted_j: float = 0.0) -> Iterator[Any]:
+        with measured(self.ask.meter, name, predicted_j, clocks=self.ask.clocks) as ph:
+            yield ph
+        self.spent += ph.joules
+
+
+@dataclass
+class _Prices:
+    """Predicted joules of the phases to come, from the probe's per-sample price."""
+
+    per_sample: float
+    oracle: float
+    prepare: dict[str, float]
+    timing: float
+    hints: dict[str, float]  # the engines' prepare_cpu_s_hint
+
+
+@dataclass
+class _Prepared:
+    runners: dict[tuple[str, int], Runner] = field(default_factory=dict)
+    check_rate: dict[str, float] = field(default_factory=dict)  # CPU-s per image of each engine's check runs
+
+
+def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
+    """Every step, in order (module doc)."""
+    ledger = _Ledger(ask)
+    rows, per_sample = _probe(ask, ledger)
+    prices, upfront = _predict(ask, rows, per_sample)
+    ask.meter.before("selection", upfront)
+    with ledger.phase("agreement", prices.oracle):
+        oracle = Oracle(ask.bundle, ask.x, logits=ask.logits)
+        if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
+            oracle.rounding_sensitivity()
+    prepared = _prepare_and_check(ask, rows, oracle, prices, ledger)
+    _add_thread_variants(ask, rows, prepared)
+    _time(ask, rows, prepared, prices, ledger)
+    selection = _decide(ask, rows, prepared)
+    selection.energy_j = ledger.spent
+    return _record(ask, selection, prepared, keep_runner=keep_runner)
+
+
+def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float]:
+    """Which engines can run here, and the reference's price per sample (joules), so that a
+    budget too small for the selection is refused before it is spent."""
+    from .engines.reference import ReferenceEngine
+
+    forced = ask.forced
+    ask.meter.before("selection-probe", ask.wpc * PROBE_PREDICT_CPU_S)  # nothing measured yet: a budget below the probe stops here
+    with ledger.phase("probe") as ph:  # (just checked above) the first call pays one-off costs ...
+        # which engines can run here: cheap by contract (Int8Engine.availability), and metered
+        # with the probe all the same; a forced engine is the only one asked
+        rows = availability_report(probe=ask.probe, engines=[(n, e) for n, e in ask.rows_from if not forced or n == forced])
+        if forced:
+            rows += [Candidate(n, False, f"not tried: {ENV_FORCE_BACKEND}={forced}") for n, _ in ask.rows_from if n != forced]
+        probe_runner = (ask.by_name.get("reference") or ReferenceEngine()).prepare(ask.bundle)
+        probe_runner.run(ask.x[:1])
+    n_probe = min(len(ask.x), PROBE_SAMPLES)
+    # ... so the per-sample price comes from the runs after it: CPU-seconds (the median of
+    # PROBE_REPEATS runs) x watts per CPU. Not the meter's joules: a power source read around a
+    # few milliseconds (a sensor, or /proc/stat's 10 ms jiffies with every process's load in
+    # them) predicted 0.0013-0.42 Wh for a selection that cost ~0.005 Wh. The phase itself is
+    # predicted at the cold image's CPU time, which buys ~200 warm ones.
+    with ledger.phase("probe", ask.wpc * ph.cpu_s):
+        runs = []
+        for _ in range(PROBE_REPEATS):
+            c0 = ask.clocks.cpu()
+            probe_runner.run(ask.x[:n_probe])
+            runs.append(ask.clocks.cpu() - c0)
+    probe_runner.close()
+    return rows, ask.wpc * max(float(np.median(runs)) / n_probe, 1e-9)
+
+
+def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Prices, float]:
+    """Each phase's predicted joules, and what is sure to be spent (+ one batch of the job):
+    engines expensive to prepare are priced when they come up (and skipped when the job is too
+    small for them or the budget cannot pay: _dominated, _unaffordable)."""
+    x, bundle = ask.x, ask.bundle
+    todo = [r for r in rows if r.available]
+    others = [r for r in todo if r.name != "reference"]
+    n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
+    stored = oracle_answers.applies(bundle) and bundle.has(ORACLE)  # then only a spot check runs
+    oracle = per_sample * (SPOT_CHECK_SAMPLES if stored else len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
+    hints = {r.name: float(getattr(ask.by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
+    prepare = {r.name: per_sample * (len(x) + n_agree) + ask.wpc * hints[r.name] for r in todo}
+    likely = [r for r in (others or todo) if ask.forced or ask.measure_all or hints[r.name] < EXPENSIVE_PREPARE_S] \
+        or (others or todo)
+    timing = per_sample * len(x) * (ask.repeats + 1) * len(likely) * ask.threads
+    upfront = oracle + sum(prepare[r.name] for r in likely) + timing + per_sample * len(x)
+    return _Prices(per_sample, oracle, prepare, timing, hints), upfront
+
+
+def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: _Prices,
+                       ledger: _Ledger) -> _Prepared:
+    """Prepare each candidate and check it against the oracle, cheapest to prepare first; an
+    engine expensive to prepare is skipped when dominated or unaffordable. The reference (~25x
+    slower, never the winner) is prepared and timed only when nothing else is correct: its
+    agreement is already the oracle's."""
+    out = _Prepared()
+    todo = [r for r in rows if r.available]
+    others = [r for r in todo if r.name != "reference"]
+
+    def prepare_and_check(row: Candidate) -> None:
+        engine = ask.by_name[row.name]
+        assert engine is not None
+        with ledger.phase(f"prepare:{row.name}", prices.prepare[row.name]) as ph:
+            try:
+                c0, w0 = ask.clocks.cpu(), ask.clocks.wall()
+                runner = engine.prepare(ask.bundle, threads=ask.threads)
+                row.prepare_cpu_s, row.prepare_s = ask.clocks.cpu() - c0, ask.clocks.wall() - w0
+                row.prepare_j = row.prepare_cpu_s * ask.wpc
+                out.runners[(row.name, ask.threads)] = runner
+                c1 = ask.clocks.cpu()
+                oracle.check(runner, row)
+                out.check_rate[row.name] = (ask.clocks.cpu() - c1) / oracle.images_per_check()
+            except Exception as exc:  # one failing engine is a row in the table, not a crash
+                row.error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                row.correct = False
+        row.peak_mb = round(ph.peak_mb, 1) if np.isfinite(ph.peak_mb) else None
+        row.threads = ask.threads
+
+    if ask.forced:
+        for row in todo:
+            prepare_and_check(row)
+        return out
+    for row in sorted(others, key=lambda r: prices.hints[r.name]):
+        hint = prices.hints[row.name]
+        why = None if ask.measure_all else (_dominated(row, hint, rows, out.check_rate, ask.images)
+                                            or _unaffordable(ask.meter, row.name, hint, prices.prepare[row.name]))
+        if why:
+            row.reason += f"; not prepared: {why}"
+            continue
+        prepare_and_check(row)
+    ref = _row(todo, "reference")
+    if ref is not None and others and any(r.correct for r in others):
+        ref.reason += "; not timed: another engine is correct"
+    elif ref is not None:
+        prepare_and_check(ref)
+    return out
+
+
+def _add_thread_variants(ask: Ask, rows: list[Candidate], prepared: _Prepared) -> None:
+    """Other thread counts of cheaply prepared correct engines (XNNPACK's pool: 1 thread can
+    beat 2 on a busy machine, and always costs less CPU)."""
+    for row in rows:
+        if not (row.correct and (row.name, ask.threads) in prepared.runners and ask.threads > 1
+                and (row.prepare_cpu_s or 0) < VARIANT_PREPARE_MAX_S):
+            continue
+        engine = ask.by_name[row.name]
+        assert engine is not None
+        for t in range(1, ask.threads):
+            try:
+                prepared.runners[(row.name, t)] = engine.prepare(ask.bundle, threads=t)
+            except Exception as exc:  # keep the thread count that worked
+                _log.warning("%s with %d threads: %s", row.name, t, exc)
+
+
+def _time(ask: Ask, rows: list[Candidate], prepared: _Prepared, prices: _Prices, ledger: _Ledger) -> None:
+    """Time the correct engines (a forced one whatever its verdict) side by side, and fill
+    each row's costs at its cheapest thread count."""
+    timed = {k: r for k, r in prepared.runners.items() if (c := _row(rows, k[0])) is not None and not c.error
+             and (c.correct or ask.forced)}
+    spreads: dict[tuple[str, int], float] = {}
+    try:
+        with ledger.phase("timing", prices.timing):
+            seconds = time_rounds(timed, ask.x, repeats=ask.repeats, clocks=ask.clocks, spread=spreads)
+    except EdgeAgentError:
+        raise
+    except Exception as exc:  # a runner that checked fine but fails when timed
+        raise EngineUnavailableError(f"timing the int8 engines failed: {type(exc).__name__}: {exc}") from exc
+    batch, wpc = ask.batch_size, ask.wpc
+    for row in rows:
+        mine = {t: v for (n, t), v in seconds.items() if n == row.name}
+        if not mine:
+            continue
+        row.by_threads = {str(t): round(cpu / batch * wpc, 9) for t, (_, cpu) in sorted(mine.items())}
+        best = min(mine, key=lambda t: (round(mine[t][1] / batch * wpc, 6), mine[t][0]))
+        wall, cpu = mine[best]
+        row.threads = best
+        row.per_image_spread = spreads.get((row.name, best))
+        row.latency_ms, row.images_per_s = wall * 1000.0, batch / wall
+        row.per_image_s, row.per_image_cpu_s = wall / batch, cpu / batch
+        row.per_image_j = row.per_image_cpu_s * wpc
+        row.predicted_j = {str(n): round(predict_job(row, n)[0], 3) for n in PREDICT_IMAGES}
+
+
+def _decide(ask: Ask, rows: list[Candidate], prepared: _Prepared) -> Selection:
+    """The forced engine (if it may run), else the correct one with the least predicted job
+    energy (ties within noise settled by engine_cost.choose); with the notes saying how."""
+    images, cap = ask.images, ask.mem_cap_mb
+    selection = Selection(None, rows, ask.key, ask.batch_size, forced=bool(ask.forced), images=images,
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if ask.forced:
+        selection.chosen = _forced_choice(ask, selection, prepared)
+    else:
+        best_row = choose(rows, images, cap) or choose(rows, images)
+        if best_row is None:
+            raise EngineUnavailableError("no int8 engine is both available and correct here: " + "; ".join(
+                f"{c.name}: {c.error or c.reason}" + (f" ({disagreement(c)})" if c.correct is False and not c.error else "")
+                for c in rows))
+        if cap is not None and choose(rows, images, cap) is None:
+            selection.notes.append(f"no correct engine fits the {cap:g} MB memory cap; cheapest used")
+        selection.chosen = best_row.name
+        note = choice_margin_note(rows, images, best_row.name, cap) or choice_margin_note(rows, images, best_row.name)
+        if note:
+            selection.notes.append(note)
+        selection.chosen_for = {str(n): (choose(rows, n, cap) or best_row).name for n in PREDICT_IMAGES}
+    chosen_row = selection.candidate(selection.chosen)
+    if chosen_row is not None:  # how the chosen engine was judged, in the job's report too
+        selection.notes.extend(evidence_notes(chosen_row))
+    selection.threads = chosen_row.threads if chosen_row is not None and chosen_row.threads else ask.threads
+    for row in rows:
+        row.chosen = row.name == selection.chosen
+    return selection
+
+
+def _forced_choice(ask: Ask, selection: Selection, prepared: _Prepared) -> str:
+    """The forced engine, if it runs and agrees (or --force-engine says to run it anyway)."""
+    forced = ask.forced
+    assert forced is not None
+    row = selection.candidate(forced)
+    if row is None or (forced, ask.threads) not in prepared.runners or row.error:
+        why = (row.error or row.reason) if row else "not loaded"
+        raise EngineUnavailableError(f"{ENV_FORCE_BACKEND}={forced}: engine cannot run this model: {why}")
+    if not row.correct:
+        what = disagreement(row)
+        if ask.env.get(ENV_FORCE_WRONG, "").strip() not in ("1", "true", "yes"):
+            raise EngineUnavailableError(
+                f"{ENV_FORCE_BACKEND}={forced}: the engine disagrees with the reference on this model "
+                f"({what}), so it is not run; --force-engine ({ENV_FORCE_WRONG}=1) runs it anyway")
+        note = f"forced engine {forced} disagrees with the reference ({what}); used anyway ({ENV_FORCE_WRONG}=1)"
+        _log.warning("%s", note)
+        selection.notes.append(note)
+    return forced
+
+
+def _record(ask: Ask, selection: Selection, prepared: _Prepared, *, keep_runner: bool
+            ) -> tuple[Selection, Runner | None]:
+    """What this device would share (a measured, unforced choice), the cache, and the chosen
+    runner kept (with `keep_runner`); every other runner closed."""
+    chosen_row = selection.candidate(selection.chosen) if selection.chosen else None
+    chosen_runner = prepared.runners.get((selection.chosen, selection.threads)) if selection.chosen else None
+    if not ask.forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
+        selection.share = SharedChoice(kind_of(ask.key), chosen_row.name, selection.threads, ask.batch_size,
+                                       chosen_row.latency_ms, chosen_row.per_image_cpu_s or 1e-9,
+                                       output_fingerprint(chosen_runner, ask.bundle.calibration())).to_json()
+    if not ask.forced and ask.path is not None:
+        atomic_write_json(ask.path, selection.to_json())
+        selection.cache_file = str(ask.path)
+    keep = prepared.runners.pop((selection.chosen, selection.threads), None) if keep_runner and selection.chosen else None
+    for runner in prepared.runners.values():
+        runner.close()
+    return selection, keep
+
+
+def _dominated(row: Candidate, hint_s: float, rows: list[Candidate], check_rate: Mapping[str, float],
+               images: int) -> str | None:
+    """Why an engine expensive to prepare need not be prepared for a job of `images` images
+    (see EXPENSIVE_PREPARE_S), or None. CPU-seconds on both sides: the same watts multiply them."""
+    if hint_s < EXPENSIVE_PREPARE_S:
+        return None
+    jobs = [((r.prepare_cpu_s or 0.0) + images * check_rate[r.name], r.name)
+            for r in rows if r.correct and r.name in check_rate]
+    if not jobs:
+        return None
+    best_s, best = min(jobs)
+    low = hint_s * PREPARE_HINT_LOW
+    if low <= best_s:
+        return None
+    return (f"its prepare alone (~{low:.2g} CPU-s or more) costs more than a {images:,}-image job on {best} "
+            f"(~{best_s:.2g} CPU-s)")
+
+
+def _unaffordable(meter: Meter, name: str, hint_s: float, predicted_j: float) -> str | None:
+    """Why an engine expensive to prepare is skipped because the job's budget cannot pay for
+    it (the meter refuses its prepare), or None: a cheaper engine was checked already."""
+    if hint_s < EXPENSIVE_PREPARE_S:
+        return None
+    try:
+        meter.before(f"prepare:{name}", predicted_j)
+    except SelectionStopped:
+        return f"the job's energy budget cannot pay for its prepare (~{predicted_j:.3g} J predicted)"
+    return None

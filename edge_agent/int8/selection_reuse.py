@@ -1,0 +1,148 @@
+"""The two ways `select_engine` avoids measuring every engine: a choice this device cached
+(re-timed on a few batches when asked), and a choice a device of the same kind measured
+(shared_choice.py: same outputs by fingerprint, about the same speed)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..atomic import atomic_write_json
+from .agreement import check_batch_for, evidence_notes
+from .engine import Int8Engine, Runner
+from .engine_cost import (
+    RECHECK_BATCHES,
+    choice_margin_note,
+    choose,
+    measured,
+    predict_job,
+    recheck,
+)
+from .selection_cache import Candidate, Selection
+from .selection_measure import PREDICT_IMAGES, Ask
+from .shared_choice import FINGERPRINT_SAMPLES, SharedChoice, output_fingerprint
+
+_log = logging.getLogger(__name__)
+
+
+def adopt_shared(choice: SharedChoice, ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None] | str:
+    """A device of this kind measured `choice`: take it if this device's engine gives the same
+    outputs (the fingerprint) at about the same speed (recheck). Returns the selection, or why
+    not (then every engine is measured)."""
+    bundle, by_name, probe, key, x, path = ask.bundle, ask.by_name, ask.probe, ask.key, ask.x, ask.path
+    images, meter, wpc, clocks = ask.images, ask.meter, ask.wpc, ask.clocks
+    engine = by_name.get(choice.engine)
+    if engine is None:
+        return f"{choice.engine} is not a candidate here"
+    if not _still_available(engine, probe):
+        return f"{choice.engine} is not available here"
+    runs = FINGERPRINT_SAMPLES + (RECHECK_BATCHES + 1) * len(x)
+    predicted = wpc * (choice.per_image_cpu_s * runs + float(getattr(engine, "prepare_cpu_s_hint", 1.0)))
+    runner: Runner | None = None
+    why = ""
+    with measured(meter, "shared-recheck", predicted, clocks=clocks) as ph:
+        try:
+            c0 = clocks.cpu()
+            runner = engine.prepare(bundle, threads=choice.threads)
+            prepare_cpu_s = clocks.cpu() - c0
+            if output_fingerprint(runner, bundle.calibration()) != choice.fingerprint:
+                why = "its outputs here differ from the measuring device's"
+            else:
+                good, now = recheck(runner, x, choice.latency_ms / 1000.0, clocks=clocks)
+                if not good:
+                    why = f"{now * 1e3:.1f} ms per batch here, {choice.latency_ms:.1f} where it was measured"
+        except Exception as exc:  # a shared choice that fails here is measured, not fatal
+            why = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    if why:
+        if runner is not None:
+            runner.close()
+        return why
+    assert runner is not None
+    row = Candidate(choice.engine, True, f"the fleet's choice for this kind of device, re-checked here: same outputs, "
+                    f"{now * 1e3:.1f} ms per batch ({choice.latency_ms:.1f} where measured)", correct=True,
+                    basis="fleet", threads=choice.threads, latency_ms=now * 1e3, images_per_s=len(x) / now,
+                    per_image_s=now / len(x), per_image_cpu_s=choice.per_image_cpu_s,
+                    per_image_j=choice.per_image_cpu_s * wpc, prepare_cpu_s=prepare_cpu_s,
+                    prepare_j=prepare_cpu_s * wpc, chosen=True)
+    row.predicted_j = {str(n): round(predict_job(row, n)[0], 3) for n in PREDICT_IMAGES}
+    selection = Selection(choice.engine, [row], key, len(x), images=images, threads=choice.threads,
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), energy_j=ph.joules, source="fleet",
+                          share=choice.to_json(), chosen_for={str(n): choice.engine for n in PREDICT_IMAGES})
+    selection.notes.append(f"int8 engine {choice.engine} ({choice.threads} thread(s)) as measured by a device of this "
+                           f"kind; re-checked here in {ph.cpu_s:.2f} CPU-s instead of measuring every engine")
+    if path is not None:
+        atomic_write_json(path, selection.to_json())
+        selection.cache_file = str(path)
+    if keep_runner:
+        return selection, runner
+    runner.close()
+    return selection, None
+
+
+def use_cached(cached: Selection, ask: Ask, *, keep_runner: bool,
+               recheck_cached: bool) -> tuple[Selection, Runner | None] | None:
+    """The cached rows, re-chosen for this job's size; with `recheck_cached` the choice is
+    re-timed on a few batches first (_recheck). None: select again."""
+    images, cap = ask.images, ask.mem_cap_mb
+    best = choose(cached.candidates, images, cap) or choose(cached.candidates, images)
+    if best is None:
+        return None
+    engine = ask.by_name.get(best.name)
+    if engine is None or not _still_available(engine, ask.probe):
+        return None
+    t = best.threads or cached.key.get("threads") or 1
+    cached.images, cached.chosen, cached.threads = images, best.name, t
+    cached.notes.extend(evidence_notes(best))
+    note = choice_margin_note(cached.candidates, images, best.name, cap) or \
+        choice_margin_note(cached.candidates, images, best.name)
+    if note:
+        cached.notes.append(note)
+    for row in cached.candidates:
+        row.chosen = row.name == best.name
+    if not keep_runner and not recheck_cached:
+        return cached, None
+    try:
+        runner = engine.prepare(ask.bundle, threads=t)
+    except Exception as exc:  # it worked when cached; re-select rather than fail
+        _log.warning("cached int8 engine %s failed to prepare (%s); selecting again", best.name, exc)
+        return None
+    if recheck_cached and best.latency_ms:
+        runner = _recheck(cached, best, engine, runner, ask)
+    if not keep_runner:
+        runner.close()
+        return cached, None
+    return cached, runner
+
+
+def _recheck(cached: Selection, best: Candidate, engine: Int8Engine, runner: Runner, ask: Ask) -> Runner:
+    """Re-time the cached choice on a few batches: RECHECK_FACTOR slower on several threads
+    falls back to one thread; on one thread the choice is kept (load slows every engine alike,
+    and the cached features belong to this engine). Returns the runner to use."""
+    t, measured_s = cached.threads or 1, (best.latency_ms or 0.0) / 1000.0
+    x = check_batch_for(ask.bundle, cached.batch_size)
+    good, now = recheck(runner, x, measured_s, clocks=ask.clocks)
+    if not good and t > 1:  # contention: a spinning pool on shared cores; try one thread
+        one = engine.prepare(ask.bundle, threads=1)
+        good1, now1 = recheck(one, x, measured_s * t, clocks=ask.clocks)
+        if good1 or now1 < now:
+            runner.close()
+            runner, now, good = one, now1, True
+            cached.threads = 1
+            cached.notes.append(f"{best.name}: slower than measured with {t} threads (contention?): using 1 "
+                                f"thread ({now1 * 1e3:.1f} ms/batch)")
+        else:
+            one.close()
+    if not good:
+        # one thread and still slow: the whole machine is busy, which slows every engine
+        # alike; another selection would cost energy and change the features' engine
+        cached.notes.append(f"{best.name}: {now * 1e3:.1f} ms/batch now, {best.latency_ms:.1f} when measured "
+                            "(a busy machine); kept")
+    return runner
+
+
+def _still_available(engine: Int8Engine, probe: dict[str, Any]) -> bool:
+    try:
+        return bool(engine.availability(probe).available)
+    except Exception:  # treat a failing probe as "gone": re-select
+        return False
