@@ -369,19 +369,16 @@ def create_bundle(
         arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
         kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
         files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
-    bundle = write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite)
-    return _with_oracle_answers(bundle, files, manifest)
+    return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
 
 
-def _with_oracle_answers(bundle: Bundle, files: dict[str, bytes], manifest: Manifest) -> Bundle:
-    """The bundle again with oracle.npz (oracle_answers.py): the reference's and the fp32
-    model's answers, computed here once instead of on every device's first job."""
+def _oracle_answers(bundle: Bundle) -> dict[str, bytes]:
+    """oracle.npz (oracle_answers.py): the reference's and the fp32 model's answers, computed
+    here once instead of on every device's first job (none where they do not apply)."""
     from .oracle_answers import compute
 
     answers = compute(bundle)
-    if answers is None:
-        return bundle
-    return write_bundle_dir(bundle.path, {**files, ORACLE: answers}, manifest, overwrite=True)
+    return {ORACLE: answers} if answers is not None else {}
 
 
 def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[str], where: str,

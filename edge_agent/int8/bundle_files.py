@@ -75,20 +75,32 @@ def _commit_dir(tmp: Path, dest: Path, *, overwrite: bool) -> None:
     fsync_dir(dest.parent)
 
 
-def write_bundle_dir(dest: Path, files: dict[str, bytes], manifest: Manifest, *, overwrite: bool = False) -> Bundle:
-    """Write `files` and the manifest (hashes filled in here) atomically as directory `dest`."""
-    manifest.files = {n: FileEntry(hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()}
+def write_bundle_dir(dest: Path, files: dict[str, bytes], manifest: Manifest, *, overwrite: bool = False,
+                     derived: Callable[[Bundle], dict[str, bytes]] | None = None) -> Bundle:
+    """Write `files` and the manifest (hashes filled in here) atomically as directory `dest`.
+    `derived(bundle)`: files computed from the verified bundle before it gets its name (the
+    oracle's answers), added to it and to its manifest."""
     tmp = _tmp_dir_for(dest)
     try:
-        for fname, data in files.items():
-            atomic_write_bytes(tmp / fname, data)
-        atomic_write_bytes(tmp / MANIFEST, manifest.to_bytes())
-        load_bundle(tmp)  # verify what is on disk before it gets the final name
+        _write_files(tmp, files, manifest)
+        bundle = load_bundle(tmp)  # verify what is on disk before it gets the final name
+        extra = derived(bundle) if derived is not None else {}
+        if extra:
+            _write_files(tmp, {**files, **extra}, manifest, only=extra)
+            load_bundle(tmp)
         _commit_dir(tmp, dest, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load_bundle(dest)
+
+
+def _write_files(tmp: Path, files: dict[str, bytes], manifest: Manifest, *, only: dict[str, bytes] | None = None) -> None:
+    """`only` (default all of `files`) into `tmp`, then the manifest naming every file's hash."""
+    manifest.files = {n: FileEntry(hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()}
+    for fname, data in (files if only is None else only).items():
+        atomic_write_bytes(tmp / fname, data)
+    atomic_write_bytes(tmp / MANIFEST, manifest.to_bytes())
 
 
 # ---------------------------------------------------------------- single-file archive
