@@ -66,10 +66,9 @@ NOISE_FLOOR = 0.12
 NOISE_FLOOR_CPU_S = 0.05
 # Memory is compared in buckets: RSS growth moves by a few MB between runs (allocator, imports).
 MEMORY_BUCKET_MB = 16.0
-# The interface's default prepare hint, and the engines that declare another (what
-# `Int8Engine.prepare_cpu_s_hint` says today), for rows made before Candidate carried it.
+# The interface's default prepare hint (Int8Engine.prepare_cpu_s_hint), for a name no
+# registered engine has (a test's fake engine).
 DEFAULT_PREPARE_HINT = 1.0
-KNOWN_PREPARE_HINTS: dict[str, float] = {"mxnet-onednn": 6.0, "native": 0.1, "tflite": 0.2}
 DEFAULT_WATTS_PER_CPU = 2.0  # no profile: a typical small-board core above idle
 RECHECK_BATCHES = 3
 # A cached choice is re-timed at job start; slower than this factor x its cached batch time
@@ -272,8 +271,8 @@ def _gap(a: Any, b: Any, images: int) -> _Gap:
 def prepare_hint(name: str, hints: Mapping[str, float] | None = None, row: Any = None) -> float:
     """The static CPU-seconds an engine's prepare is expected to cost (its class's
     `prepare_cpu_s_hint`): `hints` first, then the row's own (`Candidate.prepare_cpu_s_hint`,
-    set when the row was made), then the registered engine class, then KNOWN_PREPARE_HINTS,
-    then the interface's default."""
+    set when the row was made), then the registered engine class, then the interface's
+    default."""
     if hints is not None and name in hints:
         return float(hints[name])
     own = getattr(row, "prepare_cpu_s_hint", None) if row is not None else None
@@ -287,7 +286,7 @@ def prepare_hint(name: str, hints: Mapping[str, float] | None = None, row: Any =
             return float(engine.prepare_cpu_s_hint)
     except Exception:  # an unknown name (a test's fake engine), an engine that fails to load
         pass
-    return KNOWN_PREPARE_HINTS.get(name, DEFAULT_PREPARE_HINT)
+    return DEFAULT_PREPARE_HINT
 
 
 def _memory_bucket(row: Any) -> float:

@@ -401,14 +401,11 @@ def test_a_chain_of_ties_is_taken_around_the_cheapest() -> None:
     assert ec.choose([a, _cand("b-b", 130.0, 0.0, spread=0.25)], 1000).name == "b-b"
 
 
-def test_the_prepare_hint_settles_a_tie_before_memory_and_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_prepare_hint_settles_a_tie_before_memory_and_name() -> None:
     # rows made before Candidate carried the hint: the registered class's (mxnet-onednn: 6 CPU-s)
     heavy, light = _cand("mxnet-onednn", 10.0, 0.001), _cand("tflite", 10.5, 0.001, peak_mb=300.0)
     assert ec.prepare_hint("mxnet-onednn") == 6.0 and ec.prepare_hint("tflite") == 0.2
     assert ec.prepare_hint("no-such-engine") == ec.DEFAULT_PREPARE_HINT
-    monkeypatch.setattr(ec, "KNOWN_PREPARE_HINTS", {})  # the registered class's, not the table's
-    assert ec.prepare_hint("mxnet-onednn") == 6.0
-    monkeypatch.undo()
     assert ec.choose([heavy, light], 1000).name == "tflite"  # within the noise: the one cheaper to prepare
     assert ec.choose([heavy, light], 1000, hints={"tflite": 9.0}).name == "mxnet-onednn"  # a mapping wins
     light.prepare_cpu_s_hint = 7.0  # and the row's own (Candidate.prepare_cpu_s_hint) before the registry
@@ -494,15 +491,6 @@ def test_time_rounds_reports_each_runners_spread() -> None:
     # without the out-parameter the call is the old one
     again = Rounds(virtual, [1.0] * 3)
     assert ec.time_rounds({"a": again}, np.zeros(1), repeats=2, clocks=virtual.clocks) == {"a": (2.0, 1.0)}
-
-
-def test_the_fallback_table_says_what_the_engine_classes_say() -> None:
-    from edge_agent.int8 import engines as registry
-
-    for name in registry.engine_names():
-        engine = registry.load_engine(name)
-        if not isinstance(engine, registry.BrokenEngine):
-            assert ec.KNOWN_PREPARE_HINTS.get(name, ec.DEFAULT_PREPARE_HINT) == engine.prepare_cpu_s_hint, name
 
 
 def test_a_cache_made_before_the_new_fields_still_loads(tmp_path: Path) -> None:
