@@ -23,6 +23,9 @@ class FloatOp:
     options: dict[str, Any] = field(default_factory=dict)
     weight: np.ndarray | None = None  # CONV OHWI, DEPTHWISE 1HW(C*M), FC [out, in]
     bias: np.ndarray | None = None  # float32 (out,)
+    # a BatchNorm folded into this op: its (gamma, beta), float32 (out,); what re-estimating
+    # the normalisation statistics on a device's own images needs (adapt_norm.py)
+    norm: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass

@@ -48,6 +48,11 @@ def _activation(y: np.ndarray, act: str) -> np.ndarray:
     return y
 
 
+def apply_activation(y: np.ndarray, act: str) -> np.ndarray:
+    """A fused activation ("NONE", "RELU", "RELU6") applied to an op's pre-activation output."""
+    return _activation(y, act)
+
+
 def run_op(kind: str, xs: list[np.ndarray], o: dict[str, Any], w: np.ndarray | None,
            b: np.ndarray | None) -> np.ndarray:
     """One float op on NHWC inputs."""

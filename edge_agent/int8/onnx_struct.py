@@ -132,9 +132,13 @@ class StructOps:
             shape[axis] = -1
             op.weight = (op.weight * scale.reshape(shape)).astype(np.float32)
             op.bias = ((op.bias - mean) * scale + beta).astype(np.float32)
+            op.norm = (gamma.astype(np.float32), beta.astype(np.float32))
             self._rename(op, node.output[0])
             return
         self._channel_affine(node, x, scale, beta - mean * scale)
+        affine = self.producer[node.output[0]]
+        if affine.kind == "DEPTHWISE_CONV_2D":  # a (N, C) input's affine sits between reshapes: left as it is
+            affine.norm = (gamma.astype(np.float32), beta.astype(np.float32))
 
     def _channel_affine(self, node: onnx.NodeProto, x: str, scale: np.ndarray, shift: np.ndarray) -> None:
         """y = x * scale[c] + shift[c] as a 1x1 DEPTHWISE_CONV_2D (2-D input: reshaped around it)."""
