@@ -89,6 +89,7 @@ def run_finetune(
     depth: str | int = "auto",
     bn: str = "update",
     tail: str = "full",
+    adapt: str = "auto",
     augment: int = 0,
     augment_kinds: str | tuple[str, ...] = ("crop", "brightness"),
     val_fraction: float = 0.2,
@@ -130,7 +131,9 @@ def run_finetune(
     BatchNorm in the tail updates its statistics from the local batches ("update", the
     default: a device's own camera shifts them) or keeps the base model's ("frozen");
     `tail`: train every tail parameter ("full") or only biases and BatchNorm scales plus
-    the classifier ("bias"). `lr` defaults to 0.01 for a one-dense-layer head and 0.001 deeper (pre-trained
+    the classifier ("bias"). `adapt`: re-estimate the int8 prefix's normalisation statistics
+    on the device's images and re-quantise it ("bn"), never ("none"), or when the images are
+    far from the bundle's ("auto"; train/job_adapt.py). `lr` defaults to 0.01 for a one-dense-layer head and 0.001 deeper (pre-trained
     conv layers want a smaller step: bench_depth). `augment`: K extra views of every
     training image (`augment_kinds` of crop, brightness, flip; train/augment.py), made
     before the int8 prefix and cached like the images themselves. `inference_energy`: the
@@ -148,6 +151,9 @@ def run_finetune(
         label_map = parse_label_map(label_map)
     depth = parse_depth(depth)
     from .augment import MAX_VIEWS, parse_kinds
+    from .job_adapt import parse_adapt
+
+    adapt = parse_adapt(adapt)
 
     augment_kinds = parse_kinds(augment_kinds)
     if isinstance(augment, bool) or not isinstance(augment, int) or not 0 <= augment <= MAX_VIEWS:
@@ -173,7 +179,7 @@ def run_finetune(
             model=str(model), data=str(data), cache_dir=str(cache_dir) if cache_dir else None,
             epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
             patience=patience, balance=balance, train_last=train_last, trainer=trainer, depth=depth, bn=bn, tail=tail,
-            augment=augment, augment_kinds=augment_kinds,
+            adapt=adapt, augment=augment, augment_kinds=augment_kinds,
             val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
@@ -337,7 +343,14 @@ class _Job(DepthPlanning, JobReport):
         from ..int8.cli import default_state_dir
         from ..int8.selection import select_engine
         from .feature_cache import FeatureCache
+        from .job_adapt import adapt_prefix
 
+        # the prefix adapted to the device's images: before the selection, paid from the budget like it
+        cpu_start = time.process_time()
+        served, self.adaptation = adapt_prefix(bundle, train.x, train.hashes, a["adapt"], cache_root)
+        adapt_s = time.process_time() - cpu_start
+        if served is not bundle:
+            self.emit("data", detail=f"prefix adapted to the device's images ({self.adaptation.reason})")
         env = dict(os.environ)
         if a["engine"]:
             env["EDGE_AGENT_INT8_BACKEND"] = a["engine"]
@@ -362,9 +375,27 @@ class _Job(DepthPlanning, JobReport):
                                                       "detail": str(exc)[:500], "model": a["model"]})
             raise
         assert runner is not None
+        selection_s = time.process_time() - cpu_start
+        if served is not bundle:
+            from ..int8.adapt_norm import prepare_adapted
+            from .job_adapt import judge_on_validation
+
+            cpu_start = time.process_time()
+            adapted_runner, why = prepare_adapted(served, selection, train.x, threads)
+            if adapted_runner is None:  # the bundle's own prefix, as chosen
+                served, self.adaptation.kind, self.adaptation.reason = bundle, "none", why
+            elif a["adapt"] == "auto" and not judge_on_validation(self.adaptation, runner, adapted_runner,
+                                                                  numpy_head_logits(bundle), val.x, val.y):
+                served = bundle
+                adapted_runner.close()
+            else:
+                runner.close()
+                runner = adapted_runner
+            adapt_s += time.process_time() - cpu_start
+        self.adaptation.cpu_s = adapt_s
         self.selection_j = gov.charge_overhead() - used_before
         self.selection_cached = bool(selection.cached)
-        self.cpu = {"selection_s": time.process_time() - cpu_start}
+        self.cpu = {"selection_s": selection_s, "adapt_s": adapt_s}
         cpu_start = time.process_time()
         cache = FeatureCache(cache_root / "features", max_bytes=int(a["cache_max_mb"] * (1 << 20)))
         stop_reason: str | None = None
@@ -373,11 +404,11 @@ class _Job(DepthPlanning, JobReport):
                 # keyed by backbone and engine: the head trains on the features of the engine
                 # that will run under it (engines differ by a few output steps)
                 features, cache_stats = cache.features(
-                    _feature_key(bundle.manifest.files[BACKBONE_INT8].sha256, selection.chosen), dataset.hashes, dataset.x,
+                    _feature_key(served.manifest.files[BACKBONE_INT8].sha256, selection.chosen), dataset.hashes, dataset.x,
                     self._governed(runner.run), batch_size=batch_size,
                     feature_shape=tuple(bundle.manifest.feature_shape),
                     progress=lambda done, total: self.emit("features", detail=f"{done}/{total} new samples"),
-                    quant=_output_grid(bundle))
+                    quant=_output_grid(served))
             except _Stopped:
                 features, cache_stats = None, None
             finally:

@@ -31,6 +31,7 @@ class JobReport:
     gov: Any
     trainer: Any
     plan: Any
+    adaptation: Any  # job_adapt.Adaptation
     store: Any
     pos: dict[str, Any]
     cpu: dict[str, float]
@@ -52,6 +53,7 @@ class JobReport:
             "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
             "data": dataset.report.to_json(), "engine": {"name": None, "notes": [detail]}, "trainer": None,
             "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"]},
+            "adaptation": self.adaptation.to_json(),
             "accuracy": {"before": None, "after": None, "validation_samples": dataset.report.validation},
             "energy": _energy_record(gov, self.budget),
             "power": gov, "profile": prof, "steps": 0, "epochs_done": 0,
@@ -100,6 +102,7 @@ class JobReport:
                       "actual_wh": gov["energy_wh_job"],
                       "actual_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
                       "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
+            "adaptation": self.adaptation.to_json(),
             "data": dataset.report.to_json(),
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
                        "threads": selection.threads, "images": selection.images,

@@ -310,7 +310,10 @@ def test_the_cache_stores_int8_activations_at_the_cut_and_a_second_job_reuses_th
     assert second["feature_cache"]["hits"] == n and second["feature_cache"]["computed"] == 0
     assert second["feature_cache"]["segments_read"] >= 1
 
-    view = load_bundle(bundle).at_depth(2)
+    from edge_agent.inference.predictor import adapted_or_own
+
+    assert second["adaptation"]["prefix_sha256"] == first["adaptation"]["prefix_sha256"]
+    view = adapted_or_own(load_bundle(bundle).at_depth(2), first["adaptation"]["prefix"])  # the prefix that ran
     namespace = cache / "features" / view.manifest.files[BACKBONE_INT8].sha256  # the reference engine's key
     segments = sorted(namespace.glob("*.feat"))
     assert segments
