@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_bytes, atomic_write_json, read_limited
-from .serving import HEAD_FILE, META_FILE
+from .serving import HEAD_FILE, MAX_PREFIX_BYTES, META_FILE, PREFIX_FILE
 
 log = logging.getLogger(__name__)
 PRIORITIES = ("idle", "nice", "normal")
@@ -111,7 +111,11 @@ class LocalFineTune:
             return None
         dest = self.personal_root / job["name"] / job["version"] / job["id"]
         atomic_write_bytes(dest / HEAD_FILE, Path(head).read_bytes())
+        adapted = (report.get("adaptation") or {}).get("prefix")
+        if adapted:  # the tail was trained over the prefix adapted to this camera: it is served over it too
+            atomic_write_bytes(dest / PREFIX_FILE, read_limited(adapted, MAX_PREFIX_BYTES))
         meta = {"depth": int((report.get("depth") or {}).get("depth") or 0), "created": time.time(),
+                "adapted_prefix": bool(adapted),
                 "samples": job["samples"], "accuracy": report.get("accuracy"), "stop_reason": report.get("stop_reason"),
                 "energy_wh": (report.get("energy") or {}).get("wh"), "engine": (report.get("engine") or {}).get("name")}
         atomic_write_json(dest / META_FILE, meta)  # last: the directory is complete

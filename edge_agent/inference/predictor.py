@@ -35,16 +35,27 @@ def tail_params(bundle: Any, head_file: str | Path | None = None) -> dict[str, n
     return split_names(load_params(read_limited(head_file, MAX_HEAD_FILE_BYTES), where=str(head_file)))[0]
 
 
+def adapted_or_own(view: Any, prefix: str | os.PathLike[str] | None) -> Any:
+    """`view`, or with `prefix` (an int8 prefix adapted to the device's camera, a personal
+    tail's: int8/adapt_norm.py) in place of its own."""
+    if prefix is None:
+        return view
+    from ..int8.adapt_norm import adapted_view
+
+    return adapted_view(view, Path(prefix))
+
+
 class Predictor:
     """logits(raw NCHW pixels) through `bundle` at `depth` with `params` (by bare name,
     over the bundle's own). Thread-safe: one request at a time reaches the engine's runner
     (engines hold per-runner buffers)."""
 
     def __init__(self, bundle: Any, *, depth: int = 0, params: Mapping[str, np.ndarray] | None = None,
-                 engine: str = "reference", threads: int = 1, runner: Any | None = None) -> None:
+                 engine: str = "reference", threads: int = 1, runner: Any | None = None,
+                 prefix: str | os.PathLike[str] | None = None) -> None:
         from ..int8.engines import load_engine
 
-        self.view = bundle.at_depth(depth)
+        self.view = adapted_or_own(bundle.at_depth(depth), prefix)
         self.depth = depth
         self.engine = engine
         self.spec = self.view.manifest.input
@@ -119,19 +130,21 @@ def engine_settings(probe: Mapping[str, Any]) -> dict[str, Any]:
 def open_predictor(bundle: Any, *, depth: int = 0, params: Mapping[str, np.ndarray] | None = None,
                    engine: str | None = None, state_dir: str | os.PathLike[str] | None = None,
                    probe: Mapping[str, Any] | None = None, threads: int | None = None,
-                   select_in_child: bool = True) -> Predictor:
+                   select_in_child: bool = True, prefix: str | os.PathLike[str] | None = None) -> Predictor:
     """A Predictor on the engine the device selected for this backbone (the selection cache
     in `state_dir`, shared with `finetune` and `kernels --bench`), or on `engine` when one is
     named. With no decision cached yet, the selection runs in a child process
     (`select_in_child`): trying every engine imports runtimes (MXNet's oneDNN engine among
     them) that a serving process must not keep; this process then prepares only the chosen
     engine. The selection's agreement check scores engines through the tail's own numpy
-    logits where it has them."""
+    logits where it has them. With `prefix` (an adapted int8 prefix), the engine chosen for
+    the bundle's own prefix runs it once it agrees there with the reference
+    (int8/adapt_norm.prepare_adapted)."""
     from ..int8.selection import cached_selection, default_probe, select_engine
 
     view = bundle.at_depth(depth)
     if engine:
-        return Predictor(bundle, depth=depth, params=params, engine=engine, threads=threads or 1)
+        return Predictor(bundle, depth=depth, params=params, engine=engine, threads=threads or 1, prefix=prefix)
     probe = dict(probe) if probe is not None else default_probe()
     settings = engine_settings(probe)
     threads = threads or settings["threads"]
@@ -145,7 +158,18 @@ def open_predictor(bundle: Any, *, depth: int = 0, params: Mapping[str, np.ndarr
         threads=threads, state_dir=state_dir, keep_runner=True, images=SERVING_IMAGES,
         logits=lambda f: np.asarray(tail.logits(f)).reshape(len(f), -1), watts_per_cpu=settings["watts_per_cpu"],
         mem_cap_mb=settings["memory_cap_mb"])
-    return Predictor(bundle, depth=depth, params=params, engine=selection.chosen or "reference", runner=runner)
+    if prefix is not None:
+        from ..int8.adapt_norm import prepare_adapted
+        from ..int8.engine_cost import EngineUnavailableError
+
+        adapted = adapted_or_own(view, prefix)
+        adapted_runner, why = prepare_adapted(adapted, selection, adapted.calibration(), threads)
+        runner.close()
+        if adapted_runner is None:
+            raise EngineUnavailableError(f"{prefix}: {why}")
+        runner = adapted_runner
+    return Predictor(bundle, depth=depth, params=params, engine=selection.chosen or "reference", runner=runner,
+                     prefix=prefix)
 
 
 SERVING_IMAGES = 10000  # what the choice minimises: a served model answers many images

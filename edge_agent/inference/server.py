@@ -165,9 +165,9 @@ class InferenceServer:
         wpc = engine_settings(probe).get("watts_per_cpu") if probe else None
         self.energy = InferenceEnergy(watts_per_cpu=wpc, path=o.state_dir / ENERGY_FILE)
 
-        def loader(bundle: Any, depth: int, params: Any) -> Any:
+        def loader(bundle: Any, depth: int, params: Any, prefix: Path | None) -> Any:
             return open_predictor(bundle, depth=depth, params=params, engine=o.engine, state_dir=o.state_dir / "cache",
-                                  probe=probe)
+                                  probe=probe, prefix=prefix)
 
         self.samples: SampleStore | None = None
 

@@ -42,6 +42,8 @@ from .predictor import Predictor
 log = logging.getLogger(__name__)
 FLEET, PERSONAL = "fleet", "personal"
 META_FILE, HEAD_FILE = "meta.json", "head.params"
+PREFIX_FILE = "prefix.tflite"  # a personal tail's int8 prefix adapted to the device's camera (int8/adapt_norm.py)
+MAX_PREFIX_BYTES = 64 << 20
 MAX_EVENTS = 50
 
 
@@ -152,7 +154,8 @@ def newest_personal(root: Path, name: str, version: str) -> Personal | None:
     return best
 
 
-Loader = Callable[[Any, int, dict[str, np.ndarray] | None], Predictor]  # (bundle, depth, params) -> Predictor
+# (bundle, depth, params, adapted prefix or None) -> Predictor
+Loader = Callable[[Any, int, dict[str, np.ndarray] | None, Path | None], Predictor]
 HeldOut = Callable[[], tuple[np.ndarray, np.ndarray]]
 
 
@@ -229,7 +232,7 @@ class ModelManager:
         if fleet_changed:
             bundle = load_bundle(path)
             old = (self.fleet, self.personal_model)
-            self.fleet = ServedModel(f"{name}/{version}", FLEET, name, version, self.loader(bundle, 0, None),
+            self.fleet = ServedModel(f"{name}/{version}", FLEET, name, version, self.loader(bundle, 0, None, None),
                                      source=str(path))
             self.personal_model = None
             for model in old:
@@ -239,9 +242,10 @@ class ModelManager:
 
             bundle = load_bundle(path)
             params = tail_params(bundle.at_depth(personal.depth), personal.path / HEAD_FILE)
+            prefix = personal.path / PREFIX_FILE if personal.meta.get("adapted_prefix") else None
             old_personal = self.personal_model
             self.personal_model = ServedModel(f"{name}/{version}+{personal.ident}", PERSONAL, name, version,
-                                              self.loader(bundle, personal.depth, params), depth=personal.depth,
+                                              self.loader(bundle, personal.depth, params, prefix), depth=personal.depth,
                                               source=str(personal.path))
             self._drop(old_personal)
         x, y = self.held_out()

@@ -238,7 +238,7 @@ def test_the_guard_serves_the_better_model_and_keeps_the_served_one_against_a_wo
     held = (x[:60], np.asarray([int(v) for v in y[:60]]))
     _install(tmp_path, bundle_dir, "1")
     manager = ModelManager(models_root=tmp_path / "models", personal_root=tmp_path / "personal", name=None,
-                           loader=lambda b, d, p: Predictor(b, depth=d, params=p, engine="reference"),
+                           loader=lambda b, d, p, prefix: Predictor(b, depth=d, params=p, engine="reference", prefix=prefix),
                            held_out=lambda: held, tolerance=0.02)
     assert manager.refresh() and manager.slot.current.version == "digits-cnn/1"
     fleet_acc = manager.fleet.accuracy
@@ -269,6 +269,40 @@ def test_the_guard_serves_the_better_model_and_keeps_the_served_one_against_a_wo
     assert manager.fleet.version == "digits-cnn/2"
     assert manager.slot.current.version == "digits-cnn/1+p22"  # v2 (the base model) is worse on held-out
     assert any(e["event"] == "kept" and e["refused"] == "digits-cnn/2" for e in manager.events)
+
+
+def test_a_personal_tail_trained_over_an_adapted_prefix_is_served_over_it(bundle_dir: Path, tmp_path: Path) -> None:
+    """The service's loader gets the personal tail's adapted int8 prefix (prefix.tflite):
+    under a strongly shifted camera it answers better than the fleet version."""
+    from edge_agent.inference.serving import PREFIX_FILE
+    from edge_agent.int8.adapt_norm import quantised_prefix
+    from edge_agent.int8.bundle import BACKBONE_INT8
+    from edge_agent.int8.onnx_import import import_onnx
+    from edge_agent.sim import scenario as demo
+    from edge_agent.sim.camera_shift import ShiftedCamera, shift_images
+
+    dev = demo.scenario().devices[0]
+    seen = demo.to_pixels(shift_images(dev.images, ShiftedCamera(blur_sigma=0.6))).astype(np.float32)
+    half = len(seen) // 2
+    bundle = load_bundle(bundle_dir)
+    _install(tmp_path, bundle_dir, "1")
+    _personal(tmp_path, bundle_dir, "p1", lambda k, v: v)  # the fleet's own tail, over the adapted prefix
+    personal = tmp_path / "personal" / "digits-cnn" / "1" / "p1"
+    graph = import_onnx(bundle.onnx_bytes(), split=bundle.manifest.split_tensor)
+    (personal / PREFIX_FILE).write_bytes(quantised_prefix(graph, bundle.manifest.input.normalise(seen[:half])))
+    (personal / META_FILE).write_text(json.dumps({"depth": 0, "created": 1, "adapted_prefix": True}))
+    manager = ModelManager(models_root=tmp_path / "models", personal_root=tmp_path / "personal", name=None,
+                           loader=lambda b, d, p, prefix: Predictor(b, depth=d, params=p, engine="reference",
+                                                                    prefix=prefix),
+                           held_out=lambda: (seen[half:], dev.labels[half:]), tolerance=0.02)
+    assert manager.refresh()
+    served = manager.slot.current
+    assert served.version == "digits-cnn/1+p1" and served.accuracy > manager.fleet.accuracy + 0.05
+    import hashlib
+
+    want = hashlib.sha256((personal / PREFIX_FILE).read_bytes()).hexdigest()
+    assert served.predictor.view.manifest.files[BACKBONE_INT8].sha256 == want
+    assert manager.fleet.predictor.view.manifest.files[BACKBONE_INT8].sha256 != want
 
 
 def test_a_swap_never_closes_a_model_a_request_still_uses(bundle_dir: Path) -> None:
