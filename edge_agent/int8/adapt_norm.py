@@ -42,6 +42,8 @@ ADAPT_MAX_IMAGES = 64  # camera digits: 64 adapt as well as 256 (32 do not), at 
 CALIBRATION_MAX_IMAGES = 128
 SHIFT_LAYERS = 4  # where a camera's shift shows: the first normalised layers
 SHIFT_IMAGES = 32
+RUN_CHUNK = 8  # images per op call in the statistics pass
+STATS_ROWS = 1 << 14
 VAR_FLOOR = 1e-6  # a channel (nearly) constant on the device's images keeps its statistics
 _OUT_AXIS = {"CONV_2D": 0, "DEPTHWISE_CONV_2D": 3, "FULLY_CONNECTED": 0}
 
@@ -88,8 +90,16 @@ def _last_uses(graph: FloatGraph) -> dict[str, int]:
 
 
 def _channel_stats(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    flat = z.reshape(-1, z.shape[-1]).astype(np.float64)
-    return flat.mean(axis=0), flat.var(axis=0)
+    """Per-channel mean and variance of `z` (.., C), in float64 over blocks of rows: a
+    float64 copy of a whole camera-sized activation would double the pass's memory."""
+    flat = z.reshape(-1, z.shape[-1])
+    total, squares = np.zeros(flat.shape[1]), np.zeros(flat.shape[1])
+    for i in range(0, len(flat), STATS_ROWS):
+        block = flat[i:i + STATS_ROWS].astype(np.float64)
+        total += block.sum(axis=0)
+        squares += np.einsum("ij,ij->j", block, block)
+    mean = total / max(len(flat), 1)
+    return mean, np.maximum(squares / max(len(flat), 1) - mean * mean, 0.0)
 
 
 def _shift(op: FloatOp, mean: np.ndarray, var: np.ndarray) -> LayerShift:
@@ -116,32 +126,65 @@ def _adapted(op: FloatOp, mean: np.ndarray, var: np.ndarray) -> tuple[FloatOp, n
     return dataclasses.replace(op, weight=weight, bias=bias), a.astype(np.float32), c.astype(np.float32)
 
 
-def _walk(graph: FloatGraph, x: np.ndarray, *, adapt: bool, stop_after: int | None = None
-          ) -> tuple[list[FloatOp], list[LayerShift]]:
+def _activate_in_place(z: np.ndarray, act: str) -> np.ndarray:
+    if act == "RELU":
+        np.maximum(z, 0.0, out=z)
+    elif act == "RELU6":
+        np.clip(z, 0.0, 6.0, out=z)
+    elif act != "NONE":
+        return apply_activation(z, act)
+    return z
+
+
+def _run(op: FloatOp, inputs: list[np.ndarray], options: dict[str, Any]) -> np.ndarray:
+    """One op on every image, RUN_CHUNK images at a time into one output array: a
+    convolution's taps over a whole batch of camera-sized images would take several times
+    the activations' memory."""
+    n = len(inputs[0])
+    first = run_op(op.kind, [v[:RUN_CHUNK] for v in inputs], options, op.weight, op.bias)
+    if n <= RUN_CHUNK:
+        return first
+    out = np.empty((n, *first.shape[1:]), first.dtype)
+    out[:RUN_CHUNK] = first
+    del first
+    for i in range(RUN_CHUNK, n, RUN_CHUNK):
+        out[i:i + RUN_CHUNK] = run_op(op.kind, [v[i:i + RUN_CHUNK] for v in inputs], options, op.weight, op.bias)
+    return out
+
+
+def _walk(graph: FloatGraph, x: np.ndarray, *, adapt: bool, stop_after: int | None = None,
+          ranges: dict[str, tuple[float, float]] | None = None) -> tuple[list[FloatOp], list[LayerShift]]:
     """Run the graph on `x` (NCHW float32) op by op; at every normalised op, its shift and
-    (with `adapt`) the op with the device's statistics. Tensors are freed after their last use."""
+    (with `adapt`) the op with the device's statistics; into `ranges`, every tensor's
+    (min, max) as the walk computed it (the adapted graph's, with `adapt`). Tensors are
+    freed after their last use."""
     if x.ndim != 4 or tuple(x.shape[1:]) != tuple(graph.input_shape[1:]):
         raise ValueError(f"images of shape {x.shape[1:]}; the prefix takes {tuple(graph.input_shape[1:])}")
     last = _last_uses(graph)
     values = {graph.input: np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 2, 3, 1))}
+    if ranges is not None:
+        ranges[graph.input] = (float(values[graph.input].min()), float(values[graph.input].max()))
     ops, shifts = [], []
     for i, op in enumerate(graph.ops):
         inputs = [values[n] for n in op.inputs]
         if op.norm is None or op.kind not in _OUT_AXIS:
-            y = run_op(op.kind, inputs, op.options, op.weight, op.bias)
+            y = _run(op, inputs, op.options)
             ops.append(op)
         else:
-            z = run_op(op.kind, inputs, {**op.options, "activation": "NONE"}, op.weight, op.bias)
+            z = _run(op, inputs, {**op.options, "activation": "NONE"})
             mean, var = _channel_stats(z)
             shifts.append(_shift(op, mean, var))
             if adapt:
                 op, a, c = _adapted(op, mean, var)
-                z = z * a + c
+                z *= a  # in place: z is this op's own fresh output
+                z += c
             ops.append(op)
-            y = apply_activation(z.astype(np.float32, copy=False), op.options.get("activation", "NONE"))
+            y = _activate_in_place(z, op.options.get("activation", "NONE"))
             if stop_after is not None and len(shifts) >= stop_after:
                 break
         values[op.output] = y
+        if ranges is not None:
+            ranges[op.output] = (float(y.min()), float(y.max()))
         for name in op.inputs:
             if last.get(name, -1) <= i:
                 values.pop(name, None)
@@ -159,27 +202,35 @@ def measure_shift(graph: FloatGraph, x: np.ndarray, *, layers: int = SHIFT_LAYER
     return ShiftReport(tuple(shifts), len(take))
 
 
-def adapt_graph(graph: FloatGraph, x: np.ndarray, *, max_images: int | None = None
-                ) -> tuple[FloatGraph, ShiftReport]:
+def adapt_graph(graph: FloatGraph, x: np.ndarray, *, max_images: int | None = None,
+                ranges: dict[str, tuple[float, float]] | None = None) -> tuple[FloatGraph, ShiftReport]:
     """The float prefix with every normalised layer's statistics re-estimated on `x` (the
-    device's images, NCHW float32 as the model takes them); and the shift it measured."""
+    device's images, NCHW float32 as the model takes them), and the shift it met at each
+    layer (after the layers before it were adapted); `ranges` receives every tensor's
+    (min, max) on those images through the adapted graph."""
     take = np.linspace(0, len(x) - 1, min(max_images or ADAPT_MAX_IMAGES, len(x))).astype(np.int64)
     if len(take) < 2:
         raise ValueError("re-estimating normalisation statistics needs at least 2 images")
-    ops, shifts = _walk(graph, np.asarray(x)[take], adapt=True)
+    ops, shifts = _walk(graph, np.asarray(x)[take], adapt=True, ranges=ranges)
     return dataclasses.replace(graph, ops=ops), ShiftReport(tuple(shifts), len(take))
 
 
 def quantised_prefix(graph: FloatGraph, x: np.ndarray, *, method: str = "minmax") -> bytes:
     """The float prefix `graph` adapted to the images `x` (NCHW float32 as the model takes
-    them) and quantised with them as calibration: the int8 prefix's .tflite bytes."""
+    them) and quantised on them: the int8 prefix's .tflite bytes. With min/max calibration
+    (the default) the ranges come from the adapting pass itself: no second forward pass."""
     from .quantize import quantize_graph
     from .tflite_reader import read_tflite
     from .tflite_writer import write_tflite
 
-    adapted, _ = adapt_graph(graph, x)
-    take = np.linspace(0, len(x) - 1, min(CALIBRATION_MAX_IMAGES, len(x))).astype(np.int64)
-    tflite = write_tflite(quantize_graph(adapted, np.asarray(x, np.float32)[take], method=method))
+    ranges: dict[str, tuple[float, float]] = {}
+    adapted, _ = adapt_graph(graph, x, ranges=ranges)
+    if method == "minmax":
+        qgraph = quantize_graph(adapted, np.empty((0, *graph.input_shape[1:]), np.float32), ranges=ranges)
+    else:  # histogram methods observe a larger sample in their own passes
+        take = np.linspace(0, len(x) - 1, min(CALIBRATION_MAX_IMAGES, len(x))).astype(np.int64)
+        qgraph = quantize_graph(adapted, np.asarray(x, np.float32)[take], method=method, batch_size=RUN_CHUNK)
+    tflite = write_tflite(qgraph)
     read_tflite(tflite)  # what a reader refuses must not be served
     return tflite
 

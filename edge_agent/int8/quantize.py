@@ -251,15 +251,18 @@ def quantize_graph(
     percentile: float = 99.99,
     float_io: bool = False,
     batch_size: int = 32,
+    ranges: dict[str, tuple[float, float]] | None = None,
 ) -> QGraph:
     """Quantise `float_graph` to a fully-int8 QGraph (NHWC int8 input and output).
 
-    `calibration`: NCHW float32 samples as the model takes them. `float_io` adds a float32
+    `calibration`: NCHW float32 samples as the model takes them (or `ranges`: every tensor's
+    observed (lo, hi), when the caller has run the graph already). `float_io` adds a float32
     QUANTIZE input edge and DEQUANTIZE output edge.
     """
     g = float_graph
-    ranges = constrain_ranges(g, calibrate(g, calibration, method=method, percentile=percentile,
-                                           batch_size=batch_size))
+    if ranges is None:
+        ranges = calibrate(g, calibration, method=method, percentile=percentile, batch_size=batch_size)
+    ranges = constrain_ranges(g, ranges)
     tensors: dict[str, QTensor] = {}
     for name, shape in g.shapes.items():
         if name in ranges:
