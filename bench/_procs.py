@@ -140,6 +140,7 @@ def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
         "train": report["data"]["train"],
         "validation": report["data"]["validation"],
         "depth": report["depth"],
+        "adaptation": report.get("adaptation"),
         "head": {"file": report["head"]["file"]},
     }
 

@@ -312,6 +312,11 @@ class _Job(DepthPlanning, JobReport):
         cores = max(1, int((probe_report.get("cpu") or {}).get("count") or os.cpu_count() or 1))
         wpc = (prof["load_w"] - prof["idle_w"]) / cores if prof["load_w"] and prof["idle_w"] is not None else None
         cache_root = Path(a["cache_dir"]) if a["cache_dir"] else self.state / "cache"
+        from .job_adapt import device_shift
+
+        cpu_start = time.process_time()
+        self.shift = device_shift(bundle, train.x, a["adapt"])  # the planner trains a shifted device deeper
+        shift_s = time.process_time() - cpu_start
         self.plan = self._plan_depth(bundle, checkpoint, dataset, train, val, config, prof, wpc, cache_root,
                                      probe_report, threads)
         bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth
@@ -347,8 +352,8 @@ class _Job(DepthPlanning, JobReport):
 
         # the prefix adapted to the device's images: before the selection, paid from the budget like it
         cpu_start = time.process_time()
-        served, self.adaptation = adapt_prefix(bundle, train.x, train.hashes, a["adapt"], cache_root)
-        adapt_s = time.process_time() - cpu_start
+        served, self.adaptation = adapt_prefix(bundle, train.x, train.hashes, a["adapt"], cache_root, self.shift)
+        adapt_s = shift_s + time.process_time() - cpu_start
         if served is not bundle:
             self.emit("data", detail=f"prefix adapted to the device's images ({self.adaptation.reason})")
         env = dict(os.environ)

@@ -75,46 +75,70 @@ def _prune(directory: Path, keep: Path) -> None:
         old.unlink(missing_ok=True)
 
 
-def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: str, cache_root: Path) -> tuple[Any, Adaptation]:
-    """The bundle view the job's features come from (`view` itself, or with the adapted int8
-    prefix) and what was decided. `images`: the training images as the model takes them;
-    `hashes`: theirs (the cache's key)."""
-    from ..int8.adapt_norm import adapted_view, measure_shift, normalised_layers, quantised_prefix
+@dataclass(frozen=True)
+class DeviceShift:
+    """What `device_shift` found before the depth is planned: the shift, or why there is none."""
 
-    start = time.process_time()
+    report: Any  # adapt_norm.ShiftReport | None
+    note: str = ""  # why adaptation is not possible ("" when it is)
+
+    @property
+    def far(self) -> bool:
+        return self.report is not None and self.report.distance >= ADAPT_SHIFT
+
+
+def device_shift(bundle: Any, images: np.ndarray, request: str) -> DeviceShift:
+    """The shift of the device's images at the prefix's first normalised layers (the same for
+    every depth: the prefixes share their start). The planner reads it: a device far from
+    the bundle's data trains deeper (depth_plan.py)."""
+    from ..int8.adapt_norm import measure_shift, normalised_layers
+
     if request == "none":
-        return view, Adaptation("none", request, "not asked (--adapt none)")
+        return DeviceShift(None, "not asked (--adapt none)")
     try:
         from ..int8.onnx_import import import_onnx
 
-        graph = import_onnx(view.onnx_bytes(), split=view.manifest.split_tensor)
+        graph = import_onnx(bundle.onnx_bytes(), split=bundle.manifest.split_tensor)
     except ImportError as exc:  # 32-bit Raspberry Pi OS has no onnx wheel
         if request == "bn":
             raise UsageError(f"--adapt bn: needs the onnx package ({exc})") from None
-        return view, Adaptation("none", request, f"onnx is not installed ({exc.name})")
+        return DeviceShift(None, f"onnx is not installed ({exc.name})")
     if not normalised_layers(graph):
         if request == "bn":
             raise UsageError("--adapt bn: the bundle's int8 prefix has no BatchNorm to re-estimate")
-        return view, Adaptation("none", request, "the prefix has no BatchNorm")
-    shift = measure_shift(graph, images)
-    summary = shift.to_json()
-    if request == "auto" and shift.distance < ADAPT_SHIFT:
+        return DeviceShift(None, "the prefix has no BatchNorm")
+    return DeviceShift(measure_shift(graph, images))
+
+
+def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: str, cache_root: Path,
+                 shift: DeviceShift) -> tuple[Any, Adaptation]:
+    """The bundle view the job's features come from (`view` itself, or with the adapted int8
+    prefix) and what was decided. `images`: the training images as the model takes them;
+    `hashes`: theirs (the cache's key); `shift`: `device_shift`'s finding."""
+    from ..int8.adapt_norm import adapted_view, quantised_prefix
+    from ..int8.bundle import BACKBONE_INT8
+
+    start = time.process_time()
+    if shift.report is None:
+        return view, Adaptation("none", request, shift.note)
+    summary = shift.report.to_json()
+    if request == "auto" and not shift.far:
         return view, Adaptation("none", request, f"the device's images are close to the bundle's (shift "
-                                f"{shift.distance:.2f} < {ADAPT_SHIFT})", summary, cpu_s=time.process_time() - start)
+                                f"{shift.report.distance:.2f} < {ADAPT_SHIFT})", summary)
     path = _cache_path(cache_root, view, hashes)
     cached = path.is_file()
     if not cached:
+        from ..int8.onnx_import import import_onnx
+
+        graph = import_onnx(view.onnx_bytes(), split=view.manifest.split_tensor)
         tflite = quantised_prefix(graph, images, method=str(view.manifest.extra.get("quantisation", "minmax")))
         atomic_write_bytes(path, tflite)
         _prune(path.parent, path)
     adapted = adapted_view(view, path)
-    why = "asked for (--adapt bn)" if request == "bn" else f"shift {shift.distance:.2f} >= {ADAPT_SHIFT}"
+    why = "asked for (--adapt bn)" if request == "bn" else f"shift {shift.report.distance:.2f} >= {ADAPT_SHIFT}"
     log.info("prefix adapted to the device's images: %s", why)
-    from ..int8.bundle import BACKBONE_INT8
-
     return adapted, Adaptation("bn", request, why, summary, path, adapted.manifest.files[BACKBONE_INT8].sha256,
                                cached, time.process_time() - start)
-
 
 
 def _loss_and_accuracy(runner: Any, logits: Any, x: np.ndarray, y: np.ndarray, batch: int = 64) -> tuple[float, float]:

@@ -51,6 +51,7 @@ class DepthPlanning:
     rates: dict[str, float]
     selection_cached: bool
     stop_reason: str | None
+    shift: Any  # job_adapt.DeviceShift
 
     emit: Any  # _Job.emit
     def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
@@ -77,6 +78,7 @@ class DepthPlanning:
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
                           watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates, numpy_tail=numpy_tail,
+                          shifted=self.shift.far,
                           selection_cached=lambda depth: cached_selection(
                               bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
                               batch_size=config.batch_size, threads=threads,
