@@ -8,6 +8,8 @@ predicted CPU time (so energy, on the profile's power model) and peak memory:
 
     cpu_s  = [engine selection, if this device has no cached choice for the depth's prefix:
               SELECTION_FIXED_S + prefix_macs x selection_s_per_mac]
+           + [adapting the prefix to the device's camera (train/job_adapt.py), if it will:
+              adapt_images x prefix_macs x adapt_s_per_mac]
            + images x prefix_macs x s_per_int8_mac              (features, once)
            + [MXNet import, if the tail trains in MXNet]
            + epochs x f x (train x 3 + val) x tail_macs x s_per_fp32_mac (forward + backward)
@@ -65,7 +67,8 @@ SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with
 # (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
 DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
                  "numpy_s_per_fp32_mac": 3.5e-10, "numpy_s_per_sample": 1e-4,
-                 "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s_per_mac": 1.5e-6, "epoch_fraction": 1.0}
+                 "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s_per_mac": 1.5e-6, "epoch_fraction": 1.0,
+                 "adapt_s_per_mac": 1.2e-9}
 
 
 def rate_key(key: str, backend: str) -> str:
@@ -203,9 +206,11 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
                batch_size: int, dense_head: bool, mem_cap_mb: float | None, budget_wh: float | None,
                watts_per_cpu: float | None, base_rss_mb: float, rates: dict[str, float],
                has_mxnet: bool | None = None, selection_cached: Any = None,
-               numpy_tail: Callable[[int], bool] | None = None, shifted: bool = False) -> DepthPlan:
+               numpy_tail: Callable[[int], bool] | None = None, shifted: bool = False,
+               adapt_images: int = 0) -> DepthPlan:
     """Choose the training depth (module doc); `shifted`: the device's images are far from
-    the bundle's (train/job_adapt.py): auto goes past AUTO_MAX_DEPTH; `dense_head`: depth 0 trains in numpy;
+    the bundle's (train/job_adapt.py): auto goes past AUTO_MAX_DEPTH; `adapt_images`: the
+    prefix will be adapted on that many images; `dense_head`: depth 0 trains in numpy;
     `numpy_tail(depth) -> bool`: that depth's tail trains in numpy (numpy_tail.py);
     `selection_cached(depth) -> bool`: this device has an engine choice for that prefix."""
     depths = list(bundle.manifest.depths)
@@ -224,6 +229,7 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
         cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else (
             SELECTION_FIXED_S + costs.get("prefix_macs", 0) * rates["selection_s_per_mac"])
         cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
+        cpu += adapt_images * costs.get("prefix_macs", 0) * rates["adapt_s_per_mac"]
         cpu += (rates["mxnet_import_s"] if mx else 0.0)
         run_epochs = epochs * epoch_fraction(rates, d.depth)
         cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates[rate_key("s_per_fp32_mac", backend)]

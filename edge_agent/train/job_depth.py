@@ -78,7 +78,7 @@ class DepthPlanning:
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
                           watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates, numpy_tail=numpy_tail,
-                          shifted=self.shift.far,
+                          shifted=self.shift.far, adapt_images=self._adapt_images(len(train)),
                           selection_cached=lambda depth: cached_selection(
                               bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
                               batch_size=config.batch_size, threads=threads,
@@ -87,6 +87,13 @@ class DepthPlanning:
         if bundle.manifest.depths:
             self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
         return plan
+
+    def _adapt_images(self, n_train: int) -> int:
+        """How many images the prefix's adaptation will run on (0: it will not)."""
+        from ..int8.adapt_norm import ADAPT_MAX_IMAGES
+
+        will = self.shift.report is not None and (self.shift.far or self.args["adapt"] == "bn")
+        return min(ADAPT_MAX_IMAGES, n_train) if will else 0
 
     def _learn_rates(self, cache_root: Path, n_train: int, n_val: int) -> None:
         """This job's measured CPU rates into the planner's per-device record."""
@@ -105,6 +112,9 @@ class DepthPlanning:
             overhead = self.rates[rate_key("s_per_sample", self.trainer.backend)]
             measured[rate_key("s_per_fp32_mac", self.trainer.backend)] = (max(per_sample - overhead, 1e-9)
                                                                           / (3 * costs["tail_macs"]))
+        adapted = getattr(self, "adaptation", None)
+        if adapted is not None and adapted.kind == "bn" and not adapted.cached and costs.get("prefix_macs"):
+            measured["adapt_s_per_mac"] = self.cpu["adapt_s"] / (self._adapt_images(n_train) * costs["prefix_macs"])
         if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
             measured["mxnet_import_s"] = self.cpu["setup_s"]
         if not self.selection_cached and self.cpu.get("selection_s") and costs.get("prefix_macs"):
