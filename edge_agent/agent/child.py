@@ -221,6 +221,11 @@ def train(spec: dict[str, Any], events: Events) -> int:
                "resumed": report["resumed"], "depth": int(report["depth"]["depth"]), "trainer": report["trainer"],
                "stop_detail": str(report["power"].get("stop_detail") or "")[:300],
                "engine_choices": _measured_choices(spec)}
+    adaptation = report.get("adaptation") or {}
+    summary["adapted"] = adaptation.get("kind") == "bn"  # the prefix adapted to this camera (train/job_adapt.py)
+    summary["adaptation"] = str(adaptation.get("reason") or "")[:250]
+    if (adaptation.get("shift") or {}).get("distance") is not None:
+        summary["shift"] = float(adaptation["shift"]["distance"])
     counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
     if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
         summary["label_counts"] = counts

@@ -119,8 +119,12 @@ def build_base(out: Path, n_devices: int) -> Path:
     return target
 
 
+SHIFTED_BLUR = 0.6  # pixels of an 8x8 digit: a wider blur leaves little to read
+
+
 def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> dict[str, dict[str, Any]]:
     from ..sim import scenario as demo
+    from ..sim.camera_shift import ShiftedCamera, shift_images
     from .fleet import write_sysfs
 
     sc = demo.scenario(n_devices=args.devices)
@@ -130,7 +134,9 @@ def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> d
         name = f"pi-{i + 1}"
         home = out / "devices" / name
         pct = max(50.0, 95.0 - 5.0 * i)
-        data = demo.write_data(home / "data", dev.images, dev.labels, "npz")
+        shifted = i == len(sc.devices) - 1 and len(sc.devices) > 1  # the last device's camera is far off
+        images = shift_images(dev.images, ShiftedCamera(blur_sigma=SHIFTED_BLUR)) if shifted else dev.images
+        data = demo.write_data(home / "data", images, dev.labels, "npz")
         root = write_sysfs(home / "sysfs", battery_pct=pct)
         config = home / "agent.toml"
         argv = [PY, "-m", "edge_agent.agent.cli", "init", "--broker", f"127.0.0.1:{port}", "--fleet", "demo",
@@ -138,7 +144,8 @@ def setup_devices(args: argparse.Namespace, out: Path, port: int, key: str) -> d
                 "--sysfs-root", str(root), "--data-dir", str(data), "--name", name, "--force"]
         inits.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         devices[name] = {"home": home, "root": root, "state": home / "state", "config": config, "battery": pct,
-                         "samples": len(dev.labels), "classes": int(len(set(dev.labels.tolist())))}
+                         "samples": len(dev.labels), "classes": int(len(set(dev.labels.tolist()))),
+                         "camera": "strongly shifted (blur, gamma, tint, noise)" if shifted else "its own"}
     for (name, info), proc in zip(devices.items(), inits, strict=True):
         text = proc.communicate(timeout=120)[0].decode(errors="replace")
         if proc.returncode != 0:
@@ -283,13 +290,23 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
         if code != 0:
             raise RuntimeError(f"edge-coordinator train exited with {code}; see {out}/coordinator.log")
         fleet = {n: {"samples": d["samples"], "classes": d["classes"], "battery": d["battery"],
-                     "battery_end": round(battery.pct(n), 1), "simulated_wh": round(battery.spent[n], 5)}
+                     "battery_end": round(battery.pct(n), 1), "simulated_wh": round(battery.spent[n], 5),
+                 "camera": d["camera"]}
                  for n, d in devices.items()}
         report = collect(registry, evaluator, devices=fleet)
+        last = (report["rounds"] or [{}])[-1].get("per_device") or {}
+        report["adaptation"] = {n: {"camera": d["camera"], **{k: last.get(n, {}).get(k) for k in ("depth", "adapted", "shift",
+                                                                                     "adaptation")}}
+                                for n, d in devices.items()}
     finally:
         registry.close()
     report.update(wall_time_s=round(time.monotonic() - T0, 1), battery_wh=BATTERY_WH, load_w=LOAD_W)
     print_table(report)
+    for name, ad in report["adaptation"].items():  # what each device's last job did below the cut
+        shift = "" if ad["shift"] is None else f"shift {ad['shift']:.2f} from the base model's images; "
+        say(f"{name} (camera: {ad['camera']}): {shift}its int8 prefix "
+            f"{'adapted to its camera (--adapt: BatchNorm statistics re-estimated, re-quantised)' if ad['adapted'] else 'as the bundle has it'}"
+            f", trained at depth {ad['depth']} ({ad['adaptation']})")
     (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "demo-plot.png")
     say(f"wrote {out / 'demo-report.json'} and {out / 'demo-plot.png'}")

@@ -193,6 +193,7 @@ FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
     "step": _COUNTER, "epoch": _COUNTER, "steps": _COUNTER, "watts": _WATTS, "val_accuracy": _FRACTION,
     "accuracy_before": _FRACTION, "accuracy_after": _FRACTION, "num_samples": _int(0, 1_000_000_000),
     "duration_s": _num(0, 1e10), "depth": _either(_int(0, 64), _id), "resumed": _bool,
+    "adapted": _bool, "shift": _num(0, 1e6), "adaptation": _text(256),
     "update_chunks": _int(0, 0xFFFF), "update_wire_bytes": _int(0, 1 << 40), "update_dense_bytes": _int(0, 1 << 40),
     "update_k": _COUNTER, "update_bits": _int(0, 64), "update_ratio": _num(0, 1e9), "update_energy_kept": _FRACTION,
     # (command parameters are bounded as any number here; the device's policy judges them and

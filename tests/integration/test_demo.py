@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from edge_agent.train.job_adapt import ADAPT_SHIFT
 from tests.integration.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~60 s: base model, 2 agents, 2 rounds
@@ -50,6 +51,16 @@ def test_the_shortened_demo_reports_every_round(tmp_path):
         assert r["bytes_down"] < r["full_bytes_down"]
         if set(before["depths"]) == {0}:  # the version it installs changed only the head
             assert r["bytes_down"] * 10 < first["bytes_down"], (first["bytes_down"], r["bytes_down"])
+
+    # pi-2 sees through a strongly shifted camera: every device's job measured its shift and
+    # said whether it adapted its int8 prefix, and why (train/job_adapt.py)
+    adaptation = report["adaptation"]
+    assert adaptation["pi-2"]["camera"].startswith("strongly shifted") and adaptation["pi-1"]["camera"] == "its own"
+    for name, ad in adaptation.items():
+        assert ad["shift"] is not None and ad["shift"] >= 0 and isinstance(ad["adapted"], bool), (name, ad)
+        assert ("kept" in ad["adaptation"]) == (ad["shift"] >= ADAPT_SHIFT), (name, ad)
+        assert f"{name} (camera: {ad['camera']}): shift {ad['shift']:.2f}" in done.stdout
+    assert adaptation["pi-2"]["shift"] >= ADAPT_SHIFT  # far from the base model's images
 
     png = out / "demo-plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
