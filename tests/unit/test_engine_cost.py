@@ -199,6 +199,7 @@ def test_a_budget_that_runs_out_during_selection_ends_the_job_cleanly(bundle_dir
     report = _job(bundle_dir, data, tmp_path, clock, 1000 * STEP_J / 3600.0)
     assert report["stop_reason"] == "budget-exhausted" and report["steps"] == 0 and report["head"] is None
     assert "while choosing the int8 engine" in report["stop_detail"]
+    assert report["status"] == "failed" and report["failure"]["stopped_in"] == "selection"  # nothing trained (issue 40)
     assert report["energy"]["wh"] == pytest.approx(clock.work_steps * STEP_J / 3600.0)  # the probe was charged
     saved = json.loads((tmp_path / "state" / "report.json").read_text())
     assert saved["stop_reason"] == "budget-exhausted"
