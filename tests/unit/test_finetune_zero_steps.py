@@ -162,3 +162,35 @@ def test_a_deadline_that_passed_while_paused_names_the_pause() -> None:
     assert failure is not None and failure["message"] == (
         "trained 0 steps: the deadline passed before the first training step, after pausing for outside-window, "
         "thermal; 0.00042 Wh spent")
+
+
+def test_the_agents_training_child_fails_a_zero_step_job_and_sends_nothing(
+        bundle: Path, data: Path, warm: Path, tmp_path: Path) -> None:
+    """The daemon's child (agent/child.py) on the same job: its result says "failed" with the
+    report's reason, it writes no update, and it exits EXIT_STOPPED -- the daemon then fails
+    the job with that reason (test_agent_lifecycle) and the coordinator records the device as
+    a dropout (test_coordinator_progress)."""
+    from edge_agent.agent.child import Events, train
+    from edge_agent.agent.runner import EXIT_STOPPED, RESULT_FILE, UPDATE_FILE, read_result
+
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    spec = {"job_dir": str(job_dir), "job": "j", "round": 1, "device_id": "dev", "model_name": "digits",
+            "version": "1", "model_dir": str(bundle), "data": str(data), "cache_dir": str(warm),
+            "residual_file": str(tmp_path / "residual.bin"), "profile": PROFILE, "budget_wh": TINY_WH,
+            "chunk_size": 65536, "epochs": 1}
+    r, w = os.pipe()
+    os.set_blocking(w, False)  # a full pipe drops events (Events.send), never hangs the test
+    try:
+        code = train(spec, Events(w))
+    finally:
+        os.close(w)
+        with os.fdopen(r, "rb") as pipe:
+            events = [json.loads(line) for line in pipe.read().splitlines()]
+    result = read_result(job_dir)
+    assert code == EXIT_STOPPED and result is not None, events[-3:]
+    assert result["status"] == "failed" and result["steps"] == 0 and result["stop_reason"] == "budget-exhausted"
+    report = json.loads((job_dir / "report.json").read_text())
+    assert result["failure"] == report["failure"]["message"] and result["failure"].startswith("trained 0 steps: ")
+    assert not (job_dir / UPDATE_FILE).exists() and (job_dir / RESULT_FILE).exists()
+    assert not any(e["phase"] == "encoding" for e in events)
