@@ -194,3 +194,27 @@ def test_the_agents_training_child_fails_a_zero_step_job_and_sends_nothing(
     assert result["failure"] == report["failure"]["message"] and result["failure"].startswith("trained 0 steps: ")
     assert not (job_dir / UPDATE_FILE).exists() and (job_dir / RESULT_FILE).exists()
     assert not any(e["phase"] == "encoding" for e in events)
+
+
+def test_a_local_fine_tune_that_trained_no_step_installs_no_personal_model(
+        bundle: Path, data: Path, tmp_path: Path) -> None:
+    """The inference service's local fine-tune (inference/personal.py) runs `edge-agent
+    finetune` as a child: a zero-step run installed the untrained head as a personal model;
+    now it is a failed run that says why."""
+    import time
+
+    from edge_agent.inference.personal import LocalFineTune
+
+    state = tmp_path / "state"
+    # the service's cache as a job before this one left it (engine choice, features): same board, same profile
+    run_finetune(model=bundle, data=data, state_dir=tmp_path / "before", cache_dir=state / "cache", epochs=1)
+    local = LocalFineTune(state_dir=state, personal_root=state / "personal", data_dir=data, priority="normal",
+                          budget_wh=TINY_WH)
+    local.start(name="digits", version="1", bundle_dir=bundle, samples=10)
+    deadline = time.monotonic() + 120
+    while local.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert local.poll() is None, "a personal model was installed"
+    assert local.last["status"] == "failed" and local.last["exit"] == EXIT_TEMPFAIL, local.last
+    assert local.last["detail"].startswith("trained 0 steps: the energy budget ran out"), local.last
+    assert not (state / "personal").exists()
