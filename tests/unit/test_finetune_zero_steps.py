@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from edge_agent.errors import EXIT_OK, EXIT_TEMPFAIL
 from edge_agent.int8 import engine_cost as ec
 from edge_agent.sim import scenario as demo
 from edge_agent.train import job as job_module
+from edge_agent.train.checkpoints import CheckpointStore
 from edge_agent.train.job import Progress, run_finetune
 from edge_agent.train.job_report import ERROR, NO_STEPS, failure_record, job_status
 
@@ -61,7 +63,7 @@ def _finetune(bundle: Path, data: Path, state: Path, cache: Path, *extra: str) -
                      "--cache-dir", str(cache), "--profile", PROFILE, "-q", *extra])
 
 
-def _sigterm_at_step(n: int):  # what systemd sends on shutdown: the job checkpoints and stops
+def _sigterm_at_step(n: int) -> Callable[[Progress], None]:  # systemd's stop: the job checkpoints and stops
     def progress(ev: Progress) -> None:
         if ev.phase == "train" and ev.step == n:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -119,7 +121,7 @@ def test_a_resumed_job_the_engine_selection_stopped_keeps_its_earlier_steps(
     head of its checkpoint, and checkpoints the energy the selection spent."""
     state = tmp_path / "s"
     common = dict(model=bundle, data=data, state_dir=state, profile=PROFILE, epochs=3, checkpoint_every=1)
-    run_finetune(cache_dir=warm, progress=_sigterm_at_step(3), **common)
+    stopped = run_finetune(cache_dir=warm, progress=_sigterm_at_step(3), **common)
     real = job_module._GovernorMeter.before  # noqa: SLF001 - the project's own meter interface
 
     def before(self: object, phase: str, predicted_j: float) -> None:
@@ -128,13 +130,15 @@ def test_a_resumed_job_the_engine_selection_stopped_keeps_its_earlier_steps(
             raise ec.SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase})")
 
     monkeypatch.setattr(job_module._GovernorMeter, "before", before)  # noqa: SLF001
-    saved = sorted(p.name for p in (state / "checkpoints").iterdir())
     resumed = run_finetune(cache_dir=tmp_path / "fresh-cache", resume=True, budget_wh=1.0, **common)
     assert resumed["stop_reason"] == "budget-exhausted" and resumed["steps"] == 3, resumed["failure"]
     assert resumed["status"] == "trained" and resumed["failure"] is None
     assert resumed["head"] is not None and Path(resumed["head"]["file"]).is_file()
     assert resumed["accuracy"]["before"] is not None and resumed["epochs_done"] == 0
-    assert sorted(p.name for p in (state / "checkpoints").iterdir()) != saved  # the spent energy is kept
+    latest = CheckpointStore(state / "checkpoints").load_latest()
+    assert latest is not None and latest.step == 3 and latest.meta["why"] == "stop: budget-exhausted"
+    assert latest.meta["energy_wh"] == pytest.approx(resumed["energy"]["wh_job"])  # what the selection spent is kept
+    assert resumed["energy"]["wh_job"] > stopped["energy"]["wh_job"]
     fresh = run_finetune(cache_dir=tmp_path / "fresh-cache-2", budget_wh=1.0,
                          **{**common, "state_dir": tmp_path / "new"})
     assert fresh["status"] == "failed" and fresh["steps"] == 0 and fresh["head"] is None
