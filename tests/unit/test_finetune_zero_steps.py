@@ -23,12 +23,11 @@ import pytest
 
 from edge_agent import cli
 from edge_agent.errors import EXIT_OK, EXIT_TEMPFAIL
-from edge_agent.int8 import engine_cost as ec
 from edge_agent.sim import scenario as demo
-from edge_agent.train import job as job_module
 from edge_agent.train.checkpoints import CheckpointStore
 from edge_agent.train.job import Progress, run_finetune
 from edge_agent.train.job_report import ERROR, NO_STEPS, failure_record, job_status
+from tests.unit.test_engine_cost import stop_the_selection_at_its_first_timed_phase
 
 PROFILE = "raspberry-pi-4"
 TINY_WH = 1e-9  # less than any step, or the re-check of a cached engine choice, costs
@@ -122,14 +121,7 @@ def test_a_resumed_job_the_engine_selection_stopped_keeps_its_earlier_steps(
     state = tmp_path / "s"
     common = dict(model=bundle, data=data, state_dir=state, profile=PROFILE, epochs=3, checkpoint_every=1)
     stopped = run_finetune(cache_dir=warm, progress=_sigterm_at_step(3), **common)
-    real = job_module._GovernorMeter.before  # noqa: SLF001 - the project's own meter interface
-
-    def before(self: object, phase: str, predicted_j: float) -> None:
-        real(self, phase, predicted_j)
-        if phase not in ("selection", "selection-probe"):
-            raise ec.SelectionStopped(f"the energy budget ran out while choosing the int8 engine ({phase})")
-
-    monkeypatch.setattr(job_module._GovernorMeter, "before", before)  # noqa: SLF001
+    stop_the_selection_at_its_first_timed_phase(monkeypatch)
     resumed = run_finetune(cache_dir=tmp_path / "fresh-cache", resume=True, budget_wh=1.0, **common)
     assert resumed["stop_reason"] == "budget-exhausted" and resumed["steps"] == 3, resumed["failure"]
     assert resumed["status"] == "trained" and resumed["failure"] is None
