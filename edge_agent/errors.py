@@ -19,6 +19,9 @@ EXIT_FAILURE = 1  # a runtime failure; systemd may restart
 EXIT_USAGE = 64  # bad command line (EX_USAGE)
 EXIT_DATAERR = 65  # bad input data: a corrupt bundle, data set or update (EX_DATAERR)
 EXIT_UNAVAILABLE = 69  # a required service or engine is unavailable (EX_UNAVAILABLE)
+# nothing was done, nothing is wrong with the input: try again later (EX_TEMPFAIL), e.g. a
+# fine-tune whose budget, deadline or battery stopped it before its first training step
+EXIT_TEMPFAIL = 75
 EXIT_NOPERM = 77  # needs root, e.g. install-service (EX_NOPERM)
 EXIT_CONFIG = 78  # bad configuration or board profile (EX_CONFIG): do not restart
 EXIT_INTERRUPTED = 130  # Ctrl-C, like a shell (128 + SIGINT)
@@ -32,6 +35,7 @@ EXIT_CODES = {
     EXIT_USAGE: "bad command line",
     EXIT_DATAERR: "bad input data",
     EXIT_UNAVAILABLE: "required service or engine unavailable",
+    EXIT_TEMPFAIL: "temporary failure, try again later (a fine-tune that trained no step)",
     EXIT_NOPERM: "permission denied (needs root)",
     EXIT_CONFIG: "configuration error (not restarted by systemd)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",

@@ -15,8 +15,11 @@ battery_floor_pct, battery_resume_pct, thermal_limit_c, deadline_at, poll_s,
 chunk_size, label_map, skip_unknown and the command's optional training keys (protocol.finetune.TRAIN_KEYS:
 epochs, batch_size, lr, ..., update_bytes, depth, ..., trainer) and engine_choices (the
 fleet's int8 engine choices, JSON). result.json says which trainer ran, and lists the engine
-choices this device measured in full (`engine_choices`: what its state reports). Activate
-spec: archive, dest (+ base: a patch's base).
+choices this device measured in full (`engine_choices`: what its state reports). A job that
+trained no step (the budget, deadline or battery stopped it first; steps of a resumed
+checkpoint count) sends nothing: its result says "failed" with the report's `failure`
+message, and the daemon fails the job with it (issue 40). Activate spec: archive, dest
+(+ base: a patch's base).
 
 Encoding is deterministic, so a child killed between writing update.chunks and result.json
 and run again writes the same bytes; the committed residual is only replaced by the
@@ -229,8 +232,11 @@ def train(spec: dict[str, Any], events: Events) -> int:
     counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
     if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
         summary["label_counts"] = counts
+    failure = report.get("failure")
+    if failure:  # trained no step (or the governor's error): the job fails, saying why
+        summary["failure"] = str(failure.get("message") or "")[:400]
     if report["stop_reason"] not in FINISHED or not report["steps"]:  # nothing trained: nothing to send
-        atomic_write_json(job_dir / RESULT_FILE, {"status": "stopped", **summary})
+        atomic_write_json(job_dir / RESULT_FILE, {"status": "failed" if failure else "stopped", **summary})
         return EXIT_STOPPED
     events.send({"phase": "encoding", "detail": "delta -> compressed update"})
     summary["update"] = _encode(spec, report, job_dir)

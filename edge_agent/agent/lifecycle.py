@@ -13,7 +13,9 @@
 * finishing: the child leaves result.json + update.chunks + residual.pending; the driver
   queues the chunks in the outbox (durable, idempotent per (job, device, round)), then
   adopts the residual with one rename, then records `uploading`. A crash between any two
-  steps repeats only idempotent work.
+  steps repeats only idempotent work. A child that trained no step (the budget, deadline or
+  battery stopped it first) leaves a "failed" result and no update: the job fails with its
+  reason, which the coordinator records as this device's dropout (issue 40).
 * uploading: the Uploader sends the chunks until the coordinator's ack; then `done`.
 
 Governor pause/resume cycles are not restarts: resuming does not count as a re-entry.
@@ -406,7 +408,11 @@ class JobDriver:
             self._finish(job)
         elif code == EXIT_STOPPED and result.get("stop_reason") not in (None, "cancelled"):
             detail = str(result.get("stop_detail") or "")[:300]
-            self._advance(job, S.FAILED, f"training stopped: {result.get('stop_reason')}" + (f" ({detail})" if detail else ""))
+            # a job that trained no step says why ("trained 0 steps: the energy budget ran
+            # out ..."): the coordinator records it as this device's dropout, with that reason
+            failure = str(result.get("failure") or "")[:500]
+            self._advance(job, S.FAILED, failure or f"training stopped: {result.get('stop_reason')}"
+                          + (f" ({detail})" if detail else ""))
         elif code in FAIL_CODES:
             self._advance(job, S.FAILED, why)
         else:  # a crash, an outside SIGTERM, or the job's lock still held by a dying child

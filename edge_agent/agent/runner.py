@@ -16,7 +16,8 @@ The contract between the daemon and `python -m edge_agent.agent.child` (child.py
   update.chunks (the update's wire chunks, `pack_chunks`), residual.pending (the
   error-feedback residual to adopt once the update is queued).
 * Exit codes: EXIT_TRAINED 0 (result.json says "trained"), EXIT_STOPPED 3 (stopped
-  before finishing: cancelled, battery-low; result.json says why), EXIT_BUSY 75 (the
+  before finishing -- cancelled, battery-low -- or trained no step: result.json says why,
+  "failed" with the report's "failure" for the latter), EXIT_BUSY 75 (the
   job's lock is held: try again shortly), EXIT_DATAERR 65 / EXIT_CONFIG 78 (bad data,
   bundle or settings: the job fails); anything else is a crash (respawned, and counted
   against the job's re-entry limit).

@@ -106,8 +106,9 @@ class LocalFineTune:
                         Path(job["report"]).parent / "finetune.log")
             return None
         head = (report.get("head") or {}).get("file")
-        if code != 0 or not head or not Path(head).is_file():
-            self.last = {**job, "status": "failed", "exit": code, "detail": str(report.get("stop_reason"))[:300]}
+        if code != 0 or not head or not Path(head).is_file():  # (a job that trained no step writes no head)
+            why = (report.get("failure") or {}).get("message") or report.get("stop_reason")
+            self.last = {**job, "status": "failed", "exit": code, "detail": str(why)[:300]}
             return None
         dest = self.personal_root / job["name"] / job["version"] / job["id"]
         atomic_write_bytes(dest / HEAD_FILE, Path(head).read_bytes())

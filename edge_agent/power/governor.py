@@ -533,7 +533,7 @@ class BudgetGovernor:
             if would_exceed(used, upcoming, b.budget_j):
                 return self._halt(
                     StopReason.BUDGET_EXHAUSTED,
-                    f"{b.budget_basis} energy {used / J_PER_WH:.4f} Wh of {b.budget_wh:g} Wh; next step ~{upcoming / J_PER_WH:.4f} Wh",
+                    f"{b.budget_basis} energy {used / J_PER_WH:.4g} Wh of {b.budget_wh:g} Wh; next step ~{upcoming / J_PER_WH:.4g} Wh",
                 )
         if reasons:
             self._enter_pause(reasons)

@@ -51,8 +51,20 @@ examples:
 
 The JSON report (stdout, or --report FILE) has accuracy before/after on the local
 validation split, energy (Wh and its source), duration, peak RSS, steps, the stop reason
-(done, early-stopped, budget-exhausted, deadline, cancelled, battery-low, error) and the
-trained head parameters (also written to STATE_DIR/head.params)."""
+(done, early-stopped, budget-exhausted, deadline, cancelled, battery-low, error), the
+status (trained, cancelled, failed) and the trained head parameters (also written to
+STATE_DIR/head.params).
+
+A job that ends having trained no step (steps of the checkpoint it resumed from count) is
+a failure, not a success: "status": "failed", "failure" says why (the stop reason, where
+it came -- engine selection, features, before the first step -- and the energy spent), no
+head is written, one line on stderr says the same and the exit code is 75: try again
+later, or with more budget or time (an engine choice made and the features computed are
+cached, so the next run does not pay for them again).
+
+exit codes: 0 trained (whatever stopped it: see "stop_reason"), 75 trained no step, 1 the
+governor's error stop (e.g. no power reading), 130 cancelled (Ctrl-C, SIGTERM: --resume
+goes on), 64 a bad flag or a budget too small to start; the rest: `edge-agent --help`."""
 
 
 LABEL_MAP_HELP = """\
@@ -155,8 +167,9 @@ def _engine_choices(path: str) -> tuple[Any, ...]:
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from ..atomic import atomic_write_text
     from ..data import data_summary
-    from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
+    from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TEMPFAIL
     from .job import run_finetune
+    from .job_report import NO_STEPS
 
     state_dir = Path(args.state_dir) if args.state_dir else _default_state_dir(args.model, args.data)
     if args.force_engine:  # the job reads the environment (as the agent's child does)
@@ -186,18 +199,24 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     if bar is None and len(summary) > 1:  # the bar showed these; -q still says what was skipped and why
         for line in summary:
             print(f"data: {line}", file=sys.stderr)
+    failure = report["failure"]
     if args.report:
         atomic_write_text(args.report, text)
         acc = report["accuracy"]
-        print(f"accuracy {acc['before']} -> {acc['after']} on {acc['validation_samples']} validation samples; "
-              f"{report['energy']['wh']:.4f} Wh ({report['energy']['source']}); stop: {report['stop_reason']}; "
-              f"report: {args.report}", file=sys.stderr)
+        if failure is None:  # (a failure's line below says what there is to say)
+            print(f"accuracy {acc['before']} -> {acc['after']} on {acc['validation_samples']} validation samples; "
+                  f"{report['energy']['wh']:.4f} Wh ({report['energy']['source']}); stop: {report['stop_reason']}; "
+                  f"report: {args.report}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     if report["stop_reason"] == "cancelled":  # Ctrl-C or SIGTERM: `finetune && deploy` must not go on
         print("cancelled: the checkpoint is kept (--resume goes on from it)", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return EXIT_OK if report["stop_reason"] not in ("error",) else EXIT_FAILURE
+    if failure is not None:  # nothing trained (or the governor's error): `finetune && deploy` must not go on
+        print(f"failed: {failure['message']}" + (f"; report: {args.report}" if args.report else ""), file=sys.stderr)
+        # nothing trained, nothing wrong with the input: a later run (more budget, time, sun) may succeed
+        return EXIT_TEMPFAIL if failure["kind"] == NO_STEPS else EXIT_FAILURE
+    return EXIT_OK
 
 
 def _positive(kind: type) -> Any:

@@ -7,7 +7,8 @@ it is what `edge-agent finetune` runs in-process and what the agent daemon runs 
 process. Everything it needs to continue lives in `state_dir`:
 
     state_dir/lock             flock: one job per state directory
-    state_dir/job.json         status (running / done / stopped / refused), model, data, stop reason
+    state_dir/job.json         status (running / done / stopped / refused), model, data, stop reason,
+                               failure (why a job that trained no step failed: job_report.py)
     state_dir/checkpoints/     ckpt-<seq>.ckpt (the newest two; see checkpoints.py)
     state_dir/head.params      the trained head, MXNet ndarray format (as in a bundle)
     state_dir/report.json      the last report
@@ -114,7 +115,9 @@ def run_finetune(
 
     Raises EdgeAgentError subclasses for anything the user must fix (bad data set, bad
     bundle, mismatched checkpoint, busy or unfinished state directory); a stop by the
-    governor (budget, deadline, battery, cancel) is not an error: see "stop_reason".
+    governor (budget, deadline, battery, cancel) is not an error: see "stop_reason". A job
+    that ends having trained no step (a resumed checkpoint's steps count) has "status"
+    "failed" and "failure" says why (job_report.py), unless it was cancelled.
     `clock` (edge_agent.power.Clock) is for tests; the default is the system clock. A
     clock with a `work_done()` method is called after every feature batch and training
     step, so a virtual clock can charge each step a fixed time whatever the CPU's speed;
@@ -373,8 +376,13 @@ class _Job(DepthPlanning, JobReport):
                 watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True,
                 clocks=Clocks(cpu=cpu_seconds), shared=a["engine_choices"],
                 logits=numpy_head_logits(bundle))  # no MXNet for the top-1 check of a tail numpy computes
-        except SelectionStopped as exc:  # the budget ran out choosing the engine: a stop, not a failure
-            return self._stopped_in_selection(bundle, dataset, prof, str(exc))
+        except SelectionStopped as exc:  # the budget ran out choosing the engine: failed, unless it trained before
+            resumed = None
+            if checkpoint is not None and checkpoint.step > 0:  # what it trained before is kept and reported
+                trainer = self._make_trainer(symbol_json, base_params, config, train.y, threads, checkpoint)
+                trainer.load_state(checkpoint.meta["trainer"], checkpoint.arrays)
+                resumed = (trainer, checkpoint)
+            return self._stopped_in_selection(bundle, dataset, prof, str(exc), store=store, resumed=resumed)
         except BudgetTooSmallError as exc:  # refused before the selection was spent: nothing left running
             atomic_write_json(self.state / JOB_FILE, {"status": "refused", "stop_reason": "budget-too-small",
                                                       "detail": str(exc)[:500], "model": a["model"]})
@@ -450,7 +458,8 @@ class _Job(DepthPlanning, JobReport):
             self.stop_reason = stop_reason
         after = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
         self._learn_rates(cache_root, len(train), len(val))
-        return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof)
+        return self._finish(bundle, dataset, selection, cache_stats, before, after, stop_reason, prof,
+                            stopped_in="features" if features is None else "training")
 
     def _make_trainer(self, symbol_json: str, params: dict[str, np.ndarray], config: Any, train_labels: np.ndarray,
                       threads: int, checkpoint: Checkpoint | None) -> Any:

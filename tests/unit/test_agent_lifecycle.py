@@ -55,6 +55,12 @@ SCRIPTED = textwrap.dedent(r'''
             time.sleep(0.02)
         atomic_write_json(os.path.join(job_dir, "result.json"), {"status": "stopped", "stop_reason": "cancelled"})
         sys.exit(3)
+    if mode == "zero-steps":  # the budget ran out before the first step: failed, nothing to send (issue 40)
+        atomic_write_json(os.path.join(job_dir, "result.json"), {"status": "failed", "stop_reason": "budget-exhausted",
+                          "stop_detail": "job energy 0.002 Wh of 0.002 Wh; next step ~0.0001 Wh", "steps": 0,
+                          "failure": "trained 0 steps: the energy budget ran out while the backbone's features were "
+                                     "being computed (job energy 0.002 Wh of 0.002 Wh); 0.002 Wh spent"})
+        sys.exit(3)
     if mode == "sensor-error":  # the governor halted: the result says why
         atomic_write_json(os.path.join(job_dir, "result.json"), {"status": "stopped", "stop_reason": "error",
                           "stop_detail": "no power reading in 5 consecutive samples", "steps": 1})
@@ -130,6 +136,20 @@ def test_a_job_the_governor_stopped_fails_with_the_governors_reason(rig: Rig) ->
     rig.run_until(lambda: rig.job().state is S.FAILED)
     assert rig.job().reason == "training stopped: error (no power reading in 5 consecutive samples)"
     assert rig.outbox.items() == []  # nothing trained: nothing sent
+
+
+def test_a_job_that_trained_no_step_fails_with_its_reason_and_sends_nothing(rig: Rig) -> None:
+    rig.set_mode("zero-steps")
+    rig.submit()
+    rig.run_until(lambda: rig.job().state.terminal)
+    job = rig.job()
+    assert job.state is S.FAILED and job.reason.startswith("trained 0 steps: the energy budget ran out"), job.history
+    assert [h[1] for h in job.history][-2:] == ["training", "failed"]  # not respawned: a verdict, not a crash
+    assert rig.outbox.items() == []  # no (empty) update
+    failed = [p for p in rig.published if p["phase"] == "failed"]
+    # what the coordinator records as this device's dropout (service_messages._progress)
+    assert len(failed) == 1 and failed[0]["detail"] == job.reason and failed[0]["job"] == "j" and failed[0]["round"] == 1
+    assert not any(p["phase"] in ("uploading", "done") for p in rig.published)
 
 
 def test_happy_path_with_a_governor_pause_then_the_outbox(rig: Rig) -> None:

@@ -8,6 +8,8 @@ from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 from edge_agent.coordinator.registry import Registry
 from edge_agent.coordinator.service_messages import DeviceMessages
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
@@ -37,3 +39,42 @@ def test_a_progress_report_with_only_some_result_metrics_keeps_those_and_raises_
                                                           "detail": "battery low"}), device)  # type: ignore[arg-type]
         assert h.dropouts == [("job-1", 3, device, "failed: battery low")]
         assert reg.get_device(device).state.get("job_phase") == "failed"
+
+
+def test_a_device_whose_job_trained_no_step_is_a_dropout_the_round_does_not_wait_for(tmp_path: Path) -> None:
+    """Issue 40: the agent fails a job that trained no step and says why in its "failed"
+    progress (agent/lifecycle.py); no update comes. The coordinator's existing failed-job
+    path records the device as dropped out with that reason, and the round closes with the
+    others' updates instead of waiting for the deadline."""
+    from edge_agent.coordinator.records import ParticipantStatus, RoundState
+    from edge_agent.coordinator.rounds import RoundEngine
+    from edge_agent.train.job_report import failure_record
+
+    keys = [generate_private_key() for _ in range(2)]
+    devices = [fingerprint(k) for k in keys]
+    now = [1_700_000_000.0]
+    with Registry(state_dir=tmp_path, clock=lambda: now[0]) as reg:
+        reg.add_model_version(name="digits", version="1", head={"w": np.zeros(4, np.float32)})
+        for device, key in zip(devices, keys, strict=True):
+            reg.enrol_device(device_id=device, public_key=base64.b64encode(public_key_bytes(key)).decode(),
+                             fleet="f", approved=True)
+            reg.record_state(device, online=True, state={"battery_pct": 90.0, "on_power": True})
+        engine = RoundEngine(registry=reg, clock=lambda: now[0])
+        job = engine.start_job(model_name="digits", model_version="1", min_devices=1, deadline_s=600)
+        (plan,) = engine.tick().opened
+        for device in devices:
+            engine.record_dispatch(job.id, 1, device)
+        h = _handler(reg)
+        h.engine = engine
+        h._dropout = lambda *a: DeviceMessages._dropout(h, *a)  # the real one, over the real engine
+        why = failure_record("budget-exhausted", 0, "", 0.0021, stopped_in="features")["message"]
+        DeviceMessages._progress(h, SimpleNamespace(body={"phase": "failed", "job": job.id, "round": 1,  # type: ignore[arg-type]
+                                                          "detail": why}), devices[0])
+        rnd = reg.get_round(job.id, 1)
+        assert rnd.participants[devices[0]].status is ParticipantStatus.DROPPED
+        assert rnd.participants[devices[0]].reason == f"failed: {why}" and "trained 0 steps" in why
+        assert engine.tick().closed == []  # the other device may still deliver
+        DeviceMessages._progress(h, SimpleNamespace(body={"phase": "failed", "job": job.id, "round": 1,  # type: ignore[arg-type]
+                                                          "detail": why}), devices[1])
+        (closed,) = engine.tick().closed  # nobody left to wait for: closed now, not at the deadline
+        assert closed.state is RoundState.FAILED and set(closed.dropouts) == set(devices), closed

@@ -217,10 +217,12 @@ def test_a_battery_that_never_recovers_stops_at_the_deadline_and_resume_continue
     clock = BoardClock(board)
     first = _job(bundle, data, tmp_path, clock, cache, battery_floor_pct=30, deadline=clock.now() + 2.0, epochs=2)
     assert first["stop_reason"] == "battery-low" and first["steps"] == 0
+    assert first["status"] == "failed" and "battery below its floor" in first["failure"]["message"]
     assert clock.monotonic() - 1000.0 == pytest.approx(2.0)  # it waited (virtually) for the deadline
     board.battery(90, "Charging")
     second = _job(bundle, data, tmp_path, BoardClock(board), cache, battery_floor_pct=30, epochs=2, resume=True)
     assert second["stop_reason"] == "done" and second["steps"] > 0 and second["resumed"]
+    assert second["status"] == "trained" and second["failure"] is None
 
 
 class LoadedBoardClock(BoardClock):
