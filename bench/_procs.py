@@ -141,7 +141,7 @@ def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
         "validation": report["data"]["validation"],
         "depth": report["depth"],
         "adaptation": report.get("adaptation"),
-        "head": {"file": report["head"]["file"]},
+        "head": {"file": (report.get("head") or {}).get("file")},  # None: a job that trained no step
     }
 
 
