@@ -103,10 +103,11 @@ def test_a_later_job_computes_features_only_for_new_samples(
     assert second["feature_cache"]["computed"] == second["data"]["loaded"] - first["data"]["loaded"] > 0
 
 
+@pytest.mark.parametrize("adapt", ["bn", "none"])
 def test_cancel_checkpoint_and_resume_match_an_uninterrupted_run(
-        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path, adapt: str) -> None:
     common = dict(model=bundle, data=devices["dev-04"], cache_dir=cache_dir, epochs=6, patience=10,
-                  checkpoint_every=3, profile="raspberry-pi-4", batch_size=16)
+                  checkpoint_every=3, profile="raspberry-pi-4", batch_size=16, adapt=adapt)
     straight = run_finetune(state_dir=tmp_path / "straight", **common)
 
     def sigterm_at_step_7(ev: Progress) -> None:
@@ -117,6 +118,8 @@ def test_cancel_checkpoint_and_resume_match_an_uninterrupted_run(
     assert stopped["stop_reason"] == "cancelled" and stopped["steps"] == 7
     with pytest.raises(JobStateError, match="pass --resume"):
         run_finetune(state_dir=tmp_path / "cut", **common)
+    # the adapted prefix is remade on resume if its cache is gone: the same bytes (train/job_adapt.py)
+    shutil.rmtree(cache_dir / "adapted-prefixes", ignore_errors=True)
     events: list[Progress] = []
     resumed = run_finetune(state_dir=tmp_path / "cut", resume=True, progress=events.append, **common)
     assert any("resumed from" in e.detail and "step 7" in e.detail for e in events)
@@ -125,6 +128,8 @@ def test_cancel_checkpoint_and_resume_match_an_uninterrupted_run(
     for name, p in straight["head"]["params"].items():
         assert resumed["head"]["params"][name]["values"] == p["values"]  # bit-identical
     assert resumed["energy"]["wh"] > stopped["energy"]["wh"]  # energy carried across the restart
+    assert resumed["adaptation"]["kind"] == straight["adaptation"]["kind"] == ("bn" if adapt == "bn" else "none")
+    assert resumed["adaptation"]["prefix_sha256"] == straight["adaptation"]["prefix_sha256"]
 
 
 def test_a_checkpoint_from_another_model_is_refused_and_kept(
