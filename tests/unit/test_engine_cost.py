@@ -23,7 +23,6 @@ from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.engine import Availability, Int8Engine, Runner
 from edge_agent.int8.engines.reference import QGraphRunner
 from edge_agent.int8.oracle_answers import SPOT_CHECK_SAMPLES
-from edge_agent.sim import scenario as demo
 from edge_agent.train.job import run_finetune
 from tests.unit.test_finetune_governor import STEP_J, Board, BoardClock
 
@@ -32,14 +31,13 @@ PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}},
 
 
 @pytest.fixture(scope="module")
-def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")  # test_finetune_governor's
+def bundle_dir(digits_bundle: Path) -> Path:
+    return digits_bundle
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dev = demo.scenario().devices[2]
-    return demo.write_data(tmp_path_factory.mktemp("cost-data"), dev.images, dev.labels, "npz")
+def data(camera_device_npz: Path) -> Path:
+    return camera_device_npz
 
 
 def test_agreement_verdict_is_relative_to_the_reference() -> None:

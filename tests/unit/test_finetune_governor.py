@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from edge_agent.power.clock import ManualClock
-from edge_agent.sim import scenario as demo
 from edge_agent.train.job import Progress, run_finetune
 
 IDLE_W = 2.7  # the raspberry-pi-4 profile's idle figure
@@ -103,14 +102,13 @@ class BoardClock(ManualClock):
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")
+def bundle(digits_bundle: Path) -> Path:
+    return digits_bundle
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dev = demo.scenario().devices[2]
-    return demo.write_data(tmp_path_factory.mktemp("gov-data"), dev.images, dev.labels, "npz")
+def data(camera_device_npz: Path) -> Path:
+    return camera_device_npz
 
 
 @pytest.fixture(scope="module")

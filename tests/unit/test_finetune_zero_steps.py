@@ -23,7 +23,6 @@ import pytest
 
 from edge_agent import cli
 from edge_agent.errors import EXIT_OK, EXIT_TEMPFAIL
-from edge_agent.sim import scenario as demo
 from edge_agent.train.checkpoints import CheckpointStore
 from edge_agent.train.job import Progress, run_finetune
 from edge_agent.train.job_report import ERROR, NO_STEPS, failure_record, job_status
@@ -34,14 +33,13 @@ TINY_WH = 1e-9  # less than any step, or the re-check of a cached engine choice,
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo.ensure_bundle(tmp_path_factory.getbasetemp() / "digits-bundle")  # test_finetune_governor's
+def bundle(digits_bundle: Path) -> Path:
+    return digits_bundle
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dev = demo.scenario().devices[2]
-    return demo.write_data(tmp_path_factory.mktemp("zero-steps-data"), dev.images, dev.labels, "npz")
+def data(camera_device_npz: Path) -> Path:
+    return camera_device_npz
 
 
 @pytest.fixture(scope="module")
