@@ -5,7 +5,6 @@ chosen. A mixin of job._Job."""
 from __future__ import annotations
 
 import math
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_bytes, atomic_write_json, sha256_file
+from ..int8.engine_cost import process_peak_rss_mb
 
 JOB_FILE = "job.json"
 REPORT_FILE = "report.json"
@@ -58,7 +58,7 @@ class JobReport:
             "stop_reason": StopReason.BUDGET_EXHAUSTED.value, "stop_detail": detail,
             "duration_s": round(time.monotonic() - self.started, 3),
             "duration_s_all_runs": round(time.monotonic() - self.started, 3), "resumed": bool(self.args["resume"]),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1), "head": None,
+            "peak_rss_mb": round(process_peak_rss_mb(), 1), "head": None,
         }
         atomic_write_json(self.state / REPORT_FILE, report)
         atomic_write_json(self.state / JOB_FILE, {"status": "done", "stop_reason": report["stop_reason"],
@@ -98,7 +98,7 @@ class JobReport:
             "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
             "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"],
                       "actual_wh": gov["energy_wh_job"],
-                      "actual_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+                      "actual_peak_rss_mb": round(process_peak_rss_mb(), 1),
                       "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
             "data": dataset.report.to_json(),
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
@@ -115,7 +115,7 @@ class JobReport:
             "profile": prof,
             "duration_s": round(duration, 3),
             "duration_s_all_runs": round(self.pos["elapsed_s"] + duration, 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+            "peak_rss_mb": round(process_peak_rss_mb(), 1),
             "steps": int(self.pos["step"]),
             "epochs_done": int(self.pos["epoch"]),
             "stop_reason": stop_reason,
