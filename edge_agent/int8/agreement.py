@@ -181,7 +181,10 @@ class Oracle:
                 self.float = self.ref_samples[:len(x)]
             else:
                 self.float = in_chunks(self.runner.run, x)
-        self._logits = logits or _head_logits(bundle)
+        head = logits or _head_logits(bundle)
+        # in chunks too: a tail of convolutions over all AGREEMENT_MAX_SAMPLES at once held
+        # ~36 MB (digits, depth 2) where its prefix's own runs held a few
+        self._logits: Callable[[np.ndarray], np.ndarray] = lambda features: in_chunks(head, features)
         self.ref_logits = self._logits(self.float)
         self.top1 = self.ref_logits.argmax(axis=1)
         self.decided_samples: int | None = None
