@@ -55,6 +55,16 @@ class Int8Engine(abc.ABC):
     # runtime to import, a model to compile or quantise): what engine selection predicts and
     # checks against a job's energy budget before it prepares the engine
     prepare_cpu_s_hint: float = 1.0
+    # The memory a prepared engine adds to the process (engine_memory.py predicts selection's
+    # and a job's peak from them before anything is prepared): MB for its runtime, library
+    # and model, and bytes per activation element of the int8 prefix per sample of a batch run
+    prepare_mb_hint: float = 20.0
+    run_bytes_per_activation: float = 1.0
+
+    def memory_mb_hint(self, activations: int, batch: int) -> float:
+        """MB this engine holds prepared and running batches of `batch` samples of a prefix
+        whose activation tensors hold `activations` elements per sample."""
+        return self.prepare_mb_hint + batch * activations * self.run_bytes_per_activation / 2**20
 
     @abc.abstractmethod
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:

@@ -49,6 +49,12 @@ class MxnetOnednnEngine(Int8Engine):
     # MXNet's import (~2 CPU-s) and quantize_net's calibration (~4 CPU-s for the camera
     # MobileNetV2 0.5 on an EPYC core; bench_engine_cost)
     prepare_cpu_s_hint = 6.0
+    # MXNet's import with oneDNN (~170 MB) and the calibration's float activations, CALIB_BATCH
+    # samples at a time: 176 MB on the digits CNN, 331-366 MB on the camera MobileNetV2 0.5
+    prepare_mb_hint, run_bytes_per_activation = 170.0, 6.4
+
+    def memory_mb_hint(self, activations: int, batch: int) -> float:
+        return super().memory_mb_hint(activations, max(batch, CALIB_BATCH))
 
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
         spec = importlib.util.find_spec("mxnet")

@@ -154,6 +154,9 @@ class TfliteEngine(Int8Engine):
     name = "tflite"
     # tflite_runtime's import and the interpreter with XNNPACK (0.03-0.09 CPU-s on an EPYC core; a Pi core is 3-5x slower)
     prepare_cpu_s_hint = 0.2
+    # tflite-runtime's import (~11 MB); XNNPACK's arena reuses one small plan: 11 MB with 32
+    # camera MobileNetV2 samples
+    prepare_mb_hint, run_bytes_per_activation = 11.0, 0.02
 
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
         try:
