@@ -99,6 +99,7 @@ class JobReport:
             "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"],
                       "actual_wh": gov["energy_wh_job"],
                       "actual_peak_rss_mb": round(process_peak_rss_mb(), 1),
+                      "memory": getattr(self, "memory", None),
                       "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
             "data": dataset.report.to_json(),
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
