@@ -225,14 +225,12 @@ def mxnet_available() -> bool:
 
 
 def job_rss_mb(base_mb: float, training_mb: float, engine: EngineMemory | None) -> tuple[float, str]:
-    """A job's peak RSS (module doc): the engine's phase or training, whichever is higher; and,
-    when the engine's phase is, a note saying so (for the reason a depth does not fit)."""
+    """A job's peak RSS (module doc): the engine's phase or training, whichever is higher; and
+    a note on the engine's share (for the reason a depth does not fit)."""
     if engine is None:
         return base_mb + training_mb, ""
-    at_engine, at_training = base_mb + engine.peak_mb, base_mb + engine.residual_mb + training_mb
-    if at_engine >= at_training:
-        return at_engine, f" at its peak in {engine.what} (~{engine.peak_mb:.0f} MB above the process's {base_mb:.0f})"
-    return at_training, ""
+    rss = max(base_mb + engine.peak_mb, base_mb + engine.residual_mb + training_mb)
+    return rss, f" with {engine.what} (~{engine.peak_mb:.0f} MB above the process's {base_mb:.0f} MB)"
 
 
 def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val: int, epochs: int,
