@@ -19,6 +19,7 @@ and the kernel's ru_maxrss of the child (wait4; it misses what came before the l
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -198,22 +199,27 @@ def test_a_first_job_under_a_small_cap_prepares_no_candidate_over_it(first: Job,
 # ---------------------------------------------------------------- the arithmetic, no job
 
 
+def _touched(mb: int) -> mmap.mmap:
+    """`mb` MB of fresh pages, resident (an anonymous map: never a heap's already-resident pages)."""
+    block = mmap.mmap(-1, mb << 20)
+    np.frombuffer(block, np.uint8)[:] = 1
+    return block
+
+
 def test_peak_watch_keeps_a_peak_that_a_reset_cleared() -> None:
     if engine_cost.rss_mb() is None:
         pytest.skip("no /proc/self/status")
-    mb = 64
-    block = np.ones(mb << 20, np.uint8)  # touched: resident
+    block = _touched(64)
     high = engine_cost.PROCESS_PEAK.peak_mb
-    del block
+    block.close()
     with engine_cost.PeakWatch() as watch:
         engine_cost.reset_peak_rss()  # as every measured phase of selection does
         # the process's peak survives the reset (to the page: /proc's counters are per-thread caches)
         assert engine_cost.PROCESS_PEAK.peak_mb >= high - 1
         start = watch.peak_mb
-        small = np.ones(8 << 20, np.uint8)
+        _touched(16).close()
         engine_cost.reset_peak_rss()
-        del small
-        assert watch.peak_mb >= start + 7  # the watch's own peak survives the next reset too
+        assert watch.peak_mb >= start + 15  # the watch's own peak survives the next reset too
     assert engine_cost.process_peak_rss_mb() >= high - 1
 
 
