@@ -28,6 +28,7 @@ import numpy as np
 
 from ..atomic import atomic_write_json
 from ..errors import EdgeAgentError
+from ..heap import release_freed_memory
 from . import engines as registry
 from . import oracle_answers
 from .agreement import (
@@ -57,7 +58,7 @@ from .engine_cost import (
 from .engine_memory import PrefixShape, engine_mb, oracle_chunk, over_cap, prefix_shape
 from .oracle_answers import SPOT_CHECK_SAMPLES
 from .selection_cache import Candidate, Selection
-from .shared_choice import SharedChoice, kind_of, output_fingerprint
+from .shared_choice import FINGERPRINT_SAMPLES, SharedChoice, kind_of, output_fingerprint
 
 _log = logging.getLogger(__name__)
 
@@ -185,7 +186,14 @@ def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
         oracle = Oracle(ask.bundle, ask.x, logits=ask.logits, chunk=chunk, graph=graph)
         if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
             oracle.rounding_sensitivity()
+    release_freed_memory()  # the oracle's chunks: glibc kept up to 30 MB of them, which the engines' checks would sit on
     prepared = _prepare_and_check(ask, rows, oracle, prices, ledger, shape)
+    # the oracle's graphs, answers and calibration copy are done with: not held while the
+    # engines are timed (14 MB of samples alone on the camera MobileNetV2); the fingerprint
+    # (_record) reads the first calibration samples from what it keeps of them
+    fingerprint_x = np.ascontiguousarray(oracle.samples[:FINGERPRINT_SAMPLES])
+    del oracle
+    release_freed_memory()
     if chunk < ORACLE_CHUNK and ask.mem_cap_mb is not None:
         prepared.notes.insert(0, f"the oracle ran {chunk} samples at a time (not {ORACLE_CHUNK}) to stay under "
                                  f"the {ask.mem_cap_mb:g} MB training memory cap")
@@ -193,7 +201,7 @@ def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
     _time(ask, rows, prepared, prices, ledger)
     selection = _decide(ask, rows, prepared)
     selection.energy_j = ledger.spent
-    return _record(ask, selection, prepared, keep_runner=keep_runner)
+    return _record(ask, selection, prepared, fingerprint_x, keep_runner=keep_runner)
 
 
 def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float, Any]:
@@ -257,14 +265,17 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
     out = _Prepared()
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
+    refused: dict[str, tuple[Candidate, str]] = {}  # over the memory cap
 
-    def too_big(row: Candidate) -> str | None:  # recorded, with a note for the job's report
-        need = engine_mb(ask.by_name[row.name], shape, max(ask.batch_size, oracle.chunk))
-        why = over_cap(row.name, need, rss_mb(), ask.mem_cap_mb)
+    def need(row: Candidate) -> float:  # the probe checked its availability: the runtime is loaded
+        return engine_mb(ask.by_name[row.name], shape, max(ask.batch_size, oracle.chunk), threads=ask.threads,
+                         runtime_loaded=True)
+
+    def too_big(row: Candidate) -> bool:
+        why = over_cap(row.name, need(row), rss_mb(), ask.mem_cap_mb)
         if why:
-            row.reason += f"; not prepared: {why}"
-            out.notes.append(f"not prepared: {why}")
-        return why
+            refused[row.name] = (row, why)
+        return why is not None
 
     def prepare_and_check(row: Candidate) -> None:
         engine = ask.by_name[row.name]
@@ -289,7 +300,7 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
         for row in todo:
             if not too_big(row):
                 prepare_and_check(row)
-        return out
+        return _over_the_cap(ask, out, refused, need, prepare_and_check)
     for row in sorted(others, key=lambda r: prices.hints[r.name]):
         if too_big(row):
             continue
@@ -305,12 +316,32 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
         ref.reason += "; not timed: another engine is correct"
     elif ref is not None and not too_big(ref):
         prepare_and_check(ref)
+    return _over_the_cap(ask, out, refused, need, prepare_and_check)
+
+
+def _over_the_cap(ask: Ask, out: _Prepared, refused: dict[str, tuple[Candidate, str]],
+                  need: Callable[[Candidate], float], prepare_and_check: Callable[[Candidate], None]) -> _Prepared:
+    """The candidates left out for the memory cap, said in their rows and the notes; when that
+    left nothing prepared, the lightest is prepared all the same (the job needs an engine; the
+    depth planner had already found that no depth fits), and the notes say so."""
+    lightest = min((row for row, _ in refused.values()), key=need) if refused and not out.runners else None
+    for row, why in refused.values():
+        if row is not lightest:
+            row.reason += f"; not prepared: {why}"
+            out.notes.append(f"not prepared: {why}")
+    if lightest is not None:
+        note = (f"{lightest.name} prepared over the {ask.mem_cap_mb:g} MB training memory cap (~{need(lightest):.0f} MB "
+                "predicted): no candidate fits under it, and it is the lightest")
+        lightest.reason += f"; {note}"
+        out.notes.append(note)
+        prepare_and_check(lightest)
     return out
 
 
 def _add_thread_variants(ask: Ask, rows: list[Candidate], prepared: _Prepared, shape: PrefixShape) -> None:
     """Other thread counts of cheaply prepared correct engines (XNNPACK's pool: 1 thread can
     beat 2 on a busy machine, and always costs less CPU), while they fit under the memory cap."""
+    pending = 0.0  # what the variants prepared so far will take when timing first runs them
     for row in rows:
         if not (row.correct and (row.name, ask.threads) in prepared.runners and ask.threads > 1
                 and (row.prepare_cpu_s or 0) < VARIANT_PREPARE_MAX_S):
@@ -318,12 +349,15 @@ def _add_thread_variants(ask: Ask, rows: list[Candidate], prepared: _Prepared, s
         engine = ask.by_name[row.name]
         assert engine is not None
         for t in range(1, ask.threads):
-            why = over_cap(row.name, engine_mb(engine, shape, ask.batch_size), rss_mb(), ask.mem_cap_mb)
+            need = engine_mb(engine, shape, ask.batch_size, threads=t, runtime_loaded=True)
+            now = rss_mb()
+            why = over_cap(row.name, need, None if now is None else now + pending, ask.mem_cap_mb)
             if why:  # an option, not a candidate: the thread count already prepared is timed
                 _log.info("no %d-thread variant: %s", t, why)
                 break
             try:
                 prepared.runners[(row.name, t)] = engine.prepare(ask.bundle, threads=t)
+                pending += need
             except Exception as exc:  # keep the thread count that worked
                 _log.warning("%s with %d threads: %s", row.name, t, exc)
 
@@ -407,16 +441,17 @@ def _forced_choice(ask: Ask, selection: Selection, prepared: _Prepared) -> str:
     return forced
 
 
-def _record(ask: Ask, selection: Selection, prepared: _Prepared, *, keep_runner: bool
+def _record(ask: Ask, selection: Selection, prepared: _Prepared, calibration: np.ndarray, *, keep_runner: bool
             ) -> tuple[Selection, Runner | None]:
-    """What this device would share (a measured, unforced choice), the cache, and the chosen
-    runner kept (with `keep_runner`); every other runner closed."""
+    """What this device would share (a measured, unforced choice; `calibration`: at least the
+    bundle's first FINGERPRINT_SAMPLES calibration samples), the cache, and the chosen runner
+    kept (with `keep_runner`); every other runner closed."""
     chosen_row = selection.candidate(selection.chosen) if selection.chosen else None
     chosen_runner = prepared.runners.get((selection.chosen, selection.threads)) if selection.chosen else None
     if not ask.forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
         selection.share = SharedChoice(kind_of(ask.key), chosen_row.name, selection.threads, ask.batch_size,
                                        chosen_row.latency_ms, chosen_row.per_image_cpu_s or 1e-9,
-                                       output_fingerprint(chosen_runner, ask.bundle.calibration())).to_json()
+                                       output_fingerprint(chosen_runner, calibration)).to_json()
     if not ask.forced and ask.path is not None:
         atomic_write_json(ask.path, selection.to_json())
         selection.cache_file = str(ask.path)
