@@ -10,6 +10,7 @@ import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..heap import release_freed_memory
 from .checkpoints import Checkpoint
 
 if TYPE_CHECKING:
@@ -95,8 +96,8 @@ class DepthPlanning:
 
         def engine_memory(depth: int) -> EngineMemory:
             return self._engine_memory(bundle.at_depth(depth), cached(depth), prof=prof, probe_report=probe_report,
-                                       batch_size=config.batch_size, images=len(dataset), base_mb=base,
-                                       pixels_mb=pixels_mb)
+                                       batch_size=config.batch_size, threads=threads, images=len(dataset),
+                                       base_mb=base, pixels_mb=pixels_mb)
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
                           mem_cap_mb=prof["memory_cap_mb"],
@@ -104,12 +105,13 @@ class DepthPlanning:
                           watts_per_cpu=wpc, base_rss_mb=base, rates=self.rates, numpy_tail=numpy_tail,
                           selection_cached=lambda depth: cached(depth) is not None,
                           engine_memory=engine_memory if bundle.manifest.depths else None)
+        release_freed_memory()  # the graphs parsed to predict it (13 MB of a MobileNetV2's five depths)
         if bundle.manifest.depths:
             self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
         return plan
 
     def _engine_memory(self, view: Any, cached: Any, *, prof: dict[str, Any], probe_report: dict[str, Any],
-                       batch_size: int, images: int, base_mb: float, pixels_mb: float) -> EngineMemory:
+                       batch_size: int, threads: int, images: int, base_mb: float, pixels_mb: float) -> EngineMemory:
         """What the int8 engine's phase adds at bundle view `view` (int8/engine_memory.py), at
         this device's learnt scale: the cached choice's re-check and features, else a selection."""
         from ..int8 import engines as registry
@@ -121,14 +123,15 @@ class DepthPlanning:
             selection_candidates,
             selection_mb,
         )
+        from ..int8.engines._common import thread_count
         from ..int8.selection import availability_report
         from .depth_plan import EngineMemory
 
-        shape, cap = prefix_shape(view), prof["memory_cap_mb"]
+        shape, cap, threads = prefix_shape(view), prof["memory_cap_mb"], thread_count(threads)  # as selection's
         if cached is not None:
             best = choose(cached.candidates, images, cap) or choose(cached.candidates, images)
             engine = registry.load_engine(best.name if best is not None else str(cached.chosen))
-            raw = cached_mb(shape, engine, batch_size)
+            raw = cached_mb(shape, engine, batch_size, (best.threads if best is not None else None) or threads)
             self.engine_mb_raw[view.depth] = raw
             return EngineMemory(raw * self.rates["engine_mb_scale"], float(engine.prepare_mb_hint) - pixels_mb,
                                 what=f"the cached int8 engine {engine.name}")
@@ -138,7 +141,7 @@ class DepthPlanning:
         if not forced:
             macs = view.manifest.depths[view.depth].costs.get("prefix_macs", 0) if view.manifest.depths else 0
             engines = selection_candidates(engines, job_cpu_s=images * macs * self.rates["s_per_int8_mac"])
-        predicted = selection_mb(shape, engines, batch=batch_size, start_mb=base_mb, cap_mb=cap)
+        predicted = selection_mb(shape, engines, batch=batch_size, threads=threads, start_mb=base_mb, cap_mb=cap)
         self.engine_mb_raw[view.depth] = predicted.peak_mb
         return EngineMemory(predicted.peak_mb * self.rates["selection_mb_scale"], SELECTION_RESIDUAL_MB - pixels_mb,
                             predicted.imports_mxnet, what="a first job's int8 engine selection")
