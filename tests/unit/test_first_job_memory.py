@@ -34,6 +34,7 @@ from edge_agent.hardware.profiles import profiles_dir
 from edge_agent.int8 import engine_cost
 from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.engine_memory import (
+    MEMORY_MARGIN,
     ORACLE_FIXED_MB,
     PrefixShape,
     oracle_chunk,
@@ -236,11 +237,14 @@ def test_selection_skips_what_would_go_over_the_cap_and_chunks_its_oracle(bundle
     assert capped.prepared == ["native", "tflite"] and set(capped.refused) == {"mxnet-onednn"}
     assert not capped.imports_mxnet and capped.peak_mb < free.peak_mb - 100
     assert "over the 150 MB training memory cap" in capped.refused["mxnet-onednn"]
+    # nothing fits: the lightest is counted (selection prepares it all the same), never MXNet's
+    none = selection_mb(shape, engines, batch=32, start_mb=50.0, cap_mb=40.0)
+    assert none.prepared == ["native"] and set(none.refused) == {"tflite", "mxnet-onednn"}
     # a prefix of a million activations per sample: 32 samples at a time would not fit
     big = PrefixShape(activations=1_000_000, tail_activations=0, calibration_mb=10.0)
     assert oracle_chunk(big, None) == 32 and oracle_chunk(big, 1e6) == 32
-    chunk = oracle_chunk(big, 80.0)
-    assert 1 <= chunk < 32 and oracle_mb(big, chunk) <= 80.0 < oracle_mb(big, chunk + 1)
+    chunk = oracle_chunk(big, 80.0)  # the most that fits with the margin to spare
+    assert 1 <= chunk < 32 and oracle_mb(big, chunk) * MEMORY_MARGIN <= 80.0 < oracle_mb(big, chunk + 1) * MEMORY_MARGIN
     assert oracle_chunk(big, ORACLE_FIXED_MB) == 1  # nothing fits: one sample at a time
 
 
@@ -281,3 +285,21 @@ def test_the_plan_counts_the_engines_phase_and_what_it_leaves(bundle: Path) -> N
     mx = plan({d: EngineMemory(30.0, 20.0, imports_mxnet=True) for d in (0, 1, 2)}, mxnet_mb=100.0)
     for o in mx.options:
         assert o.predicted_rss_mb == pytest.approx(50.0 + 20.0 + 100.0 + training[o.depth], abs=0.1)
+
+
+def test_when_no_candidate_fits_the_lightest_is_prepared_and_the_notes_say_so(bundle: Path, tmp_path: Path) -> None:
+    """A cap below what this process holds already: every candidate is over it, so the one with
+    the least predicted memory is prepared all the same (a job needs an engine), never MXNet's."""
+    from edge_agent.int8.selection import select_engine
+
+    if engine_cost.rss_mb() is None:
+        pytest.skip("no /proc/self/status")
+    selection, _ = select_engine(load_bundle(bundle), preference=["tflite", "native", "mxnet-onednn", "reference"],
+                                 batch_size=32, state_dir=tmp_path, images=200, mem_cap_mb=32.0)
+    notes = "\n".join(selection.notes)
+    assert selection.chosen == "native", notes  # the lightest with its library loaded
+    assert "native prepared over the" in notes and "it is the lightest" in notes, notes
+    for name in ("tflite", "mxnet-onednn"):
+        row = selection.candidate(name)
+        assert row is not None and "not prepared" in row.reason and row.peak_mb is None, (name, row.reason)
+    assert "the oracle ran 1 samples at a time" in notes, notes
