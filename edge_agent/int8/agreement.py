@@ -149,10 +149,12 @@ class Oracle:
     logits for the top-1 check (numpy for a dense head, else MXNet; loaded on first use)."""
 
     def __init__(self, bundle: Any, x: np.ndarray, *,
-                 logits: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 logits: Callable[[np.ndarray], np.ndarray] | None = None, chunk: int = ORACLE_CHUNK,
+                 graph: Any = None) -> None:
         from .engines.reference import QGraphRunner
 
-        self.runner = QGraphRunner(bundle.qgraph())
+        self.chunk = max(1, chunk)  # samples per run of the reference and the fp32 model (their peak memory)
+        self.runner = QGraphRunner(bundle.qgraph() if graph is None else graph)
         graph = self.runner.graph
         tout = graph.tensor(graph.outputs[0])
         self.x = x
@@ -172,16 +174,19 @@ class Oracle:
             self._sensitivity = answers.sensitivity
             self.float = self.ref_samples[:len(x)]
         else:
-            self.int8 = in_chunks(self.runner.run_int8, self.q) if self.q is not None else None
+            self.int8 = in_chunks(self.runner.run_int8, self.q, self.chunk) if self.q is not None else None
             task_level_runs = len(self.samples) >= AGREEMENT_MIN_SAMPLES and importlib.util.find_spec("onnx") is not None
             if task_level_runs and prefix:
                 # the check batch is the first calibration samples (check_batch_for): one reference
                 # run answers both (the reference is ~75x the native engine's cost per image)
-                self.ref_samples = in_chunks(self.runner.run, self.samples)
+                self.ref_samples = in_chunks(self.runner.run, self.samples, self.chunk)
                 self.float = self.ref_samples[:len(x)]
             else:
-                self.float = in_chunks(self.runner.run, x)
-        self._logits = logits or _head_logits(bundle)
+                self.float = in_chunks(self.runner.run, x, self.chunk)
+        head = logits or _head_logits(bundle)
+        # in chunks too: a tail of convolutions over all AGREEMENT_MAX_SAMPLES at once held
+        # ~36 MB (digits, depth 2) where its prefix's own runs held a few
+        self._logits: Callable[[np.ndarray], np.ndarray] = lambda features: in_chunks(head, features, self.chunk)
         self.ref_logits = self._logits(self.float)
         self.top1 = self.ref_logits.argmax(axis=1)
         self.decided_samples: int | None = None
@@ -212,14 +217,14 @@ class Oracle:
         if self._fp32 is None and importlib.util.find_spec("onnx") is None:
             return "no onnx package here, so no fp32 model to agree with"
         if self.ref_samples is None:
-            self.ref_samples = in_chunks(self.runner.run, self.samples)
+            self.ref_samples = in_chunks(self.runner.run, self.samples, self.chunk)
         ref_logits = self._logits(self.ref_samples)
         self.decided_samples = int(self._decided(self.ref_samples, ref_logits, 1.0).sum())
         if self.decided_samples < need:
             # e.g. random weights: features ~1e-10, every sample a tie, and any engine "agrees"
             return (f"{self.decided_samples} of {n} calibration samples have a top-1 that one output step "
                     f"cannot flip; the task-level check needs {need}")
-        fp32 = self._fp32 if self._fp32 is not None else in_chunks(fp32_features(bundle), self.samples)
+        fp32 = self._fp32 if self._fp32 is not None else in_chunks(fp32_features(bundle), self.samples, self.chunk)
         self.fp32_top1 = self._logits(fp32).argmax(axis=1)
         self.ref_agreement = top1_agreement(ref_logits.argmax(axis=1), self.fp32_top1)
         return ""
@@ -295,7 +300,7 @@ class Oracle:
         if not self.task_level:  # inconclusive at the task level: the unit-level rule decides
             cand.correct = bool(cand.max_diff <= cand.tolerance and cand.top1_match in (None, 1.0))
             return
-        out = in_chunks(runner.run, self.samples)  # the engine's buffers sized for 32, not 128, samples
+        out = in_chunks(runner.run, self.samples, self.chunk)  # the engine's buffers sized for a chunk, not 128 samples
         if out.shape != self.ref_samples.shape:
             raise EdgeAgentError(f"output shape {out.shape}, reference {self.ref_samples.shape}")
         cand.mean_steps = float(np.mean(np.abs(out - self.ref_samples)) / self.out_scale)

@@ -55,6 +55,23 @@ class Int8Engine(abc.ABC):
     # runtime to import, a model to compile or quantise): what engine selection predicts and
     # checks against a job's energy budget before it prepares the engine
     prepare_cpu_s_hint: float = 1.0
+    # The memory an engine adds to the process (engine_memory.py predicts selection's and a
+    # job's peak from them before anything is prepared): MB for its runtime or library, which
+    # availability() loads once; MB for each prepared model; and bytes per activation element
+    # of the int8 prefix per sample of a batch it runs
+    # (per thread when run_memory_per_thread: each thread its own scratch)
+    runtime_mb_hint: float = 10.0
+    prepare_mb_hint: float = 10.0
+    run_bytes_per_activation: float = 1.0
+    run_memory_per_thread: bool = False
+
+    def memory_mb_hint(self, activations: int, batch: int, *, threads: int = 1, runtime_loaded: bool = False) -> float:
+        """MB this engine adds prepared with `threads` threads and running batches of `batch`
+        samples of a prefix whose activation tensors hold `activations` elements per sample
+        (`runtime_loaded`: its availability was checked in this process already)."""
+        per_run = batch * activations * self.run_bytes_per_activation / 2**20
+        return ((0.0 if runtime_loaded else self.runtime_mb_hint) + self.prepare_mb_hint
+                + per_run * (max(1, threads) if self.run_memory_per_thread else 1))
 
     @abc.abstractmethod
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -149,10 +150,64 @@ def _status_mb(field: str) -> float | None:
     return None
 
 
-def reset_peak_rss() -> float | None:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0) and return the current RSS in MB."""
+class PeakWatch:
+    """The process's peak RSS (MB) since the watch started, across `reset_peak_rss`: each reset
+    first folds the kernel's mark into every open watch. Without it a phase's reset would hide
+    an earlier, higher peak (the oracle's) from the job's figure and from VmHWM itself."""
+
+    def __init__(self, *, reset: bool = True) -> None:
+        self.folded = 0.0
+        if reset:  # start from now: the peak before is folded into the other watches only
+            _clear_peak_mark()
+        _WATCHES.add(self)
+
+    @property
+    def peak_mb(self) -> float | None:
+        now = _status_mb("VmHWM")
+        return None if now is None else max(self.folded, now)
+
+    def close(self) -> None:
+        _WATCHES.discard(self)
+
+    def __enter__(self) -> PeakWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def process_peak_rss_mb() -> float:
+    """This process's peak RSS so far (MB), resets included; ru_maxrss where /proc has none."""
+    import resource
+
+    return PROCESS_PEAK.peak_mb or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+_WATCHES: weakref.WeakSet[PeakWatch] = weakref.WeakSet()
+
+
+def _clear_peak_mark() -> None:
+    hwm = _status_mb("VmHWM")
+    if hwm is not None:
+        for watch in list(_WATCHES):
+            watch.folded = max(watch.folded, hwm)
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+# the whole process's, from before the first reset (VmHWM counts from the process's start)
+PROCESS_PEAK = PeakWatch(reset=False)
+
+
+def reset_peak_rss() -> float | None:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0) and return the current RSS in MB; the
+    mark so far is kept by the open PeakWatches (PROCESS_PEAK: the process's whole run)."""
+    _clear_peak_mark()
+    return _status_mb("VmRSS")
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory now (MB)."""
     return _status_mb("VmRSS")
 
 

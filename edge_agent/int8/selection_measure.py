@@ -5,6 +5,10 @@ cached nor a fleet-shared choice can be used.
     -> the oracle -> prepare and check (cheapest first, dominated ones skipped) -> thread
     variants -> time the correct ones -> decide -> record (cache, what to share)
 
+Under a memory cap (the profile's training memory_cap_mb) no candidate is prepared whose
+predicted memory (engine_memory.py) would take the process over it, and the oracle runs
+fewer samples at a time when a whole chunk would not fit.
+
 Each step is a function over one `Ask` (the inputs, never written by a step) and a
 `_Ledger` (the joules each metered phase cost); `measure` runs them in order.
 """
@@ -24,9 +28,11 @@ import numpy as np
 
 from ..atomic import atomic_write_json
 from ..errors import EdgeAgentError
+from ..heap import release_freed_memory
 from . import engines as registry
 from . import oracle_answers
 from .agreement import (
+    ORACLE_CHUNK,
     ROUNDING_SAMPLES,
     ROUNDING_SEEDS,
     Oracle,
@@ -46,11 +52,13 @@ from .engine_cost import (
     choose,
     measured,
     predict_job,
+    rss_mb,
     time_rounds,
 )
+from .engine_memory import PrefixShape, engine_mb, oracle_chunk, over_cap, prefix_shape
 from .oracle_answers import SPOT_CHECK_SAMPLES
 from .selection_cache import Candidate, Selection
-from .shared_choice import SharedChoice, kind_of, output_fingerprint
+from .shared_choice import FINGERPRINT_SAMPLES, SharedChoice, kind_of, output_fingerprint
 
 _log = logging.getLogger(__name__)
 
@@ -162,29 +170,44 @@ class _Prices:
 class _Prepared:
     runners: dict[tuple[str, int], Runner] = field(default_factory=dict)
     check_rate: dict[str, float] = field(default_factory=dict)  # CPU-s per image of each engine's check runs
+    notes: list[str] = field(default_factory=list)  # what the memory cap changed, for Selection.notes
 
 
 def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
     """Every step, in order (module doc)."""
     ledger = _Ledger(ask)
-    rows, per_sample = _probe(ask, ledger)
+    rows, per_sample, graph = _probe(ask, ledger)
+    shape = prefix_shape(ask.bundle, graph)
     prices, upfront = _predict(ask, rows, per_sample)
     ask.meter.before("selection", upfront)
+    now = rss_mb()
+    chunk = oracle_chunk(shape, None if ask.mem_cap_mb is None or now is None else ask.mem_cap_mb - now)
     with ledger.phase("agreement", prices.oracle):
-        oracle = Oracle(ask.bundle, ask.x, logits=ask.logits)
+        oracle = Oracle(ask.bundle, ask.x, logits=ask.logits, chunk=chunk, graph=graph)
         if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
             oracle.rounding_sensitivity()
-    prepared = _prepare_and_check(ask, rows, oracle, prices, ledger)
-    _add_thread_variants(ask, rows, prepared)
+    release_freed_memory()  # the oracle's chunks: glibc kept up to 30 MB of them, which the engines' checks would sit on
+    prepared = _prepare_and_check(ask, rows, oracle, prices, ledger, shape)
+    # the oracle's graphs, answers and calibration copy are done with: not held while the
+    # engines are timed (14 MB of samples alone on the camera MobileNetV2); the fingerprint
+    # (_record) reads the first calibration samples from what it keeps of them
+    fingerprint_x = np.ascontiguousarray(oracle.samples[:FINGERPRINT_SAMPLES])
+    del oracle
+    release_freed_memory()
+    if chunk < ORACLE_CHUNK and ask.mem_cap_mb is not None:
+        prepared.notes.insert(0, f"the oracle ran {chunk} samples at a time (not {ORACLE_CHUNK}) to stay under "
+                                 f"the {ask.mem_cap_mb:g} MB training memory cap")
+    _add_thread_variants(ask, rows, prepared, shape)
     _time(ask, rows, prepared, prices, ledger)
     selection = _decide(ask, rows, prepared)
     selection.energy_j = ledger.spent
-    return _record(ask, selection, prepared, keep_runner=keep_runner)
+    return _record(ask, selection, prepared, fingerprint_x, keep_runner=keep_runner)
 
 
-def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float]:
+def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float, Any]:
     """Which engines can run here, and the reference's price per sample (joules), so that a
-    budget too small for the selection is refused before it is spent."""
+    budget too small for the selection is refused before it is spent; and the bundle's
+    graph as the reference parsed it (the oracle's, and what the memory is predicted from)."""
     from .engines.reference import ReferenceEngine
 
     forced = ask.forced
@@ -210,7 +233,7 @@ def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float]:
             probe_runner.run(ask.x[:n_probe])
             runs.append(ask.clocks.cpu() - c0)
     probe_runner.close()
-    return rows, ask.wpc * max(float(np.median(runs)) / n_probe, 1e-9)
+    return rows, ask.wpc * max(float(np.median(runs)) / n_probe, 1e-9), getattr(probe_runner, "graph", None)
 
 
 def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Prices, float]:
@@ -233,14 +256,26 @@ def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Price
 
 
 def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: _Prices,
-                       ledger: _Ledger) -> _Prepared:
+                       ledger: _Ledger, shape: PrefixShape) -> _Prepared:
     """Prepare each candidate and check it against the oracle, cheapest to prepare first; an
-    engine expensive to prepare is skipped when dominated or unaffordable. The reference (~25x
-    slower, never the winner) is prepared and timed only when nothing else is correct: its
-    agreement is already the oracle's."""
+    engine whose predicted memory would take the process over the cap is skipped, and one
+    expensive to prepare when dominated or unaffordable. The reference (~25x slower, never the
+    winner) is prepared and timed only when nothing else is correct: its agreement is already
+    the oracle's."""
     out = _Prepared()
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
+    refused: dict[str, tuple[Candidate, str]] = {}  # over the memory cap
+
+    def need(row: Candidate) -> float:  # the probe checked its availability: the runtime is loaded
+        return engine_mb(ask.by_name[row.name], shape, max(ask.batch_size, oracle.chunk), threads=ask.threads,
+                         runtime_loaded=True)
+
+    def too_big(row: Candidate) -> bool:
+        why = over_cap(row.name, need(row), rss_mb(), ask.mem_cap_mb)
+        if why:
+            refused[row.name] = (row, why)
+        return why is not None
 
     def prepare_and_check(row: Candidate) -> None:
         engine = ask.by_name[row.name]
@@ -263,9 +298,12 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
 
     if ask.forced:
         for row in todo:
-            prepare_and_check(row)
-        return out
+            if not too_big(row):
+                prepare_and_check(row)
+        return _over_the_cap(ask, out, refused, need, prepare_and_check)
     for row in sorted(others, key=lambda r: prices.hints[r.name]):
+        if too_big(row):
+            continue
         hint = prices.hints[row.name]
         why = None if ask.measure_all else (_dominated(row, hint, rows, out.check_rate, ask.images)
                                             or _unaffordable(ask.meter, row.name, hint, prices.prepare[row.name]))
@@ -276,14 +314,34 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
     ref = _row(todo, "reference")
     if ref is not None and others and any(r.correct for r in others):
         ref.reason += "; not timed: another engine is correct"
-    elif ref is not None:
+    elif ref is not None and not too_big(ref):
         prepare_and_check(ref)
+    return _over_the_cap(ask, out, refused, need, prepare_and_check)
+
+
+def _over_the_cap(ask: Ask, out: _Prepared, refused: dict[str, tuple[Candidate, str]],
+                  need: Callable[[Candidate], float], prepare_and_check: Callable[[Candidate], None]) -> _Prepared:
+    """The candidates left out for the memory cap, said in their rows and the notes; when that
+    left nothing prepared, the lightest is prepared all the same (the job needs an engine; the
+    depth planner had already found that no depth fits), and the notes say so."""
+    lightest = min((row for row, _ in refused.values()), key=need) if refused and not out.runners else None
+    for row, why in refused.values():
+        if row is not lightest:
+            row.reason += f"; not prepared: {why}"
+            out.notes.append(f"not prepared: {why}")
+    if lightest is not None:
+        note = (f"{lightest.name} prepared over the {ask.mem_cap_mb:g} MB training memory cap (~{need(lightest):.0f} MB "
+                "predicted): no candidate fits under it, and it is the lightest")
+        lightest.reason += f"; {note}"
+        out.notes.append(note)
+        prepare_and_check(lightest)
     return out
 
 
-def _add_thread_variants(ask: Ask, rows: list[Candidate], prepared: _Prepared) -> None:
+def _add_thread_variants(ask: Ask, rows: list[Candidate], prepared: _Prepared, shape: PrefixShape) -> None:
     """Other thread counts of cheaply prepared correct engines (XNNPACK's pool: 1 thread can
-    beat 2 on a busy machine, and always costs less CPU)."""
+    beat 2 on a busy machine, and always costs less CPU), while they fit under the memory cap."""
+    pending = 0.0  # what the variants prepared so far will take when timing first runs them
     for row in rows:
         if not (row.correct and (row.name, ask.threads) in prepared.runners and ask.threads > 1
                 and (row.prepare_cpu_s or 0) < VARIANT_PREPARE_MAX_S):
@@ -291,8 +349,15 @@ def _add_thread_variants(ask: Ask, rows: list[Candidate], prepared: _Prepared) -
         engine = ask.by_name[row.name]
         assert engine is not None
         for t in range(1, ask.threads):
+            need = engine_mb(engine, shape, ask.batch_size, threads=t, runtime_loaded=True)
+            now = rss_mb()
+            why = over_cap(row.name, need, None if now is None else now + pending, ask.mem_cap_mb)
+            if why:  # an option, not a candidate: the thread count already prepared is timed
+                _log.info("no %d-thread variant: %s", t, why)
+                break
             try:
                 prepared.runners[(row.name, t)] = engine.prepare(ask.bundle, threads=t)
+                pending += need
             except Exception as exc:  # keep the thread count that worked
                 _log.warning("%s with %d threads: %s", row.name, t, exc)
 
@@ -331,7 +396,7 @@ def _decide(ask: Ask, rows: list[Candidate], prepared: _Prepared) -> Selection:
     energy (ties within noise settled by engine_cost.choose); with the notes saying how."""
     images, cap = ask.images, ask.mem_cap_mb
     selection = Selection(None, rows, ask.key, ask.batch_size, forced=bool(ask.forced), images=images,
-                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), notes=list(prepared.notes))
     if ask.forced:
         selection.chosen = _forced_choice(ask, selection, prepared)
     else:
@@ -376,16 +441,17 @@ def _forced_choice(ask: Ask, selection: Selection, prepared: _Prepared) -> str:
     return forced
 
 
-def _record(ask: Ask, selection: Selection, prepared: _Prepared, *, keep_runner: bool
+def _record(ask: Ask, selection: Selection, prepared: _Prepared, calibration: np.ndarray, *, keep_runner: bool
             ) -> tuple[Selection, Runner | None]:
-    """What this device would share (a measured, unforced choice), the cache, and the chosen
-    runner kept (with `keep_runner`); every other runner closed."""
+    """What this device would share (a measured, unforced choice; `calibration`: at least the
+    bundle's first FINGERPRINT_SAMPLES calibration samples), the cache, and the chosen runner
+    kept (with `keep_runner`); every other runner closed."""
     chosen_row = selection.candidate(selection.chosen) if selection.chosen else None
     chosen_runner = prepared.runners.get((selection.chosen, selection.threads)) if selection.chosen else None
     if not ask.forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
         selection.share = SharedChoice(kind_of(ask.key), chosen_row.name, selection.threads, ask.batch_size,
                                        chosen_row.latency_ms, chosen_row.per_image_cpu_s or 1e-9,
-                                       output_fingerprint(chosen_runner, ask.bundle.calibration())).to_json()
+                                       output_fingerprint(chosen_runner, calibration)).to_json()
     if not ask.forced and ask.path is not None:
         atomic_write_json(ask.path, selection.to_json())
         selection.cache_file = str(ask.path)

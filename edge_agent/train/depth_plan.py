@@ -19,22 +19,35 @@ where f is the share of its epochs a job here ran before early stopping at that 
 (learnt per depth: a deeper tail on the same data stops at another epoch), and the two
 training rates are the numpy trainer's (numpy_s_per_fp32_mac, numpy_s_per_sample) or
 MXNet's, whichever trains the depth.
-    rss_mb = the process now + [MXNet] + images x cut_elements x 4 B (cached activations)
-           + tail_params x 16 B (weights, gradients, Adam's two moments)
-           + batch x tail_activations x 12 B (forward outputs, their gradients, workspace)
+    rss_mb   = the process now + max(engine, engine residual + training)
+    training = [MXNet] + images x cut_elements x 4 B (cached activations)
+             + tail_params x 16 B (weights, gradients, Adam's two moments)
+             + min(batch, train) x tail_activations x 12 B (forward outputs, their gradients, workspace)
 
-A tail trains in numpy -- without MXNet's import (~2 CPU-s, ~130 MB) -- when it is one dense
+where `engine` is what the int8 engine's phase adds at its peak (int8/engine_memory.py,
+predicted from the depth's int8 prefix before anything is prepared): on a first job (no
+cached choice for the depth's prefix) the engine selection -- the oracle's chunk of the
+reference's and the fp32 model's activations, or the candidates it will prepare, each
+skipped that would go over the cap -- else the cached engine's re-check and features; and
+`engine residual` what it leaves when training starts (a selection's runtimes, less the
+pixels freed before training; MXNet when mxnet-onednn was prepared). On the camera
+MobileNetV2 bundle a first job's selection is ~2/3 of its peak (~195 of ~290 MB).
+
+A tail trains in numpy -- without MXNet's import (~2 CPU-s, ~100 MB) -- when it is one dense
 layer (dense_head.py) or every op of its symbol is one numpy_tail.py computes (the job
 passes `numpy_tail(depth)`); otherwise, or with --trainer mxnet, in MXNet Gluon.
 
 `auto` picks the deepest depth up to AUTO_MAX_DEPTH that fits the profile's training
-memory cap and the energy budget (with a margin for the prediction's error) -- or, on a
-device whose images are far from the bundle's (a camera of its own: train/job_adapt.py),
-the deepest that fits, whatever its number; a bundle
-without depths trains the head, and a device without MXNet only the depths numpy trains.
-The rates start from conservative defaults and are learned per device: after every job
-the measured CPU time of its phases updates `planner-rates.json` in the job's cache
-directory (the training rates under the keys of the trainer that ran).
+memory cap (a first job's engine selection included) and the energy budget (with a margin
+for the prediction's error) -- or, on a device whose images are far from the bundle's (a
+camera of its own: train/job_adapt.py), the deepest that fits, whatever its number; a
+bundle without depths trains the head, and a device without MXNet only the depths numpy
+trains. The rates start from conservative defaults and are learned per device: after every
+job the measured CPU time of its phases updates `planner-rates.json` in the job's cache
+directory (the training rates under the keys of the trainer that ran), and so do its
+memory figures: the engine phase's measured growth as a scale of its prediction
+(selection_mb_scale after a selection, engine_mb_scale after a cached engine's) and MXNet's
+import (mxnet_mb).
 
 Why deeper is the default direction: measured on the camera scenario (bench_finetune),
 the last block(s) of MobileNetV2 trained over cached int8 activations gain 10-15 points of
@@ -65,10 +78,13 @@ LEARN_WEIGHT = 0.7
 SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
 # Starting rates (CPU-seconds), ~1.5x what a loaded 2-core x86 machine measured
 # (bench_depth), so a first job errs on the cautious side; a Pi learns its own in one job.
+# Memory (MB) must stay within 25 % of a first job's peak (issue 40), so it starts closer:
+# MXNet's import grew the RSS by 95-99 MB (x86, mxnet 1.9.1 with oneDNN; 140 put a first
+# job at +24 %), and the engine figures start at int8/engine_memory.py's own.
 DEFAULT_RATES = {"s_per_int8_mac": 2.5e-10, "s_per_fp32_mac": 3.5e-10, "s_per_sample": 3e-4,
                  "numpy_s_per_fp32_mac": 3.5e-10, "numpy_s_per_sample": 1e-4,
-                 "mxnet_import_s": 2.0, "mxnet_mb": 140.0, "selection_s_per_mac": 1.5e-6, "epoch_fraction": 1.0,
-                 "adapt_s_per_mac": 1.2e-9}
+                 "mxnet_import_s": 2.0, "mxnet_mb": 110.0, "selection_s_per_mac": 1.5e-6, "epoch_fraction": 1.0,
+                 "selection_mb_scale": 1.0, "engine_mb_scale": 1.0, "adapt_s_per_mac": 1.2e-9}
 
 
 def rate_key(key: str, backend: str) -> str:
@@ -89,6 +105,18 @@ def epoch_fraction(rates: dict[str, float], depth: int) -> float:
     return min(1.0, rates.get(fraction_key(depth), rates["epoch_fraction"]))
 
 
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the job's int8 engine phase adds at a depth (train/job_depth.py predicts it with
+    int8/engine_memory.py): its peak above the process now, what it leaves for training, and
+    whether it imports MXNet (mxnet-onednn as a selection's candidate)."""
+
+    peak_mb: float
+    residual_mb: float = 0.0
+    imports_mxnet: bool = False
+    what: str = "the int8 engine"
+
+
 @dataclass
 class DepthOption:
     depth: int
@@ -100,6 +128,7 @@ class DepthOption:
     predicted_rss_mb: float
     fits: bool = True
     why_not: str = ""
+    predicted_engine_mb: float | None = None  # what the int8 engine's phase adds at its peak (module doc)
 
 
 @dataclass
@@ -202,17 +231,28 @@ def mxnet_available() -> bool:
     return importlib.util.find_spec("mxnet") is not None
 
 
+def job_rss_mb(base_mb: float, training_mb: float, engine: EngineMemory | None) -> tuple[float, str]:
+    """A job's peak RSS (module doc): the engine's phase or training, whichever is higher; and
+    a note on the engine's share (for the reason a depth does not fit)."""
+    if engine is None:
+        return base_mb + training_mb, ""
+    rss = max(base_mb + engine.peak_mb, base_mb + engine.residual_mb + training_mb)
+    return rss, f" with {engine.what} (~{engine.peak_mb:.0f} MB above the process's {base_mb:.0f} MB)"
+
+
 def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val: int, epochs: int,
                batch_size: int, dense_head: bool, mem_cap_mb: float | None, budget_wh: float | None,
                watts_per_cpu: float | None, base_rss_mb: float, rates: dict[str, float],
                has_mxnet: bool | None = None, selection_cached: Any = None,
-               numpy_tail: Callable[[int], bool] | None = None, shifted: bool = False,
+               numpy_tail: Callable[[int], bool] | None = None,
+               engine_memory: Callable[[int], EngineMemory] | None = None, shifted: bool = False,
                adapt_images: int = 0) -> DepthPlan:
     """Choose the training depth (module doc); `shifted`: the device's images are far from
     the bundle's (train/job_adapt.py): auto goes past AUTO_MAX_DEPTH; `adapt_images`: the
     prefix will be adapted on that many images; `dense_head`: depth 0 trains in numpy;
     `numpy_tail(depth) -> bool`: that depth's tail trains in numpy (numpy_tail.py);
-    `selection_cached(depth) -> bool`: this device has an engine choice for that prefix."""
+    `selection_cached(depth) -> bool`: this device has an engine choice for that prefix;
+    `engine_memory(depth)`: what the int8 engine's phase adds there (none: not counted)."""
     depths = list(bundle.manifest.depths)
     has_mxnet = mxnet_available() if has_mxnet is None else has_mxnet
     request_text = str(request)
@@ -234,16 +274,20 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
         run_epochs = epochs * epoch_fraction(rates, d.depth)
         cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates[rate_key("s_per_fp32_mac", backend)]
         cpu += run_epochs * train * rates[rate_key("s_per_sample", backend)]
-        rss = (base_rss_mb + (rates["mxnet_mb"] if mx else 0.0)
-               + (images * costs.get("cut_elements", 0) * 4
-                  + costs.get("tail_params", 0) * 16 + batch_size * costs.get("tail_activations", 0) * 12) / 2**20)
+        engine = engine_memory(d.depth) if engine_memory is not None else None
+        training = ((rates["mxnet_mb"] if mx or (engine is not None and engine.imports_mxnet) else 0.0)
+                    + (images * costs.get("cut_elements", 0) * 4 + costs.get("tail_params", 0) * 16
+                       + min(batch_size, max(train, 1)) * costs.get("tail_activations", 0) * 12) / 2**20)
+        rss, engine_note = job_rss_mb(base_rss_mb, training, engine)
         wh = cpu * watts_per_cpu / 3600.0 if watts_per_cpu is not None else None
         opt = DepthOption(d.depth, d.kind, int(costs.get("tail_params", 0)), mx, round(cpu, 3),
-                          None if wh is None else round(wh, 7), round(rss, 1))
+                          None if wh is None else round(wh, 7), round(rss, 1),
+                          predicted_engine_mb=None if engine is None else round(engine.peak_mb, 1))
         if mx and not has_mxnet:
             opt.fits, opt.why_not = False, "needs MXNet, which this device does not have"
         elif mem_cap_mb is not None and rss > mem_cap_mb:
-            opt.fits, opt.why_not = False, f"needs ~{rss:.0f} MB, over the profile's {mem_cap_mb:g} MB training cap"
+            opt.fits, opt.why_not = False, (f"needs ~{rss:.0f} MB{engine_note}, over the profile's {mem_cap_mb:g} MB "
+                                            "training cap")
         elif budget_wh is not None and wh is not None and wh * ENERGY_MARGIN > budget_wh:
             opt.fits, opt.why_not = False, (f"needs ~{wh:.4g} Wh (+{ENERGY_MARGIN - 1:.0%} margin), over the "
                                             f"{budget_wh:g} Wh budget")

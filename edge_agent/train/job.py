@@ -27,10 +27,10 @@ boundary: checkpoint, report, stop reason "cancelled".
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +40,7 @@ import numpy as np
 
 from ..atomic import atomic_write_json
 from ..errors import ConfigError, InputError, UsageError
+from ..heap import release_freed_memory
 from ..protocol.engine_choice import SharedChoice
 from .checkpoints import Checkpoint, CheckpointStore
 from .job_depth import DepthPlanning, _output_grid
@@ -364,6 +365,9 @@ class _Job(DepthPlanning, JobReport):
             env["EDGE_AGENT_INT8_BACKEND"] = a["engine"]
         used_before = gov.charge_overhead()
         cpu_start = time.process_time()
+        from ..int8.engine_cost import PeakWatch, rss_mb
+
+        engine_peak = stack.enter_context(PeakWatch())  # selection (or the cached engine's re-check) and features
         # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
         from ..int8.engine_cost import BudgetTooSmallError, SelectionStopped
         from .dense_head import numpy_head_logits
@@ -408,6 +412,7 @@ class _Job(DepthPlanning, JobReport):
         self.adaptation.cpu_s = adapt_s
         self.selection_j = gov.charge_overhead() - used_before
         self.selection_cached = bool(selection.cached)
+        self.selection_source = selection.source
         self.cpu = {"selection_s": selection_s, "adapt_s": adapt_s}
         cpu_start = time.process_time()
         cache = FeatureCache(cache_root / "features", max_bytes=int(a["cache_max_mb"] * (1 << 20)))
@@ -430,12 +435,20 @@ class _Job(DepthPlanning, JobReport):
             # The pixels and the engine are no longer needed: free them before MXNet loads, so
             # the backbone's peak and MXNet's (~130 MB import) do not stack up in one process.
             dataset, train, val = dataset.without_pixels(), train.without_pixels(), val.without_pixels()
-            gc.collect()
+            release_freed_memory()  # glibc keeps freed pages (the oracle's ~60 MB on MobileNetV2) in its arenas
             self.cpu["features_s"] = time.process_time() - cpu_start
+            # what the planner predicted the engine's phase would add, and what it did (MB)
+            base = getattr(self, "plan_base_mb", None)
+            self.memory = {"base_mb": None if base is None else round(base, 1),
+                           "engine_peak_mb": None if engine_peak.peak_mb is None else round(engine_peak.peak_mb, 1)}
+            engine_peak.close()
+            mxnet_before, rss_before = "mxnet" in sys.modules, rss_mb()
             self.cpu["feature_images"] = cache_stats.computed if cache_stats is not None else 0
             cpu_start = time.process_time()
             trainer = self._make_trainer(symbol_json, base_params, config, train.y, threads, checkpoint)
             self.cpu["setup_s"] = time.process_time() - cpu_start
+            if trainer.backend == "mxnet" and not mxnet_before and rss_before is not None:
+                self.memory["mxnet_mb"] = (rss_mb() or rss_before) - rss_before  # its import: the planner's mxnet_mb
             cpu_start = time.process_time()
             index = {h: i for i, h in enumerate(dataset.hashes)}
             f_val = features[[index[h] for h in val.hashes]] if features is not None else None

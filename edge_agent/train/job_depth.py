@@ -4,12 +4,17 @@ measured CPU rates learnt into the device's record. A mixin of job._Job."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..heap import release_freed_memory
 from .checkpoints import Checkpoint
+
+if TYPE_CHECKING:
+    from .depth_plan import EngineMemory
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,12 @@ class DepthPlanning:
     trainer: Any
     rates: dict[str, float]
     selection_cached: bool
+    selection_source: str
     stop_reason: str | None
     shift: Any  # job_adapt.DeviceShift
+    memory: dict[str, Any]  # the job's measured memory figures (job.py), for the report and the scales
+    plan_base_mb: float  # the process's RSS the plan started from
+    engine_mb_raw: dict[int, float]  # depth -> the engine phase's prediction before this device's scale
 
     emit: Any  # _Job.emit
     def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
@@ -73,17 +82,32 @@ class DepthPlanning:
 
         def numpy_tail(depth: int) -> bool:  # unless the job asks for MXNet (the coordinator asks the same)
             return self.args["trainer"] != "mxnet" and trains_in_numpy(bundle, depth)
+
+        @functools.cache
+        def cached(depth: int) -> Any:
+            if self.args["engine"]:  # a forced engine is never cached: it is measured every time
+                return None
+            return cached_selection(bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
+                                    batch_size=config.batch_size, threads=threads,
+                                    state_dir=Path(self.args["cache_dir"]) if self.args["cache_dir"]
+                                    else default_state_dir())
+        self.plan_base_mb = base = _rss_mb()
+        self.engine_mb_raw: dict[int, float] = {}  # the unscaled predictions, to learn the scale from
+        pixels_mb = dataset.x.nbytes / 2**20 if getattr(dataset, "x", None) is not None else 0.0
+
+        def engine_memory(depth: int) -> EngineMemory:
+            return self._engine_memory(bundle.at_depth(depth), cached(depth), prof=prof, probe_report=probe_report,
+                                       batch_size=config.batch_size, threads=threads, images=len(dataset),
+                                       base_mb=base, pixels_mb=pixels_mb)
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
-                          watts_per_cpu=wpc, base_rss_mb=_rss_mb(), rates=self.rates, numpy_tail=numpy_tail,
+                          watts_per_cpu=wpc, base_rss_mb=base, rates=self.rates, numpy_tail=numpy_tail,
                           shifted=self.shift.far, adapt_images=self._adapt_images(len(train)),
-                          selection_cached=lambda depth: cached_selection(
-                              bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
-                              batch_size=config.batch_size, threads=threads,
-                              state_dir=Path(self.args["cache_dir"]) if self.args["cache_dir"] else default_state_dir(),
-                          ) is not None)
+                          selection_cached=lambda depth: cached(depth) is not None,
+                          engine_memory=engine_memory if bundle.manifest.depths else None)
+        release_freed_memory()  # the graphs parsed to predict it (13 MB of a MobileNetV2's five depths)
         if bundle.manifest.depths:
             self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
         return plan
@@ -94,6 +118,42 @@ class DepthPlanning:
 
         will = self.shift.report is not None and (self.shift.far or self.args["adapt"] == "bn")
         return min(ADAPT_MAX_IMAGES, n_train) if will else 0
+
+    def _engine_memory(self, view: Any, cached: Any, *, prof: dict[str, Any], probe_report: dict[str, Any],
+                       batch_size: int, threads: int, images: int, base_mb: float, pixels_mb: float) -> EngineMemory:
+        """What the int8 engine's phase adds at bundle view `view` (int8/engine_memory.py), at
+        this device's learnt scale: the cached choice's re-check and features, else a selection."""
+        from ..int8 import engines as registry
+        from ..int8.engine_cost import choose
+        from ..int8.engine_memory import (
+            SELECTION_RESIDUAL_MB,
+            cached_mb,
+            prefix_shape,
+            selection_candidates,
+            selection_mb,
+        )
+        from ..int8.engines._common import thread_count
+        from ..int8.selection import availability_report
+        from .depth_plan import EngineMemory
+
+        shape, cap, threads = prefix_shape(view), prof["memory_cap_mb"], thread_count(threads)  # as selection's
+        if cached is not None:
+            best = choose(cached.candidates, images, cap) or choose(cached.candidates, images)
+            engine = registry.load_engine(best.name if best is not None else str(cached.chosen))
+            raw = cached_mb(shape, engine, batch_size, (best.threads if best is not None else None) or threads)
+            self.engine_mb_raw[view.depth] = raw
+            return EngineMemory(raw * self.rates["engine_mb_scale"], float(engine.prepare_mb_hint) - pixels_mb,
+                                what=f"the cached int8 engine {engine.name}")
+        forced = self.args["engine"]
+        rows = availability_report([forced] if forced else prof["backends"], probe_report)
+        engines = [(r.name, registry.load_engine(r.name)) for r in rows if r.available]
+        if not forced:
+            macs = view.manifest.depths[view.depth].costs.get("prefix_macs", 0) if view.manifest.depths else 0
+            engines = selection_candidates(engines, job_cpu_s=images * macs * self.rates["s_per_int8_mac"])
+        predicted = selection_mb(shape, engines, batch=batch_size, threads=threads, start_mb=base_mb, cap_mb=cap)
+        self.engine_mb_raw[view.depth] = predicted.peak_mb
+        return EngineMemory(predicted.peak_mb * self.rates["selection_mb_scale"], SELECTION_RESIDUAL_MB - pixels_mb,
+                            predicted.imports_mxnet, what="a first job's int8 engine selection")
 
     def _learn_rates(self, cache_root: Path, n_train: int, n_val: int) -> None:
         """This job's measured CPU rates into the planner's per-device record."""
@@ -127,8 +187,25 @@ class DepthPlanning:
 
             measured["epoch_fraction"] = measured[fraction_key(self.plan.depth)] = (
                 self.pos["epoch"] / self.trainer.config.epochs)
+        measured.update(self._measured_memory())
         if measured:
             try:
                 self.rates = learn_rates(cache_root, self.rates, measured)
             except OSError as exc:  # a read-only cache: plan with the defaults next time
                 log.warning("planner rates not saved: %s", exc)
+
+    def _measured_memory(self) -> dict[str, float]:
+        """This job's memory figures as the planner's scales: the engine phase's growth over
+        its unscaled prediction (a measured selection, or the cached engine's re-check), and
+        MXNet's import."""
+        memory = getattr(self, "memory", None) or {}
+        out: dict[str, float] = {}
+        raw = getattr(self, "engine_mb_raw", {}).get(self.plan.depth)
+        peak, base = memory.get("engine_peak_mb"), memory.get("base_mb")
+        # a fleet-shared choice re-checks one engine where a whole selection was predicted
+        fleet = not self.selection_cached and getattr(self, "selection_source", "measured") == "fleet"
+        if raw and peak is not None and base is not None and peak > base and not fleet:
+            out["engine_mb_scale" if self.selection_cached else "selection_mb_scale"] = (peak - base) / raw
+        if memory.get("mxnet_mb", 0.0) > 0:
+            out["mxnet_mb"] = float(memory["mxnet_mb"])
+        return out

@@ -12,7 +12,6 @@ an empty update."""
 from __future__ import annotations
 
 import math
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_bytes, atomic_write_json, sha256_file
+from ..int8.engine_cost import process_peak_rss_mb
 
 JOB_FILE = "job.json"
 REPORT_FILE = "report.json"
@@ -101,7 +101,7 @@ class JobReport:
             "stop_reason": stop, "stop_detail": detail,
             "duration_s": round(duration, 3),
             "duration_s_all_runs": round(elapsed + duration, 3), "resumed": bool(self.args["resume"]),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1), "head": head,
+            "peak_rss_mb": round(process_peak_rss_mb(), 1), "head": head,
         }
         atomic_write_json(self.state / REPORT_FILE, report)
         atomic_write_json(self.state / JOB_FILE, _job_record(self, report))
@@ -149,7 +149,8 @@ class JobReport:
             "model": {"name": bundle.manifest.name, "version": bundle.manifest.version, "sha256": self.root_sha256},
             "depth": {**self.plan.to_json(), "tail": self.args["tail"], "bn": self.args["bn"],
                       "actual_wh": gov["energy_wh_job"],
-                      "actual_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+                      "actual_peak_rss_mb": round(process_peak_rss_mb(), 1),
+                      "memory": getattr(self, "memory", None),
                       "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
             "adaptation": self.adaptation.to_json(),
             "data": dataset.report.to_json(),
@@ -167,7 +168,7 @@ class JobReport:
             "profile": prof,
             "duration_s": round(duration, 3),
             "duration_s_all_runs": round(self.pos["elapsed_s"] + duration, 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+            "peak_rss_mb": round(process_peak_rss_mb(), 1),
             "steps": int(self.pos["step"]),
             "epochs_done": int(self.pos["epoch"]),
             "stop_reason": stop_reason,

@@ -49,6 +49,14 @@ class MxnetOnednnEngine(Int8Engine):
     # MXNet's import (~2 CPU-s) and quantize_net's calibration (~4 CPU-s for the camera
     # MobileNetV2 0.5 on an EPYC core; bench_engine_cost)
     prepare_cpu_s_hint = 6.0
+    # MXNet's import with oneDNN (~170 MB: prepare's, availability only looks for the package)
+    # and the calibration's float activations, CALIB_BATCH samples at a time: 176 MB on the
+    # digits CNN, 331-366 MB on the camera MobileNetV2 0.5
+    runtime_mb_hint, prepare_mb_hint, run_bytes_per_activation = 0.0, 170.0, 6.4
+
+    def memory_mb_hint(self, activations: int, batch: int, *, threads: int = 1, runtime_loaded: bool = False) -> float:
+        return super().memory_mb_hint(activations, max(batch, CALIB_BATCH), threads=threads,
+                                      runtime_loaded=runtime_loaded)
 
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
         spec = importlib.util.find_spec("mxnet")

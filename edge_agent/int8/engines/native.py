@@ -308,6 +308,11 @@ class NativeEngine(Int8Engine):
     name = "native"
     # packing the weights (0.02-0.05 CPU-s for the camera MobileNetV2 on an EPYC core; a Pi core is 3-5x slower)
     prepare_cpu_s_hint = 0.1
+    # the kernels' library (~4 MB, loaded by availability), the packed weights, and per thread
+    # and batch sample a third of a byte per activation (its planner reuses buffers): a
+    # runner running 32 camera MobileNetV2 samples held 9 MB with one thread, 22-27 with two
+    runtime_mb_hint, prepare_mb_hint, run_bytes_per_activation = 4.0, 1.0, 0.33
+    run_memory_per_thread = True
 
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
         try:

@@ -154,6 +154,10 @@ class TfliteEngine(Int8Engine):
     name = "tflite"
     # tflite_runtime's import and the interpreter with XNNPACK (0.03-0.09 CPU-s on an EPYC core; a Pi core is 3-5x slower)
     prepare_cpu_s_hint = 0.2
+    # tflite-runtime's import (availability), then the interpreter and XNNPACK's packed
+    # weights; its arena reuses one small plan: 11 MB in all with 32 camera MobileNetV2
+    # samples, 3-7 MB per interpreter once the runtime is imported
+    runtime_mb_hint, prepare_mb_hint, run_bytes_per_activation = 8.0, 3.0, 0.1
 
     def availability(self, probe: dict[str, Any] | None = None) -> Availability:
         try:
