@@ -59,7 +59,8 @@ def parse_adapt(value: Any) -> str:
     return str(value)
 
 
-def _cache_path(root: Path, view: Any, hashes: Sequence[str]) -> Path:
+def cached_prefix(root: Path, view: Any, hashes: Sequence[str]) -> Path:
+    """Where the prefix of `view` adapted to the images `hashes` is (or will be) cached."""
     from ..int8.bundle import BACKBONE_INT8
 
     key = hashlib.sha256()
@@ -125,7 +126,7 @@ def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: 
     if request == "auto" and not shift.far:
         return view, Adaptation("none", request, f"the device's images are close to the bundle's (shift "
                                 f"{shift.report.distance:.2f} < {ADAPT_SHIFT})", summary)
-    path = _cache_path(cache_root, view, hashes)
+    path = cached_prefix(cache_root, view, hashes)
     cached = path.is_file()
     if not cached:
         from ..int8.onnx_import import import_onnx

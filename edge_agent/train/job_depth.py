@@ -95,22 +95,41 @@ class DepthPlanning:
         self.engine_mb_raw: dict[int, float] = {}  # the unscaled predictions, to learn the scale from
         pixels_mb = dataset.x.nbytes / 2**20 if getattr(dataset, "x", None) is not None else 0.0
 
+        adapt_images = self._adapt_images(len(train))
+
         def engine_memory(depth: int) -> EngineMemory:
-            return self._engine_memory(bundle.at_depth(depth), cached(depth), prof=prof, probe_report=probe_report,
-                                       batch_size=config.batch_size, threads=threads, images=len(dataset),
-                                       base_mb=base, pixels_mb=pixels_mb)
+            engine = self._engine_memory(bundle.at_depth(depth), cached(depth), prof=prof, probe_report=probe_report,
+                                         batch_size=config.batch_size, threads=threads, images=len(dataset),
+                                         base_mb=base, pixels_mb=pixels_mb)
+            return self._with_adaptation(engine, bundle.at_depth(depth), adapt_images, cache_root, train.hashes)
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
                           watts_per_cpu=wpc, base_rss_mb=base, rates=self.rates, numpy_tail=numpy_tail,
-                          shifted=self.shift.far, adapt_images=self._adapt_images(len(train)),
+                          shifted=self.shift.far, adapt_images=adapt_images,
                           selection_cached=lambda depth: cached(depth) is not None,
                           engine_memory=engine_memory if bundle.manifest.depths else None)
         release_freed_memory()  # the graphs parsed to predict it (13 MB of a MobileNetV2's five depths)
         if bundle.manifest.depths:
             self.emit("data", detail=f"depth {plan.depth} ({plan.reason})")
         return plan
+
+    @staticmethod
+    def _with_adaptation(engine: EngineMemory, view: Any, images: int, cache_root: Path, hashes: Any) -> EngineMemory:
+        """The engine phase, or adapting the prefix before it where that peaks higher (both are
+        transient: the larger is the phase's peak); an adapted prefix already cached costs nothing."""
+        from ..int8.adapt_norm import adapt_mb
+        from .depth_plan import EngineMemory
+        from .job_adapt import cached_prefix
+
+        if not images or cached_prefix(cache_root, view, hashes).is_file():
+            return engine
+        need = adapt_mb(view, images)
+        if need <= engine.peak_mb:
+            return engine
+        return EngineMemory(need, engine.residual_mb, engine.imports_mxnet,
+                            what=f"adapting the int8 prefix to the camera, then {engine.what}")
 
     def _adapt_images(self, n_train: int) -> int:
         """How many images the prefix's adaptation will run on (0: it will not)."""
