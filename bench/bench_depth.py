@@ -303,7 +303,8 @@ def run(quick: bool = False) -> str:
     n_devices = 1 if quick else int(os.environ.get("EDGE_BENCH_DEPTH_DEVICES", "3"))
     out = ["## How deep to fine-tune: every depth vs full fp32 fine-tuning (bench_depth)", "",
            __doc__.split("\n\n", 1)[1].strip().replace("\n", " ").replace("- ", "\n- ") if __doc__ else "", "",
-           f"{len(seeds)} seed(s) x {n_devices} device(s) per data set; energy and RSS are medians over all runs "
+           f"{len(seeds)} seed(s) x {n_devices} device(s) + the shifted camera's per data set; energy and RSS are "
+           f"medians over all runs "
            f"of a row; {threads} threads; job: Adam, lr 0.01 for the head and 0.001 for deeper tails (the "
            f"default), up to {JOB['epochs']} epochs, patience {JOB['patience']}, validation share "
            f"{JOB['val_fraction']:.0%}; baseline Adam lr {BASELINE_LR:g}, {BASELINE_EPOCHS} epochs.", ""]
