@@ -394,20 +394,11 @@ class _Job(DepthPlanning, JobReport):
         assert runner is not None
         selection_s = time.process_time() - cpu_start
         if served is not bundle:
-            from ..int8.adapt_norm import prepare_adapted
-            from .job_adapt import judge_on_validation
+            from .job_adapt import choose_runner
 
             cpu_start = time.process_time()
-            adapted_runner, why = prepare_adapted(served, selection, train.x, threads)
-            if adapted_runner is None:  # the bundle's own prefix, as chosen
-                served, self.adaptation.kind, self.adaptation.reason = bundle, "none", why
-            elif a["adapt"] == "auto" and not judge_on_validation(self.adaptation, runner, adapted_runner,
-                                                                  numpy_head_logits(bundle), val.x, val.y):
-                served = bundle
-                adapted_runner.close()
-            else:
-                runner.close()
-                runner = adapted_runner
+            served, runner = choose_runner(self.adaptation, bundle, served, runner, selection, train, val,
+                                           numpy_head_logits(bundle), threads)
             adapt_s += time.process_time() - cpu_start
         self.adaptation.cpu_s = adapt_s
         self.selection_j = gov.charge_overhead() - used_before

@@ -145,9 +145,10 @@ def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: 
 def _loss_and_accuracy(runner: Any, logits: Any, x: np.ndarray, y: np.ndarray, batch: int = 64) -> tuple[float, float]:
     out = np.concatenate([np.asarray(logits(runner.run(x[i:i + batch])), np.float64).reshape(min(batch, len(x) - i), -1)
                           for i in range(0, len(x), batch)])
-    out -= out.max(axis=1, keepdims=True)
-    log_p = out - np.log(np.exp(out).sum(axis=1, keepdims=True))
-    return float(-log_p[np.arange(len(y)), y].mean()), float((out.argmax(axis=1) == y).mean())
+    from .dense_head import softmax_loss
+
+    loss, _ = softmax_loss(out, y, np.ones(out.shape[1], np.float32))  # the trainer's own cross-entropy
+    return loss, float((out.argmax(axis=1) == y).mean())
 
 
 def judge_on_validation(adaptation: Adaptation, base: Any, adapted: Any, logits: Any, x: np.ndarray,
@@ -169,3 +170,24 @@ def judge_on_validation(adaptation: Adaptation, base: Any, adapted: Any, logits:
     if not keep:
         adaptation.kind, adaptation.prefix, adaptation.prefix_sha256 = "none", None, None
     return keep
+
+
+def choose_runner(adaptation: Adaptation, bundle: Any, adapted: Any, runner: Any, selection: Any, train: Any,
+                  val: Any, logits: Any, threads: int) -> tuple[Any, Any]:
+    """The view and the runner the job's features come from, once the prefix is adapted:
+    the selected engine re-checked on the adapted prefix (int8/adapt_norm.prepare_adapted)
+    and, under `--adapt auto`, kept only if the validation split says so; else the bundle's
+    own prefix on `runner`, the one the selection prepared. The runner not kept is closed."""
+    from ..int8.adapt_norm import prepare_adapted
+
+    adapted_runner, why = prepare_adapted(adapted, selection, train.x, threads)
+    if adapted_runner is None:  # the bundle's own prefix, as chosen
+        adaptation.kind, adaptation.reason, adaptation.prefix, adaptation.prefix_sha256 = "none", why, None, None
+        return bundle, runner
+    if adaptation.requested == "auto" and not judge_on_validation(adaptation, runner, adapted_runner, logits,
+                                                                   val.x, val.y):
+        adapted_runner.close()
+        return bundle, runner
+    runner.close()
+    return adapted, adapted_runner
+
