@@ -155,7 +155,7 @@ def open_predictor(bundle: Any, *, depth: int = 0, params: Mapping[str, np.ndarr
     tail = build_tail(view, {**tail_params(view), **(params or {})})
     selection, runner = select_engine(
         view, probe=probe, preference=settings["preference"], batch_size=settings["batch_size"],
-        threads=threads, state_dir=state_dir, keep_runner=True, images=SERVING_IMAGES,
+        threads=threads, state_dir=state_dir, keep_runner=prefix is None, images=SERVING_IMAGES,
         logits=lambda f: np.asarray(tail.logits(f)).reshape(len(f), -1), watts_per_cpu=settings["watts_per_cpu"],
         mem_cap_mb=settings["memory_cap_mb"])
     if prefix is not None:
@@ -164,7 +164,6 @@ def open_predictor(bundle: Any, *, depth: int = 0, params: Mapping[str, np.ndarr
 
         adapted = adapted_or_own(view, prefix)
         adapted_runner, why = prepare_adapted(adapted, selection, adapted.calibration(), threads)
-        runner.close()
         if adapted_runner is None:
             raise EngineUnavailableError(f"{prefix}: {why}")
         runner = adapted_runner

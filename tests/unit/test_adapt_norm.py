@@ -118,3 +118,21 @@ def test_a_bad_adapt_value_is_refused_before_anything_runs(bundle, tmp_path: Pat
     with pytest.raises(UsageError, match="adapt: expected one of auto, bn, none"):
         run_finetune(model=bundle.path, data=tmp_path / "nothing.npz", state_dir=tmp_path / "state", adapt="yes")
     assert not (tmp_path / "state").exists()
+
+
+def test_the_service_runs_the_devices_engine_on_an_adapted_prefix(bundle, devices, tmp_path: Path) -> None:
+    """open_predictor with a personal tail's adapted prefix: the engine the device selected for
+    the bundle's own prefix runs it, and answers as the reference does on it."""
+    from edge_agent.inference.predictor import open_predictor
+
+    graph = import_onnx(bundle.onnx_bytes(), split=bundle.manifest.split_tensor)
+    seen = _pixels(shift_images(devices[0].images, CAMERA))
+    path = tmp_path / "prefix.tflite"
+    path.write_bytes(an.quantised_prefix(graph, bundle.manifest.input.normalise(seen)))
+    served = open_predictor(bundle, state_dir=tmp_path / "cache", prefix=path, select_in_child=False)
+    reference = Predictor(bundle, engine="reference", prefix=path)
+    assert served.view.manifest.files[BACKBONE_INT8].size == path.stat().st_size
+    assert served.engine != "reference"  # the selected engine, not a fallback
+    same = (served.logits(seen).argmax(axis=1) == reference.logits(seen).argmax(axis=1)).mean()
+    assert same >= 0.97, same
+    served.close()
