@@ -143,7 +143,7 @@ class PanelHistory:
         """Keep a sample if one is due (a clock stepped back starts the series again); True if written."""
         if watts is None or not plausible(watts, 0.0, MAX_PANEL_W) or not self.due(now):
             return False
-        kept = [s for s in self.samples if now - self.keep_s <= s[0] < now]
+        kept = [s for s in self.samples if now - self.keep_s < s[0] < now]
         self.samples = [*kept, (float(now), float(watts))][-MAX_SAMPLES:]
         body = {"v": 1, "samples": [[int(t), round(w, 3)] for t, w in self.samples]}
         write_checked(self.path, json.dumps(body, separators=(",", ":")).encode())
