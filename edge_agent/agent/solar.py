@@ -37,7 +37,8 @@ HISTORY_FILE = "solar/panel-history.bin"
 CHILD_TIMEOUT_S = 45.0  # under systemd's WatchdogSec=60: the loop waits for the child
 MAX_CHILD_OUTPUT = 16 * 1024
 MAX_REQUEST = 256 * 1024
-PVLIB_HINT = "the [solar] forecast needs pvlib: pip install 'mxedge-agent[solar]' (pvlib, pandas, h5py)"
+PVLIB_HINT = ("the [solar] forecast needs pvlib: install the package's [solar] extra, e.g. "
+              "pip install '/path/to/checkout[solar]' or 'the-wheel.whl[solar]' (pvlib==0.11.2, pandas<2.3, h5py<3.12)")
 
 
 def pvlib_missing() -> str:

@@ -213,7 +213,7 @@ def clear_sky_harvest(site: SolarSite, times_s: Sequence[float]) -> list[float]:
         from pvlib.location import Location
     except ImportError as exc:
         raise InputError(f"the solar forecast needs pvlib ({exc.name} is missing): "
-                         "pip install 'mxedge-agent[solar]'") from None
+                         "install the [solar] extra, e.g. pip install '/path/to/checkout[solar]'") from None
     times = pd.DatetimeIndex(pd.to_datetime(list(times_s), unit="s", utc=True))
     location = Location(site.latitude, site.longitude, tz="UTC", altitude=site.altitude_m)
     sun = location.get_solarposition(times)

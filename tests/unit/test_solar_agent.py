@@ -217,3 +217,23 @@ def test_selection_uses_a_reported_forecast(tmp_path: Path) -> None:
     assert "bad-forecast" in early.eligible  # an invalid forecast is ignored: the battery rule applies
     # without a deadline (existing callers), today's rule
     assert select_devices(devices, "all", **kw).ineligible["low-with-sun"] == "battery 25% < 30%"
+
+
+def test_edge_agent_forecast_prints_the_table_and_the_state_form(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from edge_agent.cli import main
+
+    root = _sysfs(tmp_path, status="Discharging", power_uw=1_800_000)
+    text = _rendered(tmp_path, sysfs_root=str(root), profile="raspberry-pi-4") + \
+        "\n[solar]\nlatitude = 52.09\nlongitude = 5.12\nbattery_wh = 60\npanel_w = 30\n"
+    config = _write(tmp_path, text)
+    assert main(["forecast", "--config", str(config), "--at", str(MIDNIGHT + 6 * H)]) == 0
+    out = capsys.readouterr().out
+    assert "index    1.00" in out and "battery  30.0 of 60 Wh" in out and out.count("06-1") == 24
+    assert "window   06:00-" in out  # the default job fits the morning sun
+    assert main(["forecast", "--config", str(config), "--at", str(MIDNIGHT), "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert len(body["surplus_w"]) == 24 and body["battery_wh"] == 30.0
+    plain = _write(tmp_path, _rendered(tmp_path))
+    assert main(["forecast", "--config", str(plain)]) == 78  # no [solar]: a configuration error
+    assert "no [solar] table" in capsys.readouterr().err
