@@ -127,6 +127,18 @@ AGENT_SCHEMA: Schema = {
         "refresh_s": number(0.05, 3600),
         "prediction_memory_mb": number(0, 4096),  # recent predictions kept for corrections by id
     },
+    # the panel and battery, for the surplus forecast (power/forecast.py, agent/solar.py); absent: no forecast
+    "solar": {
+        "latitude": number(-90, 90), "longitude": number(-180, 180), "altitude_m": number(-450, 9000),
+        "panel_w": number(0.1, 100_000),  # rated W at 1000 W/m2
+        "tilt_deg": number(0, 90), "azimuth_deg": number(0, 360),  # 180: facing south
+        "efficiency": number(0.01, 1),  # controller + wiring: rated watts -> watts into the battery
+        "battery_wh": number(0.1, 1_000_000),  # the battery's usable capacity
+        "load_w": number(0, 10_000),  # the board's usual draw (idle + application); default: the profile's idle_w
+        "train_w": number(0.01, 10_000),  # extra draw while training; default: profile load_w - idle_w
+        "panel_sensor": Field(str, max_length=80),  # auto | battery | none | hwmon:<entry>[:<channel>]
+        "forecast_interval_s": number(300, 86400),
+    },
 }
 _OVERRIDABLE = ("budget", "thermal", "training", "int8")
 SCHEMA: Schema = {**AGENT_SCHEMA, **{t: board_profiles.SCHEMA[t] for t in _OVERRIDABLE}}
@@ -320,6 +332,19 @@ def _check_semantics(report: Reporter, merged: dict[str, Any]) -> None:
             grp.getgrnam(serve["socket_group"])
         except KeyError:
             report.error("serve", "socket_group", f"no group named {serve['socket_group']!r} on this system")
+    solar = merged.get("solar")
+    if solar is not None:
+        for key in ("latitude", "longitude", "battery_wh"):
+            if key not in solar:
+                report.error("solar", key, f"solar.{key} is required when [solar] is present")
+        sensor = solar.get("panel_sensor")
+        if isinstance(sensor, str):
+            from .power.panel_history import check_sensor
+
+            try:
+                check_sensor(sensor)
+            except ConfigError as exc:
+                report.error("solar", "panel_sensor", str(exc).split(": ", 1)[-1])
     budget = merged.get("budget", {})
     if {"battery_floor_pct", "battery_resume_pct"} <= budget.keys() and \
             budget["battery_resume_pct"] <= budget["battery_floor_pct"]:

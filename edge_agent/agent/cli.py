@@ -8,8 +8,10 @@ command runs; the daemon itself never imports numpy or MXNet.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -280,8 +282,49 @@ def _budget_line(config: Any) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(b.items())) or "none"
 
 
+def _cmd_forecast(args: argparse.Namespace) -> int:
+    """The [solar] forecast the daemon would report, computed here (pvlib in this process)."""
+    from ..config import load_config
+    from ..power import discover_battery
+    from .solar import HISTORY_FILE, SolarPlanner, SolarSettings, compute_request, pvlib_missing
+
+    config = load_config(args.config)
+    settings = SolarSettings.from_config(config)
+    if settings is None:
+        raise ConfigError(f"{config.path}: no [solar] table: nothing to forecast (docs/solar-deployment.md)")
+    missing = pvlib_missing()
+    if missing:
+        raise ConfigError(missing)
+    root = config.get("device", "sysfs_root")
+    gauge = discover_battery(root)
+    planner = SolarPlanner(settings=settings, state_dir=config.state_dir, sysfs_root=root,
+                           battery=gauge.read if gauge else lambda: None, compute=compute_request)
+    fc = planner.refresh(time.time() if args.at is None else args.at)
+    if fc is None:
+        raise InputError("no battery reading: the forecast starts from the battery's charge")
+    if args.json:
+        print(json.dumps(fc.to_state(), indent=2))
+        return EXIT_OK
+    print(f"solar forecast for {settings.site.latitude:g}, {settings.site.longitude:g} "
+          f"({settings.site.panel_w:g} W panel, tilt {settings.site.tilt_deg:g}, azimuth {settings.site.azimuth_deg:g})")
+    print(f"  panel    {planner.meter.describe()}; {len(planner.history.samples)} samples in "
+          f"{config.state_dir / HISTORY_FILE}")
+    print(f"  index    {fc.clear_sky_index:.2f} (measured / clear-sky; 1.00 without history)")
+    print(f"  battery  {fc.battery_wh:.1f} of {fc.capacity_wh:g} Wh, floor {fc.floor_wh:.1f} Wh; board draw "
+          f"{fc.load_w:g} W, training +{settings.train_w:g} W")
+    print("  hour (UTC)   clear-sky W  expected W  surplus W  battery Wh")
+    for i, (clear, panel, surplus, charge) in enumerate(zip(fc.clear_sky_w, fc.panel_w, fc.surplus_w(),
+                                                             fc.battery_trajectory(), strict=True)):
+        at = time.strftime("%m-%d %H:%M", time.gmtime(fc.start + i * fc.step_s))
+        print(f"  {at}  {clear:11.1f}  {panel:10.1f}  {surplus:9.1f}  {charge:10.1f}")
+    window = fc.window
+    print(f"  window   {window.describe() if window else 'none in the next 24 h'} for the default job "
+          f"({settings.train_wh:g} Wh at {settings.train_w:g} W)")
+    return EXIT_OK
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `init` and `run` to the edge-agent command line."""
+    """Add `init`, `run` and `forecast` to the edge-agent command line."""
     p = subparsers.add_parser("init", help="create the device key and agent.toml; print the enrolment line",
                               description=INIT_DESCRIPTION, epilog=INIT_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,6 +361,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--check", action="store_true",
                    help="validate the config and key, print a summary and whether the coordinator answers, exit")
     r.set_defaults(func=_cmd_run)
+
+    f = subparsers.add_parser("forecast", help="the 24-h solar surplus forecast and training window ([solar])")
+    f.add_argument("--config", default="/etc/edge-agent/agent.toml", metavar="PATH",
+                   help="agent.toml (default /etc/edge-agent/agent.toml)")
+    f.add_argument("--json", action="store_true", help="print what the state message carries")
+    f.add_argument("--at", type=float, metavar="EPOCH", help="forecast from this time (default: now)")
+    f.set_defaults(func=_cmd_forecast)
 
 
 def main(argv: list[str] | None = None) -> int:

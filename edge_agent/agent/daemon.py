@@ -75,6 +75,7 @@ from .link import HELLO_ACK_PREFIX, LINK_FILE, CoordinatorLink
 from .models import ModelStore
 from .policy import DeviceLimits, Verdict
 from .sdnotify import Watchdog
+from .solar import SolarPlanner, SolarSettings, pvlib_missing
 from .state import AGENT, DeviceState
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class Daemon:
         profile = config.profile
         self.device = DeviceState(sysfs_root=root, probe_report=self.probe_report,
                                   idle_w=g("power", "idle_w"), load_w=g("power", "load_w"))
+        self.planner = self._solar(config, sd, root)
         self.models = ModelStore(root=sd / "models", topics=self.topics, subscribe=self.client.subscribe,
                                  unsubscribe=self.client.unsubscribe,
                                  fetch_timeout=float(g("service", "model_fetch_timeout_s", 600.0)))
@@ -169,7 +171,8 @@ class Daemon:
         self.driver = JobDriver(settings=settings, store=JobStore(
             sd / "jobs", keep_records=int(g("service", "keep_job_records", 500)),
             keep_days=float(g("service", "keep_job_days", 30.0))), models=self.models,
-                                outbox=self.outbox, readings=self.device.readings, publish=self.progress)
+                                outbox=self.outbox, readings=self.device.readings, publish=self.progress,
+                                planner=self.planner)
         self.inference = None  # the local inference service ([serve] enabled): threads of this process
         if g("serve", "enabled"):
             from ..inference.server import InferenceServer
@@ -187,6 +190,16 @@ class Daemon:
         self._status = ""
 
     # ---- setup helpers ----
+    def _solar(self, config: AgentConfig, sd: Path, root: str) -> SolarPlanner | None:
+        """[solar]: the panel history and the forecast (none without the table)."""
+        settings = SolarSettings.from_config(config)
+        if settings is None:
+            return None
+        missing = pvlib_missing()
+        if missing:
+            raise ConfigError(f"{config.path}: [solar]: {missing}")
+        return SolarPlanner(settings=settings, state_dir=sd, sysfs_root=root, battery=self.device.monitor.battery)
+
     def _tls(self) -> TlsConfig | None:
         g = self.config.get
         if not g("broker", "tls"):
@@ -245,8 +258,9 @@ class Daemon:
     def publish_state(self) -> None:
         facts = self.facts()
         topic = self.topics.device(self.device_id, "state")
+        forecast = self.planner.state(self.driver.planned_window()) if self.planner is not None else None
         body = self.device.state_body(facts, self.driver.allowance().to_facts(),
-                                      engine_choices=self.driver.shared_choices())
+                                      engine_choices=self.driver.shared_choices(), forecast=forecast)
         if self.channel.send(topic, Kind.STATE, body, ttl=STATE_TTL, retain=True, timeout=5.0):
             self._next_state = time.monotonic() + self.state_interval
             self.driver.changed = False
@@ -385,6 +399,8 @@ class Daemon:
             self.handle(result)
             timeout = 0.0
         self.driver.step()
+        if self.planner is not None and self.planner.tick(time.time()):  # a new forecast: in the next state
+            self.driver.changed = True
         self.models.poll(protect=self.driver.protected_models())
         if self.inference is not None and self.inference.changed:  # a swap: the state says what is served
             self.inference.changed = False

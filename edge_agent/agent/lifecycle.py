@@ -5,6 +5,9 @@
 
 * accepted / waiting-for-power: start when the battery (or charging) and temperature allow,
   with hysteresis (wait below the floor, resume at the resume level); fail at the deadline.
+  With [solar] (solar.py), a job is accepted into its planned surplus window (params
+  `not_before`, `plan`) and waits for it before the battery check; a job with no window
+  before its deadline is refused (no_solar_window).
 * preparing: fetch and activate the model version if it is not installed (models.py).
 * training / paused: a `train` child (runner.py) runs the fine-tune, resumable from its
   checkpoints; its governor's pauses show as `paused`. A child that dies is respawned with
@@ -42,6 +45,7 @@ from typing import Any
 from ..atomic import fsync_dir
 from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
+from ..power.forecast import TrainingWindow
 from ..protocol.engine_choice import parse_choices
 from ..protocol.finetune import TRAIN_KEYS, BadParams, parse_finetune
 from ..transport.outbox import Outbox, OutboxKey
@@ -71,6 +75,7 @@ from .runner import (
     read_result,
     read_update,
 )
+from .solar import SolarPlanner
 from .state import Readings
 
 log = logging.getLogger(__name__)
@@ -107,8 +112,10 @@ class DriverSettings:
 
 class JobDriver:
     def __init__(self, *, settings: DriverSettings, store: JobStore, models: ModelStore, outbox: Outbox,
-                 readings: Callable[..., Readings], publish: Publish, clock: Callable[[], float] = time.time) -> None:
+                 readings: Callable[..., Readings], publish: Publish, clock: Callable[[], float] = time.time,
+                 planner: SolarPlanner | None = None) -> None:
         self.s, self.store, self.models, self.outbox = settings, store, models, outbox
+        self.planner = planner  # [solar]: jobs go into surplus windows (solar.py)
         self._readings, self._publish, self._clock = readings, publish, clock
         self.jobs_dir = settings.state_dir / "checkpoints"
         self.residuals = settings.state_dir / "residuals"
@@ -196,18 +203,50 @@ class JobDriver:
         active = [j.job_id for j in jobs if not j.state.terminal]
         # cancelled jobs do not count (policy.counts_against_limit); nor are pruned ones forgotten
         self._counted = counted_jobs([*jobs, *self.store.pruned_today(now=now)], now)
-        verdict = check_finetune(req, self.s.limits, self.conditions(), active=active,
-                                 accepted_last_day=len(self._counted), now=now)
+        conditions = self.conditions()
+        verdict = check_finetune(req, self.s.limits, conditions, active=active,
+                                 accepted_last_day=len(self._counted), now=now, battery_planned=self.planner is not None)
         if not verdict.accept:
             return verdict, None
+        budget = effective_budget(req, self.s.limits)
+        planned: dict[str, Any] = {}
+        if self.planner is not None:
+            verdict, planned = self._plan(req, budget, conditions, now)
+            if not verdict.accept:
+                return verdict, None
         self._counted[req.local_id] = now
-        params = {**req.to_params(), **effective_budget(req, self.s.limits), "cmd_id": cmd_id}
+        params = {**req.to_params(), **budget, "cmd_id": cmd_id, **planned}
         job = Job(job_id=req.local_id, round=req.round, model=f"{req.model}@{req.version}", params=params,
                   created=now)
         self.store.save(job)  # durable before the acceptance is announced
         self._track(job)
         self._announce(job, "accepted")
         return verdict, job
+
+    def _plan(self, req: Any, budget: dict[str, float | None], conditions: Conditions,
+              now: float) -> tuple[Verdict, dict[str, Any]]:
+        """[solar]: the job's surplus window (job params `not_before`, `plan`), or a refusal
+        naming the forecast. Without a forecast (the child failed) the battery rule decides."""
+        assert self.planner is not None
+        outcome = self.planner.plan(now=now, energy_wh=budget["budget_wh"],
+                                    power_cap_w=budget["power_cap_w"], deadline=req.deadline_at)
+        if outcome.forecast is None:
+            log.warning("job %s: %s", req.local_id, outcome.detail)
+            return check_finetune(req, self.s.limits, conditions, active=[], accepted_last_day=0, now=now), {}
+        if outcome.window is None:
+            return Verdict.refuse("no_solar_window", outcome.detail), {}
+        return Verdict(True, "", outcome.detail), {"not_before": outcome.window.start, "plan_end": outcome.window.end,
+                                                   "plan": outcome.detail[:200]}
+
+    def planned_window(self) -> TrainingWindow | None:
+        """The window a job is waiting for ([solar]), for the state's forecast."""
+        now = self._clock()
+        for job in self.active():
+            start, end = job.params.get("not_before"), job.params.get("plan_end")
+            if job.state in (S.ACCEPTED, S.WAITING_FOR_POWER) and isinstance(start, int | float) and now < start:
+                return TrainingWindow(float(start), float(end if isinstance(end, int | float) else start),
+                                      f"job {job.params.get('job')}"[:120])
+        return None
 
     def cancel(self, body: dict[str, Any]) -> Verdict:
         job_id, rnd = body.get("job"), body.get("round")
@@ -267,6 +306,12 @@ class JobDriver:
             self._advance(job, S.FAILED, f"deadline passed while {job.state.value}")
             return
         if job.state in (S.ACCEPTED, S.WAITING_FOR_POWER):
+            start = job.params.get("not_before")
+            if isinstance(start, int | float) and now < start:  # [solar]: its planned window has not opened
+                if job.state is S.ACCEPTED:
+                    self._advance(job, S.WAITING_FOR_POWER, f"planned start {time.strftime('%H:%M', time.gmtime(start))} "
+                                                            f"UTC: {job.params.get('plan', '')}"[:300])
+                return
             unmetered_why = self._unmetered(job)
             if unmetered_why:  # (the sensor failed since the job was accepted, or before a restart)
                 self._advance(job, S.FAILED, unmetered_why)

@@ -9,7 +9,10 @@ malformed at the envelope level; this is the device's own say, by its owner's po
     busy                another job is active (one job at a time)
     daily_limit         [policy] max_jobs_per_day reached (jobs accepted in the last 24 h,
                         not counting cancelled ones: `counted_jobs`)
-    battery_low         battery below [policy] min_battery_pct and not charging
+    battery_low         battery below [policy] min_battery_pct and not charging (without [solar];
+                        with it, the solar plan decides instead: no_solar_window)
+    no_solar_window     [solar]: the forecast has no training window that ends by the job's deadline
+                        with the projected battery above the floor (agent/solar.py)
     too_hot             the hottest thermal zone is at or above the thermal limit
     budget_exceeded     the command asks for more energy than the device's [budget] energy_wh
     no_power_reading    the job has an energy budget but no power source gives a reading now, so
@@ -49,7 +52,7 @@ DAY_S = 86400.0
 DEFAULT_MAX_JOBS_PER_DAY = 48
 REASONS = ("bad_params", "finetune_disabled", "no_data", "busy", "daily_limit", "battery_low", "too_hot",
            "budget_exceeded", "power_cap_exceeded", "no_power_reading", "deadline_passed", "unknown_job",
-           "internal_error", "local_fault")
+           "internal_error", "local_fault", "no_solar_window")
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,11 @@ class Conditions:
 
 
 def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Conditions, *, active: list[str],
-                   accepted_last_day: int, now: float | None = None) -> Verdict:
+                   accepted_last_day: int, now: float | None = None, battery_planned: bool = False) -> Verdict:
     """Accept or refuse a parsed finetune request. `active` lists the local ids of jobs not
-    yet finished; `accepted_last_day` counts jobs accepted in the last 24 hours."""
+    yet finished; `accepted_last_day` counts jobs accepted in the last 24 hours.
+    `battery_planned`: the solar planner judges the battery (a low battery now may be full by
+    the window), so the battery_low rule is left to it."""
     now = time.time() if now is None else now
     if not limits.accept_finetune:
         return Verdict.refuse("finetune_disabled", "this device's policy refuses fine-tune jobs (accept_finetune = false)")
@@ -117,7 +122,7 @@ def check_finetune(req: FinetuneRequest, limits: DeviceLimits, conditions: Condi
         return Verdict.refuse("daily_limit", f"{accepted_last_day} job(s) accepted in the last 24 h (cancelled ones "
                                              f"not counted); the limit is {limits.max_jobs_per_day}")
     b = conditions.battery_pct
-    if b is not None and not conditions.charging and b < limits.min_battery_pct:
+    if b is not None and not conditions.charging and b < limits.min_battery_pct and not battery_planned:
         return Verdict.refuse("battery_low", f"battery {b:.0f} % is below {limits.min_battery_pct:.0f} % "
                                              "and not charging")
     t = conditions.temp_c

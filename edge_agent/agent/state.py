@@ -14,6 +14,10 @@ They travel in the retained `state` message's `info` field, and as a human-reada
 summary of `k=v` pairs in its `detail` text (at most 256 characters, what `mosquitto_sub`
 shows), which `facts_from_state` can also read back. Nothing here imports numpy.
 
+Beside `info`, a state may carry `forecast`: the solar surplus forecast with agent.toml
+[solar] (power.forecast.SurplusForecast.to_state, refreshed hourly by agent/solar.py; a
+coordinator older than this field refuses the state, so upgrade the coordinator first).
+
 Beside `info`, a state may carry `engine_choices`: the int8 engine choices this device
 measured in full, for the rest of its fleet (sent only to a coordinator whose commands
 carry them, i.e. one that reads them: an older one's strict schema would refuse the state).
@@ -108,7 +112,8 @@ class DeviceState:
             "job": job, "job_state": job_state, "outbox": outbox})
 
     def state_body(self, facts: Mapping[str, Any], allowance: Mapping[str, Any] | None = None, *,
-                   engine_choices: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+                   engine_choices: Sequence[Mapping[str, Any]] = (),
+                   forecast: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """`engine_choices`: the int8 engine choices this device measured in full (their JSON
         form), for a coordinator known to read them (lifecycle.JobDriver.shared_choices)."""
         body: dict[str, Any] = {"status": facts["status"], "agent": AGENT, "detail": render_detail(facts)}
@@ -119,6 +124,8 @@ class DeviceState:
             body["info"].update(allowance)
         if engine_choices:
             body["engine_choices"] = [dict(c) for c in engine_choices]
+        if forecast is not None:
+            body["forecast"] = dict(forecast)
         return body
 
 

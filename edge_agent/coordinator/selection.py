@@ -14,17 +14,28 @@ used up until a given time, fine-tuning disabled, no data) is skipped with its o
 e.g. "refuses jobs: daily limit 48/48, resets 03:00 UTC"; once that time has passed it is
 eligible again even before its next state message. Agents that do not send an allowance
 are selected as before.
+
+A device that reports a solar forecast (its state's `forecast`, agent.toml [solar]; stored
+under the registry state key "forecast" and parsed here with SurplusForecast.from_state: an
+invalid one is ignored) is judged by it when the round has a deadline (`deadline_at`): no
+training window that ends by the deadline -- for the round's budget_wh at its power_cap_w,
+else the device's own default job -- makes it ineligible ("forecast: no surplus window before
+the deadline (next at 09:00 UTC)"); a window makes it eligible even below min_battery_pct now
+(it will charge first). Devices without a forecast keep the battery rule.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
+from ..power.forecast import SurplusForecast, plan_training
 from .records import Device, parse_selector
 
 
@@ -104,18 +115,22 @@ def job_needs(params: Mapping[str, Any], numpy_depths: Sequence[bool] | None) ->
 def select_devices(devices: Sequence[Device], selector: str, *, now: float, online_within_s: float,
                    min_battery_pct: float, budget_wh: float | None = None, allow_unknown_power: bool = True,
                    busy: frozenset[str] = frozenset(), job_id: str | None = None,
-                   needs: frozenset[str] = frozenset()) -> Selection:
+                   needs: frozenset[str] = frozenset(), deadline_at: float | None = None,
+                   power_cap_w: float | None = None) -> Selection:
     """Who may take part in a round: matches the selector ("board:" matches the board or
     the board profile name), approved, online, not busy with another job (`busy`: devices
     in other active rounds; or a reported "busy" state naming another job than `job_id`),
     able to run it (`needs`, against the capabilities in its hello), enough battery (or on
-    power) and enough energy for the budget."""
+    power) and enough energy for the budget -- or, for a device reporting a solar forecast
+    and a round with a deadline (`deadline_at`, epoch s; `power_cap_w` the job's cap), a
+    surplus window that ends by the deadline (module doc)."""
     kind, value = parse_selector(selector)
     eligible, ineligible = [], {}
     for dev in sorted(devices, key=lambda d: d.id):
         if (kind == "tag" and value not in dev.tags) or (kind == "board" and value not in (dev.board, dev.profile)):
             continue
-        why = _ineligible(dev, now, online_within_s, min_battery_pct, budget_wh, allow_unknown_power, busy, job_id)
+        why = _ineligible(dev, now, online_within_s, min_battery_pct, budget_wh, allow_unknown_power, busy, job_id,
+                          (deadline_at, power_cap_w))
         if not why and "mxnet" in needs and dev.state.get("mxnet") is False:
             why = "no MXNet on this device (32-bit ARM, or it does not load), and this job trains with MXNet"
         if why:
@@ -126,7 +141,8 @@ def select_devices(devices: Sequence[Device], selector: str, *, now: float, onli
 
 
 def _ineligible(dev: Device, now: float, online_within_s: float, min_battery_pct: float,
-                budget_wh: float | None, allow_unknown_power: bool, busy: frozenset[str], job_id: str | None) -> str:
+                budget_wh: float | None, allow_unknown_power: bool, busy: frozenset[str], job_id: str | None,
+                job_window: tuple[float | None, float | None] = (None, None)) -> str:
     if not dev.approved:
         return "not approved"
     if not dev.is_online(now, online_within_s):
@@ -139,6 +155,10 @@ def _ineligible(dev: Device, now: float, online_within_s: float, min_battery_pct
         return why
     if dev.on_power:
         return ""
+    judged = forecast_verdict(dev.state.get("forecast"), now=now, deadline_at=job_window[0], budget_wh=budget_wh,
+                              power_cap_w=job_window[1])
+    if judged is not None:
+        return judged
     if dev.battery_pct is not None and dev.battery_pct < min_battery_pct:
         return f"battery {dev.battery_pct:.0f}% < {min_battery_pct:.0f}%"
     if dev.battery_pct is None and (dev.on_power is False or not allow_unknown_power):
@@ -146,6 +166,41 @@ def _ineligible(dev: Device, now: float, online_within_s: float, min_battery_pct
     if budget_wh is not None and dev.energy_wh is not None and dev.energy_wh < budget_wh:
         return f"energy {dev.energy_wh:.2f} Wh < budget {budget_wh:.2f} Wh"
     return ""
+
+
+def forecast_state(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The registry state key for a state message's `forecast` (schema-bounded): always
+    present, None when not sent, so a device that stops forecasting stops being judged by
+    an old one. For the state handler (service_messages) to merge with the facts."""
+    value = body.get("forecast")
+    return {"forecast": dict(value) if isinstance(value, Mapping) else None}
+
+
+def forecast_verdict(reported: Any, *, now: float, deadline_at: float | None, budget_wh: float | None,
+                     power_cap_w: float | None) -> str | None:
+    """None: the forecast does not decide (none, invalid, stale, or no deadline): the battery
+    rule applies. "": a window ends by the deadline (eligible). Text: why not."""
+    if deadline_at is None or reported is None:
+        return None
+    try:
+        forecast = SurplusForecast.from_state(reported)
+    except InputError:
+        return None  # (untrusted: a bad forecast is ignored, never a reason)
+    if now >= forecast.end or forecast.train_w is None:
+        return None  # stale, or no idea what the device's training draws
+    power = min(forecast.train_w, power_cap_w) if power_cap_w else forecast.train_w
+    energy = budget_wh if budget_wh is not None else forecast.train_wh
+    if energy is None:
+        return None
+    try:
+        window = plan_training(forecast, energy_wh=energy, power_w=power, not_before=now, deadline=deadline_at)
+        if window is not None:
+            return ""
+        later = plan_training(forecast, energy_wh=energy, power_w=power, not_before=now)
+    except InputError:
+        return None
+    nxt = f"next at {time.strftime('%H:%M', time.gmtime(later.start))} UTC" if later else "none in its forecast"
+    return f"forecast: no surplus window before the deadline ({nxt})"
 
 
 def sample_devices(eligible: Sequence[str], k: int | None, *, seed: str) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -246,6 +247,36 @@ def clean_flat(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# A device's solar surplus forecast in its state (power.forecast.SurplusForecast.to_state, sent
+# with agent.toml [solar]): bounded here before anything reads it -- an object of at most 16
+# entries, numbers or lists of at most 48 numbers or one small object (the planned window),
+# under 2 KiB as JSON; its reader (SurplusForecast.from_state) then parses it strictly.
+MAX_FORECAST_BYTES = 2048
+_FORECAST_NUMBER = _num(-1e12, 1e12)
+
+
+def _forecast(v: Any) -> None:
+    if not isinstance(v, dict) or len(v) > 16:
+        raise ValueError("must be an object of at most 16 entries")
+    for key, item in v.items():
+        _id(key)
+        if isinstance(item, list):
+            if len(item) > 48:
+                raise ValueError(f"entry {key}: at most 48 numbers")
+            for x in item:
+                _FORECAST_NUMBER(x)
+        elif isinstance(item, dict):
+            if len(item) > 4:
+                raise ValueError(f"entry {key}: an object of at most 4 entries")
+            for k, x in item.items():
+                _id(k)
+                (_text(120) if isinstance(x, str) else _FORECAST_NUMBER)(x)
+        else:
+            _FORECAST_NUMBER(item)
+    if len(json.dumps(v)) > MAX_FORECAST_BYTES:
+        raise ValueError(f"must be at most {MAX_FORECAST_BYTES} bytes as JSON")
+
+
 _ROUND = _int(0, (1 << 32) - 1)
 # Fleet-shared int8 engine choices (protocol/engine_choice.py): a device's state reports the
 # ones it measured, a finetune command relays the ones the coordinator heard. Each side sends
@@ -260,7 +291,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.HELLO: {"public_key": (_b64key, True), "agent": (_text(64), False), "info": (_flat, False)},
     Kind.STATE: {"status": (_enum("online", "offline", "idle", "busy"), True), "agent": (_text(64), False),
                  "job": (_id, False), "detail": (_text(256), False), "info": (_flat, False),
-                 "engine_choices": (_ENGINE_CHOICES, False)},
+                 "engine_choices": (_ENGINE_CHOICES, False), "forecast": (_forecast, False)},
     Kind.CMD: {"cmd_id": (_id, True), "action": (_enum("finetune", "cancel", "fetch_model", "ping", "probe"), True),
                "job": (_id, False), "round": (_ROUND, False), "model": (_id, False), "version": (_id, False),
                "sha256": (_hex64, False), "head_sha256": (_hex64, False), "params": (_flat, False),
