@@ -209,6 +209,7 @@ class SolarRun:
     jobs_abandoned: int = 0  # stopped at a deadline or lost in a brown-out
     below_floor_training: int = 0  # devices that went below their floor because of training
     below_floor_load: int = 0  # devices below their floor from the board's load alone
+    floor_pauses: int = 0  # training paused at the floor (the governor's rule)
     brownouts: int = 0  # devices whose battery reached 0 (load alone)
     train_energy_wh: float = 0.0
     forecast_harvest_err: list[tuple[float, float]] = field(default_factory=list)  # (forecast, truth) 24-h Wh
@@ -415,6 +416,7 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
                     j.paused = False  # the governor's resume
                 if not j.paused and battery[i] <= floor_wh[i] + 1e-9:
                     j.paused = True  # the governor's floor
+                    run.floor_pauses += 1
                 if j.paused:
                     continue
                 want = min(j.remaining_s, STEP_S)
@@ -424,6 +426,7 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
                 trained[i] = want * frac
                 if frac < 1.0:
                     j.paused = True
+                    run.floor_pauses += 1
             without = battery + net
             battery = np.clip(without - extra_w * trained / HOUR, 0.0, cap)
             without = np.clip(without, 0.0, cap)
