@@ -465,6 +465,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None:
             params[name] = value
     params.update(_learning_params(args))
+    params.update(_async_params(args))
     check_job_params({**params, "budget_wh": args.budget_wh})
     with _registry(args) as reg:
         mv = _model(reg, args.model)
@@ -496,6 +497,9 @@ def cmd_train(args: argparse.Namespace) -> int:
               + (f", {args.budget_wh:g} Wh per device" if args.budget_wh else "") + ")")
         why = job.params.get("aggregator_default")
         print(f"aggregator: {job.params['aggregator']}" + (f" (the default: {why})" if why else " (as asked)"))
+        if job.params.get("mode") == "async":
+            print(f"asynchronous: a version every {job.params['buffer']} accepted update(s), updates at most "
+                  f"{job.params['max_staleness']} version(s) stale; --rounds {args.rounds} counts versions")
         if not serving(read_serve_file(state_dir(args))):
             print("warning: no `edge-coordinator serve` is running on this state directory; the job starts "
                   "when it does", file=sys.stderr)
@@ -503,6 +507,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"follow it: edge-coordinator status {job.id}")
             return EXIT_OK
         return _follow(reg, job.id, interval=args.poll)
+
+
+def _async_params(args: argparse.Namespace) -> dict[str, Any]:
+    """--async, --buffer, --max-staleness as job params (async_rounds.py)."""
+    buffer, staleness = getattr(args, "buffer", None), getattr(args, "max_staleness", None)
+    if not getattr(args, "async_mode", False):
+        if buffer is not None or staleness is not None:
+            raise UsageError("--buffer and --max-staleness are options of --async jobs")
+        return {}
+    return {"mode": "async", "buffer": buffer if buffer is not None else 2 * args.min_devices,
+            "max_staleness": staleness if staleness is not None else 4}
 
 
 def _learning_params(args: argparse.Namespace) -> dict[str, Any]:

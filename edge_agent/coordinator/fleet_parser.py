@@ -132,7 +132,14 @@ The server optimiser turns the round's aggregate (the devices' mean update) into
 fedavg adds it as it is (times --server-lr, default 1); fedavgm keeps a momentum across
 rounds (--momentum, default 0.9; smooths the round-to-round pull of non-IID devices);
 fedadam (default --server-lr 0.01) scales each weight's step by its own recent size
-(Reddi et al. 2021, "Adaptive Federated Optimization")."""
+(Reddi et al. 2021, "Adaptive Federated Optimization").
+
+--async (FedBuff, Nguyen et al. 2022) suits fleets whose devices have energy at different
+hours (solar): a round closes as soon as --buffer updates are accepted and the next starts at
+once on the new version with the devices that are free; a device still training keeps its
+version and its update joins whichever round is open when it arrives, weighed 1/sqrt(1+s)
+for s versions of staleness, and refused beyond --max-staleness. Choosing K and S:
+docs/solar-deployment.md."""
 
 TRAIN_EPILOG = """\
 examples:
@@ -143,6 +150,8 @@ examples:
   edge-coordinator train --model digits --devices board:raspberry-pi-5 --param patience=2
   edge-coordinator train --model digits --rounds 300 --patience 20 --min-delta 0.2 \
       --server-opt fedavgm --server-lr 0.5 --momentum 0.5 --on-plateau decay --detach
+  edge-coordinator train --model digits --devices tag:solar --async --buffer 10 --max-staleness 4 \
+      --rounds 200 --deadline 6h --detach
 
 Ctrl-C stops watching; the job keeps running (edge-coordinator status JOB / cancel JOB)."""
 
@@ -331,6 +340,13 @@ def add_fleet_commands(sub: Any) -> None:
                         "devices per round, trimmed_mean beyond; train prints which and why)")
     t.add_argument("--devices-per-round", type=_COUNT, default=None, metavar="K",
                    help="sample K of the eligible devices each round (default: all)")
+    t.add_argument("--async", dest="async_mode", action="store_true",
+                   help="asynchronous buffered rounds: devices train when their energy allows, each version "
+                        "aggregates the next --buffer updates; --rounds counts versions (see below)")
+    t.add_argument("--buffer", type=_number(int, 1, 100_000), default=None, metavar="K",
+                   help="--async: publish a version every K accepted updates (default: --min-devices x 2)")
+    t.add_argument("--max-staleness", type=_number(int, 0, 1_000), default=None, metavar="S",
+                   help="--async: refuse updates trained on a version more than S versions old (default 4)")
     t.add_argument("--server-opt", choices=("fedavg", "fedavgm", "fedadam"), default=None,
                    help="server optimiser applied to each round's aggregate (default fedavg)")
     t.add_argument("--server-lr", type=_number(float, 1e-6, 100.0), default=None, metavar="LR",

@@ -154,7 +154,14 @@ def round_summary(reg: Registry, rnd: RoundRecord) -> dict[str, Any]:
         "energy_kept": round(sum(kept) / len(kept), 6) if kept else None,
         "energy_kept_min": round(min(kept), 6) if kept else None,
         "device_metrics": {u.device_id: u.metrics for u in updates},
+        "in_flight": rnd.in_flight, "carried_in": rnd.carried_in,
+        "staleness": _mean([u.metrics.get("staleness") for u in ok]),
     }
+
+
+def _mean(values: list[Any]) -> float | None:
+    nums = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return round(sum(nums) / len(nums), 3) if nums else None
 
 
 def job_json(reg: Registry, job_id: str) -> dict[str, Any]:
@@ -180,6 +187,9 @@ def job_detail(reg: Registry, job_id: str) -> str:
              f"device(s), {j.deadline_s:.0f} s per round; params {j.params}",
              f"  aggregator {j.params.get('aggregator', '?')}" + (f" (the default: {why})" if why else "")
              + ("; server set " + str(j.params["server_set"])[:16] if j.params.get("server_set") else "")]
+    if j.params.get("mode") == "async":
+        lines.append(f"  asynchronous: a version every {j.params.get('buffer')} accepted update(s), updates at most "
+                     f"{j.params.get('max_staleness')} version(s) stale (weighed 1/sqrt(1+s)); rounds count versions")
     lines += _learning_lines(reg, j)
     for rnd in reg.list_rounds(job_id):
         s = round_summary(reg, rnd)
@@ -193,8 +203,12 @@ def job_detail(reg: Registry, job_id: str) -> str:
             ratio += (f", kept {100 * s['energy_kept']:.1f} % of the delta energy"
                       + (f" (min {100 * s['energy_kept_min']:.1f} %)" if s["energy_kept_min"] < s["energy_kept"] else ""))
         energy = f", {s['energy_wh']:.4f} Wh" if s["energy_wh"] is not None else ""
+        flight = ""
+        if s["carried_in"] or s["in_flight"]:
+            flight = (f"; {len(s['carried_in'])} still training older versions joined, {len(s['in_flight'])} "
+                      "carried on" + (f", mean staleness {s['staleness']:g}" if s["staleness"] is not None else ""))
         lines.append(f"    {len(s['selected'])} selected, {len(s['accepted'])} accepted, {len(s['rejected'])} "
-                     f"rejected, {len(s['dropouts'])} dropout(s); {s['wire_bytes']} bytes up{ratio}{energy}")
+                     f"rejected, {len(s['dropouts'])} dropout(s){flight}; {s['wire_bytes']} bytes up{ratio}{energy}")
         for dev, why in s["dropouts"].items():
             lines.append(f"    dropout {dev}: {why}")
         for dev, why in s["rejected"].items():

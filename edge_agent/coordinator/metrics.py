@@ -40,6 +40,7 @@ MQTT_DROPS = {"dropped_inbox_full": "inbox_full_unverified", "dropped_resend_ful
               "dropped_priority_full": "inbox_full_signed", "dropped_oversize": "oversize",
               "dropped_admit": "over_device_budget"}
 UPDATE_STATUSES = ("accepted", "rejected")
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
@@ -77,6 +78,10 @@ class CoordinatorMetrics:
         self.fp32_bytes = Counter("update_fp32_bytes", "Dense float32 size of the received updates", **common)
         self.compression_ratio = Histogram("update_compression_ratio", "fp32 bytes / wire bytes per update",
                                            buckets=RATIO_BUCKETS, **common)
+        self.staleness = Histogram("update_staleness", "Versions published since an asynchronous job's accepted "
+                                   "update's base (0: current)", buckets=STALENESS_BUCKETS, **common)
+        self.stale_refused = Counter("updates_stale", "Asynchronous updates refused as more than max_staleness "
+                                     "versions old", **common)
         self.energy_wh = Counter("energy_wh", "Energy devices reported spending on fine-tuning (Wh)", **common)
         self.inbox = Gauge("inbox_messages", "Messages received from the broker and not yet handled", **common)
         self.mqtt_dropped = Counter("mqtt_dropped", "Messages received and dropped before handling, by why",
@@ -119,6 +124,15 @@ class CoordinatorMetrics:
             self.compression_ratio.observe(fp32_bytes / wire_bytes)
         if energy_wh is not None and math.isfinite(energy_wh) and energy_wh > 0:
             self.energy_wh.inc(energy_wh)
+
+    def observe_staleness(self, staleness: int | None) -> None:
+        """An asynchronous update: accepted `staleness` versions behind, or (None) refused as stale."""
+        if staleness is None:
+            self.stale_refused.inc()
+        elif staleness < 0:
+            raise ValueError(f"staleness cannot be negative ({staleness})")
+        else:
+            self.staleness.observe(staleness)
 
     def observe_inbox(self, stats: Mapping[str, int], pending: int) -> None:
         """The MQTT client's inbox: its length now, and what it dropped since the last call

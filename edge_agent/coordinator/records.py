@@ -91,6 +91,7 @@ PARTICIPANT_TRANSITIONS: dict[ParticipantStatus, frozenset[ParticipantStatus]] =
     P.REPORTED: frozenset(), P.DROPPED: frozenset(),
 }
 
+IN_FLIGHT = "in_flight"  # asynchronous rounds: a participant still training when its round closed
 MAX_JOB_ID = 48  # version ids "<job>-r<round>" must stay within the 64 of ID_RE
 MAX_TAGS = 32
 MAX_FLAT_ENTRIES = 64
@@ -298,10 +299,12 @@ class Participant:
     status: ParticipantStatus
     reason: str
     dispatched_at: float | None
+    origin: int | None = None  # asynchronous jobs: carried in from this round, still training its version
 
     @classmethod
     def from_row(cls, row: Any) -> Participant:
-        return cls(row["device_id"], ParticipantStatus(row["status"]), row["reason"], row["dispatched_at"])
+        return cls(row["device_id"], ParticipantStatus(row["status"]), row["reason"], row["dispatched_at"],
+                   row["origin"])
 
 
 @dataclass(frozen=True)
@@ -332,8 +335,21 @@ class RoundRecord:
 
     @property
     def dropouts(self) -> dict[str, str]:
-        """device id -> why it dropped out (no update by the deadline, refused, not dispatched...)."""
-        return {d: p.reason for d, p in sorted(self.participants.items()) if p.status is ParticipantStatus.DROPPED}
+        """device id -> why it dropped out (no update by the deadline, refused, not dispatched...);
+        an asynchronous job's devices still training when the round closed are not dropouts."""
+        return {d: p.reason for d, p in sorted(self.participants.items())
+                if p.status is ParticipantStatus.DROPPED and not p.reason.startswith(IN_FLIGHT)}
+
+    @property
+    def in_flight(self) -> list[str]:
+        """An asynchronous round's devices still training when it closed (carried to the next)."""
+        return sorted(d for d, p in self.participants.items()
+                      if p.status is ParticipantStatus.DROPPED and p.reason.startswith(IN_FLIGHT))
+
+    @property
+    def carried_in(self) -> list[str]:
+        """Devices this round took over from earlier ones, still training their older version."""
+        return sorted(d for d, p in self.participants.items() if p.origin is not None)
 
     @property
     def settled(self) -> bool:

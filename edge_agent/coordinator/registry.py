@@ -102,12 +102,12 @@ class Registry:
          self.model_server_set) = (m.write_head, m.add_model_version, m.get_model, m.list_models, m.load_head,
                                    m.server_set_path, m.store_server_set, m.load_server_set,
                                    m.set_model_server_set, m.model_server_set)
-        (self.add_update, self.has_update, self.list_updates, self.load_payload, self.load_delta,
-         self.job_norm_history, self.lineage_norm_history, self.device_directions, self.device_samples_history,
-         self.apply_strikes, self.release_device) = (
-            u.add_update, u.has_update, u.list_updates, u.load_payload, u.load_delta, u.job_norm_history,
-            u.lineage_norm_history, u.device_directions, u.device_samples_history, u.apply_strikes,
-            u.release_device)
+        (self.add_update, self.has_update, self.list_updates, self.count_updates, self.load_payload,
+         self.load_delta, self.job_norm_history, self.lineage_norm_history, self.device_directions,
+         self.device_samples_history, self.apply_strikes, self.release_device) = (
+            u.add_update, u.has_update, u.list_updates, u.count_updates, u.load_payload, u.load_delta,
+            u.job_norm_history, u.lineage_norm_history, u.device_directions, u.device_samples_history,
+            u.apply_strikes, u.release_device)
         (self.device_history, self.totals, self.energy_by_device, self.newest_job_of_devices,
          self.participations) = (r.device_history, r.totals, r.energy_by_device, r.newest_job_of_devices,
                                  r.participations)
@@ -305,8 +305,11 @@ class Registry:
 
     # ------------------------------------------------------------------ rounds and participants
     def open_round(self, *, job_id: str, number: int, base_version: str, devices: Sequence[str],
-                   deadline_at: float, now: float | None = None) -> RoundRecord:
-        """Record a new round and its selected devices (status SELECTED) in one transaction."""
+                   deadline_at: float, now: float | None = None,
+                   carried: Mapping[str, int] | None = None) -> RoundRecord:
+        """Record a new round and its selected devices (status SELECTED) in one transaction;
+        `carried` (asynchronous jobs): devices still training the version of their origin
+        round, added as DISPATCHED (they get no new command) with that origin."""
         when = self._now(now)
         check_time(deadline_at, "deadline")
         with self._tx() as db:
@@ -321,6 +324,12 @@ class Registry:
                 self._device(db, device_id)
                 db.execute("INSERT INTO participants (job_id, round, device_id, status) VALUES (?, ?, ?, ?)",
                            (job_id, number, device_id, ParticipantStatus.SELECTED.value))
+            for device_id, origin in (carried or {}).items():
+                self._device(db, device_id)
+                db.execute("INSERT INTO participants (job_id, round, device_id, status, reason, dispatched_at, origin) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (job_id, number, device_id, ParticipantStatus.DISPATCHED.value,
+                            f"in flight since round {int(origin)}", when, int(origin)))
             db.execute("UPDATE jobs SET waiting_since = NULL, reason = '', updated_at = ? WHERE id = ?", (when, job_id))
             return self._round(db, job_id, number)
 

@@ -121,6 +121,12 @@ class UpdateStore:
                               (job_id, round, status and status.value))
             return [UpdateRecord.from_row(r) for r in rows]
 
+    def count_updates(self, job_id: str, round: int, status: UpdateStatus) -> int:
+        """How many of a round's updates have `status` (an indexed count, no rows read)."""
+        with self.db.read() as db:
+            return int(db.execute("SELECT COUNT(*) FROM updates WHERE job_id = ? AND round = ? AND status = ?",
+                                  (job_id, round, status.value)).fetchone()[0])
+
     def load_payload(self, rec: UpdateRecord) -> bytes:
         """The stored file of an update: the payload as received (.eaup) or, for a legacy row,
         the dense .npz (integrity-checked; CorruptFileError if not, or if it is gone)."""

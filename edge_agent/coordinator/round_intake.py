@@ -19,6 +19,7 @@ from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, Upda
 from ..updates.wire import unpack_update
 from .aggregate import check_tensor_table
 from .aggregation import RoundAggregation
+from .async_rounds import AsyncMode, published_since
 from .heads import HeadCache
 from .records import MAX_SAMPLES, NotFound, ParticipantStatus, RoundState, UpdateStatus, check_id
 from .round_types import Receipt, RoundPolicy
@@ -82,6 +83,17 @@ class UpdateIntake:
         part = rnd.participants.get(sender)
         if part is None:
             return Receipt("rejected", "not_selected", f"{sender} is not in job {job_id} round {number}")
+        base_version, staleness = rnd.base_version, 0
+        mode = AsyncMode.of(job.params)
+        if mode is not None and rnd.state is not RoundState.OPEN:  # in flight: into the round open now
+            moved = self._in_flight(job, rnd, sender, mode)
+            if isinstance(moved, Receipt):
+                if moved.reason == "stale" and self.metrics is not None:
+                    self.metrics.observe_staleness(None)
+                return moved
+            if moved is not None:
+                rnd, staleness = moved
+                number, part = rnd.number, rnd.participants[sender]
         if rnd.state is not RoundState.OPEN:
             return Receipt("rejected", "round_closed", f"round {number} is {rnd.state}")
         if part.status is ParticipantStatus.DROPPED:
@@ -91,15 +103,19 @@ class UpdateIntake:
             return Receipt("rejected", "late", f"round {number} deadline passed {now - rnd.deadline_at:.0f} s ago")
         wire = len(payload) if wire_bytes is None else wire_bytes
         fp32 = 4 * sum(e.spec.numel for e in encoded)
-        mv, head = self.heads.head(job.model_name, rnd.base_version)
+        mv, head = self.heads.head(job.model_name, base_version)
         samples_ok = not isinstance(num_samples, bool) and isinstance(num_samples, int) and 1 <= num_samples <= MAX_SAMPLES
         if energy_wh is not None and not (isinstance(energy_wh, int | float) and 0 <= energy_wh < 1e6):
             energy_wh = None  # a bogus energy report must not cost the update
-        code, detail, sp = self._judge(job, rnd, header, encoded, head, mv, samples_ok, num_samples, labels_sha256)
+        code, detail, sp = self._judge(job, base_version, header, encoded, head, mv, samples_ok, num_samples,
+                                       labels_sha256)
         weight = None
         if not code and sp is not None:
             cap = job.params.get("max_samples")
             weight = arrival_weight(num_samples, self._device_cap(sender), cap if isinstance(cap, int) else None)
+            if mode is not None:
+                weight *= mode.weight(staleness)
+                metrics = {**(metrics or {}), "staleness": staleness}
         stored = self.registry.add_update(
             job_id=job_id, device_id=sender, round=number, num_samples=num_samples if samples_ok else 0,
             wire_bytes=wire, fp32_bytes=fp32, sha256=hashlib.sha256(payload).hexdigest(),
@@ -117,23 +133,45 @@ class UpdateIntake:
         if self.metrics is not None:
             self.metrics.observe_update(wire_bytes=wire, fp32_bytes=fp32, energy_wh=energy_wh,
                                         status="rejected" if code else "accepted")
+            if mode is not None and not code:
+                self.metrics.observe_staleness(staleness)
         return Receipt("rejected", code, detail) if code else Receipt("accepted")
 
-    def _judge(self, job: Any, rnd: Any, header: Any, encoded: Any, head: Mapping[str, Any], mv: Any,
+    def _in_flight(self, job: Any, rnd: Any, sender: str, mode: AsyncMode) -> tuple[Any, int] | Receipt | None:
+        """An asynchronous job's update whose round (its origin) has closed: (the open round
+        that carries the sender, its staleness); a "stale" or "duplicate" receipt; None when
+        no open round carries it (the caller refuses it as its round being closed)."""
+        rounds = self.registry.list_rounds(job.id, participants=False)
+        current = next((r for r in rounds if r.state is RoundState.OPEN), None)
+        head = current.number if current is not None else len(rounds) + 1
+        staleness = published_since(rounds, rnd.number, head)
+        if staleness > mode.max_staleness:
+            newest = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), rnd.base_version)
+            return Receipt("rejected", "stale", mode.stale_reason(staleness, rnd.base_version, newest))
+        if current is None:
+            return None
+        if self.registry.has_update(job.id, sender, current.number):
+            return Receipt("duplicate")
+        target = self.registry.get_round_for(job.id, current.number, sender)
+        part = target.participants.get(sender)
+        return (target, staleness) if part is not None and part.origin == rnd.number else None
+
+    def _judge(self, job: Any, base_version: str, header: Any, encoded: Any, head: Mapping[str, Any], mv: Any,
                samples_ok: bool, num_samples: Any, labels_sha256: str | None) -> tuple[str, str, Sparse | None]:
-        """(refusal code or "", detail, the decoded update when it decodes)."""
-        if (header.model_name, header.model_version) != (job.model_name, rnd.base_version):
-            return "wrong_model", (f"update is for {header.model_name} {header.model_version}, round {rnd.number} "
-                                   f"trains {job.model_name} {rnd.base_version}"), None
+        """(refusal code or "", detail, the decoded update when it decodes); `base_version`:
+        the version the update's round dispatched (an asynchronous one's origin round's)."""
+        if (header.model_name, header.model_version) != (job.model_name, base_version):
+            return "wrong_model", (f"update is for {header.model_name} {header.model_version}, round "
+                                   f"{header.round} trains {job.model_name} {base_version}"), None
         expected = self.heads.labels_digest(mv) if labels_sha256 is not None else None
         if expected is not None and labels_sha256 != expected:
             return "wrong_labels", (f"update was trained on another label set (sha256 {str(labels_sha256)[:12]}), "
-                                    f"not {job.model_name} {rnd.base_version}'s ({expected[:12]})"), None
+                                    f"not {job.model_name} {base_version}'s ({expected[:12]})"), None
         if not samples_ok:
             return "bad_samples", f"num_samples {str(num_samples)[:40]!r} not in 1..{MAX_SAMPLES}", None
         try:
             check_tensor_table({e.spec.name: e.spec.shape for e in encoded}, head, subset=True)  # before decoding
-            sp = decode_sparse(encoded, self.heads.layout(job.model_name, rnd.base_version))
+            sp = decode_sparse(encoded, self.heads.layout(job.model_name, base_version))
         except UpdateError as exc:
             code = ("bad_table" if isinstance(exc, TensorTableMismatchError) else
                     "non_finite" if isinstance(exc, NonFiniteDeltaError) else "malformed")

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EdgeAgentError, InputError
 from .aggregation import EvidenceSource, NoEvidence, RoundAggregation
+from .async_rounds import IN_FLIGHT, AsyncMode, carry_over
 from .gate import ValidationGate
 from .heads import HeadCache
 from .partials import PartialStore
@@ -130,6 +131,7 @@ class RoundEngine:
         if "budget_wh" in p and (not isinstance(p["budget_wh"], int | float) or not 0 < p["budget_wh"] < 1e6):
             raise InputError(f"budget_wh must be a positive number of Wh, got {p['budget_wh']!r}")
         self._robust_params(p)
+        AsyncMode.of(p)  # a bad buffer / staleness bound: refused now
         check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
         if not p.get("aggregator"):
             if self.policy.aggregator:
@@ -234,6 +236,9 @@ class RoundEngine:
             if not due and rnd.state is RoundState.OPEN:
                 counts = self.registry.participant_counts(job.id, rnd.number)
                 due = bool(counts) and not any(counts.get(s) for s in _LIVE)  # settled: all reported or dropped
+            mode = AsyncMode.of(job.params)
+            if not due and rnd.state is RoundState.OPEN and mode is not None:  # the buffer is full
+                due = self.registry.count_updates(job.id, rnd.number, UpdateStatus.PENDING) >= mode.buffer
             if rnd.state is RoundState.OPEN and not due:
                 return
             result.closed.append(self.close_round(job.id, rnd.number))
@@ -285,6 +290,14 @@ class RoundEngine:
         base = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), job.model_version)
         _, _, min_battery = self._options(job.params)
         busy = frozenset(d for r in self.registry.active_rounds() for d in r.with_status(*_LIVE))
+        mode = AsyncMode.of(job.params)
+        carried: dict[str, int] = {}
+        if mode is not None and rounds:  # who still trains an earlier version keeps training it
+            carried, released = carry_over(self.registry.get_round(job.id, rounds[-1].number), rounds, number, mode)
+            if released:
+                log.info("job %s round %d: %d device(s) released, their versions too stale: %s", job.id, number,
+                         len(released), ", ".join(f"{d} ({s})" for d, s in list(released.items())[:10]))
+            busy |= frozenset(carried)
         devices = self.registry.list_devices()
         quarantined = [d.id for d in devices if d.quarantined]
         sel = select_devices([d for d in devices if not d.quarantined], job.selector, now=now,
@@ -292,9 +305,10 @@ class RoundEngine:
                              budget_wh=job.budget_wh, allow_unknown_power=self.policy.allow_unknown_power, busy=busy,
                              job_id=job.id, needs=self._needs(job, base))
         chosen = sample_devices(sel.eligible, job.params.get("devices_per_round"), seed=f"{job.id}/{number}")
-        if len(chosen) >= job.min_devices:
+        # an asynchronous round opens with whoever can contribute (its buffer decides when it closes)
+        if len(chosen) >= job.min_devices or (mode is not None and chosen + list(carried)):
             rnd = self.registry.open_round(job_id=job.id, number=number, base_version=base, devices=chosen,
-                                           deadline_at=now + job.deadline_s, now=now)
+                                           deadline_at=now + job.deadline_s, now=now, carried=carried)
             return self._plan(job, rnd, tuple(chosen))
         why = f"{len(chosen)} eligible device(s), need {job.min_devices}"
         if sel.ineligible:
@@ -328,8 +342,9 @@ class RoundEngine:
         return JobStatus.FAILED, f"none of the {job.rounds} round(s) produced a model"
 
     def _plan(self, job: Job, rnd: RoundRecord, devices: tuple[str, ...]) -> RoundPlan:
-        return RoundPlan(job.id, rnd.number, job.model_name, rnd.base_version, rnd.deadline_at, devices,
-                         dict(job.params))
+        mode = AsyncMode.of(job.params)  # an asynchronous device may deliver while S more versions publish
+        deadline = rnd.deadline_at if mode is None else mode.device_deadline(rnd.started_at, job.deadline_s)
+        return RoundPlan(job.id, rnd.number, job.model_name, rnd.base_version, deadline, devices, dict(job.params))
 
     def pending_dispatches(self) -> list[RoundPlan]:
         """Open rounds' devices not yet dispatched (also those a crash interrupted)."""
@@ -397,10 +412,12 @@ class RoundEngine:
         """Stop collecting, aggregate with the job's rule, gate on the server set, and register
         the new (head-only) version -- or fail the round with the reason (round_close.py)."""
         with self._lock:
-            rnd = self.registry.get_round(job_id, number)
+            rnd, job = self.registry.get_round(job_id, number), self.registry.get_job(job_id)
             if rnd.state is RoundState.OPEN:
-                rnd = self.registry.begin_closing(job_id, number, now=self.clock())
-            job = self.registry.get_job(job_id)
+                # an asynchronous job's devices still training are carried into the next round
+                why = (f"{IN_FLIGHT}: still training when the buffer closed; its update goes to the next round"
+                       if AsyncMode.of(job.params) is not None else "no_update")
+                rnd = self.registry.begin_closing(job_id, number, dropout_reason=why, now=self.clock())
             if rnd.state is RoundState.CLOSING and job.status.terminal:  # cancelled meanwhile
                 self._cancel_active(job_id, job.reason or f"job {job.status}")
             rnd = self.registry.get_round(job_id, number)

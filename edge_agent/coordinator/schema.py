@@ -103,4 +103,9 @@ MIGRATIONS: list[tuple[str, ...]] = [
             reported_at REAL NOT NULL)""",
         "CREATE INDEX engine_choices_by_time ON engine_choices (reported_at)",
     ),
+    (  # 6 -> 7: asynchronous buffered rounds (issue 38, async_rounds.py): a participant carried
+        # into a later round while it still trains names the round it was dispatched in (origin;
+        # NULL: this one), which its update's header names and its staleness is counted from
+        "ALTER TABLE participants ADD COLUMN origin INTEGER",
+    ),
 ]

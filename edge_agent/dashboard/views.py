@@ -16,7 +16,7 @@ from typing import Any
 
 from ..coordinator import fleet_views
 from ..coordinator.artefacts import ModelArtefacts
-from ..coordinator.records import Device, ModelVersion, NotFound, RoundState
+from ..coordinator.records import IN_FLIGHT, Device, ModelVersion, NotFound, RoundState
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundPolicy
 from ..protocol.topics import patch_version
@@ -187,7 +187,8 @@ def device(reg: Registry, device_id: str, *, policy: RoundPolicy, now: float) ->
     used = reg.energy_by_device(since=start_of_day(now)).get(dev.id)
     row = device_row(dev, now=now, policy=policy, used_today=used, budget=_budget_of_devices(reg).get(dev.id))
     joined = reg.participations(dev.id)
-    refusals = [p for p in joined if p["status"] == "dropped"]
+    # an asynchronous round's device still training when it closed did not refuse anything
+    refusals = [p for p in joined if p["status"] == "dropped" and not str(p["reason"]).startswith(IN_FLIGHT)]
     jobs = sorted({p["job_id"] for p in joined})
     history = [{"label": f"{p['job_id']} r{p['round']}", "energy_wh": p["energy_wh"],
                 "acc_before": _num(p["metrics"].get("accuracy_before")),

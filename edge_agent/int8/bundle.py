@@ -547,11 +547,15 @@ def check_calibration(array: np.ndarray, spec: InputSpec, *, where: str) -> np.n
 
 
 # Writing bundles (atomic directories, archives) lives in bundle_files.py; its names stay
-# importable from here, where every caller has always found them.
-from .bundle_files import (  # noqa: E402, F401 - after the names bundle_files imports from here
-    _check_dest,
-    _commit_dir,
-    pack_bundle,
-    unpack_bundle,
-    write_bundle_dir,
-)
+# importable from here, where every caller has always found them. Resolved on first use (PEP
+# 562), not imported at the end of this module: bundle_files imports this module, and a
+# process whose first import was bundle_files found these names not defined yet.
+_FROM_BUNDLE_FILES = frozenset({"_check_dest", "_commit_dir", "pack_bundle", "unpack_bundle", "write_bundle_dir"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BUNDLE_FILES:
+        from . import bundle_files
+
+        return getattr(bundle_files, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

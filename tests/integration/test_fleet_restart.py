@@ -222,3 +222,62 @@ def test_a_device_killed_mid_round_is_a_dropout_after_the_grace_not_at_the_deadl
         assert rnd.state is RoundState.AGGREGATED and list(rnd.dropouts) == [dead]
         assert "did not come back within 2 s" in rnd.dropouts[dead]
     assert "stayed offline: a dropout" in coordinator.log_tail()
+
+
+@pytest.mark.slow  # three real agents train, some twice
+def test_coordinator_killed_mid_async_intake_loses_and_double_counts_nothing(
+        mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
+    """An asynchronous job (buffer 2): agent0 delivers, agents 1 and 2 are held in training,
+    the coordinator is killed; they deliver while it is down. After the restart every update
+    is stored once -- in round 1, or carried into round 2 with its staleness -- and each
+    published version counts exactly the updates its round accepted."""
+    _, archive = digits_bundle
+    coordinator = serve(mosquitto.port).start()
+    register_digits(coordinator, archive, tmp_path)
+    hold = tmp_path / "hold-training"
+    hold.write_text("1")
+    agents_ = [agents(tmp_path, mosquitto.port, name=f"agent{i}", data_dir=device_data(tmp_path / f"data{i}", device=i),
+                      sysfs_root=board_tree(tmp_path / f"board{i}", battery_pct=90),
+                      env={"EDGE_AGENT_TEST_HOLD": str(hold)} if i else None).start() for i in range(3)]
+    assert wait_for(lambda: len(online_devices(coordinator)) == 3, 180), coordinator.log_tail()
+    out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "2", "--min-devices", "1",
+                          "--async", "--buffer", "2", "--max-staleness", "3", "--deadline", "60m", "--epochs", "1",
+                          "--batch-size", "16", "--detach").stdout
+    job_id = job_id_of(out)
+
+    def stored() -> list:
+        with coordinator.registry() as reg:
+            return reg.list_updates(job_id)
+
+    assert wait_for(lambda: len(stored()) == 1, 600), coordinator.log_tail()
+    assert wait_for(hold.with_name(hold.name + ".held").exists, 600), [a.log_tail(1500) for a in agents_]
+    coordinator.kill9()
+    hold.unlink()  # both finish and send their round-1 updates while the coordinator is down
+    local = f"{job_id}-r1"
+
+    def agent_state(agent):
+        try:
+            return JobStore(agent.state_dir / "jobs").load(local).state
+        except FileNotFoundError:
+            return None
+
+    assert wait_for(lambda: all(agent_state(a) in (JobState.UPLOADING, JobState.DONE) for a in agents_[1:]), 600), \
+        [a.log_tail(1500) for a in agents_]
+    coordinator.start()
+    with coordinator.registry() as reg:
+        assert wait_for(lambda: reg.get_job(job_id).status.terminal, 600), coordinator.log_tail()
+        job = reg.get_job(job_id)
+        assert job.status is JobStatus.DONE, (job, coordinator.log_tail())
+        rounds = reg.list_rounds(job_id)
+        assert [r.state for r in rounds] == [RoundState.AGGREGATED] * 2
+        updates = reg.list_updates(job_id)
+        assert len({(u.device_id, u.round) for u in updates}) == len(updates)  # nothing stored twice
+        # each agent's version-1 update: stored exactly once, in round 1 or carried into round 2
+        first = [u for u in updates if u.round == 1 or u.metrics.get("staleness") == 1]
+        assert sorted(u.device_id for u in first) == sorted(a.id for a in agents_), updates
+        assert all(u.status is UpdateStatus.ACCEPTED for u in updates), updates
+        for r in rounds:  # each version counts exactly what its round accepted
+            accepted = [u for u in updates if u.round == r.number]
+            assert reg.get_model("digits", r.aggregated_version).metrics["updates"] == len(accepted) >= 2
+    assert wait_for(lambda: all(agent_state(a) is JobState.DONE for a in agents_), 120)
+    assert coordinator.alive and all(a.alive for a in agents_)

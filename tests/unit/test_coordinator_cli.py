@@ -218,6 +218,27 @@ def test_status_models_and_cancel(capsys, fleet_dir):
     assert rc == 65 and "no coordinator registry here" in err
 
 
+def test_an_async_job_is_queued_with_its_buffer_and_staleness_and_status_says_so(capsys, fleet_dir):
+    state, _ = fleet_dir
+    sd = ("--state-dir", str(state))
+    rc, _, err = run(capsys, "train", "--model", "digits", "--buffer", "4", "--detach", *sd)
+    assert rc == 64 and "--buffer and --max-staleness are options of --async jobs" in err
+    rc, out, _ = run(capsys, "train", "--model", "digits", "--async", "--buffer", "4", "--max-staleness", "2",
+                     "--rounds", "20", "--detach", *sd)
+    assert rc == 0 and "a version every 4 accepted update(s)" in out and "2 version(s) stale" in out
+    rc, out, _ = run(capsys, "train", "--model", "digits", "--async", "--min-devices", "1", "--detach", *sd)
+    assert rc == 0
+    with Registry(state_dir=state) as reg:
+        first, second = sorted(reg.list_jobs(), key=lambda j: j.rounds, reverse=True)
+    assert (first.params["mode"], first.params["buffer"], first.params["max_staleness"]) == ("async", 4, 2)
+    assert (second.params["buffer"], second.params["max_staleness"]) == (2, 4)  # the defaults: 2 x min, 4
+    rc, out, _ = run(capsys, "status", first.id, *sd)
+    assert rc == 0 and "asynchronous: a version every 4 accepted update(s)" in out
+    with pytest.raises(SystemExit) as exit_:  # argparse's own range check
+        run(capsys, "train", "--model", "digits", "--async", "--buffer", "0", "--detach", *sd)
+    assert exit_.value.code == 64 and "argument --buffer: must be within 1..100000" in capsys.readouterr().err
+
+
 def test_key_is_created_once_private_and_printed(capsys, tmp_path):
     rc, out, _ = run(capsys, "key", "--state-dir", str(tmp_path / "c"))
     assert rc == 0

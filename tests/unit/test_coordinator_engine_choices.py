@@ -122,14 +122,14 @@ def test_a_row_edited_into_nonsense_is_left_out_with_a_warning(tmp_path: Path, c
 
 
 def test_a_schema_5_registry_migrates_with_its_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert len(MIGRATIONS) == 6
+    assert len(MIGRATIONS) >= 6
     monkeypatch.setattr(registry_module, "MIGRATIONS", MIGRATIONS[:5])
     with Registry(state_dir=tmp_path) as old:
         (a,) = enrol(old, 1)
         assert old.schema_version == 5
     monkeypatch.setattr(registry_module, "MIGRATIONS", MIGRATIONS)
     with Registry(state_dir=tmp_path) as reg:
-        assert reg.schema_version == 6 and reg.get_device(a).approved
+        assert reg.schema_version == len(MIGRATIONS) and reg.get_device(a).approved
         reg.record_engine_choices(a, [choice(1)], at=T0)
         assert stored(reg) == [(choice(1).kind, "native", a, T0)]
 
