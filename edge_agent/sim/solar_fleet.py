@@ -260,22 +260,20 @@ def _state_dir() -> str:
 
 def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_staleness: int = 8,
              devices_per_round: int | None = None, min_devices: int = 3, round_deadline_s: float = HOUR,
-             attack: str | None = None, attackers: float = 0.0, days: int | None = None,
-             async_engine: bool | None = None) -> SolarRun:
-    """One 14-day (or `days`) job over the fleet. `async_engine`: send the async job params
-    (default: when the engine knows them); without, mode="async" runs the devices' planned
-    behaviour over synchronous rounds."""
+             attack: str | None = None, attackers: float = 0.0, days: int | None = None) -> SolarRun:
+    """One 14-day (or `days`) job over the fleet: mode "sync" (today's rounds) or "async"
+    (buffer K, max_staleness S; devices plan their windows). `attackers`: the share of
+    devices sending `attack` (poisoning.hostile) instead of their update."""
     wall = time.perf_counter()
     dev, weather, data = fleet.devices, fleet.weather, fleet.data
     n = dev.n
     steps = weather.steps if days is None else min(weather.steps, int(days * 86400 // STEP_S))
-    per_round = devices_per_round or max(min_devices, n // 10)
-    if async_engine is None:
-        async_engine = ASYNC_ENGINE
-    params: dict[str, Any] = {"devices_per_round": per_round}
-    if mode == "async" and async_engine:
+    # sync: 10 % of the fleet a round; async: every eligible device not in flight (its own rule)
+    per_round = devices_per_round or (max(min_devices, n // 10) if mode == "sync" else None)
+    params: dict[str, Any] = {"devices_per_round": per_round} if per_round else {}
+    if mode == "async":
         params.update(mode="async", buffer=buffer, max_staleness=max_staleness)
-    run = SolarRun(mode, dict(params, **({"buffer": buffer, "max_staleness": max_staleness} if mode == "async" else {})))
+    run = SolarRun(mode, dict(params))
     ids, pubs = device_keys(n)
     index = {d: i for i, d in enumerate(ids)}
     n_attack = int(round(attackers * n)) if attack else 0
@@ -338,17 +336,20 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
                 run.times.append((clock[0] - weather.start) / HOUR)
                 run.accuracy.append(model.accuracy(heads[v], data.test_x, data.test_y))
                 run.energy_wh.append(train_s_total * (dev.train_w - dev.load_w) / HOUR)
-            for plan in result.opened:
+            for plan in result.opened:  # the command reaches every online device (the transport's part)
+                engine.record_dispatches(plan.job_id, plan.round, {
+                    d: None if online[index[d]] else "offline" for d in plan.devices})
                 for did in plan.devices:
-                    dispatch(plan, index[did])
+                    if online[index[did]]:
+                        dispatch(plan, index[did])
 
         def dispatch(plan: Any, i: int) -> None:
             pct = 100 * battery[i] / cap[i]
             req = FinetuneRequest(plan.job_id, plan.round, "sim", plan.model_version, None, None, None, None,
-                                  clock[0] + (round_deadline_s if mode == "sync" else 6 * HOUR))
+                                  plan.deadline_at)
             verdict = check_finetune(req, dev.limits, Conditions(battery_pct=pct, charging=False), active=[],
                                      accepted_last_day=0, now=clock[0])
-            if i in jobs or not online[i] or not verdict.accept:
+            if i in jobs or not verdict.accept:
                 run.refused_battery += verdict.reason == "battery_low"
                 engine.record_dropout(plan.job_id, plan.round, ids[i], f"refused:{verdict.reason or 'busy'}")
                 return
@@ -495,5 +496,3 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
     run.wall_s = time.perf_counter() - wall
     return run
 
-
-ASYNC_ENGINE = False  # set when the coordinator's async rounds are on this branch
