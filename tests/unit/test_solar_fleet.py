@@ -58,8 +58,19 @@ def test_sync_rounds_publish_and_learn() -> None:
 
 @pytest.mark.slow
 def test_async_devices_plan_windows_and_learn() -> None:
-    run = sf.simulate(_fleet(), mode="async", min_devices=2, devices_per_round=4, buffer=3, max_staleness=4)
+    run = sf.simulate(_fleet(), mode="async", buffer=3, max_staleness=4)
+    assert run.params["mode"] == "async" and run.params["buffer"] == 3
     assert run.published >= 5
     assert run.final() > run.base_accuracy + 0.3
     assert run.forecast_harvest_err and run.forecast_window_err
     assert run.below_floor_training == 0
+
+
+def test_async_refuses_an_update_more_than_s_versions_stale() -> None:
+    """With S = 0, an update that arrives after its base has been superseded is refused as
+    stale; the fleet still publishes (buffer 3 = min_devices: a smaller buffer closes every
+    round below min_devices, and none publishes)."""
+    run = sf.simulate(_fleet(), mode="async", buffer=3, max_staleness=0, days=1)
+    assert run.published >= 3
+    assert run.rejected.get("stale", 0) > 0
+    assert run.accepted + sum(run.rejected.values()) == run.updates_sent
