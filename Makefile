@@ -54,7 +54,7 @@ test: $(STAMP)
 # server runs as nobody), a fresh database per test (pytest --pg, tests/conftest.py); the
 # integration tests' serve processes inherit $EDGE_COORDINATOR_DB (test_fleet_load's harness
 # too: it reads the registry through Registry, whichever the engine).
-PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py tests/unit/test_retention.py \
+PG_TESTS ?= tests/unit/test_coordinator_*.py tests/unit/test_registry_pg.py tests/unit/test_retention.py tests/unit/test_async_rounds.py \
 	tests/unit/test_approval.py tests/unit/test_cli_exit_codes.py tests/unit/test_plateau.py \
 	tests/unit/test_dashboard_views.py tests/unit/test_update_defaults.py tests/unit/test_requantize.py \
 	tests/unit/test_server_opt.py tests/unit/test_workers_pg.py \

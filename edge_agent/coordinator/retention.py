@@ -7,7 +7,8 @@ each round also stores its devices' update payloads (`updates/<job>/r<n>/...`). 
 keeps the versions that matter and prunes the rest:
 
     kept  current   the newest version of each model, the versions active jobs start from
-                    or train now (an open round's base, a running job's latest)
+                    or train now (an open round's base, a running job's latest, the versions
+                    an asynchronous job's devices in flight still train)
           in use    every version a device reports running (its state's `models`)
           tagged    registered bundles (the roots head-only versions are built on) and the
                     versions listed in `<state>/retention/tags.json` (`prune --tag`)
@@ -203,6 +204,13 @@ def current(registry: Registry) -> set[tuple[str, str]]:
                                 "(state IN ('open', 'closing') OR number = (SELECT MAX(number) FROM rounds "
                                 "WHERE job_id = ? AND aggregated_version IS NOT NULL))", (row["id"], row["id"])):
                 found.update((row["model_name"], v) for v in (r["base_version"], r["aggregated_version"]) if v)
+            # an asynchronous job's devices in flight still train their origin round's version:
+            # their updates decode against it when they arrive (async_rounds.py)
+            for r in db.execute("SELECT DISTINCT o.base_version FROM participants p JOIN rounds r ON r.job_id = "
+                                "p.job_id AND r.number = p.round JOIN rounds o ON o.job_id = p.job_id AND o.number = "
+                                "p.origin WHERE p.job_id = ? AND p.origin IS NOT NULL AND p.status = 'dispatched' AND "
+                                "r.state IN ('open', 'closing')", (row["id"],)):
+                found.add((row["model_name"], r["base_version"]))
     return found
 
 

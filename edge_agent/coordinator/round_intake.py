@@ -98,7 +98,7 @@ class UpdateIntake:
             return Receipt("rejected", "round_closed", f"round {number} is {rnd.state}")
         if part.status is ParticipantStatus.DROPPED:
             return Receipt("rejected", "dropped_out", f"{sender} dropped out: {part.reason}")
-        if now > rnd.deadline_at:
+        if now > rnd.deadline_at and mode is None:  # an asynchronous round past its deadline still waits
             self.registry.set_participant(job_id, number, sender, ParticipantStatus.DROPPED, "late_update", now=now)
             return Receipt("rejected", "late", f"round {number} deadline passed {now - rnd.deadline_at:.0f} s ago")
         wire = len(payload) if wire_bytes is None else wire_bytes

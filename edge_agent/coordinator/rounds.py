@@ -51,6 +51,7 @@ from .heads import HeadCache
 from .partials import PartialStore
 from .plateau import check_learning_params
 from .records import (
+    MAX_ROUNDS,
     MAX_SAMPLES,
     IllegalTransition,
     Job,
@@ -230,24 +231,34 @@ class RoundEngine:
     def _advance(self, job: Job, result: TickResult) -> None:
         rounds = self.registry.list_rounds(job.id, participants=False)  # a tick's read: counts, not rows
         active = [r for r in rounds if r.state in (RoundState.OPEN, RoundState.CLOSING)]
+        mode = AsyncMode.of(job.params)
         if active:
             rnd = active[0]
-            due = self.clock() >= rnd.deadline_at
-            if not due and rnd.state is RoundState.OPEN:
-                counts = self.registry.participant_counts(job.id, rnd.number)
-                due = bool(counts) and not any(counts.get(s) for s in _LIVE)  # settled: all reported or dropped
-            mode = AsyncMode.of(job.params)
-            if not due and rnd.state is RoundState.OPEN and mode is not None:  # the buffer is full
-                due = self.registry.count_updates(job.id, rnd.number, UpdateStatus.PENDING) >= mode.buffer
-            if rnd.state is RoundState.OPEN and not due:
+            due = rnd.state is not RoundState.OPEN or self._due(job, rnd, mode)
+            if not due:
                 return
             result.closed.append(self.close_round(job.id, rnd.number))
             rounds = self.registry.list_rounds(job.id, participants=False)
             job = self.registry.get_job(job.id)
-        if job.status is JobStatus.RUNNING and len(rounds) < job.rounds:
+        # an asynchronous job's --rounds counts versions: a buffer that fails does not use one up
+        done = len(rounds) if mode is None else sum(r.state is RoundState.AGGREGATED for r in rounds)
+        if job.status is JobStatus.RUNNING and done < job.rounds and len(rounds) < MAX_ROUNDS:
             opened = self._open_next(job, rounds, result)
             if opened is not None:
                 result.opened.append(opened)
+
+    def _due(self, job: Job, rnd: RoundRecord, mode: AsyncMode | None) -> bool:
+        """An open round closes at its deadline or once everyone settled (reported or dropped
+        out). An asynchronous one closes when its buffer is full; at its deadline only with
+        --min-devices updates to publish (else it waits on for its devices in flight, who may
+        deliver hours later), and when everyone settled."""
+        counts = self.registry.participant_counts(job.id, rnd.number)
+        if bool(counts) and not any(counts.get(s) for s in _LIVE):
+            return True
+        if mode is None:
+            return self.clock() >= rnd.deadline_at
+        accepted = self.registry.count_updates(job.id, rnd.number, UpdateStatus.PENDING)
+        return accepted >= mode.buffer or (self.clock() >= rnd.deadline_at and accepted >= job.min_devices)
 
     def _needs(self, job: Job, version: str) -> frozenset[str]:
         """What a device must run for this job at its depth (selection.job_needs)."""
@@ -335,6 +346,13 @@ class RoundEngine:
         plateau rule ended it (plateau.py)."""
         if stop and aggregated:
             return JobStatus.DONE, stop
+        if AsyncMode.of(job.params) is not None:  # --rounds counts versions, not buffers
+            versions = sum(r.state is RoundState.AGGREGATED for r in self.registry.list_rounds(job.id, participants=False)
+                           if r.number != number) + int(aggregated)
+            if versions < job.rounds and number < MAX_ROUNDS:
+                return None, ""
+            return (JobStatus.DONE, "") if versions else (
+                JobStatus.FAILED, f"none of the job's {number} buffer(s) produced a model")
         if number < job.rounds:
             return None, ""
         if aggregated or any(r.state is RoundState.AGGREGATED for r in self.registry.list_rounds(job.id, participants=False)):
@@ -372,10 +390,15 @@ class RoundEngine:
         """Live participants whose device has been offline (its broker will, or its goodbye)
         for `policy.offline_grace_s` and not heard since. A will also comes when the broker
         restarts or the link flaps, and the agent then reconnects and finishes its round,
-        so only a device that stays away is a dropout. Read from the registry, so it holds
+        so only a device that stays away is a dropout -- never in an asynchronous job, whose
+        devices sleep through nights and deliver later. Read from the registry, so it holds
         across a restart and whichever worker of a group took the will."""
-        out = []
+        out, modes = [], {}
         for job, number, device in self.registry.offline_participants(before=self.clock() - self.policy.offline_grace_s):
+            if job not in modes:
+                modes[job] = AsyncMode.of(self.registry.get_job(job).params)
+            if modes[job] is not None:  # asynchronous: a device asleep for the night delivers in the morning;
+                continue                # its staleness bound (max_staleness) is what lets go of it
             if self._move(job, number, device, ParticipantStatus.DROPPED,
                           "offline: the broker reported the device gone (its will) and it did not come back "
                           f"within {self.policy.offline_grace_s:g} s while the round waited for its update"):

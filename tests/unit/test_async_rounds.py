@@ -197,3 +197,47 @@ def test_a_schema_6_registry_with_an_open_round_migrates_its_participants(h: Har
     parts = h.reg.get_round(job.id, 1).participants
     assert len(parts) == N_DEV and all(p.origin is None for p in parts.values())
     assert h.send(0, plan) == "accepted"
+
+
+def test_retention_keeps_the_versions_devices_in_flight_still_train(h: Harness, fleet: dict) -> None:
+    from edge_agent.coordinator.retention import current
+
+    h.setup(softmax_head())
+    ids = fleet["ids"]
+    job = start(h, buffer=1, staleness=4)
+    (plan1,) = opened(h)
+    assert h.send(5, plan1) == "accepted"
+    (plan2,) = opened(h)  # version r1; devices 0-4 carried, 5 dispatched again on r1
+    late = h.payload(5, plan2)  # device 5 trains r1 and is slow to deliver
+    assert receive(h, 0, h.payload(0, plan1)).status == "accepted"  # a carried one fills round 2
+    (plan3,) = opened(h)  # version r2; device 5 carried with origin 2
+    assert h.send(0, plan3) == "accepted"
+    opened(h)  # version r3: round 4 is open on it, device 5 still trains r1
+    rnd4 = h.reg.get_round(job.id, 4)
+    assert rnd4.base_version == f"{job.id}-r3" and rnd4.participants[ids[5]].origin == 2
+    kept = {v for name, v in current(h.reg) if name == "digits"}
+    assert f"{job.id}-r1" in kept  # device 5's base: its update decodes against it
+    assert receive(h, 5, late).status == "accepted"
+    assert f"{job.id}-r1" not in {v for _, v in current(h.reg)}  # delivered: nobody trains r1 any more
+
+
+def test_a_device_asleep_offline_stays_in_flight_and_delivers_later(h: Harness, fleet: dict) -> None:
+    h.setup(softmax_head())
+    ids = fleet["ids"]
+    job = start(h, buffer=2, staleness=3)
+    (plan1,) = opened(h)
+    late = h.payload(4, plan1)
+    h.reg.record_state(ids[4], online=False)  # its will: the battery ran down at dusk
+    h.clock.t += 10 * h.policy.offline_grace_s
+    assert h.engine.tick().gone == []  # not a dropout: asynchronous devices come back
+    assert h.send(0, plan1) == "accepted" and h.send(1, plan1) == "accepted"
+    opened(h)
+    assert ids[4] in h.reg.get_round(job.id, 2).carried_in
+    for _ in range(48):  # the night: round 2 passes its deadline with nothing to publish, and waits
+        h.clock.t += 600
+        assert h.engine.tick().closed == []
+    h.reg.record_state(ids[4], online=True)  # the morning
+    assert receive(h, 4, late).status == "accepted"
+    (out,) = h.engine.tick().closed  # past its deadline with an update to publish: it closes
+    assert out.state is RoundState.AGGREGATED and out.accepted == (ids[4],)
+    assert [r.state for r in h.reg.list_rounds(job.id)][:2] == [RoundState.AGGREGATED] * 2
