@@ -1,0 +1,76 @@
+"""The solar fleet simulator (edge_agent/sim/solar_fleet.py, issue 38): its weather is
+pvlib's sun (dark at night) and reproducible; training never takes a battery below its
+floor; synchronous rounds learn."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from edge_agent.sim import solar_fleet as sf
+from edge_agent.sim import solar_weather as sw
+
+
+@functools.cache
+def _fleet() -> sf.SolarFleet:
+    return sf.make_fleet(12, days=2, data="digits", seed=3)
+
+
+def test_irradiance_is_zero_at_night_and_the_seed_reproduces_it() -> None:
+    fleet = _fleet()
+    w = fleet.weather
+    hours = ((w.start + sw.STEP_S * (np.arange(w.steps) + 0.5)) % 86400) / 3600
+    lon = float(fleet.devices.sites.lon[0])
+    solar_hour = (hours + lon / 15) % 24
+    night = (solar_hour < 3) | (solar_hour > 21)  # in April at 35-60 N the sun is down then
+    assert np.all(w.clear_poa[0, night] == 0)
+    assert w.clear_poa[0, ~night].max() > 500  # a clear noon on a 30 deg panel
+    again = sw.make_weather(fleet.devices.sites, w.start, 2, seed=3)
+    assert np.array_equal(again.index, w.index) and np.array_equal(again.clear_poa, w.clear_poa)
+    other = sw.make_weather(fleet.devices.sites, w.start, 2, seed=4)
+    assert not np.array_equal(other.index, w.index)
+    assert w.index.min() >= 0.05 and w.index.max() <= 1.05
+
+
+def test_a_tight_battery_never_goes_below_its_floor_because_of_training() -> None:
+    fleet = _fleet()
+    dev = fleet.devices
+    # small batteries, small panels, long jobs: training must hit the floor and pause there
+    tight = sf.Devices(dev.sites, dev.lat, dev.lon, dev.panel_w / 3, dev.battery_wh / 4, np.full(dev.n, 60.0),
+                       dev.load_w, dev.train_w, dev.job_s * 2.5, dev.budget, dev.limits)
+    run = sf.simulate(sf.SolarFleet(tight, fleet.weather, fleet.data, fleet.seed), mode="sync", min_devices=1,
+                      devices_per_round=6, round_deadline_s=4 * 3600)
+    assert run.updates_sent > 0 and run.floor_pauses > 0
+    assert run.below_floor_training == 0
+    assert run.below_floor_load > 0  # the board's load alone drains these batteries at night
+
+
+@pytest.mark.slow
+def test_sync_rounds_publish_and_learn() -> None:
+    run = sf.simulate(_fleet(), mode="sync", min_devices=2, devices_per_round=4)
+    assert run.published >= 10
+    assert run.final() > run.base_accuracy + 0.3
+    assert run.below_floor_training == 0
+    assert run.time_to(run.final()) is not None
+
+
+@pytest.mark.slow
+def test_async_devices_plan_windows_and_learn() -> None:
+    run = sf.simulate(_fleet(), mode="async", buffer=3, max_staleness=4)
+    assert run.params["mode"] == "async" and run.params["buffer"] == 3
+    assert run.published >= 5
+    assert run.final() > run.base_accuracy + 0.3
+    assert run.forecast_harvest_err and run.forecast_window_err
+    assert run.below_floor_training == 0
+
+
+def test_async_refuses_an_update_more_than_s_versions_stale() -> None:
+    """With S = 0, an update that arrives after its base has been superseded is refused as
+    stale; the fleet still publishes (buffer 3 = min_devices: a smaller buffer closes every
+    round below min_devices, and none publishes)."""
+    run = sf.simulate(_fleet(), mode="async", buffer=3, max_staleness=0, days=1)
+    assert run.published >= 3
+    assert run.rejected.get("stale", 0) > 0
+    assert run.accepted + sum(run.rejected.values()) == run.updates_sent
