@@ -121,6 +121,7 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
         UpdateEncoder,
         compute_delta,
     )
+    from ..updates.clip import clip_for_privacy
 
     bundle = load_bundle(spec["model_dir"])
     _, base = head_from_bundle(bundle)
@@ -133,15 +134,27 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
     budget = spec.get("update_bytes")
     policy = CompressionPolicy(budget_bytes=int(budget)) if budget else CompressionPolicy()
     store = ResidualStore(spec["residual_file"])
+    clip = spec.get("dp_clip")  # a private job: what is sent is clipped to this L2 norm (updates/clip.py)
+    clipped_from = None
+
+    def clipped(residual: Any) -> dict[str, Any]:
+        nonlocal clipped_from
+        if clip is None:
+            return delta
+        out, clipped_from = clip_for_privacy(delta, float(clip), residual if policy.error_feedback else None)
+        return out
+
     try:
         encoder = UpdateEncoder(model_name=spec["model_name"], device_id=spec["device_id"], policy=policy,
                                 store=store, chunk_size=int(spec["chunk_size"]))
-        update = encoder.encode(delta, job_id=spec["job"], round=int(spec["round"]), model_version=spec["version"])
+        update = encoder.encode(clipped(encoder.residual), job_id=spec["job"], round=int(spec["round"]),
+                                model_version=spec["version"])
     except (InputError, TensorTableMismatchError) as exc:  # corrupt residual or another head: start afresh
         log.warning("error-feedback residual %s unusable (%s); starting from zero", store.path, exc)
         encoder = UpdateEncoder(model_name=spec["model_name"], device_id=spec["device_id"], policy=policy,
                                 store=None, chunk_size=int(spec["chunk_size"]))
-        update = encoder.encode(delta, job_id=spec["job"], round=int(spec["round"]), model_version=spec["version"])
+        update = encoder.encode(clipped(None), job_id=spec["job"], round=int(spec["round"]),
+                                model_version=spec["version"])
     chunks = update.chunks()
     write_checked(job_dir / UPDATE_FILE, pack_chunks(chunks))
     pending = job_dir / RESIDUAL_FILE
@@ -151,7 +164,8 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
         pending.unlink(missing_ok=True)
     return {"chunks": len(chunks), "wire_bytes": sum(map(len, chunks)), "dense_bytes": update.dense_bytes,
             "k": update.k, "bits": update.bits, "ratio": round(update.ratio, 2), "sha256": update.digest.hex(),
-            "energy_kept": round(update.energy_kept, 6), "labels_sha256": label_set_digest(bundle.manifest.labels)}
+            "energy_kept": round(update.energy_kept, 6), "labels_sha256": label_set_digest(bundle.manifest.labels),
+            **({} if clipped_from is None else {"dp_clip": float(clip), "norm_before_clip": round(clipped_from, 6)})}
 
 
 def _hold_after_checkpoint(progress: Callable[[Any], None]) -> Callable[[Any], None]:

@@ -17,6 +17,7 @@ updates are still pending in the registry.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -31,9 +32,11 @@ from ..errors import InputError
 from .evidence import TailEvidence, label_counts
 from .heads import HeadCache
 from .partials import PartialStore
+from .privacy import DpParams, NoiseSource, PrivacyLedger, csprng_noise
 from .records import Job, RoundRecord, UpdateRecord, UpdateStatus
 from .strategies import (
     Contribution,
+    GaussianSum,
     Partial,
     RoundEvidence,
     ServerEvidence,
@@ -74,7 +77,8 @@ def strategy_options(policy: Any, params: Mapping[str, Any]) -> StrategyOptions:
 class RoundAggregation:
     def __init__(self, *, registry: Any, heads: HeadCache, policy: Any, evidence: EvidenceSource,
                  clock: Callable[[], float] = time.time, worker: str | None = None,
-                 partials: PartialStore | None = None, save_every_s: float = 1.0) -> None:
+                 partials: PartialStore | None = None, save_every_s: float = 1.0,
+                 noise: NoiseSource | None = None) -> None:
         self.registry, self.heads, self.policy, self.source = registry, heads, policy, evidence
         self.clock, self.worker, self.partials, self.save_every_s = clock, worker, partials, save_every_s
         self._evidence: dict[tuple[str, int], RoundEvidence] = {}
@@ -82,6 +86,8 @@ class RoundAggregation:
         self._partials: dict[tuple[str, int], Partial] = {}
         self._saved_at: dict[tuple[str, int], float] = {}
         self._tails: dict[tuple[str, str, str], TailEvidence | None] = {}
+        self.noise = noise or csprng_noise
+        self.privacy = PrivacyLedger(registry.state_dir)
 
     # ---- evidence
     def tail(self, job: Job, version: str) -> TailEvidence | None:
@@ -158,7 +164,12 @@ class RoundAggregation:
                 log.warning("job %s round %d: the trust rule has no server evidence; median_trust instead",
                             job.id, rnd.number)
                 name = "median_trust"
-            self._strategies[key] = make_strategy(name, strategy_options(self.policy, job.params), evidence)
+            options = strategy_options(self.policy, job.params)
+            dp = DpParams.of(job.params)
+            if dp is not None:  # DP-FedAvg's fixed denominator: the devices the round selected
+                selected = self.privacy.selected(job.id, rnd.number) or len(rnd.participants) or 1
+                options = dataclasses.replace(options, dp=GaussianSum(dp.clip, dp.noise, float(selected), self.noise))
+            self._strategies[key] = make_strategy(name, options, evidence)
         return self._strategies[key]
 
     def contribution(self, job: Job, device: str, sp: Sparse, weight: float, metrics: Mapping[str, Any]

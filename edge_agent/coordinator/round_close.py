@@ -36,6 +36,7 @@ from .aggregation import RoundAggregation
 from .gate import STEP_SCALES, GateVerdict, ValidationGate
 from .heads import HeadCache
 from .plateau import LearnStep, learn, published
+from .privacy import DpParams, PrivacyLedger, version_metrics
 from .records import (
     Job,
     JobStatus,
@@ -138,11 +139,15 @@ class RoundCloser:
             return
         for d, why in c.aggregate.excluded.items():
             c.verdicts[d] = (UpdateStatus.REJECTED, why[:512])
+        dp = DpParams.of(c.job.params)
+        if dp is not None:  # epsilon spent up to this round (privacy.py), for the version's metrics
+            c.metrics |= version_metrics(self.registry, PrivacyLedger(self.registry.state_dir), dp, c.job,
+                                         c.rnd.number, c.rnd.base_version)
         trust = c.aggregate.info.get("trust", {})
         for d, share in c.aggregate.shares.items():
             if d not in c.verdicts:
-                note = "" if share > 0 else f"counted for nothing (trust {trust.get(d, 0):.2f}: its direction " \
-                                            "disagreed with the reference)"
+                note = c.aggregate.notes.get(d, "") if share > 0 else \
+                    f"counted for nothing (trust {trust.get(d, 0):.2f}: its direction disagreed with the reference)"
                 c.verdicts[d] = (UpdateStatus.ACCEPTED, note)
                 c.strikes.setdefault(d, None)
 

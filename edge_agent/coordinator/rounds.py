@@ -50,6 +50,7 @@ from .gate import ValidationGate
 from .heads import HeadCache
 from .partials import PartialStore
 from .plateau import check_learning_params
+from .privacy import DpParams, NoiseSource, PrivacyLedger, budget_refusal, predict, sampling_rate
 from .records import (
     MAX_ROUNDS,
     MAX_SAMPLES,
@@ -88,11 +89,13 @@ class RoundEngine:
     `aggregation` (each open round's rule, evidence and streaming partial), `closer` (the
     close's steps), `strikes`, and the head cache they share. `evidence`: where the
     coordinator's server sets come from (server_set.py; None: no server sets). `worker`:
-    this process's id in a serve workers group, whose partials go to the shared state dir."""
+    this process's id in a serve workers group, whose partials go to the shared state dir.
+    `noise`: where private jobs' Gaussian noise comes from (privacy.csprng_noise; tests seed it)."""
 
     def __init__(self, *, registry: Registry, policy: RoundPolicy | None = None,
                  clock: Callable[[], float] = time.time, metrics: CoordinatorMetrics | None = None,
-                 evidence: EvidenceSource | None = None, worker: str | None = None) -> None:
+                 evidence: EvidenceSource | None = None, worker: str | None = None,
+                 noise: NoiseSource | None = None) -> None:
         if not isinstance(registry, Registry):
             raise TypeError("registry must be a Registry")
         if not callable(clock):
@@ -105,7 +108,9 @@ class RoundEngine:
         self.strikes = Strikes(registry=registry, quarantine_after=self.policy.quarantine_after, clock=clock)
         self.aggregation = RoundAggregation(registry=registry, heads=self.heads, policy=self.policy,
                                             evidence=self.evidence, clock=clock, worker=worker,
-                                            partials=PartialStore(registry.state_dir) if worker else None)
+                                            partials=PartialStore(registry.state_dir) if worker else None,
+                                            noise=noise)
+        self.privacy = PrivacyLedger(registry.state_dir)
         self.intake = UpdateIntake(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
                                    aggregation=self.aggregation, strikes=self.strikes, metrics=metrics)
         self.closer = RoundCloser(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
@@ -137,6 +142,7 @@ class RoundEngine:
             raise InputError(f"buffer {mode.buffer} < min_devices {min_devices}: every full buffer would close "
                              "with too few updates to publish (a buffer must hold at least --min-devices)")
         check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
+        self._check_privacy(p, selector, mode)
         if not p.get("aggregator"):
             if self.policy.aggregator:
                 p["aggregator"], p["aggregator_default"] = self.policy.aggregator, "the coordinator's --aggregator"
@@ -147,6 +153,28 @@ class RoundEngine:
         return self.registry.create_job(job_id=job_id or f"job-{secrets.token_hex(6)}", model_name=model_name,
                                         model_version=model_version, selector=selector, rounds=rounds,
                                         min_devices=min_devices, deadline_s=deadline_s, params=p, now=self.clock())
+
+    def _check_privacy(self, p: dict[str, Any], selector: str, mode: AsyncMode | None) -> None:
+        """A private job aggregates with dp_fedavg (set here when it names no rule), is not
+        asynchronous, and its first round alone fits its epsilon budget (privacy.py)."""
+        dp = DpParams.of(p)
+        if dp is None:
+            if p.get("aggregator") == "dp_fedavg" or (not p.get("aggregator") and self.policy.aggregator == "dp_fedavg"):
+                raise InputError("the dp_fedavg aggregator needs a private job: give --dp-clip and --dp-noise")
+            return
+        if p.get("aggregator") not in (None, "", "dp_fedavg"):
+            raise InputError(f"a private job aggregates with dp_fedavg (its sensitivity bound is the clip), "
+                             f"not {p['aggregator']!r}: leave --aggregator out")
+        if mode is not None:
+            raise InputError("a private job cannot be asynchronous yet (its rounds' sampling would be unaccounted)")
+        p["aggregator"] = "dp_fedavg"
+        fleet = self._fleet_size(selector)
+        per_round = p.get("devices_per_round") or fleet
+        q = sampling_rate(int(per_round), fleet)
+        if dp.epsilon is not None and predict(dp, q, 1) > dp.epsilon:
+            raise InputError(f"dp_epsilon {dp.epsilon:g} is spent by the first round alone: one round at q {q:.3g} "
+                             f"with dp_noise {dp.noise:g} costs epsilon {predict(dp, q, 1):.3g} (delta {dp.delta:g}); "
+                             "raise --dp-noise, lower --devices-per-round or raise the budget")
 
     def _fleet_size(self, selector: str) -> int:
         """Approved, unquarantined devices the selector matches (online or not)."""
@@ -325,6 +353,8 @@ class RoundEngine:
         chosen = sample_devices(sel.eligible, job.params.get("devices_per_round"), seed=f"{job.id}/{number}")
         # an asynchronous round opens with whoever can contribute (its buffer decides when it closes)
         if len(chosen) >= job.min_devices or (mode is not None and chosen + list(carried)):
+            if not self._charge_privacy(job, number, len(chosen), len(sel.eligible), now):
+                return None
             rnd = self.registry.open_round(job_id=job.id, number=number, base_version=base, devices=chosen,
                                            deadline_at=now + job.deadline_s, now=now, carried=carried)
             return self._plan(job, rnd, tuple(chosen))
@@ -347,6 +377,21 @@ class RoundEngine:
         result.closed.append(RoundOutcome(job.id, number, RoundState.FAILED, rec.reason, None, (), {}, {},
                                           status or JobStatus.RUNNING))
         return None
+
+    def _charge_privacy(self, job: Job, number: int, selected: int, eligible: int, now: float) -> bool:
+        """A private job's round is charged to its ledger before it opens; False (and the job
+        DONE, saying so) when it would overspend the job's epsilon budget."""
+        dp = DpParams.of(job.params)
+        if dp is None:
+            return True
+        q = sampling_rate(selected, eligible)
+        why = budget_refusal(dp, self.privacy.rates(job.id, upto=number - 1), q)
+        if why:
+            self.registry.set_job_status(job.id, JobStatus.DONE, why[:1024], now=now)
+            log.info("job %s: %s", job.id, why)
+            return False
+        self.privacy.charge(job.id, number, selected=selected, eligible=eligible)
+        return True
 
     def _job_end(self, job: Job, number: int, *, aggregated: bool, stop: str = "") -> tuple[JobStatus | None, str]:
         """The job's status once round `number` ends (None: more rounds to go); `stop`: the

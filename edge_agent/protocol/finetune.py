@@ -31,6 +31,7 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
     "seed": (int, 0, 2**31 - 1),
     "update_bytes": (int, 256, MAX_UPDATE_BYTES),
     "augment": (int, 0, 8),
+    "dp_clip": (float, 1e-9, 1e6),  # a private job: the L2 norm the sent update is clipped to (updates/clip.py)
 }
 # Training choices a command may set: name -> the values accepted (depth: also 0..8).
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),

@@ -19,6 +19,7 @@ from edge_agent.coordinator.strategies import (
     STRATEGIES,
     Contribution,
     DenseUpdate,
+    GaussianSum,
     NothingToAggregate,
     RoundEvidence,
     ServerEvidence,
@@ -89,6 +90,12 @@ def _stream(rule, updates, layout, order, split, *, via_bytes=False):
 def test_the_streaming_form_equals_the_reference(name, fleet, data):
     layout, updates, evidence, seed = fleet
     options = StrategyOptions(trim_fraction=data.draw(st.sampled_from([0.0, 0.2, 0.4])))
+    if name == "dp_fedavg":  # the same seeded noise both ways: they must agree exactly, noise included
+        noise_seed = data.draw(st.integers(0, 2**32 - 1))
+        options = dataclasses.replace(options, dp=GaussianSum(
+            clip=data.draw(st.sampled_from([1e-3, 1.0, 10.0])), noise=data.draw(st.sampled_from([0.5, 1.0])),
+            denominator=float(len(updates) + data.draw(st.integers(0, 3))),
+            rng=lambda: np.random.default_rng(noise_seed)))
     order = data.draw(st.permutations(range(len(updates))))
     split, via_bytes = data.draw(st.booleans()), data.draw(st.booleans())
     try:
@@ -104,6 +111,7 @@ def test_the_streaming_form_equals_the_reference(name, fleet, data):
     for d in want.shares:
         assert got.shares[d] == pytest.approx(want.shares[d], rel=1e-9, abs=1e-12)
     assert got.excluded == want.excluded
+    assert got.notes == want.notes
 
 
 # ---------------------------------------------------------------- each rule's own decision

@@ -12,6 +12,8 @@ measurements behind it, from bench/bench_poisoning.py):
                |                   |              | update counts; nothing is ejected for disagreeing
     no         | > 100             | trimmed_mean | the median's every-update reads at close cost too much;
                |                   |              | a 20 % trim holds against a minority at that size
+
+A private job (--dp-clip/--dp-noise, coordinator/privacy.py) always aggregates with dp_fedavg.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from .base import (
     StrategyOptions,
 )
 from .coordinatewise import Median, TrimmedMean
+from .dp import DpFedAvg, GaussianSum
 from .fedavg import ClippedFedAvg, FedAvg
 from .krum import MultiKrum, krum_select
 from .trust import MedianTrust, TrustScored
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (TrustScored, MedianTrust, FedAvg, ClippedFedAvg, Median, TrimmedMean, MultiKrum)}
+    cls.name: cls for cls in (TrustScored, MedianTrust, FedAvg, ClippedFedAvg, Median, TrimmedMean, MultiKrum,
+                              DpFedAvg)}
 AGGREGATORS = tuple(STRATEGIES)
 LARGE_ROUND = 100  # above this many devices per round, no server set: trimmed_mean
 
@@ -55,6 +59,6 @@ def make_strategy(name: str, options: StrategyOptions, evidence: RoundEvidence) 
     return cls(options, evidence)
 
 
-__all__ = ["AGGREGATORS", "Aggregate", "Contribution", "DenseUpdate", "LARGE_ROUND", "NothingToAggregate",
+__all__ = ["AGGREGATORS", "Aggregate", "Contribution", "DenseUpdate", "GaussianSum", "LARGE_ROUND", "NothingToAggregate",
            "Partial", "RoundEvidence", "STRATEGIES", "ServerEvidence", "Strategy", "StrategyOptions",
            "default_strategy", "krum_select", "make_strategy"]

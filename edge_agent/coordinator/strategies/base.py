@@ -89,6 +89,7 @@ class StrategyOptions:
     krum_fraction: float = 0.2
     trust_kappa: float = 0.1  # cosine at which an update earns full trust (trust, median_trust)
     band: tuple[float, float] = (0.5, 2.0)  # norms moved into [lo, hi] x the reference norm
+    dp: Any = None  # dp_fedavg: the round's clip and noise (dp.GaussianSum); None for a job that is not private
 
 
 @dataclass
@@ -214,12 +215,13 @@ def per_tensor_divide(vec: np.ndarray, denom: np.ndarray, layout: Layout) -> np.
 class Aggregate:
     """A rule's result: the aggregate delta (flat float64), each update's share of it (its
     mean weight / the total: 0 for an update that counted for nothing), the updates it left
-    out with why (they are rejected), and what to record."""
+    out with why (they are rejected), what to record, and notes for accepted updates' verdicts."""
 
     vec: np.ndarray
     shares: dict[str, float]
     excluded: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # device -> a note on its accepted update's verdict
 
 
 @dataclass(frozen=True)
