@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +467,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             params[name] = value
     params.update(_learning_params(args))
     params.update(_async_params(args))
+    params.update(_privacy_params(args))
     check_job_params({**params, "budget_wh": args.budget_wh})
     with _registry(args) as reg:
         mv = _model(reg, args.model)
@@ -497,6 +499,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               + (f", {args.budget_wh:g} Wh per device" if args.budget_wh else "") + ")")
         why = job.params.get("aggregator_default")
         print(f"aggregator: {job.params['aggregator']}" + (f" (the default: {why})" if why else " (as asked)"))
+        if "dp_clip" in job.params:
+            print(_privacy_forecast(job.params, args.rounds, len(sel.eligible) + len(sel.ineligible)))
         if job.params.get("mode") == "async":
             print(f"asynchronous: a version every {job.params['buffer']} accepted update(s), updates at most "
                   f"{job.params['max_staleness']} version(s) stale; --rounds {args.rounds} counts versions")
@@ -507,6 +511,39 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"follow it: edge-coordinator status {job.id}")
             return EXIT_OK
         return _follow(reg, job.id, interval=args.poll)
+
+
+def _privacy_params(args: argparse.Namespace) -> dict[str, Any]:
+    """--dp-clip, --dp-noise, --dp-epsilon, --dp-delta as job params (privacy.py)."""
+    from .privacy import DpParams
+
+    out = {name: getattr(args, name) for name in ("dp_clip", "dp_noise", "dp_epsilon", "dp_delta")
+           if getattr(args, name, None) is not None}
+    try:
+        DpParams.of(out)
+    except InputError as exc:
+        raise UsageError(str(exc).replace("dp_clip and dp_noise (--dp-clip, --dp-noise)", "--dp-clip and --dp-noise")
+                         ) from None
+    return out
+
+
+def _privacy_forecast(params: Mapping[str, Any], rounds: int, fleet: int) -> str:
+    """What `train` says of a private job before it runs: epsilon after its rounds at the
+    sampling rate it will likely have (devices per round / the devices its selector matches)."""
+    from .privacy import DpParams, predict, rounds_within, sampling_rate
+
+    dp = DpParams.of(params)
+    assert dp is not None
+    q = sampling_rate(int(params.get("devices_per_round") or fleet), fleet)
+    line = (f"private (DP-FedAvg): clip {dp.clip:g}, noise x{dp.noise:g}; at q = {q:.3g} (devices per round / "
+            f"{fleet} matching) epsilon after {rounds} round(s) is {predict(dp, q, rounds):.3g} at delta {dp.delta:g}")
+    if dp.epsilon is not None:
+        fits = rounds_within(dp, q, rounds)
+        line += (f"; budget {dp.epsilon:g}: " + ("every round fits" if fits >= rounds else
+                 f"the job stops after about {fits} round(s)"))
+    if q >= 1:
+        line += " (every device in every round: no amplification by sampling; --devices-per-round helps)"
+    return line
 
 
 def _async_params(args: argparse.Namespace) -> dict[str, Any]:

@@ -359,6 +359,15 @@ def add_fleet_commands(sub: Any) -> None:
                    help="an improvement is a gain of more than this many accuracy points (default 0.2)")
     t.add_argument("--on-plateau", choices=("stop", "decay"), default=None,
                    help="at a plateau: stop and restore the best version (default), or halve the server lr")
+    t.add_argument("--dp-clip", type=_number(float, 1e-9, 1e6), default=None, metavar="C",
+                   help="a private job (user-level DP, DP-FedAvg): every update's L2 norm is clipped to C, on the "
+                        "device and at the coordinator; needs --dp-noise. Aggregates with dp_fedavg")
+    t.add_argument("--dp-noise", type=_number(float, 1e-6, 1e3), default=None, metavar="SIGMA",
+                   help="the noise multiplier: Gaussian noise of std SIGMA x C on each round's clipped sum")
+    t.add_argument("--dp-epsilon", type=_number(float, 1e-6, 1e4), default=None, metavar="EPS",
+                   help="the job's privacy budget: it stops (done) before a round would spend more than EPS")
+    t.add_argument("--dp-delta", type=_number(float, 1e-12, 0.1), default=None, metavar="D",
+                   help="delta of the (epsilon, delta) guarantee (default 1e-5; keep it below 1 / devices)")
     t.add_argument("--param", type=_param, action="append", metavar="KEY=VALUE",
                    help="any other job parameter passed to the devices (repeatable)")
     t.add_argument("--wait-for-devices", action="store_true",

@@ -170,7 +170,7 @@ def job_json(reg: Registry, job_id: str) -> dict[str, Any]:
             "status": j.status.value, "reason": j.reason, "rounds": j.rounds, "min_devices": j.min_devices,
             "deadline_s": j.deadline_s, "params": j.params, "created_at": j.created_at,
             "round_results": [round_summary(reg, r) for r in reg.list_rounds(job_id)],
-            "learning": _learning_json(reg, job_id)}
+            "learning": _learning_json(reg, job_id), "privacy": privacy_summary(reg, j)}
 
 
 def _learning_json(reg: Registry, job_id: str) -> dict[str, Any] | None:
@@ -191,6 +191,7 @@ def job_detail(reg: Registry, job_id: str) -> str:
         lines.append(f"  asynchronous: a version every {j.params.get('buffer')} accepted update(s), updates at most "
                      f"{j.params.get('max_staleness')} version(s) stale (weighed 1/sqrt(1+s)); rounds count versions")
     lines += _learning_lines(reg, j)
+    lines += _privacy_lines(reg, j)
     for rnd in reg.list_rounds(job_id):
         s = round_summary(reg, rnd)
         took = f"{rnd.ended_at - rnd.started_at:.0f} s" if rnd.ended_at else "running"
@@ -218,10 +219,41 @@ def job_detail(reg: Registry, job_id: str) -> str:
 
 def _version_accuracy(reg: Registry, job: Job, version: str) -> str:
     m = reg.get_model(job.model_name, version).metrics
+    eps = f" (epsilon {m['dp_epsilon']:.3g})" if isinstance(m.get("dp_epsilon"), int | float) else ""
     if m.get("accuracy_source") == "server set" and isinstance(m.get("accuracy"), int | float):
         scaled = f", step x{m['step_scale']:g}" if m.get("step_scale", 1.0) != 1.0 else ""
-        return f" ({100 * m['accuracy']:.2f} % on the server set, {m.get('accuracy_samples')} samples{scaled})"
-    return ""
+        return f" ({100 * m['accuracy']:.2f} % on the server set, {m.get('accuracy_samples')} samples{scaled}){eps}"
+    return eps
+
+
+def privacy_summary(reg: Registry, job: Job) -> dict[str, Any] | None:
+    """A private job's epsilon so far (every round it opened), its budget, and the newest
+    version's lineage epsilon (privacy.py); None for a job that is not private."""
+    from .privacy import DpParams, PrivacyLedger, job_summary
+
+    try:
+        dp = DpParams.of(job.params)
+        if dp is None:
+            return None
+        rounds = reg.list_rounds(job.id, participants=False)
+        out = job_summary(PrivacyLedger(reg.state_dir), dp, job.id, len(rounds))
+    except InputError:  # a ledger that no longer reads, or no dp-accounting here
+        return None
+    newest = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), None)
+    out["lineage_epsilon"] = reg.get_model(job.model_name, newest).metrics.get("dp_lineage_epsilon") if newest else None
+    return out
+
+
+def _privacy_lines(reg: Registry, job: Job) -> list[str]:
+    p = privacy_summary(reg, job)
+    if p is None:
+        return []
+    budget = f" of its budget {p['budget']:g}" if p["budget"] is not None else ""
+    lineage = p["lineage_epsilon"]
+    return [f"  private (DP-FedAvg, clip {p['clip']:g}, noise x{p['noise']:g}): epsilon {p['epsilon']:.3g}{budget} "
+            f"at delta {p['delta']:g} over {p['rounds']} round(s); the newest version's lineage: "
+            + (f"epsilon {lineage:.3g}" if isinstance(lineage, int | float) else
+               "not private (a job without DP trained it)" if p["rounds"] and lineage is None else "no version yet")]
 
 
 def _learning_lines(reg: Registry, job: Job) -> list[str]:

@@ -125,10 +125,11 @@ def rounds(reg: Registry) -> dict[str, Any]:
             after = _mean(m.get("accuracy_after") for m in metrics.values())
             new = _model(reg, job.model_name, s["new_version"])
             glob = _num(new.metrics.get("global_acc")) if new else None
-            row = {**s, "acc_before": before, "acc_after": after, "global_acc": glob,
+            eps = _num(new.metrics.get("dp_epsilon")) if new else None  # a private job's epsilon at this version
+            row = {**s, "acc_before": before, "acc_after": after, "global_acc": glob, "dp_epsilon": eps,
                    "screened": s["rejected"], "open": rnd.state in (RoundState.OPEN, RoundState.CLOSING)}
             out.append(row)
-        jobs.append({"job": job, "rounds": out})
+        jobs.append({"job": job, "rounds": out, "privacy": fleet_views.privacy_summary(reg, job)})
     for entry in reversed(jobs):  # the charts run oldest to newest
         for r in entry["rounds"]:
             series["label"].append(f"r{r['round']}" if len(jobs) == 1 else f"{entry['job'].id[:10]} r{r['round']}")

@@ -31,14 +31,16 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
     "seed": (int, 0, 2**31 - 1),
     "update_bytes": (int, 256, MAX_UPDATE_BYTES),
     "augment": (int, 0, 8),
-    "dp_clip": (float, 1e-9, 1e6),  # a private job: the L2 norm the sent update is clipped to (updates/clip.py)
 }
+# A private job's (coordinator/privacy.py): the L2 norm the device clips what it sends to
+# (updates/clip.py). Set with --dp-clip, with --dp-noise: not a training setting of its own.
+PRIVACY_PARAMS: dict[str, tuple[type, float, float]] = {"dp_clip": (float, 1e-9, 1e6)}
 # Training choices a command may set: name -> the values accepted (depth: also 0..8).
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),
                                               "tail": ("full", "bias"), "trainer": ("auto", "numpy", "mxnet")}
 # Every training key a request carries to the training child (agent/lifecycle.py's spec):
 # one list, so a parameter accepted here cannot be dropped on the way (trainer once was).
-TRAIN_KEYS = (*TRAIN_PARAMS, *TRAIN_CHOICES)
+TRAIN_KEYS = (*TRAIN_PARAMS, *TRAIN_CHOICES, *PRIVACY_PARAMS)
 
 
 
@@ -99,7 +101,7 @@ def parse_finetune(body: dict[str, Any], *, deadline_s: float | None = None, now
         raise BadParams("version 'current' is reserved: name the version to train from")
     params = dict(body.get("params") or {})
     train = {}
-    for name, (kind, lo, hi) in TRAIN_PARAMS.items():
+    for name, (kind, lo, hi) in (TRAIN_PARAMS | PRIVACY_PARAMS).items():
         value = _number(params, name, kind, lo, hi)
         if value is not None:
             train[name] = value

@@ -264,3 +264,74 @@ def test_start_job_refuses_what_a_private_job_cannot_be(h):
         start(mode="async", buffer=2, max_staleness=2)
     with pytest.raises(InputError, match="needs both"):
         start(dp_noise=None)
+
+
+def test_status_and_the_dashboard_show_epsilon_per_version_and_for_the_job(h):
+    from edge_agent.coordinator import fleet_views
+    from edge_agent.dashboard import views
+
+    h.setup(softmax_head())
+    job = h.engine.start_job(model_name="digits", model_version="1", rounds=2, min_devices=1,
+                             params={**DP, "dp_epsilon": 50.0})
+    (plan,) = h.engine.tick().opened
+    out, opened = _round(h, plan)
+    _round(h, opened[0])
+    q = 3 / N_DEV
+    one, two = epsilon([(1.0, [q])], 1e-5), epsilon([(1.0, [q, q])], 1e-5)
+    text = fleet_views.job_detail(h.reg, job.id)
+    assert f"epsilon {two:.3g} of its budget 50 at delta 1e-05 over 2 round(s)" in text
+    assert f"-> {job.id}-r1 (epsilon {one:.3g})" in text and f"-> {job.id}-r2 (epsilon {two:.3g})" in text
+    assert f"lineage: epsilon {two:.3g}" in text
+    assert fleet_views.job_json(h.reg, job.id)["privacy"]["epsilon"] == pytest.approx(two)
+    (entry,) = views.rounds(h.reg)["jobs"]
+    assert [r["dp_epsilon"] for r in entry["rounds"]] == pytest.approx([one, two], rel=1e-5)
+    assert entry["privacy"]["budget"] == 50.0
+
+
+# ---------------------------------------------------------------- the CLI
+def test_train_queues_a_private_job_and_predicts_its_epsilon(capsys, tmp_path):
+    from edge_agent.coordinator.cli import main
+    from edge_agent.coordinator.registry import Registry
+    from edge_agent.errors import EXIT_USAGE
+    from edge_agent.config import public_key_text
+    from edge_agent.keys import fingerprint, generate_private_key
+
+    state = tmp_path / "coord"
+    with Registry(state_dir=state) as reg:
+        reg.add_model_version(name="digits", version="1", head={"w": np.zeros((2, 3), np.float32)})
+        for _ in range(10):
+            key = generate_private_key()
+            reg.enrol_device(device_id=fingerprint(key), public_key=public_key_text(key), fleet="farm", approved=True)
+            reg.record_state(fingerprint(key), online=True, state={"battery_pct": 90, "status": "idle"})
+    sd = ("--state-dir", str(state))
+
+    def run(*argv):
+        code = main(["train", "--model", "digits", "--detach", *argv, *sd])
+        got = capsys.readouterr()
+        return code, got.out, got.err
+
+    rc, out, err = run("--rounds", "20", "--devices-per-round", "2", "--dp-clip", "0.5", "--dp-noise", "1.1",
+                       "--dp-epsilon", "4")
+    assert rc == 0, err
+    dp = DpParams(0.5, 1.1, 1e-5, 4.0)
+    assert f"epsilon after 20 round(s) is {predict(dp, 0.2, 20):.3g} at delta 1e-05" in out
+    assert f"stops after about {rounds_within(dp, 0.2, 20)} round(s)" in out and "aggregator: dp_fedavg" in out
+    with Registry(state_dir=state) as reg:
+        (job,) = reg.list_jobs()
+    assert job.params | {} == {"devices_per_round": 2, "dp_clip": 0.5, "dp_noise": 1.1, "dp_epsilon": 4.0,
+                               "aggregator": "dp_fedavg"}
+    rc, out, _ = run("--dp-clip", "1", "--dp-noise", "2")
+    assert rc == 0 and "no amplification by sampling" in out
+    rc, _, err = run("--dp-clip", "1")
+    assert rc == EXIT_USAGE and "--dp-clip and --dp-noise" in err
+    rc, _, err = run("--dp-clip", "1", "--dp-noise", "0.5", "--dp-epsilon", "0.1")
+    assert rc == 65 and "spent by the first round alone" in err
+    rc, _, err = run("--dp-clip", "1", "--dp-noise", "1", "--aggregator", "trimmed_mean")
+    assert rc == 65 and "aggregates with dp_fedavg" in err
+    with pytest.raises(SystemExit) as exit_:
+        run("--dp-clip", "-1", "--dp-noise", "1")
+    assert exit_.value.code == EXIT_USAGE and "--dp-clip: must be within" in capsys.readouterr().err
+    with Registry(state_dir=state) as reg:
+        assert len(reg.list_jobs()) == 2
+    assert main(["status", job.id, *sd]) == 0
+    assert "private (DP-FedAvg, clip 0.5, noise x1.1): epsilon 0 of its budget 4" in capsys.readouterr().out
