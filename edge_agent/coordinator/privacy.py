@@ -107,7 +107,7 @@ def _accounting() -> Any:
         from dp_accounting import rdp  # noqa: F401 - the submodule the accountant is in
     except ImportError:
         raise InputError("a private job needs Google's dp-accounting on the coordinator: "
-                         "pip install 'mxedge-agent[privacy]'") from None
+                         "install this checkout with its [privacy] extra (pip install '/path/to/checkout[privacy]')") from None
     return dp_accounting
 
 
