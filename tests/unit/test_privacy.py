@@ -290,10 +290,10 @@ def test_status_and_the_dashboard_show_epsilon_per_version_and_for_the_job(h):
 
 # ---------------------------------------------------------------- the CLI
 def test_train_queues_a_private_job_and_predicts_its_epsilon(capsys, tmp_path):
+    from edge_agent.config import public_key_text
     from edge_agent.coordinator.cli import main
     from edge_agent.coordinator.registry import Registry
     from edge_agent.errors import EXIT_USAGE
-    from edge_agent.config import public_key_text
     from edge_agent.keys import fingerprint, generate_private_key
 
     state = tmp_path / "coord"
