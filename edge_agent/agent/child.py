@@ -70,8 +70,9 @@ from .runner import (
 log = logging.getLogger("edge_agent.agent.child")
 FINISHED = ("done", "early-stopped", "budget-exhausted", "deadline")  # these produce an update
 _PR_SET_PDEATHSIG = 1
-# run_finetune's share of the command's training keys (update_bytes is the encoder's)
-FINETUNE_KEYS = tuple(k for k in TRAIN_KEYS if k != "update_bytes")
+# run_finetune's share of the command's training keys (update_bytes and a private job's
+# dp_clip are the encoder's: _encode)
+FINETUNE_KEYS = tuple(k for k in TRAIN_KEYS if k not in ("update_bytes", "dp_clip"))
 
 
 class Events:
