@@ -15,8 +15,9 @@ some tensors counts as zero on the others (the denominator is the same for every
 The clip and the noise are one reusable object, `GaussianSum`: any rule whose aggregate is a
 clipped sum can take it. It also says how the same noise is spread across devices
 (`device_std`): with n devices each adding N(0, (sigma C)^2 / n), the sum carries exactly
-N(0, (sigma C)^2) -- the distributed form that can sit under secure aggregation, where no
-party sees an un-noised sum (not built yet: today the coordinator adds the noise, central DP).
+N(0, (sigma C)^2) -- the distributed form that sits under secure aggregation, where no party
+sees an un-noised sum (coordinator/secagg.py: `release_noised` takes such a sum; the engine's
+dp_fedavg rule still adds the noise itself, central DP).
 
 Clipping is enforced here whatever the device did: an update longer than C is scaled to C,
 and one longer than C x (1 + tolerance) -- more than the codec's quantisation can explain --
@@ -76,6 +77,11 @@ class GaussianSum:
     def release(self, clipped_sum: np.ndarray) -> np.ndarray:
         """The noised mean: (sum + N(0, (sigma C)^2)) / D."""
         return (clipped_sum + self.draw(clipped_sum.size)) / self.denominator
+
+    def release_noised(self, noised_sum: np.ndarray) -> np.ndarray:
+        """The mean of a sum that already carries the noise (each device added N(0, device_std^2)
+        under secure aggregation): no noise added here, the same fixed denominator."""
+        return np.asarray(noised_sum, np.float64) / self.denominator
 
 
 class DpFedAvg(Strategy):
