@@ -59,21 +59,22 @@ def secure_round(vectors: Mapping[str, np.ndarray] | None = None, *, n: int = 0,
                  drop_before_input: Collection[int] = (), drop_before_unmask: Collection[int] = (),
                  state_dir: str | Path | None = None, restart: bool = False, seed: int = 0,
                  registry: Any = None, base: tuple[Any, Mapping[str, np.ndarray]] | None = None,
-                 tamper: Any = None) -> SecureRun:
+                 tamper: Any = None, keys: list[Any] | None = None, graph_seed: str | None = None) -> SecureRun:
     """One round. `vectors`: device index -> its float update; otherwise `n` random ones of
     `length`. Drops are device indices (0..n-1). `tamper(phase, sender, msg) -> msg` may alter a
-    message on its way to the coordinator (tests)."""
+    message on its way (tests); `keys` (device Ed25519 keys, by index) and `graph_seed` fix
+    the graph in advance."""
     rng = np.random.default_rng([seed, 0x5EC])
     if vectors is None:
         vectors = {i: rng.normal(0.0, 0.5 / math.sqrt(length), length) for i in range(n)}
     n = len(vectors)
     length = len(next(iter(vectors.values())))
-    keys = [generate_private_key() for _ in range(n)]
+    keys = keys if keys is not None else [generate_private_key() for _ in range(n)]
     ids = [fingerprint(k) for k in keys]
     k = degree if degree is not None else default_degree(n)
     config = RoundConfig(round_id=f"sim-{seed}/1", devices=tuple(sorted(ids)), degree=k,
                          threshold=threshold if threshold is not None else min(k, n - 1) // 2 + 1,
-                         graph_seed=os.urandom(16).hex(), length=length, clip=clip,
+                         graph_seed=graph_seed or os.urandom(16).hex(), length=length, clip=clip,
                          noise_std=dp.device_std(n) if dp is not None else 0.0)
     q = config.quantiser
     run = SecureRun(config, [], {})
