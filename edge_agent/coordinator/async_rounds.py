@@ -20,7 +20,9 @@ version per closed round -- and changes three things:
   again on the current version.
 
 The device's command carries a deadline of S + 1 rounds' deadlines: the longest its update
-can stay useful if every round ran to its deadline.
+can stay useful if every round ran to its deadline. A round whose devices have all passed
+that deadline closes (it would otherwise wait for good on devices that died silently), and
+a device past it is not carried on.
 """
 
 from __future__ import annotations
@@ -79,18 +81,22 @@ def published_since(rounds: Sequence[RoundRecord], origin: int, current: int) ->
     return sum(1 for r in rounds if origin <= r.number < current and r.state is RoundState.AGGREGATED)
 
 
-def carry_over(prev: RoundRecord, rounds: Sequence[RoundRecord], number: int,
-               mode: AsyncMode) -> tuple[dict[str, int], dict[str, int]]:
+def carry_over(prev: RoundRecord, rounds: Sequence[RoundRecord], number: int, mode: AsyncMode, *,
+               now: float, deadline_s: float) -> tuple[dict[str, int], dict[str, str]]:
     """Who of the closed round `prev` is still training, for round `number`: ({device:
-    origin} to carry, {device: staleness} released as too stale to be worth waiting for)."""
+    origin} to carry, {device: why} released -- too stale to be worth waiting for, or past
+    the deadline its command carried, by which the device itself gives up)."""
+    started = {r.number: r.started_at for r in rounds}
     carried: dict[str, int] = {}
-    released: dict[str, int] = {}
+    released: dict[str, str] = {}
     for device in prev.in_flight:
         part = prev.participants[device]
         origin = part.origin or prev.number
         s = published_since(rounds, origin, number)
         if s > mode.max_staleness:
-            released[part.device_id] = s
+            released[part.device_id] = f"{s} versions stale"
+        elif now >= mode.device_deadline(started.get(origin, prev.started_at), deadline_s):
+            released[part.device_id] = "past its command's deadline"
         else:
             carried[part.device_id] = origin
     return carried, released

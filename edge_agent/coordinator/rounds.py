@@ -282,14 +282,18 @@ class RoundEngine:
         """An open round closes at its deadline or once everyone settled (reported or dropped
         out). An asynchronous one closes when its buffer is full; at its deadline only with
         --min-devices updates to publish (else it waits on for its devices in flight, who may
-        deliver hours later), and when everyone settled."""
+        deliver hours later); when everyone settled; and, at the latest, once the deadline its
+        own commands carried has passed (carried devices' commands are older still)."""
         counts = self.registry.participant_counts(job.id, rnd.number)
         if bool(counts) and not any(counts.get(s) for s in _LIVE):
             return True
         if mode is None:
             return self.clock() >= rnd.deadline_at
         accepted = self.registry.count_updates(job.id, rnd.number, UpdateStatus.PENDING)
-        return accepted >= mode.buffer or (self.clock() >= rnd.deadline_at and accepted >= job.min_devices)
+        if accepted >= mode.buffer or (self.clock() >= rnd.deadline_at and accepted >= job.min_devices):
+            return True
+        # every command this round waits on is past its deadline: its devices have given up
+        return self.clock() >= mode.device_deadline(rnd.started_at, job.deadline_s)
 
     def _needs(self, job: Job, version: str) -> frozenset[str]:
         """What a device must run for this job at its depth (selection.job_needs)."""
@@ -335,10 +339,11 @@ class RoundEngine:
         mode = AsyncMode.of(job.params)
         carried: dict[str, int] = {}
         if mode is not None and rounds:  # who still trains an earlier version keeps training it
-            carried, released = carry_over(self.registry.get_round(job.id, rounds[-1].number), rounds, number, mode)
+            carried, released = carry_over(self.registry.get_round(job.id, rounds[-1].number), rounds, number, mode,
+                                           now=now, deadline_s=job.deadline_s)
             if released:
-                log.info("job %s round %d: %d device(s) released, their versions too stale: %s", job.id, number,
-                         len(released), ", ".join(f"{d} ({s})" for d, s in list(released.items())[:10]))
+                log.info("job %s round %d: %d device(s) in flight released: %s", job.id, number,
+                         len(released), ", ".join(f"{d} ({why})" for d, why in list(released.items())[:10]))
             busy |= frozenset(carried)
         devices = self.registry.list_devices()
         quarantined = [d.id for d in devices if d.quarantined]

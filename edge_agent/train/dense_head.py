@@ -28,6 +28,7 @@ spend more CPU-seconds, not fewer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -200,6 +201,7 @@ class DenseHeadTrainer(NumpyOptimiserState, TrainerCommon):
 BLAS_THREADS = 1
 
 
+@functools.lru_cache(maxsize=4)  # once per process and count: reading /proc/self/maps costs ~3 ms a trainer
 def blas_threads(n: int) -> bool:
     """Set the thread count of the OpenBLAS numpy uses (its wheels bundle one); False if
     none is found. Results do not depend on it: OpenBLAS splits a product by rows and

@@ -27,9 +27,11 @@ from tests.unit.test_coordinator_rounds import (  # noqa: F401
 ASYNC = {"mode": "async", "aggregator": "fedavg"}
 
 
-def start(h: Harness, *, buffer: int, staleness: int, rounds: int = 6, **kw: object) -> object:
-    return h.engine.start_job(model_name="digits", model_version="1", rounds=rounds, min_devices=1, deadline_s=600,
-                              params={**ASYNC, "buffer": buffer, "max_staleness": staleness, **kw})
+def start(h: Harness, *, buffer: int, staleness: int, rounds: int = 6, min_devices: int = 1,
+          deadline_s: float = 600, **kw: object) -> object:
+    return h.engine.start_job(model_name="digits", model_version="1", rounds=rounds, min_devices=min_devices,
+                              deadline_s=deadline_s, params={**ASYNC, "buffer": buffer, "max_staleness": staleness,
+                                                             **kw})
 
 
 def opened(h: Harness) -> list:
@@ -224,7 +226,7 @@ def test_retention_keeps_the_versions_devices_in_flight_still_train(h: Harness, 
 def test_a_device_asleep_offline_stays_in_flight_and_delivers_later(h: Harness, fleet: dict) -> None:
     h.setup(softmax_head())
     ids = fleet["ids"]
-    job = start(h, buffer=2, staleness=3)
+    job = start(h, buffer=2, staleness=3, deadline_s=3 * 3600)  # a device's command: 4 x 3 h, through the night
     (plan1,) = opened(h)
     late = h.payload(4, plan1)
     h.reg.record_state(ids[4], online=False)  # its will: the battery ran down at dusk
@@ -233,8 +235,8 @@ def test_a_device_asleep_offline_stays_in_flight_and_delivers_later(h: Harness, 
     assert h.send(0, plan1) == "accepted" and h.send(1, plan1) == "accepted"
     opened(h)
     assert ids[4] in h.reg.get_round(job.id, 2).carried_in
-    for _ in range(48):  # the night: round 2 passes its deadline with nothing to publish, and waits
-        h.clock.t += 600
+    for _ in range(8):  # the night: round 2 passes its deadline with nothing to publish, and waits
+        h.clock.t += 3600
         assert h.engine.tick().closed == []
     h.reg.record_state(ids[4], online=True)  # the morning
     assert receive(h, 4, late).status == "accepted"
@@ -260,3 +262,24 @@ def test_a_device_in_flight_that_gives_up_is_a_dropout_of_the_round_carrying_it(
     with pytest.raises(InputError, match="buffer 1 < min_devices 2"):
         h.engine.start_job(model_name="digits", model_version="1", min_devices=2,
                            params={"mode": "async", "buffer": 1})
+
+
+def test_devices_that_go_silent_for_good_do_not_stall_the_job(h: Harness, fleet: dict) -> None:
+    """One update, fewer than --min-devices, and every other device dead without a word: the
+    round closes once its commands' deadline (S + 1 rounds) has passed, and the next round
+    does not carry devices past their deadline (they were released, and may be chosen again)."""
+    h.setup(softmax_head())
+    job = start(h, buffer=3, staleness=2, min_devices=2)
+    (plan,) = opened(h)
+    assert h.send(0, plan) == "accepted"
+    for _ in range(2):  # two round deadlines: still waiting for its devices in flight
+        h.clock.t += 600
+        assert h.engine.tick().closed == []
+    h.clock.t += 600  # 3 x 600 s = the commands' deadline
+    for i in range(N_DEV):  # (the fleet is heard again: selection takes only devices online now)
+        h.reg.record_state(fleet["ids"][i], online=True, state={"battery_pct": 80.0, "on_power": False})
+    result = h.engine.tick()
+    (out,) = result.closed
+    assert out.state is RoundState.FAILED and "1 accepted update(s), need 2" in out.reason
+    rnd2 = h.reg.get_round(job.id, 2)
+    assert rnd2.carried_in == [] and len(rnd2.participants) == N_DEV  # released and chosen again
