@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from edge_agent.sim import solar_fleet as sf
-from edge_agent.sim.solar_plan import FORECAST_IS_STANDIN
 
 ATTACKS = ("sign_flip", "alie", "ipm", "noise")
 
@@ -94,9 +93,6 @@ def run(quick: bool = False) -> str:
              "for the median device), uploads with a lognormal cellular latency (median 2 min, 5 % wait ~40 min); "
              "the MLP head on the digits cameras, 60 non-IID samples per device (overlapping draws), the job's "
              "default aggregation rule with a server set. Same devices, data and weather in every run.", ""]
-    if FORECAST_IS_STANDIN:
-        lines += ["The devices' planner ran on the STAND-IN of the forecast API (edge_agent/sim/solar_plan.py), not "
-                  "edge_agent/power/forecast.py.", ""]
     checks: list[tuple[str, bool]] = []
     for n in sorted({t[0] for t in tasks}):
         sync = res.get((n, days, "digits", "sync", None, None, None))
