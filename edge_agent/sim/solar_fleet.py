@@ -46,6 +46,7 @@ import numpy as np
 from ..agent.policy import Conditions, check_finetune
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundEngine, RoundPolicy
+from ..power.forecast import SurplusForecast
 from ..protocol.finetune import FinetuneRequest
 from ..updates.wire import UpdateHeader, encode_update
 from .poisoning import Model, SimEvidence, hostile, mlp_init
@@ -74,13 +75,14 @@ class _Timer:
 def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_staleness: int = 8,
              devices_per_round: int | None = None, min_devices: int = 3, round_deadline_s: float = HOUR,
              params: Mapping[str, Any] | None = None, attack: str | None = None, attackers: float = 0.0,
-             days: int | None = None) -> SolarRun:
+             days: int | None = None, forecasts: Mapping[tuple[int, int], SurplusForecast] | None = None) -> SolarRun:
     """One job over the fleet's days (or `days`): mode "sync" or "async" (buffer K,
     max_staleness S). `devices_per_round`: sync's default is 10 % of the fleet (at least
     `min_devices`); async's default is none (every eligible device not in flight).
     `params`: more job params (aggregator, server_opt, server_lr, server_momentum...).
     `attackers`: the share of devices sending `attack` (poisoning.hostile) instead of
-    their update."""
+    their update. `forecasts`: solar_plan.unit_forecasts of the fleet (computed here as
+    needed when not given)."""
     wall = time.perf_counter()
     dev, weather, data = fleet.devices, fleet.weather, fleet.data
     n = dev.n
@@ -105,7 +107,7 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
     battery = cap * dev.start_pct / 100
     extra_w = dev.train_w - dev.load_w
     planning = mode == "async"
-    planner = Planner(dev, weather, steps) if planning else None
+    planner = Planner(dev, weather, steps, forecasts) if planning else None
     label_counts = [",".join(str(int(c)) for c in np.bincount(y, minlength=len(data.labels))) for y in data.ys]
     try:
         reg = Registry(state_dir=state, clock=lambda: clock[0])

@@ -10,19 +10,24 @@ The sim's history is what a meter on the panel's rail reads: the panel's availab
 (the simulated truth, solar_weather.Weather.panel_w). The devices' site is their cluster's
 centre, where the truth is computed (each is within ~5 km of it).
 
-Cost, and why forecasts are made per cluster: `forecast_surplus` costs ~10 ms (pvlib's sun
-positions for 96 sub-steps and up to 1,008 history samples). All the devices of a cluster
-see the same sky, and a panel's forecast scales with its rating: the clear-sky harvest is
-`panel_w x ...` and the learnt index is measured / modelled, which does not depend on
-`panel_w`. So the sim calls `forecast_surplus` once per cluster and hour for a 1 W panel
-(history in W per rated W) and gives each device that forecast scaled by its panel, with its
-own battery, capacity, floor and load (test_solar_fleet checks it against a direct call for
-the device's own panel). Devices plan on the hour, like the agent's hourly forecast.
+Cost, and why forecasts are made per cluster every 3 h: `forecast_surplus` costs 10-18 ms
+(pvlib's sun positions and Linke turbidity for 96 sub-steps and up to 1,008 history samples).
+All the devices of a cluster see the same sky, and a panel's forecast scales with its
+rating: the clear-sky harvest is `panel_w x ...` and the learnt index is measured /
+modelled, which does not depend on `panel_w`. So the sim calls `forecast_surplus` once per
+cluster per refresh for a 1 W panel (history in W per rated W) and gives each device that
+forecast scaled by its panel, with its own battery now, capacity, floor and load
+(test_solar_fleet checks it against a direct call for the device's own panel). Refreshes
+are every `REFRESH_S` (3 h: the agent's `[solar] forecast_interval_s = 10800`; its default
+is 1 h, which costs 3x the pvlib time and nothing else here); a device plans on the hour
+from its latest refresh, the hours already past dropped. The refreshes depend only on the
+weather, not on the mode, so one table (`unit_forecasts`) serves every run of a fleet.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -40,6 +45,9 @@ from .solar_weather import EFFICIENCY, STEP_S, Weather
 
 HOUR_S = 3600.0
 HISTORY_STEPS = int(KEEP_S // STEP_S)  # the agent keeps 7 days of 10-minute samples
+REFRESH_S = 3 * HOUR_S
+REFRESH_STEPS = int(REFRESH_S // STEP_S)
+HORIZON_H = 24 + int(REFRESH_S // HOUR_S) - 1  # so a plan from a refresh still sees 24 h ahead
 assert INTERVAL_S == STEP_S, "the sim's clock step is the panel history's sampling interval"
 
 
@@ -53,36 +61,51 @@ class ForecastErrors:
     window: list[tuple[float, float]] = field(default_factory=list)
 
 
+def unit_forecast(weather: Weather, site: SolarSite, unit_w: np.ndarray, step: int) -> SurplusForecast:
+    """`forecast_surplus` at the start of `step` for a 1 W panel at `site` whose measured
+    history is `unit_w` (W per rated W at each step) over the agent's 7 days."""
+    lo = max(0, step - HISTORY_STEPS)
+    hist = [(weather.start + (s + 0.5) * STEP_S, float(w)) for s, w in zip(range(lo, step), unit_w[lo:step], strict=True)]
+    return forecast_surplus(site, now=weather.start + step * STEP_S, battery_wh=0.0, capacity_wh=1.0, floor_wh=0.0,
+                            load_w=0.0, history=hist, hours=HORIZON_H)
+
+
+def unit_forecasts(devices: Devices, weather: Weather, clusters: Sequence[int]) -> dict[tuple[int, int], SurplusForecast]:
+    """Every refresh of the given clusters over the weather's days: the table a Planner
+    takes as its `cache` (compute it once per fleet, in parallel by clusters if need be)."""
+    unit_w = weather.clear_poa * weather.index / 1000.0 * EFFICIENCY
+    sites = devices.sites
+    return {(c, ref): unit_forecast(weather, SolarSite(float(sites.lat[c]), float(sites.lon[c]), float(sites.alt[c]),
+                                                       panel_w=1.0), unit_w[c], ref)
+            for c in clusters for ref in range(0, weather.steps, REFRESH_STEPS)}
+
+
 class Planner:
     """The fleet's planners: one forecast per (cluster, hour), scaled per device."""
 
-    def __init__(self, devices: Devices, weather: Weather, steps: int) -> None:
+    def __init__(self, devices: Devices, weather: Weather, steps: int,
+                 cache: Mapping[tuple[int, int], SurplusForecast] | None = None) -> None:
         self.dev, self.weather, self.steps = devices, weather, steps
         sites = devices.sites
         self.sites = [SolarSite(float(a), float(o), float(h), panel_w=1.0)
                       for a, o, h in zip(sites.lat, sites.lon, sites.alt, strict=True)]
         # truth per rated W, (clusters, steps): what a 1 W panel gives at each step
         self.unit_w = weather.clear_poa * weather.index / 1000.0 * EFFICIENCY
-        self._cache: dict[tuple[int, int], SurplusForecast] = {}
+        self._cache: dict[tuple[int, int], SurplusForecast] = dict(cache or {})
         self.errors = ForecastErrors()
         self.forecasts = 0  # forecast_surplus calls
 
     def unit_forecast(self, cluster: int, step: int) -> SurplusForecast:
-        """The cluster's forecast for a 1 W panel at the start of `step` (cached)."""
-        key = (cluster, step)
-        fc = self._cache.get(key)
+        """The cluster's forecast for a 1 W panel at the start of `step` (on the hour): its
+        latest refresh's, the hours already past dropped; the 24 h from `step`."""
+        ref = step - step % REFRESH_STEPS
+        fc = self._cache.get((cluster, ref))
         if fc is None:
-            now = self.weather.start + step * STEP_S
-            lo = max(0, step - HISTORY_STEPS)
-            hist = [(self.weather.start + (s + 0.5) * STEP_S, float(w))
-                    for s, w in zip(range(lo, step), self.unit_w[cluster, lo:step], strict=True)]
-            fc = forecast_surplus(self.sites[cluster], now=now, battery_wh=0.0, capacity_wh=1.0, floor_wh=0.0,
-                                  load_w=0.0, history=hist)
+            fc = self._cache[(cluster, ref)] = unit_forecast(self.weather, self.sites[cluster], self.unit_w[cluster], ref)
             self.forecasts += 1
-            if len(self._cache) > 4096:
-                self._cache.clear()
-            self._cache[key] = fc
-        return fc
+        k = (step - ref) // int(HOUR_S // STEP_S)
+        return replace(fc, start=fc.start + k * fc.step_s, panel_w=fc.panel_w[k:k + 24],
+                       clear_sky_w=fc.clear_sky_w[k:k + 24])
 
     def forecast(self, i: int, step: int, battery_wh: float, floor_wh: float) -> SurplusForecast:
         """Device `i`'s forecast at the start of `step`: its cluster's, scaled to its panel."""

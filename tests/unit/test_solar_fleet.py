@@ -86,7 +86,7 @@ def test_a_devices_forecast_is_the_agents_forecast_for_its_own_panel_and_history
     fleet = _fleet()
     dev, w = fleet.devices, fleet.weather
     planner = Planner(dev, w, w.steps)
-    i, step = 7, 150  # the second day, past 01:00: a day of history behind it
+    i, step = 7, 144  # the second day's first refresh: a day of history behind it
     c = int(dev.sites.cluster[i])
     mine = planner.forecast(i, step, battery_wh=60.0, floor_wh=float(dev.floor_wh[i]))
     hist = [(w.start + (s + 0.5) * sw.STEP_S, float(w.panel_w(dev.panel_w, dev.sites.cluster, s)[i]))
@@ -96,7 +96,12 @@ def test_a_devices_forecast_is_the_agents_forecast_for_its_own_panel_and_history
     direct = forecast_surplus(site, now=w.start + step * sw.STEP_S, battery_wh=60.0,
                               capacity_wh=float(dev.battery_wh[i]), floor_wh=float(dev.floor_wh[i]),
                               load_w=dev.load_w, history=hist)
+    assert len(mine.panel_w) == 24 and mine.start == direct.start
     assert np.allclose(mine.panel_w, direct.panel_w, rtol=1e-9, atol=1e-9)
     assert mine.clear_sky_index == pytest.approx(direct.clear_sky_index, rel=1e-9)
     assert 0.05 <= mine.clear_sky_index <= 1.2 and max(mine.panel_w) > 0
     assert (mine.battery_wh, mine.floor_wh, mine.load_w) == (60.0, direct.floor_wh, direct.load_w)
+    # an hour later the device plans from the same refresh, the past hour dropped
+    later = planner.forecast(i, step + 6, battery_wh=60.0, floor_wh=float(dev.floor_wh[i]))
+    assert later.start == mine.start + 3600 and len(later.panel_w) == 24
+    assert later.panel_w[:23] == mine.panel_w[1:] and planner.forecasts == 1
