@@ -132,7 +132,10 @@ class RoundEngine:
         if "budget_wh" in p and (not isinstance(p["budget_wh"], int | float) or not 0 < p["budget_wh"] < 1e6):
             raise InputError(f"budget_wh must be a positive number of Wh, got {p['budget_wh']!r}")
         self._robust_params(p)
-        AsyncMode.of(p)  # a bad buffer / staleness bound: refused now
+        mode = AsyncMode.of(p)  # a bad buffer / staleness bound: refused now
+        if mode is not None and mode.buffer < min_devices:
+            raise InputError(f"buffer {mode.buffer} < min_devices {min_devices}: every full buffer would close "
+                             "with too few updates to publish (a buffer must hold at least --min-devices)")
         check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
         if not p.get("aggregator"):
             if self.policy.aggregator:
@@ -311,10 +314,14 @@ class RoundEngine:
             busy |= frozenset(carried)
         devices = self.registry.list_devices()
         quarantined = [d.id for d in devices if d.quarantined]
+        # a device reporting a solar forecast is judged by whether its surplus window ends in time
+        cap = job.params.get("power_cap_w")
         sel = select_devices([d for d in devices if not d.quarantined], job.selector, now=now,
                              online_within_s=self.policy.online_within_s, min_battery_pct=min_battery,
                              budget_wh=job.budget_wh, allow_unknown_power=self.policy.allow_unknown_power, busy=busy,
-                             job_id=job.id, needs=self._needs(job, base))
+                             job_id=job.id, needs=self._needs(job, base),
+                             deadline_at=now + job.deadline_s if mode is None else mode.device_deadline(now, job.deadline_s),
+                             power_cap_w=float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) else None)
         chosen = sample_devices(sel.eligible, job.params.get("devices_per_round"), seed=f"{job.id}/{number}")
         # an asynchronous round opens with whoever can contribute (its buffer decides when it closes)
         if len(chosen) >= job.min_devices or (mode is not None and chosen + list(carried)):
@@ -416,10 +423,28 @@ class RoundEngine:
             part = rnd.participants.get(device_id)
             if part is None:
                 raise NotFound(f"device {device_id!r} is not in job {job_id} round {round}")
+            if rnd.state is not RoundState.OPEN and part.reason.startswith(IN_FLIGHT):
+                # an asynchronous job's device gave up (brown-out, refusal) after its round closed:
+                # it speaks of the round it was dispatched in, it is carried in the open one
+                carried = self._carried_in(job_id, round, device_id)
+                if carried is None:
+                    return False
+                rnd, part = carried, carried.participants[device_id]
+                round = rnd.number
             if rnd.state is not RoundState.OPEN or part.status not in _LIVE or part.status is status:
                 return False
             self.registry.set_participant(job_id, round, device_id, status, reason, now=self.clock())
             return True
+
+    def _carried_in(self, job_id: str, origin: int, device_id: str) -> RoundRecord | None:
+        """The open round of the job that carries `device_id` from round `origin` (async_rounds.py)."""
+        for job, number in self.registry.active_round_keys():
+            if job == job_id:
+                rnd = self.registry.get_round_for(job_id, number, device_id)
+                part = rnd.participants.get(device_id)
+                if part is not None and part.origin == origin:
+                    return rnd
+        return None
 
     # ---- receiving and closing
     def receive_update(self, payload: bytes, *, sender: str, num_samples: int, wire_bytes: int | None = None,

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..power.forecast import SurplusForecast, plan_training
+from ..power.forecast import STATE_VERSION, SurplusForecast, plan_training
 from .records import Device, parse_selector
 
 
@@ -169,11 +169,56 @@ def _ineligible(dev: Device, now: float, online_within_s: float, min_battery_pct
 
 
 def forecast_state(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The registry state key for a state message's `forecast` (schema-bounded): always
-    present, None when not sent, so a device that stops forecasting stops being judged by
-    an old one. For the state handler (service_messages) to merge with the facts."""
+    """The registry state key for a state message's `forecast`: always present, None when
+    not sent or invalid, so a device that stops forecasting stops being judged by an old
+    one. The registry keeps a device's state flat (short texts and numbers), so the forecast
+    is kept as one line of text (`flat_forecast`). For the state handler (service_messages)."""
     value = body.get("forecast")
-    return {"forecast": dict(value) if isinstance(value, Mapping) else None}
+    if not isinstance(value, Mapping):
+        return {"forecast": None}
+    try:
+        return {"forecast": flat_forecast(SurplusForecast.from_state(value))}
+    except InputError:
+        return {"forecast": None}  # (untrusted: a bad forecast is ignored, never a reason)
+
+
+FLAT_TAG = "f1"
+FLAT_LIMIT = 256  # the registry's limit on a state text (records.check_flat)
+
+
+def flat_forecast(forecast: SurplusForecast) -> str | None:
+    """`forecast` as one line of at most FLAT_LIMIT characters: a tag, start, step, load,
+    battery, capacity, floor, index, training W and Wh (0: unknown), then the hourly surplus
+    (W, one decimal, or whole watts if that does not fit). None if even that does not fit."""
+    head = (int(round(forecast.start)), int(round(forecast.step_s)), forecast.load_w, forecast.battery_wh,
+            forecast.capacity_wh, forecast.floor_wh, forecast.clear_sky_index, forecast.train_w or 0,
+            forecast.train_wh or 0)
+    for digits in (1, 0):
+        text = " ".join([FLAT_TAG, *(format(v, ".6g") for v in head),
+                         ",".join(f"{v:.{digits}f}" for v in forecast.surplus_w())])
+        if len(text) <= FLAT_LIMIT:
+            return text
+    return None
+
+
+def parse_flat_forecast(text: str) -> SurplusForecast:
+    """`flat_forecast`'s line back (InputError naming what is wrong: a registry row is data too)."""
+    parts = text.split(" ") if isinstance(text, str) and len(text) <= FLAT_LIMIT else []
+    if len(parts) != 11 or parts[0] != FLAT_TAG:
+        raise InputError(f"stored forecast: not a {FLAT_TAG} line")
+    try:
+        start, step, load, battery, capacity, floor, index, train_w, train_wh = (float(v) for v in parts[1:10])
+        surplus = [float(v) for v in parts[10].split(",")]
+    except ValueError:
+        raise InputError("stored forecast: a number does not parse") from None
+    body: dict[str, Any] = {"v": STATE_VERSION, "start": int(start), "step_s": int(step), "surplus_w": surplus,
+                            "load_w": load, "index": index, "battery_wh": battery, "capacity_wh": capacity,
+                            "floor_wh": floor}
+    if train_w > 0:
+        body["train_w"] = train_w
+    if train_wh > 0:
+        body["train_wh"] = train_wh
+    return SurplusForecast.from_state(body)
 
 
 def forecast_verdict(reported: Any, *, now: float, deadline_at: float | None, budget_wh: float | None,
@@ -182,8 +227,9 @@ def forecast_verdict(reported: Any, *, now: float, deadline_at: float | None, bu
     rule applies. "": a window ends by the deadline (eligible). Text: why not."""
     if deadline_at is None or reported is None:
         return None
-    try:
-        forecast = SurplusForecast.from_state(reported)
+    try:  # as the registry stores it (a line), or as a state message carries it
+        forecast = (parse_flat_forecast(reported) if isinstance(reported, str)
+                    else SurplusForecast.from_state(reported))
     except InputError:
         return None  # (untrusted: a bad forecast is ignored, never a reason)
     if now >= forecast.end or forecast.train_w is None:

@@ -30,7 +30,7 @@ from .pending import PendingDevices
 from .records import check_flat
 from .registry import Registry
 from .rounds import Receipt, RoundEngine
-from .selection import allowance_state, capabilities_from_hello
+from .selection import allowance_state, capabilities_from_hello, forecast_state
 
 if TYPE_CHECKING:
     from .service import ServeOptions
@@ -187,6 +187,7 @@ class DeviceMessages:
         if status != "busy":
             state["job"] = None
         state.update(allowance_state(facts))  # selection skips a device that would refuse
+        state.update(forecast_state(msg.body))  # a solar device's surplus forecast (selection.py)
         dev = self.registry.record_state(device, online=status != "offline", state=state)
         engine = state.get("engine")
         if isinstance(engine, str) and engine and engine != dev.engine and engine.isprintable():

@@ -241,3 +241,22 @@ def test_a_device_asleep_offline_stays_in_flight_and_delivers_later(h: Harness, 
     (out,) = h.engine.tick().closed  # past its deadline with an update to publish: it closes
     assert out.state is RoundState.AGGREGATED and out.accepted == (ids[4],)
     assert [r.state for r in h.reg.list_rounds(job.id)][:2] == [RoundState.AGGREGATED] * 2
+
+
+def test_a_device_in_flight_that_gives_up_is_a_dropout_of_the_round_carrying_it(h: Harness, fleet: dict) -> None:
+    h.setup(softmax_head())
+    ids = fleet["ids"]
+    job = start(h, buffer=1, staleness=4)
+    (plan1,) = opened(h)
+    assert h.send(0, plan1) == "accepted"
+    opened(h)  # round 2 carries devices 1-5
+    # device 3 browns out: its refusal names the round it was dispatched in
+    assert h.engine.record_dropout(job.id, 1, ids[3], "failed: brown-out") is True
+    assert h.engine.record_dropout(job.id, 1, ids[3], "failed: brown-out") is False  # once
+    assert h.reg.get_round(job.id, 2).dropouts == {ids[3]: "failed: brown-out"}
+    assert h.send(1, plan1) == "accepted"  # a carried one fills round 2's buffer
+    opened(h)
+    assert ids[3] not in h.reg.get_round(job.id, 3).carried_in  # not in flight any more: free again
+    with pytest.raises(InputError, match="buffer 1 < min_devices 2"):
+        h.engine.start_job(model_name="digits", model_version="1", min_devices=2,
+                           params={"mode": "async", "buffer": 1})

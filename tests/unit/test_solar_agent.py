@@ -237,3 +237,39 @@ def test_edge_agent_forecast_prints_the_table_and_the_state_form(tmp_path: Path,
     plain = _write(tmp_path, _rendered(tmp_path))
     assert main(["forecast", "--config", str(plain)]) == 78  # no [solar]: a configuration error
     assert "no [solar] table" in capsys.readouterr().err
+
+
+def test_the_coordinator_keeps_a_reported_forecast_as_a_line_and_its_rounds_select_by_it(tmp_path: Path) -> None:
+    import base64
+
+    from edge_agent import keys
+    from edge_agent.coordinator.registry import Registry
+    from edge_agent.coordinator.rounds import RoundEngine, RoundPolicy
+    from edge_agent.coordinator.selection import FLAT_LIMIT, parse_flat_forecast
+
+    now = [MIDNIGHT + 1 * H]
+    fc = forecast_surplus(SITE, now=now[0], battery_wh=20.0, capacity_wh=60.0, floor_wh=15.0, load_w=1.0,
+                          train_w=3.0, train_wh=6.0)
+    line = forecast_state({"forecast": fc.to_state()})["forecast"]
+    assert isinstance(line, str) and len(line) <= FLAT_LIMIT  # the registry keeps a device's state flat
+    back = parse_flat_forecast(line)
+    assert back.surplus_w() == pytest.approx(fc.surplus_w(), abs=0.051) and back.train_wh == fc.train_wh
+    for bad in ("f1 1 2", "f2" + line[2:], line.replace(",", ";"), "x" * 300):
+        with pytest.raises(InputError):
+            parse_flat_forecast(bad)
+    key = keys.generate_private_key()
+    with Registry(state_dir=tmp_path, clock=lambda: now[0]) as reg:
+        reg.add_model_version(name="m", version="1", head={"w": __import__("numpy").zeros((2, 2), "float32")})
+        dev = reg.enrol_device(device_id=keys.fingerprint(key), public_key=base64.b64encode(
+            keys.public_key_bytes(key)).decode(), fleet="f", approved=True)
+        reg.record_state(dev.id, online=True, state={"battery_pct": 25.0, "on_power": False,
+                                                     **forecast_state({"forecast": fc.to_state()})})
+        engine = RoundEngine(registry=reg, policy=RoundPolicy(min_battery_pct=30.0, max_wait_s=1e6),
+                             clock=lambda: now[0])
+        late = engine.start_job(model_name="m", model_version="1", deadline_s=2 * H)  # ends 03:00: no sun
+        assert engine.tick().opened == []
+        assert "forecast: no surplus window before the deadline" in reg.get_job(late.id).reason
+        engine.cancel_job(late.id)
+        engine.start_job(model_name="m", model_version="1", deadline_s=13 * H)  # ends 14:00: its morning window
+        (plan,) = engine.tick().opened  # below min_battery_pct now, but the forecast has its window
+        assert plan.devices == (dev.id,)
