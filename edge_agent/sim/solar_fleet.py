@@ -19,9 +19,12 @@ training, clipped to [0, capacity]. The agent's decisions:
     battery reaches the floor -- within the step, at the instant the floor is reached, as
     the real governor checks between training steps of seconds -- and resumes at 45 %; a
     job still paused at its deadline stops (StopReason.DEADLINE);
-  * planning (async): on the hour, a free device without a window plans one; outside it the
-    device's state says it refuses jobs (selection's `refuse` key), inside it says nothing,
-    so the coordinator dispatches it when a round opens.
+  * planning (async): on the hour, a free device without a window plans one (windows start
+    on the hour: now or a later forecast step); until its start the device's state says it
+    refuses jobs (selection's `refuse` key); from its start it accepts until the next hour's
+    plan (the window's end, at least an hour), so the coordinator dispatches it when a
+    round opens in that hour. A job started late in that hour ends up to 40 min past the
+    planned window; the governor's floor still applies.
 
 A device whose battery reaches 0 browns out (offline, its job lost) and comes back at 5 %.
 State reports are sparse (a real agent heartbeats; the sim reports only what changes a
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from ..agent.policy import Conditions, check_finetune
+from ..coordinator.records import NotFound
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundEngine, RoundPolicy
 from ..power.forecast import SurplusForecast
@@ -191,6 +195,14 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
             job_round[i], job_base[i] = plan.round, plan.model_version
             win_start[i], win_end[i] = np.inf, -np.inf  # the window is used; the next is planned after this job
 
+        def give_up(i: int, why: str) -> None:
+            """The agent tells the coordinator its job stopped (a dropout of the round that
+            dispatched it, or of the round carrying it: the engine's part)."""
+            try:
+                engine.record_dropout(job.id, int(job_round[i]), ids[i], why)
+            except NotFound:
+                pass
+
         def finish(i: int, t_done: float) -> None:
             nonlocal seq
             t = time.perf_counter()
@@ -246,6 +258,8 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
             late = active & ~done & (t1 >= deadline)
             run.jobs_abandoned += int(late.sum())
             active &= ~(done | late)
+            for i in np.nonzero(late)[0]:
+                give_up(int(i), "stopped: deadline (paused at the battery floor)")
             t = timer.add("battery", t)
             for i in np.nonzero(done)[0]:
                 finish(int(i), t1)
@@ -255,6 +269,8 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
                 ever_brown |= dead
                 online &= ~dead
                 run.jobs_abandoned += int((active & dead).sum())
+                for i in np.nonzero(active & dead)[0]:
+                    give_up(int(i), "brown-out: the battery ran empty")
                 active &= ~dead
                 for i in np.nonzero(dead)[0]:
                     report(int(i), planning)
@@ -288,9 +304,9 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
                         w = planner.plan(int(i), step + 1, float(battery[i]), float(floor_wh[i]))
                         if w is None:
                             next_plan[i] = t1 + 3 * HOUR
-                        else:
-                            win_start[i], win_end[i] = w.start, w.end
-                            next_plan[i] = w.end
+                        else:  # accepting from the window's start until the next refresh (on the hour)
+                            win_start[i], win_end[i] = w.start, max(w.end, w.start + HOUR)
+                            next_plan[i] = win_end[i]
                     t = timer.add("plan", t)
                 refuse = active | ~((win_start <= t1) & (t1 < win_end))
             ok = 100 * battery / cap >= min_coord
