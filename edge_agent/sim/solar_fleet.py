@@ -147,7 +147,7 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
             reg.enrol_device(device_id=ids[i], public_key=pubs[i], fleet="solar", approved=True)
             report(i, planning)
         job = engine.start_job(model_name="sim", model_version="1", rounds=10000, min_devices=min_devices,
-                               deadline_s=round_deadline_s, params=job_params)
+                               deadline_s=round_deadline_s, params=job_params, job_id="solar-sim")
         run.params["aggregator"] = job.params.get("aggregator")
         heads: dict[str, dict[str, np.ndarray]] = {"1": glob}
         run.base_accuracy = model.accuracy(glob, data.test_x, data.test_y)
