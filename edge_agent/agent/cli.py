@@ -362,7 +362,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="validate the config and key, print a summary and whether the coordinator answers, exit")
     r.set_defaults(func=_cmd_run)
 
-    f = subparsers.add_parser("forecast", help="the 24-h solar surplus forecast and training window ([solar])")
+    f = subparsers.add_parser(
+        "forecast", help="the 24-h solar surplus forecast and training window ([solar])",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The surplus forecast the daemon reports with a [solar] table in agent.toml: the panel's\n"
+                    "harvest hour by hour (pvlib's clear-sky model on the tilted panel x the clear-sky index\n"
+                    "learnt from the measured panel power), the load, the projected battery, and the window\n"
+                    "a fine-tune of the default size would be planned into (never below the battery floor).\n"
+                    "Needs pvlib (the package's [solar] extra).",
+        epilog="examples:\n"
+               "  edge-agent forecast --config /etc/edge-agent/agent.toml\n"
+               "  edge-agent forecast --json                  # what the state message carries\n"
+               "  edge-agent forecast --at $(date -d 'tomorrow 06:00' +%s)\n\n"
+               "How to read it: docs/solar-deployment.md, section 4.")
     f.add_argument("--config", default="/etc/edge-agent/agent.toml", metavar="PATH",
                    help="agent.toml (default /etc/edge-agent/agent.toml)")
     f.add_argument("--json", action="store_true", help="print what the state message carries")

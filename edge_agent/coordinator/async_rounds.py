@@ -68,9 +68,9 @@ class AsyncMode:
     def device_deadline(self, started_at: float, deadline_s: float) -> float:
         return started_at + deadline_s * (self.max_staleness + 1)
 
-    def stale_reason(self, staleness: int, base: str, head: str) -> str:
-        return (f"trained on version {base}, {staleness} version(s) behind {head}; this job takes updates at "
-                f"most {self.max_staleness} version(s) old (max_staleness)")
+    def stale_reason(self, staleness: int, base: str) -> str:
+        return (f"trained on version {base}, {staleness} version(s) behind the newest; this job takes updates "
+                f"at most {self.max_staleness} version(s) old (max_staleness)")
 
 
 def published_since(rounds: Sequence[RoundRecord], origin: int, current: int) -> int:

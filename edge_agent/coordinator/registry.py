@@ -398,6 +398,13 @@ class Registry:
                 "WHERE r.state = ? AND p.status IN (?, ?) AND d.online = 0 AND d.last_seen <= ? "
                 "ORDER BY p.job_id, p.round, p.device_id", (RoundState.OPEN.value, *live, before))]
 
+    def published_between(self, job_id: str, first: int, before: int) -> int:
+        """How many of the job's rounds first..before-1 published a version (an indexed count:
+        an asynchronous update's staleness, read on every arrival)."""
+        with self._read() as db:
+            return int(db.execute("SELECT COUNT(*) FROM rounds WHERE job_id = ? AND number >= ? AND number < ? "
+                                  "AND state = ?", (job_id, first, before, RoundState.AGGREGATED.value)).fetchone()[0])
+
     def active_round_keys(self) -> list[tuple[str, int]]:
         """(job, round) of the rounds in OPEN or CLOSING state, oldest first, without reading them."""
         with self._read() as db:

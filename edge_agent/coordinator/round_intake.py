@@ -19,7 +19,7 @@ from ..updates.errors import NonFiniteDeltaError, TensorTableMismatchError, Upda
 from ..updates.wire import unpack_update
 from .aggregate import check_tensor_table
 from .aggregation import RoundAggregation
-from .async_rounds import AsyncMode, published_since
+from .async_rounds import AsyncMode
 from .heads import HeadCache
 from .records import MAX_SAMPLES, NotFound, ParticipantStatus, RoundState, UpdateStatus, check_id
 from .round_types import Receipt, RoundPolicy
@@ -141,20 +141,21 @@ class UpdateIntake:
         """An asynchronous job's update whose round (its origin) has closed: (the open round
         that carries the sender, its staleness); a "stale" or "duplicate" receipt; None when
         no open round carries it (the caller refuses it as its round being closed)."""
-        rounds = self.registry.list_rounds(job.id, participants=False)
-        current = next((r for r in rounds if r.state is RoundState.OPEN), None)
-        head = current.number if current is not None else len(rounds) + 1
-        staleness = published_since(rounds, rnd.number, head)
+        # reads counts and keys, not the job's rounds: this runs on every late arrival
+        open_now = [n for j, n in self.registry.active_round_keys() if j == job.id]
+        head = open_now[0] if open_now else None
+        staleness = self.registry.published_between(job.id, rnd.number, head if head is not None else 1 << 40)
         if staleness > mode.max_staleness:
-            newest = next((r.aggregated_version for r in reversed(rounds) if r.aggregated_version), rnd.base_version)
-            return Receipt("rejected", "stale", mode.stale_reason(staleness, rnd.base_version, newest))
-        if current is None:
+            return Receipt("rejected", "stale", mode.stale_reason(staleness, rnd.base_version))
+        if head is None:
+            return None
+        current = self.registry.get_round_for(job.id, head, sender)
+        if current.state is not RoundState.OPEN:
             return None
         if self.registry.has_update(job.id, sender, current.number):
             return Receipt("duplicate")
-        target = self.registry.get_round_for(job.id, current.number, sender)
-        part = target.participants.get(sender)
-        return (target, staleness) if part is not None and part.origin == rnd.number else None
+        part = current.participants.get(sender)
+        return (current, staleness) if part is not None and part.origin == rnd.number else None
 
     def _judge(self, job: Any, base_version: str, header: Any, encoded: Any, head: Mapping[str, Any], mv: Any,
                samples_ok: bool, num_samples: Any, labels_sha256: str | None) -> tuple[str, str, Sparse | None]:

@@ -38,45 +38,56 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.slow  # three real agents train
-def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
-        mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
+def _three_agents_two_held(mosquitto, agents, serve, tmp_path, digits_bundle):
+    """serve with the digits model, and three agents online; agents 1 and 2 stop at their first
+    checkpoint until the returned hold file is removed."""
     _, archive = digits_bundle
     coordinator = serve(mosquitto.port).start()
     register_digits(coordinator, archive, tmp_path)
     hold = tmp_path / "hold-training"
-    hold.write_text("1")  # agents 1 and 2 stop at their first checkpoint until it is removed
+    hold.write_text("1")
     agents_ = [agents(tmp_path, mosquitto.port, name=f"agent{i}", data_dir=device_data(tmp_path / f"data{i}", device=i),
                       sysfs_root=board_tree(tmp_path / f"board{i}", battery_pct=90),
                       env={"EDGE_AGENT_TEST_HOLD": str(hold)} if i else None).start() for i in range(3)]
     assert wait_for(lambda: len(online_devices(coordinator)) == 3, 180), coordinator.log_tail()
-    out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3",
-                          "--deadline", "60m", "--epochs", "1", "--batch-size", "16", "--detach").stdout
-    job_id = job_id_of(out)
+    return coordinator, agents_, hold
 
+
+def _local_state(agent, local: str):
+    try:
+        return JobStore(agent.state_dir / "jobs").load(local).state
+    except FileNotFoundError:
+        return None
+
+
+def _kill_serve_while_two_finish(coordinator, agents_, hold, job_id: str) -> float:
+    """Once agent0's update is stored and the others are held in training: kill -9 serve, let
+    them finish and send while it is down (the broker keeps their messages for its session),
+    start it again. Returns when it was killed."""
     def stored() -> int:
         with coordinator.registry() as reg:
             return len(reg.list_updates(job_id))
 
-    # agent0's update is in, the other two are held in training: kill the coordinator now
     assert wait_for(lambda: stored() == 1, 600), coordinator.log_tail()
-    held = hold.with_name(hold.name + ".held")
-    assert wait_for(held.exists, 600), [a.log_tail(1500) for a in agents_]
+    assert wait_for(hold.with_name(hold.name + ".held").exists, 600), [a.log_tail(1500) for a in agents_]
     coordinator.kill9()
     killed_at = time.time()
     assert stored() == 1
-    hold.unlink()  # while it is down both finish and send; the broker keeps them for its session
-    local = f"{job_id}-r1"
-
-    def agent_state(agent):
-        try:
-            return JobStore(agent.state_dir / "jobs").load(local).state
-        except FileNotFoundError:
-            return None
-
-    assert wait_for(lambda: all(agent_state(a) in (JobState.UPLOADING, JobState.DONE) for a in agents_[1:]), 600), \
-        [a.log_tail(1500) for a in agents_]
+    hold.unlink()
+    assert wait_for(lambda: all(_local_state(a, f"{job_id}-r1") in (JobState.UPLOADING, JobState.DONE)
+                                for a in agents_[1:]), 600), [a.log_tail(1500) for a in agents_]
     coordinator.start()
+    return killed_at
+
+
+@pytest.mark.slow  # three real agents train
+def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
+        mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
+    coordinator, agents_, hold = _three_agents_two_held(mosquitto, agents, serve, tmp_path, digits_bundle)
+    out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3",
+                          "--deadline", "60m", "--epochs", "1", "--batch-size", "16", "--detach").stdout
+    job_id = job_id_of(out)
+    killed_at = _kill_serve_while_two_finish(coordinator, agents_, hold, job_id)
     with coordinator.registry() as reg:
         assert wait_for(lambda: reg.get_job(job_id).status.terminal, 300), coordinator.log_tail()
         job = reg.get_job(job_id)
@@ -90,7 +101,7 @@ def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
         late = sorted(u.device_id for u in updates if u.received_at > killed_at)  # in flight, then delivered
         assert late == sorted(a.id for a in agents_[1:])
     # every agent got its ack: jobs done, outboxes empty
-    assert wait_for(lambda: all(agent_state(a) is JobState.DONE for a in agents_), 120)
+    assert wait_for(lambda: all(_local_state(a, f"{job_id}-r1") is JobState.DONE for a in agents_), 120)
     assert all(not any((a.state_dir / "outbox" / "items").iterdir()) for a in agents_)
     assert coordinator.alive and all(a.alive for a in agents_)
 
@@ -231,39 +242,12 @@ def test_coordinator_killed_mid_async_intake_loses_and_double_counts_nothing(
     the coordinator is killed; they deliver while it is down. After the restart every update
     is stored once -- in round 1, or carried into round 2 with its staleness -- and each
     published version counts exactly the updates its round accepted."""
-    _, archive = digits_bundle
-    coordinator = serve(mosquitto.port).start()
-    register_digits(coordinator, archive, tmp_path)
-    hold = tmp_path / "hold-training"
-    hold.write_text("1")
-    agents_ = [agents(tmp_path, mosquitto.port, name=f"agent{i}", data_dir=device_data(tmp_path / f"data{i}", device=i),
-                      sysfs_root=board_tree(tmp_path / f"board{i}", battery_pct=90),
-                      env={"EDGE_AGENT_TEST_HOLD": str(hold)} if i else None).start() for i in range(3)]
-    assert wait_for(lambda: len(online_devices(coordinator)) == 3, 180), coordinator.log_tail()
+    coordinator, agents_, hold = _three_agents_two_held(mosquitto, agents, serve, tmp_path, digits_bundle)
     out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "2", "--min-devices", "1",
                           "--async", "--buffer", "2", "--max-staleness", "3", "--deadline", "60m", "--epochs", "1",
                           "--batch-size", "16", "--detach").stdout
     job_id = job_id_of(out)
-
-    def stored() -> list:
-        with coordinator.registry() as reg:
-            return reg.list_updates(job_id)
-
-    assert wait_for(lambda: len(stored()) == 1, 600), coordinator.log_tail()
-    assert wait_for(hold.with_name(hold.name + ".held").exists, 600), [a.log_tail(1500) for a in agents_]
-    coordinator.kill9()
-    hold.unlink()  # both finish and send their round-1 updates while the coordinator is down
-    local = f"{job_id}-r1"
-
-    def agent_state(agent):
-        try:
-            return JobStore(agent.state_dir / "jobs").load(local).state
-        except FileNotFoundError:
-            return None
-
-    assert wait_for(lambda: all(agent_state(a) in (JobState.UPLOADING, JobState.DONE) for a in agents_[1:]), 600), \
-        [a.log_tail(1500) for a in agents_]
-    coordinator.start()
+    _kill_serve_while_two_finish(coordinator, agents_, hold, job_id)
     with coordinator.registry() as reg:
         assert wait_for(lambda: reg.get_job(job_id).status.terminal, 600), coordinator.log_tail()
         job = reg.get_job(job_id)
@@ -279,5 +263,5 @@ def test_coordinator_killed_mid_async_intake_loses_and_double_counts_nothing(
         for r in rounds:  # each version counts exactly what its round accepted
             accepted = [u for u in updates if u.round == r.number]
             assert reg.get_model("digits", r.aggregated_version).metrics["updates"] == len(accepted) >= 2
-    assert wait_for(lambda: all(agent_state(a) is JobState.DONE for a in agents_), 120)
+    assert wait_for(lambda: all(_local_state(a, f"{job_id}-r1") is JobState.DONE for a in agents_), 120)
     assert coordinator.alive and all(a.alive for a in agents_)
