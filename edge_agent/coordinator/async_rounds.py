@@ -13,6 +13,8 @@ version per closed round -- and changes three things:
   round it was dispatched in) and gets no new command. Its update, whose header names the
   origin round and that round's version, is folded into whichever round is open when it
   arrives.
+- **Concurrency** (optional `max_concurrency: C`, FedBuff's): a round dispatches at most
+  C minus the devices still in flight, so no more than C train at once -- the energy knob.
 - **Staleness weighs and bounds.** s = the versions published since the update's base. The
   update's weight is multiplied by 1/sqrt(1 + s) (FedBuff's polynomial staleness function
   with a = 1/2), and an update with s > S is refused as "stale", naming s. A device whose
@@ -43,6 +45,7 @@ MAX_STALENESS = 1_000
 class AsyncMode:
     buffer: int  # K: a round closes once this many updates are accepted
     max_staleness: int  # S: updates more versions behind are refused
+    max_concurrency: int | None = None  # C: devices training at once (in flight + new), FedBuff's concurrency
 
     @classmethod
     def of(cls, params: Mapping[str, Any]) -> AsyncMode | None:
@@ -51,7 +54,7 @@ class AsyncMode:
         if mode not in ("sync", "async"):
             raise InputError(f"mode must be 'sync' or 'async', got {str(mode)[:40]!r}")
         if mode == "sync":
-            for key in ("buffer", "max_staleness"):
+            for key in ("buffer", "max_staleness", "max_concurrency"):
                 if key in params:
                     raise InputError(f"{key} is a parameter of asynchronous jobs (mode 'async')")
             return None
@@ -61,7 +64,19 @@ class AsyncMode:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise InputError(f"{key} must be an integer in {lo}..{hi} for an asynchronous job, got {v!r}")
             values.append(v)
-        return cls(*values)
+        c = params.get("max_concurrency")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not values[0] <= c <= MAX_BUFFER * 100):
+            raise InputError(f"max_concurrency must be an integer >= buffer ({values[0]}), got {c!r}: fewer devices "
+                             "training at once than a buffer holds would never fill it")
+        return cls(*values, c)
+
+    def new_dispatches(self, per_round: int | None, in_flight: int) -> int | None:
+        """How many devices a round may newly dispatch: `per_round` (devices_per_round), and
+        at most what keeps the devices training at once within max_concurrency."""
+        if self.max_concurrency is None:
+            return per_round
+        room = max(0, self.max_concurrency - in_flight)
+        return room if per_round is None else min(per_round, room)
 
     def weight(self, staleness: int) -> float:
         """The factor on an update's arrival weight: 1/sqrt(1 + s)."""

@@ -549,12 +549,14 @@ def _privacy_forecast(params: Mapping[str, Any], rounds: int, fleet: int) -> str
 def _async_params(args: argparse.Namespace) -> dict[str, Any]:
     """--async, --buffer, --max-staleness as job params (async_rounds.py)."""
     buffer, staleness = getattr(args, "buffer", None), getattr(args, "max_staleness", None)
+    concurrency = getattr(args, "max_concurrency", None)
     if not getattr(args, "async_mode", False):
-        if buffer is not None or staleness is not None:
-            raise UsageError("--buffer and --max-staleness are options of --async jobs")
+        if buffer is not None or staleness is not None or concurrency is not None:
+            raise UsageError("--buffer, --max-staleness and --max-concurrency are options of --async jobs")
         return {}
     return {"mode": "async", "buffer": buffer if buffer is not None else 2 * args.min_devices,
-            "max_staleness": staleness if staleness is not None else 4}
+            "max_staleness": staleness if staleness is not None else 4,
+            **({"max_concurrency": concurrency} if concurrency is not None else {})}
 
 
 def _learning_params(args: argparse.Namespace) -> dict[str, Any]:

@@ -347,6 +347,9 @@ def add_fleet_commands(sub: Any) -> None:
                    help="--async: publish a version every K accepted updates (default: --min-devices x 2)")
     t.add_argument("--max-staleness", type=_number(int, 0, 1_000), default=None, metavar="S",
                    help="--async: refuse updates trained on a version more than S versions old (default 4)")
+    t.add_argument("--max-concurrency", type=_number(int, 1, 10_000_000), default=None, metavar="C",
+                   help="--async: at most C devices training at once, in flight included (default: no cap; "
+                        "the energy knob: more devices in flight publish faster and spend more)")
     t.add_argument("--server-opt", choices=("fedavg", "fedavgm", "fedadam"), default=None,
                    help="server optimiser applied to each round's aggregate (default fedavg)")
     t.add_argument("--server-lr", type=_number(float, 1e-6, 100.0), default=None, metavar="LR",

@@ -355,7 +355,10 @@ class RoundEngine:
                              job_id=job.id, needs=self._needs(job, base),
                              deadline_at=now + job.deadline_s if mode is None else mode.device_deadline(now, job.deadline_s),
                              power_cap_w=float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) else None)
-        chosen = sample_devices(sel.eligible, job.params.get("devices_per_round"), seed=f"{job.id}/{number}")
+        per_round = job.params.get("devices_per_round")
+        if mode is not None:  # asynchronous: the devices already training count against max_concurrency
+            per_round = mode.new_dispatches(per_round, len(carried))
+        chosen = sample_devices(sel.eligible, per_round, seed=f"{job.id}/{number}")
         # an asynchronous round opens with whoever can contribute (its buffer decides when it closes)
         if len(chosen) >= job.min_devices or (mode is not None and chosen + list(carried)):
             if not self._charge_privacy(job, number, len(chosen), len(sel.eligible), now):

@@ -283,3 +283,20 @@ def test_devices_that_go_silent_for_good_do_not_stall_the_job(h: Harness, fleet:
     assert out.state is RoundState.FAILED and "1 accepted update(s), need 2" in out.reason
     rnd2 = h.reg.get_round(job.id, 2)
     assert rnd2.carried_in == [] and len(rnd2.participants) == N_DEV  # released and chosen again
+
+
+def test_max_concurrency_caps_the_devices_training_at_once(h: Harness, fleet: dict) -> None:
+    h.setup(softmax_head())
+    ids = fleet["ids"]
+    job = start(h, buffer=1, staleness=4, max_concurrency=3)
+    (plan1,) = opened(h)
+    assert len(plan1.devices) == 3  # 6 eligible, 3 at once
+    assert h.send(plan1_i := ids.index(plan1.devices[0]), plan1) == "accepted"
+    (plan2,) = opened(h)
+    carried = h.reg.get_round(job.id, 2).carried_in
+    assert len(carried) == 2 and len(plan2.devices) == 1  # 2 still training + 1 new = 3
+    assert ids[plan1_i] not in carried
+    with pytest.raises(InputError, match="max_concurrency must be an integer >= buffer"):
+        start(h, buffer=4, staleness=1, max_concurrency=2)
+    with pytest.raises(InputError, match="max_concurrency is a parameter of asynchronous jobs"):
+        h.engine.start_job(model_name="digits", model_version="1", params={"max_concurrency": 3})

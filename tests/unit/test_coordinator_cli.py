@@ -222,7 +222,7 @@ def test_an_async_job_is_queued_with_its_buffer_and_staleness_and_status_says_so
     state, _ = fleet_dir
     sd = ("--state-dir", str(state))
     rc, _, err = run(capsys, "train", "--model", "digits", "--buffer", "4", "--detach", *sd)
-    assert rc == 64 and "--buffer and --max-staleness are options of --async jobs" in err
+    assert rc == 64 and "--buffer, --max-staleness and --max-concurrency are options of --async jobs" in err
     rc, out, _ = run(capsys, "train", "--model", "digits", "--async", "--buffer", "4", "--max-staleness", "2",
                      "--rounds", "20", "--detach", *sd)
     assert rc == 0 and "a version every 4 accepted update(s)" in out and "2 version(s) stale" in out
