@@ -54,6 +54,9 @@ ASYNC_100 = [
 ASYNC_1000 = [
     {"mode": "async", "buffer": 100, "max_staleness": 8, "devices_per_round": 100, "params": MOMENTUM},
     {"mode": "async", "buffer": 200, "max_staleness": 8, "devices_per_round": 200, "params": MOMENTUM},
+    # FedBuff's concurrency instead of a per-round cap: at most C devices training at once
+    {"mode": "async", "buffer": 50, "max_staleness": 8, "params": {**MOMENTUM, "max_concurrency": 150}},
+    {"mode": "async", "buffer": 100, "max_staleness": 8, "params": {**MOMENTUM, "max_concurrency": 300}},
 ]
 ATTACK_ASYNC = ASYNC_100[4]
 
@@ -164,7 +167,8 @@ def report(cells: list[tuple[int, str, dict[str, Any]]], days: int, res: dict[tu
              "the truth, refreshed every 3 h) and are eligible only inside their window.", "",
              "Sync baseline (fixed): selection by battery now, devices_per_round 10 % of the fleet, round deadline "
              "1 h, min 3 devices, the default rule for the fleet (trust, with a server set). Async: K = buffer, S = "
-             "max_staleness, dpr = devices_per_round (the new dispatches each buffer round opens), round deadline "
+             "max_staleness, dpr = devices_per_round (the new dispatches each buffer round opens), C = "
+             "max_concurrency (devices training at once, in flight included), round deadline "
              "1 h (a device's: (S + 1) h). \"h to sync's final\": simulated hours until the running mean of 5 "
              "versions first reaches the sync run's final accuracy (any single version: in brackets); Wh/point: "
              "training Wh above idle spent until then per accuracy point gained over the base model.", ""]
@@ -177,10 +181,10 @@ def report(cells: list[tuple[int, str, dict[str, Any]]], days: int, res: dict[tu
         target = sync["final"]
         t_sync, e_sync = _reach(sync, target)
         lines += [f"### {n} devices (sync final accuracy {100 * target:.1f} %, base {100 * sync['base']:.1f} %)", "",
-                  "| mode | K | S | dpr | rule | versions | final % | h to sync's final | speed-up | Wh/point to it "
+                  "| mode | K | S | dpr | C | rule | versions | final % | h to sync's final | speed-up | Wh/point to it "
                   "| training Wh (whole run) | updates sent / accepted | rejected (why) | refused: battery "
                   "| below floor: training / load | wall s |",
-                  "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
         for cn, data, cfg in cells:
             if cn != n or "attack" in cfg:
                 continue
@@ -194,6 +198,7 @@ def report(cells: list[tuple[int, str, dict[str, Any]]], days: int, res: dict[tu
             lines.append(
                 f"| {cfg['mode']} | {cfg.get('buffer', '-') if is_async else '-'} "
                 f"| {cfg.get('max_staleness', '-') if is_async else '-'} | {r['params'].get('devices_per_round', 'all')} "
+                f"| {r['params'].get('max_concurrency', '-')} "
                 f"| {_label(cfg, r['params'])} | {r['published']} | {100 * r['final']:.1f} "
                 f"| {'never' if t_hit is None else f'{t_hit:.1f}'} ({'never' if t_one is None else f'{t_one:.1f}'}) "
                 f"| {'-' if speed is None else f'{speed:.2f}x'} | {'-' if e_hit is None else f'{e_hit / gain:.2f}'} "
