@@ -337,23 +337,18 @@ class RoundEngine:
         _, _, min_battery = self._options(job.params)
         busy = frozenset(d for r in self.registry.active_rounds() for d in r.with_status(*_LIVE))
         mode = AsyncMode.of(job.params)
-        carried: dict[str, int] = {}
-        if mode is not None and rounds:  # who still trains an earlier version keeps training it
-            carried, released = carry_over(self.registry.get_round(job.id, rounds[-1].number), rounds, number, mode,
-                                           now=now, deadline_s=job.deadline_s)
-            if released:
-                log.info("job %s round %d: %d device(s) in flight released: %s", job.id, number,
-                         len(released), ", ".join(f"{d} ({why})" for d, why in list(released.items())[:10]))
-            busy |= frozenset(carried)
+        carried = self._carried_over(job, rounds, number, mode, now)
+        busy |= frozenset(carried)
         devices = self.registry.list_devices()
         quarantined = [d.id for d in devices if d.quarantined]
-        # a device reporting a solar forecast is judged by whether its surplus window ends in time
+        # a device reporting a solar forecast is judged by whether its surplus window ends by
+        # the deadline of the command it would get
+        deadline = now + job.deadline_s if mode is None else mode.device_deadline(now, job.deadline_s)
         cap = job.params.get("power_cap_w")
         sel = select_devices([d for d in devices if not d.quarantined], job.selector, now=now,
                              online_within_s=self.policy.online_within_s, min_battery_pct=min_battery,
                              budget_wh=job.budget_wh, allow_unknown_power=self.policy.allow_unknown_power, busy=busy,
-                             job_id=job.id, needs=self._needs(job, base),
-                             deadline_at=now + job.deadline_s if mode is None else mode.device_deadline(now, job.deadline_s),
+                             job_id=job.id, needs=self._needs(job, base), deadline_at=deadline,
                              power_cap_w=float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) else None)
         per_round = job.params.get("devices_per_round")
         if mode is not None:  # asynchronous: the devices already training count against max_concurrency
@@ -385,6 +380,19 @@ class RoundEngine:
         result.closed.append(RoundOutcome(job.id, number, RoundState.FAILED, rec.reason, None, (), {}, {},
                                           status or JobStatus.RUNNING))
         return None
+
+    def _carried_over(self, job: Job, rounds: list[RoundRecord], number: int, mode: AsyncMode | None,
+                      now: float) -> dict[str, int]:
+        """An asynchronous job's devices of its last round still training their version, to
+        carry into round `number` ({device: origin}; async_rounds.carry_over)."""
+        if mode is None or not rounds:
+            return {}
+        carried, released = carry_over(self.registry.get_round(job.id, rounds[-1].number), rounds, number, mode,
+                                       now=now, deadline_s=job.deadline_s)
+        if released:
+            log.info("job %s round %d: %d device(s) in flight released: %s", job.id, number, len(released),
+                     ", ".join(f"{d} ({why})" for d, why in list(released.items())[:10]))
+        return carried
 
     def _charge_privacy(self, job: Job, number: int, selected: int, eligible: int, now: float) -> bool:
         """A private job's round is charged to its ledger before it opens; False (and the job
@@ -458,7 +466,7 @@ class RoundEngine:
             if job not in modes:
                 modes[job] = AsyncMode.of(self.registry.get_job(job).params)
             if modes[job] is not None:  # asynchronous: a device asleep for the night delivers in the morning;
-                continue                # its staleness bound (max_staleness) is what lets go of it
+                continue                # its staleness bound and its command's deadline let go of it
             if self._move(job, number, device, ParticipantStatus.DROPPED,
                           "offline: the broker reported the device gone (its will) and it did not come back "
                           f"within {self.policy.offline_grace_s:g} s while the round waited for its update"):
