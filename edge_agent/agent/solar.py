@@ -35,6 +35,7 @@ from ..power.panel_history import PanelHistory, PanelMeter
 log = logging.getLogger(__name__)
 HISTORY_FILE = "solar/panel-history.bin"
 CHILD_TIMEOUT_S = 45.0  # under systemd's WatchdogSec=60: the loop waits for the child
+FRESH_S = 900.0  # a forecast this recent plans a job without computing a new one
 MAX_CHILD_OUTPUT = 16 * 1024
 MAX_REQUEST = 256 * 1024
 PVLIB_HINT = ("the [solar] forecast needs pvlib: install the package's [solar] extra, e.g. "
@@ -111,6 +112,7 @@ class SolarPlanner:
         self.history = PanelHistory(state_dir / HISTORY_FILE)
         self._compute = compute or run_child
         self.forecast: SurplusForecast | None = None
+        self._made_at = float("-inf")  # when self.forecast was computed
         self._next_forecast = 0.0
 
     def tick(self, now: float) -> bool:
@@ -140,13 +142,18 @@ class SolarPlanner:
             return None
         # the device's own default job's window: what a coordinator reads from the state
         self.forecast = replace(fc, window=plan_training(fc, energy_wh=self.s.train_wh, power_w=self.s.train_w))
+        self._made_at = now
         return self.forecast
 
     def plan(self, *, now: float, energy_wh: float | None, power_cap_w: float | None,
              deadline: float) -> PlanOutcome:
         """The window for a job of `energy_wh` (None: the device's default) drawing at most
-        `power_cap_w` extra, ending by `deadline`, from a forecast made now."""
-        fc = self.refresh(now)
+        `power_cap_w` extra, ending by `deadline`, from a forecast at most FRESH_S old (a
+        command arriving minutes after the hourly refresh does not pay for pvlib's start-up
+        in a child again, in the daemon's loop; the battery moves little in that time and the
+        governor's floor stays the safety net)."""
+        fresh = self.forecast is not None and 0 <= now - self._made_at <= FRESH_S
+        fc = self.forecast if fresh else self.refresh(now)
         if fc is None:
             return PlanOutcome(None, "no solar forecast (see the log); the battery rule applies")
         power = min(self.s.train_w, power_cap_w) if power_cap_w else self.s.train_w

@@ -16,8 +16,8 @@ eligible again even before its next state message. Agents that do not send an al
 are selected as before.
 
 A device that reports a solar forecast (its state's `forecast`, agent.toml [solar]; stored
-under the registry state key "forecast" and parsed here with SurplusForecast.from_state: an
-invalid one is ignored) is judged by it when the round has a deadline (`deadline_at`): no
+under the registry state key "forecast" as one line of text, `flat_forecast`, and parsed back
+here: an invalid one is ignored) is judged by it when the round has a deadline (`deadline_at`): no
 training window that ends by the deadline -- for the round's budget_wh at its power_cap_w,
 else the device's own default job -- makes it ineligible ("forecast: no surplus window before
 the deadline (next at 09:00 UTC)"); a window makes it eligible even below min_battery_pct now

@@ -273,3 +273,24 @@ def test_the_coordinator_keeps_a_reported_forecast_as_a_line_and_its_rounds_sele
         engine.start_job(model_name="m", model_version="1", deadline_s=13 * H)  # ends 14:00: its morning window
         (plan,) = engine.tick().opened  # below min_battery_pct now, but the forecast has its window
         assert plan.devices == (dev.id,)
+
+
+def test_a_job_plans_on_a_fresh_forecast_and_a_stale_one_is_computed_again(tmp_path: Path) -> None:
+    from edge_agent.agent.solar import FRESH_S, SolarPlanner, SolarSettings
+
+    calls: list[float] = []
+
+    def counting(request: dict[str, Any]) -> Any:
+        calls.append(request["now"])
+        return compute_request(request)
+
+    settings = SolarSettings(site=SolarSite(52.0, 5.0, panel_w=20.0), capacity_wh=60.0, floor_pct=30.0,
+                             load_w=1.0, train_w=3.0, train_wh=6.0, panel_sensor="none")
+    battery = BatteryState(capacity_pct=50.0, status="Discharging", energy_j=None, source="test")
+    planner = SolarPlanner(settings=settings, state_dir=tmp_path, sysfs_root=str(tmp_path), battery=lambda: battery,
+                           compute=counting)
+    assert planner.tick(MIDNIGHT) and calls == [MIDNIGHT]  # the hourly refresh
+    first = planner.plan(now=MIDNIGHT + 600, energy_wh=None, power_cap_w=None, deadline=MIDNIGHT + 20 * H)
+    assert first.window is not None and calls == [MIDNIGHT]  # ten minutes on: the same forecast plans it
+    later = planner.plan(now=MIDNIGHT + FRESH_S + 60, energy_wh=None, power_cap_w=None, deadline=MIDNIGHT + 20 * H)
+    assert later.window is not None and calls == [MIDNIGHT, MIDNIGHT + FRESH_S + 60]  # stale: computed again
