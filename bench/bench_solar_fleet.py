@@ -18,9 +18,9 @@ does), the speed-up (sync's hours / async's), training Wh (above idle) to that p
 point gained over the base model, devices below their battery floor, the forecast's error
 against the simulated truth; then 20 % attackers (sign_flip, alie, ipm, noise) at 100 devices.
 
-The grid: 100 devices on digits, seed 0 (sync, sync + fedavgm, three async cells); the same
-fleet size on another seed and on textures (sync, sync + fedavgm, async K = 10 + fedavgm);
-1,000 devices on digits (sync, sync + fedavgm, async K = 50 with C = 150 + fedavgm).
+The grid: 100 devices on digits, seed 0 (sync, sync + fedavgm, five async cells); the same
+fleet size on seeds 1 and 2 and on textures (sync, sync + fedavgm, the recommended async cell);
+1,000 devices on digits (sync, sync + fedavgm, the recommended async cell).
 
 `python -m bench.bench_solar_fleet --quick`: 100 devices, 4 days, sync and one async cell.
 """
@@ -46,17 +46,26 @@ ATTACKS = ("sign_flip", "alie", "ipm", "noise")
 MOMENTUM = {"server_opt": "fedavgm", "server_lr": 1.0, "server_momentum": 0.5}
 SYNC = {"mode": "sync"}
 SYNC_MOMENTUM = {"mode": "sync", "params": MOMENTUM}  # the control: is a gain the mode's or the optimiser's?
-# async cells, per fleet size: K, S, devices_per_round (= K: the dispatches replace what a buffer used), job params
+# The asynchronous mode as docs/solar-deployment.md recommends it, per fleet size: a buffer of
+# ~12 % (100) / 5 % (1,000) of the fleet, FedBuff's concurrency cap C (devices training at
+# once, those in flight included) at 2-3 K, S 8, fedavgm. The Done-when targets are checked on
+# these cells; the 100-device one was chosen on seeds 0, 1 and textures from a sweep of K 5-20
+# and C 15-40 (docs/solar-deployment.md), and seed 2 is a fleet it was not chosen on.
+REC_100 = {"mode": "async", "buffer": 12, "max_staleness": 8, "params": {**MOMENTUM, "max_concurrency": 24}}
+REC_1000 = {"mode": "async", "buffer": 50, "max_staleness": 8, "params": {**MOMENTUM, "max_concurrency": 150}}
+RECOMMENDED = (REC_100, REC_1000)
+# more async cells at 100 devices, for comparison: devices_per_round = K instead of C (the
+# dispatches replace what a buffer used), without the server's momentum, K 20, C 2K at K 10
 ASYNC_100 = [
-    {"mode": "async", "buffer": 10, "max_staleness": 8, "devices_per_round": 10},  # without the server's momentum
+    {"mode": "async", "buffer": 10, "max_staleness": 8, "devices_per_round": 10},
     {"mode": "async", "buffer": 10, "max_staleness": 8, "devices_per_round": 10, "params": MOMENTUM},
     {"mode": "async", "buffer": 20, "max_staleness": 8, "devices_per_round": 20, "params": MOMENTUM},
+    {"mode": "async", "buffer": 10, "max_staleness": 8, "params": {**MOMENTUM, "max_concurrency": 20}},
+    REC_100,
 ]
-# FedBuff's concurrency instead of a per-round cap: at most C devices training at once
-ASYNC_1000 = [{"mode": "async", "buffer": 50, "max_staleness": 8, "params": {**MOMENTUM, "max_concurrency": 150}}]
-ATTACK_ASYNC = ASYNC_100[2]
-# the cells run again on another seed (other devices, weather and draws) and on textures
-REPEATED = [SYNC, SYNC_MOMENTUM, ASYNC_100[1]]
+ATTACK_ASYNC = REC_100
+# the recommended cell again on other seeds (other devices, weather and draws) and on textures
+REPEATED = [SYNC, SYNC_MOMENTUM, REC_100]
 
 Fleet = tuple[int, str, int]  # devices, data, seed
 
@@ -109,8 +118,9 @@ def grid(quick: bool) -> tuple[list[Cell], int]:
     if quick:
         return [(100, "digits", 0, SYNC), (100, "digits", 0, ATTACK_ASYNC)], 4
     cells: list[Cell] = [(100, "digits", 0, c) for c in [SYNC, SYNC_MOMENTUM, *ASYNC_100]]
-    cells += [(100, "digits", 1, c) for c in REPEATED] + [(100, "textures", 0, c) for c in REPEATED]
-    cells += [(1000, "digits", 0, c) for c in [SYNC, SYNC_MOMENTUM, *ASYNC_1000]]
+    for data, seed in (("digits", 1), ("digits", 2), ("textures", 0)):
+        cells += [(100, data, seed, c) for c in REPEATED]
+    cells += [(1000, "digits", 0, c) for c in [SYNC, SYNC_MOMENTUM, REC_1000]]
     cells += [(100, "digits", 0, {**c, "attack": a}) for a in ATTACKS for c in (SYNC, ATTACK_ASYNC)]
     return cells, 14
 
@@ -185,6 +195,11 @@ def _header(days: int) -> list[str]:
             "training included; with idle load alone no device of these fleets goes below).", ""]
 
 
+def _cell_name(cfg: dict[str, Any]) -> str:
+    p = cfg.get("params", {})
+    return f"K {cfg['buffer']} S {cfg['max_staleness']} C {p.get('max_concurrency', '-')}"
+
+
 def _fleet_section(fleet: Fleet, cells: list[Cell], days: int, res: dict[tuple[Any, ...], dict[str, Any]],
                    checks: list[tuple[str, bool]]) -> list[str]:
     n, data, seed = fleet
@@ -221,7 +236,7 @@ def _fleet_section(fleet: Fleet, cells: list[Cell], days: int, res: dict[tuple[A
         name = (f"{n} dev {data} seed {seed} {cfg['mode']} K={cfg.get('buffer')} S={cfg.get('max_staleness')} "
                 f"{_label(cfg, r['params'])}")
         checks.append((f"{name}: 0 devices below their battery floor", r["below_load"] == 0))
-        if is_async:
+        if is_async and cfg in RECOMMENDED:
             checks.append((f"{name}: final within 1 point of sync", r["final"] >= target - 0.01))
             checks.append((f"{name}: >= 2.3x faster to sync's final", speed is not None and speed >= 2.3))
             checks.append((f"{name}: Wh per point no worse",
@@ -248,8 +263,9 @@ def _attack_section(cells: list[Cell], days: int, res: dict[tuple[Any, ...], dic
     if not any("attack" in c for *_, c in cells):
         return []
     lines = [f"### 20 % attackers (100 devices, digits, seed 0): final accuracy %, sync vs async "
-             f"K={ATTACK_ASYNC['buffer']} S={ATTACK_ASYNC['max_staleness']} dpr={ATTACK_ASYNC['devices_per_round']} "
-             "(trust + fedavgm momentum 0.5), both with the default rule for the fleet", "",
+             f"K={ATTACK_ASYNC['buffer']} S={ATTACK_ASYNC['max_staleness']} "
+             f"C={ATTACK_ASYNC['params']['max_concurrency']} (trust + fedavgm momentum 0.5), both with the default "
+             "rule for the fleet", "",
              "| attack | sync | async | async - sync (points) | below floor (ever) sync / async |",
              "|---|---:|---:|---:|---:|"]
     for a in ATTACKS:
@@ -271,7 +287,9 @@ def report(cells: list[Cell], days: int, res: dict[tuple[Any, ...], dict[str, An
     lines += _attack_section(cells, days, res, checks)
     missed = [w for w, ok in checks if not ok]
     seeds = sorted({seed for *_, seed, _ in cells})
-    lines += [f"Targets: {len(checks) - len(missed)} of {len(checks)} met" + (
+    lines += ["Targets (the speed-up, energy and final-accuracy ones on the recommended cells: "
+              f"{_cell_name(REC_100)} at 100 devices, {_cell_name(REC_1000)} at 1,000; 0 below the floor on every "
+              f"run): {len(checks) - len(missed)} of {len(checks)} met" + (
         ": not met: " + "; ".join(missed) if missed else "."), "",
         f"Seeds {', '.join(map(str, seeds))} (a seed draws the devices, their data, the weather and the attackers). "
         f"Wall time {wall:.0f} s for {len(cells)} runs on {workers} worker(s) "
