@@ -95,7 +95,8 @@ def _one(task: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if cfg.get("mode") == "async":
         with open(_forecast_file(n, days, seed, workdir), "rb") as fh:
             forecasts = pickle.load(fh)
-    run = sf.simulate(_fleet(n, days, data, seed), params=params, attack=attack, attackers=0.2 if attack else 0.0,
+    fleet = _fleet(n, days, data, seed)
+    run = sf.simulate(fleet, params=params, attack=attack, attackers=0.2 if attack else 0.0,
                       forecasts=forecasts, **cfg)
     return task, {"times": run.times, "acc": run.accuracy, "energy": run.energy_wh, "base": run.base_accuracy,
                   "final": run.final(), "published": run.published, "failed": run.failed_rounds,
@@ -104,7 +105,8 @@ def _one(task: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
                   "below_train": run.below_floor_training, "below_load": run.below_floor_load,
                   "brownouts": run.brownouts, "train_wh": run.train_energy_wh, "harvest_wh": run.harvest_wh,
                   "wall": run.wall_s, "forecast": run.forecast, "forecasts": run.forecasts,
-                  "reports": run.state_reports, "params": run.params, "profile": run.profile}
+                  "reports": run.state_reports, "params": run.params, "profile": run.profile,
+                  "idle_min_pct": float(sd.idle_minimum_pct(fleet.devices, fleet.weather).min())}
 
 
 def _key(cfg: dict[str, Any]) -> tuple[Any, ...]:
@@ -254,7 +256,10 @@ def _fleet_section(fleet: Fleet, cells: list[Cell], days: int, res: dict[tuple[A
                   f"{fc['window_forecast']:+.2f} Wh, true {fc['window_truth']:+.2f} Wh (MAE {fc['window_mae']:.2f} Wh); "
                   f"{100 * fc['window_short']:.0f} % of windows ran on the battery (true surplus < 0: night or "
                   f"cloud, allowed by plan_training when the battery stays above the floor to the horizon). "
-                  f"The panels could give {sync['harvest_wh'] / 1000:.1f} kWh over the run (every mode)."]
+                  f"The panels could give {sync['harvest_wh'] / 1000:.1f} kWh over the run (every mode). With "
+                  f"idle load alone the lowest battery of the fleet over the run is {sync['idle_min_pct']:.1f} % "
+                  "(the floor: 35 %)" + (": the sizing alone takes no device below it." if sync["idle_min_pct"] >= 35
+                                         else ": the sizing alone takes devices below it.")]
     return lines + [""]
 
 
