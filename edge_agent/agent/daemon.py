@@ -136,7 +136,7 @@ class Daemon:
             username=g("broker", "username"), password=self._password(), will=self._will,
             subscriptions=[*self.topics.device_subscriptions(self.device_id),
                            self.topics.coordinator_key(self.coordinator.key_id)],  # (its rotation, if ever)
-            admit=Admission(self.verifier),  # signed commands and acks jump any junk flood
+            admit=Admission(self.verifier, priority_channels=("cmd", "ack", "secagg_cmd")),  # signed commands jump junk
             backoff_base=float(g("broker", "reconnect_min_s")), backoff_cap=float(g("broker", "reconnect_max_s")),
             max_payload=max_message)
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.verifier, role="device")

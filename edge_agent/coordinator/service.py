@@ -209,7 +209,7 @@ class Coordinator(DeviceMessages):
             # (the 10,000-device round lost 327 of them to its own burst of chunks and states,
             # and could then only close at its deadline).
             backoff_cap=o.backoff_cap, inbox_size=20_000, priority_size=20_000, max_payload=MAX_BINARY_BYTES + 4096,
-            admit=Admission(self.verifier, priority_channels=("progress",), resend_channels=("state", "update"),
+            admit=Admission(self.verifier, priority_channels=("progress",), resend_channels=("state", "update", "secagg"),
                             per_device=DEVICE_INGRESS))
         self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]
