@@ -200,8 +200,9 @@ FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
     "battery_pct": _num(0, 100), "charging": _bool, "on_power": _bool, "energy_wh": _WH, "power_w": _WATTS,
     "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS, **INFERENCE_CHECKS,
     # capabilities (hello info): doctor.capabilities; engine_choices: the agent reads a command's
-    # `engine_choices` (an older agent's strict schema would refuse the whole command)
-    "mxnet": _bool, "engine_choices": _bool,
+    # `engine_choices` (an older agent's strict schema would refuse the whole command); secagg:
+    # it runs secure aggregation (secure jobs select only such devices; also a command param)
+    "mxnet": _bool, "engine_choices": _bool, "secagg": _bool,
     # job progress and results (progress metrics): agent/lifecycle.py, agent/child.py
     "step": _COUNTER, "epoch": _COUNTER, "steps": _COUNTER, "watts": _WATTS, "val_accuracy": _FRACTION,
     "accuracy_before": _FRACTION, "accuracy_after": _FRACTION, "num_samples": _int(0, 1_000_000_000),

@@ -180,6 +180,24 @@ class Quantiser:
         return np.asarray(total, np.uint32).view(np.int32).astype(np.float64) / self.scale
 
 
+def flat_by_name(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A head's tensors as one float64 vector in name order: the order every device masks in
+    and the coordinator unflattens from (`unflat_by_name`), whatever order each side loaded."""
+    return np.concatenate([np.asarray(tensors[n], np.float64).ravel() for n in sorted(tensors)]) if tensors \
+        else np.zeros(0)
+
+
+def unflat_by_name(vec: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for n in sorted(shapes):
+        size = math.prod(shapes[n])
+        out[n] = np.asarray(vec[at:at + size]).reshape(shapes[n])
+        at += size
+    if at != len(vec):
+        raise SecAggError(f"a vector of {len(vec)} coordinates for tensors of {at}")
+    return out
+
+
 def clip_and_noise(vec: np.ndarray, clip: float, noise_std: float, rng: np.random.Generator | None = None) -> np.ndarray:
     """The device's private form of its update: clipped to L2 norm `clip`, plus N(0, noise_std^2)
     per coordinate (its share of the round's distributed DP noise; `rng`: a CSPRNG-seeded one)."""
