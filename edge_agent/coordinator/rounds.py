@@ -552,6 +552,9 @@ class RoundEngine:
             rnd, job = self.registry.get_round_for(job_id, number, sender), self.registry.get_job(job_id)
             if not is_secure(job.params) or rnd.state is not RoundState.OPEN or sender not in rnd.participants:
                 raise InputError(f"{kind} for {job_id} round {number}: not an open secure round of this device")
+            if self.secure.load(job_id, number) is None:  # (before the tick after its opening: opened now)
+                full = self.registry.get_round(job_id, number)
+                self.secure.open(job, full, self.heads.layout(job.model_name, full.base_version).size)
             taken = self.secure.receive(job_id, number, sender, kind, body)
             if taken and rnd.participants[sender].status in _LIVE and str(kind) == "secagg_advert":
                 self.registry.set_participant(job_id, number, sender, ParticipantStatus.REPORTED,
