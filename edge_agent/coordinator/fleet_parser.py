@@ -375,9 +375,9 @@ def add_fleet_commands(sub: Any) -> None:
                    help="secure aggregation (SecAgg+): the coordinator learns only the sum of each round's updates, "
                         "never one; aggregates with the plain mean (dp_fedavg with --dp-*: each device adds its share "
                         "of the noise); devices must advertise it; not with --async or a robust --aggregator")
-    t.add_argument("--secagg-phase", dest="secagg_phase_s", type=_SECONDS, default=None, metavar="S",
+    t.add_argument("--secagg-phase", dest="secagg_phase_s", type=_duration, default=None, metavar="DURATION",
                    help="--secure-aggregation: each phase after training (shares, masked input, unmasking) closes "
-                        "after S seconds at the latest; a device silent past it drops out (default 120 s)")
+                        "after DURATION at the latest; a device silent past it drops out (default 2m)")
     t.add_argument("--param", type=_param, action="append", metavar="KEY=VALUE",
                    help="any other job parameter passed to the devices (repeatable)")
     t.add_argument("--wait-for-devices", action="store_true",

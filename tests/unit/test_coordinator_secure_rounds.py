@@ -200,3 +200,27 @@ def test_a_message_for_a_round_that_is_not_a_secure_one_is_refused(fleet: Fleet)
     dev = SecAggDevice(device_key=fleet.keys[0], round_id=f"{job.id}/1")
     with pytest.raises(InputError, match="not an open secure round"):
         fleet.send(fleet.ids[0], Kind.SECAGG_ADVERT, {"job": job.id, "round": 1, "advert": dev.advertise()})
+
+
+def test_train_secure_aggregation_queues_a_secure_job_and_refuses_what_cannot_work(capsys, fleet: Fleet) -> None:
+    from edge_agent.coordinator.cli import main
+    from edge_agent.errors import EXIT_USAGE
+
+    fleet.reg.close()
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(["train", "--model", "digits", "--detach", *argv, "--state-dir", str(fleet.dir)])
+        return code, capsys.readouterr().err
+
+    rc, err = run("--secure-aggregation", "--min-devices", "3", "--secagg-phase", "45s", "--wait-for-devices")
+    assert rc == 0, err
+    with Registry(state_dir=fleet.dir) as reg:
+        (job,) = reg.list_jobs()
+    assert job.params["secagg"] is True and job.params["secagg_phase_s"] == 45.0 and job.params["aggregator"] == "fedavg"
+    for argv, why in ((("--min-devices", "3", "--async"), "cannot be asynchronous"),
+                      (("--min-devices", "3", "--aggregator", "trimmed_mean"), "which needs each update"),
+                      ((), "min-devices >= 3")):
+        rc, err = run("--secure-aggregation", *argv)
+        assert rc == EXIT_USAGE and why in err, err
+    rc, err = run("--secagg-phase", "10")
+    assert rc == EXIT_USAGE and "option of --secure-aggregation" in err
