@@ -101,8 +101,13 @@ def start(f: Fleet, **params) -> str:
     return job.id
 
 
+@pytest.mark.parametrize("silent_after", [Kind.SECAGG_SHARES, Kind.SECAGG_MASKED])
 def test_a_secure_round_with_a_restart_before_every_phase_and_a_silent_device_publishes_the_survivors_mean(
-        fleet: Fleet) -> None:
+        fleet: Fleet, silent_after: Kind) -> None:
+    """Silent after its shares: its masks are removed through its reconstructed key, the
+    mask phase closes at its deadline, the mean is the other three's. Silent after its masked
+    input: its input counts (it is a survivor), the unmask phase closes as soon as every
+    secret has its threshold of shares -- no deadline waited for."""
     f = fleet
     job = start(f)
     assert f.reg.get_job(job).params["aggregator"] == "fedavg"
@@ -110,37 +115,42 @@ def test_a_secure_round_with_a_restart_before_every_phase_and_a_silent_device_pu
         f.devices[did] = SecAggDevice(device_key=key, round_id=f"{job}/1")
         assert f.send(did, Kind.SECAGG_ADVERT, {"job": job, "round": 1, "advert": f.devices[did].advertise()})
     assert f.reg.get_round(job, 1).participants[f.ids[0]].status is ParticipantStatus.REPORTED
-    silent = f.ids[2]  # shares its keys, then nothing
+    silent = f.ids[2]
     answered: dict[Kind, int] = {}
+    said: dict[str, list[Kind]] = {d: [] for d in f.ids}
     for _ in range(8):  # phases: share, mask (closed by its deadline), unmask
         f.restart()
         result = f.engine.tick()
         if result.closed:
             break
         for device, kind, body in result.secagg:
-            if device == silent and kind is not Kind.SECAGG_ROSTER:
+            if device == silent and silent_after in said[device]:
                 continue
             reply_kind, reply = f.answer(device, kind, body)
             assert f.send(device, reply_kind, reply)
             assert not f.send(device, reply_kind, reply)  # a resend (after an agent restart) changes nothing
             answered[reply_kind] = answered.get(reply_kind, 0) + 1
-        if kind is Kind.SECAGG_INBOX:
+            said[device].append(reply_kind)
+        if kind is Kind.SECAGG_INBOX and silent_after is Kind.SECAGG_SHARES:
             f.clock.t += 31  # the silent device's masked input never comes: the phase's deadline closes it
     (outcome,) = result.closed
     assert outcome.state is RoundState.AGGREGATED, outcome.reason
-    assert answered == {Kind.SECAGG_SHARES: 4, Kind.SECAGG_MASKED: 3, Kind.SECAGG_REVEAL: 3}
+    masked = 3 if silent_after is Kind.SECAGG_SHARES else 4
+    assert answered == {Kind.SECAGG_SHARES: 4, Kind.SECAGG_MASKED: masked, Kind.SECAGG_REVEAL: 3}
+    assert f.clock.t == (T0 + 31 if silent_after is Kind.SECAGG_SHARES else T0)
     path = f.dir / STATE_DIR / f"{job}-r1.json"
     assert path.stat().st_mode & 0o777 == 0o600
     state = json.loads(path.read_text())
-    assert state["round"]["dropped"] == [silent]
+    assert state["round"]["dropped"] == ([silent] if masked == 3 else [])
+    assert len(f.inputs) == masked
     total = (sum(x.astype(np.uint64) for x in f.inputs.values()) % 2**32).astype(np.uint32)
     assert np.array_equal(np.frombuffer(base64.b64decode(state["sum"]), "<u4"), total)
     q = RoundConfig.from_json(state["round"]["config"]).quantiser
-    mean = unflat_by_name(q.decode_sum(total) / 3, {n: a.shape for n, a in HEAD.items()})
+    mean = unflat_by_name(q.decode_sum(total) / masked, {n: a.shape for n, a in HEAD.items()})
     new = f.reg.load_head(outcome.new_version)
     for name, arr in HEAD.items():
         np.testing.assert_allclose(new[name], arr + mean[name].astype(np.float32), rtol=0, atol=1e-7)
-    assert outcome.new_version.metrics["secagg_survivors"] == 3 and f.reg.list_updates(job, 1) == []
+    assert outcome.new_version.metrics["secagg_survivors"] == masked and f.reg.list_updates(job, 1) == []
     assert f.reg.get_job(job).status is JobStatus.DONE
 
 
