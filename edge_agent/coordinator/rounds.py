@@ -299,6 +299,9 @@ class RoundEngine:
         length = self.heads.layout(job.model_name, rnd.base_version).size
         due, out = self.secure.step(job, full, full.with_status(*_LIVE), length)
         result.secagg += out
+        if due:  # who is in the sum reported; who advertised and then went silent dropped out, saying when
+            moves = self.secure.participants(job.id, rnd.number)
+            self.registry.set_participants(job.id, rnd.number, moves, only_from=frozenset(_LIVE), now=self.clock())
         return due
 
     def _due(self, job: Job, rnd: RoundRecord, mode: AsyncMode | None) -> bool:
@@ -546,8 +549,8 @@ class RoundEngine:
                                        labels_sha256=labels_sha256)
 
     def receive_secagg(self, job_id: str, number: int, sender: str, kind: Any, body: dict[str, Any]) -> bool:
-        """A device's secure aggregation message into its open round (secure_rounds.py); an
-        advert is that device's report. InputError when the round is not a secure one open."""
+        """A device's secure aggregation message into its open round (secure_rounds.py).
+        InputError when the round is not a secure one open."""
         with self._lock:
             rnd, job = self.registry.get_round_for(job_id, number, sender), self.registry.get_job(job_id)
             if not is_secure(job.params) or rnd.state is not RoundState.OPEN or sender not in rnd.participants:
@@ -555,11 +558,7 @@ class RoundEngine:
             if self.secure.load(job_id, number) is None:  # (before the tick after its opening: opened now)
                 full = self.registry.get_round(job_id, number)
                 self.secure.open(job, full, self.heads.layout(job.model_name, full.base_version).size)
-            taken = self.secure.receive(job_id, number, sender, kind, body)
-            if taken and rnd.participants[sender].status in _LIVE and str(kind) == "secagg_advert":
-                self.registry.set_participant(job_id, number, sender, ParticipantStatus.REPORTED,
-                                              "advertised its secure aggregation keys", now=self.clock())
-            return taken
+            return self.secure.receive(job_id, number, sender, kind, body)
 
     def close_round(self, job_id: str, number: int) -> RoundOutcome:
         """Stop collecting, aggregate with the job's rule, gate on the server set, and register

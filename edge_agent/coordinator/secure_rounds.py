@@ -4,6 +4,8 @@ round engine's part that runs one `SecAggRound` (secagg.py) per open round of a 
     the round opens as any other: selected devices get a finetune command (params secagg)
     advertise   each device trains, then sends `secagg_advert`; the phase closes when every
                 selected device advertised or dropped out, or at the round's deadline
+                (participants stay dispatched until the round is done: then those in the sum
+                are reported, those who advertised and left dropped out, naming the phase)
     share       `secagg_roster` to each advertiser (the round's public config, U0, its own and
                 its neighbours' adverts) -> `secagg_shares`
     mask        `secagg_inbox` (the shares addressed to it) -> `secagg_masked`
@@ -44,7 +46,7 @@ from ..protocol import Kind
 from ..protocol.schema import SECAGG_MAX_DEVICES, SECAGG_MAX_LENGTH
 from ..updates.secagg import RoundConfig, SecAggError, default_degree, members_bitmap, unb64
 from .privacy import DpParams
-from .records import Job, RoundRecord
+from .records import Job, ParticipantStatus, RoundRecord
 from .secagg import MAX_STATE, SecAggRound
 from .strategies.dp import GaussianSum
 
@@ -174,6 +176,26 @@ class SecureRounds:
 
     def forget(self, job_id: str, number: int) -> None:
         self._open.pop((job_id, number), None)
+
+    def participants(self, job_id: str, number: int) -> list[tuple[str, ParticipantStatus, str]]:
+        """A finished round's participant moves: its survivors reported (their masked input is in
+        the sum), the devices that advertised but left it dropped out, naming the phase."""
+        st = self.load(job_id, number)
+        if st is None:
+            return []
+        r = st.round
+        failed = f" (the secure round failed: {r.reason})"[:300] if r.phase == "failed" else ""
+        out = []
+        for d in r.adverts:
+            if d in r.survivors and not failed:
+                out.append((d, ParticipantStatus.REPORTED, "secure aggregation: its masked input is in the sum"))
+            elif d in r.masked:
+                out.append((d, ParticipantStatus.DROPPED, f"secagg: masked input sent{failed}"))
+            elif d in r.shares:
+                out.append((d, ParticipantStatus.DROPPED, f"secagg: no masked input after sharing its keys{failed}"))
+            else:
+                out.append((d, ParticipantStatus.DROPPED, f"secagg: no shares after advertising{failed}"))
+        return out
 
     # ---- the devices' messages
     def receive(self, job_id: str, number: int, sender: str, kind: Kind, body: dict[str, Any]) -> bool:

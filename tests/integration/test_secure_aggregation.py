@@ -50,6 +50,7 @@ def test_a_secure_job_publishes_the_survivors_exact_mean_and_the_coordinator_nev
         assert job.status is JobStatus.DONE and job.params["secagg"] is True and job.params["aggregator"] == "fedavg"
         (rnd,) = reg.list_rounds(job.id)
         assert rnd.state is RoundState.AGGREGATED, rnd.reason
+        assert rnd.dropouts == {victim.id: "secagg: no masked input after sharing its keys"}
         assert reg.list_updates(job.id, 1) == []  # no update was ever stored
         base = reg.load_head(reg.get_model("digits", "1"))
         version = reg.get_model("digits", rnd.aggregated_version)

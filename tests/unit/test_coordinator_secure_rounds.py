@@ -114,7 +114,7 @@ def test_a_secure_round_with_a_restart_before_every_phase_and_a_silent_device_pu
     for key, did in zip(f.keys, f.ids, strict=True):  # trained: each advertises
         f.devices[did] = SecAggDevice(device_key=key, round_id=f"{job}/1")
         assert f.send(did, Kind.SECAGG_ADVERT, {"job": job, "round": 1, "advert": f.devices[did].advertise()})
-    assert f.reg.get_round(job, 1).participants[f.ids[0]].status is ParticipantStatus.REPORTED
+    assert f.reg.get_round(job, 1).participants[f.ids[0]].status is ParticipantStatus.DISPATCHED  # (until done)
     silent = f.ids[2]
     answered: dict[Kind, int] = {}
     said: dict[str, list[Kind]] = {d: [] for d in f.ids}
@@ -152,6 +152,13 @@ def test_a_secure_round_with_a_restart_before_every_phase_and_a_silent_device_pu
         np.testing.assert_allclose(new[name], arr + mean[name].astype(np.float32), rtol=0, atol=1e-7)
     assert outcome.new_version.metrics["secagg_survivors"] == masked and f.reg.list_updates(job, 1) == []
     assert f.reg.get_job(job).status is JobStatus.DONE
+    parts = f.reg.get_round(job, 1).participants
+    if masked == 3:  # the silent device is the round's dropout, saying when it left
+        assert outcome.dropouts == {silent: "secagg: no masked input after sharing its keys"}
+        assert {d: p.status for d, p in parts.items() if d != silent} == dict.fromkeys(
+            set(f.ids) - {silent}, ParticipantStatus.REPORTED)
+    else:  # its input is in the sum: it reported
+        assert outcome.dropouts == {} and all(p.status is ParticipantStatus.REPORTED for p in parts.values())
 
 
 def test_a_private_secure_job_is_charged_to_its_ledger_and_each_device_adds_its_noise_share(fleet: Fleet) -> None:
