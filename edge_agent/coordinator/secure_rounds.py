@@ -22,7 +22,9 @@ the current phase are sent its request again every RESEND_S (a restarted agent, 
 a device answers a repeated request with its stored answer, and a second answer is refused here.
 
 State: `<state dir>/secagg/<job>-r<round>.json` (0600), written crash-safely after every
-accepted message and every phase change -- a restarted serve resumes the round where it was.
+accepted message and every phase change -- a restarted serve resumes the round where it was --
+under a flock, and read again when another process wrote it (serve workers sharing the state
+dir: whichever takes a device's message).
 It holds what SecAggRound holds (adverts, encrypted shares, the running masked sum, revealed
 shares) and, once unmasked, the sum: never an individual update.
 """
@@ -30,10 +32,13 @@ shares) and, once unmasked, the sum: never an individual update.
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import logging
+import os
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +134,14 @@ class SecureState:
 Outgoing = tuple[str, Kind, dict[str, Any]]  # (device, kind, body) for its secagg_cmd topic
 
 
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class SecureRounds:
     def __init__(self, *, state_dir: Path, clock: Callable[[], float] = time.time,
                  noise: Callable[[], np.random.Generator] | None = None) -> None:
@@ -136,21 +149,39 @@ class SecureRounds:
         self.clock = clock
         self._noise = noise or (lambda: np.random.default_rng())  # only device_std is read from it
         self._open: dict[tuple[str, int], SecureState] = {}
+        self._stamps: dict[tuple[str, int], tuple[int, int, int]] = {}  # what this process last read or wrote
 
     def path(self, job_id: str, number: int) -> Path:
         return self.dir / f"{job_id}-r{number}.json"
 
     def _save(self, job_id: str, number: int, st: SecureState) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        atomic_write_json(self.path(job_id, number), st.to_json(), mode=0o600)
+        path = self.path(job_id, number)
+        atomic_write_json(path, st.to_json(), mode=0o600)
+        self._stamps[(job_id, number)] = _stamp(path)
 
     def load(self, job_id: str, number: int) -> SecureState | None:
-        """The round's state (memory, else disk); None when it was never opened."""
-        st = self._open.get((job_id, number))
-        if st is None and self.path(job_id, number).exists():
-            st = SecureState.from_json(read_json_object(self.path(job_id, number), MAX_STATE, "secure round state"))
-            self._open[(job_id, number)] = st
+        """The round's state: kept in memory, read again when another process (a serve worker
+        of the same state dir) wrote it since; None when it was never opened."""
+        key, path = (job_id, number), self.path(job_id, number)
+        st, stamp = self._open.get(key), _stamp(path)
+        if stamp is not None and (st is None or stamp != self._stamps.get(key)):
+            fresh = SecureState.from_json(read_json_object(path, MAX_STATE, "secure round state"))
+            fresh.sent = st.sent if st is not None else {}
+            self._open[key], self._stamps[key], st = fresh, stamp, fresh
         return st
+
+    @contextlib.contextmanager
+    def _locked(self, job_id: str, number: int) -> Iterator[None]:
+        """One process at a time reads, changes and writes a round's state (flock: released by
+        a crash too), so two serve workers never overwrite each other's accepted messages."""
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.dir / f"{job_id}-r{number}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def config(self, job: Job, rnd: RoundRecord, length: int) -> RoundConfig:
         """The round's public parameters: its selected devices, SecAgg+'s degree and threshold,
@@ -166,6 +197,10 @@ class SecureRounds:
                            clip=clip, noise_std=noise)
 
     def open(self, job: Job, rnd: RoundRecord, length: int) -> SecureState:
+        with self._locked(job.id, rnd.number):
+            return self._open_locked(job, rnd, length)
+
+    def _open_locked(self, job: Job, rnd: RoundRecord, length: int) -> SecureState:
         st = self.load(job.id, rnd.number)
         if st is None:
             st = SecureState(SecAggRound(self.config(job, rnd, length)),
@@ -176,6 +211,7 @@ class SecureRounds:
 
     def forget(self, job_id: str, number: int) -> None:
         self._open.pop((job_id, number), None)
+        self._stamps.pop((job_id, number), None)  # (its lock file stays: another process may hold it)
 
     def participants(self, job_id: str, number: int) -> list[tuple[str, ParticipantStatus, str]]:
         """A finished round's participant moves: its survivors reported (their masked input is in
@@ -202,6 +238,10 @@ class SecureRounds:
         """One verified message into its round; True if it was taken (False: a repeat of what
         it already sent, or out of its phase -- logged, nothing changes). InputError when the
         round is not a secure round in progress or the content is refused."""
+        with self._locked(job_id, number):
+            return self._receive(job_id, number, sender, kind, body)
+
+    def _receive(self, job_id: str, number: int, sender: str, kind: Kind, body: dict[str, Any]) -> bool:
         st = self.load(job_id, number)
         if st is None:
             raise InputError(f"no secure round {job_id} round {number}")
@@ -229,8 +269,12 @@ class SecureRounds:
     def step(self, job: Job, rnd: RoundRecord, live: Iterable[str], length: int) -> tuple[bool, list[Outgoing]]:
         """Advance an open secure round: close its phase when everyone answered or its deadline
         passed; (due, messages to send). `live`: selected devices that neither reported nor
-        dropped out (advertising is how a secure device reports). Due once done or failed."""
-        st = self.open(job, rnd, length)
+        dropped out). Due once done or failed."""
+        with self._locked(job.id, rnd.number):
+            return self._step(job, rnd, live, length)
+
+    def _step(self, job: Job, rnd: RoundRecord, live: Iterable[str], length: int) -> tuple[bool, list[Outgoing]]:
+        st = self._open_locked(job, rnd, length)
         r, now, live = st.round, self.clock(), set(live)
         before = r.phase
         try:

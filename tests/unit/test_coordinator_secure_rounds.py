@@ -241,3 +241,23 @@ def test_train_secure_aggregation_queues_a_secure_job_and_refuses_what_cannot_wo
         assert rc == EXIT_USAGE and why in err, err
     rc, err = run("--secagg-phase", "10")
     assert rc == EXIT_USAGE and "option of --secure-aggregation" in err
+
+
+def test_two_serve_workers_on_one_state_dir_never_overwrite_each_other_s_messages(fleet: Fleet) -> None:
+    """Whichever worker takes a device's message (a shared subscription), the round's state
+    holds them all: each reads what the other wrote before changing it (flock + re-read)."""
+    f = fleet
+    job = start(f)
+    other = RoundEngine(registry=Registry(state_dir=f.dir, clock=f.clock), clock=f.clock)
+    for i, (key, did) in enumerate(zip(f.keys, f.ids, strict=True)):
+        f.devices[did] = SecAggDevice(device_key=key, round_id=f"{job}/1")
+        engine = f.engine if i % 2 else other
+        assert engine.receive_secagg(job, 1, did, Kind.SECAGG_ADVERT,
+                                     {"job": job, "round": 1, "advert": f.devices[did].advertise()})
+    rosters = f.engine.tick().secagg  # everyone advertised: the share phase opens at once, for all four
+    assert sorted(d for d, kind, _ in rosters if kind is Kind.SECAGG_ROSTER) == sorted(f.ids)
+    for i, (device, kind, body) in enumerate(rosters):
+        engine = other if i % 2 else f.engine
+        assert engine.receive_secagg(job, 1, device, *f.answer(device, kind, body))
+    state = json.loads((f.dir / STATE_DIR / f"{job}-r1.json").read_text())
+    assert sorted(state["round"]["shares"]) == sorted(f.ids)
