@@ -131,7 +131,13 @@ class SecureJobs:
     def handle(self, msg: Message) -> None:
         """A verified roster, inbox or unmask request: answered (or answered again)."""
         job_id = f"{msg.body['job']}-r{msg.body['round']}"
-        state = self._load(job_id)
+        try:
+            state = self._load(job_id)
+        except InputError as exc:  # damaged (a torn SD card): this round goes on without this device
+            log.error("job %s: %s; removed, the round goes on without this device", job_id, exc)
+            self._delete(job_id)
+            self._finish(job_id, False, f"secure round state unreadable: {exc}"[:300])
+            return
         if state is None:
             log.info("job %s: %s for a secure round this device is not in (finished, or never began)", job_id,
                      msg.kind)

@@ -101,8 +101,9 @@ def check_secure_params(p: dict[str, Any], *, min_devices: int, asynchronous: bo
     if length is not None and length > SECAGG_MAX_LENGTH:
         raise InputError(f"a secure job's masked vector travels in one message: at most {SECAGG_MAX_LENGTH} "
                          f"parameters, this head has {length} (a chunked masked input is not built)")
+    if not p.get("aggregator"):
+        p["aggregator_default"] = "a secure job: the coordinator sees only the sum"
     p["aggregator"] = allowed[0]
-    p.setdefault("aggregator_default", "a secure job: the coordinator sees only the sum")
 
 
 @dataclass

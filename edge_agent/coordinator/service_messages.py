@@ -176,7 +176,7 @@ class DeviceMessages:
         """A secure round's message (secure_rounds.py); refused ones are logged by `handle`
         (their reason names the phase or the field, never a value of an update)."""
         if self.engine.receive_secagg(msg.body["job"], msg.body["round"], device, msg.kind, msg.body):
-            log.info("job %s round %d: %s from %s", msg.body["job"], msg.body["round"], msg.kind, device)
+            log.debug("job %s round %d: %s from %s", msg.body["job"], msg.body["round"], msg.kind, device)
 
     def _state(self, msg: Message, device: str) -> None:
         facts = facts_from_state(msg.body)

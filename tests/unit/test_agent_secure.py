@@ -133,3 +133,7 @@ def test_a_request_for_a_round_the_device_is_not_in_or_a_damaged_state_file_is_s
     d.restart()
     d.jobs.recover()  # logged, removed: the round goes on without this device
     assert not d.state_file.exists()
+    d.jobs.begin(d.job, d.delta.astype("<f8").tobytes())
+    d.state_file.write_bytes(b"\0" * 64)  # zero-filled by a power cut: a request finds it so
+    d.jobs.handle(Message(Kind.SECAGG_UNMASK, TOPICS.parse(topic), "coordinator", 2, int(T0), int(T0) + 60, body))
+    assert not d.state_file.exists() and d.finished[-1][:2] == (f"{JOB}-r1", False)
