@@ -2,8 +2,9 @@
 `edge-coordinator serve` on a real mosquitto run `train --secure-aggregation` (SecAgg+ over
 MQTT: coordinator/secure_rounds.py, agent/secure.py). One device goes silent after sharing
 its keys (the agents' test hook debug/secagg_drop), so its pairwise masks must be removed
-through its reconstructed key: the published version is exactly the base plus the mean of
-the survivors' quantised updates, and no individual update is anywhere at the coordinator."""
+through its reconstructed key, and mid-round serve and another agent are killed and started
+again: the published version is exactly the base plus the mean of the survivors' quantised
+updates, and no individual update is anywhere at the coordinator."""
 
 from __future__ import annotations
 
@@ -13,12 +14,21 @@ import json
 import numpy as np
 import pytest
 
+from edge_agent import __version__
+from edge_agent.agent.jobs import JobState
 from edge_agent.coordinator.records import JobStatus, RoundState
 from edge_agent.updates.secagg import RoundConfig, unflat_by_name
-from tests.integration.agents import SHORT_ROUND, logs, wait_online
-from tests.integration.conftest import board_tree, device_data, register_digits
+from tests.integration.agents import SHORT_ROUND, job_id_of, jobs, logs, wait_online
+from tests.integration.conftest import board_tree, device_data, register_digits, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real agents train
+
+
+def _phase(path) -> str | None:
+    try:
+        return json.loads(path.read_text())["round"]["phase"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _leaks(blob: bytes, needles: dict[str, bytes]) -> list[str]:
@@ -41,13 +51,26 @@ def test_a_secure_job_publishes_the_survivors_exact_mean_and_the_coordinator_nev
     register_digits(coordinator, digits_bundle[1], tmp_path)
     wait_online(coordinator, agents_)
 
-    done = coordinator.cli("train", "--model", "digits", "--devices", "all", "--deadline", "600s",
-                           "--min-devices", "3", "--secure-aggregation", "--secagg-phase", "3", *SHORT_ROUND,
-                           check=False, timeout=300)
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{logs(coordinator, agents_)}"
+    job_id = job_id_of(coordinator.cli("train", "--model", "digits", "--devices", "all", "--deadline", "600s",
+                                       "--min-devices", "3", "--secure-aggregation", "--secagg-phase", "6",
+                                       *SHORT_ROUND[:-2], "--detach").stdout)
+    # mid-round -- the mask phase waits for the victim's input until its deadline -- serve and a
+    # survivor's agent are killed (-9) and started again: both go on from their state files
+    state_path = coordinator.state_dir / "secagg" / f"{job_id}-r1.json"
+    assert wait_for(lambda: _phase(state_path) == "mask", 120), logs(coordinator, agents_)
+    coordinator.kill9()
+    survivors[0].kill9()
+    survivors[0].start()
+    coordinator = serve(mosquitto.port).start()
+
+    def finished() -> bool:
+        with coordinator.registry() as reg:
+            return reg.get_job(job_id).status.terminal
+
+    assert wait_for(finished, 120), logs(coordinator, agents_)
     with coordinator.registry() as reg:
         (job,) = reg.list_jobs()
-        assert job.status is JobStatus.DONE and job.params["secagg"] is True and job.params["aggregator"] == "fedavg"
+        assert job.status is JobStatus.DONE and job.params["secagg"] is True, logs(coordinator, agents_) and job.params["aggregator"] == "fedavg"
         (rnd,) = reg.list_rounds(job.id)
         assert rnd.state is RoundState.AGGREGATED, rnd.reason
         assert rnd.dropouts == {victim.id: "secagg: no masked input after sharing its keys"}
@@ -74,6 +97,11 @@ def test_a_secure_job_publishes_the_survivors_exact_mean_and_the_coordinator_nev
     for name, arr in base.items():
         want = (arr.astype(np.float64) + (scale * mean[name]).astype(np.float32)).astype(np.float32)
         np.testing.assert_allclose(new[name], want, rtol=0, atol=1e-6, err_msg=name)
+
+    # the restarted agent went on where it was: it revealed after its restart, its job is done
+    after = survivors[0].log_tail(10**7).split(f"edge-agent {__version__}: device {survivors[0].id}")
+    assert len(after) == 3 and "secure aggregation: shares revealed" in after[-1], after[-1][-3000:]
+    assert [j.state for j in jobs(survivors[0])] == [JobState.DONE]
 
     # the devices: the survivors' round secrets are gone (only their reveal kept), the jobs done
     for agent in survivors:
