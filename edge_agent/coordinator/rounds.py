@@ -145,8 +145,10 @@ class RoundEngine:
                              "with too few updates to publish (a buffer must hold at least --min-devices)")
         check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
         self._check_privacy(p, selector, mode)
+        secure = is_secure(p)
         check_secure_params(p, min_devices=min_devices, asynchronous=mode is not None,
-                            length=self._head_length(model_name, model_version) if is_secure(p) else None)
+                            length=self._head_length(model_name, model_version) if secure else None,
+                            fleet=self._fleet_size(selector) if secure else None)
         if not p.get("aggregator"):
             if self.policy.aggregator:
                 p["aggregator"], p["aggregator_default"] = self.policy.aggregator, "the coordinator's --aggregator"

@@ -68,7 +68,8 @@ def is_secure(params: dict[str, Any]) -> bool:
     return params.get("secagg") is True
 
 
-def check_secure_params(p: dict[str, Any], *, min_devices: int, asynchronous: bool, length: int | None) -> None:
+def check_secure_params(p: dict[str, Any], *, min_devices: int, asynchronous: bool, length: int | None,
+                        fleet: int | None = None) -> None:
     """Refuse a secure job that cannot work (InputError naming why); set its rule: the plain
     mean, or dp_fedavg's fixed-denominator mean for a private job (privacy.py)."""
     if "secagg" in p and not isinstance(p["secagg"], bool):
@@ -96,8 +97,10 @@ def check_secure_params(p: dict[str, Any], *, min_devices: int, asynchronous: bo
             raise InputError(f"{key} must be a number in [{lo:g}, {hi:g}], got {v!r:.40}")
     if dp is not None and p.get("secagg_clip") is not None:
         raise InputError("a private secure job clips to --dp-clip: leave secagg_clip out")
-    if p.get("devices_per_round") is not None and p["devices_per_round"] > SECAGG_MAX_DEVICES:
-        raise InputError(f"a secure round takes at most {SECAGG_MAX_DEVICES} devices (--devices-per-round)")
+    per_round = p.get("devices_per_round") or fleet or 0
+    if per_round > SECAGG_MAX_DEVICES:  # (the roster lists them all, in one message)
+        raise InputError(f"a secure round takes at most {SECAGG_MAX_DEVICES} devices, this one would select "
+                         f"{per_round}: give --devices-per-round")
     if length is not None and length > SECAGG_MAX_LENGTH:
         raise InputError(f"a secure job's masked vector travels in one message: at most {SECAGG_MAX_LENGTH} "
                          f"parameters, this head has {length} (a chunked masked input is not built)")

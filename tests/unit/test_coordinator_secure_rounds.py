@@ -188,6 +188,7 @@ def test_a_private_secure_job_is_charged_to_its_ledger_and_each_device_adds_its_
     ({}, 2, "min-devices >= 3"),
     ({"dp_clip": 1.0, "dp_noise": 1.0, "secagg_clip": 2.0}, 3, "clips to --dp-clip"),
     ({"secagg_phase_s": 0.1}, 3, "secagg_phase_s must be"),
+    ({"devices_per_round": 2001}, 3, "at most 2000 devices"),
 ])
 def test_a_secure_job_that_cannot_work_is_refused_saying_why(fleet: Fleet, params: dict, min_devices: int,
                                                               why: str) -> None:
