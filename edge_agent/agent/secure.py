@@ -103,7 +103,7 @@ class SecureJobs:
         for path in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
             try:
                 state = read_json_object(path, MAX_STATE, "secure round state")
-                if not self._dropped(state):
+                if not self._dropped(state) and not state.get("done"):  # (a lost reveal: asked for again)
                     self._send(Kind(state["sent"]["kind"]), state["sent"]["body"])
             except (InputError, KeyError, TypeError, ValueError) as exc:
                 log.error("%s: unusable (%s): removed; that round goes on without this device", path, exc)
