@@ -43,7 +43,7 @@ TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("
 # Every training key a request carries to the training child (agent/lifecycle.py's spec):
 # one list, so a parameter accepted here cannot be dropped on the way (trainer once was).
 TRAIN_KEYS = (*TRAIN_PARAMS, *TRAIN_CHOICES, *PRIVACY_PARAMS)  # what the training child is given
-SECURE_KEYS = (*SECURE_PARAMS, "secagg")  # kept with the job (agent/secure.py); the child hears only `secagg`
+# (secagg and SECURE_PARAMS are kept with the job for agent/secure.py; the child hears only `secagg`)
 
 
 
