@@ -126,3 +126,15 @@ def test_an_oversized_secagg_message_is_refused_before_parsing(env) -> None:
     with pytest.raises(ValueError, match="masked must be base64"):  # one coordinate more: refused by the signer too
         env.dev.control(up, Kind.SECAGG_MASKED, {"job": "j", "round": 1,
                                                  "masked": b64(b"SAM1" + bytes(4 * SECAGG_MAX_LENGTH + 4))}, ttl=60)
+
+
+def test_a_finetune_command_s_secagg_params_are_parsed_strictly() -> None:
+    from edge_agent.protocol.finetune import BadParams, parse_finetune
+
+    body = {"cmd_id": "c", "action": "finetune", "job": "job-1", "round": 1, "model": "m", "version": "1"}
+    req = parse_finetune({**body, "params": {"secagg": True, "secagg_phase_s": 30}})
+    assert req.to_params()["secagg"] is True and req.to_params()["secagg_phase_s"] == 30.0
+    assert "secagg" not in parse_finetune({**body, "params": {"secagg": False}}).to_params()
+    for bad in ({"secagg": "yes"}, {"secagg": 1}, {"secagg_phase_s": 0.5}, {"secagg_phase_s": 10**400}):
+        with pytest.raises(BadParams, match="secagg"):
+            parse_finetune({**body, "params": bad})
