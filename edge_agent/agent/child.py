@@ -63,6 +63,7 @@ from .runner import (
     EXIT_TRAINED,
     RESIDUAL_FILE,
     RESULT_FILE,
+    SECAGG_DELTA,
     UPDATE_FILE,
     pack_chunks,
 )
@@ -128,6 +129,12 @@ def _encode(spec: dict[str, Any], report: dict[str, Any], job_dir: Path) -> dict
     _, base = head_from_bundle(bundle)
     trained = _head_params(read_limited(report["head"]["file"], 256 << 20))
     delta = compute_delta({n: trained[n] for n in base if n in trained}, base)
+    if spec.get("secagg"):  # a secure job: the dense delta, masked by the daemon (agent/secure.py)
+        from ..updates.secagg import flat_by_name
+
+        flat = flat_by_name({n: delta.get(n, np.zeros_like(base[n])) for n in base})
+        write_checked(job_dir / SECAGG_DELTA, flat.astype("<f8").tobytes())
+        return {"secagg": True, "length": int(flat.size), "labels_sha256": label_set_digest(bundle.manifest.labels)}
     # a job at one depth of a multi-depth model trains some tensors: send only those (the
     # coordinator takes a left-out tensor as a zero delta); at least one, to say "no change"
     moved = {n: d for n, d in delta.items() if np.any(d)}

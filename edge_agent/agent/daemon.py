@@ -66,7 +66,7 @@ from ..protocol import (
     TrustStore,
     Verifier,
 )
-from ..protocol.schema import clean_flat
+from ..protocol.schema import SECAGG_DOWN, clean_flat
 from ..transport import Admission, Channel, MqttClient, Outbox, OutboxKey, TlsConfig, Uploader, Will
 from .coordinator_trust import CoordinatorTrust
 from .jobs import JobStore
@@ -75,6 +75,7 @@ from .link import HELLO_ACK_PREFIX, LINK_FILE, CoordinatorLink
 from .models import ModelStore
 from .policy import DeviceLimits, Verdict
 from .sdnotify import Watchdog
+from .secure import SecureJobs
 from .solar import SolarPlanner, SolarSettings, pvlib_missing
 from .state import AGENT, DeviceState
 
@@ -136,7 +137,7 @@ class Daemon:
             username=g("broker", "username"), password=self._password(), will=self._will,
             subscriptions=[*self.topics.device_subscriptions(self.device_id),
                            self.topics.coordinator_key(self.coordinator.key_id)],  # (its rotation, if ever)
-            admit=Admission(self.verifier),  # signed commands and acks jump any junk flood
+            admit=Admission(self.verifier, priority_channels=("cmd", "ack", "secagg_cmd")),  # signed commands jump junk
             backoff_base=float(g("broker", "reconnect_min_s")), backoff_cap=float(g("broker", "reconnect_max_s")),
             max_payload=max_message)
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.verifier, role="device")
@@ -173,6 +174,11 @@ class Daemon:
             keep_days=float(g("service", "keep_job_days", 30.0))), models=self.models,
                                 outbox=self.outbox, readings=self.device.readings, publish=self.progress,
                                 planner=self.planner)
+        # a secure job's device side (secure.py): its round secrets in <state dir>/secagg/, 0600
+        self.secure = SecureJobs(state_dir=sd, key=self.key, send=self._send_secagg,
+                                 finish=self.driver.secure_finished, hooks=self.hooks)
+        self.driver.secure = self.secure
+        self._secure_at = 0.0
         self.inference = None  # the local inference service ([serve] enabled): threads of this process
         if g("serve", "enabled"):
             from ..inference.server import InferenceServer
@@ -238,6 +244,16 @@ class Daemon:
             log.error("progress %s not sent: %s", phase, exc)
             return False
 
+    def _send_secagg(self, kind: Kind, body: dict[str, Any]) -> bool:
+        """A secure round's message (its state already saved: a lost one is sent again on the
+        coordinator's repeated request, or after a restart)."""
+        topic = self.topics.device(self.device_id, "secagg")
+        try:
+            return self.client.connected and self.channel.send(topic, kind, body, ttl=3600, timeout=5.0)
+        except ValueError as exc:  # a body our own schema refuses (a head too large to mask): logged
+            log.error("%s for job %s not sent: %s", kind, body.get("job"), exc)
+            return False
+
     def refuse(self, msg: Message, verdict: Verdict) -> None:
         body = {"reason": verdict.reason, "detail": verdict.detail[:512], "ref_topic": msg.topic[:256],
                 "ref_kind": str(msg.kind), "ref_seq": msg.seq, "ref_cmd_id": msg.body["cmd_id"]}
@@ -294,7 +310,7 @@ class Daemon:
             return
         if result.kind is Kind.ACK and result.body.get("reason") == "unknown_key":  # our update: sender unknown
             self.link.refused("unknown_key", str(result.body.get("detail", "")))
-        elif result.kind in (Kind.CMD, Kind.ACK):  # signed by the coordinator, for us: it knows this device
+        elif result.kind in (Kind.CMD, Kind.ACK, *SECAGG_DOWN):  # signed by the coordinator, for us: it knows us
             self.link.heard(f"{result.kind} {result.body.get('cmd_id') or result.body.get('status', '')}")
         if result.kind is Kind.CMD and result.body["action"] == "ping" and \
                 result.body["cmd_id"].startswith(HELLO_ACK_PREFIX):
@@ -322,6 +338,8 @@ class Daemon:
             self.link.refused(result.body["reason"], result.body["detail"])
         elif result.kind is Kind.KEY_ROTATION:
             self.rotate_coordinator_key(result)
+        elif result.kind in SECAGG_DOWN:
+            self.secure.handle(result)
 
     def rotate_coordinator_key(self, msg: Message) -> None:
         """The coordinator's new key, signed by the one trusted now: trust it instead (persisted
@@ -399,6 +417,9 @@ class Daemon:
             self.handle(result)
             timeout = 0.0
         self.driver.step()
+        if time.monotonic() >= self._secure_at:  # secure rounds that ended without us (their files go)
+            self._secure_at = time.monotonic() + 5.0
+            self.secure.step()
         if self.planner is not None and self.planner.tick(time.time()):  # a new forecast: in the next state
             self.driver.changed = True
         self.models.poll(protect=self.driver.protected_models())
@@ -415,6 +436,7 @@ class Daemon:
                 self._connects = connects
                 self.publish_hello()
                 self.publish_state()
+                self.secure.recover()  # secure rounds in progress: their last message again
             else:
                 if self.link.hello_due():  # refused as unknown, or not answered: say it again
                     self.publish_hello()

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import fsync_dir
+from ..atomic import fsync_dir, read_checked
 from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
 from ..power.forecast import TrainingWindow
@@ -68,13 +68,16 @@ from .runner import (
     EXIT_STOPPED,
     EXIT_TRAINED,
     FAIL_CODES,
+    MAX_UPDATE_FILE,
     RESIDUAL_FILE,
     RESULT_FILE,
+    SECAGG_DELTA,
     ChildProcess,
     describe_exit,
     read_result,
     read_update,
 )
+from .secure import SecureJobs
 from .solar import SolarPlanner
 from .state import Readings
 
@@ -131,6 +134,7 @@ class JobDriver:
         self.coordinator_reads_choices = False  # a command carried `engine_choices`
         self.changed = True  # something worth a state message happened
         self._counted: dict[str, float] | None = None  # jobs counted against the daily limit (policy)
+        self.secure: SecureJobs | None = None  # secure jobs' rounds (secure.py), set by the daemon
 
     # ---- queries ----
     def active(self) -> list[Job]:
@@ -325,7 +329,7 @@ class JobDriver:
             self._prepare(job)
         elif job.state in (S.TRAINING, S.PAUSED):
             self._train(job)
-        elif job.state is S.UPLOADING and self.outbox.get(self.key(job)) is None:
+        elif job.state is S.UPLOADING and not job.params.get("secagg") and self.outbox.get(self.key(job)) is None:
             self._advance(job, S.DONE, "acknowledged by the coordinator")  # acked before a restart
 
     def _unmetered(self, job: Job) -> str:
@@ -400,6 +404,8 @@ class JobDriver:
                 spec[key] = p[key]
         if p.get("engine_choices"):
             spec["engine_choices"] = p["engine_choices"]
+        if p.get("secagg"):  # a secure job: the child leaves the dense delta, not an update (secure.py)
+            spec["secagg"] = True
         return spec
 
     def _train(self, job: Job) -> None:
@@ -471,6 +477,9 @@ class JobDriver:
         """Queue the update (durable), adopt the residual, then record `uploading`."""
         folder = self.job_dir(job)
         result = read_result(folder) or {}
+        if job.params.get("secagg") and self.secure is not None:
+            self._finish_secure(job, folder, result)
+            return
         try:
             chunks = read_update(folder)
         except (InputError, OSError) as exc:  # damaged on disk: train (encode) again
@@ -498,6 +507,29 @@ class JobDriver:
             self._advance(job, S.TRAINING, "finished before the restart")
         self._advance(job, S.UPLOADING, f"{len(chunks)} chunk(s), {sum(map(len, chunks))} bytes queued")
 
+    def _finish_secure(self, job: Job, folder: Path, result: dict[str, Any]) -> None:
+        """A secure job: its dense delta goes to secure aggregation (secure.py), which ends the
+        job through `secure_finished`; nothing is queued in the outbox."""
+        assert self.secure is not None
+        try:
+            delta = read_checked(folder / SECAGG_DELTA, MAX_UPDATE_FILE)
+        except (InputError, OSError) as exc:  # damaged on disk: train (encode) again
+            log.error("job %s: secure delta unusable (%s); running the child again", job.job_id, exc)
+            (folder / RESULT_FILE).unlink(missing_ok=True)
+            return
+        self.secure.begin(job, delta)
+        job.result = {k: v for k, v in result.items() if k != "status"}
+        self._take_choices(result, f"job {job.job_id}")
+        if job.state is S.PAUSED:
+            self._advance(job, S.TRAINING, "finished before the restart")
+        self._advance(job, S.UPLOADING, "secure aggregation: keys advertised")
+
+    def secure_finished(self, job_id: str, ok: bool, reason: str) -> None:
+        """secure.py's verdict on a secure job's round."""
+        for job in self.active():
+            if job.job_id == job_id and job.state is S.UPLOADING:
+                self._advance(job, S.DONE if ok else S.FAILED, reason[:500])
+
     def on_upload(self, key: OutboxKey, outcome: str, detail: str = "") -> None:
         """The Uploader's verdict on an update: "acked" or "dropped"."""
         for job in self.active():
@@ -515,6 +547,8 @@ class JobDriver:
         self._track(job)
         self.changed = True
         log.info("job %s: %s (%s)", job.job_id, job.state.value, job.reason)
+        if job.state in (S.FAILED, S.CANCELLED) and self.secure is not None and job.params.get("secagg"):
+            self.secure.discard(job.job_id)  # its round secrets: gone with it
         if job.state.terminal:
             child = self.children.pop(job.job_id, None)
             if child is not None and child.poll() is None:

@@ -49,6 +49,7 @@ EXIT_BUSY = 75  # EX_TEMPFAIL
 FAIL_CODES = (EXIT_DATAERR, EXIT_CONFIG)
 CHILD_MODULE = "edge_agent.agent.child"
 SPEC_FILE, RESULT_FILE, UPDATE_FILE, RESIDUAL_FILE = "spec.json", "result.json", "update.chunks", "residual.pending"
+SECAGG_DELTA = "secagg.delta"  # a secure job's dense delta (float64, tensors in name order): agent/secure.py
 MAX_EVENT_LINE = 64 * 1024
 MAX_RESULT_BYTES = 256 * 1024
 MAX_UPDATE_FILE = 64 << 20

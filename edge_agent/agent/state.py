@@ -95,11 +95,12 @@ class DeviceState:
         # Capabilities (mxnet, trainers, native): round selection skips a device that cannot
         # run a job, e.g. a 32-bit Pi (no MXNet wheel) for a head that trains with MXNet.
         # engine_choices: this agent reads the fleet's int8 engine choices in a finetune command.
+        # secagg: it runs secure aggregation (agent/secure.py): only such devices get secure jobs.
         from ..doctor import capabilities
 
         return _flat({"name": name, "board": self.board, "arch": self.arch, "profile": self.profile,
                       "hw_fingerprint": self.fingerprint, "accelerators": self.accelerators,
-                      **capabilities(), "engine_choices": True})
+                      **capabilities(), "engine_choices": True, "secagg": True})
 
     def facts(self, *, name: str, busy: bool, job: str | None, job_state: str | None, models: Mapping[str, str],
               engine: str | None, outbox: int) -> dict[str, Any]:

@@ -452,7 +452,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         policy = _policy(args)
         sel = select_devices(reg.list_devices(), args.devices, now=time.time(), online_within_s=policy.online_within_s,
                              min_battery_pct=float(params.get("min_battery_pct", policy.min_battery_pct)),
-                             budget_wh=args.budget_wh, allow_unknown_power=policy.allow_unknown_power)
+                             budget_wh=args.budget_wh, allow_unknown_power=policy.allow_unknown_power,
+                             needs=frozenset({"secagg"}) if params.get("secagg") else frozenset())  # (their hello's)
         if not sel.eligible and not sel.ineligible:
             raise Unavailable(f"no enrolled device matches {args.devices!r} "
                               f"({len(reg.list_devices())} enrolled; see `edge-coordinator devices`)")

@@ -371,6 +371,13 @@ def add_fleet_commands(sub: Any) -> None:
                    help="the job's privacy budget: it stops (done) before a round would spend more than EPS")
     t.add_argument("--dp-delta", type=_number(float, 1e-12, 0.1), default=None, metavar="D",
                    help="delta of the (epsilon, delta) guarantee (default 1e-5; keep it below 1 / devices)")
+    t.add_argument("--secure-aggregation", dest="secure", action="store_true",
+                   help="secure aggregation (SecAgg+): the coordinator learns only the sum of each round's updates, "
+                        "never one; aggregates with the plain mean (dp_fedavg with --dp-*: each device adds its share "
+                        "of the noise); devices must advertise it; not with --async or a robust --aggregator")
+    t.add_argument("--secagg-phase", dest="secagg_phase_s", type=_duration, default=None, metavar="DURATION",
+                   help="--secure-aggregation: each phase after training (shares, masked input, unmasking) closes "
+                        "after DURATION at the latest; a device silent past it drops out (default 2m)")
     t.add_argument("--param", type=_param, action="append", metavar="KEY=VALUE",
                    help="any other job parameter passed to the devices (repeatable)")
     t.add_argument("--wait-for-devices", action="store_true",

@@ -10,6 +10,9 @@
     gate       the candidate scored on the server set against the version it replaces
                (gate.py): a worse one is retried at a half and a quarter of its step, and if
                still worse the round publishes nothing and says why
+    secure     (a secure job, instead of collect and aggregate) the round's unmasked sum
+               (secure_rounds.py) decoded and divided: the survivors' mean, or dp_fedavg's
+               fixed denominator for a private job -- no update is ever seen
     commit     the new head written, then ONE registry transaction: every update's verdict,
                the version (its accuracy from the server set, or marked device-reported),
                the round's state and the job's next status; strikes; forget the round
@@ -31,6 +34,7 @@ import numpy as np
 
 from ..atomic import CorruptFileError
 from ..errors import InputError
+from ..updates.secagg import unflat_by_name
 from .aggregate import apply_delta
 from .aggregation import RoundAggregation
 from .gate import STEP_SCALES, GateVerdict, ValidationGate
@@ -47,6 +51,7 @@ from .records import (
     UpdateStatus,
 )
 from .round_types import RoundPolicy
+from .secure_rounds import SecureRounds, is_secure
 from .server_opt import LearningStore
 from .strategies import Aggregate, NothingToAggregate
 from .streaming import Layout, Sparse
@@ -80,20 +85,25 @@ class Close:
 
 class RoundCloser:
     def __init__(self, *, registry: Any, policy: RoundPolicy, clock: Callable[[], float], heads: HeadCache,
-                 aggregation: RoundAggregation, strikes: Strikes, gate: ValidationGate) -> None:
+                 aggregation: RoundAggregation, strikes: Strikes, gate: ValidationGate,
+                 secure: SecureRounds | None = None) -> None:
         self.registry, self.policy, self.clock = registry, policy, clock
         self.heads, self.aggregation, self.strikes, self.gate = heads, aggregation, strikes, gate
+        self.secure = secure
 
     def close(self, job: Job, rnd: RoundRecord, job_end: Callable[..., tuple[JobStatus | None, str]]) -> None:
         """Run every step and commit (module doc). `job_end(job, number, aggregated=, stop=)`
         gives the job's status once this round ends."""
         base, head = self.heads.head(job.model_name, rnd.base_version)
         c = Close(job, rnd, self.clock(), base, head, self.heads.layout(job.model_name, rnd.base_version))
-        for step in (self.collect, self.aggregate, self.learn, self.judge):
+        first = (self.secure_sum,) if is_secure(job.params) else (self.collect, self.aggregate)
+        for step in (*first, self.learn, self.judge):
             step(c)
             if c.failed:
                 break
         self.commit(c, job_end)
+        if self.secure is not None:
+            self.secure.forget(job.id, rnd.number)
 
     # ---- steps
     def collect(self, c: Close) -> None:
@@ -150,6 +160,36 @@ class RoundCloser:
                     f"counted for nothing (trust {trust.get(d, 0):.2f}: its direction disagreed with the reference)"
                 c.verdicts[d] = (UpdateStatus.ACCEPTED, note)
                 c.strikes.setdefault(d, None)
+
+    def secure_sum(self, c: Close) -> None:
+        """A secure round's aggregate from its unmasked sum (module doc)."""
+        st = self.secure.load(c.job.id, c.rnd.number) if self.secure is not None else None
+        if st is None:
+            c.reason = "secure aggregation: the round never started (no device trained in time)"
+            return
+        r = st.round
+        if st.total is None:
+            c.reason = f"secure aggregation: {r.reason or f'unfinished in phase {r.phase}'}"[:1024]
+            return
+        n = len(r.survivors)
+        if n < c.job.min_devices or r.config.length != c.layout.size:
+            c.reason = (f"secure aggregation: {n} masked input(s) in the sum, need {c.job.min_devices}"
+                        if n < c.job.min_devices else "secure aggregation: the head's size changed")
+            return
+        plain = r.config.quantiser.decode_sum(st.total)
+        dp = DpParams.of(c.job.params)
+        if dp is not None:  # each device added its share of the noise: the selected devices' fixed denominator
+            vec, c.rule = plain / float(len(r.config.devices)), "dp_fedavg"
+            c.metrics |= version_metrics(self.registry, PrivacyLedger(self.registry.state_dir), dp, c.job,
+                                         c.rnd.number, c.rnd.base_version)
+        else:
+            vec, c.rule = plain / n, "fedavg"
+        by_name = unflat_by_name(vec, c.layout.shapes)  # devices mask in name order (updates/secagg.py)
+        vec = np.concatenate([by_name[name].ravel() for name in c.layout.names])
+        c.aggregate = Aggregate(vec=vec, shares=dict.fromkeys(r.survivors, 1.0 / n), info={
+            "secagg": True, "secagg_advertised": len(r.adverts), "secagg_survivors": n,
+            "secagg_dropped": len(r.config.devices) - n, "secagg_threshold": r.config.threshold,
+            "secagg_degree": r.config.degree})
 
     def learn(self, c: Close) -> None:
         assert c.aggregate is not None
@@ -219,14 +259,15 @@ class RoundCloser:
             version = f"{c.job.id}-r{c.rnd.number}"
             rel, sha = self.registry.write_head(c.job.model_name, version, c.new_head)
             used = [d for d, s in c.aggregate.shares.items() if s > 0]
+            norms = [c.recs[d].norm for d in used if d in c.recs]  # (a secure round sees no update: none)
             info = {k: v for k, v in c.aggregate.info.items() if k not in ("trust", "median_cosines")}
             new_version = ModelVersion(
                 name=c.job.model_name, version=version, parent=c.rnd.base_version, created_at=self.clock(),
                 bundle_path=c.base.bundle_path, head_path=rel, head_sha256=sha, head_only=True,
-                metrics={"updates": len(used), "samples": sum(c.recs[d].num_samples for d in used),
+                metrics={"updates": len(used), "samples": sum(c.recs[d].num_samples for d in used if d in c.recs),
                          "aggregator": c.rule, "dropouts": len(c.rnd.dropouts),
                          "rejected": sum(v[0] is UpdateStatus.REJECTED for v in c.verdicts.values()),
-                         "mean_update_norm": float(np.mean([c.recs[d].norm for d in used])) if used else 0.0,
+                         "mean_update_norm": float(np.mean(norms)) if norms else 0.0,
                          **info, **c.metrics},
                 job_id=c.job.id, round=c.rnd.number)
         for d in c.recs:

@@ -120,3 +120,4 @@ class TickResult:
     cancelled: list[RoundPlan] = field(default_factory=list)  # tell these devices to stop
     failed: dict[str, str] = field(default_factory=dict)  # job id -> why it failed in this tick
     gone: list[tuple[str, str, int]] = field(default_factory=list)  # (device, job, round) dropouts: offline
+    secagg: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)  # (device, kind, body): secure rounds' requests

@@ -69,6 +69,7 @@ from .registry import Registry
 from .round_close import RoundCloser
 from .round_intake import UpdateIntake
 from .round_types import Receipt, RoundOutcome, RoundPlan, RoundPolicy, TickResult, check_options
+from .secure_rounds import SecureRounds, check_secure_params, is_secure
 from .selection import head_needs_mxnet, job_needs, sample_devices, select_devices
 from .strategies import AGGREGATORS, default_strategy
 from .strikes import Strikes
@@ -111,10 +112,11 @@ class RoundEngine:
                                             partials=PartialStore(registry.state_dir) if worker else None,
                                             noise=noise)
         self.privacy = PrivacyLedger(registry.state_dir)
+        self.secure = SecureRounds(state_dir=registry.state_dir, clock=clock)  # secure jobs' rounds (secagg)
         self.intake = UpdateIntake(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
                                    aggregation=self.aggregation, strikes=self.strikes, metrics=metrics)
         self.closer = RoundCloser(registry=registry, policy=self.policy, clock=clock, heads=self.heads,
-                                  aggregation=self.aggregation, strikes=self.strikes,
+                                  aggregation=self.aggregation, strikes=self.strikes, secure=self.secure,
                                   gate=ValidationGate(z=self.policy.gate_z, min_drop=self.policy.gate_min_drop))
         # (model, version) and bundle path -> train.depth_plan.numpy_depths, for job_needs
         self._numpy_depths: dict[tuple[str, str] | str, tuple[bool, ...]] = {}
@@ -143,6 +145,10 @@ class RoundEngine:
                              "with too few updates to publish (a buffer must hold at least --min-devices)")
         check_learning_params(p)  # server optimiser and plateau rule (server_opt.py, plateau.py)
         self._check_privacy(p, selector, mode)
+        secure = is_secure(p)
+        check_secure_params(p, min_devices=min_devices, asynchronous=mode is not None,
+                            length=self._head_length(model_name, model_version) if secure else None,
+                            fleet=self._fleet_size(selector) if secure else None)
         if not p.get("aggregator"):
             if self.policy.aggregator:
                 p["aggregator"], p["aggregator_default"] = self.policy.aggregator, "the coordinator's --aggregator"
@@ -175,6 +181,13 @@ class RoundEngine:
             raise InputError(f"dp_epsilon {dp.epsilon:g} is spent by the first round alone: one round at q {q:.3g} "
                              f"with dp_noise {dp.noise:g} costs epsilon {predict(dp, q, 1):.3g} (delta {dp.delta:g}); "
                              "raise --dp-noise, lower --devices-per-round or raise the budget")
+
+    def _head_length(self, name: str, version: str) -> int | None:
+        """Parameters of a version's head (None: unreadable now; its round fails later, saying why)."""
+        try:
+            return self.heads.layout(name, version).size
+        except (EdgeAgentError, OSError):
+            return None
 
     def _fleet_size(self, selector: str) -> int:
         """Approved, unquarantined devices the selector matches (online or not)."""
@@ -265,7 +278,10 @@ class RoundEngine:
         mode = AsyncMode.of(job.params)
         if active:
             rnd = active[0]
-            due = rnd.state is not RoundState.OPEN or self._due(job, rnd, mode)
+            if rnd.state is RoundState.OPEN and is_secure(job.params):
+                due = self._secure_step(job, rnd, result)
+            else:
+                due = rnd.state is not RoundState.OPEN or self._due(job, rnd, mode)
             if not due:
                 return
             result.closed.append(self.close_round(job.id, rnd.number))
@@ -277,6 +293,18 @@ class RoundEngine:
             opened = self._open_next(job, rounds, result)
             if opened is not None:
                 result.opened.append(opened)
+
+    def _secure_step(self, job: Job, rnd: RoundRecord, result: TickResult) -> bool:
+        """A secure round's phases (secure_rounds.py): its requests go out with the tick's
+        result; due once the sum is unmasked or the round failed."""
+        full = self.registry.get_round(job.id, rnd.number)
+        length = self.heads.layout(job.model_name, rnd.base_version).size
+        due, out = self.secure.step(job, full, full.with_status(*_LIVE), length)
+        result.secagg += out
+        if due:  # who is in the sum reported; who advertised and then went silent dropped out, saying when
+            moves = self.secure.participants(job.id, rnd.number)
+            self.registry.set_participants(job.id, rnd.number, moves, only_from=frozenset(_LIVE), now=self.clock())
+        return due
 
     def _due(self, job: Job, rnd: RoundRecord, mode: AsyncMode | None) -> bool:
         """An open round closes at its deadline or once everyone settled (reported or dropped
@@ -296,7 +324,12 @@ class RoundEngine:
         return self.clock() >= mode.device_deadline(rnd.started_at, job.deadline_s)
 
     def _needs(self, job: Job, version: str) -> frozenset[str]:
-        """What a device must run for this job at its depth (selection.job_needs)."""
+        """What a device must run for this job at its depth (selection.job_needs), and
+        secure aggregation for a secure job (its hello says `secagg`)."""
+        needs = self._depth_needs(job, version)
+        return needs | {"secagg"} if is_secure(job.params) else needs
+
+    def _depth_needs(self, job: Job, version: str) -> frozenset[str]:
         if job.params.get("trainer") == "mxnet":
             return job_needs(job.params, None)  # no need to read the model
         key = (job.model_name, version)
@@ -516,6 +549,18 @@ class RoundEngine:
             return self.intake.receive(payload, sender=sender, num_samples=num_samples, wire_bytes=wire_bytes,
                                        energy_wh=energy_wh, metrics=metrics, energy_kept=energy_kept,
                                        labels_sha256=labels_sha256)
+
+    def receive_secagg(self, job_id: str, number: int, sender: str, kind: Any, body: dict[str, Any]) -> bool:
+        """A device's secure aggregation message into its open round (secure_rounds.py).
+        InputError when the round is not a secure one open."""
+        with self._lock:
+            rnd, job = self.registry.get_round_for(job_id, number, sender), self.registry.get_job(job_id)
+            if not is_secure(job.params) or rnd.state is not RoundState.OPEN or sender not in rnd.participants:
+                raise InputError(f"{kind} for {job_id} round {number}: not an open secure round of this device")
+            if self.secure.load(job_id, number) is None:  # (before the tick after its opening: opened now)
+                full = self.registry.get_round(job_id, number)
+                self.secure.open(job, full, self.heads.layout(job.model_name, full.base_version).size)
+            return self.secure.receive(job_id, number, sender, kind, body)
 
     def close_round(self, job_id: str, number: int) -> RoundOutcome:
         """Stop collecting, aggregate with the job's rule, gate on the server set, and register

@@ -53,7 +53,8 @@ def capabilities_from_hello(info: Mapping[str, Any]) -> dict[str, Any]:
     left out, so an older agent's device keeps whatever was stored (nothing). Except
     `engine_choices` (the agent reads a finetune command's engine choices): always set, so a
     device whose agent went back to an older version is sent none again."""
-    out: dict[str, Any] = {"engine_choices": info.get("engine_choices") is True}
+    out: dict[str, Any] = {"engine_choices": info.get("engine_choices") is True,
+                           "secagg": info.get("secagg") is True}  # (an older agent's: no secure jobs)
     if isinstance(info.get("mxnet"), bool):
         out["mxnet"] = info["mxnet"]
     for key in ("trainers", "native"):
@@ -133,6 +134,8 @@ def select_devices(devices: Sequence[Device], selector: str, *, now: float, onli
                           (deadline_at, power_cap_w))
         if not why and "mxnet" in needs and dev.state.get("mxnet") is False:
             why = "no MXNet on this device (32-bit ARM, or it does not load), and this job trains with MXNet"
+        if not why and "secagg" in needs and dev.state.get("secagg") is not True:
+            why = "its agent does not do secure aggregation (no secagg in its hello), and this job is secure"
         if why:
             ineligible[dev.id] = why
         else:

@@ -209,7 +209,7 @@ class Coordinator(DeviceMessages):
             # (the 10,000-device round lost 327 of them to its own burst of chunks and states,
             # and could then only close at its deadline).
             backoff_cap=o.backoff_cap, inbox_size=20_000, priority_size=20_000, max_payload=MAX_BINARY_BYTES + 4096,
-            admit=Admission(self.verifier, priority_channels=("progress",), resend_channels=("state", "update"),
+            admit=Admission(self.verifier, priority_channels=("progress",), resend_channels=("state", "update", "secagg"),
                             per_device=DEVICE_INGRESS))
         self.pending = PendingDevices(self.verifier, self.topics)  # shown, logged once, not trusted
         self.channel = Channel(client=self.client, signer=self.signer, verifier=self.pending,  # type: ignore[arg-type]
@@ -360,6 +360,8 @@ class Coordinator(DeviceMessages):
                 self._publish_safely(outcome.new_version, full=False)  # the full archive: on demand
         for job_id, why in result.failed.items():
             log.error("job %s failed: %s", job_id, why)
+        if result.secagg and self.client.connected:
+            self._send_secagg(result.secagg)
         if result.closed:
             release_freed_memory()  # a round's arrays are gone: give their pages back (flat RSS)
         if self.client.connected and self._publish_rotations():  # devices move to our key before our commands
@@ -540,6 +542,21 @@ class Coordinator(DeviceMessages):
                 if not body.get("engine_choices"):
                     raise
                 body = {**body, "engine_choices": body["engine_choices"][:len(body["engine_choices"]) // 2]}
+
+    def _send_secagg(self, messages: list[tuple[str, Any, dict[str, Any]]]) -> None:
+        """Secure rounds' requests (roster, inbox, unmask) on each device's secagg_cmd topic;
+        one not delivered is sent again by a later tick (secure_rounds.RESEND_S)."""
+        signed = []
+        for device, kind, body in messages:
+            topic = self.topics.device(device, "secagg_cmd")
+            try:
+                signed.append((topic, self.signer.control(topic, kind, body, ttl=3600)))
+            except ValueError as exc:  # over the size limit: that device cannot be told (logged, it drops out)
+                log.error("job %s round %d: %s to %s not sent: %s", body["job"], body["round"], kind, device, exc)
+        sent = self.channel.send_many(signed, timeout=10.0)
+        if not all(sent):
+            log.warning("%d of %d secure aggregation request(s) not delivered; sent again later",
+                        len(sent) - sum(sent), len(sent))
 
     def _cancel(self, plan: RoundPlan) -> None:
         signed = []

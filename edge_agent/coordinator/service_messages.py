@@ -24,6 +24,7 @@ from ..protocol import Kind, Message, Reason, Rejection, Signer, Topics
 from ..protocol.engine_choice import MAX_SHARED_CHOICES, SharedChoice
 from ..protocol.facts import facts_from_state
 from ..protocol.hello import hello_answer
+from ..protocol.schema import SECAGG_UP
 from ..transport import Channel, MqttClient, OutboxKey, UpdateReceiver, ack_message
 from ..transport.uplink import CompletedUpload, expire
 from .pending import PendingDevices
@@ -133,6 +134,8 @@ class DeviceMessages:
                 self._refusal(result, device)
             elif result.kind is Kind.UPDATE_CHUNK:
                 self._chunk(result)
+            elif result.kind in SECAGG_UP:
+                self._secagg(result, device)
         except InputError as exc:  # verified but unacceptable content (an id the registry refuses...)
             log.warning("%s from %s not recorded: %s", result.kind, device, exc)
 
@@ -168,6 +171,12 @@ class DeviceMessages:
         answer = hello_answer(self.signer, self.topics, msg)  # "heard you" (protocol/hello.py)
         if answer is not None:
             self.client.publish(*answer)
+
+    def _secagg(self, msg: Message, device: str) -> None:
+        """A secure round's message (secure_rounds.py); refused ones are logged by `handle`
+        (their reason names the phase or the field, never a value of an update)."""
+        if self.engine.receive_secagg(msg.body["job"], msg.body["round"], device, msg.kind, msg.body):
+            log.debug("job %s round %d: %s from %s", msg.body["job"], msg.body["round"], msg.kind, device)
 
     def _state(self, msg: Message, device: str) -> None:
         facts = facts_from_state(msg.body)

@@ -26,6 +26,7 @@ def job_params(args: argparse.Namespace) -> dict[str, Any]:
     params.update(_learning_params(args))
     params.update(_async_params(args))
     params.update(_privacy_params(args))
+    params.update(_secure_params(args, params))
     check_job_params({**params, "budget_wh": args.budget_wh})
     return params
 
@@ -59,6 +60,28 @@ def _privacy_params(args: argparse.Namespace) -> dict[str, Any]:
     except InputError as exc:
         raise UsageError(str(exc).replace("dp_clip and dp_noise (--dp-clip, --dp-noise)", "--dp-clip and --dp-noise")
                          ) from None
+    return out
+
+
+def _secure_params(args: argparse.Namespace, params: Mapping[str, Any]) -> dict[str, Any]:
+    """--secure-aggregation and --secagg-phase as job params (secure_rounds.py): refused now
+    with --async, a robust --aggregator or fewer than 3 devices a round, as serve would."""
+    from .secure_rounds import check_secure_params
+
+    phase = getattr(args, "secagg_phase_s", None)
+    if not getattr(args, "secure", False) and not params.get("secagg"):
+        if phase is not None:
+            raise UsageError("--secagg-phase is an option of --secure-aggregation jobs")
+        return {}
+    out: dict[str, Any] = {"secagg": True, **({"secagg_phase_s": float(phase)} if phase is not None else {})}
+    trial = {**params, **out}
+    if trial.get("dp_clip") is not None and trial.get("aggregator") in (None, ""):
+        trial["aggregator"] = "dp_fedavg"
+    try:
+        check_secure_params(trial, min_devices=getattr(args, "min_devices", 3) or 3,
+                            asynchronous=bool(getattr(args, "async_mode", False)), length=None)
+    except InputError as exc:
+        raise UsageError(str(exc)) from None
     return out
 
 

@@ -8,6 +8,9 @@ Topics (`<prefix>` defaults to `edgeft/v1`; tests use a unique prefix each):
     <prefix>/<fleet>/devices/<id>/ack        coord  -> device  update acks, refusals
     <prefix>/<fleet>/devices/<id>/progress   device -> coord   job progress, refusals
     <prefix>/<fleet>/devices/<id>/update     device -> coord   update chunks (binary)
+    <prefix>/<fleet>/devices/<id>/secagg     device -> coord   secure aggregation: advert, shares,
+                                                               masked input, reveal
+    <prefix>/<fleet>/devices/<id>/secagg_cmd coord  -> device  secure aggregation: roster, inbox, unmask
     <prefix>/<fleet>/models/<name>/<version>/manifest      coord -> fleet  retained
     <prefix>/<fleet>/models/<name>/<version>/chunk/<i>     coord -> fleet  retained (binary)
     <prefix>/<fleet>/coordinator/key/<old key id>          coord -> fleet  retained: the new

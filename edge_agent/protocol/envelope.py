@@ -22,7 +22,7 @@ from .schema import (
     ID_RE,
     MAX_BINARY_BYTES,
     MAX_BINARY_HEADER,
-    MAX_CONTROL_BYTES,
+    MAX_BYTES,
     MAX_SEQ,
     MAX_TTL,
     PROTOCOL_VERSION,
@@ -177,8 +177,8 @@ class Signer:
         route, env = self._envelope(topic, kind, body, ttl)
         env["sig"] = base64.b64encode(self._key.sign(_signing_input(route.address, b"J", canonical_json(env)))).decode()
         out = canonical_json(env)
-        if len(out) > MAX_CONTROL_BYTES:
-            raise ValueError(f"{kind} message of {len(out)} bytes is over the {MAX_CONTROL_BYTES}-byte limit")
+        if len(out) > MAX_BYTES[kind]:
+            raise ValueError(f"{kind} message of {len(out)} bytes is over the {MAX_BYTES[kind]}-byte limit")
         return out
 
     def binary(self, topic: str, kind: Kind, body: Mapping[str, Any], data: bytes, *, ttl: float) -> bytes:
@@ -205,7 +205,7 @@ class Verifier:
         if max_skew < 0:
             raise ValueError("max_skew must be >= 0")
         self.topics, self.trust, self.replay, self._clock, self.max_skew = topics, trust, replay, clock, max_skew
-        self._limits = {k: MAX_BINARY_BYTES if k in BINARY_KINDS else MAX_CONTROL_BYTES for k in Kind}
+        self._limits = dict(MAX_BYTES)
         self._limits.update(max_bytes or {})
 
     def open(self, topic: str, payload: bytes) -> Message | Rejection:

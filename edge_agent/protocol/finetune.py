@@ -35,12 +35,15 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
 # A private job's (coordinator/privacy.py): the L2 norm the device clips what it sends to
 # (updates/clip.py). Set with --dp-clip, with --dp-noise: not a training setting of its own.
 PRIVACY_PARAMS: dict[str, tuple[type, float, float]] = {"dp_clip": (float, 1e-9, 1e6)}
+# secure aggregation (agent/secure.py): `secagg` true, and how long each of its phases may take
+SECURE_PARAMS: dict[str, tuple[type, float, float]] = {"secagg_phase_s": (float, 1.0, 86400.0)}
 # Training choices a command may set: name -> the values accepted (depth: also 0..8).
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {"depth": ("auto", "head"), "bn": ("frozen", "update"),
                                               "tail": ("full", "bias"), "trainer": ("auto", "numpy", "mxnet")}
 # Every training key a request carries to the training child (agent/lifecycle.py's spec):
 # one list, so a parameter accepted here cannot be dropped on the way (trainer once was).
-TRAIN_KEYS = (*TRAIN_PARAMS, *TRAIN_CHOICES, *PRIVACY_PARAMS)
+TRAIN_KEYS = (*TRAIN_PARAMS, *TRAIN_CHOICES, *PRIVACY_PARAMS)  # what the training child is given
+# (secagg and SECURE_PARAMS are kept with the job for agent/secure.py; the child hears only `secagg`)
 
 
 
@@ -101,7 +104,7 @@ def parse_finetune(body: dict[str, Any], *, deadline_s: float | None = None, now
         raise BadParams("version 'current' is reserved: name the version to train from")
     params = dict(body.get("params") or {})
     train = {}
-    for name, (kind, lo, hi) in (TRAIN_PARAMS | PRIVACY_PARAMS).items():
+    for name, (kind, lo, hi) in (TRAIN_PARAMS | PRIVACY_PARAMS | SECURE_PARAMS).items():
         value = _number(params, name, kind, lo, hi)
         if value is not None:
             train[name] = value
@@ -115,6 +118,11 @@ def parse_finetune(body: dict[str, Any], *, deadline_s: float | None = None, now
         else:
             more = " or a depth 0..8" if name == "depth" else ""
             raise BadParams(f"params.{name} must be one of {', '.join(choices)}{more}, got {value!r:.40}")
+    if "secagg" in params:
+        if not isinstance(params["secagg"], bool):
+            raise BadParams(f"params.secagg must be true or false, got {params['secagg']!r:.40}")
+        if params["secagg"]:
+            train["secagg"] = True
     budget_wh = _number(params, "budget_wh", float, 1e-6, 1e6)
     power_cap_w = _number(params, "power_cap_w", float, 1e-3, 1e4)
     deadline = _number(params, "deadline", float, 0, 1 << 40)

@@ -17,6 +17,9 @@ from .engine_choice import MAX_SHARED_CHOICES
 PROTOCOL_VERSION = 1
 BINARY_MAGIC = b"EFB1"
 MAX_CONTROL_BYTES = 16 * 1024
+# Secure aggregation's messages carry a roster of k + 1 adverts, k shares, or the whole masked
+# vector: up to 96 KiB each, under AWS IoT Core's 128 KiB with room for the envelope.
+MAX_SECAGG_BYTES = 96 * 1024
 MAX_BINARY_BYTES = 128 * 1024  # AWS IoT Core's message cap
 MAX_BINARY_HEADER = 2048
 MAX_BUNDLE_BYTES = 1 << 30
@@ -48,6 +51,15 @@ class Kind(StrEnum):
     MANIFEST = "manifest"
     MODEL_CHUNK = "model_chunk"
     KEY_ROTATION = "key_rotation"
+    # secure aggregation (SecAgg+; updates/secagg.py): device -> coordinator
+    SECAGG_ADVERT = "secagg_advert"
+    SECAGG_SHARES = "secagg_shares"
+    SECAGG_MASKED = "secagg_masked"
+    SECAGG_REVEAL = "secagg_reveal"
+    # coordinator -> device
+    SECAGG_ROSTER = "secagg_roster"
+    SECAGG_INBOX = "secagg_inbox"
+    SECAGG_UNMASK = "secagg_unmask"
 
 
 class Reason(StrEnum):
@@ -188,8 +200,9 @@ FLAT_ENTRIES: dict[str, Callable[[Any], None]] = {
     "battery_pct": _num(0, 100), "charging": _bool, "on_power": _bool, "energy_wh": _WH, "power_w": _WATTS,
     "temp_c": _CELSIUS, "outbox": _COUNTER, **ALLOWANCE_CHECKS, **INFERENCE_CHECKS,
     # capabilities (hello info): doctor.capabilities; engine_choices: the agent reads a command's
-    # `engine_choices` (an older agent's strict schema would refuse the whole command)
-    "mxnet": _bool, "engine_choices": _bool,
+    # `engine_choices` (an older agent's strict schema would refuse the whole command); secagg:
+    # it runs secure aggregation (secure jobs select only such devices; also a command param)
+    "mxnet": _bool, "engine_choices": _bool, "secagg": _bool,
     # job progress and results (progress metrics): agent/lifecycle.py, agent/child.py
     "step": _COUNTER, "epoch": _COUNTER, "steps": _COUNTER, "watts": _WATTS, "val_accuracy": _FRACTION,
     "accuracy_before": _FRACTION, "accuracy_after": _FRACTION, "num_samples": _int(0, 1_000_000_000),
@@ -277,6 +290,115 @@ def _forecast(v: Any) -> None:
         raise ValueError(f"must be at most {MAX_FORECAST_BYTES} bytes as JSON")
 
 
+# ---- secure aggregation (SecAgg+): the protocol's messages (updates/secagg.py, coordinator/
+# secagg.py). Sizes and shapes are checked here, before anything parses a key or a share; the
+# state machines then check signatures, membership and phase. Not windowed: every step is
+# idempotent (a device answers a repeated request with its stored answer; the coordinator
+# refuses a second answer), and the round id binds every key, share and mask.
+SECAGG_MAX_DEVICES = 2_000  # devices in a round: the roster's config lists them all (~54 KB)
+SECAGG_MAX_NEIGHBOURS = 128  # k (2 ceil(log2 n) is 28 at 10,000 devices; a complete graph of 129)
+SECAGG_MAX_LENGTH = 16_384  # coordinates of the masked vector in one message (96 KiB)
+_DEVICE_ID = re.compile(r"[a-z2-7]{24}")  # keys.fingerprint
+_SECAGG_ADVERT_SIZES = {"device": 0, "key": 32, "c_pk": 32, "s_pk": 32, "commit": 32, "sig": 64}
+_SHARE_CIPHER = 12 + 48 + 16  # nonce, three 16-byte Shamir shares, tag (updates.secagg.SHARE_CIPHER)
+
+
+def _b64_of(size: int, what: str) -> Callable[[Any], None]:
+    """Canonical base64 of exactly `size` bytes (the length compared before decoding)."""
+    def check(v: Any) -> None:
+        if not isinstance(v, str) or len(v) != 4 * ((size + 2) // 3) or len(unb64(v)) != size:
+            raise ValueError(f"{what} must be base64 of {size} bytes")
+    return check
+
+
+def _device_id(v: Any) -> None:
+    if not (isinstance(v, str) and _DEVICE_ID.fullmatch(v)):
+        raise ValueError("must be a device id (24 base32 characters)")
+
+
+def _id_map(n: int, value: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An object of at most n device id -> value."""
+    def check(v: Any) -> None:
+        if not isinstance(v, dict) or len(v) > n:
+            raise ValueError(f"must be an object of at most {n} entries")
+        for key, item in v.items():
+            _device_id(key)
+            value(item)
+    return check
+
+
+def _id_list(n: int) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not isinstance(v, list) or len(v) > n:
+            raise ValueError(f"must be a list of at most {n} device ids")
+        for item in v:
+            _device_id(item)
+        if len(set(v)) != len(v):
+            raise ValueError("lists a device twice")
+    return check
+
+
+def _advert(v: Any) -> None:
+    if not isinstance(v, dict) or set(v) != set(_SECAGG_ADVERT_SIZES):
+        raise ValueError(f"must be an object of exactly {', '.join(_SECAGG_ADVERT_SIZES)}")
+    _device_id(v["device"])
+    for name, size in _SECAGG_ADVERT_SIZES.items():
+        if size:
+            _b64_of(size, name)(v[name])
+
+
+def _adverts(v: Any) -> None:
+    if not isinstance(v, list) or not 1 <= len(v) <= SECAGG_MAX_NEIGHBOURS + 1:
+        raise ValueError(f"must be a list of 1..{SECAGG_MAX_NEIGHBOURS + 1} advertisements")
+    for item in v:
+        _advert(item)
+
+
+def _secagg_config(v: Any) -> None:
+    """The round's public parameters (updates.secagg.RoundConfig): shape and bounds here, the
+    device's RoundConfig checks the rest (sorted devices, threshold <= degree...)."""
+    fields = {"round_id": _text(200), "devices": _id_list(SECAGG_MAX_DEVICES), "degree": _int(1, SECAGG_MAX_DEVICES),
+              "threshold": _int(1, SECAGG_MAX_DEVICES), "graph_seed": _text(64), "length": _int(1, SECAGG_MAX_LENGTH),
+              "clip": _num(1e-9, 1e6), "noise_std": _num(0, 1e6)}
+    if not isinstance(v, dict) or set(v) != set(fields):
+        raise ValueError(f"must be an object of exactly {', '.join(fields)}")
+    for name, check in fields.items():
+        try:
+            check(v[name])
+        except ValueError as exc:
+            raise ValueError(f"{name} {exc}") from None
+
+
+def _members(v: Any) -> None:
+    if not isinstance(v, str) or len(v) > 4 * ((SECAGG_MAX_DEVICES // 8 + 3) // 3) or not unb64(v):
+        raise ValueError("must be base64 of a bitmap over the round's devices")
+
+
+def _masked(v: Any) -> None:
+    """4-byte magic + 4 bytes a coordinate; the exact length is the round's (coordinator/secagg.py)."""
+    most = 4 * ((4 + 4 * SECAGG_MAX_LENGTH + 2) // 3)
+    if not isinstance(v, str) or len(v) > most or len(v) % 4 or not unb64(v):
+        raise ValueError(f"must be base64 of at most {4 + 4 * SECAGG_MAX_LENGTH} bytes")
+
+
+_SECAGG_ROUND = {"job": (_id, True), "round": (_int(1, (1 << 32) - 1), True)}
+_SHARE = _b64_of(_SHARE_CIPHER, "a share")
+SECAGG_SCHEMAS: dict[Kind, dict[str, tuple[Callable[[Any], None], bool]]] = {
+    Kind.SECAGG_ADVERT: {**_SECAGG_ROUND, "advert": (_advert, True)},
+    Kind.SECAGG_SHARES: {**_SECAGG_ROUND, "shares": (_id_map(SECAGG_MAX_NEIGHBOURS, _SHARE), True)},
+    Kind.SECAGG_MASKED: {**_SECAGG_ROUND, "masked": (_masked, True)},
+    Kind.SECAGG_REVEAL: {**_SECAGG_ROUND, "b": (_id_map(SECAGG_MAX_NEIGHBOURS, _b64_of(16, "a seed share")), True),
+                         "sk": (_id_map(SECAGG_MAX_NEIGHBOURS, _b64_of(32, "a key share")), True)},
+    Kind.SECAGG_ROSTER: {**_SECAGG_ROUND, "config": (_secagg_config, True), "members": (_members, True),
+                         "adverts": (_adverts, True)},
+    Kind.SECAGG_INBOX: {**_SECAGG_ROUND, "shares": (_id_map(SECAGG_MAX_NEIGHBOURS, _SHARE), True)},
+    Kind.SECAGG_UNMASK: {**_SECAGG_ROUND, "survivors": (_id_list(SECAGG_MAX_NEIGHBOURS + 1), True),
+                         "dropped": (_id_list(SECAGG_MAX_NEIGHBOURS), True)},
+}
+SECAGG_UP = (Kind.SECAGG_ADVERT, Kind.SECAGG_SHARES, Kind.SECAGG_MASKED, Kind.SECAGG_REVEAL)
+SECAGG_DOWN = (Kind.SECAGG_ROSTER, Kind.SECAGG_INBOX, Kind.SECAGG_UNMASK)
+
+
 _ROUND = _int(0, (1 << 32) - 1)
 # Fleet-shared int8 engine choices (protocol/engine_choice.py): a device's state reports the
 # ones it measured, a finetune command relays the ones the coordinator heard. Each side sends
@@ -322,11 +444,16 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.KEY_ROTATION: {"public_key": (_b64key, True), "rotated_at": (_int(0, 1 << 40), True),
                         "detail": (_text(256), False)},
 }
+SCHEMAS.update(SECAGG_SCHEMAS)
 BINARY_KINDS = frozenset({Kind.UPDATE_CHUNK, Kind.MODEL_CHUNK})
 WINDOWED_KINDS = frozenset({Kind.CMD, Kind.ACK, Kind.PROGRESS, Kind.REFUSAL})
 MAX_TTL: dict[Kind, int] = {Kind.HELLO: 365 * _DAY, Kind.STATE: 30 * _DAY, Kind.MANIFEST: 365 * _DAY,
                             Kind.MODEL_CHUNK: 365 * _DAY, Kind.UPDATE_CHUNK: _DAY, Kind.CMD: _DAY,
-                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY, Kind.KEY_ROTATION: 365 * _DAY}
+                            Kind.ACK: _DAY, Kind.PROGRESS: _DAY, Kind.REFUSAL: _DAY, Kind.KEY_ROTATION: 365 * _DAY,
+                            **dict.fromkeys(SECAGG_SCHEMAS, _DAY)}
+# the size limit of each kind (enforced before parsing, by the signer and the verifier)
+MAX_BYTES: dict[Kind, int] = {k: MAX_BINARY_BYTES if k in BINARY_KINDS else
+                              MAX_SECAGG_BYTES if k in SECAGG_SCHEMAS else MAX_CONTROL_BYTES for k in Kind}
 
 
 def check_envelope(env: dict[str, Any]) -> None:

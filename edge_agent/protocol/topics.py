@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InputError
-from .schema import ID_RE, Kind, validate_id
+from .schema import ID_RE, SECAGG_DOWN, SECAGG_UP, Kind, validate_id
 
 DEFAULT_PREFIX = "edgeft/v1"
 # Which kinds a topic channel carries and who must have signed them ("self": key in body).
@@ -14,6 +14,9 @@ _DEVICE_CHANNELS: dict[str, tuple[tuple[Kind, ...], str]] = {
     "hello": ((Kind.HELLO,), "self"), "state": ((Kind.STATE,), "device"),
     "cmd": ((Kind.CMD,), "coordinator"), "ack": ((Kind.ACK, Kind.REFUSAL), "coordinator"),
     "progress": ((Kind.PROGRESS, Kind.REFUSAL), "device"), "update": ((Kind.UPDATE_CHUNK,), "device"),
+    # secure aggregation: a device's advert, shares, masked input and reveal; the coordinator's
+    # roster, inbox and unmask request to it (schema.SECAGG_UP / SECAGG_DOWN)
+    "secagg": (SECAGG_UP, "device"), "secagg_cmd": (SECAGG_DOWN, "coordinator"),
 }
 
 
@@ -72,10 +75,10 @@ class Topics:
         return f"{self.root}/coordinator/key/{validate_id(key_id, 'key id')}"
 
     def device_subscriptions(self, device_id: str) -> list[str]:
-        return [self.device(device_id, "cmd"), self.device(device_id, "ack")]
+        return [self.device(device_id, "cmd"), self.device(device_id, "ack"), self.device(device_id, "secagg_cmd")]
 
     def coordinator_subscriptions(self) -> list[str]:
-        return [f"{self.root}/devices/+/{c}" for c in ("hello", "state", "progress", "update")]
+        return [f"{self.root}/devices/+/{c}" for c in ("hello", "state", "progress", "update", "secagg")]
 
     def parse(self, topic: str) -> Route | None:
         if not topic.startswith(self.root + "/"):

@@ -180,6 +180,24 @@ class Quantiser:
         return np.asarray(total, np.uint32).view(np.int32).astype(np.float64) / self.scale
 
 
+def flat_by_name(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A head's tensors as one float64 vector in name order: the order every device masks in
+    and the coordinator unflattens from (`unflat_by_name`), whatever order each side loaded."""
+    return np.concatenate([np.asarray(tensors[n], np.float64).ravel() for n in sorted(tensors)]) if tensors \
+        else np.zeros(0)
+
+
+def unflat_by_name(vec: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for n in sorted(shapes):
+        size = math.prod(shapes[n])
+        out[n] = np.asarray(vec[at:at + size]).reshape(shapes[n])
+        at += size
+    if at != len(vec):
+        raise SecAggError(f"a vector of {len(vec)} coordinates for tensors of {at}")
+    return out
+
+
 def clip_and_noise(vec: np.ndarray, clip: float, noise_std: float, rng: np.random.Generator | None = None) -> np.ndarray:
     """The device's private form of its update: clipped to L2 norm `clip`, plus N(0, noise_std^2)
     per coordinate (its share of the round's distributed DP noise; `rng`: a CSPRNG-seeded one)."""
@@ -305,12 +323,17 @@ class Advert:
 class SecAggDevice:
     """One device's state through one secure round (module doc). Secrets live only here."""
 
-    def __init__(self, *, device_key: Ed25519PrivateKey, config: RoundConfig,
-                 random: Callable[[int], bytes] = os.urandom) -> None:
+    def __init__(self, *, device_key: Ed25519PrivateKey, config: RoundConfig | None = None,
+                 round_id: str | None = None, random: Callable[[int], bytes] = os.urandom) -> None:
+        """`config`, or only the `round_id` when the device advertises before it knows the
+        round's public parameters (a fleet job: they come with the roster, `share_keys`)."""
         self.id = fingerprint(device_key)
-        if self.id not in config.devices:
-            raise SecAggError(f"{self.id} is not selected for round {config.round_id}")
-        self.config = config
+        if config is not None:
+            self._check_config(config)
+        elif not round_id or len(round_id) > 200:
+            raise SecAggError("a secure round's device needs its config or its round id (1..200 characters)")
+        self.round_id = config.round_id if config is not None else str(round_id)
+        self._config = config
         self._key = device_key
         self._random = random
         self._c = X25519PrivateKey.generate()
@@ -326,21 +349,37 @@ class SecAggDevice:
         if self.phase != phase:
             raise SecAggError(f"{self.id}: {phase} asked in phase {self.phase}")
 
+    def _check_config(self, config: RoundConfig) -> None:
+        if self.id not in config.devices:
+            raise SecAggError(f"{self.id} is not selected for round {config.round_id}")
+
+    @property
+    def config(self) -> RoundConfig:
+        if self._config is None:
+            raise SecAggError(f"{self.id}: the round's config is not known before its roster")
+        return self._config
+
     def advertise(self) -> dict[str, str]:
         self._expect("advertise")
         c_pk, s_pk = (k.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
                       for k in (self._c, self._s))
-        commit = seed_commitment(self.config.round_id, self.id, self._seed)
-        sig = self._key.sign(advert_payload(self.config.round_id, self.id, c_pk, s_pk, commit))
+        commit = seed_commitment(self.round_id, self.id, self._seed)
+        sig = self._key.sign(advert_payload(self.round_id, self.id, c_pk, s_pk, commit))
         self.phase = "share"
         return Advert(self.id, public_key_bytes(self._key), c_pk, s_pk, commit, sig).to_json()
 
-    def share_keys(self, roster: Mapping[str, Any]) -> dict[str, Any]:
+    def share_keys(self, roster: Mapping[str, Any], config: RoundConfig | None = None) -> dict[str, Any]:
         """roster {"members": bitmap of U0 over config.devices, "adverts": [this device's and its
-        neighbours' advertisements]} -> {"shares": {neighbour: base64 ciphertext}}."""
+        neighbours' advertisements]} -> {"shares": {neighbour: base64 ciphertext}}. `config`: the
+        round's, for a device made with only the round id (it must be that round's)."""
         from Crypto.Protocol.SecretSharing import Shamir  # lazily: ~10 ms, only in a secure round
 
         self._expect("share")
+        if config is not None:
+            if config.round_id != self.round_id or (self._config is not None and config != self._config):
+                raise SecAggError(f"roster: config of round {config.round_id[:80]!r}, this device is in {self.round_id!r}")
+            self._check_config(config)
+            self._config = config
         members = members_from_bitmap(roster.get("members") if isinstance(roster, Mapping) else None,
                                       self.config.devices)
         if self.id not in members:
@@ -440,3 +479,39 @@ class SecAggDevice:
         self._answer = (s, d, out)
         self.phase = "done"
         return out
+
+    # --- persistence (the device's secrets: its state dir, 0600, written crash-safely) ----
+    def to_json(self) -> dict[str, Any]:
+        """Everything this device needs to go on after a restart: its private keys and seed
+        included (the caller writes it 0600 and deletes it when the round ends)."""
+        def raw(k: X25519PrivateKey) -> str:
+            return b64(k.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                       serialization.NoEncryption()))
+        return {"round_id": self.round_id, "config": None if self._config is None else self._config.to_json(),
+                "phase": self.phase, "c": raw(self._c), "s": raw(self._s), "seed": b64(self._seed),
+                "nbrs": list(self._nbrs), "adverts": {k: a.to_json() for k, a in self._adverts.items()},
+                "held": {k: b64(v) for k, v in self._held.items()},
+                "answer": None if self._answer is None else [list(self._answer[0]), list(self._answer[1]),
+                                                             self._answer[2]]}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], *, device_key: Ed25519PrivateKey,
+                  random: Callable[[int], bytes] = os.urandom) -> SecAggDevice:
+        """The device `to_json` saved (SecAggError for a damaged or foreign record)."""
+        try:
+            config = RoundConfig.from_json(d["config"]) if d["config"] is not None else None
+            dev = cls(device_key=device_key, config=config, round_id=str(d["round_id"]), random=random)
+            if dev.round_id != str(d["round_id"]) or d["phase"] not in ("advertise", "share", "mask", "unmask", "done"):
+                raise SecAggError("round id or phase")
+            dev.phase = str(d["phase"])
+            dev._c = X25519PrivateKey.from_private_bytes(unb64(d["c"], 32, "c key"))
+            dev._s = X25519PrivateKey.from_private_bytes(unb64(d["s"], 32, "s key"))
+            dev._seed = unb64(d["seed"], SHARE_BYTES, "seed")
+            dev._nbrs = tuple(check_id(x, "neighbour") for x in d["nbrs"])
+            dev._adverts = {str(k): Advert.parse(v, dev.round_id) for k, v in d["adverts"].items()}
+            dev._held = {check_id(k, "sender"): unb64(v, SHARE_PLAIN, "held share") for k, v in d["held"].items()}
+            a = d["answer"]
+            dev._answer = None if a is None else (tuple(map(str, a[0])), tuple(map(str, a[1])), dict(a[2]))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise SecAggError(f"secure round device state: {e!r}"[:300]) from None
+        return dev

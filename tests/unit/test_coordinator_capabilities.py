@@ -84,12 +84,23 @@ def test_a_32_bit_device_takes_part_at_any_depth_numpy_trains(tmp_path: Path, fl
 
 def test_hello_capabilities_are_type_checked() -> None:
     assert capabilities_from_hello({"mxnet": False, "trainers": "numpy", "native": "armv7_neon", "name": "x",
-                                    "engine_choices": True}) == {
-        "mxnet": False, "trainers": "numpy", "native": "armv7_neon", "engine_choices": True}
-    assert capabilities_from_hello({"mxnet": "no", "trainers": 3, "native": "a\nb", "engine_choices": 1}) == {
-        "engine_choices": False}
-    # an older agent: it is sent no engine choices (they would make its strict schema refuse the command)
-    assert capabilities_from_hello({}) == {"engine_choices": False}
+                                    "engine_choices": True, "secagg": True}) == {
+        "mxnet": False, "trainers": "numpy", "native": "armv7_neon", "engine_choices": True, "secagg": True}
+    assert capabilities_from_hello({"mxnet": "no", "trainers": 3, "native": "a\nb", "engine_choices": 1,
+                                    "secagg": "yes"}) == {"engine_choices": False, "secagg": False}
+    # an older agent: it is sent no engine choices (they would make its strict schema refuse the
+    # command) and no secure job
+    assert capabilities_from_hello({}) == {"engine_choices": False, "secagg": False}
+
+
+def test_a_secure_job_selects_only_devices_whose_hello_says_secagg() -> None:
+    new = dev(1, state={"battery_pct": 90, "secagg": True})
+    old = dev(2, state={"battery_pct": 90})  # an older agent: never said
+    sel = select_devices([new, old], "all", now=T0, online_within_s=300, min_battery_pct=30,
+                         needs=frozenset({"secagg"}))
+    assert sel.eligible == [new.id] and "does not do secure aggregation" in sel.ineligible[old.id]
+    sel = select_devices([new, old], "all", now=T0, online_within_s=300, min_battery_pct=30)
+    assert sel.eligible == [new.id, old.id]  # any other job: both
 
 
 def test_selection_skips_devices_without_mxnet_only_for_jobs_that_need_it() -> None:

@@ -53,6 +53,21 @@ VALID: dict[Kind, dict[str, Any]] = {
                         "samples": 4, "energy_wh": 0.1, "energy_kept": 0.5, "labels_sha256": "ab" * 32},
     Kind.MODEL_CHUNK: {"name": "m", "version": "1", "sha256": "ab" * 32, "index": 0, "count": 1, "size": 3},
     Kind.KEY_ROTATION: {"public_key": "A" * 43 + "=", "rotated_at": 1_800_000_000, "detail": "d"},
+    **{kind: {"job": "j", "round": 1, **body} for kind, body in {
+        Kind.SECAGG_ADVERT: {"advert": {"device": "a" * 24, "key": "A" * 43 + "=", "c_pk": "A" * 43 + "=",
+                                        "s_pk": "A" * 43 + "=", "commit": "A" * 43 + "=", "sig": "A" * 86 + "=="}},
+        Kind.SECAGG_SHARES: {"shares": {"b" * 24: "A" * 102 + "=="}},
+        Kind.SECAGG_MASKED: {"masked": "A" * 16},
+        Kind.SECAGG_REVEAL: {"b": {"b" * 24: "A" * 22 + "=="}, "sk": {"c" * 24: "A" * 43 + "="}},
+        Kind.SECAGG_ROSTER: {"config": {"round_id": "j/1", "devices": ["a" * 24, "b" * 24], "degree": 1,
+                                        "threshold": 1, "graph_seed": "ab" * 16, "length": 2, "clip": 1.0,
+                                        "noise_std": 0.0},
+                             "members": "wA==", "adverts": [{"device": "a" * 24, "key": "A" * 43 + "=",
+                                                             "c_pk": "A" * 43 + "=", "s_pk": "A" * 43 + "=",
+                                                             "commit": "A" * 43 + "=", "sig": "A" * 86 + "=="}]},
+        Kind.SECAGG_INBOX: {"shares": {"b" * 24: "A" * 102 + "=="}},
+        Kind.SECAGG_UNMASK: {"survivors": ["a" * 24], "dropped": []},
+    }.items()},
 }
 FLAT_FIELDS = {Kind.HELLO: "info", Kind.STATE: "info", Kind.CMD: "params", Kind.PROGRESS: "metrics",
                Kind.MANIFEST: "meta"}

@@ -195,3 +195,50 @@ def test_the_agent_side_imports_no_shamir_until_a_round():
     code = "import sys, edge_agent.updates.secagg; print(any(m.startswith('Crypto') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_device_that_advertised_before_knowing_the_config_and_restarts_at_every_phase_finishes_the_round():
+    """A fleet device advertises with only the round id (the config comes with the roster),
+    and is rebuilt from its saved JSON before every step, as an agent restarted mid-round is;
+    one device drops after sharing its keys: the sum is the survivors'."""
+    keys = [generate_private_key() for _ in range(4)]
+    ids = sorted(fingerprint(k) for k in keys)
+    by_id = {fingerprint(k): k for k in keys}
+    config = RoundConfig(round_id="job-1/1", devices=tuple(ids), degree=3, threshold=2, graph_seed="cd" * 16,
+                         length=LENGTH, clip=1.0)
+    rng = np.random.default_rng(7)
+    xs = {d: config.quantiser.quantise(rng.normal(0, 0.02, LENGTH)) for d in ids}
+    saved = {d: json.loads(json.dumps(SecAggDevice(device_key=by_id[d], round_id="job-1/1").to_json())) for d in ids}
+
+    def device(d: str) -> SecAggDevice:
+        return SecAggDevice.from_json(saved[d], device_key=by_id[d])
+
+    def step(d: str, fn_name: str, *args):
+        dev = device(d)
+        out = getattr(dev, fn_name)(*args)
+        saved[d] = json.loads(json.dumps(dev.to_json()))
+        return out
+
+    coord = SecAggRound(config)
+    for d in ids:
+        coord.receive_advert(d, step(d, "advertise"))
+    roster = coord.close_advertise()
+    with pytest.raises(SecAggError, match="config of round"):
+        device(ids[0]).share_keys(roster[ids[0]], RoundConfig(**{**config.__dict__, "round_id": "job-1/2"}))
+    for d in ids:
+        coord.receive_shares(d, step(d, "share_keys", roster[d], config))
+    inbox = coord.close_share()
+    gone = ids[1]
+    for d in ids:
+        if d != gone:
+            coord.receive_masked(d, step(d, "masked_input", inbox[d], xs[d]))
+    request = coord.close_mask()
+    for d in request:
+        answer = step(d, "unmask", request[d])
+        assert device(d).unmask(request[d]) == answer  # asked again after a restart: the same answer
+        coord.receive_unmask(d, answer)
+    total = coord.close_unmask()
+    want = (sum(xs[d].astype(np.uint64) for d in ids if d != gone) % 2**32).astype(np.uint32)
+    assert np.array_equal(total, want)
+    with pytest.raises(SecAggError, match="c key"):
+        SecAggDevice.from_json({**saved[ids[0]], "c": "short"}, device_key=by_id[ids[0]])
