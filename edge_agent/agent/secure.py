@@ -78,6 +78,29 @@ class SecureJobs:
         """The job ended another way (cancelled, failed): its round state and secrets go."""
         self._delete(job_id)
 
+    def _emit(self, kind: Kind, body: dict[str, Any]) -> None:
+        """Send an answer; a masked input too large for one message goes as its chunks, every
+        one of them each time (the coordinator ignores the chunks it already has). The state
+        keeps the whole input, so a resend is always the same bytes."""
+        if kind is not Kind.SECAGG_MASKED:
+            self._send(kind, body)
+            return
+        import hashlib
+
+        from ..protocol.schema import masked_chunks
+
+        data = base64.b64decode(body["masked"])
+        parts = masked_chunks(data)
+        if len(parts) == 1:  # the one-message form (an older coordinator knows no chunk fields)
+            self._send(kind, body)
+            return
+        digest = hashlib.sha256(data).hexdigest()
+        head = {k: v for k, v in body.items() if k != "masked"}
+        for i, part in enumerate(parts):
+            if not self._send(kind, {**head, "masked": base64.b64encode(part).decode(), "chunk": i,
+                                     "chunks": len(parts), "sha256": digest}):
+                break  # (not connected: the next repeated request sends them all again)
+
     # ---- the job's side
     def begin(self, job: Job, delta: bytes) -> None:
         """Take a trained secure job on: its delta (float64 bytes) kept, keys advertised. Again
@@ -104,7 +127,7 @@ class SecureJobs:
             try:
                 state = read_json_object(path, MAX_STATE, "secure round state")
                 if not self._dropped(state) and not state.get("done"):  # (a lost reveal: asked for again)
-                    self._send(Kind(state["sent"]["kind"]), state["sent"]["body"])
+                    self._emit(Kind(state["sent"]["kind"]), state["sent"]["body"])
             except (InputError, KeyError, TypeError, ValueError) as exc:
                 log.error("%s: unusable (%s): removed; that round goes on without this device", path, exc)
                 with contextlib.suppress(FileNotFoundError):
@@ -146,7 +169,7 @@ class SecureJobs:
             return
         want = ANSWERS[msg.kind]
         if state["sent"]["kind"] == str(want):  # asked again (our answer was lost): the same answer
-            self._send(want, state["sent"]["body"])
+            self._emit(want, state["sent"]["body"])
             return
         if state.get("done"):
             return
@@ -164,7 +187,7 @@ class SecureJobs:
         else:
             state["device"] = device.to_json()
         self._save(job_id, state)  # before it is sent: a restart sends this again, never a different one
-        self._send(want, body)
+        self._emit(want, body)
         if want is Kind.SECAGG_REVEAL:
             log.info("job %s: secure aggregation: shares revealed", job_id)
             self._finish(job_id, True, "secure aggregation: masked input sent and shares revealed")

@@ -237,6 +237,7 @@ class RoundEngine:
                                        verdicts={u.device_id: (UpdateStatus.REJECTED, "job_cancelled") for u in pending},
                                        now=self.clock())
             self.aggregation.forget(job_id, rnd.number)
+            self.secure.forget(job_id, rnd.number)  # (a secure round's partial masked inputs)
             self._count_round(RoundState.CANCELLED)
             plans.append(self._plan(job, rnd, tuple(live)))
         return plans

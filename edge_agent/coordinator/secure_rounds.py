@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import secrets
@@ -48,11 +49,12 @@ import numpy as np
 from ..atomic import atomic_write_json, read_json_object
 from ..errors import InputError
 from ..protocol import Kind
-from ..protocol.schema import SECAGG_MAX_DEVICES, SECAGG_MAX_LENGTH
+from ..protocol.schema import SECAGG_MAX_CHUNKS, SECAGG_MAX_DEVICES, SECAGG_MAX_LENGTH
 from ..updates.secagg import RoundConfig, SecAggError, default_degree, members_bitmap, unb64
 from .privacy import DpParams
 from .records import Job, ParticipantStatus, RoundRecord
 from .secagg import MAX_STATE, SecAggRound
+from .secure_chunks import PendingInputs
 from .strategies.dp import GaussianSum
 
 log = logging.getLogger("edge_agent.coordinator.rounds")
@@ -102,8 +104,8 @@ def check_secure_params(p: dict[str, Any], *, min_devices: int, asynchronous: bo
         raise InputError(f"a secure round takes at most {SECAGG_MAX_DEVICES} devices, this one would select "
                          f"{per_round}: give --devices-per-round")
     if length is not None and length > SECAGG_MAX_LENGTH:
-        raise InputError(f"a secure job's masked vector travels in one message: at most {SECAGG_MAX_LENGTH} "
-                         f"parameters, this head has {length} (a chunked masked input is not built)")
+        raise InputError(f"a secure job's head has at most {SECAGG_MAX_LENGTH} parameters (its masked input, "
+                         f"4 bytes each, travels in at most {SECAGG_MAX_CHUNKS} messages), this one has {length}")
     if not p.get("aggregator"):
         p["aggregator_default"] = "a secure job: the coordinator sees only the sum"
     p["aggregator"] = allowed[0]
@@ -213,7 +215,13 @@ class SecureRounds:
             self._open[(job.id, rnd.number)] = st
         return st
 
+    def pending(self, job_id: str, number: int) -> PendingInputs:
+        """The round's masked inputs still arriving in chunks (secure_chunks.py)."""
+        return PendingInputs(self.dir / f"{job_id}-r{number}.chunks")
+
     def forget(self, job_id: str, number: int) -> None:
+        """The round ended: its partial masked inputs go (its state file stays, for the record)."""
+        self.pending(job_id, number).clear()
         self._open.pop((job_id, number), None)
         self._stamps.pop((job_id, number), None)  # (its lock file stays: another process may hold it)
 
@@ -256,7 +264,13 @@ class SecureRounds:
             elif kind is Kind.SECAGG_SHARES:
                 r.receive_shares(sender, {"shares": body["shares"]})
             elif kind is Kind.SECAGG_MASKED:
-                r.receive_masked(sender, base64.b64decode(body["masked"], validate=True))
+                data, new = self._masked(job_id, number, r, sender, body)
+                if data is None:  # more chunks to come: the round's state is unchanged
+                    return new
+                r.receive_masked(sender, data)
+                self._save(job_id, number, st)
+                self.pending(job_id, number).drop(sender)  # (after the save: a crash between keeps the sum)
+                return True
             elif kind is Kind.SECAGG_REVEAL:
                 r.receive_unmask(sender, {"b": body["b"], "sk": body["sk"]})
             else:
@@ -268,6 +282,26 @@ class SecureRounds:
             raise
         self._save(job_id, number, st)
         return True
+
+    def _masked(self, job_id: str, number: int, r: SecAggRound, sender: str,
+                body: dict[str, Any]) -> tuple[bytes | None, bool]:
+        """A `secagg_masked` message -> (the whole input, or None while chunks are missing;
+        whether the message was new). A device's input counts only once all its chunks
+        arrived and their SHA-256 matches."""
+        data = base64.b64decode(body["masked"], validate=True)
+        if "chunks" not in body:  # one message (the first protocol's form)
+            return data, True
+        if r.phase != "mask" or sender in r.masked:  # late, or a resend of an input already in the sum
+            self.pending(job_id, number).drop(sender)
+            r.receive_masked(sender, b"")  # (raises the phase's or the repeat's SecAggError)
+        if sender not in r.u1:
+            raise SecAggError(f"masked input from {sender}, which did not share keys")
+        total = 4 + 4 * r.config.length
+        if body["chunks"] == 1:
+            if hashlib.sha256(data).hexdigest() != body["sha256"]:
+                raise InputError("secagg_masked.sha256 does not match the masked input")
+            return data, True
+        return self.pending(job_id, number).add(sender, total, body["chunk"], body["chunks"], body["sha256"], data)
 
     # ---- the periodic step
     def step(self, job: Job, rnd: RoundRecord, live: Iterable[str], length: int) -> tuple[bool, list[Outgoing]]:

@@ -297,7 +297,16 @@ def _forecast(v: Any) -> None:
 # refuses a second answer), and the round id binds every key, share and mask.
 SECAGG_MAX_DEVICES = 2_000  # devices in a round: the roster's config lists them all (~54 KB)
 SECAGG_MAX_NEIGHBOURS = 128  # k (2 ceil(log2 n) is 28 at 10,000 devices; a complete graph of 129)
-SECAGG_MAX_LENGTH = 16_384  # coordinates of the masked vector in one message (96 KiB)
+# A masked input (4-byte magic + 4 bytes a coordinate) travels in one `secagg_masked` when it
+# fits SECAGG_SINGLE_BYTES (the 16,384 coordinates of the first protocol: that message has no
+# chunk fields, as an older coordinator expects), else in chunks of SECAGG_CHUNK_BYTES (the last
+# shorter), each naming its index, the count and the SHA-256 of the whole input; each message
+# stays under MAX_SECAGG_BYTES (87,388 base64 characters at most). The coordinator keeps a
+# device's chunks on disk until all arrived (coordinator/secure_rounds.py).
+SECAGG_MAX_LENGTH = 1 << 20  # coordinates of a secure job's head: 4 MiB masked, 65 messages
+SECAGG_CHUNK_BYTES = 1 << 16
+SECAGG_SINGLE_BYTES = 4 + 4 * 16_384
+SECAGG_MAX_CHUNKS = -(-(4 + 4 * SECAGG_MAX_LENGTH) // SECAGG_CHUNK_BYTES)
 _DEVICE_ID = re.compile(r"[a-z2-7]{24}")  # keys.fingerprint
 _SECAGG_ADVERT_SIZES = {"device": 0, "key": 32, "c_pk": 32, "s_pk": 32, "commit": 32, "sig": 64}
 _SHARE_CIPHER = 12 + 48 + 16  # nonce, three 16-byte Shamir shares, tag (updates.secagg.SHARE_CIPHER)
@@ -375,10 +384,45 @@ def _members(v: Any) -> None:
 
 
 def _masked(v: Any) -> None:
-    """4-byte magic + 4 bytes a coordinate; the exact length is the round's (coordinator/secagg.py)."""
-    most = 4 * ((4 + 4 * SECAGG_MAX_LENGTH + 2) // 3)
-    if not isinstance(v, str) or len(v) > most or len(v) % 4 or not unb64(v):
-        raise ValueError(f"must be base64 of at most {4 + 4 * SECAGG_MAX_LENGTH} bytes")
+    """One message's part of a masked input; the exact length is the round's (secure_rounds.py)."""
+    most = 4 * ((SECAGG_SINGLE_BYTES + 2) // 3)
+    if not isinstance(v, str) or len(v) > most or len(v) % 4 or not 0 < len(unb64(v)) <= SECAGG_SINGLE_BYTES:
+        raise ValueError(f"must be base64 of at most {SECAGG_SINGLE_BYTES} bytes")
+
+
+def masked_chunk_sizes(total: int) -> list[int]:
+    """The byte count of each message of a masked input of `total` bytes (module comment above)."""
+    if total <= SECAGG_SINGLE_BYTES:
+        return [total]
+    full, rest = divmod(total, SECAGG_CHUNK_BYTES)
+    return [SECAGG_CHUNK_BYTES] * full + ([rest] if rest else [])
+
+
+def masked_chunks(data: bytes) -> list[bytes]:
+    """A masked input cut into its messages' parts (masked_chunk_sizes)."""
+    out, at = [], 0
+    for size in masked_chunk_sizes(len(data)):
+        out.append(data[at:at + size])
+        at += size
+    return out
+
+
+def _masked_chunking(body: dict[str, Any]) -> None:
+    """`chunk`, `chunks` and `sha256` come together, on a multi-message input only; every chunk
+    but the last is exactly SECAGG_CHUNK_BYTES (the round's exact layout: secure_rounds.py)."""
+    given = [k for k in ("chunk", "chunks", "sha256") if k in body]
+    if not given:
+        return
+    if len(given) != 3:
+        missing = next(k for k in ("chunk", "chunks", "sha256") if k not in body)
+        raise ValueError(f"{Kind.SECAGG_MASKED}.{missing} is missing (chunk, chunks and sha256 come together)")
+    if body["chunk"] >= body["chunks"]:
+        raise ValueError(f"{Kind.SECAGG_MASKED}.chunk {body['chunk']} is not below chunks {body['chunks']}")
+    size = len(unb64(body["masked"]))
+    if body["chunks"] > 1 and (size > SECAGG_CHUNK_BYTES or (body["chunk"] < body["chunks"] - 1
+                                                             and size != SECAGG_CHUNK_BYTES)):
+        raise ValueError(f"{Kind.SECAGG_MASKED}.masked: chunk {body['chunk']} of {body['chunks']} has {size} "
+                         f"bytes (every chunk but the last is {SECAGG_CHUNK_BYTES}, none more)")
 
 
 _SECAGG_ROUND = {"job": (_id, True), "round": (_int(1, (1 << 32) - 1), True)}
@@ -386,7 +430,8 @@ _SHARE = _b64_of(_SHARE_CIPHER, "a share")
 SECAGG_SCHEMAS: dict[Kind, dict[str, tuple[Callable[[Any], None], bool]]] = {
     Kind.SECAGG_ADVERT: {**_SECAGG_ROUND, "advert": (_advert, True)},
     Kind.SECAGG_SHARES: {**_SECAGG_ROUND, "shares": (_id_map(SECAGG_MAX_NEIGHBOURS, _SHARE), True)},
-    Kind.SECAGG_MASKED: {**_SECAGG_ROUND, "masked": (_masked, True)},
+    Kind.SECAGG_MASKED: {**_SECAGG_ROUND, "masked": (_masked, True), "chunk": (_int(0, SECAGG_MAX_CHUNKS - 1), False),
+                         "chunks": (_int(1, SECAGG_MAX_CHUNKS), False), "sha256": (_hex64, False)},
     Kind.SECAGG_REVEAL: {**_SECAGG_ROUND, "b": (_id_map(SECAGG_MAX_NEIGHBOURS, _b64_of(16, "a seed share")), True),
                          "sk": (_id_map(SECAGG_MAX_NEIGHBOURS, _b64_of(32, "a key share")), True)},
     Kind.SECAGG_ROSTER: {**_SECAGG_ROUND, "config": (_secagg_config, True), "members": (_members, True),
@@ -483,6 +528,8 @@ def check_body(kind: Kind, body: Any) -> None:
             check(body[name])
         except ValueError as exc:
             raise ValueError(f"{kind}.{name} {exc}") from None
+    if kind is Kind.SECAGG_MASKED:
+        _masked_chunking(body)
 
 
 def validate_id(value: str, what: str = "id") -> str:

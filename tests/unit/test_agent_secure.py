@@ -5,6 +5,7 @@ answers, the secrets deleted once revealed, and a round that ends without the de
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ TOPICS = Topics(fleet="farm", prefix="test/edgeft/v1")
 
 
 class Device:
-    def __init__(self, root: Path, i: int) -> None:
+    def __init__(self, root: Path, i: int, length: int = 12) -> None:
         self.key = generate_private_key()
         self.id = fingerprint(self.key)
         self.dir = root / f"dev{i}"
@@ -33,7 +34,7 @@ class Device:
         self.sent: list[tuple[Kind, dict[str, Any]]] = []
         self.finished: list[tuple[str, bool, str]] = []
         self.now = T0
-        self.delta = np.random.default_rng(i).normal(0, 0.01, 12)
+        self.delta = np.random.default_rng(i).normal(0, 0.01, length)
         self.job = Job(job_id=f"{JOB}-r1", round=1, model="digits@1",
                        params={"job": JOB, "deadline_at": T0 + 100, "secagg": True, "secagg_phase_s": 10.0})
         self.restart()
@@ -44,11 +45,13 @@ class Device:
                                send=lambda kind, body: self.sent.append((kind, body)) or True,
                                finish=lambda job, ok, why: self.finished.append((job, ok, why)))
 
-    def deliver(self, kind: Kind, body: dict[str, Any]) -> tuple[Kind, dict[str, Any]]:
+    def deliver(self, kind: Kind, body: dict[str, Any]) -> list[tuple[Kind, dict[str, Any]]]:
+        """-> what the device sent in answer (a masked input: one message, or its chunks)."""
         check_body(kind, body)
         topic = TOPICS.device(self.id, "secagg_cmd")
+        before = len(self.sent)
         self.jobs.handle(Message(kind, TOPICS.parse(topic), "coordinator", 1, int(T0), int(T0) + 60, body))
-        return self.sent[-1]
+        return self.sent[before:]
 
     @property
     def state_file(self) -> Path:
@@ -56,19 +59,32 @@ class Device:
 
 
 @pytest.fixture
-def devices(tmp_path: Path) -> list[Device]:
-    return [Device(tmp_path, i) for i in range(3)]
+def devices(tmp_path: Path, request: pytest.FixtureRequest) -> list[Device]:
+    return [Device(tmp_path, i, getattr(request, "param", 12)) for i in range(3)]
+
+
+def masked_input(answer: list[tuple[Kind, dict[str, Any]]]) -> bytes:
+    """A masked input from its messages, as the coordinator reassembles it (secure_chunks.py)."""
+    if len(answer) == 1 and "chunks" not in answer[0][1]:
+        return base64.b64decode(answer[0][1]["masked"])
+    bodies = [b for _, b in answer]
+    assert [b["chunk"] for b in bodies] == list(range(len(bodies))) and {b["chunks"] for b in bodies} == {len(bodies)}
+    whole = b"".join(base64.b64decode(b["masked"]) for b in bodies)
+    assert {b["sha256"] for b in bodies} == {hashlib.sha256(whole).hexdigest()}
+    return whole
 
 
 def coordinator_requests(r: SecAggRound) -> dict[str, tuple[Kind, dict[str, Any]]]:
     return {d: SecureRounds.request(r, d) for d in SecureRounds._waiting(r)}
 
 
+@pytest.mark.parametrize("devices", [12, 40_000], indirect=True)  # 40,000: a masked input in 3 chunks
 def test_a_device_restarted_before_every_step_finishes_the_round_and_forgets_its_secrets(devices) -> None:
     ids = sorted(d.id for d in devices)
     by_id = {d.id: d for d in devices}
+    length = devices[0].delta.size
     r = SecAggRound(RoundConfig(round_id=f"{JOB}/1", devices=tuple(ids), degree=2, threshold=2,
-                                graph_seed="ab" * 16, length=12, clip=1.0))
+                                graph_seed="ab" * 16, length=length, clip=1.0))
     for d in devices:
         d.jobs.begin(d.job, d.delta.astype("<f8").tobytes())
         kind, body = d.sent[-1]
@@ -80,21 +96,24 @@ def test_a_device_restarted_before_every_step_finishes_the_round_and_forgets_its
         d.jobs.begin(d.job, b"")  # begun again (a restart before the job's record said so): nothing changes
         assert len(d.sent) == 1
     r.close_advertise()
-    receive = {Kind.SECAGG_SHARES: lambda d, b: r.receive_shares(d, {"shares": b["shares"]}),
-               Kind.SECAGG_MASKED: lambda d, b: r.receive_masked(d, base64.b64decode(b["masked"])),
-               Kind.SECAGG_REVEAL: lambda d, b: r.receive_unmask(d, {"b": b["b"], "sk": b["sk"]})}
+    receive = {Kind.SECAGG_SHARES: lambda d, a: r.receive_shares(d, {"shares": a[0][1]["shares"]}),
+               Kind.SECAGG_MASKED: lambda d, a: r.receive_masked(d, masked_input(a)),
+               Kind.SECAGG_REVEAL: lambda d, a: r.receive_unmask(d, {"b": a[0][1]["b"], "sk": a[0][1]["sk"]})}
     closes = [r.close_share, r.close_mask, lambda: None]
     for close in closes:
         for did, (kind, body) in coordinator_requests(r).items():
             dev = by_id[did]
             dev.restart()
             answer = dev.deliver(kind, body)
+            masking = answer[0][0] is Kind.SECAGG_MASKED
+            assert len(answer) == (3 if masking and length > 16_384 else 1)
             dev.restart()
-            dev.jobs.recover()  # after a restart: its last message again, the same
-            assert dev.sent[-1] == answer
-            assert dev.deliver(kind, body) == answer  # asked again: the same answer
-            check_body(*answer)
-            receive[answer[0]](did, answer[1])
+            dev.jobs.recover()  # after a restart: its last message (every chunk) again, the same
+            assert dev.sent[-len(answer):] == answer
+            assert dev.deliver(kind, body) == answer  # asked again: the same answer, all its chunks
+            for message in answer:
+                check_body(*message)
+            receive[answer[0][0]](did, answer)
         close()
     total = r.close_unmask()
     inputs = [np.frombuffer((d.dir / "debug" / "secagg_inputs" / f"{JOB}-r1.u32").read_bytes(), "<u4")

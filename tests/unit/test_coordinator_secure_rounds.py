@@ -5,6 +5,7 @@ the agent does, a coordinator restarted between every phase, per-phase deadlines
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,11 +16,12 @@ from edge_agent.coordinator.privacy import PrivacyLedger
 from edge_agent.coordinator.records import JobStatus, ParticipantStatus, RoundState
 from edge_agent.coordinator.registry import Registry
 from edge_agent.coordinator.rounds import RoundEngine
-from edge_agent.coordinator.secure_rounds import STATE_DIR
+from edge_agent.coordinator.secure_chunks import PendingInputs
+from edge_agent.coordinator.secure_rounds import RESEND_S, STATE_DIR
 from edge_agent.errors import InputError
 from edge_agent.keys import fingerprint, generate_private_key, public_key_bytes
 from edge_agent.protocol import Kind
-from edge_agent.protocol.schema import SECAGG_MAX_LENGTH, check_body
+from edge_agent.protocol.schema import SECAGG_MAX_LENGTH, check_body, masked_chunks
 from edge_agent.updates.secagg import (
     RoundConfig,
     SecAggDevice,
@@ -44,19 +46,20 @@ class Clock:
 class Fleet:
     """A registry and engine (reopened as a restarted coordinator would be) and N devices."""
 
-    def __init__(self, state_dir: Path, n: int, *, secagg: bool = True) -> None:
+    def __init__(self, state_dir: Path, n: int, *, secagg: bool = True, head: dict | None = None) -> None:
         self.dir, self.clock = state_dir, Clock()
         self.keys = [generate_private_key() for _ in range(n)]
         self.ids = [fingerprint(k) for k in self.keys]
+        self.head = HEAD if head is None else head
         self.open()
-        self.reg.add_model_version(name="digits", version="1", head=HEAD)
+        self.reg.add_model_version(name="digits", version="1", head=self.head)
         for key, did in zip(self.keys, self.ids, strict=True):
             self.reg.enrol_device(device_id=did, public_key=base64.b64encode(public_key_bytes(key)).decode(),
                                   fleet="farm", board="rpi4", approved=True)
             self.reg.record_state(did, online=True, state={"battery_pct": 90.0, "on_power": True,
                                                           **({"secagg": True} if secagg else {})})
         self.devices: dict[str, SecAggDevice] = {}
-        self.deltas = {d: {n: np.random.default_rng(i).normal(0, 0.01, a.shape) for n, a in HEAD.items()}
+        self.deltas = {d: {n: np.random.default_rng(i).normal(0, 0.01, a.shape) for n, a in self.head.items()}
                        for i, d in enumerate(self.ids)}
         self.inputs: dict[str, np.ndarray] = {}
 
@@ -161,6 +164,114 @@ def test_a_secure_round_with_a_restart_before_every_phase_and_a_silent_device_pu
         assert outcome.dropouts == {} and all(p.status is ParticipantStatus.REPORTED for p in parts.values())
 
 
+def chunked(body: dict) -> list[dict]:
+    """A masked input's messages, as agent/secure.py sends them."""
+    data = base64.b64decode(body["masked"])
+    parts = masked_chunks(data)
+    digest = hashlib.sha256(data).hexdigest()
+    return [{**body, "masked": base64.b64encode(p).decode(), "chunk": i, "chunks": len(parts), "sha256": digest}
+            for i, p in enumerate(parts)]
+
+
+BIG = {"w": np.linspace(-0.1, 0.1, 40_000, dtype=np.float32).reshape(200, 200), "b": np.zeros(8, np.float32)}
+
+
+def test_a_head_over_one_message_s_worth_goes_through_in_chunks_and_a_half_sent_input_is_left_out(
+        tmp_path: Path) -> None:
+    """40,008 parameters (over the one-message 16,384): each masked input is 3 chunks, the
+    coordinator restarted after every chunk. One device sends chunk 0 and goes silent: it is
+    not in U2 and the sum is still exact. Another sends chunks 0 and 2, is asked again and
+    resends all three: the duplicates are ignored, the missing one completes its input."""
+    f = Fleet(tmp_path / "c", 4, head=BIG)
+    job = start(f)
+    for key, did in zip(f.keys, f.ids, strict=True):
+        f.devices[did] = SecAggDevice(device_key=key, round_id=f"{job}/1")
+        assert f.send(did, Kind.SECAGG_ADVERT, {"job": job, "round": 1, "advert": f.devices[did].advertise()})
+    half, late = f.ids[1], f.ids[3]
+    pending = f.dir / STATE_DIR / f"{job}-r1.chunks"
+    inboxes, stored = 0, {}
+    for _ in range(10):
+        result = f.engine.tick()
+        if result.closed:
+            break
+        for device, kind, body in result.secagg:
+            if (device, kind) in stored:  # asked again: the stored answer (agent/secure.py)
+                reply_kind, reply = stored[(device, kind)]
+            else:
+                reply_kind, reply = stored[(device, kind)] = f.answer(device, kind, body)
+            if reply_kind is not Kind.SECAGG_MASKED:
+                assert f.send(device, reply_kind, reply)
+                continue
+            parts = chunked(reply)
+            assert len(parts) == 3
+            if device == half:
+                if inboxes == 0:
+                    assert f.send(device, reply_kind, parts[0])  # then silent
+                continue
+            if device == late and inboxes == 0:
+                assert f.send(device, reply_kind, parts[0]) and f.send(device, reply_kind, parts[2])
+                continue
+            for part in parts:
+                new = device != late or part["chunk"] == 1
+                assert f.send(device, reply_kind, part) is new  # (late's 0 and 2: duplicates)
+                assert not f.send(device, reply_kind, part)  # a chunk again: ignored
+                f.restart()  # the coordinator restarted between chunks: they are on disk
+            assert not (pending / device).exists()  # folded into the sum: its chunks are gone
+            assert not f.send(device, reply_kind, parts[0])  # its input is in the sum already
+        if kind is Kind.SECAGG_INBOX:
+            inboxes += 1
+            if inboxes == 1:  # late and half still owe chunks: asked again
+                assert sorted(p.name for p in pending.iterdir()) == sorted([half, late])
+                assert all(p.stat().st_mode & 0o777 == 0o600 for p in (pending / half).iterdir())
+                f.clock.t += RESEND_S
+            else:
+                assert [p.name for p in pending.iterdir()] == [half]
+                f.clock.t += 31  # half never completes: the mask phase's deadline
+    (outcome,) = result.closed
+    assert outcome.state is RoundState.AGGREGATED, outcome.reason
+    assert inboxes == 2 and not pending.exists()  # the round ended: the partial input went too
+    state = json.loads((f.dir / STATE_DIR / f"{job}-r1.json").read_text())
+    assert state["round"]["dropped"] == [half] and half not in state["round"]["survivors"]
+    del f.inputs[half]
+    total = (sum(x.astype(np.uint64) for x in f.inputs.values()) % 2**32).astype(np.uint32)
+    assert np.array_equal(np.frombuffer(base64.b64decode(state["sum"]), "<u4"), total)
+    q = RoundConfig.from_json(state["round"]["config"]).quantiser
+    mean = unflat_by_name(q.decode_sum(total) / 3, {n: a.shape for n, a in BIG.items()})
+    new = f.reg.load_head(outcome.new_version)
+    for name, arr in BIG.items():
+        np.testing.assert_allclose(new[name], arr + mean[name].astype(np.float32), rtol=0, atol=1e-7)
+    assert outcome.dropouts == {half: "secagg: no masked input after sharing its keys"}
+
+
+def test_pending_chunks_are_checked_against_their_hash_and_bounded(tmp_path: Path) -> None:
+    total = 2 * 65_536 + 4
+    data = bytes(range(256)) * (total // 256) + bytes(total % 256)
+    parts, digest = masked_chunks(data), hashlib.sha256(data).hexdigest()
+    p = PendingInputs(tmp_path / "r", budget=total)  # one device's input at a time
+    assert p.add("a", total, 0, 3, digest, parts[0]) == (None, True)
+    with pytest.raises(InputError, match="1 devices' partial masked inputs are held"):
+        p.add("b", total, 0, 3, digest, parts[0])  # over the budget: sent again later
+    with pytest.raises(InputError, match="sha256 differs"):
+        p.add("a", total, 1, 3, "0" * 64, parts[1])
+    with pytest.raises(InputError, match="chunk 1 of this round's input is 65536 bytes"):
+        p.add("a", total, 1, 3, digest, parts[1][:-4])
+    with pytest.raises(InputError, match="input is 3 messages, got 2"):
+        p.add("a", total, 1, 2, digest, parts[1])
+    assert p.add("a", total, 1, 3, digest, parts[1]) == (None, True)
+    assert p.add("a", total, 2, 3, digest, parts[2]) == (data, True)
+    p.drop("a")
+    assert p.add("b", total, 0, 3, digest, parts[0]) == (None, True)  # a slot again
+    p.drop("b")
+    bad = hashlib.sha256(b"other").hexdigest()  # chunks that do not hash to what they claim
+    for i in (0, 1):
+        assert p.add("c", total, i, 3, bad, parts[i]) == (None, True)
+    with pytest.raises(InputError, match="does not match the reassembled"):
+        p.add("c", total, 2, 3, bad, parts[2])
+    assert not (tmp_path / "r" / "c").exists()  # dropped: the device may send again
+    p.clear()
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_private_secure_job_is_charged_to_its_ledger_and_each_device_adds_its_noise_share(fleet: Fleet) -> None:
     f = fleet
     job = start(f, dp_clip=1.0, dp_noise=1.0)
@@ -197,9 +308,9 @@ def test_a_secure_job_that_cannot_work_is_refused_saying_why(fleet: Fleet, param
                                params={"secagg": True, **params})
 
 
-def test_a_head_too_large_for_one_masked_message_is_refused(fleet: Fleet) -> None:
+def test_a_head_over_the_secure_limit_is_refused(fleet: Fleet) -> None:
     fleet.reg.add_model_version(name="big", version="1", head={"w": np.zeros(SECAGG_MAX_LENGTH + 1, np.float32)})
-    with pytest.raises(InputError, match="at most 16384 parameters"):
+    with pytest.raises(InputError, match="at most 1048576 parameters"):
         fleet.engine.start_job(model_name="big", model_version="1", min_devices=3, params={"secagg": True})
 
 

@@ -19,7 +19,16 @@ from edge_agent.protocol import (
     TrustStore,
     Verifier,
 )
-from edge_agent.protocol.schema import MAX_SECAGG_BYTES, SECAGG_MAX_LENGTH, check_body
+from edge_agent.protocol.schema import (
+    MAX_SECAGG_BYTES,
+    SECAGG_CHUNK_BYTES,
+    SECAGG_MAX_CHUNKS,
+    SECAGG_MAX_LENGTH,
+    SECAGG_SINGLE_BYTES,
+    check_body,
+    masked_chunk_sizes,
+    masked_chunks,
+)
 from edge_agent.updates.secagg import RoundConfig, SecAggDevice, b64
 
 
@@ -119,13 +128,68 @@ def test_an_oversized_secagg_message_is_refused_before_parsing(env) -> None:
     up = env.topics.device(env.ids[0], "secagg")
     got = env.verifier.open(up, b"{" + b" " * MAX_SECAGG_BYTES + b"}")
     assert isinstance(got, Rejection) and got.reason is Reason.OVERSIZED
-    # the longest masked vector the schema takes fits one message, and the receiver takes it
-    longest = b64(b"SAM1" + bytes(4 * SECAGG_MAX_LENGTH))
+    # the longest one-message masked input the schema takes fits one message, and the receiver takes it
+    longest = b64(bytes(SECAGG_SINGLE_BYTES))
     sealed = env.dev.control(up, Kind.SECAGG_MASKED, {"job": "j" * 64, "round": 1, "masked": longest}, ttl=60)
     assert len(sealed) <= MAX_SECAGG_BYTES and isinstance(env.verifier.open(up, sealed), Message)
-    with pytest.raises(ValueError, match="masked must be base64"):  # one coordinate more: refused by the signer too
+    # and so does the longest chunk, with the longest chunk fields
+    chunk = {"job": "j" * 64, "round": (1 << 32) - 1, "masked": b64(bytes(SECAGG_CHUNK_BYTES)),
+             "chunk": SECAGG_MAX_CHUNKS - 2, "chunks": SECAGG_MAX_CHUNKS, "sha256": "f" * 64}
+    sealed = env.dev.control(up, Kind.SECAGG_MASKED, chunk, ttl=60)
+    assert len(sealed) <= MAX_SECAGG_BYTES and isinstance(env.verifier.open(up, sealed), Message)
+    with pytest.raises(ValueError, match="masked must be base64"):  # one byte more: refused by the signer too
         env.dev.control(up, Kind.SECAGG_MASKED, {"job": "j", "round": 1,
-                                                 "masked": b64(b"SAM1" + bytes(4 * SECAGG_MAX_LENGTH + 4))}, ttl=60)
+                                                 "masked": b64(bytes(SECAGG_SINGLE_BYTES + 1))}, ttl=60)
+
+
+def test_a_masked_input_is_cut_into_chunks_that_fit_one_message_each() -> None:
+    """One message up to the first protocol's 16,384 coordinates; above, 64 KiB chunks, the
+    last shorter; the largest head's input is SECAGG_MAX_CHUNKS messages."""
+    assert masked_chunk_sizes(SECAGG_SINGLE_BYTES) == [SECAGG_SINGLE_BYTES]
+    assert masked_chunk_sizes(SECAGG_SINGLE_BYTES + 4) == [SECAGG_CHUNK_BYTES, 8]
+    assert masked_chunk_sizes(4 + 4 * SECAGG_MAX_LENGTH) == [SECAGG_CHUNK_BYTES] * 64 + [4]
+    assert SECAGG_MAX_CHUNKS == 65
+    data = bytes(range(256)) * 700
+    parts = masked_chunks(data)
+    assert b"".join(parts) == data and [len(p) for p in parts] == masked_chunk_sizes(len(data))
+
+
+def _chunk(**over) -> dict:
+    return {"job": "j", "round": 1, "masked": b64(bytes(SECAGG_CHUNK_BYTES)), "chunk": 0, "chunks": 3,
+            "sha256": "a" * 64, **over}
+
+
+@pytest.mark.parametrize(("over", "why"), [
+    ({"chunk": 3}, "chunk 3 is not below chunks 3"),
+    ({"chunk": -1}, "secagg_masked.chunk must be"),
+    ({"chunk": SECAGG_MAX_CHUNKS}, "secagg_masked.chunk must be"),
+    ({"chunk": True}, "secagg_masked.chunk must be"),
+    ({"chunks": 0}, "secagg_masked.chunks must be"),
+    ({"chunks": SECAGG_MAX_CHUNKS + 1}, "secagg_masked.chunks must be"),
+    ({"chunks": "3"}, "secagg_masked.chunks must be"),
+    ({"sha256": "A" * 64}, "secagg_masked.sha256"),
+    ({"sha256": "a" * 63}, "secagg_masked.sha256"),
+    ({"sha256": None}, "secagg_masked.sha256"),
+    ({"masked": b64(bytes(SECAGG_CHUNK_BYTES - 4))}, r"secagg_masked.masked: chunk 0 of 3 has 65532 bytes"),
+    ({"chunk": 2, "masked": b64(bytes(SECAGG_CHUNK_BYTES + 4))}, r"secagg_masked.masked: chunk 2 of 3 has 65540"),
+    ({"masked": b64(bytes(SECAGG_SINGLE_BYTES + 1))}, "secagg_masked.masked must be base64"),
+])
+def test_bad_chunk_fields_are_refused_naming_the_field(over: dict, why: str) -> None:
+    check_body(Kind.SECAGG_MASKED, _chunk())
+    check_body(Kind.SECAGG_MASKED, _chunk(chunk=2, masked=b64(b"x" * 12)))  # the last chunk: shorter
+    with pytest.raises(ValueError, match=why):
+        check_body(Kind.SECAGG_MASKED, _chunk(**over))
+
+
+@pytest.mark.parametrize("missing", ["chunk", "chunks", "sha256"])
+def test_chunk_fields_come_together(missing: str) -> None:
+    body = _chunk()
+    del body[missing]
+    with pytest.raises(ValueError, match=f"secagg_masked.{missing} is missing"):
+        check_body(Kind.SECAGG_MASKED, body)
+    check_body(Kind.SECAGG_MASKED, {"job": "j", "round": 1, "masked": b64(b"SAM1" + bytes(8))})  # the first form
+    check_body(Kind.SECAGG_MASKED, {"job": "j", "round": 1, "masked": b64(b"SAM1" + bytes(8)), "chunk": 0,
+                                    "chunks": 1, "sha256": "b" * 64})  # chunk 0 of 1: any size up to one message
 
 
 def test_a_finetune_command_s_secagg_params_are_parsed_strictly() -> None:
