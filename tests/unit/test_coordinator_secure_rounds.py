@@ -335,6 +335,7 @@ def test_train_secure_aggregation_queues_a_secure_job_and_refuses_what_cannot_wo
     from edge_agent.coordinator.cli import main
     from edge_agent.errors import EXIT_USAGE
 
+    fleet.reg.add_model_version(name="big", version="1", head={"w": np.zeros(SECAGG_MAX_LENGTH + 1, np.float32)})
     fleet.reg.close()
 
     def run(*argv: str) -> tuple[int, str]:
@@ -351,6 +352,8 @@ def test_train_secure_aggregation_queues_a_secure_job_and_refuses_what_cannot_wo
                       ((), "min-devices >= 3")):
         rc, err = run("--secure-aggregation", *argv)
         assert rc == EXIT_USAGE and why in err, err
+    rc, err = run("--secure-aggregation", "--min-devices", "3", "--wait-for-devices", "--model", "big")  # (last counts)
+    assert rc != 0 and "a secure job's head has at most 1048576 parameters" in err, err
     rc, err = run("--secagg-phase", "10")
     assert rc == EXIT_USAGE and "option of --secure-aggregation" in err
 
