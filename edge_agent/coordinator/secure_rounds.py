@@ -18,7 +18,9 @@ Every phase after advertise has its own deadline (`secagg_phase_s`, default 120 
 silent past it is a dropout of that phase (SecAggRound decides what the others then reveal).
 A phase also closes as soon as everyone it waits for has answered, and the unmask phase as
 soon as every secret the sum needs has its threshold of shares. Devices that have not answered
-the current phase are sent its request again every RESEND_S (a restarted agent, a lost message);
+the current phase are sent its request again every RESEND_S (a restarted agent, a lost message;
+in the mask phase, RESEND_S after its last chunk: a masked input over one message arrives in
+chunks, kept on disk until all are here -- secure_chunks.py);
 a device answers a repeated request with its stored answer, and a second answer is refused here.
 
 State: `<state dir>/secagg/<job>-r<round>.json` (0600), written crash-safely after every
@@ -156,6 +158,8 @@ class SecureRounds:
         self._noise = noise or (lambda: np.random.default_rng())  # only device_std is read from it
         self._open: dict[tuple[str, int], SecureState] = {}
         self._stamps: dict[tuple[str, int], tuple[int, int, int]] = {}  # what this process last read or wrote
+        # (job, round, device) -> when its last chunk came: not asked again while its chunks arrive
+        self._chunk_at: dict[tuple[str, int, str], float] = {}
 
     def path(self, job_id: str, number: int) -> Path:
         return self.dir / f"{job_id}-r{number}.json"
@@ -223,6 +227,8 @@ class SecureRounds:
         """The round ended: its partial masked inputs go (its state file stays, for the record)."""
         self.pending(job_id, number).clear()
         self._open.pop((job_id, number), None)
+        for key in [k for k in self._chunk_at if k[:2] == (job_id, number)]:
+            del self._chunk_at[key]
         self._stamps.pop((job_id, number), None)  # (its lock file stays: another process may hold it)
 
     def participants(self, job_id: str, number: int) -> list[tuple[str, ParticipantStatus, str]]:
@@ -297,6 +303,7 @@ class SecureRounds:
         if sender not in r.u1:
             raise SecAggError(f"masked input from {sender}, which did not share keys")
         total = 4 + 4 * r.config.length
+        self._chunk_at[(job_id, number, sender)] = self.clock()
         if body["chunks"] == 1:
             if hashlib.sha256(data).hexdigest() != body["sha256"]:
                 raise InputError("secagg_masked.sha256 does not match the masked input")
@@ -338,6 +345,9 @@ class SecureRounds:
         out = []
         for device in sorted(self._waiting(r)):
             phase, when = st.sent.get(device, ("", float("-inf")))
+            chunk_at = self._chunk_at.get((job.id, rnd.number, device), float("-inf"))
+            if r.phase == "mask" and now - chunk_at < RESEND_S:
+                continue  # still sending its chunks: not asked for them all again yet
             if phase != r.phase or now - when >= RESEND_S:
                 out.append((device, *self.request(r, device)))
                 st.sent[device] = (r.phase, now)

@@ -224,6 +224,10 @@ def test_a_head_over_one_message_s_worth_goes_through_in_chunks_and_a_half_sent_
                 assert sorted(p.name for p in pending.iterdir()) == sorted([half, late])
                 assert all(p.stat().st_mode & 0o777 == 0o600 for p in (pending / half).iterdir())
                 f.clock.t += RESEND_S
+                late_parts = chunked(stored[(late, Kind.SECAGG_INBOX)][1])
+                assert not f.send(late, Kind.SECAGG_MASKED, late_parts[0])  # still sending (a duplicate)...
+                assert [d for d, *_ in f.engine.tick().secagg] == [half]  # ...so not asked for them all again
+                f.clock.t += RESEND_S
             else:
                 assert [p.name for p in pending.iterdir()] == [half]
                 f.clock.t += 31  # half never completes: the mask phase's deadline
