@@ -38,6 +38,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import secrets
 import time
@@ -65,6 +66,16 @@ STATE_DIR = "secagg"
 DEFAULT_PHASE_S = 120.0
 DEFAULT_CLIP = 10.0  # a non-private secure job's L2 bound (the quantiser's range) without secagg_clip
 RESEND_S = 5.0
+# A private secure round is planned to survive this share of its selected devices leaving
+# before their masked input: each device adds the noise share of the fewest inputs it may
+# release with (dp_min_inputs), so any released sum carries at least the noise the privacy
+# ledger charged for (a device that drops takes its share with it); fewer inputs: no release.
+DP_DROPOUT_TOLERANCE = 0.2
+
+
+def dp_min_inputs(selected: int, min_devices: int) -> int:
+    """The fewest masked inputs a private secure round of `selected` devices releases."""
+    return max(min(min_devices, selected), selected - math.ceil(DP_DROPOUT_TOLERANCE * selected))
 MIN_DEVICES = 3  # two devices' sum reveals each one's update to the other
 
 
@@ -195,13 +206,15 @@ class SecureRounds:
 
     def config(self, job: Job, rnd: RoundRecord, length: int) -> RoundConfig:
         """The round's public parameters: its selected devices, SecAgg+'s degree and threshold,
-        a fresh public graph seed, the head's length, the clip and each device's noise share."""
+        a fresh public graph seed, the head's length, the clip and each device's noise share
+        (for dp_min_inputs inputs: more noise than needed when none drops, never less)."""
         devices = tuple(sorted(rnd.participants))
         n = len(devices)
         degree = default_degree(n)
         dp = DpParams.of(job.params)
         clip = dp.clip if dp is not None else float(job.params.get("secagg_clip") or DEFAULT_CLIP)
-        noise = GaussianSum(dp.clip, dp.noise, float(n), self._noise).device_std(n) if dp is not None else 0.0
+        noise = (GaussianSum(dp.clip, dp.noise, float(n), self._noise).device_std(dp_min_inputs(n, job.min_devices))
+                 if dp is not None else 0.0)
         return RoundConfig(round_id=f"{job.id}/{rnd.number}", devices=devices, degree=degree,
                            threshold=min(degree, n - 1) // 2 + 1, graph_seed=secrets.token_hex(16), length=length,
                            clip=clip, noise_std=noise)
@@ -318,6 +331,19 @@ class SecureRounds:
         with self._locked(job.id, rnd.number):
             return self._step(job, rnd, live, length)
 
+    @staticmethod
+    def _check_noise_floor(job: Job, r: SecAggRound) -> None:
+        """A private round with fewer masked inputs than its devices' noise shares were planned
+        for is never unmasked: that sum would carry less noise than the ledger charged for, and
+        no party may see it (dp_min_inputs)."""
+        if DpParams.of(job.params) is None:
+            return
+        floor = dp_min_inputs(len(r.config.devices), job.min_devices)
+        if len(r.masked) < floor:
+            raise SecAggError(f"{len(r.masked)} masked input(s) arrived, fewer than the {floor} each device's noise "
+                              "share was planned for: not unmasked (the sum would carry less noise than the privacy "
+                              "ledger charged)")
+
     def _step(self, job: Job, rnd: RoundRecord, live: Iterable[str], length: int) -> tuple[bool, list[Outgoing]]:
         st = self._open_locked(job, rnd, length)
         r, now, live = st.round, self.clock(), set(live)
@@ -328,6 +354,7 @@ class SecureRounds:
             elif r.phase == "share" and (not self._waiting(r) or now >= st.deadline):
                 r.close_share()
             elif r.phase == "mask" and (not self._waiting(r) or now >= st.deadline):
+                self._check_noise_floor(job, r)
                 r.close_mask()
             elif r.phase == "unmask" and (not self._waiting(r) or self._revealed(r) or now >= st.deadline):
                 st.total = r.close_unmask()

@@ -4,7 +4,8 @@ one, the coordinator's registry: the simulation behind tests/unit/test_secagg.py
 bench/bench_secagg.py.
 
 Each device's update is clipped to the job's dp_clip and, for a private job, noised with its
-share of the DP noise (`GaussianSum.device_std(n)`), quantised (`Quantiser`) and masked. The
+share of the DP noise (`GaussianSum.device_std`, for the inputs the round may release with:
+`secure_rounds.dp_min_inputs`), quantised (`Quantiser`) and masked. The
 coordinator's state is saved crash-safely after every phase (and, with `restart`, reloaded
 from disk before the next one, as a restarted coordinator would). Devices in `drop_before_input`
 shared their keys but never send a masked input (their pairwise masks are removed from the sum
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..coordinator.secagg import SecAggRound
+from ..coordinator.secure_rounds import dp_min_inputs
 from ..coordinator.strategies.dp import GaussianSum
 from ..keys import fingerprint, generate_private_key
 from ..updates.secagg import RoundConfig, SecAggDevice, SecAggError, clip_and_noise, default_degree
@@ -75,7 +77,7 @@ def secure_round(vectors: Mapping[str, np.ndarray] | None = None, *, n: int = 0,
     config = RoundConfig(round_id=f"sim-{seed}/1", devices=tuple(sorted(ids)), degree=k,
                          threshold=threshold if threshold is not None else min(k, n - 1) // 2 + 1,
                          graph_seed=graph_seed or os.urandom(16).hex(), length=length, clip=clip,
-                         noise_std=dp.device_std(n) if dp is not None else 0.0)
+                         noise_std=dp.device_std(dp_min_inputs(n, 1)) if dp is not None else 0.0)
     q = config.quantiser
     run = SecureRun(config, [], {})
     devices: dict[str, SecAggDevice] = {}

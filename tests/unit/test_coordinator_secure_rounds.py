@@ -293,8 +293,41 @@ def test_a_private_secure_job_is_charged_to_its_ledger_and_each_device_adds_its_
     (outcome,) = result.closed
     assert outcome.state is RoundState.AGGREGATED, outcome.reason
     config = f.devices[f.ids[0]].config
-    assert config.clip == 1.0 and config.noise_std == pytest.approx(1.0 / 2)  # sigma C / sqrt(4 devices)
+    # sigma C / sqrt(3): the share of the 3 inputs the round may release with (4 selected, 1 may drop)
+    assert config.clip == 1.0 and config.noise_std == pytest.approx(1.0 / np.sqrt(3))
     assert outcome.new_version.metrics["aggregator"] == "dp_fedavg" and "dp_epsilon" in outcome.new_version.metrics
+
+
+def test_a_private_secure_round_with_fewer_inputs_than_its_noise_was_planned_for_is_never_unmasked(
+        tmp_path: Path) -> None:
+    """5 devices, --min-devices 3: each adds the noise share of 4 inputs (1 may drop). Two go
+    silent after sharing their keys: the 3 masked inputs would carry 3/4 of the noise the
+    ledger charged for, so the round fails before anyone is asked to unmask, saying why."""
+    f = Fleet(tmp_path / "coordinator", 5)
+    job = start(f, dp_clip=1.0, dp_noise=1.0)
+    for key, did in zip(f.keys, f.ids, strict=True):
+        f.devices[did] = SecAggDevice(device_key=key, round_id=f"{job}/1")
+        f.send(did, Kind.SECAGG_ADVERT, {"job": job, "round": 1, "advert": f.devices[did].advertise()})
+    silent = set(f.ids[:2])
+    asked: list[Kind] = []
+    for _ in range(8):
+        result = f.engine.tick()
+        if result.closed:
+            break
+        for device, kind, body in result.secagg:
+            asked.append(kind)
+            reply_kind, reply = f.answer(device, kind, body)
+            if device in silent and reply_kind is Kind.SECAGG_MASKED:
+                continue
+            assert f.send(device, reply_kind, reply)
+        f.clock.t += 31  # the silent devices' masked inputs never come: the mask phase's deadline closes it
+    (outcome,) = result.closed
+    assert f.devices[f.ids[0]].config.noise_std == pytest.approx(1.0 / 2)  # sigma C / sqrt(4)
+    assert outcome.state is not RoundState.AGGREGATED and outcome.new_version is None
+    assert "fewer than the 4 each device's noise share was planned for" in outcome.reason, outcome.reason
+    assert Kind.SECAGG_UNMASK not in asked  # nobody was asked to reveal anything
+    state = json.loads((f.dir / STATE_DIR / f"{job}-r1.json").read_text())
+    assert state.get("sum") is None and state["round"]["phase"] == "failed"
 
 
 @pytest.mark.parametrize(("params", "min_devices", "why"), [
