@@ -367,3 +367,27 @@ def test_the_state_message_carries_the_inference_report_validated() -> None:
     for key, bad in (("fleet_accuracy", 1.5), ("served_kind", "mine"), ("held_out", -1), ("inference_wh", "a lot")):
         with pytest.raises(ValueError, match=key):
             check_body(Kind.STATE, {"status": "idle", "info": {**body["info"], key: bad}})
+
+
+def test_a_local_fine_tune_runs_at_idle_priority_unless_the_config_says_otherwise(tmp_path: Path) -> None:
+    """[serve] training_priority: "idle" by default (below inference and everything else on the
+    board), or what agent.toml names; anything else is refused naming the choices."""
+    from edge_agent import keys
+    from edge_agent.config import load_config, public_key_text
+    from edge_agent.inference.personal import LocalFineTune
+    from edge_agent.inference.server import ServeOptions
+
+    key = public_key_text(keys.generate_private_key().public_key())
+
+    def options(serve: str) -> ServeOptions:
+        path = tmp_path / "agent.toml"
+        path.write_text(f'[device]\nname = "dev"\nstate_dir = "{tmp_path / "state"}"\nprofile = "raspberry-pi-4"\n'
+                        f'[broker]\nhost = "127.0.0.1"\n[coordinator]\npublic_key = "{key}"\n'
+                        f'[serve]\nenabled = true\n{serve}')
+        return ServeOptions.from_config(load_config(path))
+
+    assert options("").training_priority == "idle"
+    assert options('training_priority = "nice"\n').training_priority == "nice"
+    with pytest.raises(ValueError, match="one of idle, nice, normal"):
+        LocalFineTune(state_dir=tmp_path / "state", personal_root=tmp_path / "p", data_dir=tmp_path / "d",
+                      priority="sometimes")
