@@ -97,7 +97,7 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
         job_params.update(mode="async", buffer=buffer, max_staleness=max_staleness)
     job_params.update(params or {})
     run = SolarRun(mode, dict(job_params))
-    ids, pubs = device_keys(n)
+    ids, pubs = device_keys(n, fleet.seed)
     index = {d: i for i, d in enumerate(ids)}
     n_attack = int(round(attackers * n)) if attack else 0
     hostile_set = set(range(0, n, max(1, n // n_attack))[:n_attack]) if n_attack else set()
