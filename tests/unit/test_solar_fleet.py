@@ -111,3 +111,18 @@ def test_a_devices_forecast_is_the_agents_forecast_for_its_own_panel_and_history
     later = planner.forecast(i, step + 6, battery_wh=60.0, floor_wh=float(dev.floor_wh[i]))
     assert later.start == mine.start + 3600 and len(later.panel_w) == 24
     assert later.panel_w[:23] == mine.panel_w[1:] and planner.forecasts == 1
+
+
+def test_one_cell_run_twice_gives_one_result() -> None:
+    """The bench compares cells of one run: a cell must not depend on anything but its seed
+    (fresh random device keys once changed which devices the coordinator sampled)."""
+    import subprocess
+    import sys
+
+    code = ("from edge_agent.sim import solar_devices as sd, solar_fleet as sf\n"
+            "r = sf.simulate(sd.make_fleet(12, days=2, data='digits', seed=3), mode='sync', min_devices=2,"
+            " devices_per_round=4, days=1)\n"
+            "print(r.published, [round(a, 6) for a in r.accuracy], round(r.train_energy_wh, 6))\n")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0].split()[0] != "0", runs
