@@ -158,6 +158,8 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
         ever_below_training = np.zeros(n, bool)
         ever_below_load = np.zeros(n, bool)
         ever_brown = np.zeros(n, bool)
+        lowest = battery / cap  # per device: its lowest charge over the run (fraction) and when (step)
+        lowest_at = np.zeros(n, np.int64)
         net_now = np.zeros(n)
 
         def handle(result: Any) -> None:
@@ -251,6 +253,8 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
             without = np.clip(without, 0.0, cap)
             train_s_total += float(trained.sum())
             below = battery < floor_wh - 1e-6
+            lower = battery / cap < lowest
+            lowest[lower], lowest_at[lower] = battery[lower] / cap[lower], step
             ever_below_training |= below & (trained > 0) & (without >= floor_wh - 1e-6)
             ever_below_load |= below
             remaining -= trained
@@ -319,6 +323,8 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
         run.below_floor_training = int(ever_below_training.sum())
         run.below_floor_load = int(ever_below_load.sum())
         run.brownouts = int(ever_brown.sum())
+        run.lowest_pct = (100 * lowest).tolist()
+        run.lowest_at_h = (lowest_at * STEP_S / HOUR).tolist()
         if planner is not None:
             run.forecast, run.forecasts = summarise(planner.errors), planner.forecasts
         reg.close()

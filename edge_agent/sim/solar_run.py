@@ -29,6 +29,8 @@ class SolarRun:
     below_floor_load: int = 0  # devices below their floor from the board's load alone
     floor_pauses: int = 0  # training paused at the floor (the governor's rule)
     brownouts: int = 0  # devices whose battery reached 0 (load alone)
+    lowest_pct: list[float] = field(default_factory=list)  # per device, its lowest charge over the run (%)
+    lowest_at_h: list[float] = field(default_factory=list)  # and when (hours since start)
     train_energy_wh: float = 0.0
     harvest_wh: float = 0.0  # what the fleet's panels could give over the run (the same in every mode)
     forecast: dict[str, float] = field(default_factory=dict)  # solar_plan.summarise
