@@ -35,6 +35,7 @@ from .partials import PartialStore
 from .privacy import DpParams, NoiseSource, PrivacyLedger, csprng_noise
 from .records import Job, RoundRecord, UpdateRecord, UpdateStatus
 from .strategies import (
+    Aggregate,
     Contribution,
     GaussianSum,
     Partial,
@@ -113,8 +114,37 @@ class RoundAggregation:
             layout = self.heads.layout(job.model_name, rnd.base_version)
             norms = self.registry.lineage_norm_history(job.model_name, before=key)
             history = float(np.median(norms)) if norms else None
-            self._evidence[key] = RoundEvidence(layout, history_norm=history, server=self._server(job, rnd))
+            self._evidence[key] = RoundEvidence(layout, history_norm=history, server=self._server(job, rnd),
+                                                earlier_sketches=self._earlier_sketches(job.id, rnd.number))
         return self._evidence[key]
+
+    def _echo_path(self, job_id: str, number: int) -> Any:
+        return self.registry.state_dir / "evidence" / job_id / f"r{number}.echo.npz"
+
+    def remember(self, job: Job, rnd: RoundRecord, aggregate: Aggregate) -> None:
+        """Keep the round's trusted updates' sketches for the next round's echoes
+        (strategies/echoes.py): ~4 KiB per update, beside the round's server evidence."""
+        if not aggregate.sketches:
+            return
+        devices = sorted(aggregate.sketches)
+        buf = io.BytesIO()
+        np.savez(buf, devices=np.array(devices), sketches=np.stack([aggregate.sketches[d] for d in devices]))
+        write_checked(self._echo_path(job.id, rnd.number), buf.getvalue())
+
+    def _earlier_sketches(self, job_id: str, number: int) -> dict[str, np.ndarray] | None:
+        path = self._echo_path(job_id, number - 1)
+        if number < 2 or not path.exists():
+            return None
+        try:
+            with np.load(io.BytesIO(read_checked(path, MAX_EVIDENCE_BYTES)), allow_pickle=False) as z:
+                devices, sketches = [str(d) for d in z["devices"]], z["sketches"].astype(np.float32)
+            if sketches.ndim != 2 or len(devices) != len(sketches):
+                raise ValueError("devices and sketches do not match")
+            return dict(zip(devices, sketches, strict=True))
+        except (CorruptFileError, OSError, KeyError, ValueError) as exc:
+            log.warning("job %s round %d: the previous round's sketches are unreadable (%s): no echoes of it",
+                        job_id, number, exc)
+            return None
 
     def _server(self, job: Job, rnd: RoundRecord) -> ServerEvidence | None:
         name = str(job.params.get("aggregator") or "")

@@ -27,6 +27,7 @@ import numpy as np
 from ..atomic import CorruptFileError, read_checked, write_checked
 from ..errors import InputError
 from .strategies.base import Member, Partial
+from .strategies.echoes import SKETCH_DIM
 from .streaming import Layout
 
 MAX_PARTIAL_BYTES = 1 << 30
@@ -42,7 +43,11 @@ def partial_to_bytes(partial: Partial) -> bytes:
     arrays = {"vec": partial.vec, "tensor_weight": partial.tensor_weight}
     if partial.signs is not None:
         arrays |= {"neg": partial.signs.neg, "pos": partial.signs.pos}
-    meta = {"layout": layout_digest(partial.layout), "members": {d: m.to_json() for d, m in partial.members.items()}}
+    sketched = sorted(d for d, m in partial.members.items() if m.sketch is not None)
+    if sketched:
+        arrays["sketches"] = np.stack([partial.members[d].sketch for d in sketched]).astype(np.float32)
+    meta = {"layout": layout_digest(partial.layout), "members": {d: m.to_json() for d, m in partial.members.items()},
+            "sketched": sketched}
     buf = io.BytesIO()
     np.savez(buf, meta=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8), **arrays)
     return buf.getvalue()
@@ -62,6 +67,14 @@ def partial_from_bytes(data: bytes, layout: Layout, *, where: str = "partial") -
             if out.signs is not None:
                 out.signs.neg, out.signs.pos = z["neg"].astype(np.int32), z["pos"].astype(np.int32)
             out.members = {str(d): Member.from_json(m) for d, m in meta["members"].items()}
+            sketched = meta.get("sketched") or []
+            if sketched:
+                sketches = z["sketches"]
+                if (sketches.ndim != 2 or len(sketches) != len(sketched) or not set(sketched) <= set(out.members)
+                        or sketches.shape[1] != min(layout.size, SKETCH_DIM)):
+                    raise InputError(f"{where}: sketches that do not match its members")
+                for d, row in zip(sketched, sketches, strict=True):
+                    out.members[str(d)].sketch = row.astype(np.float32)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{where}: unreadable ({str(exc)[:200]})") from None
     return out

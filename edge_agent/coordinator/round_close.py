@@ -147,6 +147,7 @@ class RoundCloser:
             for d in partial.members:
                 c.verdicts.setdefault(d, (UpdateStatus.ACCEPTED, f"counted for nothing: {exc}"[:512]))
             return
+        self.aggregation.remember(c.job, c.rnd, c.aggregate)
         for d, why in c.aggregate.excluded.items():
             c.verdicts[d] = (UpdateStatus.REJECTED, why[:512])
         dp = DpParams.of(c.job.params)

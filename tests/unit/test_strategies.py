@@ -178,14 +178,15 @@ def _server_towards(direction, *, classes=2):
 
 def test_trust_zeroes_a_flipped_update_and_rescales_a_scaled_one_to_the_server_norm():
     server = _server_towards([1.0, 0.0])
-    layout, ups = _fleet([[1.0, 0.2], [-1.0, -0.2], [300.0, 30.0]], weights=[10, 10, 10],
+    # d0 and d2 both agree with the server (cosine 0.89) but not with each other (0.6: no echo)
+    layout, ups = _fleet([[1.0, 0.5], [-1.0, -0.5], [300.0, -150.0]], weights=[10, 10, 10],
                          counts=[(1, 0), (1, 0), (1, 0)])
     got, _ = _run("trust", layout, ups, server=server)
     assert got.info["trust"] == {"d0": 1.0, "d1": 0.0, "d2": 1.0}
-    assert got.shares["d1"] == 0.0
-    # d0 kept (norm 1.02 inside [0.5, 2]); d2 moved to 2 x the server norm; the server takes part
-    d2 = np.array([300.0, 30.0]) * 2.0 / np.linalg.norm([300.0, 30.0])
-    want = (10 * np.array([1.0, 0.2]) + 10 * d2 + 20 * np.array([1.0, 0.0])) / 40
+    assert got.shares["d1"] == 0.0 and got.info["echoes"] == {}
+    # d0 kept (norm 1.12 inside [0.5, 2]); d2 moved to 2 x the server norm; the server takes part
+    d2 = np.array([300.0, -150.0]) * 2.0 / np.linalg.norm([300.0, -150.0])
+    want = (10 * np.array([1.0, 0.5]) + 10 * d2 + 20 * np.array([1.0, 0.0])) / 40
     np.testing.assert_allclose(got.vec, want)
 
 

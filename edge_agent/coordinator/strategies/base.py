@@ -76,6 +76,7 @@ class RoundEvidence:
     layout: Layout
     history_norm: float | None = None  # median accepted norm of the model lineage's recent rounds
     server: ServerEvidence | None = None
+    earlier_sketches: Mapping[str, np.ndarray] | None = None  # the previous round's trusted updates (echoes.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,9 @@ class Member:
     coef: float = 0.0  # what its delta was folded with
     mean_weight: float = 0.0  # what it adds to its tensors' denominators
     trust: float | None = None  # the rule's trust in it (trust rules), for the record
+    # its direction's sketch (echoes.py), for rules that compare updates with each other at close;
+    # kept beside the JSON record (partials.py stores it as an array)
+    sketch: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"weight": self.weight, "norm": self.norm, "kept": self.kept,
@@ -222,6 +226,7 @@ class Aggregate:
     excluded: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # device -> a note on its accepted update's verdict
+    sketches: dict[str, np.ndarray] = field(default_factory=dict)  # trusted updates' sketches, for the next round
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ For update d_i with weight w_i (its bounded sample count) and reference r_i:
 
     t_i = clip(cos(d_i, r_i) / kappa, 0, 1)          trust: full from cosine kappa (0.1) up
     s_i = clip(||d_i||, lo x R, hi x R) / ||d_i||     norm moved into [0.5, 2] x the reference norm R
-    aggregate = (sum_i w_i t_i s_i d_i + w_0 g_0) / (sum_i w_i t_i + w_0)
+    e_i = the update's echo count: 1 + how many others point (nearly) its way (echoes.py)
+    aggregate = (sum_i w_i t_i s_i d_i / e_i + w_0 g_0) / (sum_i w_i t_i / e_i + w_0)
 
 `trust`: r_i is the descent direction the coordinator measures itself on its labelled
 server set's root split, at the round's base, mixed in the device's reported label
@@ -21,7 +22,10 @@ as a typical device takes), and the server update takes part with weight w_0 = i
 samples: so magnitude attacks (x100, x1e-6) are neutralised, a direction against the
 evidence counts for nothing, and a fleet that lost an attacker's data still learns what the
 server set teaches. A device that lies about its label counts only changes which honest
-direction it is compared with.
+direction it is compared with. Colluders that each earn trust on their own share one vote
+(e_i): measured in the solar fleet (async, 20 % IPM attackers), attackers' cosines with their
+references had a median of 0.11 and earned trust 59 % of the way, while their updates were
+near-twins of each other (median cosine 0.93).
 
 `median_trust`: r_i is the round's coordinate-wise median (a minority cannot steer it) and
 R the round's lower-median norm, held within [0.5, 2] x the model lineage's recent median
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..streaming import block_window_mean
+from . import echoes
 from .base import (
     Aggregate,
     Contribution,
@@ -114,12 +119,29 @@ class TrustScored(Strategy):
         ref, ref_norm = self._reference(c.label_counts, c.update.present)
         coef, mean, t = self.score(c.update.dot_dense(ref), c.update.norm, ref_norm, c.weight)
         return Member(weight=c.weight, norm=c.update.norm, kept=c.update.kept, present=c.update.present,
-                      label_counts=c.label_counts, coef=coef, mean_weight=mean, trust=t)
+                      label_counts=c.label_counts, coef=coef, mean_weight=mean, trust=t,
+                      sketch=echoes.sketch(c.update.idx, c.update.vals, self.evidence.layout.size))
 
-    def _capped(self, members: dict[str, Member]) -> dict[str, tuple[float, float]]:
+    def _adjusted(self, members: dict[str, Member]) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+        """(new (coef, mean weight) of the members whose weight moves at close, and the echo
+        counts above 1): the round's weight cap, then the trusted updates' echoes."""
         cap = self.round_cap([m.weight for m in members.values()])
-        return {d: (m.coef * cap / m.weight, m.mean_weight * cap / m.weight)
-                for d, m in members.items() if m.weight > cap}
+        echo = echoes.echo_counts({d: m.sketch for d, m in members.items() if m.coef > 0 and m.sketch is not None},
+                                  self.evidence.earlier_sketches)
+        out = {}
+        for d, m in members.items():
+            factor = min(1.0, cap / m.weight) / echo.get(d, 1.0)
+            if factor < 1.0:
+                out[d] = (m.coef * factor, m.mean_weight * factor)
+        return out, {d: round(e, 3) for d, e in echo.items() if e > 1.0005}
+
+    @staticmethod
+    def _echoed(agg: Aggregate, echo: dict[str, float], members: dict[str, Member]) -> Aggregate:
+        agg.info["echoes"] = echo
+        agg.notes |= {d: f"shares one vote with the {e - 1:.1f} update(s) its direction echoes (cosine >= "
+                         f"{echoes.ECHO_FROM})" for d, e in echo.items()}
+        agg.sketches = {d: m.sketch for d, m in members.items() if m.coef > 0 and m.sketch is not None}
+        return agg
 
     def _aggregate(self, vec: np.ndarray, means: dict[str, float], trust: dict[str, float]) -> Aggregate:
         """With no update trusted the version is the server's own step (the gate still judges
@@ -133,12 +155,13 @@ class TrustScored(Strategy):
     def finalize(self, partial: Partial, load: Load) -> Aggregate:
         if not partial.members:
             raise ValueError("no updates to aggregate")
-        decoded = partial.readjust(self._capped(partial.members), load)
+        changes, echo = self._adjusted(partial.members)
+        decoded = partial.readjust(changes, load)
         agg = self._aggregate(partial.mean((self.server.update, self.server.weight)),
                               {d: m.mean_weight for d, m in partial.members.items()},
                               {d: m.trust or 0.0 for d, m in partial.members.items()})
         agg.info["decoded_at_close"] = decoded
-        return agg
+        return self._echoed(agg, echo, partial.members)
 
     def reference(self, updates: Sequence[DenseUpdate]) -> Aggregate:
         members = {}
@@ -147,14 +170,16 @@ class TrustScored(Strategy):
             vec = np.asarray(u.vec, np.float64)
             coef, mean, t = self.score(float(vec @ ref), float(np.linalg.norm(vec)), ref_norm, u.weight)
             members[u.device] = Member(weight=u.weight, norm=0.0, kept=0, present=u.present, coef=coef,
-                                       mean_weight=mean, trust=t)
-        for d, (coef, mean) in self._capped(members).items():
+                                       mean_weight=mean, trust=t, sketch=echoes.sketch_dense(vec))
+        changes, echo = self._adjusted(members)
+        for d, (coef, mean) in changes.items():
             members[d].coef, members[d].mean_weight = coef, mean
         vec = dense_mean(updates, [members[u.device].coef for u in updates],
                          [members[u.device].mean_weight for u in updates], self.evidence.layout,
                          (self.server.update, self.server.weight))
-        return self._aggregate(vec, {d: m.mean_weight for d, m in members.items()},
-                               {d: m.trust or 0.0 for d, m in members.items()})
+        agg = self._aggregate(vec, {d: m.mean_weight for d, m in members.items()},
+                              {d: m.trust or 0.0 for d, m in members.items()})
+        return self._echoed(agg, echo, members)
 
 
 class MedianTrust(Strategy):
