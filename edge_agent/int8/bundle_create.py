@@ -402,7 +402,7 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
             sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where)
             frozen = sorted(set(unmapped) - set(args))  # inside the shallower int8 prefixes
             if frozen:
-                raise BundleError(f"{where}: node {unmapped[frozen[0]]}: its weights do not map back onto ONNX "
+                raise BundleError(f"node {unmapped[frozen[0]]}: its weights do not map back onto ONNX "
                                   "initialisers (a fold the tail import does not replay), so the int8 prefixes "
                                   "that freeze them could not be re-quantised after training")
         except (InputError, ValueError) as exc:  # e.g. a tail the importer refuses: the depths so far stand
