@@ -218,7 +218,10 @@ def _free_batch_reshapes(model: Any) -> None:
 
 
 def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx."""
+    """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx.
+
+    Bundles no longer use it (their tails come from tail_import.py); tests and the model-zoo
+    bench keep it as MXNet's own, independent reading of an ONNX model to compare with."""
     import contextlib
 
     from mxnet.contrib import onnx as onnx_mxnet
