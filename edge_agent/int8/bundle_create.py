@@ -218,7 +218,10 @@ def _free_batch_reshapes(model: Any) -> None:
 
 
 def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx."""
+    """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx.
+
+    Bundles no longer use it (their tails come from tail_import.py); tests and the model-zoo
+    bench keep it as MXNet's own, independent reading of an ONNX model to compare with."""
     import contextlib
 
     from mxnet.contrib import onnx as onnx_mxnet
@@ -326,7 +329,7 @@ def create_bundle(
         extractor = onnx_utils.Extractor(model)  # runs strict shape inference
     except Exception as exc:  # onnx InferenceError names the op and node
         raise BundleError(f"{where}: ONNX shape inference fails: {str(exc).strip()[:300]}") from None
-    head_sym, head_args, head_aux = _head(extractor, model, tensor, tuple(float_graph.output_shape), labels, where)
+    head_sym, head_args, head_aux, _ = _head(extractor, model, tensor, tuple(float_graph.output_shape), labels, where)
     calib = load_calibration(calibration, spec)
 
     def int8_prefix(graph: Any, what: str) -> bytes:
@@ -399,8 +402,13 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
         try:
             graph = import_onnx(model, split=cut.tensor)
             shape = tuple(int(v) for v in graph.output_shape)
-            sym, t_args, t_aux = _head(extractor, model, cut.tensor, shape, labels, where)
-        except (InputError, ValueError) as exc:  # e.g. a tail MXNet cannot import: the depths so far stand
+            sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where)
+            frozen = sorted(set(unmapped) - set(args))  # inside the shallower int8 prefixes
+            if frozen:
+                raise BundleError(f"node {unmapped[frozen[0]]}: its weights do not map back onto ONNX "
+                                  "initialisers (a fold the tail import does not replay), so the int8 prefixes "
+                                  "that freeze them could not be re-quantised after training")
+        except (InputError, ValueError) as exc:  # e.g. a tail the importer refuses: the depths so far stand
             log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
             break
         files[depth_file(k, BACKBONE_INT8)] = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
@@ -412,19 +420,22 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
 
 
 def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...], labels: list[str],
-          where: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """The head (split -> output) as MXNet symbol + params, checked before any slow work:
-    MXNet can import it, it has something to train, its output size is len(labels)."""
+          where: str) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
+    """The tail from `tensor` to the output as MXNet symbol + params (tail_import.py: the
+    project's own importer, parameters named after the ONNX initialisers) and the
+    parameters no initialiser gives, checked before any slow work: it imports, it has
+    something to train, it takes the prefix's output and its output size is len(labels)."""
     from .cut_points import candidate_cuts
+    from .graph import UnsupportedOpError
+    from .mxnet_graph import MxnetGraphError
+    from .mxnet_import import mxnet
+    from .tail_import import import_tail
 
-    head = extractor.extract_model([tensor], [o.name for o in model.graph.output])
     try:
-        sym, args, aux = onnx_to_mxnet(head.SerializeToString())
-    except InputError:
-        raise
-    except Exception as exc:  # mxnet.contrib.onnx raises bare KeyError/AttributeError per op
-        raise BundleError(f"{where}: the head after {tensor!r} cannot be imported by MXNet: "
-                          f"{type(exc).__name__}: {str(exc).strip()[:200]}") from None
+        tail = import_tail(extractor, model, tensor, mxnet())
+    except (UnsupportedOpError, MxnetGraphError, InputError) as exc:  # names the node and op
+        raise BundleError(f"{where}: the fp32 tail after {tensor!r} cannot be imported: {exc}") from None
+    sym, args, aux = tail.symbol, tail.args, tail.aux
     if not args and not aux:
         before = [c.name for c in candidate_cuts(model) if c.kind == "classifier-input"]
         hint = f"; split before the classifier, e.g. --split {before[0]}" if before else ""
@@ -437,7 +448,7 @@ def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...],
     classes = int(np.prod(out[1:]))
     if classes != len(labels):
         raise InputError(f"{where}: the head outputs {classes} classes but {len(labels)} labels were given")
-    return sym, args, aux
+    return sym, args, aux, tail.unmapped
 
 
 def _ndarray_bytes(params: dict[str, Any]) -> bytes:

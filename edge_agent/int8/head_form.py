@@ -4,9 +4,10 @@ evaluates (and train/dense_head.py trains) without MXNet. In the int8 floor beca
 selection's agreement check, the inference path and the trainers all read heads this way.
 
 Two dense symbol forms are recognised:
-- `FullyConnected(Flatten*(x), W, b)` (flatten=True, a bias), as Gluon's `Dense` exports;
-- the ONNX importer's Gemm: `broadcast_add(_linalg_gemm2(Flatten*(x), W, transpose_b=1,
-  alpha=a), _mul_scalar(b, s))` -- what this project's bundles hold.
+- `FullyConnected(Flatten*(x), W, b)` (flatten=True, a bias), as Gluon's `Dense` exports
+  and as tail_import.py writes a bundle's Gemm / MatMul + bias;
+- mxnet.contrib.onnx's Gemm: `broadcast_add(_linalg_gemm2(Flatten*(x), W, transpose_b=1,
+  alpha=a), _mul_scalar(b, s))` -- what bundles built before issue 41 hold.
 """
 
 from __future__ import annotations

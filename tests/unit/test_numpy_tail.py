@@ -1,7 +1,7 @@
 """The numpy tail trainer (dense_head.NumpyTailTrainer, running train/numpy_tail.py) against
 MXNet, the oracle: on the real tails of a multi-depth MobileNetV2 bundle (depths 1-3: the
 last 1x1 conv, + the last inverted residual block, + the one before with its residual add)
-and of the digits CNN (a full 3x3 conv with bias, ReLU, a zero Pad, max pooling), the
+and of the digits CNN (a full 3x3 conv with bias, ReLU, max pooling), the
 forward equals MXNet's, the gradients equal MXNet autograd's, and Adam / SGD steps give
 HeadTrainer's parameters and BatchNorm statistics; checkpoints resume bit for bit (also
 under kill -9 in a real job); an op it does not compute sends the tail to MXNet Gluon; and
@@ -172,7 +172,9 @@ def _digits_tail_symbol(digits_bundle: Path) -> tuple[str, dict[str, np.ndarray]
 def test_digits_cnn_tail_full_conv_bias_relu_max_pool_equal_mxnet(digits_bundle: Path) -> None:
     sym, params, name, shape = _digits_tail_symbol(digits_bundle)
     ops = {n["op"] for n in json.loads(sym)["nodes"]}
-    assert {"Convolution", "relu", "Pad", "Pooling", "BatchNorm"} <= ops  # the premise (ONNX-imported ops)
+    # the premise (ONNX-imported ops); mxnet.contrib.onnx also put a zero-width Pad before the
+    # max pool, the float-graph tail import (int8/tail_import.py) does not
+    assert {"Convolution", "relu", "Pooling", "BatchNorm"} <= ops
     x, y = _batch(shape, 16, seed=2)
     x = np.maximum(x, 0)  # the cut is after a ReLU
     for bn in ("update", "frozen"):
