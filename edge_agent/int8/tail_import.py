@@ -57,10 +57,17 @@ class TailImport:
 def tail_model(extractor: Any, model: Any, tensor: str) -> Any:
     """The ONNX model of `tensor` -> the outputs. A 2-D cut (N, C) becomes a (N, C, 1, 1)
     input flattened first (the importer takes NCHW maps; MXNet's Flatten of the (N, C)
-    features a device feeds is the identity)."""
+    features a device feeds is the identity). A Softmax or LogSoftmax that produces the
+    model's output is left out: the tail gives logits, as every head the trainer makes does."""
     from onnx import helper
 
     tail = extractor.extract_model([tensor], [o.name for o in model.graph.output])
+    out = tail.graph.output
+    last = next((n for n in tail.graph.node if len(out) == 1 and out[0].name in n.output), None)
+    if last is not None and last.op_type in ("Softmax", "LogSoftmax"):
+        # a trailing softmax only squashes the logits: training wants them, top-k is the same
+        out[0].name = last.input[0]
+        tail.graph.node.remove(last)
     inits = {i.name for i in tail.graph.initializer}
     inp = next(i for i in tail.graph.input if i.name not in inits)
     dims = inp.type.tensor_type.shape.dim

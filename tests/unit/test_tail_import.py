@@ -205,3 +205,23 @@ def test_a_fold_the_tail_cannot_replay_stops_the_depths_there_naming_the_node(tm
     assert [(d.depth, d.tensor) for d in b.manifest.depths] == [(0, "pooled"), (1, "r2")]
     assert "depth 2 (r1) and deeper not recorded" in caplog.text and "node conv2 (CONV_2D)" in caplog.text
     assert set(bundle_params(b)[0]) <= {i.name for i in _chain_model(odd_fold=True).graph.initializer}
+
+
+def test_a_model_ending_in_softmax_gets_a_tail_that_gives_its_logits(tmp_path) -> None:
+    from onnx.reference import ReferenceEvaluator
+
+    model = _chain_model()
+    model.graph.node.append(helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=1))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 10]))
+    calib = np.random.default_rng(0).normal(size=(16, 3, 8, 8)).astype(np.float32)
+    b = _create(model.SerializeToString(), tmp_path / "b", split="pool", calibration=calib, depths=1)
+    assert [d.depth for d in b.manifest.depths] == [0, 1]
+    view = b.at_depth(1)
+    assert all(n["op"] not in ("softmax", "SoftmaxActivation") for n in json.loads(view.read(HEAD_SYMBOL))["nodes"])
+    x = np.random.default_rng(1).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    probs = np.concatenate([ReferenceEvaluator(model).run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
+    logits = _tail_logits(view, run_float(import_onnx(view.onnx_bytes(), split="r2"), x))
+    soft = np.exp(logits - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(soft / soft.sum(axis=1, keepdims=True), probs, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(logits, probs, atol=1e-3)  # logits, not probabilities
