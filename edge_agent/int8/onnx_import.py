@@ -33,6 +33,7 @@ from .float_graph import FloatGraph, FloatOp
 from .float_ops import out_size, same_pads
 from .graph import UnsupportedOpError
 from .onnx_elementwise import ElementwiseOps, fuse_hard_swish
+from .onnx_fold import fold_shapes
 from .onnx_struct import StructOps
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -56,7 +57,8 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
     are read from files in the model's own directory and inlined (the bundle is then
     self-contained), an ir_version newer than the checker's is lowered when nothing in the
     model needs it (see `_lower_ir_version`), and an opset outside MIN_OPSET..MAX_OPSET is
-    converted with onnx.version_converter (older ones are raised to MIN_OPSET)."""
+    converted with onnx.version_converter (older ones are raised to MIN_OPSET). Shape
+    subgraphs that are constant at the model's fixed input size are folded (onnx_fold.py)."""
     import onnx
 
     if isinstance(source, bytes | bytearray | memoryview):
@@ -86,7 +88,7 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
         if ctx:
             first = f"node {ctx.group(1)!r} (op {ctx.group(2)}): {first}"
         raise OnnxImportError(f"{where}: invalid ONNX model (truncated or corrupt?): {first}") from None
-    return _convert_opset(model, where)
+    return fold_shapes(_convert_opset(model, where))
 
 
 # Default-domain opsets taken as they are: the handlers read both spellings where an op
@@ -218,7 +220,7 @@ def import_onnx(
     """
     import onnx
 
-    model = source if isinstance(source, onnx.ModelProto) else load_onnx(source, max_bytes=max_bytes)
+    model = fold_shapes(source) if isinstance(source, onnx.ModelProto) else load_onnx(source, max_bytes=max_bytes)
     return _Converter(model, name).convert(split)
 
 
