@@ -174,6 +174,10 @@ def _mxnet_compatible(model: Any) -> Any:
     """MXNet's ONNX importer only sees initializers that are also graph inputs (old IR)."""
     from onnx import helper
 
+    from .mxnet_onnx_compat import axes_as_attributes, constants_as_initializers
+
+    constants_as_initializers(model)  # before the listing below: they become inputs too
+    axes_as_attributes(model)
     listed = {i.name for i in model.graph.input}
     for init in model.graph.initializer:
         if init.name not in listed:
@@ -221,14 +225,13 @@ def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, An
     """ONNX bytes -> (symbol, arg_params, aux_params) through mxnet.contrib.onnx."""
     import contextlib
 
-    from mxnet.contrib import onnx as onnx_mxnet
-
+    from .mxnet_onnx_compat import import_naming_node
     from .onnx_import import load_onnx
 
     model = _mxnet_compatible(load_onnx(model_bytes))  # size limit, parse and onnx.checker first
     # the importer prints deprecation notices on stdout; keep CLI output clean
     with contextlib.redirect_stdout(io.StringIO()):
-        return onnx_mxnet.import_model(io.BytesIO(model.SerializeToString()))
+        return import_naming_node(model)  # as onnx_mxnet.import_model; a failure names its node
 
 
 def _gluon_split(block: Any, input_name: str) -> str | None:

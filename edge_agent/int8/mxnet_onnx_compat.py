@@ -1,0 +1,82 @@
+"""What MXNet 1.9's ONNX importer (mxnet.contrib.onnx) needs beyond bundle_create's
+`_mxnet_compatible`, and an import that names the node it fails on.
+
+- `constants_as_initializers`: the importer has no `Constant` op (a KeyError naming the
+  Constant's output); torch's legacy exporter writes Reshape targets that way (ShuffleNet).
+- `axes_as_attributes`: opset 18 moved Reduce* axes from an attribute to an input; the
+  importer passes that input on as MXNet's `axis` parameter and MXNet fails with "Invalid
+  Parameter format for axis ... value='<Symbol val_5>'" (torch's dynamo exporter writes
+  squeezenet's global mean that way). A constant axes input becomes the attribute again:
+  the importer reads attributes whatever the opset says (opset 18's noop_with_empty_axes=0,
+  the default, is dropped: MXNet refuses an argument it does not know).
+- `import_naming_node`: mxnet.contrib.onnx.import_model, with any failure re-raised as an
+  MXNetImportError that says which node (and op) the importer stopped at.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import onnx
+
+REDUCE_OPS = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2")
+
+
+class MXNetImportError(ValueError):
+    """MXNet's ONNX importer failed on a node: the message names the node and its op."""
+
+    def __init__(self, node: str, op: str, why: str) -> None:
+        super().__init__(f"node {node!r} (op {op}): {why}")
+        self.node, self.op = node, op
+
+
+def constants_as_initializers(model: onnx.ModelProto) -> None:
+    """Each `Constant` node (with a tensor `value`) becomes an initializer of its output."""
+    from onnx import helper, numpy_helper
+
+    keep = []
+    for node in model.graph.node:
+        value = next((a for a in node.attribute if a.name == "value"), None)
+        if node.op_type == "Constant" and value is not None:
+            tensor = numpy_helper.from_array(numpy_helper.to_array(helper.get_attribute_value(value)), node.output[0])
+            model.graph.initializer.append(tensor)
+        else:
+            keep.append(node)
+    if len(keep) != len(model.graph.node):
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+
+
+def axes_as_attributes(model: onnx.ModelProto) -> None:
+    """Reduce* nodes whose axes input is a constant initializer get it as an attribute."""
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type in REDUCE_OPS and len(node.input) > 1 and node.input[1] in inits \
+                and not any(a.name == "axes" for a in node.attribute):
+            axes = [int(v) for v in numpy_helper.to_array(inits[node.input[1]]).reshape(-1)]
+            del node.input[1:]
+            node.attribute.append(helper.make_attribute("axes", axes))
+            noop = [a for a in node.attribute if a.name == "noop_with_empty_axes"]
+            if noop and not noop[0].i:  # its default (0), and an argument MXNet does not know
+                node.attribute.remove(noop[0])
+
+
+def import_naming_node(model: onnx.ModelProto) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """mxnet.contrib.onnx.import_model on an in-memory model; a failure names its node."""
+    from mxnet.contrib.onnx.onnx2mx.import_onnx import GraphProto
+
+    graph = GraphProto()
+    opset = max(o.version for o in model.opset_import)
+    try:
+        return graph.from_onnx(model.graph, opset_version=opset)
+    except Exception as exc:  # the importer raises bare KeyError / AttributeError / MXNetError per op
+        done = graph._nodes  # noqa: SLF001 - the importer's converted tensors: where it stopped
+        failed = next((n for n in model.graph.node if any(o not in done for o in n.output if o)), None)
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+        if failed is None:
+            raise
+        name = failed.name or (failed.output[0] if failed.output else failed.op_type)
+        raise MXNetImportError(name, failed.op_type, why) from None
