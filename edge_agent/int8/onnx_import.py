@@ -304,6 +304,8 @@ class _Converter(StructOps, ElementwiseOps):
                                          f"supported ops: {', '.join(supported_ops())}")
             try:
                 handler(node)
+            except OnnxImportError as exc:  # every refusal names the node and its op
+                raise OnnxImportError(_naming(str(exc), node_name(node), node.op_type)) from None
             except (UnsupportedOpError, InputError):
                 raise
             except Exception as exc:  # a malformed node (missing input/attribute, odd shape): no traceback
@@ -549,6 +551,14 @@ class _Converter(StructOps, ElementwiseOps):
             pairs = [pairs[0], pairs[2], pairs[3], pairs[1]]
         out = tuple(s + p + q for s, (p, q) in zip(shape, pairs, strict=True))
         self._emit(node, FloatOp("PAD", nm, [x], node.output[0], {"paddings": tuple(pairs)}), out)
+
+
+def _naming(message: str, name: str, op: str) -> str:
+    """`message` as "node 'N' (op O): ..." (handlers write "node 'N': ..." or a bare what)."""
+    for prefix in (f"node {name!r}: ", f"node {name!r} (op {op}): "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+    return f"node {name!r} (op {op}): {message}"
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:

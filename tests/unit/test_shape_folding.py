@@ -213,3 +213,17 @@ def test_model_nodes_marks_what_create_accepts(capsys: pytest.CaptureFixture[str
     listed = {r["name"]: r["create"] for r in json.loads(capsys.readouterr().out)}
     assert listed["/ReduceMean"] == {"accepted": True, "reason": None, "head_checked": True}
     assert listed["/stage2/stage2.0/Concat"]["accepted"] is False
+
+
+def test_a_malformed_node_is_refused_naming_node_and_op() -> None:
+    """Handlers' own refusals (OnnxImportError, not only UnsupportedOpError) name the op too."""
+    from edge_agent.int8.onnx_import import OnnxImportError
+
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv")]
+    inits = [numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w"),
+             numpy_helper.from_array(np.ones(5, np.float32), "b")]  # 5 biases for 4 channels
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    with pytest.raises(OnnxImportError) as err:
+        import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    assert str(err.value) == "node 'conv' (op Conv): bias shape (5,) for 4 output channels"
