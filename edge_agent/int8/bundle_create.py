@@ -174,10 +174,11 @@ def _mxnet_compatible(model: Any) -> Any:
     """MXNet's ONNX importer only sees initializers that are also graph inputs (old IR)."""
     from onnx import helper
 
-    from .mxnet_onnx_compat import axes_as_attributes, constants_as_initializers
+    from .mxnet_onnx_compat import axes_as_attributes, constants_as_initializers, slices_as_gathers
 
     constants_as_initializers(model)  # before the listing below: they become inputs too
     axes_as_attributes(model)
+    slices_as_gathers(model)
     listed = {i.name for i in model.graph.input}
     for init in model.graph.initializer:
         if init.name not in listed:

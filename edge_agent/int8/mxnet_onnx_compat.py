@@ -9,6 +9,10 @@
   squeezenet's global mean that way). A constant axes input becomes the attribute again:
   the importer reads attributes whatever the opset says (opset 18's noop_with_empty_axes=0,
   the default, is dropped: MXNet refuses an argument it does not know).
+- `slices_as_gathers`: the importer's Slice (opset >= 10) passes its constant bounds on as
+  float parameters, which MXNet's slice_axis refuses ("expect int or None but value='24.0'").
+  A Slice along one axis with constant bounds is a Gather of those indices (MXNet's `take`),
+  its range clamped with the input's inferred shape (ShuffleNet v2's channel split).
 - `import_naming_node`: mxnet.contrib.onnx.import_model, with any failure re-raised as an
   MXNetImportError that says which node (and op) the importer stopped at.
 """
@@ -62,6 +66,46 @@ def axes_as_attributes(model: onnx.ModelProto) -> None:
             noop = [a for a in node.attribute if a.name == "noop_with_empty_axes"]
             if noop and not noop[0].i:  # its default (0), and an argument MXNet does not know
                 node.attribute.remove(noop[0])
+
+
+def slices_as_gathers(model: onnx.ModelProto) -> None:
+    """Single-axis Slices with initializer bounds (and a statically known input shape)
+    become Gathers of the selected indices."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+
+    def const(node: onnx.NodeProto, k: int) -> Any:
+        if k >= len(node.input) or not node.input[k]:
+            return None
+        return numpy_helper.to_array(inits[node.input[k]]).reshape(-1) if node.input[k] in inits else False
+
+    slices = [n for n in model.graph.node if n.op_type == "Slice" and len(n.input) >= 3]
+    if not slices:
+        return
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # shapes unknown: the Slices stay (and MXNet says which one fails)
+        return
+    shapes = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info]:
+        dims = vi.type.tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            shapes[vi.name] = [int(d.dim_value) for d in dims]
+    for node in slices:
+        starts, ends, axes, steps = (const(node, k) for k in range(1, 5))
+        shape = shapes.get(node.input[0])
+        if any(v is False for v in (starts, ends, axes, steps)) or shape is None or len(starts) != 1:
+            continue
+        axis = int(axes[0]) % len(shape) if axes is not None else 0
+        step = int(steps[0]) if steps is not None else 1
+        indices = np.arange(shape[axis])[slice(int(starts[0]), int(ends[0]), step)].astype(np.int64)
+        name = f"{node.output[0]}__indices"
+        model.graph.initializer.append(numpy_helper.from_array(indices, name))
+        gather = helper.make_node("Gather", [node.input[0], name], list(node.output), name=node.name, axis=axis)
+        node.CopyFrom(gather)
 
 
 def import_naming_node(model: onnx.ModelProto) -> tuple[Any, dict[str, Any], dict[str, Any]]:

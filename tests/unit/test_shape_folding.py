@@ -170,22 +170,57 @@ def test_shufflenet_int8_prefix_agrees_with_fp32(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------- model nodes vs model create
-def test_split_check_and_create_agree_on_shufflenet(tmp_path: Path) -> None:
+def _shufflenet_with_tanh(after: str = "/stage3/stage3.0/Concat_output_0") -> onnx.ModelProto:
+    """The fixture with a Tanh inserted after `after`: MXNet imports Tanh (a head holding it
+    is fine), the int8 path does not (a backbone holding it is refused)."""
+    model = load_onnx(SHUFFLENET)
+    for node in model.graph.node:
+        node.input[:] = [f"{after}_tanh" if i == after else i for i in node.input]
+    k = next(i for i, n in enumerate(model.graph.node) if after in n.output)
+    model.graph.node.insert(k + 1, helper.make_node("Tanh", [after], [f"{after}_tanh"], name="odd_tanh"))
+    return model
+
+
+def test_split_check_and_create_agree(tmp_path: Path) -> None:
     from edge_agent.int8.bundle import BundleError
     from edge_agent.int8.bundle_create import create_bundle
 
-    model = load_onnx(SHUFFLENET)
-    checker = SplitChecker(model, str(SHUFFLENET))
-    accepted, refused = checker.check("/ReduceMean"), checker.check("/stage2/stage2.0/Concat")
-    assert accepted.accepted and accepted.reason is None
+    model = _shufflenet_with_tanh()
+    source = model.SerializeToString()
+    checker = SplitChecker(load_onnx(source), "onnx model")  # create's `where` for bytes
+    accepted, refused = checker.check("/stage2/stage2.3/Concat"), checker.check("/stage4/stage4.0/Concat")
+    assert accepted.to_json() == {"accepted": True, "reason": None, "head_checked": True}
     assert not refused.accepted
-    assert "node '/stage2/stage2.1/Slice' (op Slice)" in (refused.reason or "")  # the head MXNet cannot import
+    assert "node 'odd_tanh': op 'Tanh' is not supported by the int8 path" in (refused.reason or "")
     x = np.random.default_rng(0).normal(size=(8, 3, 32, 32)).astype(np.float32)
     common = dict(calibration=x, labels=[str(i) for i in range(10)], name="s", version="1")
-    create_bundle(SHUFFLENET, tmp_path / "ok", split="/ReduceMean", **common)
+    bundle = create_bundle(source, tmp_path / "ok", split="/stage2/stage2.3/Concat", **common)
+    assert tuple(bundle.manifest.feature_shape) == (48, 4, 4)
     with pytest.raises(BundleError) as err:
-        create_bundle(SHUFFLENET, tmp_path / "no", split="/stage2/stage2.0/Concat", **common)
+        create_bundle(source, tmp_path / "no", split="/stage4/stage4.0/Concat", **common)
     assert str(err.value) == refused.reason
+
+
+def test_a_deep_shufflenet_head_imports_into_mxnet_exactly() -> None:
+    """Behind the CREATE column's "yes" at a deep cut: the head (Slice channel splits, the
+    5-D shuffle) imported into MXNet computes what onnx's evaluator does, batch of 3."""
+    import mxnet as mx
+    from onnx import utils as onnx_utils
+
+    from edge_agent.int8.bundle_create import onnx_to_mxnet
+
+    model = load_onnx(SHUFFLENET)
+    tensor = "/stage2/stage2.0/Concat_output_0"
+    head = onnx_utils.Extractor(model).extract_model([tensor], ["logits"])
+    x = np.random.default_rng(1).normal(size=(3, 48, 4, 4)).astype(np.float32)
+    evaluator = ReferenceEvaluator(head)
+    expected = np.concatenate([evaluator.run(None, {tensor: x[i:i + 1]})[0] for i in range(3)])
+    sym, args, aux = onnx_to_mxnet(head.SerializeToString())
+    block = mx.gluon.SymbolBlock(sym, mx.sym.var(tensor))
+    params = block.collect_params()
+    for name, value in {**args, **aux}.items():
+        params[name]._load_init(value, mx.cpu())  # noqa: SLF001 - as zoo._mxnet_backbone does
+    np.testing.assert_allclose(block(mx.nd.array(x)).asnumpy(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_squeezenet_dynamo_head_imports_and_a_refusal_names_node_and_op() -> None:
@@ -201,18 +236,25 @@ def test_squeezenet_dynamo_head_imports_and_a_refusal_names_node_and_op() -> Non
     assert not verdict.accepted and "node 'odd_einsum' (op Einsum)" in (verdict.reason or "")
 
 
-def test_model_nodes_marks_what_create_accepts(capsys: pytest.CaptureFixture[str]) -> None:
-    assert coordinator_main(["model", "nodes", str(SHUFFLENET)]) == EXIT_OK
+def test_model_nodes_marks_what_create_accepts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "shufflenet_tanh.onnx"
+    path.write_bytes(_shufflenet_with_tanh().SerializeToString())
+    assert coordinator_main(["model", "nodes", str(path)]) == EXIT_OK
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["SPLIT", "SHAPE", "KIND", "CREATE"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert rows["/ReduceMean"].split()[-1] == "yes"
-    assert " no: the head after '/stage2/stage2.0/Concat_output_0' cannot be imported by MXNet" \
-        in rows["/stage2/stage2.0/Concat"]
-    assert coordinator_main(["model", "nodes", str(SHUFFLENET), "--json"]) == EXIT_OK
-    listed = {r["name"]: r["create"] for r in json.loads(capsys.readouterr().out)}
-    assert listed["/ReduceMean"] == {"accepted": True, "reason": None, "head_checked": True}
-    assert listed["/stage2/stage2.0/Concat"]["accepted"] is False
+    assert rows["/stage2/stage2.3/Concat"].split()[-1] == "yes"
+    assert rows["/ReduceMean"].endswith("no: backbone up to '/ReduceMean_output_0': node 'odd_tanh': op 'Tanh' "
+                                        "is not supported by the int8 path: supported ops: Add, AveragePool, "
+                                        "BatchNormalization, Clip, Concat, Constant, Conv, Div, Dropout, Flatten, "
+                                        "Gemm, GlobalAveragePool, GlobalMaxPool, HardSigmoid, HardSwish, Identity, "
+                                        "MatMul, MaxPool, Mul, Pad, ReduceMean, Relu, Reshape, Sigmoid, Slice, "
+                                        "Split, Squeeze, Sub, Transpose, Unsqueeze")
+    # JSON carries the same verdicts ("create"; SplitVerdict.to_json); --no-check lists only
+    assert coordinator_main(["model", "nodes", str(path), "--json", "--no-check"]) == EXIT_OK
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in listed] == [line.split()[0] for line in lines[1:]]
+    assert not any("create" in r for r in listed)
 
 
 def test_a_malformed_node_is_refused_naming_node_and_op() -> None:
