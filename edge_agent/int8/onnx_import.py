@@ -9,9 +9,14 @@ the same graph:
 - Identity and Dropout removed; a constant Add after a conv or MatMul folded into its bias;
 - explicit conv pads that TFLite's SAME/VALID cannot express become a PAD op.
 The structural ops of real models (explicit-pad pools, standalone BatchNorm, Gemm/MatMul,
-Identity, Reshape/Flatten/Transpose, channel shuffle, Split) are onnx_struct.py's mixin;
+Identity, Reshape/Flatten/Transpose, channel shuffle, Split, channel Slice) are onnx_struct.py's mixin;
 the elementwise ones (HardSwish and its decompositions, HardSigmoid, Sigmoid, Mul/Div,
 broadcasting Add) are onnx_elementwise.py's.
+
+Before any of that, Shape subgraphs that are constant at the fixed input size are folded
+into Constant nodes (onnx_fold.py), so ShuffleNet v2's Shape -> Gather -> ... -> Slice /
+Reshape reach these handlers with constant arguments. Every refusal names the node and its
+op (UnsupportedOpError, or "node 'N' (op O): ..." for a malformed node).
 
 The float graph itself and `run_float`, which executes it in numpy, live in float_graph.py.
 Untrusted ONNX gets the size limit first, then the
