@@ -236,25 +236,42 @@ def _depth_lines(m: Any) -> list[str]:
 def _cmd_model_nodes(args: argparse.Namespace) -> int:
     from ..int8.cut_points import candidate_cuts
     from ..int8.onnx_import import load_onnx
+    from ..int8.split_check import SplitChecker
 
     if args.mxnet:
         from ..int8.onnx_export import export_onnx
 
+        where = f"gluon {args.mxnet}"
         model = load_onnx(export_onnx(_mxnet_block(args.mxnet, args.input_name), (1, *_mxnet_input_shape(args))))
     else:
+        where = args.file
         model = load_onnx(args.file)
     cuts = candidate_cuts(model)
+    checker = SplitChecker(model, where)  # what `model create --split` checks, without quantising
+    verdicts = {} if args.no_check else {c.name: checker.check(c.name) for c in cuts}
     if args.json:
-        print(json.dumps([c.to_json() for c in cuts], indent=2))
+        print(json.dumps([{**c.to_json(), **({"create": verdicts[c.name].to_json()} if verdicts else {})}
+                          for c in cuts], indent=2))
         return EXIT_OK
     if not cuts:
         print("no single-tensor block boundary found (any node or tensor name can still be given to --split)")
         return EXIT_OK
     width = max(len(c.name) for c in cuts)
-    print(f"{'SPLIT':<{width}}  {'SHAPE':<16} KIND")
+    print(f"{'SPLIT':<{width}}  {'SHAPE':<16} {'KIND':<16}" + ("" if args.no_check else " CREATE"))
     for c in cuts:
-        print(f"{c.name:<{width}}  {c.shape_text():<16} {c.kind}")
+        line = f"{c.name:<{width}}  {c.shape_text():<16} {c.kind:<16}"
+        if verdicts:
+            line += " " + _verdict_text(verdicts[c.name], where)
+        print(line.rstrip())
     return EXIT_OK
+
+
+def _verdict_text(verdict: Any, where: str) -> str:
+    """`model nodes`' CREATE column: yes, or no and create's own reason."""
+    if verdict.accepted:
+        return "yes" if verdict.head_checked else "yes (head not checked: MXNet is not installed)"
+    reason = verdict.reason or ""
+    return "no: " + (reason[len(where) + 2:] if reason.startswith(f"{where}: ") else reason)
 
 
 def _cmd_model_inspect(args: argparse.Namespace) -> int:
@@ -336,7 +353,9 @@ def add_model_commands(sub: Any) -> None:
         description="List where a model can be split into frozen backbone and trainable head: block "
                     "boundaries (after each residual add, concat / fire block, global pool, flatten, "
                     "the classifier's input) that every path from input to output goes through, "
-                    "shallow to deep, with their output shapes (NCHW). Give one to `model create --split`.",
+                    "shallow to deep, with their output shapes (NCHW). Give one to `model create --split`. "
+                    "CREATE says whether create accepts it: the same checks, run without quantising "
+                    "(\"no: ...\" is the message create would print).",
         epilog="examples:\n  edge-coordinator model nodes resnet18.onnx\n"
                "  edge-coordinator model nodes --mxnet exported/net --input-shape 3,224,224 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,6 +366,9 @@ def add_model_commands(sub: Any) -> None:
     nodes.add_argument("--calib", metavar="PATH", default=None, help="calibration .npz/folder to take --input-shape from")
     nodes.add_argument("--input-name", default="data", help="the MXNet symbol's input name (default: data)")
     nodes.add_argument("--json", action="store_true", help="print the split points as JSON")
+    nodes.add_argument("--no-check", action="store_true",
+                       help="list only: skip the CREATE column (whether `model create --split` accepts each "
+                            "point: the backbone imports, its ops quantise, MXNet imports the head)")
     nodes.set_defaults(func=_cmd_model_nodes)
     inspect = msub.add_parser("inspect", help="verify a bundle (directory or archive) and print its manifest",
                               description="Verify every file's sha256 and print the manifest. Exit 65 if "

@@ -174,6 +174,11 @@ def _mxnet_compatible(model: Any) -> Any:
     """MXNet's ONNX importer only sees initializers that are also graph inputs (old IR)."""
     from onnx import helper
 
+    from .mxnet_onnx_compat import axes_as_attributes, constants_as_initializers, slices_as_gathers
+
+    constants_as_initializers(model)  # before the listing below: they become inputs too
+    axes_as_attributes(model)
+    slices_as_gathers(model)
     listed = {i.name for i in model.graph.input}
     for init in model.graph.initializer:
         if init.name not in listed:
@@ -224,14 +229,13 @@ def onnx_to_mxnet(model_bytes: bytes) -> tuple[Any, dict[str, Any], dict[str, An
     bench keep it as MXNet's own, independent reading of an ONNX model to compare with."""
     import contextlib
 
-    from mxnet.contrib import onnx as onnx_mxnet
-
+    from .mxnet_onnx_compat import import_naming_node
     from .onnx_import import load_onnx
 
     model = _mxnet_compatible(load_onnx(model_bytes))  # size limit, parse and onnx.checker first
     # the importer prints deprecation notices on stdout; keep CLI output clean
     with contextlib.redirect_stdout(io.StringIO()):
-        return onnx_mxnet.import_model(io.BytesIO(model.SerializeToString()))
+        return import_naming_node(model)  # as onnx_mxnet.import_model; a failure names its node
 
 
 def _gluon_split(block: Any, input_name: str) -> str | None:

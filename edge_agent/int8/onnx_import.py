@@ -9,9 +9,14 @@ the same graph:
 - Identity and Dropout removed; a constant Add after a conv or MatMul folded into its bias;
 - explicit conv pads that TFLite's SAME/VALID cannot express become a PAD op.
 The structural ops of real models (explicit-pad pools, standalone BatchNorm, Gemm/MatMul,
-Identity, Reshape/Flatten/Transpose, channel shuffle, Split) are onnx_struct.py's mixin;
+Identity, Reshape/Flatten/Transpose, channel shuffle, Split, channel Slice) are onnx_struct.py's mixin;
 the elementwise ones (HardSwish and its decompositions, HardSigmoid, Sigmoid, Mul/Div,
 broadcasting Add) are onnx_elementwise.py's.
+
+Before any of that, Shape subgraphs that are constant at the fixed input size are folded
+into Constant nodes (onnx_fold.py), so ShuffleNet v2's Shape -> Gather -> ... -> Slice /
+Reshape reach these handlers with constant arguments. Every refusal names the node and its
+op (UnsupportedOpError, or "node 'N' (op O): ..." for a malformed node).
 
 The float graph itself and `run_float`, which executes it in numpy, live in float_graph.py.
 Untrusted ONNX gets the size limit first, then the
@@ -33,6 +38,7 @@ from .float_graph import FloatGraph, FloatOp
 from .float_ops import out_size, same_pads
 from .graph import UnsupportedOpError
 from .onnx_elementwise import ElementwiseOps, fuse_hard_swish
+from .onnx_fold import fold_shapes
 from .onnx_struct import StructOps
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -56,7 +62,8 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
     are read from files in the model's own directory and inlined (the bundle is then
     self-contained), an ir_version newer than the checker's is lowered when nothing in the
     model needs it (see `_lower_ir_version`), and an opset outside MIN_OPSET..MAX_OPSET is
-    converted with onnx.version_converter (older ones are raised to MIN_OPSET)."""
+    converted with onnx.version_converter (older ones are raised to MIN_OPSET). Shape
+    subgraphs that are constant at the model's fixed input size are folded (onnx_fold.py)."""
     import onnx
 
     if isinstance(source, bytes | bytearray | memoryview):
@@ -86,7 +93,7 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
         if ctx:
             first = f"node {ctx.group(1)!r} (op {ctx.group(2)}): {first}"
         raise OnnxImportError(f"{where}: invalid ONNX model (truncated or corrupt?): {first}") from None
-    return _convert_opset(model, where)
+    return fold_shapes(_convert_opset(model, where))
 
 
 # Default-domain opsets taken as they are: the handlers read both spellings where an op
@@ -218,7 +225,7 @@ def import_onnx(
     """
     import onnx
 
-    model = source if isinstance(source, onnx.ModelProto) else load_onnx(source, max_bytes=max_bytes)
+    model = fold_shapes(source) if isinstance(source, onnx.ModelProto) else load_onnx(source, max_bytes=max_bytes)
     return _Converter(model, name).convert(split)
 
 
@@ -302,6 +309,8 @@ class _Converter(StructOps, ElementwiseOps):
                                          f"supported ops: {', '.join(supported_ops())}")
             try:
                 handler(node)
+            except OnnxImportError as exc:  # every refusal names the node and its op
+                raise OnnxImportError(_naming(str(exc), node_name(node), node.op_type)) from None
             except (UnsupportedOpError, InputError):
                 raise
             except Exception as exc:  # a malformed node (missing input/attribute, odd shape): no traceback
@@ -547,6 +556,14 @@ class _Converter(StructOps, ElementwiseOps):
             pairs = [pairs[0], pairs[2], pairs[3], pairs[1]]
         out = tuple(s + p + q for s, (p, q) in zip(shape, pairs, strict=True))
         self._emit(node, FloatOp("PAD", nm, [x], node.output[0], {"paddings": tuple(pairs)}), out)
+
+
+def _naming(message: str, name: str, op: str) -> str:
+    """`message` as "node 'N' (op O): ..." (handlers write "node 'N': ..." or a bare what)."""
+    for prefix in (f"node {name!r}: ", f"node {name!r} (op {op}): "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+    return f"node {name!r} (op {op}): {message}"
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:

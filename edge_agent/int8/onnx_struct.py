@@ -15,7 +15,9 @@ Lowerings, each exact in float and in int8:
 - Gemm / MatMul on a constant right operand: FULLY_CONNECTED (missing bias = zeros);
 - Flatten, Reshape to (N, -1) / (0, -1), Squeeze of (N, C, 1, 1), Unsqueeze / Reshape back;
 - channel shuffle, Reshape (N,g,C/g,H,W) -> Transpose(0,2,1,3,4) -> Reshape (N,C,H,W): one
-  GATHER of the permuted channels (NHWC axis 3); Split along channels: a GATHER per part.
+  GATHER of the permuted channels (NHWC axis 3); Split along channels: a GATHER per part;
+  Slice of a channel range with constant bounds (ShuffleNet v2's chunk, once onnx_fold.py has
+  folded its Shape arithmetic): a GATHER of those channels.
 """
 
 from __future__ import annotations
@@ -337,3 +339,28 @@ class StructOps:
                                          {"axis": 3, "indices": np.arange(start, start + size)}),
                            (*shape[:3], size))
             start += size
+
+    def _op_Slice(self, node: onnx.NodeProto) -> None:  # noqa: N802
+        """A channel range of an NCHW map with constant starts / ends / axes / steps: GATHER."""
+        nm = oi.node_name(node)
+        x = self._act(node.input[0], f"node {nm!r}")
+        shape = self.shapes[x]
+        if len(node.input) < 3:
+            raise UnsupportedOpError(nm, "Slice", "starts and ends as inputs (opset 10+)")
+        starts, ends = (self._const(node, i).reshape(-1) for i in (1, 2))
+        axes = self._const(node, 3) if len(node.input) > 3 and node.input[3] else None
+        steps = self._const(node, 4) if len(node.input) > 4 and node.input[4] else None
+        axes = np.arange(len(starts)) if axes is None else axes.reshape(-1)
+        steps = np.ones(len(starts), np.int64) if steps is None else steps.reshape(-1)
+        nchw = to_nchw_shape(shape)
+        index = np.arange(int(np.prod(nchw))).reshape(nchw)
+        parts = [slice(None)] * len(nchw)
+        for s, e, ax, st in zip(starts, ends, axes, steps, strict=True):
+            parts[int(ax) % len(nchw)] = slice(int(s), int(e), int(st))
+        kept = index[tuple(parts)]
+        if len(shape) != 4 or kept.shape[0] != nchw[0] or kept.shape[2:] != nchw[2:] or kept.shape[1] < 1:
+            raise UnsupportedOpError(nm, "Slice", f"{nchw} -> {kept.shape} (supported: a channel range of an "
+                                     "NCHW map, constant starts / ends)")
+        channels = kept[0, :, 0, 0] // (nchw[2] * nchw[3])
+        self._emit(node, FloatOp("GATHER", nm, [x], node.output[0], {"axis": 3, "indices": channels}),
+                   (*shape[:3], len(channels)))
