@@ -406,7 +406,8 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
         try:
             graph = import_onnx(model, split=cut.tensor)
             shape = tuple(int(v) for v in graph.output_shape)
-            sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where)
+            sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where,
+                                                 head_only=False)
             frozen = sorted(set(unmapped) - set(args))  # inside the shallower int8 prefixes
             if frozen:
                 raise BundleError(f"node {unmapped[frozen[0]]}: its weights do not map back onto ONNX "
@@ -424,11 +425,16 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
 
 
 def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...], labels: list[str],
-          where: str) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
+          where: str, *, head_only: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
     """The tail from `tensor` to the output as MXNet symbol + params (tail_import.py: the
     project's own importer, parameters named after the ONNX initialisers) and the
     parameters no initialiser gives, checked before any slow work: it imports, it has
-    something to train, it takes the prefix's output and its output size is len(labels)."""
+    something to train, it takes the prefix's output and its output size is len(labels).
+
+    `head_only` (the head split, depth 0): an op the project's importer does not carry (a
+    Tanh, an Einsum...) falls back to MXNet's own ONNX importer, as heads were imported
+    before tail_import.py -- nothing re-quantises a head, so its names need not map back.
+    A deeper tail has no fallback: its depth is not recorded."""
     from .cut_points import candidate_cuts
     from .graph import UnsupportedOpError
     from .mxnet_graph import MxnetGraphError
@@ -437,9 +443,18 @@ def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...],
 
     try:
         tail = import_tail(extractor, model, tensor, mxnet())
+        sym, args, aux, unmapped = tail.symbol, tail.args, tail.aux, tail.unmapped
     except (UnsupportedOpError, MxnetGraphError, InputError) as exc:  # names the node and op
-        raise BundleError(f"{where}: the fp32 tail after {tensor!r} cannot be imported: {exc}") from None
-    sym, args, aux = tail.symbol, tail.args, tail.aux
+        own = f"{where}: the fp32 tail after {tensor!r} cannot be imported: {exc}"
+        if not head_only:
+            raise BundleError(own) from None
+        try:
+            head = extractor.extract_model([tensor], [o.name for o in model.graph.output])
+            sym, args, aux = onnx_to_mxnet(head.SerializeToString())
+            unmapped = {}
+        except Exception as contrib_exc:  # MXNet's importer raises bare errors per op; it names them
+            raise BundleError(f"{own}; MXNet's importer: {str(contrib_exc).strip()[:200]}") from None
+        log.info("%s: the head after %r came through MXNet's ONNX importer (%s)", where, tensor, exc)
     if not args and not aux:
         before = [c.name for c in candidate_cuts(model) if c.kind == "classifier-input"]
         hint = f"; split before the classifier, e.g. --split {before[0]}" if before else ""
@@ -452,7 +467,7 @@ def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...],
     classes = int(np.prod(out[1:]))
     if classes != len(labels):
         raise InputError(f"{where}: the head outputs {classes} classes but {len(labels)} labels were given")
-    return sym, args, aux, tail.unmapped
+    return sym, args, aux, unmapped
 
 
 def _ndarray_bytes(params: dict[str, Any]) -> bytes:
