@@ -104,6 +104,7 @@ def _one(task: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
                   "refused": run.refused_battery, "abandoned": run.jobs_abandoned,
                   "below_train": run.below_floor_training, "below_load": run.below_floor_load,
                   "brownouts": run.brownouts, "train_wh": run.train_energy_wh, "harvest_wh": run.harvest_wh,
+                  "lowest_pct": min(run.lowest_pct), "lowest_h": run.lowest_at_h[run.lowest_pct.index(min(run.lowest_pct))],
                   "wall": run.wall_s, "forecast": run.forecast, "forecasts": run.forecasts,
                   "reports": run.state_reports, "params": run.params, "profile": run.profile,
                   "idle_min_pct": float(sd.idle_minimum_pct(fleet.devices, fleet.weather).min())}
@@ -194,7 +195,8 @@ def _header(days: int) -> list[str]:
             "training Wh above idle spent until then per accuracy point gained over the base model. \"Final within "
             "1 point\" is read as no more than 1 point below sync's (an async run above it passes). Below floor: "
             "devices whose battery was ever below its floor -- while training / at any time (the idle load after "
-            "training included; with idle load alone no device of these fleets goes below).", ""]
+            "training included; with idle load alone no device of these fleets goes below); lowest battery: the "
+            "lowest charge any device of the fleet reached over the run, and when (hours from the start).", ""]
 
 
 def _cell_name(cfg: dict[str, Any]) -> str:
@@ -214,8 +216,8 @@ def _fleet_section(fleet: Fleet, cells: list[Cell], days: int, res: dict[tuple[A
              f"base {100 * sync['base']:.1f} %)", "",
              "| mode | K | S | dpr | C | rule | versions | final % | h to sync's final | speed-up | Wh/point to it "
              "| training Wh (whole run) | updates sent / accepted | rejected (why) | refused: battery "
-             "| below floor: training / ever | wall s |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| below floor: training / ever | lowest battery (h) | wall s |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for cn, cdata, cseed, cfg in cells:
         if (cn, cdata, cseed) != fleet or "attack" in cfg:
             continue
@@ -234,7 +236,8 @@ def _fleet_section(fleet: Fleet, cells: list[Cell], days: int, res: dict[tuple[A
             f"| {'never' if t_hit is None else f'{t_hit:.1f}'} ({'never' if t_one is None else f'{t_one:.1f}'}) "
             f"| {'-' if speed is None else f'{speed:.2f}x'} | {'-' if e_hit is None else f'{e_hit / gain:.2f}'} "
             f"| {r['train_wh']:.0f} | {r['sent']} / {r['accepted']} | {rej} | {r['refused']} "
-            f"| {r['below_train']} / {r['below_load']} | {r['wall']:.0f} |")
+            f"| {r['below_train']} / {r['below_load']} | {r['lowest_pct']:.1f} % ({r['lowest_h']:.0f}) "
+            f"| {r['wall']:.0f} |")
         name = (f"{n} dev {data} seed {seed} {cfg['mode']} K={cfg.get('buffer')} S={cfg.get('max_staleness')} "
                 f"{_label(cfg, r['params'])}")
         checks.append((f"{name}: 0 devices below their battery floor", r["below_load"] == 0))
@@ -271,13 +274,17 @@ def _attack_section(cells: list[Cell], days: int, res: dict[tuple[Any, ...], dic
              f"K={ATTACK_ASYNC['buffer']} S={ATTACK_ASYNC['max_staleness']} "
              f"C={ATTACK_ASYNC['params']['max_concurrency']} (trust + fedavgm momentum 0.5), both with the default "
              "rule for the fleet", "",
-             "| attack | sync | async | async - sync (points) | below floor (ever) sync / async |",
-             "|---|---:|---:|---:|---:|"]
+             "| attack | sync | async | async - sync (points) | sync - its clean run | async - its clean run "
+             "| below floor (ever) sync / async |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    clean_s = res[(100, days, "digits", 0, _key(SYNC))]["final"]
+    clean_a = res[(100, days, "digits", 0, _key(ATTACK_ASYNC))]["final"]
     for a in ATTACKS:
         s_r = res[(100, days, "digits", 0, _key({**SYNC, "attack": a}))]
         a_r = res[(100, days, "digits", 0, _key({**ATTACK_ASYNC, "attack": a}))]
         d = 100 * (a_r["final"] - s_r["final"])
         lines.append(f"| {a} | {100 * s_r['final']:.1f} | {100 * a_r['final']:.1f} | {d:+.1f} "
+                     f"| {100 * (s_r['final'] - clean_s):+.1f} | {100 * (a_r['final'] - clean_a):+.1f} "
                      f"| {s_r['below_load']} / {a_r['below_load']} |")
         checks.append((f"attack {a}: async within 1 point of sync", d >= -1.0))
     return lines + [""]
