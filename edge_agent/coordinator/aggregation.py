@@ -129,7 +129,12 @@ class RoundAggregation:
         devices = sorted(aggregate.sketches)
         buf = io.BytesIO()
         np.savez(buf, devices=np.array(devices), sketches=np.stack([aggregate.sketches[d] for d in devices]))
-        write_checked(self._echo_path(job.id, rnd.number), buf.getvalue())
+        path = self._echo_path(job.id, rnd.number)
+        write_checked(path, buf.getvalue())
+        for old in path.parent.glob("r*.echo.npz"):  # only the round before the next one is read
+            number = old.name[1:-len(".echo.npz")]
+            if number.isdigit() and int(number) < rnd.number:
+                old.unlink(missing_ok=True)
 
     def _earlier_sketches(self, job_id: str, number: int) -> dict[str, np.ndarray] | None:
         path = self._echo_path(job_id, number - 1)

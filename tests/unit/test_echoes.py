@@ -141,6 +141,9 @@ def test_the_previous_rounds_sketches_are_kept_crash_safe_and_a_bad_file_only_co
     got = agg._earlier_sketches("job-1", 5)
     assert set(got) == {"a", "b"} and np.array_equal(got["a"], sk["a"])
     assert agg._earlier_sketches("job-1", 4) is None  # no round 3 was kept
-    path = tmp_path / "evidence" / "job-1" / "r4.echo.npz"
+    agg.remember(job, SimpleNamespace(number=5), Aggregate(np.zeros(8), {"a": 1.0}, sketches={"a": sk["a"]}))
+    assert sorted(p.name for p in (tmp_path / "evidence" / "job-1").iterdir()) == ["r5.echo.npz"]  # r4 is no longer read
+    assert set(agg._earlier_sketches("job-1", 6)) == {"a"}
+    path = tmp_path / "evidence" / "job-1" / "r5.echo.npz"
     path.write_bytes(path.read_bytes()[:40])
-    assert agg._earlier_sketches("job-1", 5) is None and "unreadable" in caplog.text
+    assert agg._earlier_sketches("job-1", 6) is None and "unreadable" in caplog.text
