@@ -111,7 +111,11 @@ def test_a_flipped_update_counts_for_nothing_and_the_version_is_scored_on_the_se
     assert m["aggregator"] == "trust" and m["accuracy_source"] == "server set" and m["zero_trust"] == 1
     assert 150 <= m["accuracy_samples"] <= 210 and m["accuracy"] > m["base_server_acc"]  # ~60 % of 300
     reasons = {u.device_id: u.reason for u in reg.list_updates(job.id, 1)}
-    assert reasons[ids[0]].startswith("counted for nothing") and reasons[ids[1]] == reasons[ids[2]] == ""
+    assert reasons[ids[0]].startswith("counted for nothing")
+    # the two honest devices hold neighbouring shares of one distribution: their updates may
+    # echo each other (strategies/echoes.py), and then both say so, symmetrically
+    honest = [reasons[ids[1]], reasons[ids[2]]]
+    assert honest == ["", ""] or all(r.startswith("shares one vote with the") for r in honest), honest
     reg.close()
     assert coordinator_cli.main(["status", job.id, "--state-dir", str(tmp_path / "coord")]) == 0
     text = capsys.readouterr().out
