@@ -19,6 +19,7 @@ import numpy as np
 
 from ..atomic import read_limited
 from ..errors import InputError
+from ..heap import release_freed_memory
 from .bundle import (
     BACKBONE_EDGETPU,
     BACKBONE_INT8,
@@ -48,6 +49,10 @@ from .bundle import (
 )
 
 log = logging.getLogger(__name__)
+
+# samples the float graph calibrates at a time: the ranges are the same at any batch, its
+# activations (kept until their last reader) are not -- 8 ResNet-50 samples at 224 are ~80 MB
+CALIBRATION_BATCH = 8
 
 
 def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpec, *,
@@ -338,13 +343,16 @@ def create_bundle(
 
     def int8_prefix(graph: Any, what: str) -> bytes:
         try:
-            tfl = write_tflite(quantize_graph(graph, calib, **({"method": method} if method else {})))
+            tfl = write_tflite(quantize_graph(graph, calib, batch_size=CALIBRATION_BATCH,
+                                              **({"method": method} if method else {})))
             read_tflite(tfl)  # the reader's checks are what every device will run
         except (UnsupportedOpError, GraphError) as exc:
             raise BundleError(f"{where}: cannot quantise the {what}: {exc}") from None
         return tfl
 
     tflite = int8_prefix(float_graph, "backbone")
+    del float_graph  # its numpy weights: each depth below imports its own prefix
+    release_freed_memory()
     deep_files, deep_specs, params = _deeper(model, extractor, tensor, depths, labels, where, int8_prefix,
                                              ({**head_args}, {**head_aux}))
     # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
@@ -355,7 +363,7 @@ def create_bundle(
     npz = io.BytesIO()
     np.savez_compressed(npz, x=stored)
     files = {
-        BACKBONE_ONNX: extractor.extract_model([float_graph.input], [tensor]).SerializeToString(),
+        BACKBONE_ONNX: extractor.extract_model([spec.name], [tensor]).SerializeToString(),
         BACKBONE_INT8: tflite,
         HEAD_SYMBOL: head_sym.tojson().encode(),
         HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
@@ -417,6 +425,8 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
             log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
             break
         files[depth_file(k, BACKBONE_INT8)] = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
+        del graph  # not held while the next depth imports its own
+        release_freed_memory()
         files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
         args.update(t_args)
         aux.update(t_aux)
