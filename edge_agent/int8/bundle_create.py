@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import tempfile
 from collections import Counter
@@ -266,8 +267,27 @@ def _source_model(source: Any, input_shape: tuple[int, int, int] | None) -> tupl
 
     if input_shape is None:
         raise InputError("input_shape (C, H, W) is needed to export a Gluon block")
+    _refuse_oversized_block(source)
     model = load_onnx(export_onnx(source, (1, *input_shape)))
     return model, f"gluon {type(source).__name__}", "gluon", _gluon_split(source, model.graph.input[0].name)
+
+
+def _refuse_oversized_block(block: Any) -> None:
+    """A Gluon block whose parameters alone exceed what an ONNX model may hold is refused
+    before exporting (Gluon vgg11, 515 MB: refused only after the export had taken 6.9 GB)."""
+    from .onnx_import import MAX_ONNX_BYTES
+
+    def part(b: Any) -> int:
+        params = b.collect_params().values() if b is not None else []
+        return sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params if p.shape and 0 not in p.shape)
+
+    total = part(block)
+    if total > MAX_ONNX_BYTES:
+        features = part(getattr(block, "features", None))
+        split = f" ({features / 2**20:.0f} MB in .features, {(total - features) / 2**20:.0f} MB after it)" \
+            if features else ""
+        raise InputError(f"gluon {type(block).__name__}: its parameters are {total / 2**20:.0f} MB{split}, over the "
+                         f"{MAX_ONNX_BYTES >> 20} MB an ONNX model may hold: refused before exporting")
 
 
 def create_bundle(
@@ -366,8 +386,9 @@ def create_bundle(
         BACKBONE_ONNX: extractor.extract_model([spec.name], [tensor]).SerializeToString(),
         BACKBONE_INT8: tflite,
         HEAD_SYMBOL: head_sym.tojson().encode(),
-        HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
-                                    | {f"aux:{k}": v for k, v in params[1].items()}),
+        # with depths, params_files below writes it (split by depth)
+        HEAD_PARAMS: b"" if deep_specs else _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
+                                                           | {f"aux:{k}": v for k, v in params[1].items()}),
         CALIBRATION: npz.getvalue(),
         **deep_files,
     }
@@ -383,7 +404,14 @@ def create_bundle(
         manifest.depths = [head_depth, *deep_specs]
         arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
         kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
+        params = ({}, {})  # the NDArrays: their numpy copies are what is written
+        release_freed_memory()
         files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
+        del arrays
+    # the source (twice: the extractor's shape-inferred copy), the tails' NDArrays and the
+    # calibration are in `files` now: not held while the bundle is verified and its oracle runs
+    del model, extractor, params, head_args, head_aux, stored, npz
+    release_freed_memory()
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
 
 
