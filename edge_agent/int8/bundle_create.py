@@ -375,6 +375,16 @@ def create_bundle(
     release_freed_memory()
     deep_files, deep_specs, params = _deeper(model, extractor, tensor, depths, labels, where, int8_prefix,
                                              ({**head_args}, {**head_aux}))
+    from .depth_cuts import depth_costs
+
+    head_costs = depth_costs(model, tensor) if deep_specs else {}
+    # from here on only the backbone's ONNX is read from the source, and only once: neither
+    # copy of it (ours, the extractor's shape-inferred one) is held beside the other or the file
+    del model
+    release_freed_memory()
+    backbone_onnx = extractor.extract_model([spec.name], [tensor]).SerializeToString()
+    del extractor
+    release_freed_memory()
     # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
     # and a check batch, small enough for a Pi's memory.
     keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
@@ -383,7 +393,7 @@ def create_bundle(
     npz = io.BytesIO()
     np.savez_compressed(npz, x=stored)
     files = {
-        BACKBONE_ONNX: extractor.extract_model([spec.name], [tensor]).SerializeToString(),
+        BACKBONE_ONNX: backbone_onnx,
         BACKBONE_INT8: tflite,
         HEAD_SYMBOL: head_sym.tojson().encode(),
         # with depths, params_files below writes it (split by depth)
@@ -398,9 +408,7 @@ def create_bundle(
             raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
     manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
     if deep_specs:
-        from .depth_cuts import depth_costs
-
-        head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, depth_costs(model, tensor))
+        head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, head_costs)
         manifest.depths = [head_depth, *deep_specs]
         arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
         kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
@@ -408,9 +416,9 @@ def create_bundle(
         release_freed_memory()
         files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
         del arrays
-    # the source (twice: the extractor's shape-inferred copy), the tails' NDArrays and the
-    # calibration are in `files` now: not held while the bundle is verified and its oracle runs
-    del model, extractor, params, head_args, head_aux, stored, npz
+    # the tails' NDArrays and the calibration are in `files` now: not held while the bundle
+    # is verified and its oracle runs
+    del backbone_onnx, params, head_args, head_aux, stored, npz
     release_freed_memory()
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
 
