@@ -105,6 +105,28 @@ def measure(
     return result
 
 
+def peak_rss_run(argv: list[str], *, timeout: float = 1800.0, cwd: Path = ROOT) -> tuple[int, str, str, float]:
+    """Run `argv` as a child; (exit code, stdout, stderr, its peak RSS in MB from wait4's
+    ru_maxrss: exactly this child, whatever ran before it in the parent)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out_f, stderr=err_f, text=True)
+        deadline = time.perf_counter() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                raise RuntimeError(f"{argv[:4]} timed out after {timeout:.0f} s")
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out_f.seek(0)
+        err_f.seek(0)
+        return proc.returncode, out_f.read(), err_f.read(), usage.ru_maxrss / 1024.0
+
+
 # ---------------------------------------------------------------- child side
 
 

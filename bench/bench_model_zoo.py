@@ -137,4 +137,118 @@ def run(quick: bool = False) -> str:
         out += ["", "Engine errors, and checks whose task-level part was inconclusive:", *notes]
     if failed:
         out += ["", "Not imported yet:", *failed]
+    return "\n".join(out) + "\n\n" + memory_table(quick)
+
+
+# ---------------------------------------------------------------- memory at real size
+# Issue 41's "memory a Pi can hold": Gluon model-zoo networks at their real size (random
+# weights, pretrained=False: nothing downloaded), each step a fresh child measured by wait4.
+MEMORY_ARCHS = (("resnet50_v1", 224, "resnetv10_pool1_fwd"), ("densenet121", 224, None))
+MEMORY_QUICK = ("resnet50_v1",)
+CREATE_ALLOWANCE_MB = 300.0  # `model create` target: 2 x the model file + this
+KERNELS_BOUND_MB = 1024.0  # `kernels --bench` target on a 2 GB board (and its cap here)
+MEMORY_BATCH = 32  # the Pi profiles' training batch
+MEMORY_CALIBRATION = 32
+MEMORY_DEPTHS = 3  # `model create`'s default
+
+
+def _export_zoo_net(name: str, size: int, dest: Path) -> str:
+    """A child: the Gluon net exported to dest/net.onnx (the project's exporter) and 32
+    random calibration samples to dest/calib.npz; returns the split (the end of .features)."""
+    import json
+    import sys
+
+    from bench._procs import peak_rss_run
+
+    code = (
+        "import json, sys, numpy as np, mxnet as mx\n"
+        "from mxnet.gluon.model_zoo import vision\n"
+        "from edge_agent.int8.onnx_export import export_onnx\n"
+        "name, size, dest = sys.argv[1], int(sys.argv[2]), sys.argv[3]\n"
+        "net = vision.get_model(name, pretrained=False, classes=10)\n"
+        "mx.random.seed(0)\n"
+        "net.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2))\n"
+        "net.hybridize()\n"
+        "net(mx.nd.zeros((1, 3, size, size)))\n"
+        "open(dest + '/net.onnx', 'wb').write(export_onnx(net, (1, 3, size, size)))\n"
+        f"x = np.random.default_rng(0).standard_normal(({MEMORY_CALIBRATION}, 3, size, size)).astype(np.float32)\n"
+        "np.savez(dest + '/calib.npz', x=x)\n"
+        "print(json.dumps({'split': net.features(mx.sym.var('data')).name}))\n")
+    rc, out, err, _ = peak_rss_run([sys.executable, "-c", code, name, str(size), str(dest)])
+    if rc != 0:
+        raise RuntimeError(f"exporting {name}: {err.strip().splitlines()[-1:]}")
+    return json.loads(out.strip().splitlines()[-1])["split"]
+
+
+def _memory_row(name: str, size: int, split: str | None, tmp: Path) -> tuple[str, list[str]]:
+    import json
+    import sys
+
+    from bench._procs import peak_rss_run
+
+    split = split or _export_zoo_net(name, size, tmp)  # the end of .features (the zoo's backbone)
+    if not (tmp / "net.onnx").exists():
+        _export_zoo_net(name, size, tmp)
+    file_mb = (tmp / "net.onnx").stat().st_size / 2**20
+    bundle = tmp / "bundle"
+    rc, _, err, create_mb = peak_rss_run([
+        sys.executable, "-m", "edge_agent.coordinator.cli", "model", "create", "--onnx", str(tmp / "net.onnx"),
+        "--split", split, "--calib", str(tmp / "calib.npz"), "--labels", ",".join("0123456789"), "--name", "zoo",
+        "--version", "1", "--depths", str(MEMORY_DEPTHS), "--output", str(bundle)])
+    notes = [] if rc == 0 else [f"{name}: model create exit {rc}: {err.strip().splitlines()[-1][:200]}"]
+    create_bound = 2 * file_mb + CREATE_ALLOWANCE_MB
+    kernels_mb, chosen = float("nan"), "-"
+    if rc == 0:
+        rc, out, err, kernels_mb = peak_rss_run([
+            sys.executable, "-m", "edge_agent.cli", "kernels", "--model", str(bundle), "--bench", "--json",
+            "--batch-size", str(MEMORY_BATCH), "--memory-cap-mb", str(int(KERNELS_BOUND_MB)), "--repeats", "2",
+            "--state-dir", str(tmp / "state")])
+        if rc == 0:
+            result = json.loads(out[out.index("{"):])
+            chosen = str(result["chosen"])
+            notes += [f"{name}: {c['name']}: {c['reason'][c['reason'].index('not prepared'):]}" for c in result["candidates"]
+                      if "not prepared" in c["reason"]]
+        else:
+            notes.append(f"{name}: kernels --bench exit {rc}: {err.strip().splitlines()[-1][:200]}")
+    met = f"{'yes' if create_mb <= create_bound else 'no'} / {'yes' if kernels_mb <= KERNELS_BOUND_MB else 'no'}"
+    line = (f"| {name} | {size} | {file_mb:.0f} | {create_mb:.0f} | {create_bound:.0f} | {kernels_mb:.0f} "
+            f"| {KERNELS_BOUND_MB:.0f} | {chosen} | {met} |")
+    return line, notes
+
+
+def memory_table(quick: bool = False) -> str:
+    """Peak RSS of `model create` and `kernels --bench` per network (module comment above)."""
+    out = ["## Model zoo at real size: peak memory of model create and kernels --bench", "",
+           "Gluon model-zoo networks at 224x224 (random weights, 10 classes), exported to ONNX by the project's "
+           f"exporter; {MEMORY_CALIBRATION} calibration samples; each step a fresh child process, its peak RSS "
+           f"from wait4 (ru_maxrss). `edge-coordinator model create --onnx --depths {MEMORY_DEPTHS}` against "
+           f"2 x the file + {CREATE_ALLOWANCE_MB:.0f} MB; `edge-agent kernels --bench --batch-size {MEMORY_BATCH} "
+           f"--memory-cap-mb {KERNELS_BOUND_MB:.0f}` (a 2 GB Pi-class board: the engines measured one at a time, "
+           f"one predicted over the cap skipped) against {KERNELS_BOUND_MB:.0f} MB. "
+           "Command: `python -m bench.bench_model_zoo --memory`.", "",
+           "| network | input | file MB | create peak MB | 2x file + 300 | kernels --bench peak MB | bound "
+           "| chosen | met (create / kernels) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
+    for name, size, split in MEMORY_ARCHS:
+        if quick and name not in MEMORY_QUICK:
+            continue
+        try:
+            with tempfile.TemporaryDirectory(prefix="bench-zoo-memory-") as tmp:
+                line, why = _memory_row(name, size, split, Path(tmp))
+            out.append(line)
+            notes += why
+        except Exception as exc:  # one network failing is a line, not a crash
+            out.append(f"| {name} | {size} | failed: {type(exc).__name__}: {str(exc)[:160]} | | | | | | |")
+    if notes:
+        out += ["", "Notes:", *(f"- {n}" for n in notes)]
     return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--memory" not in sys.argv[1:]:
+        sys.exit("usage: python -m bench.bench_model_zoo --memory [--quick]  (the matrix: python -m bench.run "
+                 "--only bench_model_zoo)")
+    print(memory_table(quick="--quick" in sys.argv[1:]))

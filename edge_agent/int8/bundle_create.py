@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import tempfile
 from collections import Counter
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..atomic import read_limited
 from ..errors import InputError
+from ..heap import release_freed_memory
 from .bundle import (
     BACKBONE_EDGETPU,
     BACKBONE_INT8,
@@ -48,6 +50,10 @@ from .bundle import (
 )
 
 log = logging.getLogger(__name__)
+
+# samples the float graph calibrates at a time: the ranges are the same at any batch, its
+# activations (kept until their last reader) are not -- 8 ResNet-50 samples at 224 are ~80 MB
+CALIBRATION_BATCH = 8
 
 
 def load_calibration(source: str | os.PathLike[str] | np.ndarray, spec: InputSpec, *,
@@ -261,8 +267,27 @@ def _source_model(source: Any, input_shape: tuple[int, int, int] | None) -> tupl
 
     if input_shape is None:
         raise InputError("input_shape (C, H, W) is needed to export a Gluon block")
+    _refuse_oversized_block(source)
     model = load_onnx(export_onnx(source, (1, *input_shape)))
     return model, f"gluon {type(source).__name__}", "gluon", _gluon_split(source, model.graph.input[0].name)
+
+
+def _refuse_oversized_block(block: Any) -> None:
+    """A Gluon block whose parameters alone exceed what an ONNX model may hold is refused
+    before exporting (Gluon vgg11, 515 MB: refused only after the export had taken 6.9 GB)."""
+    from .onnx_import import MAX_ONNX_BYTES
+
+    def part(b: Any) -> int:
+        params = b.collect_params().values() if b is not None else []
+        return sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params if p.shape and 0 not in p.shape)
+
+    total = part(block)
+    if total > MAX_ONNX_BYTES:
+        features = part(getattr(block, "features", None))
+        split = f" ({features / 2**20:.0f} MB in .features, {(total - features) / 2**20:.0f} MB after it)" \
+            if features else ""
+        raise InputError(f"gluon {type(block).__name__}: its parameters are {total / 2**20:.0f} MB{split}, over the "
+                         f"{MAX_ONNX_BYTES >> 20} MB an ONNX model may hold: refused before exporting")
 
 
 def create_bundle(
@@ -338,15 +363,28 @@ def create_bundle(
 
     def int8_prefix(graph: Any, what: str) -> bytes:
         try:
-            tfl = write_tflite(quantize_graph(graph, calib, **({"method": method} if method else {})))
+            tfl = write_tflite(quantize_graph(graph, calib, batch_size=CALIBRATION_BATCH,
+                                              **({"method": method} if method else {})))
             read_tflite(tfl)  # the reader's checks are what every device will run
         except (UnsupportedOpError, GraphError) as exc:
             raise BundleError(f"{where}: cannot quantise the {what}: {exc}") from None
         return tfl
 
     tflite = int8_prefix(float_graph, "backbone")
+    del float_graph  # its numpy weights: each depth below imports its own prefix
+    release_freed_memory()
     deep_files, deep_specs, params = _deeper(model, extractor, tensor, depths, labels, where, int8_prefix,
                                              ({**head_args}, {**head_aux}))
+    from .depth_cuts import depth_costs
+
+    head_costs = depth_costs(model, tensor) if deep_specs else {}
+    # from here on only the backbone's ONNX is read from the source, and only once: neither
+    # copy of it (ours, the extractor's shape-inferred one) is held beside the other or the file
+    del model
+    release_freed_memory()
+    backbone_onnx = extractor.extract_model([spec.name], [tensor]).SerializeToString()
+    del extractor
+    release_freed_memory()
     # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
     # and a check batch, small enough for a Pi's memory.
     keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
@@ -355,11 +393,12 @@ def create_bundle(
     npz = io.BytesIO()
     np.savez_compressed(npz, x=stored)
     files = {
-        BACKBONE_ONNX: extractor.extract_model([float_graph.input], [tensor]).SerializeToString(),
+        BACKBONE_ONNX: backbone_onnx,
         BACKBONE_INT8: tflite,
         HEAD_SYMBOL: head_sym.tojson().encode(),
-        HEAD_PARAMS: _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
-                                    | {f"aux:{k}": v for k, v in params[1].items()}),
+        # with depths, params_files below writes it (split by depth)
+        HEAD_PARAMS: b"" if deep_specs else _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
+                                                           | {f"aux:{k}": v for k, v in params[1].items()}),
         CALIBRATION: npz.getvalue(),
         **deep_files,
     }
@@ -369,13 +408,18 @@ def create_bundle(
             raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
     manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
     if deep_specs:
-        from .depth_cuts import depth_costs
-
-        head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, depth_costs(model, tensor))
+        head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, head_costs)
         manifest.depths = [head_depth, *deep_specs]
         arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
         kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
+        params = ({}, {})  # the NDArrays: their numpy copies are what is written
+        release_freed_memory()
         files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
+        del arrays
+    # the tails' NDArrays and the calibration are in `files` now: not held while the bundle
+    # is verified and its oracle runs
+    del backbone_onnx, params, head_args, head_aux, stored, npz
+    release_freed_memory()
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
 
 
@@ -417,6 +461,8 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
             log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
             break
         files[depth_file(k, BACKBONE_INT8)] = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
+        del graph  # not held while the next depth imports its own
+        release_freed_memory()
         files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
         args.update(t_args)
         aux.update(t_aux)

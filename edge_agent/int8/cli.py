@@ -20,7 +20,9 @@ List every int8 engine for a model's frozen backbone on this device: whether it 
 available (and why not), and with --bench what it costs and whether it is correct, and
 which engine is chosen: the correct one with the least predicted energy for a job of
 --images images (prepare + images x per-image, at its best thread count, within the
-profile's memory cap). The predicted energy for 100, 1,000 and 10,000 images is shown,
+profile's memory cap). --bench measures the engines one at a time (each closed before
+the next is prepared) and skips one whose predicted memory would take the process over
+the cap (--memory-cap-mb, else the profile's), saying so in its row. The predicted energy for 100, 1,000 and 10,000 images is shown,
 with a * on the engine each would choose.
 
 Correct: the engine's top-1 through the bundle's head agrees with the fp32 model on the
@@ -109,6 +111,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--force-engine", action="store_true",
                         help=f"with --engine (or {ENV_FORCE_BACKEND}): use it even if it disagrees with "
                              f"the reference, with a warning ({ENV_FORCE_WRONG}=1)")
+    parser.add_argument("--memory-cap-mb", type=_at_least_one, default=None, metavar="MB",
+                        help="skip (with the reason in its row) an engine whose predicted memory would take "
+                             "the process over MB (default: the board profile's training memory_cap_mb)")
     parser.add_argument("--images", type=_at_least_one, default=1000, metavar="N",
                         help="job size the choice minimises the predicted energy of (default 1000)")
     parser.add_argument("--repeats", type=_at_least_one, default=5, metavar="N", help="timed runs per engine (median)")
@@ -163,7 +168,8 @@ def run_kernels(args: argparse.Namespace) -> int:
                                              batch_size=batch_size, threads=threads, env=env,
                                              state_dir=state_dir, repeats=args.repeats, use_cache=False,
                                              images=args.images, watts_per_cpu=profile.get("watts_per_cpu"),
-                                             mem_cap_mb=profile.get("memory_cap_mb"), measure_all=True)
+                                             mem_cap_mb=args.memory_cap_mb or profile.get("memory_cap_mb"),
+                                             measure_all=True)
             rows = selection.candidates
         else:
             selection = sel.cached_selection(bundle, probe=report, preference=preference,

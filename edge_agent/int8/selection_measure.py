@@ -9,6 +9,12 @@ Under a memory cap (the profile's training memory_cap_mb) no candidate is prepar
 predicted memory (engine_memory.py) would take the process over it, and the oracle runs
 fewer samples at a time when a whole chunk would not fit.
 
+`kernels --bench` (`measure_all`, no forced engine) measures the engines one at a time:
+each is prepared, checked, timed (its thread variants side by side) and closed before the
+next is prepared, so the process holds one engine, never all of them: a ResNet-50 at 224
+held tflite and native together, 1.7 GB at batch 32. A job's selection keeps timing the
+correct engines side by side (interleaved rounds, fairer on a busy machine).
+
 Each step is a function over one `Ask` (the inputs, never written by a step) and a
 `_Ledger` (the joules each metered phase cost); `measure` runs them in order.
 """
@@ -171,6 +177,7 @@ class _Prepared:
     runners: dict[tuple[str, int], Runner] = field(default_factory=dict)
     check_rate: dict[str, float] = field(default_factory=dict)  # CPU-s per image of each engine's check runs
     notes: list[str] = field(default_factory=list)  # what the memory cap changed, for Selection.notes
+    measured: set[str] = field(default_factory=set)  # engines prepared (kernels --bench closes each after)
 
 
 def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
@@ -187,7 +194,17 @@ def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
         if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
             oracle.rounding_sensitivity()
     release_freed_memory()  # the oracle's chunks: glibc kept up to 30 MB of them, which the engines' checks would sit on
-    prepared = _prepare_and_check(ask, rows, oracle, prices, ledger, shape)
+    one_at_a_time = ask.measure_all and not ask.forced
+    fingerprints: dict[str, str] = {}
+    after = None
+    if one_at_a_time:
+        early_x = np.ascontiguousarray(oracle.samples[:FINGERPRINT_SAMPLES])
+        n_timed = max(1, sum(r.available for r in rows))
+        each = _Prices(prices.per_sample, prices.oracle, prices.prepare, prices.timing / n_timed, prices.hints)
+
+        def after(row: Candidate, prepared: _Prepared) -> None:
+            _measure_alone(ask, row, prepared, shape, each, ledger, early_x, fingerprints)
+    prepared = _prepare_and_check(ask, rows, oracle, prices, ledger, shape, after=after)
     # the oracle's graphs, answers and calibration copy are done with: not held while the
     # engines are timed (14 MB of samples alone on the camera MobileNetV2); the fingerprint
     # (_record) reads the first calibration samples from what it keeps of them
@@ -197,11 +214,63 @@ def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
     if chunk < ORACLE_CHUNK and ask.mem_cap_mb is not None:
         prepared.notes.insert(0, f"the oracle ran {chunk} samples at a time (not {ORACLE_CHUNK}) to stay under "
                                  f"the {ask.mem_cap_mb:g} MB training memory cap")
-    _add_thread_variants(ask, rows, prepared, shape)
-    _time(ask, rows, prepared, prices, ledger)
+    if not one_at_a_time:
+        _add_thread_variants(ask, rows, prepared, shape)
+        _time(ask, rows, prepared, prices, ledger)
     selection = _decide(ask, rows, prepared)
     selection.energy_j = ledger.spent
-    return _record(ask, selection, prepared, fingerprint_x, keep_runner=keep_runner)
+    return _record(ask, selection, prepared, fingerprint_x, keep_runner=keep_runner,
+                   fingerprints=fingerprints if one_at_a_time else None)
+
+
+def _measure_alone(ask: Ask, row: Candidate, prepared: _Prepared, shape: PrefixShape, prices: _Prices,
+                   ledger: _Ledger, fingerprint_x: np.ndarray, fingerprints: dict[str, str]) -> None:
+    """`kernels --bench`: the engine just prepared and checked is timed (if correct) and
+    closed, then each of its thread variants prepared, timed and closed in turn (while it
+    fits under the cap), its output fingerprint (what _record shares) taken at each; the
+    heap is trimmed after each, so the next is prepared in a process holding none."""
+    runner = prepared.runners.pop((row.name, ask.threads), None)
+    if runner is None:
+        return
+    seconds: dict[tuple[str, int], tuple[float, float]] = {}
+    spreads: dict[tuple[str, int], float] = {}
+    prints: dict[int, str] = {}
+    engine = ask.by_name[row.name]
+    assert engine is not None
+    variants = (ask.threads > 1 and (row.prepare_cpu_s or 0) < VARIANT_PREPARE_MAX_S)
+    for t in [ask.threads, *(range(ask.threads - 1, 0, -1) if variants else [])]:
+        try:
+            if runner is None:  # a thread variant, prepared once the one before is closed
+                need = engine_mb(engine, shape, ask.batch_size, threads=t, runtime_loaded=True)
+                why = over_cap(row.name, need, rss_mb(), ask.mem_cap_mb)
+                if why:
+                    _log.info("no %d-thread variant: %s", t, why)
+                    break
+                try:
+                    runner = engine.prepare(ask.bundle, threads=t)
+                except Exception as exc:  # keep the thread counts that worked
+                    _log.warning("%s with %d threads: %s", row.name, t, exc)
+                    break
+            if row.error or not row.correct:
+                break
+            try:
+                with ledger.phase("timing", prices.timing):
+                    seconds.update(time_rounds({(row.name, t): runner}, ask.x, repeats=ask.repeats,
+                                               clocks=ask.clocks, spread=spreads))
+                prints[t] = output_fingerprint(runner, fingerprint_x)
+            except EdgeAgentError:
+                raise
+            except Exception as exc:  # a runner that checked fine but fails when timed
+                raise EngineUnavailableError(f"timing {row.name} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if runner is not None:
+                runner.close()
+            runner = None
+            release_freed_memory()
+    if seconds:
+        _fill_costs(ask, [row], seconds, spreads)
+        if row.threads in prints:
+            fingerprints[row.name] = prints[row.threads]
 
 
 def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float, Any]:
@@ -256,12 +325,14 @@ def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Price
 
 
 def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: _Prices,
-                       ledger: _Ledger, shape: PrefixShape) -> _Prepared:
+                       ledger: _Ledger, shape: PrefixShape,
+                       after: Callable[[Candidate, _Prepared], None] | None = None) -> _Prepared:
     """Prepare each candidate and check it against the oracle, cheapest to prepare first; an
     engine whose predicted memory would take the process over the cap is skipped, and one
     expensive to prepare when dominated or unaffordable. The reference (~25x slower, never the
     winner) is prepared and timed only when nothing else is correct: its agreement is already
-    the oracle's."""
+    the oracle's. `after(row, prepared)`, if given, runs after each engine's check (kernels
+    --bench: time it and close it, _measure_alone)."""
     out = _Prepared()
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
@@ -287,6 +358,7 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
                 row.prepare_cpu_s, row.prepare_s = ask.clocks.cpu() - c0, ask.clocks.wall() - w0
                 row.prepare_j = row.prepare_cpu_s * ask.wpc
                 out.runners[(row.name, ask.threads)] = runner
+                out.measured.add(row.name)
                 c1 = ask.clocks.cpu()
                 oracle.check(runner, row)
                 out.check_rate[row.name] = (ask.clocks.cpu() - c1) / oracle.images_per_check()
@@ -295,6 +367,8 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
                 row.correct = False
         row.peak_mb = round(ph.peak_mb, 1) if np.isfinite(ph.peak_mb) else None
         row.threads = ask.threads
+        if after is not None:
+            after(row, out)
 
     if ask.forced:
         for row in todo:
@@ -324,7 +398,7 @@ def _over_the_cap(ask: Ask, out: _Prepared, refused: dict[str, tuple[Candidate, 
     """The candidates left out for the memory cap, said in their rows and the notes; when that
     left nothing prepared, the lightest is prepared all the same (the job needs an engine; the
     depth planner had already found that no depth fits), and the notes say so."""
-    lightest = min((row for row, _ in refused.values()), key=need) if refused and not out.runners else None
+    lightest = min((row for row, _ in refused.values()), key=need) if refused and not out.measured else None
     for row, why in refused.values():
         if row is not lightest:
             row.reason += f"; not prepared: {why}"
@@ -375,6 +449,12 @@ def _time(ask: Ask, rows: list[Candidate], prepared: _Prepared, prices: _Prices,
         raise
     except Exception as exc:  # a runner that checked fine but fails when timed
         raise EngineUnavailableError(f"timing the int8 engines failed: {type(exc).__name__}: {exc}") from exc
+    _fill_costs(ask, rows, seconds, spreads)
+
+
+def _fill_costs(ask: Ask, rows: list[Candidate], seconds: Mapping[tuple[str, int], tuple[float, float]],
+                spreads: Mapping[tuple[str, int], float]) -> None:
+    """Each timed row's costs at its cheapest thread count."""
     batch, wpc = ask.batch_size, ask.wpc
     for row in rows:
         mine = {t: v for (n, t), v in seconds.items() if n == row.name}
@@ -441,21 +521,28 @@ def _forced_choice(ask: Ask, selection: Selection, prepared: _Prepared) -> str:
     return forced
 
 
-def _record(ask: Ask, selection: Selection, prepared: _Prepared, calibration: np.ndarray, *, keep_runner: bool
-            ) -> tuple[Selection, Runner | None]:
+def _record(ask: Ask, selection: Selection, prepared: _Prepared, calibration: np.ndarray, *, keep_runner: bool,
+            fingerprints: Mapping[str, str] | None = None) -> tuple[Selection, Runner | None]:
     """What this device would share (a measured, unforced choice; `calibration`: at least the
     bundle's first FINGERPRINT_SAMPLES calibration samples), the cache, and the chosen runner
-    kept (with `keep_runner`); every other runner closed."""
+    kept (with `keep_runner`); every other runner closed. `fingerprints`: the engines were
+    measured one at a time and closed (_measure_alone), each correct one's fingerprint taken
+    then; a kept runner is prepared again."""
     chosen_row = selection.candidate(selection.chosen) if selection.chosen else None
     chosen_runner = prepared.runners.get((selection.chosen, selection.threads)) if selection.chosen else None
-    if not ask.forced and chosen_runner is not None and chosen_row is not None and chosen_row.latency_ms:
+    fingerprint = (fingerprints.get(selection.chosen or "") if fingerprints is not None else
+                   output_fingerprint(chosen_runner, calibration) if chosen_runner is not None else None)
+    if not ask.forced and fingerprint and chosen_row is not None and chosen_row.latency_ms:
         selection.share = SharedChoice(kind_of(ask.key), chosen_row.name, selection.threads, ask.batch_size,
                                        chosen_row.latency_ms, chosen_row.per_image_cpu_s or 1e-9,
-                                       output_fingerprint(chosen_runner, calibration)).to_json()
+                                       fingerprint).to_json()
     if not ask.forced and ask.path is not None:
         atomic_write_json(ask.path, selection.to_json())
         selection.cache_file = str(ask.path)
     keep = prepared.runners.pop((selection.chosen, selection.threads), None) if keep_runner and selection.chosen else None
+    if keep is None and keep_runner and selection.chosen and fingerprints is not None:
+        engine = ask.by_name.get(selection.chosen)
+        keep = engine.prepare(ask.bundle, threads=selection.threads) if engine is not None else None
     for runner in prepared.runners.values():
         runner.close()
     return selection, keep
