@@ -76,16 +76,7 @@ def measure(
             stderr=err_f,
             text=True,
         )
-        deadline = start + timeout
-        while True:  # wait4: the kernel's CPU time and peak RSS of exactly this child
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                raise RuntimeError(f"{role} child timed out after {timeout:.0f} s")
-            time.sleep(0.05)
+        status, usage = wait_with_usage(proc, start + timeout, f"{role} child")
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
         out_f.seek(0)
@@ -105,22 +96,28 @@ def measure(
     return result
 
 
+def wait_with_usage(proc: subprocess.Popen, deadline: float, what: str) -> tuple[int, Any]:
+    """(wait status, resource usage) of exactly this child (wait4: its CPU time and peak
+    RSS, whatever else ran in the parent); killed and RuntimeError past `deadline`
+    (time.perf_counter)."""
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return status, usage
+        if time.perf_counter() > deadline:
+            proc.kill()
+            os.wait4(proc.pid, 0)
+            raise RuntimeError(f"{what} timed out")
+        time.sleep(0.05)
+
+
 def peak_rss_run(argv: list[str], *, timeout: float = 1800.0, cwd: Path = ROOT) -> tuple[int, str, str, float]:
     """Run `argv` as a child; (exit code, stdout, stderr, its peak RSS in MB from wait4's
     ru_maxrss: exactly this child, whatever ran before it in the parent)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out_f, stderr=err_f, text=True)
-        deadline = time.perf_counter() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                raise RuntimeError(f"{argv[:4]} timed out after {timeout:.0f} s")
-            time.sleep(0.05)
+        status, usage = wait_with_usage(proc, time.perf_counter() + timeout, str(argv[:4]))
         proc.returncode = os.waitstatus_to_exitcode(status)
         out_f.seek(0)
         err_f.seek(0)

@@ -4,15 +4,13 @@ fit the memory cap, saying why in its row."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench._procs import peak_rss_run
 from edge_agent.cli import main as agent_main
 from edge_agent.int8 import selection as sel
 from edge_agent.int8.bundle import load_bundle
@@ -27,20 +25,8 @@ PROBE = {"cpu": {"arch": "x86_64", "count": 2, "int8_features": {"avx2": True}},
 
 def _peak_mb(argv: list[str]) -> tuple[int, str, float]:
     """A child's exit code, stderr and peak RSS (wait4's ru_maxrss: exactly this child)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.monotonic() > deadline:
-            proc.kill()
-            os.wait4(proc.pid, 0)
-            raise AssertionError(f"{argv[:4]} timed out")
-        time.sleep(0.05)
-    err = proc.stderr.read() if proc.stderr else ""
-    return os.waitstatus_to_exitcode(status), err, usage.ru_maxrss / 1024.0
+    rc, _, err, peak = peak_rss_run(argv, timeout=300)
+    return rc, err, peak
 
 
 def _wide_net_onnx(path: Path) -> str:
