@@ -232,6 +232,10 @@ def _measure_alone(ask: Ask, row: Candidate, prepared: _Prepared, shape: PrefixS
     runner = prepared.runners.pop((row.name, ask.threads), None)
     if runner is None:
         return
+    if row.error or not row.correct:  # nothing to time: its check row says why
+        runner.close()
+        release_freed_memory()
+        return
     seconds: dict[tuple[str, int], tuple[float, float]] = {}
     spreads: dict[tuple[str, int], float] = {}
     prints: dict[int, str] = {}
@@ -251,8 +255,6 @@ def _measure_alone(ask: Ask, row: Candidate, prepared: _Prepared, shape: PrefixS
                 except Exception as exc:  # keep the thread counts that worked
                     _log.warning("%s with %d threads: %s", row.name, t, exc)
                     break
-            if row.error or not row.correct:
-                break
             try:
                 with ledger.phase("timing", prices.timing):
                     seconds.update(time_rounds({(row.name, t): runner}, ask.x, repeats=ask.repeats,
