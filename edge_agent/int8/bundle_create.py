@@ -385,13 +385,6 @@ def create_bundle(
     backbone_onnx = extractor.extract_model([spec.name], [tensor]).SerializeToString()
     del extractor
     release_freed_memory()
-    # Devices get a fixed, spread-out subset: enough for on-device calibration (mxnet-onednn)
-    # and a check batch, small enough for a Pi's memory.
-    keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
-    rng = np.random.default_rng(0)
-    stored = calib if len(calib) <= keep else calib[np.sort(rng.choice(len(calib), keep, replace=False))]
-    npz = io.BytesIO()
-    np.savez_compressed(npz, x=stored)
     files = {
         BACKBONE_ONNX: backbone_onnx,
         BACKBONE_INT8: tflite,
@@ -399,7 +392,7 @@ def create_bundle(
         # with depths, params_files below writes it (split by depth)
         HEAD_PARAMS: b"" if deep_specs else _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
                                                            | {f"aux:{k}": v for k, v in params[1].items()}),
-        CALIBRATION: npz.getvalue(),
+        CALIBRATION: _calibration_npz(calib),
         **deep_files,
     }
     if edgetpu_model is not None:
@@ -418,9 +411,20 @@ def create_bundle(
         del arrays
     # the tails' NDArrays and the calibration are in `files` now: not held while the bundle
     # is verified and its oracle runs
-    del backbone_onnx, params, head_args, head_aux, stored, npz
+    del backbone_onnx, params, head_args, head_aux
     release_freed_memory()
     return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
+
+
+def _calibration_npz(calib: np.ndarray) -> bytes:
+    """What the bundle keeps of the calibration: a fixed, spread-out subset, enough for
+    on-device calibration (mxnet-onednn) and a check batch, small enough for a Pi's memory."""
+    keep = min(MAX_CALIBRATION_SAMPLES, max(1, MAX_CALIBRATION_BYTES // calib[0].nbytes))
+    rng = np.random.default_rng(0)
+    stored = calib if len(calib) <= keep else calib[np.sort(rng.choice(len(calib), keep, replace=False))]
+    npz = io.BytesIO()
+    np.savez_compressed(npz, x=stored)
+    return npz.getvalue()
 
 
 def _oracle_answers(bundle: Bundle) -> dict[str, bytes]:
