@@ -397,6 +397,6 @@ class _TailBuilder(_Builder):
             return self.sym.slice_axis(x, axis=1, begin=int(idx[0]), end=int(idx[0]) + len(idx))
         for g in range(2, c):
             if c % g == 0 and len(idx) == c and np.array_equal(idx, np.arange(c).reshape(g, c // g).T.reshape(-1)):
-                y = self.sym.reshape(x, shape=(0, g, c // g, -2))
+                y = self.sym.reshape(x, shape=(0, -4, g, c // g, -2))  # (N, g, C/g, H, W)
                 return self.sym.reshape(self.sym.transpose(y, axes=(0, 2, 1, 3, 4)), shape=(0, -3, -2))
         raise UnsupportedOpError(op.name, "GATHER", "a channel gather that is neither a slice nor a shuffle")

@@ -35,6 +35,8 @@ SIZE = 32
 MEAN, STD = 0.3, 0.4  # zoo.training_digits' normalisation, as the bundle's input spec
 SPLITS = {r["file"]: r["split"] for r in json.loads((zoo.HERE / "fixtures.json").read_text())["models"]}
 DYNAMO = ["resnet18.dynamo.onnx", "mobilenet_v3_small.dynamo.onnx"]
+# a tail through ShuffleNet's channel shuffles (Reshape to 5-D, Transpose, Reshape back)
+SHUFFLED = ["shufflenet_v2_x0_5.legacy.onnx"]
 
 
 def _create(source, dest: Path, *, split: str | None, depths: int = 2, calibration=None):
@@ -46,9 +48,9 @@ def _create(source, dest: Path, *, split: str | None, depths: int = 2, calibrati
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tail-bundles")
-    for name in DYNAMO:
+    for name in DYNAMO + SHUFFLED:
         _create(zoo.HERE / name, root / name, split=SPLITS[name])
-    return {name: root / name for name in DYNAMO}
+    return {name: root / name for name in DYNAMO + SHUFFLED}
 
 
 def _tail_logits(view, features: np.ndarray) -> np.ndarray:
@@ -83,11 +85,12 @@ def test_a_dynamo_export_records_depths_whose_tails_hold_the_models_initialisers
     assert set().union(*names) == set(params)
 
 
-@pytest.mark.parametrize("name", DYNAMO)
+@pytest.mark.parametrize("name", DYNAMO + SHUFFLED)
 def test_prefix_then_tail_at_each_depth_is_the_onnx_model(name, bundles) -> None:
     from onnx.reference import ReferenceEvaluator
 
     b = load_bundle(bundles[name])
+    assert [d.depth for d in b.manifest.depths] == [0, 1, 2], [(d.depth, d.tensor) for d in b.manifest.depths]
     x = zoo.digits(SIZE)[2][:4]
     model = load_onnx(zoo.HERE / name)
     evaluator = ReferenceEvaluator(model)
