@@ -462,7 +462,16 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
     for k, cut in enumerate(depth_cuts(model, split, depths) if depths else [], start=1):
         try:
             graph = import_onnx(model, split=cut.tensor)
-            shape = tuple(int(v) for v in graph.output_shape)
+        except (InputError, ValueError) as exc:  # the depths so far stand
+            log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
+            break
+        shape = tuple(int(v) for v in graph.output_shape)
+        # quantised (a sub-graph of the backbone: it quantises if the backbone did) and let go
+        # before the tail imports: the prefix's weights and the tail's copies are not held at once
+        prefix = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
+        del graph
+        release_freed_memory()
+        try:
             sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where,
                                                  head_only=False)
             frozen = sorted(set(unmapped) - set(args))  # inside the shallower int8 prefixes
@@ -473,9 +482,8 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
         except (InputError, ValueError) as exc:  # e.g. a tail the importer refuses: the depths so far stand
             log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
             break
-        files[depth_file(k, BACKBONE_INT8)] = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
-        del graph  # not held while the next depth imports its own
-        release_freed_memory()
+        release_freed_memory()  # the tail's ONNX and float graph: only its NDArrays stay
+        files[depth_file(k, BACKBONE_INT8)] = prefix
         files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
         args.update(t_args)
         aux.update(t_aux)
