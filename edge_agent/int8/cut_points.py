@@ -52,10 +52,10 @@ class Cut:
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
-    import onnx
+    from .onnx_lean import inferred_skeleton
 
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = inferred_skeleton(model)
     except Exception:  # an odd model: list cuts without shapes rather than fail
         inferred = model
     out: dict[str, tuple[int, ...]] = {}

@@ -72,8 +72,9 @@ def slices_as_gathers(model: onnx.ModelProto) -> None:
     """Single-axis Slices with initializer bounds (and a statically known input shape)
     become Gathers of the selected indices."""
     import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
+
+    from .onnx_lean import inferred_skeleton
 
     inits = {i.name: i for i in model.graph.initializer}
 
@@ -86,7 +87,7 @@ def slices_as_gathers(model: onnx.ModelProto) -> None:
     if not slices:
         return
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = inferred_skeleton(model)
     except Exception:  # shapes unknown: the Slices stay (and MXNet says which one fails)
         return
     shapes = {}

@@ -1,0 +1,70 @@
+"""ONNX shape inference without a second copy of the weights.
+
+`onnx.shape_inference.infer_shapes` returns a new ModelProto: every initialiser copied. For
+a 94 MB resnet50 that is 94 MB more for each caller that only wants the value_info
+(cut_points' shapes, onnx.utils.Extractor's boundary tensors), and `model create` held two
+such copies beside the model (issue 41: create must peak at 2x the file + a fixed allowance).
+
+Inference reads an initialiser's *values* only where an op's output shape depends on them
+(Reshape's shape, Slice's starts, Resize's scales, ReduceMean's axes...): small tensors.
+So inference runs on a skeleton: the model with every initialiser larger than
+SHAPE_ONLY_BYTES replaced by its name, type and dims, and no data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHAPE_ONLY_BYTES = 4096  # initialisers above this go to inference as shape and type only
+
+
+def _copy_fields(src: Any, dst: Any, skip: str) -> None:
+    """Every set field of message `src` but `skip`, into `dst`."""
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, field.name).extend(value)
+        elif hasattr(value, "CopyFrom"):  # a message
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def _skeleton(model: Any) -> Any:
+    """`model` with its large initialisers' data left out (see the module doc)."""
+    import onnx
+
+    skeleton = onnx.ModelProto()
+    _copy_fields(model, skeleton, "graph")
+    _copy_fields(model.graph, skeleton.graph, "initializer")
+    for init in model.graph.initializer:
+        if init.ByteSize() <= SHAPE_ONLY_BYTES:
+            skeleton.graph.initializer.add().CopyFrom(init)
+            continue
+        lean = skeleton.graph.initializer.add()
+        lean.name, lean.data_type = init.name, init.data_type
+        lean.dims.extend(init.dims)
+    return skeleton
+
+
+def inferred_skeleton(model: Any, **options: Any) -> Any:
+    """onnx.shape_inference.infer_shapes(model, **options) on the skeleton: the value_info
+    (and inputs, outputs, nodes) of full inference, without the large initialisers' data."""
+    import onnx
+
+    return onnx.shape_inference.infer_shapes(_skeleton(model), **options)
+
+
+def lean_extractor(model: Any) -> Any:
+    """onnx.utils.Extractor(model), but its graph (nodes, inputs, outputs, value_info) is the
+    inferred skeleton's and its initialisers are `model`'s own: they are copied only into
+    the sub-models it extracts."""
+    import onnx.utils
+
+    inferred = inferred_skeleton(model)
+    extractor = onnx.utils.Extractor.__new__(onnx.utils.Extractor)
+    extractor.model, extractor.graph = inferred, inferred.graph
+    extractor.wmap = {t.name: t for t in model.graph.initializer}
+    extractor.vimap = {v.name: v for v in inferred.graph.value_info}
+    return extractor
