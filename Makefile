@@ -8,13 +8,14 @@ DEMO_ARGS ?=
 ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 DEB_MODE ?= offline
 
-.PHONY: demo test test-pg test-arm lint bench soak deb clean help
+.PHONY: demo test test-pg test-arm lint bench zoo-fixtures soak deb clean help
 
 help:
 	@echo "make demo   - create .venv, install, run a coordinator + 4 agents for 3 rounds (see demo-out/)"
 	@echo "make test   - create .venv if needed, install with test extras, run ruff, the import layers and pytest (random order; TEST_SEED=N repeats one)"
 	@echo "make test-pg - the coordinator's tests with the registry on a throw-away PostgreSQL (apt-get install postgresql)"
-	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md"
+	@echo "make bench  - run bench/ and rewrite BENCHMARKS.md (makes the zoo fixtures first)"
+	@echo "make zoo-fixtures - torchvision's CNNs at real width, both exporters, into build/zoo-full (torch in build/torchvenv: never a project dependency)"
 	@echo "make soak   - a fleet for 1,000 rounds (real mosquitto, 4 agents): growth per round -> BENCHMARKS.md"
 	@echo "make deb    - build dist/edge-agent_<ver>_<arch>.deb (ARCH=arm64, DEB_MODE=thin)"
 	@echo "make test-arm - (root) the .debs installed and run on emulated Raspberry Pi OS arm64 + armhf (qemu-user)"
@@ -72,8 +73,20 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff format --check . || true
 
-bench: $(STAMP)
+bench: $(STAMP) $(ZOO_FULL)
 	$(BIN)/python -m bench.run
+
+# The full model-zoo matrix's exports (bench/bench_model_zoo_full.py): torch only ever in a
+# venv of its own, and only for this; remade when the generator changes (~15 min).
+TORCH_VENV ?= build/torchvenv
+ZOO_FULL := build/zoo-full/fixtures.json
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1 onnx==1.23.2 onnxscript==0.7.2 scikit-learn==1.9.1
+zoo-fixtures: $(ZOO_FULL)
+$(ZOO_FULL): tests/fixtures/models/make_torch_fixtures.py
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install --quiet $(TORCH_PINS)
+	rm -rf build/zoo-full
+	$(TORCH_VENV)/bin/python tests/fixtures/models/make_torch_fixtures.py --full build/zoo-full
 
 # Long: hours on a quiet machine (bench/soak.py). SOAK_ROUNDS=300 for a shorter one.
 SOAK_ROUNDS ?= 1000
