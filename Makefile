@@ -7,6 +7,11 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 ARCH     ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 DEB_MODE ?= offline
+# the full model-zoo matrix's exports (bench/bench_model_zoo_full.py): torch only ever in a
+# venv of its own, and only for them
+TORCH_VENV ?= build/torchvenv
+ZOO_FULL := build/zoo-full/fixtures.json
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1 onnx==1.23.2 onnxscript==0.7.2 scikit-learn==1.9.1
 
 .PHONY: demo test test-pg test-arm lint bench zoo-fixtures soak deb clean help
 
@@ -76,11 +81,7 @@ lint: $(STAMP)
 bench: $(STAMP) $(ZOO_FULL)
 	$(BIN)/python -m bench.run
 
-# The full model-zoo matrix's exports (bench/bench_model_zoo_full.py): torch only ever in a
-# venv of its own, and only for this; remade when the generator changes (~15 min).
-TORCH_VENV ?= build/torchvenv
-ZOO_FULL := build/zoo-full/fixtures.json
-TORCH_PINS := torch==2.14.1 torchvision==0.29.1 onnx==1.23.2 onnxscript==0.7.2 scikit-learn==1.9.1
+# The full model-zoo matrix's exports, remade when their generator changes (~15 min).
 zoo-fixtures: $(ZOO_FULL)
 $(ZOO_FULL): tests/fixtures/models/make_torch_fixtures.py
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
