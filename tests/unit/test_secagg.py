@@ -4,6 +4,7 @@ X25519, ChaCha20-Poly1305, Shamir and Ed25519 throughout -- nothing mocked."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import subprocess
@@ -11,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +26,7 @@ from edge_agent.updates.secagg import (
     SecAggDevice,
     SecAggError,
     advert_payload,
+    default_degree,
     neighbours,
 )
 
@@ -42,8 +45,20 @@ def test_hundred_devices_ten_percent_dropped_after_sharing_gives_the_survivors_s
     head = {"fc_weight": np.zeros((10, 32), np.float32), "fc_bias": np.zeros(10, np.float32)}
     base = reg.add_model_version(name="digits", version="1", head=head)
     dp = GaussianSum(clip=1.0, noise=1.0, denominator=100, rng=lambda: np.random.default_rng(0))
+    # fixed device keys and graph seed: SecAgg+ survives a dropout pattern with high probability
+    # over the random graph, not always (with fresh keys and seed, one run in CI drew a survivor
+    # with 7 of its 14 neighbours among the 10 dropped: below the threshold 8). This graph is
+    # checked to be one it survives, so the test is about the protocol, not the draw.
+    keys = [Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"secagg-dev-{i}".encode()).digest())
+            for i in range(100)]
+    graph_seed = "5e" * 16
+    ids = [fingerprint(k) for k in keys]
+    dropped = {ids[i] for i in range(0, 100, 10)}
+    k, t = default_degree(100), min(default_degree(100), 99) // 2 + 1
+    graph = neighbours(ids, k, graph_seed)
+    assert all(len(set(graph[d]) - dropped) >= t for d in ids if d not in dropped)
     run = secure_round(n=100, length=LENGTH, dp=dp, drop_before_input=range(0, 100, 10), state_dir=state,
-                       restart=True, registry=reg, base=(base, head), seed=3)
+                       restart=True, registry=reg, base=(base, head), seed=3, keys=keys, graph_seed=graph_seed)
     assert run.error == ""
     assert len(run.survivors) == 90 and run.config.degree < 99  # SecAgg+: a sparse graph
     assert np.array_equal(run.total, plain_sum(run))  # exactly, in the quantised domain
