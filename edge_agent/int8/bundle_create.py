@@ -324,7 +324,7 @@ def create_bundle(
 
     from .graph import UnsupportedOpError
     from .onnx_import import import_onnx
-    from .onnx_lean import lean_extractor
+    from .onnx_lean import LeanExtractor
     from .quantize import calibrate, quantize_graph
     from .reference import GraphError
     from .tflite_reader import read_tflite
@@ -354,7 +354,7 @@ def create_bundle(
     )
     _parse_manifest(manifest.to_json(), "bundle arguments")  # name, version, labels, mean/std: fail early
     try:
-        extractor = lean_extractor(model)  # shape inference, without a copy of the weights
+        extractor = LeanExtractor(model)  # shape inference, without a copy of the weights
     except Exception as exc:  # onnx InferenceError names the op and node
         raise BundleError(f"{where}: ONNX shape inference fails: {str(exc).strip()[:300]}") from None
     head_sym, head_args, head_aux, _ = _head(extractor, model, tensor, tuple(float_graph.output_shape), labels, where)

@@ -9,11 +9,17 @@ Inference reads an initialiser's *values* only where an op's output shape depend
 (Reshape's shape, Slice's starts, Resize's scales, ReduceMean's axes...): small tensors.
 So inference runs on a skeleton: the model with every initialiser larger than
 SHAPE_ONLY_BYTES replaced by its name, type and dims, and no data.
+
+Only the ONNX paths import this module (inside their functions), so it may import onnx at
+its top: 32-bit ARM, which has no onnx wheel, never loads it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import onnx
+import onnx.utils
 
 SHAPE_ONLY_BYTES = 4096  # initialisers above this go to inference as shape and type only
 
@@ -33,8 +39,6 @@ def _copy_fields(src: Any, dst: Any, skip: str) -> None:
 
 def _skeleton(model: Any) -> Any:
     """`model` with its large initialisers' data left out (see the module doc)."""
-    import onnx
-
     skeleton = onnx.ModelProto()
     _copy_fields(model, skeleton, "graph")
     _copy_fields(model.graph, skeleton.graph, "initializer")
@@ -51,41 +55,34 @@ def _skeleton(model: Any) -> Any:
 def inferred_skeleton(model: Any, **options: Any) -> Any:
     """onnx.shape_inference.infer_shapes(model, **options) on the skeleton: the value_info
     (and inputs, outputs, nodes) of full inference, without the large initialisers' data."""
-    import onnx
-
     return onnx.shape_inference.infer_shapes(_skeleton(model), **options)
 
 
-def lean_extractor(model: Any) -> Any:
+class LeanExtractor(onnx.utils.Extractor):
     """onnx.utils.Extractor(model), but its graph (nodes, inputs, outputs, value_info) is the
     inferred skeleton's, its initialisers are `model`'s own, and each sub-model it extracts
     copies them once (onnx's make_graph + make_model copy them twice: a resnet50 backbone's
     extraction peaked 2 x 94 MB above the model)."""
-    import onnx
-    import onnx.utils
 
-    class LeanExtractor(onnx.utils.Extractor):
-        def __init__(self) -> None:  # noqa: D107 - not onnx's: no second inference, no copy
-            inferred = inferred_skeleton(model)
-            self.model, self.graph = inferred, inferred.graph
-            self.wmap = {t.name: t for t in model.graph.initializer}
-            self.vimap = {v.name: v for v in inferred.graph.value_info}
+    def __init__(self, model: Any) -> None:  # not onnx's: no inference on the full model, no copy
+        inferred = inferred_skeleton(model)
+        self.model, self.graph = inferred, inferred.graph
+        self.wmap = {t.name: t for t in model.graph.initializer}
+        self.vimap = {v.name: v for v in inferred.graph.value_info}
 
-        def _make_model(self, nodes: Any, inputs: Any, outputs: Any, initializer: Any, value_info: Any,
-                        local_functions: Any) -> Any:
-            """What onnx.utils.Extractor._make_model builds, field for field, in one copy."""
-            out = onnx.ModelProto()
-            out.ir_version = self.model.ir_version
-            graph = out.graph
-            graph.node.extend(nodes)
-            graph.name = "Extracted from {" + self.graph.name + "}"
-            graph.input.extend(inputs)
-            graph.output.extend(outputs)
-            graph.initializer.extend(initializer)
-            graph.value_info.extend(value_info)
-            out.opset_import.extend(self.model.opset_import)
-            out.functions.extend(local_functions)
-            out.producer_name = "onnx.utils.extract_model"
-            return out
-
-    return LeanExtractor()
+    def _make_model(self, nodes: Any, inputs: Any, outputs: Any, initializer: Any, value_info: Any,
+                    local_functions: Any) -> Any:
+        """What onnx.utils.Extractor._make_model builds, field for field, in one copy."""
+        out = onnx.ModelProto()
+        out.ir_version = self.model.ir_version
+        graph = out.graph
+        graph.node.extend(nodes)
+        graph.name = "Extracted from {" + self.graph.name + "}"
+        graph.input.extend(inputs)
+        graph.output.extend(outputs)
+        graph.initializer.extend(initializer)
+        graph.value_info.extend(value_info)
+        out.opset_import.extend(self.model.opset_import)
+        out.functions.extend(local_functions)
+        out.producer_name = "onnx.utils.extract_model"
+        return out

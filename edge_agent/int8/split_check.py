@@ -53,10 +53,10 @@ class SplitChecker:
     def _extract(self) -> Any:
         if self._extractor is None and self._extract_error is None:
             from .bundle_create import BundleError
-            from .onnx_lean import lean_extractor
+            from .onnx_lean import LeanExtractor
 
             try:
-                self._extractor = lean_extractor(self.model)  # the shape inference create runs
+                self._extractor = LeanExtractor(self.model)  # the shape inference create runs
             except Exception as exc:  # onnx InferenceError names the op and node
                 self._extract_error = str(BundleError(
                     f"{self.where}: ONNX shape inference fails: {str(exc).strip()[:300]}"))

@@ -11,7 +11,7 @@ import onnx.utils
 import pytest
 
 from edge_agent.int8.onnx_import import load_onnx
-from edge_agent.int8.onnx_lean import SHAPE_ONLY_BYTES, inferred_skeleton, lean_extractor
+from edge_agent.int8.onnx_lean import SHAPE_ONLY_BYTES, LeanExtractor, inferred_skeleton
 from tests.fixtures.models import zoo
 
 FIXTURES = {r["file"]: r["split"] for r in json.loads((zoo.HERE / "fixtures.json").read_text())["models"]}
@@ -40,7 +40,7 @@ def test_the_lean_extractor_extracts_what_onnxs_does(name: str) -> None:
     inp = model.graph.input[0].name
     split, outputs = FIXTURES[name], [o.name for o in model.graph.output]
     split_tensor = next(n.output[0] for n in model.graph.node if n.name == split)
-    stock, lean = onnx.utils.Extractor(model), lean_extractor(model)
+    stock, lean = onnx.utils.Extractor(model), LeanExtractor(model)
     for ins, outs in (([inp], [split_tensor]), ([split_tensor], outputs)):
         want, got = stock.extract_model(ins, outs), lean.extract_model(ins, outs)
         assert got.SerializeToString() == want.SerializeToString(), (ins, outs)
