@@ -29,8 +29,8 @@ FIXTURES = ROOT / "build" / "zoo-full"
 # digits, briefly trained (make_torch_fixtures.py --full DIR: hundreds of MB, never
 # committed). Each export is measured in a child of its own (its peak RSS, and a crash is a
 # row): bundled with FULL_DEPTHS training depths, the engine selection and agreement of the
-# smaller matrix (zoo.measure), then a real `run_finetune` at depth 1 with the chosen
-# engine, judged on held-out digits through the bundle's own tail before and after.
+# smaller matrix (zoo.measure), then a real `run_finetune` at depth 1 (the job selects its
+# engine itself), judged on held-out digits through the bundle's own tail before and after.
 FULL_DEPTHS = 3
 FULL_TEST = 300  # held-out digits for the depth-1 fine-tune's before / after
 
@@ -60,12 +60,11 @@ def full_one(where: Path, arch_id: str) -> dict[str, Any]:
         report = run_finetune(model=built.bundle.path, data=tmp / "digits.npz", state_dir=tmp / "state",
                               cache_dir=tmp / "cache", depth=1, epochs=8, patience=4, batch_size=16,
                               val_fraction=0.25, profile="raspberry-pi-4")
-        row["job_engine"] = report["engine"]["name"]  # the job's own selection, through the bundle's head
         own = DepthPredictor(built.bundle, depth=1)
         tuned = DepthPredictor(built.bundle, depth=1, params=tail_params(built.bundle, report["head"]["file"]))
+        x_held, y_held = x_test[:FULL_TEST], y_test[:FULL_TEST]
         try:
-            row["depth1_before"] = own.accuracy(x_test[:FULL_TEST], y_test[:FULL_TEST])
-            row["depth1_after"] = tuned.accuracy(x_test[:FULL_TEST], y_test[:FULL_TEST])
+            row["depth1_before"], row["depth1_after"] = own.accuracy(x_held, y_held), tuned.accuracy(x_held, y_held)
         finally:
             own.close()
             tuned.close()

@@ -54,11 +54,13 @@ def test_hundred_devices_ten_percent_dropped_after_sharing_gives_the_survivors_s
     graph_seed = "5e" * 16
     ids = [fingerprint(k) for k in keys]
     dropped = {ids[i] for i in range(0, 100, 10)}
-    k, t = default_degree(100), min(default_degree(100), 99) // 2 + 1
+    k = default_degree(100)
+    t = k // 2 + 1  # the round's threshold, given below (the simulation's default too)
     graph = neighbours(ids, k, graph_seed)
     assert all(len(set(graph[d]) - dropped) >= t for d in ids if d not in dropped)
     run = secure_round(n=100, length=LENGTH, dp=dp, drop_before_input=range(0, 100, 10), state_dir=state,
-                       restart=True, registry=reg, base=(base, head), seed=3, keys=keys, graph_seed=graph_seed)
+                       restart=True, registry=reg, base=(base, head), seed=3, keys=keys, graph_seed=graph_seed,
+                       degree=k, threshold=t)
     assert run.error == ""
     assert len(run.survivors) == 90 and run.config.degree < 99  # SecAgg+: a sparse graph
     assert np.array_equal(run.total, plain_sum(run))  # exactly, in the quantised domain
