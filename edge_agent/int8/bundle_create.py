@@ -48,6 +48,7 @@ from .bundle import (
     params_files,
     write_bundle_dir,
 )
+from .bundle_files import FileData, StagedFile, Staging
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,7 @@ def create_bundle(
     """
     import datetime
 
+    from .depth_cuts import depth_costs
     from .graph import UnsupportedOpError
     from .onnx_import import import_onnx
     from .onnx_lean import LeanExtractor
@@ -335,6 +337,8 @@ def create_bundle(
     dupes = sorted(v for v, n in Counter(labels).items() if n > 1)
     if dupes:
         raise InputError(f"labels: {', '.join(map(repr, dupes[:5]))} given more than once")
+    if not isinstance(depths, int) or isinstance(depths, bool) or not 0 <= depths <= MAX_DEPTH:
+        raise InputError(f"depths: must be an integer 0..{MAX_DEPTH}, got {depths!r}")
     model, where, origin, default_split = _source_model(source, input_shape)
     tensor, node = _resolve_split(model, split, default_split, where)
     try:
@@ -357,72 +361,73 @@ def create_bundle(
         extractor = LeanExtractor(model)  # shape inference, without a copy of the weights
     except Exception as exc:  # onnx InferenceError names the op and node
         raise BundleError(f"{where}: ONNX shape inference fails: {str(exc).strip()[:300]}") from None
-    head_sym, head_args, head_aux, _ = _head(extractor, model, tensor, tuple(float_graph.output_shape), labels, where)
+    _check_head_classes(extractor, model, tensor, labels, where)  # the rest of _head's checks come after the prefixes
     calib = load_calibration(calibration, spec)
+    with Staging(Path(dest)) as staging:  # the large files go to disk as they are made,
+        # and what is no longer needed is let go before the next step (resnet50 at 224:
+        # ~0.4 GB of weights in their several forms)
+        observed: dict[str, tuple[float, float]] = {}
+        calibration_options = {"batch_size": CALIBRATION_BATCH, **({"method": method} if method else {})}
 
-    observed: dict[str, tuple[float, float]] = {}
-    calibration_options = {"batch_size": CALIBRATION_BATCH, **({"method": method} if method else {})}
+        def int8_prefix(graph: Any, what: str, fname: str) -> StagedFile:
+            """`graph` quantised, staged as `fname`. A depth's prefix is the backbone's ops up to
+            its cut, run on the same calibration batches, so the ranges observed on the backbone
+            are its own: one calibration pass in all instead of one per depth (resnet50 at 224:
+            ~22 s each, and the pass's activations)."""
+            try:
+                needed = {graph.input, *(op.output for op in graph.ops)}  # what calibrate observes
+                if not needed <= observed.keys():
+                    observed.update(calibrate(graph, calib, **calibration_options))
+                ranges = {t: observed[t] for t in needed}
+                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, **calibration_options))
+                read_tflite(tfl)  # the reader's checks are what every device will run
+            except (UnsupportedOpError, GraphError) as exc:
+                raise BundleError(f"{where}: cannot quantise the {what}: {exc}") from None
+            return staging.put(fname, tfl)
 
-    def int8_prefix(graph: Any, what: str) -> bytes:
-        """`graph` quantised. A depth's prefix is the backbone's ops up to its cut, run on the
-        same calibration batches, so the ranges observed on the backbone are its own: one
-        calibration pass in all instead of one per depth (resnet50 at 224: ~22 s each, and
-        the pass's activations)."""
-        try:
-            needed = {graph.input, *(op.output for op in graph.ops)}  # what calibrate observes
-            if not needed <= observed.keys():
-                observed.update(calibrate(graph, calib, **calibration_options))
-            ranges = {t: observed[t] for t in needed}
-            tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, **calibration_options))
-            read_tflite(tfl)  # the reader's checks are what every device will run
-        except (UnsupportedOpError, GraphError) as exc:
-            raise BundleError(f"{where}: cannot quantise the {what}: {exc}") from None
-        return tfl
-
-    tflite = int8_prefix(float_graph, "backbone")
-    del float_graph  # its numpy weights: each depth below imports its own prefix
-    release_freed_memory()
-    deep_files, deep_specs, params = _deeper(model, extractor, tensor, depths, labels, where, int8_prefix,
-                                             ({**head_args}, {**head_aux}))
-    from .depth_cuts import depth_costs
-
-    head_costs = depth_costs(model, tensor) if deep_specs else {}
-    # from here on only the backbone's ONNX is read from the source, and only once: neither
-    # copy of it (ours, the extractor's shape-inferred one) is held beside the other or the file
-    del model
-    release_freed_memory()
-    backbone_onnx = extractor.extract_model([spec.name], [tensor]).SerializeToString()
-    del extractor
-    release_freed_memory()
-    files = {
-        BACKBONE_ONNX: backbone_onnx,
-        BACKBONE_INT8: tflite,
-        HEAD_SYMBOL: head_sym.tojson().encode(),
-        # with depths, params_files below writes it (split by depth)
-        HEAD_PARAMS: b"" if deep_specs else _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
-                                                           | {f"aux:{k}": v for k, v in params[1].items()}),
-        CALIBRATION: _calibration_npz(calib),
-        **deep_files,
-    }
-    if edgetpu_model is not None:
-        files[BACKBONE_EDGETPU] = read_limited(edgetpu_model, MAX_FILE_BYTES)
-        if files[BACKBONE_EDGETPU][4:8] != b"TFL3":
-            raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
-    manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
-    if deep_specs:
-        head_depth = Depth(0, tensor, "head", manifest.feature_shape, node, head_costs)
-        manifest.depths = [head_depth, *deep_specs]
-        arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
-        kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
-        params = ({}, {})  # the NDArrays: their numpy copies are what is written
+        head_shape = tuple(float_graph.output_shape)
+        files: dict[str, FileData] = {BACKBONE_INT8: int8_prefix(float_graph, "backbone", BACKBONE_INT8)}
+        del float_graph  # its numpy weights: each depth below imports its own prefix
         release_freed_memory()
-        files.update(params_files(arrays, kinds, manifest, files))  # split by depth (bundle.py)
-        del arrays
-    # the tails' NDArrays and the calibration are in `files` now: not held while the bundle
-    # is verified and its oracle runs
-    del backbone_onnx, params, head_args, head_aux
-    release_freed_memory()
-    return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
+        prefixes = _deeper_prefixes(model, tensor, depths, where, int8_prefix)
+        head_sym, head_args, head_aux, _ = _head(extractor, model, tensor, head_shape, labels, where)  # MXNet from here
+        deep_files, deep_specs, params = _deeper_tails(model, extractor, prefixes, labels, where,
+                                                       ({**head_args}, {**head_aux}))
+        head_costs = depth_costs(model, tensor) if deep_specs else {}
+        # from here on only the backbone's ONNX is read from the source, and only once, written
+        # in chunks: neither the sub-model nor its serialisation is held whole
+        del model
+        files[BACKBONE_ONNX] = staging.put(BACKBONE_ONNX, extractor.extract_serialized([spec.name], [tensor]))
+        del extractor
+        release_freed_memory()
+        files |= {
+            HEAD_SYMBOL: head_sym.tojson().encode(),
+            # with depths, params_files below writes it (split by depth)
+            HEAD_PARAMS: b"" if deep_specs else _ndarray_bytes({f"arg:{k}": v for k, v in params[0].items()}
+                                                               | {f"aux:{k}": v for k, v in params[1].items()}),
+            CALIBRATION: _calibration_npz(calib),
+            **deep_files,
+        }
+        if edgetpu_model is not None:
+            files[BACKBONE_EDGETPU] = read_limited(edgetpu_model, MAX_FILE_BYTES)
+            if files[BACKBONE_EDGETPU][4:8] != b"TFL3":
+                raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
+        manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
+        if deep_specs:
+            head_depth = Depth(0, tensor, "head", manifest.feature_shape, manifest.split_node, head_costs)
+            manifest.depths = [head_depth, *deep_specs]
+            arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
+            kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
+            params = ({}, {})  # the NDArrays: their numpy copies are what is written
+            release_freed_memory()
+            symbols = {f: d for f, d in files.items() if isinstance(d, bytes)}
+            files.update((f, staging.put(f, d)) for f, d in params_files(arrays, kinds, manifest, symbols).items())
+            del arrays
+        # the tails' NDArrays are in `files` now: not held while the bundle is verified and its
+        # oracle runs
+        del params, head_args, head_aux
+        release_freed_memory()
+        return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
 
 
 def _calibration_npz(calib: np.ndarray) -> bytes:
@@ -445,32 +450,43 @@ def _oracle_answers(bundle: Bundle) -> dict[str, bytes]:
     return {ORACLE: answers} if answers is not None else {}
 
 
-def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[str], where: str,
-            int8_prefix: Any, head_params: tuple[dict[str, Any], dict[str, Any]]
-            ) -> tuple[dict[str, bytes], list[Depth], tuple[dict[str, Any], dict[str, Any]]]:
-    """Files, manifest entries and head.params for the depths below the head split: per
-    depth its int8 prefix and fp32 tail; the parameters of every tail, which agree where
-    they overlap (each is imported from the same ONNX initialisers)."""
-    from .depth_cuts import depth_costs, depth_cuts
+def _deeper_prefixes(model: Any, split: str, depths: int, where: str, int8_prefix: Any
+                     ) -> list[tuple[int, Any, tuple[int, ...], StagedFile]]:
+    """(depth, cut, the shape there, its int8 prefix staged) for the depths below the head
+    split, up to the first whose prefix does not import. All of them before any tail, so
+    MXNet (~190 MB once imported) is not resident while they calibrate and quantise."""
+    from .depth_cuts import depth_cuts
     from .onnx_import import import_onnx
 
-    if not isinstance(depths, int) or isinstance(depths, bool) or not 0 <= depths <= MAX_DEPTH:
-        raise InputError(f"depths: must be an integer 0..{MAX_DEPTH}, got {depths!r}")
-    files: dict[str, bytes] = {}
-    specs: list[Depth] = []
-    args, aux = head_params
+    out = []
     for k, cut in enumerate(depth_cuts(model, split, depths) if depths else [], start=1):
         try:
-            graph = import_onnx(model, split=cut.tensor)
+            graph = import_onnx(model, split=cut.tensor)  # converts only the prefix's weights
         except (InputError, ValueError) as exc:  # the depths so far stand
             log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
             break
         shape = tuple(int(v) for v in graph.output_shape)
-        # quantised (a sub-graph of the backbone: it quantises if the backbone did) and let go
-        # before the tail imports: the prefix's weights and the tail's copies are not held at once
-        prefix = int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})")
+        # a sub-graph of the backbone: it quantises if the backbone did
+        out.append((k, cut, shape, int8_prefix(graph, f"prefix up to depth {k} ({cut.tensor!r})",
+                                               depth_file(k, BACKBONE_INT8))))
         del graph
         release_freed_memory()
+    return out
+
+
+def _deeper_tails(model: Any, extractor: Any, prefixes: list[tuple[int, Any, tuple[int, ...], StagedFile]],
+                  labels: list[str], where: str, head_params: tuple[dict[str, Any], dict[str, Any]]
+                  ) -> tuple[dict[str, FileData], list[Depth], tuple[dict[str, Any], dict[str, Any]]]:
+    """Files, manifest entries and head.params for the depths whose prefixes were made: per
+    depth its int8 prefix and fp32 tail, up to the first tail that does not import; the
+    parameters of every tail, which agree where they overlap (each is imported from the same
+    ONNX initialisers)."""
+    from .depth_cuts import depth_costs
+
+    files: dict[str, FileData] = {}
+    specs: list[Depth] = []
+    args, aux = head_params
+    for k, cut, shape, prefix in prefixes:
         try:
             sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where,
                                                  head_only=False)
@@ -482,7 +498,7 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
         except (InputError, ValueError) as exc:  # e.g. a tail the importer refuses: the depths so far stand
             log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
             break
-        release_freed_memory()  # the tail's ONNX and float graph: only its NDArrays stay
+        release_freed_memory()  # the tail's float graph: only its NDArrays stay
         files[depth_file(k, BACKBONE_INT8)] = prefix
         files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
         args.update(t_args)
@@ -491,12 +507,32 @@ def _deeper(model: Any, extractor: Any, split: str, depths: int, labels: list[st
     return files, specs, (args, aux)
 
 
+def _check_head_classes(extractor: Any, model: Any, tensor: str, labels: list[str], where: str) -> None:
+    """The head's class count against the labels, before any slow work, on its float graph
+    (MXNet is imported only after the int8 prefixes are made: _head checks the rest, and a
+    head the project's importer does not carry is left to its fallback there)."""
+    from .onnx_import import import_onnx
+    from .tail_import import tail_model
+
+    try:
+        graph = import_onnx(tail_model(extractor, model, tensor), name="tail", weights=extractor.wmap)
+    except (InputError, ValueError):  # _head says why, or imports it another way
+        return
+    classes = int(np.prod(graph.output_shape[1:]))
+    if classes != len(labels):
+        raise InputError(_classes_mismatch(where, classes, labels))
+
+
+def _classes_mismatch(where: str, classes: int, labels: list[str]) -> str:
+    return f"{where}: the head outputs {classes} classes but {len(labels)} labels were given"
+
+
 def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...], labels: list[str],
           where: str, *, head_only: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
     """The tail from `tensor` to the output as MXNet symbol + params (tail_import.py: the
     project's own importer, parameters named after the ONNX initialisers) and the
-    parameters no initialiser gives, checked before any slow work: it imports, it has
-    something to train, it takes the prefix's output and its output size is len(labels).
+    parameters no initialiser gives, checked: it imports, it has something to train, it
+    takes the prefix's output and its output size is len(labels).
 
     `head_only` (the head split, depth 0): an op the project's importer does not carry (a
     Tanh, an Einsum...) falls back to MXNet's own ONNX importer, as heads were imported
@@ -533,7 +569,7 @@ def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...],
                           f"{input_shape}: {str(exc).strip().splitlines()[0][:200]}") from None
     classes = int(np.prod(out[1:]))
     if classes != len(labels):
-        raise InputError(f"{where}: the head outputs {classes} classes but {len(labels)} labels were given")
+        raise InputError(_classes_mismatch(where, classes, labels))
     return sym, args, aux, unmapped
 
 

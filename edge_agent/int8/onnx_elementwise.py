@@ -24,6 +24,7 @@ Lowerings (TFLite op vocabulary), each exact in float:
 
 from __future__ import annotations
 
+from collections import ChainMap
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -244,7 +245,7 @@ def fuse_hard_swish(nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray],
     initializers or Constant nodes (read here: conversion has not run yet)."""
     from onnx import helper, numpy_helper
 
-    known = dict(consts)
+    known = ChainMap({}, consts)  # not dict(consts): the importer converts initialisers as read
     for n in nodes:
         if n.op_type == "Constant" and n.output:
             for attr in n.attribute:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from ..atomic import FileTooLargeError, read_limited
 from ..errors import InputError
+from ..heap import release_freed_memory
 from .float_graph import FloatGraph, FloatOp
 from .float_ops import out_size, same_pads
 from .graph import UnsupportedOpError
@@ -82,6 +84,7 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
         model = onnx.load_from_string(data)
     except Exception as exc:  # protobuf raises DecodeError, or others on odd input
         raise OnnxImportError(f"{where}: not a valid ONNX protobuf (truncated or corrupt): {exc}") from None
+    del data  # not held beside the model while the checker makes its two copies
     _inline_external_data(model, base, where, max_bytes)
     _lower_ir_version(model, where)
     try:
@@ -93,7 +96,9 @@ def load_onnx(source: bytes | str | os.PathLike[str], *, max_bytes: int = MAX_ON
         if ctx:
             first = f"node {ctx.group(1)!r} (op {ctx.group(2)}): {first}"
         raise OnnxImportError(f"{where}: invalid ONNX model (truncated or corrupt?): {first}") from None
-    return fold_shapes(_convert_opset(model, where))
+    model = fold_shapes(_convert_opset(model, where))
+    release_freed_memory()  # the file's bytes and the checker's copies (2 x the file, kept by malloc)
+    return model
 
 
 # Default-domain opsets taken as they are: the handlers read both spellings where an op
@@ -218,29 +223,57 @@ def import_onnx(
     split: str | None = None,
     max_bytes: int = MAX_ONNX_BYTES,
     name: str = "backbone",
+    weights: Mapping[str, Any] | None = None,
 ) -> FloatGraph:
     """ONNX model -> FloatGraph of everything up to and including `split`'s output.
 
     `split` names a node (or the tensor it produces); None keeps the whole graph.
+    `weights`: initialiser protos by name that stand for the model's own (a sub-model
+    extracted without its weights' data, onnx_lean.LeanExtractor.extract_skeleton).
     """
     import onnx
 
     model = fold_shapes(source) if isinstance(source, onnx.ModelProto) else load_onnx(source, max_bytes=max_bytes)
-    return _Converter(model, name).convert(split)
+    return _Converter(model, name, weights).convert(split)
+
+
+class _Initialisers(dict):  # type: ignore[type-arg]
+    """Initialisers as arrays, each converted on its first read: a cut converts only what its
+    nodes use (resnet50's depth prefixes would each convert the tail's ~60 MB too). Constants
+    the import makes are set as in any dict."""
+
+    def __init__(self, protos: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._protos = protos
+
+    def __missing__(self, name: str) -> np.ndarray:
+        from onnx import numpy_helper
+
+        proto = self._protos.get(name)
+        if proto is None:
+            raise KeyError(name)
+        try:
+            value = numpy_helper.to_array(proto)
+        except Exception as exc:  # data length vs dims mismatch in a corrupt file
+            raise OnnxImportError(f"initializer {name!r}: unreadable ({exc})") from None
+        self[name] = value
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or name in self._protos
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self[name] if name in self else default  # noqa: SIM401 (dict.get would not convert)
 
 
 class _Converter(StructOps, ElementwiseOps):
-    def __init__(self, model: onnx.ModelProto, name: str) -> None:
-        from onnx import numpy_helper
-
+    def __init__(self, model: onnx.ModelProto, name: str, weights: Mapping[str, Any] | None = None) -> None:
         self.model, self.name = model, name
         g = model.graph
-        self.consts: dict[str, np.ndarray] = {}
-        for init in g.initializer:
-            try:
-                self.consts[init.name] = numpy_helper.to_array(init)
-            except Exception as exc:  # data length vs dims mismatch in a corrupt file
-                raise OnnxImportError(f"initializer {init.name!r}: unreadable ({exc})") from None
+        protos = {i.name: i for i in g.initializer}
+        if weights is not None:
+            protos |= {n: weights[n] for n in protos if n in weights}
+        self.consts: dict[str, np.ndarray] = _Initialisers(protos)
         inputs = [i for i in g.input if i.name not in self.consts]
         if len(inputs) != 1:
             raise OnnxImportError(f"model must have exactly one data input, found {[i.name for i in inputs]}")

@@ -16,6 +16,7 @@ its top: 32-bit ARM, which has no onnx wheel, never loads it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
@@ -37,18 +38,23 @@ def _copy_fields(src: Any, dst: Any, skip: str) -> None:
             setattr(dst, field.name, value)
 
 
+def _add_lean(initializers: Any, init: Any) -> None:
+    """`init` appended to repeated field `initializers`, without its data when it is large."""
+    if init.ByteSize() <= SHAPE_ONLY_BYTES:
+        initializers.add().CopyFrom(init)
+        return
+    lean = initializers.add()
+    lean.name, lean.data_type = init.name, init.data_type
+    lean.dims.extend(init.dims)
+
+
 def _skeleton(model: Any) -> Any:
     """`model` with its large initialisers' data left out (see the module doc)."""
     skeleton = onnx.ModelProto()
     _copy_fields(model, skeleton, "graph")
     _copy_fields(model.graph, skeleton.graph, "initializer")
     for init in model.graph.initializer:
-        if init.ByteSize() <= SHAPE_ONLY_BYTES:
-            skeleton.graph.initializer.add().CopyFrom(init)
-            continue
-        lean = skeleton.graph.initializer.add()
-        lean.name, lean.data_type = init.name, init.data_type
-        lean.dims.extend(init.dims)
+        _add_lean(skeleton.graph.initializer, init)
     return skeleton
 
 
@@ -85,4 +91,32 @@ class LeanExtractor(onnx.utils.Extractor):
         out.opset_import.extend(self.model.opset_import)
         out.functions.extend(local_functions)
         out.producer_name = "onnx.utils.extract_model"
+        return out
+
+    def extract_serialized(self, input_names: list[str], output_names: list[str]) -> Iterator[bytes]:
+        """The serialisation of extract_model(input_names, output_names), in chunks, without
+        the sub-model or its serialisation ever whole in memory (resnet50's backbone: 2 x 94 MB).
+
+        The first chunk is the sub-model without initialisers, then one ModelProto per
+        initialiser that holds only it: a protobuf parser merges an embedded message met twice
+        and appends a repeated field's elements, so the concatenation parses to the same model
+        (its bytes differ from SerializeToString's only in where the initialisers sit)."""
+        nodes = self._collect_reachable_nodes(input_names, output_names)
+        initializer, value_info = self._collect_reachable_tensors(nodes)
+        yield self._make_model(nodes, self._collect_new_inputs(input_names), self._collect_new_outputs(output_names),
+                               [], value_info, self._collect_referred_local_functions(nodes)).SerializeToString()
+        for tensor in initializer:
+            one = onnx.ModelProto()
+            one.graph.initializer.add().CopyFrom(tensor)
+            yield one.SerializeToString()
+
+    def extract_skeleton(self, input_names: list[str], output_names: list[str]) -> Any:
+        """extract_model(input_names, output_names) with its large initialisers' data left
+        out: the caller reads them from `self.wmap` (the model's own), not from a copy."""
+        nodes = self._collect_reachable_nodes(input_names, output_names)
+        initializer, value_info = self._collect_reachable_tensors(nodes)
+        out = self._make_model(nodes, self._collect_new_inputs(input_names), self._collect_new_outputs(output_names),
+                               [], value_info, self._collect_referred_local_functions(nodes))
+        for init in initializer:
+            _add_lean(out.graph.initializer, init)
         return out

@@ -58,10 +58,11 @@ def tail_model(extractor: Any, model: Any, tensor: str) -> Any:
     """The ONNX model of `tensor` -> the outputs. A 2-D cut (N, C) becomes a (N, C, 1, 1)
     input flattened first (the importer takes NCHW maps; MXNet's Flatten of the (N, C)
     features a device feeds is the identity). A Softmax or LogSoftmax that produces the
-    model's output is left out: the tail gives logits, as every head the trainer makes does."""
+    model's output is left out: the tail gives logits, as every head the trainer makes does.
+    Its large initialisers have no data: the extractor's `wmap` (the model's own) has it."""
     from onnx import helper
 
-    tail = extractor.extract_model([tensor], [o.name for o in model.graph.output])
+    tail = extractor.extract_skeleton([tensor], [o.name for o in model.graph.output])  # data: extractor.wmap
     out = tail.graph.output
     last = next((n for n in tail.graph.node if len(out) == 1 and out[0].name in n.output), None)
     if last is not None and last.op_type in ("Softmax", "LogSoftmax"):
@@ -89,8 +90,8 @@ def import_tail(extractor: Any, model: Any, tensor: str, mx: Any) -> TailImport:
     from .onnx_import import import_onnx
 
     tail = tail_model(extractor, model, tensor)
-    graph = import_onnx(tail, name="tail")
-    builder = _TailBuilder(graph, tail, mx)
+    graph = import_onnx(tail, name="tail", weights=extractor.wmap)
+    builder = _TailBuilder(graph, tail, mx, extractor.wmap)
     sym = builder.build()
     result = TailImport(graph, sym, builder.params, builder.aux, builder.unmapped)
     _check(result, tensor, mx)
@@ -117,12 +118,12 @@ def _check(tail: TailImport, tensor: str, mx: Any) -> None:
 
 
 class _TailBuilder(_Builder):
-    def __init__(self, graph: FloatGraph, model: Any, mx: Any) -> None:
+    def __init__(self, graph: FloatGraph, model: Any, mx: Any, weights: dict[str, Any]) -> None:
         super().__init__(graph, mx)
         from .onnx_import import node_name
 
         g = model.graph
-        self.inits = {i.name: i for i in g.initializer}
+        self.inits = {i.name: weights.get(i.name, i) for i in g.initializer}  # with their data
         self.nodes = {node_name(n): n for n in g.node}
         self.producer = {o: n for n in g.node for o in n.output}
         self.consumers: dict[str, list[Any]] = {}

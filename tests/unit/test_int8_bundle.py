@@ -225,6 +225,28 @@ def test_a_failure_after_files_are_written_leaves_nothing(bundle_dir, tmp_path):
     assert not (tmp_path / "new").exists() and _leftovers(tmp_path) == []
 
 
+def test_staged_files_are_moved_in_and_a_wrong_one_leaves_nothing(bundle_dir, tmp_path):
+    """model create stages its large files as they are made (bundle_files.Staging): the
+    bundle holds them as staged, and one that does not verify leaves neither bundle nor stage."""
+    from edge_agent.int8.bundle_files import Staging
+
+    bundle = B.load_bundle(bundle_dir)
+    files = {f: (bundle_dir / f).read_bytes() for f in B.REQUIRED_FILES}
+    dest = tmp_path / "staged"
+    with Staging(dest) as staging:
+        chunks = [files[B.BACKBONE_ONNX][i:i + 1000] for i in range(0, len(files[B.BACKBONE_ONNX]), 1000)]
+        staged = {**files, B.BACKBONE_ONNX: staging.put(B.BACKBONE_ONNX, iter(chunks)),
+                  B.BACKBONE_INT8: staging.put(B.BACKBONE_INT8, files[B.BACKBONE_INT8])}
+        made = B.write_bundle_dir(dest, staged, bundle.manifest)
+        assert not (staging.dir / B.BACKBONE_ONNX).exists()  # moved, not copied
+    assert {f: made.read(f) for f in B.REQUIRED_FILES} == files and _leftovers(tmp_path) == []
+    with Staging(tmp_path / "bad") as staging:
+        wrong = staging.put(B.CALIBRATION, b"not an npz")
+        with pytest.raises(InputError, match="not a readable NPZ"):
+            B.write_bundle_dir(tmp_path / "bad", {**files, B.CALIBRATION: wrong}, bundle.manifest)
+    assert not (tmp_path / "bad").exists() and _leftovers(tmp_path) == []
+
+
 # ------------------------------------------------------------------ verification
 
 

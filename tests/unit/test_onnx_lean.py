@@ -44,3 +44,32 @@ def test_the_lean_extractor_extracts_what_onnxs_does(name: str) -> None:
     for ins, outs in (([inp], [split_tensor]), ([split_tensor], outputs)):
         want, got = stock.extract_model(ins, outs), lean.extract_model(ins, outs)
         assert got.SerializeToString() == want.SerializeToString(), (ins, outs)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_sub_model_written_in_chunks_parses_to_the_extracted_one(name: str) -> None:
+    model = load_onnx(zoo.HERE / name)
+    inp = model.graph.input[0].name
+    split_tensor = next(n.output[0] for n in model.graph.node if n.name == FIXTURES[name])
+    lean = LeanExtractor(model)
+    chunks = list(lean.extract_serialized([inp], [split_tensor]))
+    want = lean.extract_model([inp], [split_tensor])
+    inits = want.graph.initializer
+    assert len(chunks) == 1 + len(inits) and len(chunks[0]) < want.ByteSize() - sum(t.ByteSize() for t in inits)
+    assert all(len(c) <= t.ByteSize() + 16 for c, t in zip(chunks[1:], inits, strict=True))  # one tensor each
+    assert onnx.load_from_string(b"".join(chunks)) == want
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_skeleton_sub_model_leaves_out_only_the_large_initialisers_data(name: str) -> None:
+    model = load_onnx(zoo.HERE / name)
+    outputs = [o.name for o in model.graph.output]
+    split_tensor = next(n.output[0] for n in model.graph.node if n.name == FIXTURES[name])
+    lean = LeanExtractor(model)
+    full, skeleton = lean.extract_model([split_tensor], outputs), lean.extract_skeleton([split_tensor], outputs)
+    assert [(t.name, list(t.dims), t.data_type) for t in skeleton.graph.initializer] == \
+           [(t.name, list(t.dims), t.data_type) for t in full.graph.initializer]
+    for got, want in zip(skeleton.graph.initializer, full.graph.initializer, strict=True):
+        small = want.ByteSize() <= SHAPE_ONLY_BYTES
+        assert (got == want) if small else (not got.raw_data and got.ByteSize() < 200), got.name
+    assert skeleton.graph.node == full.graph.node and skeleton.graph.value_info == full.graph.value_info
