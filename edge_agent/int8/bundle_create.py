@@ -363,6 +363,7 @@ def create_bundle(
         raise BundleError(f"{where}: ONNX shape inference fails: {str(exc).strip()[:300]}") from None
     _check_head_classes(extractor, model, tensor, labels, where)  # the rest of _head's checks come after the prefixes
     calib = load_calibration(calibration, spec)
+    release_freed_memory()  # the importers' intermediate copies (resnet50: ~150 MB kept by malloc)
     with Staging(Path(dest)) as staging:  # the large files go to disk as they are made,
         # and what is no longer needed is let go before the next step (resnet50 at 224:
         # ~0.4 GB of weights in their several forms)
@@ -390,9 +391,8 @@ def create_bundle(
         del float_graph  # its numpy weights: each depth below imports its own prefix
         release_freed_memory()
         prefixes = _deeper_prefixes(model, tensor, depths, where, int8_prefix)
-        head_sym, head_args, head_aux, _ = _head(extractor, model, tensor, head_shape, labels, where)  # MXNet from here
-        deep_files, deep_specs, params = _deeper_tails(model, extractor, prefixes, labels, where,
-                                                       ({**head_args}, {**head_aux}))
+        head_sym, deep_files, deep_specs, params = _tails(model, extractor, tensor, head_shape, prefixes, labels,
+                                                          where)  # MXNet from here
         head_costs = depth_costs(model, tensor) if deep_specs else {}
         # from here on only the backbone's ONNX is read from the source, and only once, written
         # in chunks: neither the sub-model nor its serialisation is held whole
@@ -425,7 +425,7 @@ def create_bundle(
             del arrays
         # the tails' NDArrays are in `files` now: not held while the bundle is verified and its
         # oracle runs
-        del params, head_args, head_aux
+        del params
         release_freed_memory()
         return write_bundle_dir(Path(dest), files, manifest, overwrite=overwrite, derived=_oracle_answers)
 
@@ -474,37 +474,56 @@ def _deeper_prefixes(model: Any, split: str, depths: int, where: str, int8_prefi
     return out
 
 
-def _deeper_tails(model: Any, extractor: Any, prefixes: list[tuple[int, Any, tuple[int, ...], StagedFile]],
-                  labels: list[str], where: str, head_params: tuple[dict[str, Any], dict[str, Any]]
-                  ) -> tuple[dict[str, FileData], list[Depth], tuple[dict[str, Any], dict[str, Any]]]:
-    """Files, manifest entries and head.params for the depths whose prefixes were made: per
-    depth its int8 prefix and fp32 tail, up to the first tail that does not import; the
-    parameters of every tail, which agree where they overlap (each is imported from the same
-    ONNX initialisers)."""
+def _tails(model: Any, extractor: Any, tensor: str, head_shape: tuple[int, ...],
+           prefixes: list[tuple[int, Any, tuple[int, ...], StagedFile]], labels: list[str], where: str
+           ) -> tuple[Any, dict[str, FileData], list[Depth], tuple[dict[str, Any], dict[str, Any]]]:
+    """The head's symbol; files and manifest entries for the depths whose prefixes were made
+    (per depth its int8 prefix and fp32 tail, up to the first tail that does not import or
+    whose weights cannot be re-quantised); the parameters of all of them.
+
+    The tails nest, so they are imported deepest first and each shallower one takes the
+    deeper one's NDArrays by name instead of holding copies beside them (resnet50: ~60 MB)."""
     from .depth_cuts import depth_costs
 
-    files: dict[str, FileData] = {}
-    specs: list[Depth] = []
-    args, aux = head_params
-    for k, cut, shape, prefix in prefixes:
+    args: dict[str, Any] = {}
+    aux: dict[str, Any] = {}
+    made: dict[int, tuple[bytes, set[str], dict[str, str]]] = {}
+    refused: dict[int, Exception] = {}
+    for k, cut, shape, _ in reversed(prefixes):
         try:
             sym, t_args, t_aux, unmapped = _head(extractor, model, cut.tensor, shape, labels, where,
-                                                 head_only=False)
-            frozen = sorted(set(unmapped) - set(args))  # inside the shallower int8 prefixes
-            if frozen:
-                raise BundleError(f"node {unmapped[frozen[0]]}: its weights do not map back onto ONNX "
-                                  "initialisers (a fold the tail import does not replay), so the int8 prefixes "
-                                  "that freeze them could not be re-quantised after training")
-        except (InputError, ValueError) as exc:  # e.g. a tail the importer refuses: the depths so far stand
-            log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, exc)
-            break
-        release_freed_memory()  # the tail's float graph: only its NDArrays stay
-        files[depth_file(k, BACKBONE_INT8)] = prefix
-        files[depth_file(k, HEAD_SYMBOL)] = sym.tojson().encode()
+                                                 head_only=False, shared={**args, **aux})
+        except (InputError, ValueError) as exc:  # e.g. a tail the importer refuses
+            refused[k] = exc
+            continue
+        made[k] = (sym.tojson().encode(), set(t_args) | set(t_aux), unmapped)
         args.update(t_args)
         aux.update(t_aux)
+        release_freed_memory()  # the tail's float graph: only its NDArrays stay
+    head_sym, head_args, head_aux, _ = _head(extractor, model, tensor, head_shape, labels, where,
+                                             shared={**args, **aux})
+    files: dict[str, FileData] = {}
+    specs: list[Depth] = []
+    kept = set(head_args) | set(head_aux)  # what the recorded tails name, shallowest first
+    for k, cut, shape, prefix in prefixes:
+        if k in refused:  # the depths so far stand
+            log.warning("%s: depth %d (%s) and deeper not recorded: %s", where, k, cut.tensor, refused[k])
+            break
+        symbol, names, unmapped = made[k]
+        frozen = sorted(set(unmapped) - kept)  # inside the shallower int8 prefixes
+        if frozen:
+            log.warning("%s: depth %d (%s) and deeper not recorded: node %s: its weights do not map back onto "
+                        "ONNX initialisers (a fold the tail import does not replay), so the int8 prefixes that "
+                        "freeze them could not be re-quantised after training", where, k, cut.tensor,
+                        unmapped[frozen[0]])
+            break
+        files[depth_file(k, BACKBONE_INT8)] = prefix
+        files[depth_file(k, HEAD_SYMBOL)] = symbol
+        kept |= names
         specs.append(Depth(k, cut.tensor, cut.kind, shape[1:], cut.node, depth_costs(model, cut.tensor)))
-    return files, specs, (args, aux)
+    params = ({n: v for n, v in {**args, **head_args}.items() if n in kept},
+              {n: v for n, v in {**aux, **head_aux}.items() if n in kept})
+    return head_sym, files, specs, params
 
 
 def _check_head_classes(extractor: Any, model: Any, tensor: str, labels: list[str], where: str) -> None:
@@ -528,7 +547,8 @@ def _classes_mismatch(where: str, classes: int, labels: list[str]) -> str:
 
 
 def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...], labels: list[str],
-          where: str, *, head_only: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
+          where: str, *, head_only: bool = True, shared: dict[str, Any] | None = None
+          ) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
     """The tail from `tensor` to the output as MXNet symbol + params (tail_import.py: the
     project's own importer, parameters named after the ONNX initialisers) and the
     parameters no initialiser gives, checked: it imports, it has something to train, it
@@ -537,7 +557,8 @@ def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...],
     `head_only` (the head split, depth 0): an op the project's importer does not carry (a
     Tanh, an Einsum...) falls back to MXNet's own ONNX importer, as heads were imported
     before tail_import.py -- nothing re-quantises a head, so its names need not map back.
-    A deeper tail has no fallback: its depth is not recorded."""
+    A deeper tail has no fallback: its depth is not recorded. `shared`: NDArrays a deeper
+    tail made, by name (import_tail)."""
     from .cut_points import candidate_cuts
     from .graph import UnsupportedOpError
     from .mxnet_graph import MxnetGraphError
@@ -545,7 +566,7 @@ def _head(extractor: Any, model: Any, tensor: str, input_shape: tuple[int, ...],
     from .tail_import import import_tail
 
     try:
-        tail = import_tail(extractor, model, tensor, mxnet())
+        tail = import_tail(extractor, model, tensor, mxnet(), shared)
         sym, args, aux, unmapped = tail.symbol, tail.args, tail.aux, tail.unmapped
     except (UnsupportedOpError, MxnetGraphError, InputError) as exc:  # names the node and op
         own = f"{where}: the fp32 tail after {tensor!r} cannot be imported: {exc}"

@@ -238,9 +238,10 @@ def import_onnx(
 
 
 class _Initialisers(dict):  # type: ignore[type-arg]
-    """Initialisers as arrays, each converted on its first read: a cut converts only what its
-    nodes use (resnet50's depth prefixes would each convert the tail's ~60 MB too). Constants
-    the import makes are set as in any dict."""
+    """Initialisers as arrays, converted when read and not kept: a cut converts only what its
+    nodes use (resnet50's depth prefixes would each convert the tail's ~60 MB too), and a
+    weight an op transforms (BatchNorm folded into its conv) is not held in both forms until
+    the import ends. Constants the import makes are set, and kept, as in any dict."""
 
     def __init__(self, protos: Mapping[str, Any]) -> None:
         super().__init__()
@@ -256,7 +257,6 @@ class _Initialisers(dict):  # type: ignore[type-arg]
             value = numpy_helper.to_array(proto)
         except Exception as exc:  # data length vs dims mismatch in a corrupt file
             raise OnnxImportError(f"initializer {name!r}: unreadable ({exc})") from None
-        self[name] = value
         return value
 
     def __contains__(self, name: object) -> bool:

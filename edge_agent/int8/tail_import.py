@@ -47,7 +47,6 @@ _MAX_CHAIN = 8
 class TailImport:
     """A tail as MXNet symbol + params (NDArrays by ONNX name; aux: BatchNorm statistics)."""
 
-    graph: FloatGraph
     symbol: Any
     args: dict[str, Any]
     aux: dict[str, Any]
@@ -84,25 +83,30 @@ def tail_model(extractor: Any, model: Any, tensor: str) -> Any:
     return tail
 
 
-def import_tail(extractor: Any, model: Any, tensor: str, mx: Any) -> TailImport:
+def import_tail(extractor: Any, model: Any, tensor: str, mx: Any, shared: dict[str, Any] | None = None) -> TailImport:
     """The tail after `tensor` (see the module doc). UnsupportedOpError / OnnxImportError
-    name the node an op fails on; MxnetGraphError when the symbol is not the float graph."""
+    name the node an op fails on; MxnetGraphError when the symbol is not the float graph.
+    `shared`: NDArrays by initialiser name (a deeper tail's, of the same model) used instead
+    of new copies of the same weights."""
+    from ..heap import release_freed_memory
     from .onnx_import import import_onnx
 
     tail = tail_model(extractor, model, tensor)
     graph = import_onnx(tail, name="tail", weights=extractor.wmap)
-    builder = _TailBuilder(graph, tail, mx, extractor.wmap)
-    sym = builder.build()
-    result = TailImport(graph, sym, builder.params, builder.aux, builder.unmapped)
-    _check(result, tensor, mx)
+    builder = _TailBuilder(graph, tail, mx, extractor.wmap, shared or {})
+    result = TailImport(builder.build(), builder.params, builder.aux, builder.unmapped)
+    x = np.abs(np.random.default_rng(0).normal(0.0, 1.0, (2, *graph.input_shape[1:]))).astype(np.float32)
+    want = run_float(graph, x)
+    # the float graph's weights go before MXNet runs the tail: oneDNN keeps a reordered copy of
+    # every conv weight it runs at inference (resnet50's deepest tail: ~60 MB each)
+    del builder, graph
+    release_freed_memory()  # and given back: oneDNN's buffers are not taken from malloc's free lists
+    _check(result, tensor, mx, x, want)
     return result
 
 
-def _check(tail: TailImport, tensor: str, mx: Any) -> None:
-    """The symbol computes what run_float computes on the tail's float graph."""
-    g = tail.graph
-    x = np.abs(np.random.default_rng(0).normal(0.0, 1.0, (2, *g.input_shape[1:]))).astype(np.float32)
-    want = run_float(g, x)
+def _check(tail: TailImport, tensor: str, mx: Any, x: np.ndarray, want: np.ndarray) -> None:
+    """The symbol computes on `x` what run_float computed on the tail's float graph: `want`."""
     args = {tensor: mx.nd.array(x), **tail.args}
     try:
         exe = tail.symbol.bind(mx.cpu(), args=args, aux_states=dict(tail.aux), grad_req="null")
@@ -118,8 +122,9 @@ def _check(tail: TailImport, tensor: str, mx: Any) -> None:
 
 
 class _TailBuilder(_Builder):
-    def __init__(self, graph: FloatGraph, model: Any, mx: Any, weights: dict[str, Any]) -> None:
+    def __init__(self, graph: FloatGraph, model: Any, mx: Any, weights: dict[str, Any], shared: dict[str, Any]) -> None:
         super().__init__(graph, mx)
+        self.shared = shared
         from .onnx_import import node_name
 
         g = model.graph
@@ -159,7 +164,9 @@ class _TailBuilder(_Builder):
     def var(self, name: str, aux: bool = False) -> Any:
         """The initialiser `name` as a parameter (one variable however often it is used)."""
         if name not in self.vars:
-            value = self.mx.nd.array(np.ascontiguousarray(self.value(name), np.float32))
+            value = self.shared.get(name)
+            if value is None:
+                value = self.mx.nd.array(np.ascontiguousarray(self.value(name), np.float32))
             (self.aux if aux else self.params)[name] = value
             self.vars[name] = self.sym.var(name, shape=value.shape)
         return self.vars[name]
