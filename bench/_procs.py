@@ -30,9 +30,11 @@ Roles:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,17 +113,35 @@ def wait_with_usage(proc: subprocess.Popen, deadline: float, what: str) -> tuple
         time.sleep(0.05)
 
 
+# Runs argv and writes its wait4 ru_maxrss (KB) to the file named first. A child's ru_maxrss
+# starts from its parent's high-water mark (Linux carries the forked image's into it at
+# exec), so a child started from a large process (a test run with MXNet loaded: ~630 MB)
+# would report at least that; started from this small interpreter (~10 MB) it reports its own.
+_CLEAN_RSS = ("import os, subprocess, sys\n"
+              "proc = subprocess.Popen(sys.argv[2:])\n"
+              "_, status, usage = os.wait4(proc.pid, 0)\n"
+              "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+              "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
 def peak_rss_run(argv: list[str], *, timeout: float = 1800.0, cwd: Path = ROOT) -> tuple[int, str, str, float]:
     """Run `argv` as a child; (exit code, stdout, stderr, its peak RSS in MB from wait4's
-    ru_maxrss: exactly this child, whatever ran before it in the parent)."""
+    ru_maxrss: exactly this child's, whatever ran before it, or runs, in the parent)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out_f, stderr=err_f, text=True)
-        status, usage = wait_with_usage(proc, time.perf_counter() + timeout, str(argv[:4]))
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f, \
+            tempfile.NamedTemporaryFile("r") as rss_f:
+        proc = subprocess.Popen([sys.executable, "-c", _CLEAN_RSS, rss_f.name, *argv], cwd=cwd, env=env,
+                                stdout=out_f, stderr=err_f, text=True, start_new_session=True)
+        try:
+            status, _ = wait_with_usage(proc, time.perf_counter() + timeout, str(argv[:4]))
+        except RuntimeError:  # timed out: the child too, not only the one waiting for it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
         proc.returncode = os.waitstatus_to_exitcode(status)
         out_f.seek(0)
         err_f.seek(0)
-        return proc.returncode, out_f.read(), err_f.read(), usage.ru_maxrss / 1024.0
+        return proc.returncode, out_f.read(), err_f.read(), int(rss_f.read() or 0) / 1024.0
 
 
 # ---------------------------------------------------------------- child side

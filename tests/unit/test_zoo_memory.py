@@ -69,6 +69,45 @@ def test_model_create_peak_stays_near_twice_the_file(tmp_path):
     assert create_mb <= base_mb + 2 * file_mb + 100, (create_mb, base_mb, file_mb)
 
 
+def _heavy_net_onnx(path: Path) -> str:
+    """Much weight, little activation: five 3x3 convs (256, then 512 channels) with BatchNorm
+    on an 8x8 input, pool, dense: a 31 MB file whose memory is its weights."""
+    import mxnet as mx
+    from mxnet.gluon import nn
+
+    from edge_agent.int8.onnx_export import export_onnx
+
+    net = nn.HybridSequential(prefix="heavy_")
+    with net.name_scope():
+        features = nn.HybridSequential(prefix="features_")
+        with features.name_scope():
+            for channels in (256, 512, 512, 512, 512):
+                features.add(nn.Conv2D(channels, 3, padding=1), nn.BatchNorm(), nn.Activation("relu"))
+            features.add(nn.GlobalAvgPool2D())
+        net.add(features, nn.Flatten(), nn.Dense(10))
+    mx.random.seed(0)
+    net.initialize(mx.init.Xavier(magnitude=2))
+    path.write_bytes(export_onnx(net, (1, 1, 8, 8)))
+    return features(mx.sym.var("data")).name
+
+
+def test_model_create_with_depths_holds_the_weights_about_once(tmp_path):
+    """Issue 41's bound itself, 2x the file + 300 MB, on a net that is all weights, with three
+    depths: each form the weights take (the model, the float graph, the int8 prefixes, the
+    tails' NDArrays, the backbone written back) is let go or staged before the next (this
+    net peaked at 445 MB before, 325 MB after; the imports alone take ~235 MB)."""
+    split = _heavy_net_onnx(tmp_path / "heavy.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((64, 1, 8, 8)).astype(np.float32))
+    rc, err, create_mb = _peak_mb([
+        sys.executable, "-m", "edge_agent.coordinator.cli", "model", "create", "--onnx", str(tmp_path / "heavy.onnx"),
+        "--split", split, "--calib", str(tmp_path / "calib.npz"), "--labels", ",".join("0123456789"),
+        "--name", "heavy", "--version", "1", "--depths", "3", "--output", str(tmp_path / "bundle")])
+    assert rc == 0, err[-2000:]
+    assert [d.depth for d in load_bundle(tmp_path / "bundle").manifest.depths] == [0, 1, 2, 3]
+    file_mb = (tmp_path / "heavy.onnx").stat().st_size / 2**20
+    assert create_mb <= 2 * file_mb + 300, (create_mb, file_mb)
+
+
 def test_run_float_drops_each_activation_after_its_last_reader():
     """Calibration runs the float graph over a batch: a layer's output must not outlive its
     last reader (a ResNet-50 at 224 kept 1.4 GB of them per 32 samples)."""
