@@ -29,82 +29,62 @@ def _peak_mb(argv: list[str]) -> tuple[int, str, float]:
     return rc, err, peak
 
 
-def _wide_net_onnx(path: Path) -> str:
-    """Little weight, large activations: a 3x3 conv to 16 channels at 64x64, then eight
-    1x1 conv + ReLU layers (~2.4 MB of float activations per sample), pool, dense."""
+def _features_net_onnx(path: Path, name: str, layers: list[tuple[int, int]], size: int, *, bn: bool = False) -> str:
+    """A Gluon net of conv (channels, kernel) + ReLU layers [with BatchNorm] on a 1 x size x
+    size input, pool, dense, exported to `path`; returns the end of its features (the split)."""
     import mxnet as mx
     from mxnet.gluon import nn
 
     from edge_agent.int8.onnx_export import export_onnx
 
-    net = nn.HybridSequential(prefix="wide_")
+    net = nn.HybridSequential(prefix=f"{name}_")
     with net.name_scope():
         features = nn.HybridSequential(prefix="features_")
         with features.name_scope():
-            features.add(nn.Conv2D(16, 3, padding=1, activation="relu"))
-            for _ in range(8):
-                features.add(nn.Conv2D(16, 1, activation="relu"))
+            for channels, kernel in layers:
+                features.add(nn.Conv2D(channels, kernel, padding=kernel // 2), *([nn.BatchNorm()] if bn else []),
+                             nn.Activation("relu"))
             features.add(nn.GlobalAvgPool2D())
         net.add(features, nn.Flatten(), nn.Dense(10))
     mx.random.seed(0)
     net.initialize(mx.init.Xavier(magnitude=2))
-    path.write_bytes(export_onnx(net, (1, 1, 64, 64)))
+    path.write_bytes(export_onnx(net, (1, 1, size, size)))
     return features(mx.sym.var("data")).name
+
+
+def _create_peak_mb(tmp_path: Path, name: str, split: str, size: int, depths: int) -> tuple[float, float]:
+    """(peak RSS of `model create` on tmp_path/<name>.onnx in a child, the file's MB)."""
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((64, 1, size, size)).astype(np.float32))
+    rc, err, create_mb = _peak_mb([
+        sys.executable, "-m", "edge_agent.coordinator.cli", "model", "create", "--onnx", str(tmp_path / f"{name}.onnx"),
+        "--split", split, "--calib", str(tmp_path / "calib.npz"), "--labels", ",".join("0123456789"),
+        "--name", name, "--version", "1", "--depths", str(depths), "--output", str(tmp_path / "bundle")])
+    assert rc == 0, err[-2000:]
+    assert len(load_bundle(tmp_path / "bundle").manifest.depths) == (depths + 1 if depths else 0)
+    return create_mb, (tmp_path / f"{name}.onnx").stat().st_size / 2**20
 
 
 def test_model_create_peak_stays_near_twice_the_file(tmp_path):
     """The whole `model create` in a child, against what its imports alone take: within 2x
-    the file + 100 MB (issue 41's bound is 2x + 300 MB with the imports in it)."""
-    split = _wide_net_onnx(tmp_path / "wide.onnx")
-    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((64, 1, 64, 64)).astype(np.float32))
-    imports = "import edge_agent.coordinator.cli, edge_agent.int8.bundle_create, mxnet, onnx"
-    rc, err, base_mb = _peak_mb([sys.executable, "-c", imports])
+    the file + 100 MB (issue 41's bound is 2x + 300 MB with the imports in it). Little
+    weight, large activations: a 3x3 conv to 16 channels at 64x64, then eight 1x1 conv +
+    ReLU layers (~2.4 MB of float activations per sample)."""
+    split = _features_net_onnx(tmp_path / "wide.onnx", "wide", [(16, 3)] + [(16, 1)] * 8, 64)
+    rc, err, base_mb = _peak_mb([sys.executable, "-c", "import edge_agent.coordinator.cli, "
+                                 "edge_agent.int8.bundle_create, mxnet, onnx"])
     assert rc == 0, err
-    rc, err, create_mb = _peak_mb([
-        sys.executable, "-m", "edge_agent.coordinator.cli", "model", "create", "--onnx", str(tmp_path / "wide.onnx"),
-        "--split", split, "--calib", str(tmp_path / "calib.npz"), "--labels", ",".join("0123456789"),
-        "--name", "wide", "--version", "1", "--depths", "0", "--output", str(tmp_path / "bundle")])
-    assert rc == 0, err[-2000:]
-    file_mb = (tmp_path / "wide.onnx").stat().st_size / 2**20
+    create_mb, file_mb = _create_peak_mb(tmp_path, "wide", split, 64, depths=0)
     assert create_mb <= base_mb + 2 * file_mb + 100, (create_mb, base_mb, file_mb)
 
 
-def _heavy_net_onnx(path: Path) -> str:
-    """Much weight, little activation: five 3x3 convs (256, then 512 channels) with BatchNorm
-    on an 8x8 input, pool, dense: a 31 MB file whose memory is its weights."""
-    import mxnet as mx
-    from mxnet.gluon import nn
-
-    from edge_agent.int8.onnx_export import export_onnx
-
-    net = nn.HybridSequential(prefix="heavy_")
-    with net.name_scope():
-        features = nn.HybridSequential(prefix="features_")
-        with features.name_scope():
-            for channels in (256, 512, 512, 512, 512):
-                features.add(nn.Conv2D(channels, 3, padding=1), nn.BatchNorm(), nn.Activation("relu"))
-            features.add(nn.GlobalAvgPool2D())
-        net.add(features, nn.Flatten(), nn.Dense(10))
-    mx.random.seed(0)
-    net.initialize(mx.init.Xavier(magnitude=2))
-    path.write_bytes(export_onnx(net, (1, 1, 8, 8)))
-    return features(mx.sym.var("data")).name
-
-
 def test_model_create_with_depths_holds_the_weights_about_once(tmp_path):
-    """Issue 41's bound itself, 2x the file + 300 MB, on a net that is all weights, with three
-    depths: each form the weights take (the model, the float graph, the int8 prefixes, the
-    tails' NDArrays, the backbone written back) is let go or staged before the next (this
-    net peaked at 445 MB before, 325 MB after; the imports alone take ~235 MB)."""
-    split = _heavy_net_onnx(tmp_path / "heavy.onnx")
-    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((64, 1, 8, 8)).astype(np.float32))
-    rc, err, create_mb = _peak_mb([
-        sys.executable, "-m", "edge_agent.coordinator.cli", "model", "create", "--onnx", str(tmp_path / "heavy.onnx"),
-        "--split", split, "--calib", str(tmp_path / "calib.npz"), "--labels", ",".join("0123456789"),
-        "--name", "heavy", "--version", "1", "--depths", "3", "--output", str(tmp_path / "bundle")])
-    assert rc == 0, err[-2000:]
-    assert [d.depth for d in load_bundle(tmp_path / "bundle").manifest.depths] == [0, 1, 2, 3]
-    file_mb = (tmp_path / "heavy.onnx").stat().st_size / 2**20
+    """Issue 41's bound itself, 2x the file + 300 MB, with three depths, on a net that is all
+    weights (five 3x3 convs, 256 then 512 channels, with BatchNorm, on 8x8 inputs: 31 MB):
+    each form the weights take (the model, the float graph, the int8 prefixes, the tails'
+    NDArrays, the backbone written back) is let go or staged before the next (this net
+    peaked at 445 MB before, 325 MB after; the imports alone take ~235 MB)."""
+    split = _features_net_onnx(tmp_path / "heavy.onnx", "heavy", [(256, 3)] + [(512, 3)] * 4, 8, bn=True)
+    create_mb, file_mb = _create_peak_mb(tmp_path, "heavy", split, 8, depths=3)
     assert create_mb <= 2 * file_mb + 300, (create_mb, file_mb)
 
 
