@@ -131,7 +131,7 @@ def _mxnet_block(prefix: str, input_name: str) -> Any:
 
 def _mxnet_input_shape(args: argparse.Namespace) -> tuple[int, int, int]:
     """--input-shape, else the calibration arrays' (C, H, W)."""
-    from ..int8.bundle_create import calibration_shape
+    from ..int8.calibration_input import calibration_shape
 
     shape = args.input_shape or (calibration_shape(args.calib) if getattr(args, "calib", None) else None)
     if shape is None:

@@ -15,6 +15,7 @@ import pytest
 from edge_agent.errors import InputError
 from edge_agent.int8 import bundle as B
 from edge_agent.int8 import bundle_create as BC
+from edge_agent.int8.calibration_input import load_calibration
 from edge_agent.sim import models
 
 LABELS = [str(i) for i in range(10)]
@@ -99,7 +100,7 @@ def test_calibration_folder_of_npy_and_images(digits, tmp_path):
     np.save(folder / "one.npy", x_train[5])
     Image.fromarray((x_train[6, 0] * 255).astype(np.uint8)).resize((16, 16)).save(folder / "img.png")
     (folder / "README.txt").write_text("ignored")
-    calib = BC.load_calibration(folder, spec)  # files in name order: batch, img, one
+    calib = load_calibration(folder, spec)  # files in name order: batch, img, one
     assert calib.shape == (7, 1, 8, 8)
     np.testing.assert_array_equal(calib[:5], x_train[:5])
     np.testing.assert_array_equal(calib[6], x_train[5])
@@ -116,12 +117,12 @@ def test_calibration_images_are_decoded_like_the_fine_tunes_data(tmp_path):
     grey16 = (np.arange(16).reshape(4, 4) * 4369).astype(np.uint16)  # 0 .. 65535
     (tmp_path / "deep").mkdir()
     Image.fromarray(grey16).save(tmp_path / "deep" / "gradient.png")
-    calib = BC.load_calibration(tmp_path / "deep", spec)
+    calib = load_calibration(tmp_path / "deep", spec)
     np.testing.assert_allclose(calib[0, 0] * 255.0, grey16 / 257.0, atol=1e-3)
     (tmp_path / "clear").mkdir()
     Image.new("LA", (4, 4), (200, 0)).save(tmp_path / "clear" / "transparent.png")
     with pytest.raises(InputError, match="transparent.png: transparent-image: 16 of 16 pixels"):
-        BC.load_calibration(tmp_path / "clear", spec)
+        load_calibration(tmp_path / "clear", spec)
 
 
 @pytest.mark.parametrize(("array", "message"), [
@@ -133,7 +134,7 @@ def test_calibration_of_the_wrong_shape_is_refused_with_where(tmp_path, array, m
     path = tmp_path / "calib.npz"
     np.savez(path, x=array)
     with pytest.raises(InputError, match="calib.npz") as info:
-        BC.load_calibration(path, B.InputSpec(shape=(1, 8, 8)))
+        load_calibration(path, B.InputSpec(shape=(1, 8, 8)))
     assert message in str(info.value)
 
 
@@ -152,12 +153,12 @@ def test_npz_with_ambiguous_arrays_and_garbage_files(tmp_path):
     spec = B.InputSpec(shape=(1, 8, 8))
     np.savez(tmp_path / "two.npz", a=np.zeros((2, 1, 8, 8)), b=np.zeros((2, 1, 8, 8)))
     with pytest.raises(InputError, match="several arrays"):
-        BC.load_calibration(tmp_path / "two.npz", spec)
+        load_calibration(tmp_path / "two.npz", spec)
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(InputError, match="junk.npz: not a readable NPZ"):
-        BC.load_calibration(tmp_path / "junk.npz", spec)
+        load_calibration(tmp_path / "junk.npz", spec)
     with pytest.raises(InputError, match="not found"):
-        BC.load_calibration(tmp_path / "missing", spec)
+        load_calibration(tmp_path / "missing", spec)
 
 
 def test_npz_members_are_size_checked_before_inflating(tmp_path):

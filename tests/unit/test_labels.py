@@ -210,7 +210,7 @@ def test_label_set_digest_is_order_sensitive() -> None:
 def test_model_create_calibrates_on_a_labelled_data_folder(numbered_folders: Path) -> None:
     # `edge-coordinator model create --calib DIR` with the same folder finetune takes:
     # every class's images calibrate (they were ignored: "no .npy or image files").
-    from edge_agent.int8.bundle_create import load_calibration
+    from edge_agent.int8.calibration_input import load_calibration
 
     calib = load_calibration(numbered_folders, InputSpec(shape=(1, SIZE, SIZE), scale=1 / 255.0))
     assert calib.shape == (5 * 60 + 5 * 2, 1, SIZE, SIZE)
