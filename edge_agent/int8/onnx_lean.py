@@ -93,6 +93,13 @@ class LeanExtractor(onnx.utils.Extractor):
         out.producer_name = "onnx.utils.extract_model"
         return out
 
+    def _without_initialisers(self, input_names: list[str], output_names: list[str]) -> tuple[Any, list[Any]]:
+        """(extract_model's sub-model without its initialisers, those initialisers: the model's own)."""
+        nodes = self._collect_reachable_nodes(input_names, output_names)
+        initializer, value_info = self._collect_reachable_tensors(nodes)
+        return self._make_model(nodes, self._collect_new_inputs(input_names), self._collect_new_outputs(output_names),
+                                [], value_info, self._collect_referred_local_functions(nodes)), initializer
+
     def extract_serialized(self, input_names: list[str], output_names: list[str]) -> Iterator[bytes]:
         """The serialisation of extract_model(input_names, output_names), in chunks, without
         the sub-model or its serialisation ever whole in memory (resnet50's backbone: 2 x 94 MB).
@@ -101,10 +108,8 @@ class LeanExtractor(onnx.utils.Extractor):
         initialiser that holds only it: a protobuf parser merges an embedded message met twice
         and appends a repeated field's elements, so the concatenation parses to the same model
         (its bytes differ from SerializeToString's only in where the initialisers sit)."""
-        nodes = self._collect_reachable_nodes(input_names, output_names)
-        initializer, value_info = self._collect_reachable_tensors(nodes)
-        yield self._make_model(nodes, self._collect_new_inputs(input_names), self._collect_new_outputs(output_names),
-                               [], value_info, self._collect_referred_local_functions(nodes)).SerializeToString()
+        model, initializer = self._without_initialisers(input_names, output_names)
+        yield model.SerializeToString()
         for tensor in initializer:
             one = onnx.ModelProto()
             one.graph.initializer.add().CopyFrom(tensor)
@@ -113,10 +118,7 @@ class LeanExtractor(onnx.utils.Extractor):
     def extract_skeleton(self, input_names: list[str], output_names: list[str]) -> Any:
         """extract_model(input_names, output_names) with its large initialisers' data left
         out: the caller reads them from `self.wmap` (the model's own), not from a copy."""
-        nodes = self._collect_reachable_nodes(input_names, output_names)
-        initializer, value_info = self._collect_reachable_tensors(nodes)
-        out = self._make_model(nodes, self._collect_new_inputs(input_names), self._collect_new_outputs(output_names),
-                               [], value_info, self._collect_referred_local_functions(nodes))
+        model, initializer = self._without_initialisers(input_names, output_names)
         for init in initializer:
-            _add_lean(out.graph.initializer, init)
-        return out
+            _add_lean(model.graph.initializer, init)
+        return model
