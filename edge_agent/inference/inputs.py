@@ -165,7 +165,7 @@ def _json(data: bytes, spec: Any, max_samples: int, where: str) -> np.ndarray:
 
 
 def _image(data: bytes, spec: Any, max_pixels: int, where: str) -> np.ndarray:
-    from ..data import ImageTooSmall, decode_image_bytes
+    from ..sample_decode import ImageTooSmall, decode_image_bytes
 
     if spec.shape[0] not in (1, 3):
         raise InputRejected(f"{where}: this model takes {spec.shape[0]} channels; send an array, not an image", 415)

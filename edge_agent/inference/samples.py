@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_bytes, fsync_dir
-from ..data import ARRAY_SUFFIX, decode_array_sample, decode_image_bytes, hash_fraction, sample_hash
+from ..data import ARRAY_SUFFIX, hash_fraction, sample_hash
 from ..errors import InputError
+from ..sample_decode import decode_array_sample, decode_image_bytes
 
 log = logging.getLogger(__name__)
 HASH_CHARS = 40

@@ -102,7 +102,7 @@ def _load_image(path: Path, spec: InputSpec) -> np.ndarray:
     channels, height, width = spec.shape
     if channels not in (1, 3):
         raise InputError(f"{path}: images can only feed 1- or 3-channel inputs, this model has {channels}")
-    from ..data import ImageRefused, image_pixels
+    from ..sample_decode import ImageRefused, image_pixels
 
     try:
         with Image.open(io.BytesIO(read_limited(path, 64 << 20))) as img:
