@@ -13,7 +13,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from bench.fuzz_parsers import COORDINATOR_KINDS, TARGETS, FuzzResult, fuzz
+from bench.fuzz_coordinator import COORDINATOR_KINDS
+from bench.fuzz_core import FuzzResult, fuzz
+from bench.fuzz_parsers import TARGETS
 from bench.run import machine_description
 
 CASES = 1_000_000

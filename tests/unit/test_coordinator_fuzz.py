@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz_parsers import COORDINATOR_KINDS, CoordinatorHost, CoordinatorTarget, fuzz
+from bench.fuzz_coordinator import COORDINATOR_KINDS, CoordinatorHost, CoordinatorTarget
+from bench.fuzz_core import fuzz
 from edge_agent.protocol import Kind
 from edge_agent.protocol.schema import FLAT_ENTRIES, SCHEMAS
 

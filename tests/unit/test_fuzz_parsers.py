@@ -9,15 +9,8 @@ import time
 
 import pytest
 
-from bench.fuzz_parsers import (
-    TARGETS,
-    BundleTarTarget,
-    ManifestTarget,
-    Target,
-    fuzz,
-    mutate_bytes,
-    mutate_json,
-)
+from bench.fuzz_core import Target, fuzz, mutate_bytes, mutate_json
+from bench.fuzz_parsers import TARGETS, BundleTarTarget, ManifestTarget
 from edge_agent.int8.bundle import ManifestError, parse_manifest
 from edge_agent.protocol.finetune import BadParams, parse_finetune
 
