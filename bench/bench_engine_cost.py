@@ -194,13 +194,13 @@ def selection_cost(quick: bool = False) -> str:
 
 
 def run(quick: bool = False) -> str:
-    from bench.bench_kernels import _cpu
+    from bench.cpu import cpu_info
     from bench.run import machine_description
     from edge_agent.int8.bundle import load_bundle
     from edge_agent.int8.selection import default_probe, profile_settings, select_engine
     from edge_agent.sim.scenario import ensure_mobilenet_bundle
 
-    model, _mhz, flags = _cpu()
+    model, _mhz, flags = cpu_info()
     isa = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"))
     dest = Path(tempfile.gettempdir()) / "edge-agent-bench" / "camera-mobilenet"
     bundle_dir, _params, _built = ensure_mobilenet_bundle(dest)

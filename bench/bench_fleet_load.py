@@ -124,10 +124,10 @@ def run(quick: bool = False) -> str:
     if os.environ.get("EDGE_FLEET_LOAD_10K") == "1":
         sizes.append(10_000)
     nice = int(os.environ.get("EDGE_FLEET_LOAD_NICE", "15"))
-    from bench.bench_kernels import _cpu
+    from bench.cpu import cpu_info
     from bench.run import machine_description
 
-    model, mhz, flags = _cpu()
+    model, mhz, flags = cpu_info()
     isa = sorted(f for f in flags if f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "aes", "sha_ni"))
     commit, beside, load0 = _commit(), _neighbours(), os.getloadavg()
     cache = Path(tempfile.gettempdir()) / "edge-fleet-load-cache"

@@ -184,7 +184,7 @@ def run(quick: bool = False) -> str:
     threads = usable_cpus()
     rounds = 5 if quick else 15
     configs = CONFIGS[:1] if quick else CONFIGS
-    from bench.bench_kernels import cpu_line
+    from bench.cpu import cpu_line
 
     out = ["## int8 engines vs MXNet fp32", "", cpu_line(), "",
            f"Batch {BATCH}, {threads} threads for every engine (MXNet: OpenMP), random weights; median of "

@@ -29,16 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def machine_description() -> str:
-    cpu = "unknown CPU"
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == "unknown CPU":
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from bench.cpu import cpu_info
+
+    cpu, _, flags = cpu_info()
     isa = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if f in flags)
     mem = ""
     try:
