@@ -50,7 +50,7 @@ class CoordinatorHost:
             reg.enrol_device(device_id=keys.fingerprint(key), public_key=public_key_text(key), fleet=self.FLEET,
                              board="fuzz board", approved=approved)
             reg.record_state(keys.fingerprint(key), online=True, state={"battery_pct": 90, "on_power": False})
-        c._sync_trust()  # noqa: SLF001 - what serve's tick does after an approval
+        c.device_trust.sync()  # noqa: SLF001 - what serve's tick does after an approval
         # The registry keeps one battery/power sample per device a minute: its clock moves a
         # minute per case, so every state's readings reach the history table.
         self._minutes = 0

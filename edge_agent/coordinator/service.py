@@ -30,7 +30,6 @@ a heartbeat the CLI reads to tell whether a coordinator is serving this director
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import logging
 import os
@@ -38,14 +37,14 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
 from ..errors import ConfigError, EdgeAgentError, InputError, TransientError, one_line
 from ..heap import release_freed_memory
-from ..keys import fingerprint, public_key_from_bytes
+from ..keys import fingerprint
 from ..protocol import (
     DEFAULT_PREFIX,
     MAX_BINARY_BYTES,
@@ -64,73 +63,33 @@ from ..transport import (
     Channel,
     MqttClient,
     OutboxKey,
-    TlsConfig,
     UpdateReceiver,
 )
 from ..transport.models import publish_model, retract_model
 from .artefacts import ModelArtefacts
 from .db import DB_ENV, resolve
+from .device_trust import DeviceTrust
 from .link_health import LinkHealth
 from .pending import PendingDevices
 from .records import ModelVersion
 from .registry import Registry
-from .retention import AutoPrune, RetentionPolicy, needs_full
-from .rounds import Receipt, RoundEngine, RoundPlan, RoundPolicy
+from .retention import AutoPrune, needs_full
+from .rounds import Receipt, RoundEngine, RoundPlan
+from .serve_options import ServeOptions
 from .server_set import StoredServerSets
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
 from .service_messages import DeviceMessages, LineBudget, _scalar
 from .workers import (
-    GROUP_RE,
     SharedChunks,
     SharedReplay,
     SharedSequence,
     WorkerStore,
-    check_group,
     shared_filters,
 )
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 RESIGN_AFTER_S = 10.0  # a leader cut off from the broker this long lets a connected worker lead
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServeOptions:
-    state_dir: Path
-    db: str | None = None  # a postgresql:// URL, "sqlite", or None: $EDGE_COORDINATOR_DB, else SQLite (db.resolve)
-    host: str = "127.0.0.1"
-    port: int = 1883
-    fleet: str = "default"
-    topic_prefix: str = DEFAULT_PREFIX
-    tls: TlsConfig | None = None
-    username: str | None = None
-    password: str | None = None
-    client_id: str | None = None  # default edge-coordinator-<fleet>: fixed, so the broker queues for us
-    auto_approve: bool = False
-    tick_s: float = 1.0
-    policy: RoundPolicy = field(default_factory=RoundPolicy)
-    metrics_port: int | None = None
-    metrics_addr: str = "127.0.0.1"
-    keepalive: int = 30
-    backoff_base: float = 0.5
-    backoff_cap: float = 30.0
-    ack_interval: float = 5.0  # at most one ack per repeated upload per this many seconds
-    model_chunk_bytes: int = 64 * 1024
-    retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept (retention.py)
-    workers_group: str | None = None  # one of several workers on a PostgreSQL registry (workers.py)
-    worker_id: str | None = None  # default <host>-<pid>; its MQTT client id and its lock in state_dir
-    silence_s: float = 600.0  # connected this long without one device message: a `status` problem (link_health.py)
-
-    def __post_init__(self) -> None:
-        Topics(fleet=self.fleet, prefix=self.topic_prefix)  # validates both
-        if self.workers_group is not None:
-            check_group(self.workers_group)
-        if self.worker_id is not None and not GROUP_RE.fullmatch(self.worker_id):
-            raise ConfigError(f"--worker-id {self.worker_id[:80]!r}: 1-64 letters, digits, '_' or '-'")
-        if not 0.05 <= self.tick_s <= 60:
-            raise ValueError(f"tick_s must be in [0.05, 60], got {self.tick_s}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"bad broker port {self.port}")
 
 
 # Per-device ingress budget (messages/s, burst), applied in the MQTT network thread: an honest
@@ -142,7 +101,6 @@ DEVICE_INGRESS = (50.0, 2000)
 # awaited together and recorded in one registry transaction: a 10,000-device round costs
 # 20 round trips and 20 commits, not 10,000 of each (the loop was blocked ~54 ms per device).
 DISPATCH_BATCH = 500
-TRUST_SYNC_S = 2.0  # how often a tick re-reads all approved keys (an approve and a revoke in one interval)
 
 
 class Coordinator(DeviceMessages):
@@ -186,7 +144,6 @@ class Coordinator(DeviceMessages):
         sequence: Any = local_seq if self.shared is None else SharedSequence(self.shared, floor=local_seq.next())
         self.signer = Signer(key=self.key, topics=self.topics, sequence=sequence)
         self.trust = TrustStore()
-        self._trusted: dict[str, str] = {}
         replay: Any = ReplayWindow(directory=self.state_dir / "replay") if self.shared is None else \
             SharedReplay(self.shared)
         self.verifier = Verifier(topics=self.topics, trust=self.trust, replay=replay)
@@ -223,19 +180,19 @@ class Coordinator(DeviceMessages):
         self._published: set[tuple[str, str]] = set()  # (name, version or patch id) published since connecting
         self.retention = AutoPrune(self.registry, o.retention, chunk_bytes=o.model_chunk_bytes)
         self._connects = 0
-        self._peeks: dict[str, float] = {}
         self._replayed: dict[str, tuple[float, int]] = {}  # device -> (when, its window's high or 0)
         self._unknown_key: dict[str, float] = {}  # device -> when it refused our command as unknown_key
         self._rotations_sent = -1  # connection (count) on which the key rotations were last published
         self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json)
         self._reject_lines = LineBudget(per_minute=20)  # rejected-update log lines
         self._next_beat = 0.0
-        self._trust_synced_at = time.monotonic()  # _sync_trust just below
         self.started_at = time.time()
         self.errors = 0  # every failed step since the start (serve.json)
         self.tick_failures = 0  # ticks failed in a row: their back-off
         self._failure_lines = LineBudget(per_minute=20)  # log lines for messages that failed
-        self._sync_trust()
+        self.device_trust = DeviceTrust(self.registry, self.trust, self.pending, self.client, self.topics,
+                                        leading=lambda: self.leading, connected_before=lambda: self._connects > 0)
+        self.device_trust.sync()
         self.pending.sync(self.registry)
 
     def _new_receiver(self) -> UpdateReceiver:
@@ -339,13 +296,13 @@ class Coordinator(DeviceMessages):
         if connects != self._connects:  # a new connection: the broker may have lost retained models
             self._connects, self._published = connects, set()
         if self.shared is not None and not self._elect():
-            self._sync_trust_when_due()  # every worker verifies every approved device's messages
-            self._unpeek()
+            self.device_trust.sync_when_due()  # every worker verifies every approved device's messages
+            self.device_trust.unpeek()
             if time.monotonic() >= self._next_beat:
                 self._heartbeat()
             return
-        self._sync_trust_when_due()
-        self._unpeek()
+        self.device_trust.sync_when_due()
+        self.device_trust.unpeek()
         result = self.engine.tick()
         for device, job, number in result.gone:
             log.info("device %s stayed offline: a dropout of job %s round %d", device, job, number)
@@ -394,8 +351,7 @@ class Coordinator(DeviceMessages):
             self._peeked = connects
             for channel in ("hello", "state"):
                 topic = f"{self.topics.root}/devices/+/{channel}"
-                self.client.subscribe(topic)
-                self._peeks[topic] = time.monotonic() + 5.0
+                self.device_trust.peek(topic)
         if was:
             self.shared.prune()
         return True
@@ -569,54 +525,6 @@ class Coordinator(DeviceMessages):
             if not ok:
                 log.warning("cancel of job %s not delivered to %s", plan.job_id, device)
         log.info("job %s round %d cancelled; told %d device(s)", plan.job_id, plan.round, len(plan.devices))
-
-    def _sync_trust(self) -> None:
-        """Approved devices' keys into the trust store (approvals come from the CLI too)."""
-        approved = self.registry.approved_keys()
-        for device, key in approved.items():
-            self._trust_device(device, key)
-        for device in [d for d in self._trusted if d not in approved]:
-            self.trust.remove(device)
-            self.pending.add(device, self._trusted[device])  # revoked: shown as pending again
-            del self._trusted[device]
-            log.info("device %s no longer approved: its messages are refused", device)
-
-    def _sync_trust_when_due(self) -> None:
-        """Approvals and revocations made with the CLI: at once when the number of approved
-        devices changed, else every TRUST_SYNC_S (reading every approved key each tick cost
-        0.1 s at 10,000 devices; a hello's approval is immediate anyway)."""
-        due = time.monotonic() >= self._trust_synced_at + TRUST_SYNC_S
-        if due or self.registry.approved_count() != len(self._trusted):
-            self._sync_trust()
-            self._trust_synced_at = time.monotonic()
-
-    def _trust_device(self, device: str, key: str) -> None:
-        """One approved device's key into the trust store (a hello that auto-approves calls
-        this alone: reading every approved key per hello made enrolment O(N^2))."""
-        if self._trusted.get(device) == key:
-            return
-        try:
-            self.trust.add(public_key_from_bytes(base64.b64decode(key, validate=True)), role="device")
-        except (InputError, ValueError):
-            log.error("device %s: stored public key is unusable", device)
-            return
-        if device in self._trusted or self._connects == 0:
-            self._trusted[device] = key
-            return
-        self._trusted[device] = key
-        if self.leading:  # one worker of a group is enough
-            # Newly approved: its retained state was refused before; subscribing again re-delivers it.
-            topic = self.topics.device(device, "state")
-            self.client.subscribe(topic)
-            self._peeks[topic] = time.monotonic() + 5.0
-        self.pending.approved(device)
-        log.info("device %s approved: messages from it are now accepted", device)
-
-    def _unpeek(self) -> None:
-        now = time.monotonic()
-        for topic in [t for t, until in self._peeks.items() if now >= until]:
-            self.client.unsubscribe(topic)
-            del self._peeks[topic]
 
     def _heartbeat(self, *, stopped: bool = False) -> None:
         o = self.options

@@ -34,7 +34,8 @@ from .rounds import Receipt, RoundEngine
 from .selection import allowance_state, capabilities_from_hello, forecast_state
 
 if TYPE_CHECKING:
-    from .service import ServeOptions
+    from .device_trust import DeviceTrust
+    from .serve_options import ServeOptions
     from .workers import SharedChunks, WorkerStore
 
 log = logging.getLogger("edge_agent.coordinator.service")  # the service's log: one place to watch
@@ -91,7 +92,7 @@ class DeviceMessages:
     pending: PendingDevices
     receiver: UpdateReceiver
     problems: list[str]
-    _trusted: dict[str, str]
+    device_trust: DeviceTrust
     _names: dict[str, str]
     _receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]]  # slot -> (when, receipt)
     _results: OrderedDict[tuple[str, str, int], dict[str, Any]]
@@ -102,9 +103,6 @@ class DeviceMessages:
     chunks: SharedChunks | None
 
     def _new_receiver(self) -> UpdateReceiver:  # provided by Coordinator
-        raise NotImplementedError
-
-    def _trust_device(self, device: str, key: str) -> None:  # provided by Coordinator
         raise NotImplementedError
 
     def _full_wanted(self, ref: str) -> None:  # provided by Coordinator
@@ -118,7 +116,7 @@ class DeviceMessages:
         device = result.route.device
         if device is None:
             return
-        if result.kind is not Kind.HELLO and device not in self._trusted:  # pending approval
+        if result.kind is not Kind.HELLO and device not in self.device_trust:  # pending approval
             reply = self.pending.heard(self.registry, result)
             if reply is not None:
                 self.channel.reply_to(reply)  # its update: `rejected, retry` (approval may come)
@@ -166,8 +164,8 @@ class DeviceMessages:
             self.pending.add(device, dev.public_key)
             self.pending.announce(self.registry, device, name=printable["name"], board=printable["board"],
                                   enrolled=existing is None)
-        if dev.approved and device not in self._trusted:
-            self._trust_device(device, dev.public_key)
+        if dev.approved and device not in self.device_trust:
+            self.device_trust.add(device, dev.public_key)
         answer = hello_answer(self.signer, self.topics, msg)  # "heard you" (protocol/hello.py)
         if answer is not None:
             self.client.publish(*answer)
@@ -267,7 +265,7 @@ class DeviceMessages:
         now = time.time()
         recent = {d: v for d, v in self._replayed.items() if now - v[0] < REPLAYED_WINDOW_S}
         self._replayed = recent
-        approved = len(self._trusted)
+        approved = len(self.device_trust)
         before = " ".join(self.problems)  # a problem already shown is not logged again
         self.problems = [p for p in self.problems if not p.startswith("replayed:")]
         if recent and (len(recent) >= 2 or len(recent) >= approved):
@@ -291,7 +289,7 @@ class DeviceMessages:
         before = " ".join(self.problems)  # a problem already shown is not logged again
         self.problems = [p for p in self.problems if not p.startswith("unknown_key:")]
         n = len(self._unknown_key)
-        if n and (n >= 2 or n >= len(self._trusted)):
+        if n and (n >= 2 or n >= len(self.device_trust)):
             problem = (f"unknown_key: {n} device(s) refuse this coordinator's commands as signed by a key they do not "
                        f"know: this coordinator's key ({self.signer.key_id}, {self.state_dir / 'keys' / 'coordinator.key'}"
                        ") is not the one they trust. Fix: restore the key they were given from a backup (then "

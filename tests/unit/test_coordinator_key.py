@@ -192,7 +192,7 @@ def test_devices_refusing_commands_as_unknown_key_show_in_status(fleet_dir: Path
         device_key = keys.generate_private_key()  # a second approved device, to sign its refusal
         coord.registry.enrol_device(device_id=keys.fingerprint(device_key), public_key=public_key_text(device_key),
                                     fleet=FLEET, approved=True)
-        coord._sync_trust()
+        coord.device_trust.sync()
         signer = Signer(key=device_key, topics=coord.topics, sequence=SequenceCounter(path=tmp_path / "seq"))
         topic = coord.topics.device(keys.fingerprint(device_key), "progress")
         refusal = {"reason": "unknown_key", "detail": f"key {coord.key_id} is not enrolled", "ref_kind": "cmd",

@@ -46,7 +46,7 @@ def device(coord: Coordinator, tmp: Path, name: str) -> tuple[str, Signer]:
     key = keys.generate_private_key()
     dev = keys.fingerprint(key)
     coord.registry.enrol_device(device_id=dev, public_key=public_key_text(key), fleet=FLEET, approved=True)
-    coord._sync_trust()
+    coord.device_trust.sync()
     return dev, Signer(key=key, topics=coord.topics, sequence=SequenceCounter(path=tmp / f"{name}.seq"))
 
 
