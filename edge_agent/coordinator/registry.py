@@ -4,7 +4,8 @@ One SQLite file (`<state_dir>/registry.sqlite3`, WAL, foreign keys on, synchrono
 or, with `db="postgresql://..."` (or $EDGE_COORDINATOR_DB), one PostgreSQL database that
 several processes share (db.py: the dialect layer); schema and migrations in schema.py,
 record types and validators in records.py; crash-safe array files in `state_dir` either way. This module holds the connection, transactions and
-migrations, devices, jobs, rounds and participants; mixins hold the rest: model versions
+migrations, devices, jobs, rounds and participants; parts it is composed of hold the rest, each
+given the database explicitly: model versions
 (registry_models.py), received updates, screening history and strikes
 (registry_updates.py), read models for the CLI and dashboard (registry_reports.py), the
 fleet's int8 engine choices (registry_choices.py).

@@ -6,10 +6,10 @@
 
 (the file written with `atomic.write_checked` before its row is committed), the screening
 history the robust rules read (norms, directions, sample counts of earlier updates), and
-the strikes that quarantine a device. A mixin of `Registry`, separate because it is the
-transport's hot path (`has_update`, `add_update`) and the reputation state, not the
-job/round state machines; it moves a participant to REPORTED through the host's
-`_move_participant` inside the same transaction as the insert.
+the strikes that quarantine a device. A part of `Registry` (`registry.updates`), separate
+because it is the transport's hot path (`has_update`, `add_update`) and the reputation state,
+not the job/round state machines; it moves a participant to REPORTED through the registry's
+`_move_participant` (given to it) inside the same transaction as the insert.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ with clean_session=False).
                   each version a round uses is published (retained, chunked, signed)
                   before its commands, and each new version as soon as it is aggregated
 
-The per-message handlers (hello .. update) are in service_messages.py (a mixin); this
-module holds the loop, the tick, model publishing, dispatch, trust and the heartbeat.
+The per-message handlers (hello .. refusal) are service_messages.DeviceMessages, update
+chunks and acks update_inbox.UpdateInbox, refusals of our own commands
+command_refusals.CommandRefusals: objects made here with what each works with. This module
+holds the loop, the tick, model publishing, dispatch, trust and the heartbeat.
 
 Files in the state directory besides the registry: keys/coordinator.key (0600, made on
 first start), coordinator.pub (its public key, base64: `edge-agent init
@@ -36,7 +38,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -62,23 +63,24 @@ from ..transport import (
     Admission,
     Channel,
     MqttClient,
-    OutboxKey,
-    UpdateReceiver,
 )
 from ..transport.models import publish_model, retract_model
 from .artefacts import ModelArtefacts
+from .command_refusals import CommandRefusals
 from .db import DB_ENV, resolve
 from .device_trust import DeviceTrust
+from .line_budget import LineBudget
 from .link_health import LinkHealth
 from .pending import PendingDevices
 from .records import ModelVersion
 from .registry import Registry
 from .retention import AutoPrune, needs_full
-from .rounds import Receipt, RoundEngine, RoundPlan
+from .rounds import RoundEngine, RoundPlan
 from .serve_options import ServeOptions
 from .server_set import StoredServerSets
 from .service_files import SERVE_FILE, coordinator_key, lock_state_dir
-from .service_messages import DeviceMessages, LineBudget, _scalar
+from .service_messages import DeviceMessages, _scalar
+from .update_inbox import UpdateInbox
 from .workers import (
     SharedChunks,
     SharedReplay,
@@ -103,7 +105,7 @@ DEVICE_INGRESS = (50.0, 2000)
 DISPATCH_BATCH = 500
 
 
-class Coordinator(DeviceMessages):
+class Coordinator:
     """The serve loop. `run(stop)` until `stop` is set; `close()` releases everything."""
 
     def __init__(self, options: ServeOptions, *, metrics: Any = None) -> None:
@@ -173,18 +175,13 @@ class Coordinator(DeviceMessages):
                                role="coordinator")
         self.link = LinkHealth(client=self.client, topics=self.topics, client_id=client_id, silence_s=o.silence_s,
                                heard=lambda: self.channel.accepted + sum(self.channel.rejected.values()))
-        self.receiver = self._new_receiver()
-        self._receipts: OrderedDict[tuple[OutboxKey, str], tuple[float, Receipt]] = OrderedDict()
-        self._results: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
-        self._names: dict[str, str] = {}
+        self.inbox = UpdateInbox(registry=self.registry, engine=self.engine, signer=self.signer, topics=self.topics,
+                                 client=self.client, ack_interval=o.ack_interval, shared=self.shared, chunks=self.chunks)
         self._published: set[tuple[str, str]] = set()  # (name, version or patch id) published since connecting
         self.retention = AutoPrune(self.registry, o.retention, chunk_bytes=o.model_chunk_bytes)
         self._connects = 0
-        self._replayed: dict[str, tuple[float, int]] = {}  # device -> (when, its window's high or 0)
-        self._unknown_key: dict[str, float] = {}  # device -> when it refused our command as unknown_key
         self._rotations_sent = -1  # connection (count) on which the key rotations were last published
-        self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json)
-        self._reject_lines = LineBudget(per_minute=20)  # rejected-update log lines
+        self.problems: list[str] = []  # shown by `edge-coordinator status` (serve.json); kept in place
         self._next_beat = 0.0
         self.started_at = time.time()
         self.errors = 0  # every failed step since the start (serve.json)
@@ -194,10 +191,17 @@ class Coordinator(DeviceMessages):
                                         leading=lambda: self.leading, connected_before=lambda: self._connects > 0)
         self.device_trust.sync()
         self.pending.sync(self.registry)
+        self.refusals = CommandRefusals(signer=self.signer, state_dir=self.state_dir,
+                                        approved=lambda: len(self.device_trust), problems=self.problems)
+        self.messages = DeviceMessages(registry=self.registry, engine=self.engine, topics=self.topics,
+                                       signer=self.signer, client=self.client, channel=self.channel,
+                                       pending=self.pending, device_trust=self.device_trust, inbox=self.inbox,
+                                       refusals=self.refusals, auto_approve=o.auto_approve,
+                                       full_wanted=self._full_wanted)
 
-    def _new_receiver(self) -> UpdateReceiver:
-        return UpdateReceiver(ack_interval=self.options.ack_interval,
-                              is_known=lambda k: self.registry.has_update(k.job, k.device, k.round))
+    def handle(self, result: Message | Rejection) -> None:
+        """One verified message (or a refused one's reply): DeviceMessages.handle."""
+        self.messages.handle(result)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, stop: threading.Event) -> int:
@@ -291,7 +295,7 @@ class Coordinator(DeviceMessages):
 
     # ------------------------------------------------------------------ the periodic step
     def tick(self) -> None:
-        self.problems = self.link.update(self.problems)  # its messages lost, or no device heard
+        self.problems[:] = self.link.update(self.problems)  # its messages lost, or no device heard
         connects = self.client.stats["connects"]
         if connects != self._connects:  # a new connection: the broker may have lost retained models
             self._connects, self._published = connects, set()

@@ -201,7 +201,7 @@ def test_devices_refusing_commands_as_unknown_key_show_in_status(fleet_dir: Path
         assert isinstance(result, Message)
         coord.handle(result)
         assert not [p for p in coord.problems if p.startswith("unknown_key")]  # 1 of 2 devices: not fleet-wide yet
-        coord._unknown_key[dev.id] = time.time()  # the other device said the same a moment ago
+        coord.refusals.unknown_key[dev.id] = time.time()  # the other device said the same a moment ago
         coord.handle(coord.pending.open(topic, signer.control(topic, Kind.REFUSAL, refusal, ttl=600)))
         coord._heartbeat()
         code, out, _ = run(capsys, "status", "--state-dir", str(fleet_dir))

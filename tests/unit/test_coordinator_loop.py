@@ -128,7 +128,7 @@ def test_failing_ticks_back_off_the_ticks_not_the_intake_and_a_good_tick_resets(
 
 
 def test_the_log_budget_counts_what_it_did_not_show() -> None:
-    from edge_agent.coordinator.service_messages import LineBudget
+    from edge_agent.coordinator.line_budget import LineBudget
 
     now = [1000.0]
     budget = LineBudget(per_minute=2, clock=lambda: now[0])
