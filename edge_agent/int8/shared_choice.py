@@ -12,7 +12,9 @@ version, batch size, threads, candidates) starts from it and re-checks it cheapl
   samples hashes to the fingerprint the measuring device reported. Engines are deterministic
   on one kind of hardware (the native engine is bit-exact everywhere), so equal outputs are
   the outputs that passed the measuring device's agreement check;
-- about the same speed: a few batches within RECHECK_FACTOR of the reported batch time.
+- about the same speed: a few batches within RECHECK_FACTOR of the reported batch time, or,
+  slower by the clock only, within RECHECK_FACTOR of the reported CPU time per image (a busy
+  CPU, whose other processes inflate wall time, not the work the engine does).
 
 A choice that fails either check is measured locally in full (and that device's own result
 is then shared). Everything here arrives over the network: parsed strictly, bounded.

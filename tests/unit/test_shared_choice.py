@@ -77,7 +77,7 @@ def test_a_full_selection_reports_its_choice_and_a_device_of_its_kind_only_reche
 
 @pytest.mark.parametrize("tamper, why", [
     (dict(fingerprint="0" * 64), "outputs here differ"),
-    (dict(latency_ms=1e-6), "ms per batch here"),
+    (dict(latency_ms=1e-6, per_image_cpu_s=1e-12), "ms per batch here"),  # slower by the clock and the CPU
     (dict(engine="mxnet-onednn"), "not a candidate here"),
 ])
 def test_a_choice_that_fails_its_recheck_is_measured_here(bundle, tmp_path, caplog, tamper, why):
@@ -92,6 +92,21 @@ def test_a_choice_that_fails_its_recheck_is_measured_here(bundle, tmp_path, capl
     assert why in caplog.text
     (mine,) = shared_choices(tmp_path / "second")  # and this device's own measurement is what it reports
     assert mine.engine == second.chosen and mine.kind == share.kind and mine != bad
+
+
+def test_a_recheck_slower_only_by_the_clock_is_a_busy_cpu_and_the_choice_is_taken(bundle, tmp_path):
+    """Other processes holding the CPU inflate the re-check's wall time, not the CPU time the
+    engine spends per image: the device of this kind takes the choice (a loaded CI machine
+    measured the second device of a fleet in full for this)."""
+    first, _ = select(bundle, tmp_path / "first", engines())
+    (share,) = shared_choices(tmp_path / "first")
+    slow_clock = SharedChoice(**{**share.__dict__, "latency_ms": 1e-6})  # its CPU time per image as measured
+    fresh = engines()
+    second, _ = select(bundle, tmp_path / "second", fresh, shared=[slow_clock])
+    assert second.source == "fleet" and second.chosen == share.engine
+    assert [e.prepared for _, e in fresh] == [int(n == share.engine) for n, _ in fresh]  # measured nothing else
+    (row,) = second.candidates
+    assert "busy CPU" in row.reason and "CPU-ms per image" in row.reason, row.reason
 
 
 def test_a_choice_for_another_kind_is_ignored(bundle, tmp_path):
