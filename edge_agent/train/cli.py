@@ -292,7 +292,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "plans the deepest depth that fits the profile's training memory cap and --budget-wh "
                         "(the report's 'depth' says what was chosen and why, predicted and actual Wh and "
                         "peak RSS); head: the head only; N: the tail from the N-th block boundary down "
-                        "(1: last 1x1 conv + head on a MobileNetV2)")
+                        "(1: last 1x1 conv + head on a MobileNetV2). A job that no depth fits under the "
+                        "memory cap (with +25 %% of what it adds to spare), or a depth N over it, is refused "
+                        "before it prepares anything (exit 78, naming the cap)")
     t.add_argument("--bn", choices=("frozen", "update"), default="update",
                    help="BatchNorm in the trained tail: update its statistics from the local batches (default: "
                         "a device's own camera shifts them; bench_depth measures it) or keep the base model's")

@@ -38,11 +38,14 @@ layer (dense_head.py) or every op of its symbol is one numpy_tail.py computes (t
 passes `numpy_tail(depth)`); otherwise, or with --trainer mxnet, in MXNet Gluon.
 
 `auto` picks the deepest depth up to AUTO_MAX_DEPTH that fits the profile's training
-memory cap (a first job's engine selection included) and the energy budget (with a margin
-for the prediction's error) -- or, on a device whose images are far from the bundle's (a
+memory cap (a first job's engine selection included) and the energy budget (each with a
+margin for the prediction's error) -- or, on a device whose images are far from the bundle's (a
 camera of its own: train/job_adapt.py), the deepest that fits, whatever its number; a
 bundle without depths trains the head, and a device without MXNet only the depths numpy
-trains. The rates start from conservative defaults and are learned per device: after every
+trains. When no depth fits the memory cap, or a depth asked for by number does not, the
+job is refused (OverMemoryCap) before anything is prepared: running it anyway would take
+the board past what training may use. The energy budget only steers: with none that fits,
+the head trains and the governor stops it. The rates start from conservative defaults and are learned per device: after every
 job the measured CPU time of its phases updates `planner-rates.json` in the job's cache
 directory (the training rates under the keys of the trainer that ran), and so do its
 memory figures: the engine phase's measured growth as a scale of its prediction
@@ -69,10 +72,20 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json, read_limited
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
+from ..int8.engine_memory import MEMORY_MARGIN
 
 AUTO_MAX_DEPTH = 2
 ENERGY_MARGIN = 1.25  # the plan must fit the budget with this much to spare
+# and the training memory cap with MEMORY_MARGIN (selection's, engine_memory.py) of what the
+# job is predicted to add above the process now: a first job once peaked at 208 MB under a
+# 200 MB cap where 186 MB was predicted
+
+
+class OverMemoryCap(ConfigError):
+    """No depth (or not the one asked for) fits the board profile's training memory cap: the
+    job is refused before it prepares anything (exit EXIT_CONFIG; the agent fails the job
+    with this line, and the coordinator counts the device as a dropout with it)."""
 RATES_FILE = "planner-rates.json"
 LEARN_WEIGHT = 0.7
 SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
@@ -129,6 +142,7 @@ class DepthOption:
     fits: bool = True
     why_not: str = ""
     predicted_engine_mb: float | None = None  # what the int8 engine's phase adds at its peak (module doc)
+    over_cap: bool = False  # it does not fit the training memory cap (a job there is refused)
 
 
 @dataclass
@@ -240,6 +254,18 @@ def job_rss_mb(base_mb: float, training_mb: float, engine: EngineMemory | None) 
     return rss, f" with {engine.what} (~{engine.peak_mb:.0f} MB above the process's {base_mb:.0f} MB)"
 
 
+def engine_cap_mb(cap_mb: float | None, base_mb: float) -> float | None:
+    """The cap the job's engine phase (selection's candidates, the oracle's chunks) works
+    under: the room above the process that keeps the planner's margin on the whole job. The
+    planner predicts selection under the same cap, so what it predicts is what runs."""
+    return None if cap_mb is None else round(base_mb + max(cap_mb - base_mb, 0.0) / MEMORY_MARGIN, 1)
+
+
+def _raise_cap_hint() -> str:
+    return ("raise [training] memory_cap_mb in the board profile if the board has the memory, or build the "
+            "bundle with a smaller input or an earlier split")
+
+
 def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val: int, epochs: int,
                batch_size: int, dense_head: bool, mem_cap_mb: float | None, budget_wh: float | None,
                watts_per_cpu: float | None, base_rss_mb: float, rates: dict[str, float],
@@ -285,9 +311,10 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
                           predicted_engine_mb=None if engine is None else round(engine.peak_mb, 1))
         if mx and not has_mxnet:
             opt.fits, opt.why_not = False, "needs MXNet, which this device does not have"
-        elif mem_cap_mb is not None and rss > mem_cap_mb:
-            opt.fits, opt.why_not = False, (f"needs ~{rss:.0f} MB{engine_note}, over the profile's {mem_cap_mb:g} MB "
-                                            "training cap")
+        elif mem_cap_mb is not None and base_rss_mb + (rss - base_rss_mb) * MEMORY_MARGIN > mem_cap_mb:
+            opt.fits, opt.why_not = False, (f"needs ~{rss:.0f} MB{engine_note} (+{MEMORY_MARGIN - 1:.0%} of what it "
+                                            f"adds, margin), over the profile's {mem_cap_mb:g} MB training cap")
+            opt.over_cap = True
         elif budget_wh is not None and wh is not None and wh * ENERGY_MARGIN > budget_wh:
             opt.fits, opt.why_not = False, (f"needs ~{wh:.4g} Wh (+{ENERGY_MARGIN - 1:.0%} margin), over the "
                                             f"{budget_wh:g} Wh budget")
@@ -301,11 +328,17 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
         opt = options[request]
         if opt.needs_mxnet and not has_mxnet:
             raise UsageError(f"depth {request}: {opt.why_not}")
+        if opt.over_cap:
+            fitting = [o.depth for o in options if not o.over_cap]
+            raise OverMemoryCap(f"depth {request} {opt.why_not}; nothing was run: "
+                                + (f"depth {fitting[-1]} fits (or --depth auto)" if fitting else _raise_cap_hint()))
         reason = "asked for" + (f" (planner: {opt.why_not})" if not opt.fits else "")
         return DepthPlan(request, request_text, reason, options)
     deepest = last if shifted else AUTO_MAX_DEPTH
     fitting = [o for o in options if o.fits and o.depth <= deepest]
     if not fitting:
+        if options[0].over_cap:  # running anyway would take the board past what training may use
+            raise OverMemoryCap(f"no depth fits: depth 0 {options[0].why_not}; nothing was run: {_raise_cap_hint()}")
         return DepthPlan(0, request_text, "no depth fits: " + options[0].why_not, options)
     best = fitting[-1]
     held = [f"depth {o.depth}: {o.why_not}" for o in options if o.depth > best.depth and not o.fits]

@@ -366,6 +366,7 @@ class _Job(DepthPlanning, JobReport):
         used_before = gov.charge_overhead()
         cpu_start = time.process_time()
         from ..int8.engine_cost import PeakWatch, rss_mb
+        from .depth_plan import engine_cap_mb
 
         engine_peak = stack.enter_context(PeakWatch())  # selection (or the cached engine's re-check) and features
         # one decision directory for `kernels --bench` and jobs: a user's benchmark is reused
@@ -377,7 +378,8 @@ class _Job(DepthPlanning, JobReport):
                 bundle, probe=probe_report, batch_size=batch_size, threads=threads,
                 state_dir=Path(a["cache_dir"]) if a["cache_dir"] else default_state_dir(), env=env, keep_runner=True,
                 preference=prof["backends"], images=len(dataset), meter=_GovernorMeter(self, gov),
-                watts_per_cpu=wpc, mem_cap_mb=prof["memory_cap_mb"], recheck_cached=True,
+                watts_per_cpu=wpc, recheck_cached=True,
+                mem_cap_mb=engine_cap_mb(prof["memory_cap_mb"], getattr(self, "plan_base_mb", None) or rss_mb() or 0.0),
                 clocks=Clocks(cpu=cpu_seconds), shared=a["engine_choices"],
                 logits=numpy_head_logits(bundle))  # no MXNet for the top-1 check of a tail numpy computes
         except SelectionStopped as exc:  # the budget ran out choosing the engine: failed, unless it trained before

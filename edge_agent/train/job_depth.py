@@ -153,9 +153,10 @@ class DepthPlanning:
         )
         from ..int8.engines._common import thread_count
         from ..int8.selection import availability_report
-        from .depth_plan import EngineMemory
+        from .depth_plan import EngineMemory, engine_cap_mb
 
-        shape, cap, threads = prefix_shape(view), prof["memory_cap_mb"], thread_count(threads)  # as selection's
+        shape, threads = prefix_shape(view), thread_count(threads)  # as selection's
+        cap = engine_cap_mb(prof["memory_cap_mb"], base_mb)  # as the job's selection runs under
         if cached is not None:
             best = choose(cached.candidates, images, cap) or choose(cached.candidates, images)
             engine = registry.load_engine(best.name if best is not None else str(cached.chosen))

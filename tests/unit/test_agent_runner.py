@@ -12,13 +12,14 @@ import pytest
 
 from edge_agent.agent.runner import (
     EXIT_STOPPED,
+    FAIL_CODES,
     ChildProcess,
     describe_exit,
     pack_chunks,
     read_result,
     unpack_chunks,
 )
-from edge_agent.errors import EXIT_DATAERR, InputError
+from edge_agent.errors import EXIT_CONFIG, EXIT_DATAERR, InputError
 
 # A stand-in for the child at the contract's interface: argv, events fd, exit code.
 SCRIPTED = textwrap.dedent(r'''
@@ -111,3 +112,35 @@ def test_update_chunk_files_round_trip_and_refuse_damage(tmp_path: Path) -> None
     assert read_result(tmp_path) is None  # unreadable: the job runs again rather than trusting it
     (tmp_path / "result.json").write_text('{"status": "trained"}')
     assert read_result(tmp_path) == {"status": "trained"}
+
+
+def test_the_real_train_child_refuses_a_job_no_depth_of_which_fits_the_memory_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a board profile whose training cap is below what the job would add (64 MB: less
+    than this interpreter holds), the child refuses before it prepares anything: EXIT_CONFIG,
+    which the daemon takes as a failed job (runner.FAIL_CODES), with the planner's line."""
+    import shutil
+
+    from edge_agent.hardware.profiles import profiles_dir
+    from edge_agent.sim import scenario as demo
+
+    bundle = demo.ensure_bundle(tmp_path / "bundle", depths=2)
+    dev = demo.scenario().devices[0]
+    data = demo.write_data(tmp_path / "data", dev.images, dev.labels, "npz")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    shutil.copy(profiles_dir() / "base.toml", profiles / "base.toml")
+    (profiles / "tiny.toml").write_text('[profile]\nname = "tiny"\ndescription = "a 64 MB training cap"\n'
+                                        '[match]\nmodel = ["none"]\n[training]\nmemory_cap_mb = 64\n')
+    monkeypatch.setenv("EDGE_AGENT_PROFILES_DIR", str(profiles))
+    monkeypatch.setenv("EDGE_AGENT_STATE_DIR", str(tmp_path / "machine-state"))
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    child = ChildProcess(command="train", spec={"job_dir": str(job_dir), "model_dir": str(bundle), "data": str(data),
+                                                "profile": "tiny", "cache_dir": str(tmp_path / "cache")},
+                         job_dir=job_dir, name="train")
+    child.start()
+    events, code = _events_until_exit(child, timeout=120)
+    assert code == EXIT_CONFIG and code in FAIL_CODES, events
+    assert "no depth fits" in child.last_error and "64 MB training cap" in child.last_error, child.last_error
+    assert read_result(job_dir) is None  # no result: nothing trained, nothing to send

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.errors import UsageError
+from edge_agent.errors import EXIT_CONFIG, UsageError
 from edge_agent.int8.bundle_create import create_bundle
 from edge_agent.protocol.finetune import BadParams, parse_finetune
 from edge_agent.sim import models
@@ -63,21 +63,46 @@ def test_unconstrained_auto_takes_the_deepest_and_costs_grow_with_depth(deep):
     json.dumps(out)  # the report's "depth" is JSON
 
 
+def _needs(rss: float) -> float:
+    """The cap a predicted peak needs: the process now + what the job adds, with the margin."""
+    return JOB["base_rss_mb"] + (rss - JOB["base_rss_mb"]) * DP.MEMORY_MARGIN
+
+
 def test_a_small_memory_cap_forces_a_shallower_depth_and_the_reason_names_it(deep):
     rss = [o.predicted_rss_mb for o in plan(deep).options]
-    between = (rss[1] + rss[2]) / 2
+    between = (_needs(rss[1]) + _needs(rss[2])) / 2
     p = plan(deep, mem_cap_mb=between)
     assert p.depth == 1
-    assert "depth 2" in p.reason and f"{between:g} MB training cap" in p.reason
-    assert not p.options[2].fits and "training cap" in p.options[2].why_not
+    assert "depth 2" in p.reason and f"{between:g} MB training cap" in p.reason and "margin" in p.reason
+    assert not p.options[2].fits and p.options[2].over_cap and "training cap" in p.options[2].why_not
     assert p.chosen is not None and p.chosen.predicted_rss_mb <= between  # never over the cap
-    tiny = plan(deep, mem_cap_mb=(rss[0] + rss[1]) / 2)
+    tiny = plan(deep, mem_cap_mb=(_needs(rss[0]) + _needs(rss[1])) / 2)
     assert tiny.depth == 0 and "training cap" in tiny.reason
-    # nothing fits: the head, saying why
-    none = plan(deep, mem_cap_mb=rss[0] / 2)
-    assert none.depth == 0 and none.reason.startswith("no depth fits") and "training cap" in none.reason
+    # the margin: a cap the prediction fits only without it is refused, one with it to spare taken
+    short = plan(deep, mem_cap_mb=(rss[2] + _needs(rss[2])) / 2)
+    assert short.depth < 2 and short.options[2].over_cap
+    assert plan(deep, mem_cap_mb=_needs(rss[2]) + 0.1).depth == 2
     # the cached activations count: more images need more memory at the same depth
     assert plan(deep, images=50_000).options[2].predicted_rss_mb > rss[2]
+
+
+def test_a_job_no_depth_of_which_fits_the_memory_cap_is_refused_naming_it(deep):
+    """Running the head anyway would take the board past what training may use: refused before
+    anything is prepared (ConfigError: the child exits EXIT_CONFIG, the agent fails the job)."""
+    rss = [o.predicted_rss_mb for o in plan(deep).options]
+    cap = (rss[0] + JOB["base_rss_mb"]) / 2
+    with pytest.raises(DP.OverMemoryCap, match=rf"no depth fits: depth 0 needs ~{rss[0]:.0f} MB .*{cap:g} MB "
+                                               r"training cap; nothing was run: raise \[training\] memory_cap_mb"):
+        plan(deep, mem_cap_mb=cap)
+    assert DP.OverMemoryCap("x").exit_code == EXIT_CONFIG
+    # a depth asked for by number is held to the cap too, and the error names one that fits
+    with pytest.raises(DP.OverMemoryCap, match=r"depth 2 needs .* training cap; nothing was run: depth 1 fits"):
+        plan(deep, 2, mem_cap_mb=(_needs(rss[1]) + _needs(rss[2])) / 2)
+    assert plan(deep, 1, mem_cap_mb=(_needs(rss[1]) + _needs(rss[2])) / 2).depth == 1
+    # an energy budget nothing fits still trains the head: the governor stops it (a zero-step
+    # job fails, exit EXIT_TEMPFAIL) and a later window may have the energy
+    wh = plan(deep).options[0].predicted_wh
+    assert plan(deep, budget_wh=wh / 2).depth == 0
 
 
 def test_a_small_energy_budget_forces_a_shallower_depth_with_the_margin(deep):
@@ -128,8 +153,10 @@ def test_a_tail_numpy_trains_is_not_charged_mxnet_and_trains_without_it(deep):
 def test_explicit_depths(deep, bundles):
     _, flat = bundles
     assert plan(deep, "head").depth == 0 and plan(deep, 0).depth == 0
-    p = plan(deep, 2, mem_cap_mb=1.0)  # asked for: taken, with the planner's objection in the reason
-    assert p.depth == 2 and p.reason.startswith("asked for") and "training cap" in p.reason
+    p = plan(deep, 2, budget_wh=1e-9)  # asked for: taken, with the planner's objection in the reason ...
+    assert p.depth == 2 and p.reason.startswith("asked for") and "Wh budget" in p.reason
+    with pytest.raises(DP.OverMemoryCap, match="training cap"):  # ... unless it would go over the memory cap
+        plan(deep, 2, mem_cap_mb=1.0)
     assert plan(deep, 1).reason == "asked for"
     with pytest.raises(UsageError, match=r"depths are 0\.\.2"):
         plan(deep, 3)
@@ -245,6 +272,6 @@ def test_a_device_far_from_the_bundles_images_trains_as_deep_as_fits(deep, monke
     far = plan(deep, shifted=True)
     assert far.depth == 2 and "far from the bundle's" in far.reason
     rss = [o.predicted_rss_mb for o in far.options]
-    capped = plan(deep, shifted=True, mem_cap_mb=(rss[1] + rss[2]) / 2)  # the cap still holds
+    capped = plan(deep, shifted=True, mem_cap_mb=(_needs(rss[1]) + _needs(rss[2])) / 2)  # the cap still holds
     assert capped.depth == 1 and "training cap" in capped.reason
     assert plan(deep, request=1, shifted=True).depth == 1  # an explicit depth is what is asked

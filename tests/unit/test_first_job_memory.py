@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_agent.errors import EXIT_CONFIG
 from edge_agent.hardware.profiles import profiles_dir
 from edge_agent.int8 import engine_cost
 from edge_agent.int8.bundle import load_bundle
@@ -44,7 +45,7 @@ from edge_agent.int8.engine_memory import (
 )
 from edge_agent.int8.engines import load_engine
 from edge_agent.sim import scenario as demo
-from edge_agent.train.depth_plan import DEFAULT_RATES, RATES_FILE, EngineMemory, plan_depth
+from edge_agent.train.depth_plan import DEFAULT_RATES, RATES_FILE, EngineMemory, engine_cap_mb, plan_depth
 
 PROFILE = "test-memory-cap"
 TOLERANCE = 0.25  # the issue's: predicted peak RSS within 25 % of the measured
@@ -103,9 +104,11 @@ backends = ["tflite", "native", "mxnet-onednn", "reference"]
     return root
 
 
-def _finetune(work: Path, bundle: Path, data: Path, *, cap_mb: float, depth: str, cache: Path | None = None) -> Job:
+def _finetune(work: Path, bundle: Path, data: Path, *, cap_mb: float, depth: str, cache: Path | None = None,
+              refused: bool = False) -> Job:
     """One `edge-agent finetune` in a child process, under a profile with `cap_mb`; `cache`:
-    its feature, engine-choice and planner-rates directory (default: a fresh one)."""
+    its feature, engine-choice and planner-rates directory (default: a fresh one); `refused`:
+    the job is expected to refuse to start (EXIT_CONFIG; its report is then {"stderr": ...})."""
     work.mkdir(parents=True)
     cache = cache or work / "cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
@@ -117,9 +120,13 @@ def _finetune(work: Path, bundle: Path, data: Path, *, cap_mb: float, depth: str
     with open(work / "stderr", "w") as err:  # cwd: this tree's edge_agent, whatever is installed
         done = subprocess.run(argv, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                               text=True, timeout=300)
-    assert done.returncode == 0, (work / "stderr").read_text()[-3000:]
+    assert done.returncode == (EXIT_CONFIG if refused else 0), (work / "stderr").read_text()[-3000:]
+    peak_mb = int(done.stdout.split()[-1]) / 1024.0
+    if refused:
+        assert not (work / "report.json").exists()
+        return Job({"stderr": (work / "stderr").read_text()}, peak_mb, cache)
     report = json.loads((work / "report.json").read_text())
-    return Job(report, max(report["depth"]["actual_peak_rss_mb"], int(done.stdout.split()[-1]) / 1024.0), cache)
+    return Job(report, max(report["depth"]["actual_peak_rss_mb"], peak_mb), cache)
 
 
 def _copy_cache(job: Job, dest: Path) -> Path:
@@ -191,10 +198,30 @@ def test_a_first_job_under_a_small_cap_prepares_no_candidate_over_it(first: Job,
     summary = _summary(job)
     assert not job.report["engine"]["cached_decision"] and job.report["engine"]["name"], summary
     refused = [n for n in job.report["engine"]["notes"] if n.startswith("not prepared: mxnet-onednn")]
-    assert refused and f"over the {int(cap)} MB training memory cap" in refused[0], summary
+    # selection works under the cap less the planner's margin on what the job adds above its start
+    engine_cap = engine_cap_mb(int(cap), job.base_mb)
+    assert refused and f"over the {engine_cap:g} MB training memory cap" in refused[0], summary
     assert job.depth["depth"] == 2 and all(o["fits"] for o in job.depth["options"]), summary
     assert job.peak_mb < int(cap), summary
     _within(job)
+
+
+def test_a_first_job_no_depth_of_which_fits_the_cap_is_refused_before_it_prepares_anything(
+        first: Job, bundle: Path, data: Path, tmp_path: Path) -> None:
+    """A fresh cache under a cap a later job would fit in but a first job's selection would not
+    (with the planner's margin): the job exits EXIT_CONFIG naming the cap and what depth 0
+    needs, writes no report, prepares no engine (no choice cached), and stays under the cap."""
+    cap = first.base_mb + 17  # a later job: ~9 MB above its start; a first job's selection ~26
+    job = _finetune(tmp_path / "job", bundle, data, cap_mb=cap, depth="auto", refused=True)
+    err = job.report["stderr"]
+    assert "no depth fits: depth 0 needs ~" in err and f"over the profile's {int(cap)} MB training cap" in err, err
+    assert "a first job's int8 engine selection" in err and "nothing was run" in err, err
+    assert "memory_cap_mb" in err and err.count("\n") <= 2, err  # one line, no traceback
+    assert not list(job.cache.rglob("*selection*")) and not list(job.cache.rglob("*.npy")), list(job.cache.rglob("*"))
+    assert job.peak_mb < int(cap), (job.peak_mb, cap, err)
+    # the same job asking for depth 2 by number: refused too, naming a depth that fits (none)
+    deep = _finetune(tmp_path / "deep", bundle, data, cap_mb=cap, depth="2", refused=True)
+    assert "depth 2 needs ~" in deep.report["stderr"] and "nothing was run" in deep.report["stderr"]
 
 
 # ---------------------------------------------------------------- the arithmetic, no job
