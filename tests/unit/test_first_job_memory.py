@@ -45,7 +45,13 @@ from edge_agent.int8.engine_memory import (
 )
 from edge_agent.int8.engines import load_engine
 from edge_agent.sim import scenario as demo
-from edge_agent.train.depth_plan import DEFAULT_RATES, RATES_FILE, EngineMemory, engine_cap_mb, plan_depth
+from edge_agent.train.depth_plan import (
+    DEFAULT_RATES,
+    RATES_FILE,
+    EngineMemory,
+    engine_cap_mb,
+    plan_depth,
+)
 
 PROFILE = "test-memory-cap"
 TOLERANCE = 0.25  # the issue's: predicted peak RSS within 25 % of the measured
