@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import math
 import time
@@ -45,10 +46,12 @@ from .strategies import (
     StrategyOptions,
     make_strategy,
 )
+from .strategies.claims import Standing, output_classes
 from .streaming import Sparse
 
 log = logging.getLogger("edge_agent.coordinator.rounds")
 MAX_EVIDENCE_BYTES = 1 << 30
+MAX_CLAIMS_BYTES = 64 << 20  # ~60 bytes a device: a million devices' standings
 
 
 class EvidenceSource(Protocol):
@@ -115,15 +118,63 @@ class RoundAggregation:
             norms = self.registry.lineage_norm_history(job.model_name, before=key)
             history = float(np.median(norms)) if norms else None
             self._evidence[key] = RoundEvidence(layout, history_norm=history, server=self._server(job, rnd),
-                                                earlier_sketches=self._earlier_sketches(job.id, rnd.number))
+                                                earlier_sketches=self._earlier_sketches(job.id, rnd.number),
+                                                claims=self._standings(job.id, rnd.number))
         return self._evidence[key]
 
     def _echo_path(self, job_id: str, number: int) -> Any:
         return self.registry.state_dir / "evidence" / job_id / f"r{number}.echo.npz"
 
+    def _claims_path(self, job_id: str) -> Any:
+        return self.registry.state_dir / "evidence" / job_id / "claims.json"
+
+    def _claims_table(self, job_id: str) -> dict[str, list[float]]:
+        """device -> [sum of its label consistencies, rounds, last round, last value] over the
+        job's closed rounds (strategies/claims.py); {} when none or unreadable."""
+        path = self._claims_path(job_id)
+        if not path.exists():
+            return {}
+        try:
+            table = json.loads(read_checked(path, MAX_CLAIMS_BYTES))
+            if not isinstance(table, dict) or not all(
+                    isinstance(v, list) and len(v) == 4 and all(isinstance(x, int | float) for x in v)
+                    for v in table.values()):
+                raise ValueError("not a table of [sum, rounds, last round, last value]")
+            return {str(d): [float(x) for x in v] for d, v in table.items()}
+        except (CorruptFileError, OSError, ValueError) as exc:
+            log.warning("job %s: the devices' label consistency record is unreadable (%s): judged afresh",
+                        job_id, exc)
+            return {}
+
+    def _standings(self, job_id: str, number: int) -> dict[str, Standing]:
+        """Each device's consistency in the job's rounds before `number` (a round closed again
+        after a restart does not count twice)."""
+        out = {}
+        for d, (total, rounds, last, value) in self._claims_table(job_id).items():
+            if last >= number:
+                total, rounds = total - value, rounds - 1
+            if rounds > 0:
+                out[d] = Standing(total, int(rounds))
+        return out
+
+    def _remember_claims(self, job: Job, rnd: RoundRecord, now: Mapping[str, float]) -> None:
+        table = self._claims_table(job.id)
+        for d, c in now.items():
+            total, rounds, last, value = table.get(d, [0.0, 0, -1, 0.0])
+            if last == rnd.number:  # this round again (closed after a restart): replace its value
+                total, rounds = total - value, rounds - 1
+            elif last > rnd.number:
+                continue
+            table[d] = [total + float(c), rounds + 1, rnd.number, float(c)]
+        write_checked(self._claims_path(job.id), json.dumps(table, sort_keys=True).encode())
+
     def remember(self, job: Job, rnd: RoundRecord, aggregate: Aggregate) -> None:
-        """Keep the round's trusted updates' sketches for the next round's echoes
-        (strategies/echoes.py): ~4 KiB per update, beside the round's server evidence."""
+        """Keep what the job's next rounds judge with: the devices' label consistency
+        (strategies/claims.py) and the round's trusted updates' sketches for the next round's
+        echoes (strategies/echoes.py): ~4 KiB per update, beside the round's server evidence."""
+        now = aggregate.info.get("claims")
+        if isinstance(now, dict) and now:
+            self._remember_claims(job, rnd, now)
         if not aggregate.sketches:
             return
         devices = sorted(aggregate.sketches)
@@ -207,9 +258,11 @@ class RoundAggregation:
             self._strategies[key] = make_strategy(name, options, evidence)
         return self._strategies[key]
 
-    def contribution(self, job: Job, device: str, sp: Sparse, weight: float, metrics: Mapping[str, Any]
-                     ) -> Contribution:
-        classes = self.tail_classes(job)
+    def contribution(self, job: Job, device: str, sp: Sparse, weight: float, metrics: Mapping[str, Any],
+                     rule: Strategy) -> Contribution:
+        """An update as its rule sees it; its label counts are read when the server set or the
+        head's output layer says how many classes there are (strategies/claims.py)."""
+        classes = self.tail_classes(job) or output_classes(rule.evidence.layout)
         counts = label_counts(metrics.get("label_counts"), classes) if classes else None
         return Contribution(device, sp, weight, counts)
 
@@ -229,7 +282,7 @@ class RoundAggregation:
             else:
                 partial = rule.start()
             self._partials[key] = partial
-        rule.accumulate(partial, self.contribution(job, device, sp, weight, metrics))
+        rule.accumulate(partial, self.contribution(job, device, sp, weight, metrics, rule))
         if self.worker is not None and self.partials is not None:
             now = self.clock()
             if now - self._saved_at.get(key, -math.inf) >= self.save_every_s:
@@ -252,7 +305,7 @@ class RoundAggregation:
                 sp = self.heads.sparse(rec, layout)
             except (CorruptFileError, InputError):
                 continue  # judged at close
-            rule.accumulate(partial, self.contribution(job, rec.device_id, sp, _weight(rec), rec.metrics))
+            rule.accumulate(partial, self.contribution(job, rec.device_id, sp, _weight(rec), rec.metrics, rule))
         return partial
 
     def at_close(self, job: Job, rnd: RoundRecord, recs: Mapping[str, UpdateRecord],
@@ -283,7 +336,7 @@ class RoundAggregation:
                 unreadable[device] = str(exc)[:400]
                 continue
             read += 1
-            rule.accumulate(partial, self.contribution(job, device, sp, _weight(rec), rec.metrics))
+            rule.accumulate(partial, self.contribution(job, device, sp, _weight(rec), rec.metrics, rule))
         return rule, partial, unreadable, read
 
     def forget(self, job_id: str, number: int) -> None:

@@ -310,6 +310,7 @@ class Run:
     longest_silence: int = 0  # most rounds in a row that published nothing
     rejected_honest: int = 0  # honest updates REJECTED
     uncounted_honest: int = 0  # honest updates accepted with no share of the aggregate
+    uncounted_hostile: int = 0  # hostile updates rejected or accepted with no share of the aggregate
     aggregator: str = ""
     status: str = ""  # the job's, at the end
     reason: str = ""
@@ -389,6 +390,7 @@ def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, 
             for u in reg.list_updates(job.id, out.round):
                 i = IDS.index(u.device_id)
                 if attack is not None and attack != "silent" and i < attackers:
+                    run.uncounted_hostile += u.status.value == "rejected" or u.reason.startswith("counted for nothing")
                     continue
                 if u.status.value == "rejected":
                     run.rejected_honest += 1

@@ -328,3 +328,53 @@ def test_the_gate_refuses_what_the_server_set_shows_worse() -> None:
     assert "on the server set" in hit.reasons[0] and "newly wrong" in hit.reasons[0]
     assert min(hit.accuracy[1:]) >= hit.accuracy[0] - 0.02
     assert unguarded.accuracy[-1] < hit.accuracy[-1] - 0.1
+
+
+# ---------------------------------------------------------------- without a server set: the devices' claims
+def test_a_flipped_device_counts_for_nothing_by_its_own_label_counts_without_a_server_set() -> None:
+    """Five textures devices, one sending its honest update negated, no server set (the
+    default median_trust): its output bias pushes down the classes its label counts say it
+    holds (strategies/claims.py), so it counts for nothing in every round, takes no part in the
+    median, and the fleet learns as if it were silent. Before, its flips got trust whenever
+    its direction happened to agree with the median: 5.9 points lost after 30 rounds."""
+    from edge_agent.sim.poisoning import simulate, texture_fleet
+
+    data = texture_fleet(5, seed=0)
+    flipped = simulate(data, attack="sign_flip", attackers=1, rounds=10, server_set=False, seed=0)
+    silent = simulate(data, attack="silent", attackers=1, rounds=10, server_set=False, seed=0)
+    assert flipped.aggregator == "median_trust" and flipped.failed == 0 and flipped.rejected_honest == 0
+    assert flipped.uncounted_hostile == 10, flipped
+    assert flipped.uncounted_honest <= 3, flipped
+    assert flipped.accuracy[-1] >= silent.accuracy[-1] - 0.02, (flipped.accuracy, silent.accuracy)
+
+
+def test_the_devices_claim_record_survives_a_restart_and_a_round_closed_twice(state_dir: Path, caplog) -> None:
+    """The label-consistency standing lives beside the round evidence (claims.json): a new
+    coordinator reads it; a round closed again after a crash replaces its own value instead
+    of counting twice; a round's own value is not part of its evidence; a damaged record is
+    judged afresh, with a warning."""
+    from types import SimpleNamespace
+
+    from edge_agent.coordinator.aggregation import NoEvidence, RoundAggregation
+    from edge_agent.coordinator.heads import HeadCache
+    from edge_agent.coordinator.strategies import Aggregate
+    from edge_agent.coordinator.strategies.claims import Standing
+
+    def aggregation() -> RoundAggregation:
+        reg = Registry(state_dir=state_dir)
+        return RoundAggregation(registry=reg, heads=HeadCache(reg, max_update_bytes=1 << 20), policy=RoundPolicy(),
+                                evidence=NoEvidence())
+
+    job = SimpleNamespace(id="job-1")
+    first = aggregation()
+    for number, claims in ((1, {"a": -0.8, "b": 0.5}), (2, {"a": -0.6, "b": 0.3}), (2, {"a": -0.4, "b": 0.3})):
+        first.remember(job, SimpleNamespace(number=number), Aggregate(np.zeros(1), {}, info={"claims": claims}))
+    again = aggregation()  # a restarted coordinator
+    assert again._standings("job-1", 3) == {"a": Standing(pytest.approx(-1.2), 2), "b": Standing(pytest.approx(0.8), 2)}
+    assert again._standings("job-1", 2) == {"a": Standing(pytest.approx(-0.8), 1), "b": Standing(pytest.approx(0.5), 1)}
+    assert again._standings("job-2", 3) == {}
+    path = state_dir / "evidence" / "job-1" / "claims.json"
+    path.write_bytes(path.read_bytes()[:-3])
+    with caplog.at_level(logging.WARNING):
+        assert again._standings("job-1", 3) == {}
+    assert "label consistency record is unreadable" in caplog.text

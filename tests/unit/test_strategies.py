@@ -24,12 +24,14 @@ from edge_agent.coordinator.strategies import (
     RoundEvidence,
     ServerEvidence,
     StrategyOptions,
+    claims,
     make_strategy,
 )
+from edge_agent.coordinator.strategies.claims import Standing
 from edge_agent.coordinator.streaming import Layout, Sparse, sparse_from_dense
 
-SHAPES = {"w": (3, 4), "b": (4,), "v": (5,)}
 CLASSES = 3
+SHAPES = {"w": (3, 4), "b": (4,), "v": (5,), "out_bias": (CLASSES,)}  # out_bias: what claims.py reads
 
 
 def _layout() -> Layout:
@@ -63,7 +65,10 @@ def fleets(draw):
         counts = tuple(int(c) for c in rng.integers(0, 20, CLASSES)) if draw(st.booleans()) else None
         updates.append(DenseUpdate(f"dev-{i}", vec, float(rng.integers(1, 1000)), present, counts))
     history = draw(st.one_of(st.none(), st.floats(0.01, 50.0)))
-    return layout, updates, RoundEvidence(layout, history_norm=history, server=_server(rng, layout.size)), seed
+    standing = {u.device: Standing(float(rng.uniform(-3, 3)), int(rng.integers(1, 6))) for u in updates
+                if draw(st.booleans())}  # earlier rounds' label consistency (claims.py)
+    return layout, updates, RoundEvidence(layout, history_norm=history, server=_server(rng, layout.size),
+                                          claims=standing), seed
 
 
 def _sparse(u: DenseUpdate, layout: Layout) -> Sparse:
@@ -112,6 +117,7 @@ def test_the_streaming_form_equals_the_reference(name, fleet, data):
         assert got.shares[d] == pytest.approx(want.shares[d], rel=1e-9, abs=1e-12)
     assert got.excluded == want.excluded
     assert got.notes == want.notes
+    assert got.info.get("against_claims") == want.info.get("against_claims")
 
 
 # ---------------------------------------------------------------- each rule's own decision
@@ -122,8 +128,8 @@ def _fleet(vectors, weights=None, counts=None):
     return layout, ups
 
 
-def _run(name, layout, ups, *, options=None, server=None, history=None):
-    evidence = RoundEvidence(layout, history_norm=history, server=server)
+def _run(name, layout, ups, *, options=None, server=None, history=None, claims=None):
+    evidence = RoundEvidence(layout, history_norm=history, server=server, claims=claims)
     rule = make_strategy(name, options or StrategyOptions(), evidence)
     streamed = _stream(rule, ups, layout, range(len(ups)), False)
     return streamed, make_strategy(name, options or StrategyOptions(), evidence).reference(ups)
@@ -210,6 +216,73 @@ def test_median_trust_counts_a_disagreeing_update_for_nothing_without_rejecting_
     assert got.info["trust"]["d3"] == 0.0 and got.shares["d3"] == 0.0 and not got.excluded
     assert all(got.info["trust"][d] == 1.0 for d in ("d0", "d1", "d2"))
     np.testing.assert_allclose(got.vec, [1.0, 0.0], atol=1e-12)
+
+
+def _claiming_fleet(flip: float = -1.0):
+    """Three devices of a 3-class head whose output bias moves towards the classes each reports
+    holding (what training on them does), and d3 holding d0's classes but pushing them down
+    (`flip` x d0's update); every update points the median's way in the hidden layer."""
+    layout = Layout({"hidden": np.zeros(4, np.float32), "out_bias": np.zeros(3, np.float32)})
+    counts = [(30, 5, 5), (5, 30, 5), (5, 5, 30), (30, 5, 5)]
+    biases = [[0.6, -0.3, -0.3], [-0.3, 0.6, -0.3], [-0.3, -0.3, 0.6]]
+    biases.append([flip * b for b in biases[0]])
+    ups = [DenseUpdate(f"d{i}", np.array([1.0, 0.5, 0.2, 0.1] + b), 10.0, None, c)
+           for i, (b, c) in enumerate(zip(biases, counts, strict=True))]
+    return layout, ups
+
+
+def test_median_trust_counts_for_nothing_an_update_that_pushes_down_its_own_classes():
+    """claims.py: d3's direction agrees with the median (cosine > kappa: the median alone
+    would trust it fully) but its output bias pushes down the classes it reports holding."""
+    layout, ups = _claiming_fleet()
+    got, want = _run("median_trust", layout, ups)
+    assert got.info["median_cosines"]["d3"] > 0.5
+    assert got.info["claims"]["d3"] < -0.5 and all(got.info["claims"][d] > 0.5 for d in ("d0", "d1", "d2"))
+    assert got.info["against_claims"] == ["d3"] == want.info["against_claims"]
+    assert got.info["trust"]["d3"] == 0.0 and got.shares["d3"] == 0.0 and not got.excluded
+    assert all(got.info["trust"][d] == 1.0 for d in ("d0", "d1", "d2"))
+    # the same round with d3's updates consistent (no flip): it counts like the others
+    layout, honest = _claiming_fleet(flip=1.0)
+    got, _ = _run("median_trust", layout, honest)
+    assert got.info["against_claims"] == [] and got.shares["d3"] > 0.2
+
+
+def test_median_trust_judges_a_device_by_its_whole_jobs_record():
+    """A device whose earlier rounds were consistent keeps its trust through one round that
+    is not (honest updates swing round to round), and one whose earlier rounds pushed its
+    classes down stays counted for nothing through a round that looks consistent."""
+    layout, ups = _claiming_fleet()
+    good = {"d3": Standing(total=4 * 0.8, rounds=4)}  # (3.2 - 0.8) / (5 + 1) > CLAIM_FLOOR
+    got, want = _run("median_trust", layout, ups, claims=good)
+    assert got.info["against_claims"] == [] == want.info["against_claims"] and got.shares["d3"] > 0.2
+    neutral = claims.NEUTRAL_ROUNDS
+    assert got.info["claims_standing"]["d3"] == pytest.approx((3.2 + got.info["claims"]["d3"]) / (5 + neutral),
+                                                             abs=1e-4)
+    layout, honest = _claiming_fleet(flip=1.0)
+    bad = {"d3": Standing(total=-5 * 0.8, rounds=5)}
+    got, want = _run("median_trust", layout, honest, claims=bad)
+    assert got.info["against_claims"] == ["d3"] == want.info["against_claims"] and got.shares["d3"] == 0.0
+
+
+def test_claims_find_the_output_bias_and_need_two_devices_that_differ():
+    layout = Layout({"fc1_weight": np.zeros((4, 3)), "fc1_bias": np.zeros(4), "fc2_weight": np.zeros((3, 4)),
+                     "fc2_bias": np.zeros(3)})
+    assert claims.output_classes(layout) == 3 and claims.output_bias(layout, 3) == slice(28, 31)
+    assert claims.output_bias(layout, 5) is None
+    assert claims.output_classes(Layout({"w": np.zeros((3, 3))})) is None
+    b = {"a": np.array([1.0, -1.0]), "b": np.array([-1.0, 1.0])}
+    assert claims.consistencies(b, {"a": (9, 1)}) == {}  # one device: nothing to compare with
+    assert claims.consistencies(b, {"a": (5, 5), "b": (5, 5)}) == {}  # the same proportions: no direction
+    got = claims.consistencies(b, {"a": (9, 1), "b": (1, 9)})
+    assert got == pytest.approx({"a": 1.0, "b": 1.0})
+    assert claims.consistencies(b, {"a": (1, 9), "b": (9, 1)}) == pytest.approx({"a": -1.0, "b": -1.0})
+    assert claims.standings({"a": -0.5}, {"a": Standing(1.0, 3)}) == {"a": pytest.approx(0.5 / (4 + claims.NEUTRAL_ROUNDS))}
+    floor = claims.CLAIM_FLOOR
+    assert claims.against_claims({"a": floor - 0.01, "b": floor, "c": 0.5}, "abc") == {"a"}
+    # never every device of the round: the best of them stays (a device without counts counts)
+    assert claims.against_claims({"a": -0.7, "b": -0.2}, "ab") == {"a"}
+    assert claims.against_claims({"a": -0.7, "b": -0.2}, "abc") == {"a", "b"}
+    assert claims.against_claims({}, "ab") == set()
 
 
 def test_median_trust_weighs_no_update_above_the_lower_median_weight():

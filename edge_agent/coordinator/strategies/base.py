@@ -77,6 +77,7 @@ class RoundEvidence:
     history_norm: float | None = None  # median accepted norm of the model lineage's recent rounds
     server: ServerEvidence | None = None
     earlier_sketches: Mapping[str, np.ndarray] | None = None  # the previous round's trusted updates (echoes.py)
+    claims: Mapping[str, Any] | None = None  # device -> claims.Standing: its consistency in the job's earlier rounds
 
 
 @dataclass(frozen=True, kw_only=True)

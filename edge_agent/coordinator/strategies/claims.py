@@ -1,0 +1,118 @@
+"""Does a device's update do what the device says it trained on? Evidence without a server set.
+
+A device reports its per-class sample counts with every update (`label_counts`). Training on
+data with label proportions p_i moves the output layer's bias towards the classes the device
+holds more of than the fleet: its bias delta points along p_i - p_mean, where p_mean is the
+mean of the round's reported proportions. A sign-flipped update (or one that unlearns the
+device's own classes) points the other way. Its consistency is
+
+    c_i = cos(bias delta of update i, p_i - p_mean)
+
+and a device's standing is the mean of its c over every round of the job so far, this one
+included, with one neutral round (c = 0) added so that one unlucky first round does not
+decide. An update whose device's standing is below CLAIM_FLOOR counts for nothing: its
+updates push down the classes it reports holding; and it takes no part in the round's
+median, weight cap or reference norm.
+
+Measured on the bench's non-IID fleets without a server set (bench_poisoning, 30 rounds): a
+flipped update's c sits at -0.5 to -0.95 in early rounds and drifts towards 0 as the model
+fits (its delta shrinks to noise), which is why the standing is the whole job's mean and not
+a recent window; honest devices' c ranged from -0.68 to +0.97 round by round. The median's
+cosine cannot tell these apart: late in a job a flipped update of a device whose data
+disagrees with the fleet points with the median (cosine +0.1 to +0.4) while honest ones sit
+at 0.05 to 0.5. The floor and the neutral round were chosen on that bench (2 seeds, 5 and 10
+devices): at -0.1 with no neutral round a textures fleet of 8 honest devices lost 1.2 points
+(a device whose bias moved against its classes for 18 of 30 rounds: the model already
+over-predicted them); at -0.15 with one, it lost none, and every flip was still caught.
+
+A device that lies about its label counts only changes what it is compared with; this rule
+catches updates that contradict their own claims, not an attacker that shapes both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..streaming import Layout, Sparse
+
+CLAIM_FLOOR = -0.15
+NEUTRAL_ROUNDS = 1  # rounds of c = 0 every standing starts with
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A device's consistency over the job's earlier rounds: the sum of its c and how many."""
+
+    total: float
+    rounds: int
+
+
+def output_bias(layout: Layout, classes: int) -> slice | None:
+    """The flat positions of the head's output bias: the last one-dimensional tensor named
+    like a bias with one entry per class (None: the head has none, or it is not carried)."""
+    names = [n for n in layout.names if layout.shapes[n] == (classes,) and "bias" in n.lower()]
+    if not names:
+        return None
+    start = layout.offsets[names[-1]]
+    return slice(start, start + classes)
+
+
+def output_classes(layout: Layout) -> int | None:
+    """How many classes the head's output has, from the layout alone: the size of its last
+    one-dimensional tensor named like a bias (the output layer's, in a head's own order)."""
+    sizes = [layout.shapes[n][0] for n in layout.names if len(layout.shapes[n]) == 1 and "bias" in n.lower()]
+    return sizes[-1] if sizes and sizes[-1] >= 2 else None
+
+
+def _proportions(counts: Sequence[int]) -> np.ndarray | None:
+    c = np.asarray(counts, np.float64)
+    total = c.sum()
+    return c / total if total > 0 else None
+
+
+def consistencies(bias_deltas: Mapping[str, np.ndarray], counts: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """c_i for every device with a bias delta and label counts (module doc); a device whose
+    proportions equal the round's mean (or with no bias movement) has none."""
+    props = {d: p for d, c in counts.items() if d in bias_deltas and (p := _proportions(c)) is not None}
+    if len(props) < 2:
+        return {}
+    mean = np.mean(list(props.values()), axis=0)
+    out = {}
+    for d, p in props.items():
+        ref, b = p - mean, np.asarray(bias_deltas[d], np.float64)
+        nr, nb = float(np.linalg.norm(ref)), float(np.linalg.norm(b))
+        if nr > 1e-9 and nb > 0 and np.isfinite(nb):
+            out[d] = float(b @ ref / (nr * nb))
+    return out
+
+
+def sparse_slice(sp: Sparse, where: slice) -> np.ndarray:
+    """The dense values of `sp` at positions `where` (zero where it kept nothing)."""
+    out = np.zeros(where.stop - where.start, np.float64)
+    sel = (sp.idx >= where.start) & (sp.idx < where.stop)
+    out[sp.idx[sel] - where.start] = sp.vals[sel]
+    return out
+
+
+def standings(now: Mapping[str, float], earlier: Mapping[str, Standing] | None) -> dict[str, float]:
+    """Each judged device's mean consistency over the job, this round included."""
+    earlier = earlier or {}
+    out = {}
+    for d, c in now.items():
+        s = earlier.get(d, Standing(0.0, 0))
+        out[d] = (s.total + c) / (s.rounds + 1 + NEUTRAL_ROUNDS)
+    return out
+
+
+def against_claims(standing: Mapping[str, float], devices: Collection[str]) -> set[str]:
+    """The round's devices whose standing is below the floor -- never all of them: with every
+    one below it, the best stays (measured on the bench: at 2 devices an honest device's
+    standing fell to -0.2 once the model fitted its data, the flipper's sat at -0.7, and
+    flagging both published nothing for 28 rounds in a row)."""
+    below = {d for d, s in standing.items() if s < CLAIM_FLOOR}
+    if below and below >= set(devices):
+        below.discard(max(below, key=lambda d: (standing[d], d)))
+    return below
