@@ -9,7 +9,9 @@ measurements behind it, from bench/bench_poisoning.py):
     yes        | any               | trust        | the coordinator's own evidence judges each update;
                |                   |              | robust with 2 devices and beyond a minority of attackers
     no         | <= 100            | median_trust | agreement with the round's median decides how much an
-               |                   |              | update counts; nothing is ejected for disagreeing
+               |                   |              | update counts; nothing is ejected for disagreeing; a
+               |                   |              | device whose updates push down the classes it reports
+               |                   |              | holding counts for nothing (claims.py)
     no         | > 100             | trimmed_mean | the median's every-update reads at close cost too much;
                |                   |              | a 20 % trim holds against a minority at that size
 
