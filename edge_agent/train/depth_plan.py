@@ -45,8 +45,8 @@ bundle without depths trains the head, and a device without MXNet only the depth
 trains. When no depth fits the memory cap, or a depth asked for by number does not, the
 job is refused (OverMemoryCap) before anything is prepared: running it anyway would take
 the board past what training may use. The energy budget only steers: with none that fits,
-the head trains and the governor stops it. The rates start from conservative defaults and are learned per device: after every
-job the measured CPU time of its phases updates `planner-rates.json` in the job's cache
+the head trains and the governor stops it. The rates start from conservative defaults and
+are learned per device: after every job the measured CPU time of its phases updates `planner-rates.json` in the job's cache
 directory (the training rates under the keys of the trainer that ran), and so do its
 memory figures: the engine phase's measured growth as a scale of its prediction
 (selection_mb_scale after a selection, engine_mb_scale after a cached engine's) and MXNet's
@@ -80,12 +80,6 @@ ENERGY_MARGIN = 1.25  # the plan must fit the budget with this much to spare
 # and the training memory cap with MEMORY_MARGIN (selection's, engine_memory.py) of what the
 # job is predicted to add above the process now: a first job once peaked at 208 MB under a
 # 200 MB cap where 186 MB was predicted
-
-
-class OverMemoryCap(ConfigError):
-    """No depth (or not the one asked for) fits the board profile's training memory cap: the
-    job is refused before it prepares anything (exit EXIT_CONFIG; the agent fails the job
-    with this line, and the coordinator counts the device as a dropout with it)."""
 RATES_FILE = "planner-rates.json"
 LEARN_WEIGHT = 0.7
 SELECTION_FIXED_S = 2.0  # preparing the candidate engines; the rest scales with the prefix's MACs
@@ -111,6 +105,12 @@ def fraction_key(depth: int) -> str:
 
 
 FRACTION_KEYS = tuple(fraction_key(d) for d in range(9))  # parse_depth's 0..8
+
+
+class OverMemoryCap(ConfigError):
+    """No depth (or not the one asked for) fits the board profile's training memory cap: the
+    job is refused before it prepares anything (exit EXIT_CONFIG; the agent fails the job
+    with this line, and the coordinator counts the device as a dropout with it)."""
 
 
 def epoch_fraction(rates: dict[str, float], depth: int) -> float:

@@ -238,14 +238,15 @@ class MedianTrust(Strategy):
         band = self.band(len(judged))
         out, trust = {}, {}
         for d, w in weights.items():
-            t = 0.0 if d in against else trust_of(cosines.get(d, 0.0), self.options.trust_kappa)
+            t = 0.0 if d in against else trust_of(cosines[d], self.options.trust_kappa)
             w = min(w, cap)
             out[d] = (w * t * band_scale(norms[d], center, band), w * t)
             trust[d] = t
         return out, trust
 
     def _aggregate(self, vec: np.ndarray, coefs: dict[str, tuple[float, float]], trust: dict[str, float],
-                   cosines: dict[str, float], now: dict[str, float], standing: dict[str, float]) -> Aggregate:
+                   cosines: dict[str, float], now: dict[str, float], standing: dict[str, float],
+                   against: set[str]) -> Aggregate:
         means = {d: c[1] for d, c in coefs.items()}
         if not any(means.values()):
             raise _no_trust(trust)
@@ -254,7 +255,7 @@ class MedianTrust(Strategy):
         if now:  # kept by the coordinator for the job's later rounds (aggregation.remember)
             info |= {"claims": {d: round(c, 4) for d, c in now.items()},
                      "claims_standing": {d: round(c, 4) for d, c in standing.items()},
-                     "against_claims": sorted(claims.against_claims(standing, trust))}
+                     "against_claims": sorted(against)}
         return Aggregate(vec, shares(means), info=info)
 
     def finalize(self, partial: Partial, load: Load) -> Aggregate:
@@ -277,7 +278,7 @@ class MedianTrust(Strategy):
         for d, t in trust.items():
             partial.members[d].trust = t
         decoded = partial.readjust(coefs, load)
-        agg = self._aggregate(partial.mean(), coefs, trust, cosines, now, standing)
+        agg = self._aggregate(partial.mean(), coefs, trust, cosines, now, standing, against)
         agg.info["decoded_at_close"] = decoded
         return agg
 
@@ -296,4 +297,4 @@ class MedianTrust(Strategy):
         cosines = {d: _cos(float(v @ med), norms[d], med_norm) for d, v in stack.items()}
         coefs, trust = self._coefs({u.device: u.weight for u in updates}, norms, cosines, against)
         vec = dense_mean(updates, [coefs[u.device][0] for u in updates], [coefs[u.device][1] for u in updates], layout)
-        return self._aggregate(vec, coefs, trust, cosines, now, standing)
+        return self._aggregate(vec, coefs, trust, cosines, now, standing, against)
