@@ -218,6 +218,26 @@ def test_median_trust_counts_a_disagreeing_update_for_nothing_without_rejecting_
     np.testing.assert_allclose(got.vec, [1.0, 0.0], atol=1e-12)
 
 
+def test_median_trust_takes_the_median_again_without_the_updates_against_it():
+    """IPM (-1 x the honest mean) drags the coordinate-wise median of five off d1's way: d1's
+    cosine falls to 0.06 and it would earn only part of its trust. The second median, of the
+    updates that agree with the first, gives it back; the attacker still counts for nothing."""
+    honest = [[-1.0, 4.0, -1.0], [3.0, -1.0, 2.0], [1.0, 4.0, 1.0], [4.0, 4.0, 3.0]]
+    vecs = honest + [(-np.mean(honest, axis=0)).tolist()]
+    layout, ups = _fleet(vecs)
+    got, want = _run("median_trust", layout, ups)
+    assert got.info["median_left_out"] == ["d4"] == want.info["median_left_out"]
+    first = np.median(np.array(vecs), axis=0)  # the one median a single pass would judge by
+    assert np.dot(vecs[1], first) / (np.linalg.norm(vecs[1]) * np.linalg.norm(first)) < 0.1
+    assert got.info["median_cosines"]["d1"] == pytest.approx(0.283, abs=1e-3)
+    assert all(got.info["trust"][f"d{i}"] == 1.0 for i in range(4)) and got.info["trust"]["d4"] == 0.0
+    assert got.shares["d4"] == 0.0 and got.shares["d1"] == pytest.approx(0.25)
+    np.testing.assert_allclose(got.vec, want.vec)
+    # in a round without a majority (3 updates) the median is taken once
+    layout, ups = _fleet(vecs[2:])
+    assert _run("median_trust", layout, ups)[0].info["median_left_out"] == []
+
+
 def _claiming_fleet(flip: float = -1.0):
     """Three devices of a 3-class head whose output bias moves towards the classes each reports
     holding (what training on them does), and d3 holding d0's classes but pushing them down
