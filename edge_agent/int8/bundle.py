@@ -64,12 +64,12 @@ ORACLE = "oracle.npz"  # the reference's and the fp32 model's answers on the cal
 REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBRATION)
 OPTIONAL_FILES = (BACKBONE_EDGETPU, ORACLE)
 MAX_DEPTH = 8
-_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json|head\.params)\Z")  # \Z: no "\n" after
+_DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json|head\.params|oracle\.npz)\Z")  # \Z: no "\n" after
 _COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements")
 
 
 def depth_file(depth: int, fname: str) -> str:
-    """The bundle file holding depth `depth`'s BACKBONE_INT8 or HEAD_SYMBOL."""
+    """The bundle file holding depth `depth`'s BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS or ORACLE."""
     return fname if depth == 0 else f"depth{depth}-{fname}"
 
 MAX_MANIFEST_BYTES = 1 << 20
@@ -354,7 +354,8 @@ class Bundle:
             raise BundleError(f"{self.path}: the bundle has no depth {depth} (its depths: 0..{have}; "
                               "build it with `edge-coordinator model create --depths N`)")
         spec = self.manifest.depths[depth]
-        aliases = {f: depth_file(depth, f) for f in (BACKBONE_INT8, HEAD_SYMBOL)}
+        aliases = {f: depth_file(depth, f) for f in (BACKBONE_INT8, HEAD_SYMBOL, ORACLE)
+                   if f != ORACLE or depth_file(depth, f) in self.manifest.files}  # the answers are optional
         files = {f: e for f, e in self.manifest.files.items() if f not in (BACKBONE_EDGETPU, ORACLE)}  # for depth 0
         files.update({f: self.manifest.files[real] for f, real in aliases.items()})
         manifest = dataclasses.replace(self.manifest, split_tensor=spec.tensor, split_node=spec.node,

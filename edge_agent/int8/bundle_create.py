@@ -32,7 +32,6 @@ from .bundle import (
     MAX_CALIBRATION_SAMPLES,
     MAX_DEPTH,
     MAX_FILE_BYTES,
-    ORACLE,
     REQUIRED_FILES,
     Bundle,
     BundleError,
@@ -339,12 +338,11 @@ def _calibration_npz(calib: np.ndarray) -> bytes:
 
 
 def _oracle_answers(bundle: Bundle) -> dict[str, bytes]:
-    """oracle.npz (oracle_answers.py): the reference's and the fp32 model's answers, computed
-    here once instead of on every device's first job (none where they do not apply)."""
-    from .oracle_answers import compute
+    """oracle.npz, one per depth (oracle_answers.py): the reference's and the fp32 model's
+    answers, computed here once instead of on every device's first job at a depth."""
+    from .oracle_answers import compute_all
 
-    answers = compute(bundle)
-    return {ORACLE: answers} if answers is not None else {}
+    return compute_all(bundle)
 
 
 def _deeper_prefixes(model: Any, split: str, depths: int, where: str, int8_prefix: Any

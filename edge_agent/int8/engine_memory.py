@@ -12,6 +12,8 @@ reference and the fp32 runner keep each layer's output of a chunk until the chun
                 + PROBE_SAMPLES x prefix activations x PROBE_BYTES   (the probe's reference run)
     oracle    = ORACLE_FIXED_MB + max(chunk, ROUNDING_SAMPLES)
                                   x max(prefix activations x ORACLE_BYTES, tail activations x TAIL_BYTES)
+                (with the answers in the bundle: ORACLE_FIXED_MB + max(SPOT_CHECK_SAMPLES x prefix
+                 activations x ORACLE_BYTES, chunk x tail activations x TAIL_BYTES))
     engines   = the candidates selection prepares, in its order, at the job's threads, and the
                 cheap ones again at each fewer thread count (its thread variants)
     engine    = [its runtime_mb_hint] + its prepare_mb_hint
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .agreement import ORACLE_CHUNK, ROUNDING_SAMPLES
+from .oracle_answers import SPOT_CHECK_SAMPLES
 
 # what the probe leaves besides its samples (the engines' availability checks load their
 # runtimes; the bundle's graph): 7.6 MB on the digits CNN (native and tflite), whose samples
@@ -76,6 +79,7 @@ class PrefixShape:
     activations: int  # elements per sample of the int8 prefix's activation tensors, input included
     tail_activations: int  # the trainable tail's (the manifest's depth costs)
     calibration_mb: float  # the stored calibration samples, as loaded (float32)
+    answers_stored: bool = False  # the bundle carries the oracle's answers for this prefix (oracle_answers.py)
 
 
 @dataclass
@@ -95,7 +99,7 @@ class SelectionMemory:
 
 def prefix_shape(bundle: Any, graph: Any = None) -> PrefixShape:
     """The bundle view's figures (`graph`: its QGraph when already parsed)."""
-    from .bundle import CALIBRATION
+    from .bundle import CALIBRATION, ORACLE
 
     graph = bundle.qgraph() if graph is None else graph
     activations = sum(math.prod(t.shape[1:]) for t in graph.tensors.values() if not t.is_constant)
@@ -106,7 +110,7 @@ def prefix_shape(bundle: Any, graph: Any = None) -> PrefixShape:
             calibration = sum(i.file_size for i in zf.infolist()) / 2**20
     except (OSError, zipfile.BadZipFile):  # a broken file fails later, where it is loaded
         calibration = 0.0
-    return PrefixShape(int(activations), tail, calibration)
+    return PrefixShape(int(activations), tail, calibration, bundle.has(ORACLE))
 
 
 def _per_sample_mb(shape: PrefixShape) -> float:
@@ -115,7 +119,12 @@ def _per_sample_mb(shape: PrefixShape) -> float:
 
 def oracle_mb(shape: PrefixShape, chunk: int) -> float:
     """The oracle's peak above its start: the reference's and the fp32 runner's chunk of
-    samples (and the head's logits over one), onnx."""
+    samples (and the head's logits over one), onnx. With the answers stored, only the
+    reference's spot check and the head's chunks run (measured on the camera MobileNetV2's
+    first job at depth 4: 210 MB where 304 MB had been predicted for computing them)."""
+    if shape.answers_stored:
+        return ORACLE_FIXED_MB + max(SPOT_CHECK_SAMPLES * shape.activations * ORACLE_BYTES,
+                                     chunk * shape.tail_activations * TAIL_BYTES) / 2**20
     return ORACLE_FIXED_MB + max(chunk, ROUNDING_SAMPLES) * _per_sample_mb(shape)
 
 

@@ -8,8 +8,14 @@ device -- the reference is integer arithmetic, and the fp32 features only feed a
 bundle (the int8 backbone's and the calibration file's sha256 are inside, and the manifest
 pins the file's own hash), re-runs the reference on SPOT_CHECK_SAMPLES samples to confirm
 they are this reference's answers, and uses them. Anything that does not hold -- another
-backbone, a depth view, a multi-depth bundle (a federated version changes weights inside
-its fp32 backbone), a malformed file -- means the device computes them itself, as before.
+backbone, a malformed file -- means the device computes them itself, as before.
+
+A multi-depth bundle carries answers for each depth's prefix (`depth<k>-oracle.npz`; the
+first job at a depth paid ~4.8 of its ~8 CPU-s of selection for them on the camera
+MobileNetV2). Each is bound to its own int8 prefix: a federated version that changes a
+weight inside a prefix re-quantises that prefix (requantize.refresh_prefixes, which drops
+its answers), and one that changes weights only in a depth's tail leaves the prefix's int8
+and fp32 answers as they were.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .bundle import BACKBONE_INT8, CALIBRATION, MAX_FILE_BYTES, ORACLE
+from .bundle import BACKBONE_INT8, CALIBRATION, MAX_FILE_BYTES, ORACLE, depth_file
 
 _log = logging.getLogger(__name__)
 
@@ -38,19 +44,24 @@ class OracleAnswers:
     sensitivity: float  # agreement.rounding_sensitivity of the int8 graph
 
 
-def applies(bundle: Any) -> bool:
-    """Whether answers can be stored for (or used by) this bundle view."""
-    return getattr(bundle, "depth", 0) == 0 and not bundle.manifest.depths
+def compute_all(bundle: Any) -> dict[str, bytes]:
+    """The answers files of a written bundle: oracle.npz, and one per depth of a multi-depth
+    bundle (none where they do not apply: float I/O)."""
+    views = [bundle.at_depth(k) for k in range(len(bundle.manifest.depths))] if bundle.manifest.depths else [bundle]
+    out = {}
+    for k, view in enumerate(views):
+        answers = compute(view)
+        if answers is not None:
+            out[depth_file(k, ORACLE)] = answers
+    return out
 
 
 def compute(bundle: Any) -> bytes | None:
-    """oracle.npz for a written bundle (None where it does not apply: depths, float I/O)."""
+    """oracle.npz for a written bundle or one of its depth views (None for float I/O)."""
     from .agreement import AGREEMENT_MAX_SAMPLES, in_chunks, quantized_input, rounding_sensitivity
     from .engine_cost import fp32_features
     from .engines.reference import QGraphRunner
 
-    if not applies(bundle):
-        return None
     runner = QGraphRunner(bundle.qgraph())
     if not runner.int8_io:
         return None
@@ -73,7 +84,7 @@ def compute(bundle: Any) -> bytes | None:
 def load(bundle: Any, n_samples: int) -> OracleAnswers | None:
     """The stored answers for this bundle's first `n_samples` calibration samples, or None
     (absent, not for this view, or unusable: a warning says why)."""
-    if not applies(bundle) or ORACLE not in bundle.manifest.files:
+    if not bundle.has(ORACLE):
         return None
     try:
         return _parse(bundle, bundle.read(ORACLE), n_samples)

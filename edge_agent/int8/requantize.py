@@ -30,6 +30,7 @@ from .bundle import (
     BACKBONE_ONNX,
     CALIBRATION,
     HEAD_SYMBOL,
+    ORACLE,
     BundleError,
     Manifest,
     depth_file,
@@ -84,6 +85,7 @@ def refresh_prefixes(files: dict[str, bytes], manifest: Manifest, params: Mappin
         read_tflite(tflite)
         name = depth_file(depth.depth, BACKBONE_INT8)
         files[name] = tflite
+        files.pop(depth_file(depth.depth, ORACLE), None)  # another prefix's answers: a device computes its own
         rewritten.append(name)
     return rewritten
 

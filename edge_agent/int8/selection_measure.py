@@ -36,7 +36,6 @@ from ..atomic import atomic_write_json
 from ..errors import EdgeAgentError
 from ..heap import release_freed_memory
 from . import engines as registry
-from . import oracle_answers
 from .agreement import (
     ORACLE_CHUNK,
     ROUNDING_SAMPLES,
@@ -315,7 +314,7 @@ def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Price
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
     n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
-    stored = oracle_answers.applies(bundle) and bundle.has(ORACLE)  # then only a spot check runs
+    stored = bundle.has(ORACLE)  # then only a spot check runs (oracle_answers.load may still refuse them)
     oracle = per_sample * (SPOT_CHECK_SAMPLES if stored else len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
     hints = {r.name: float(getattr(ask.by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}
     prepare = {r.name: per_sample * (len(x) + n_agree) + ask.wpc * hints[r.name] for r in todo}

@@ -139,8 +139,8 @@ def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0, depths: int = 
             manifest = load_bundle(target).manifest
             if len(manifest.depths) != (depths + 1 if depths else 0):
                 raise InputError("other depths")
-            if not depths and ORACLE not in manifest.files:
-                raise InputError("made before bundles carried the oracle's answers")
+            if ORACLE not in manifest.files:
+                raise InputError("made before bundles carried the oracle's answers (per depth too)")
         except (InputError, OSError):
             sc = scenario(seed=seed)
             build_bundle(target, sc.base_x, sc.base_y, seed=seed, overwrite=True, depths=depths)
@@ -156,7 +156,7 @@ def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0, depths: int = 
 # the base devices' shares, each seen through its own camera.
 
 
-CAMERA_BUNDLE_FORMAT = 3  # 3: oracle.npz (the oracle's answers) in the bundle
+CAMERA_BUNDLE_FORMAT = 4  # 3: oracle.npz (the oracle's answers) in the bundle; 4: per depth too
 
 
 def upsample(images: np.ndarray, size: int) -> np.ndarray:

@@ -93,6 +93,11 @@ def _depth_files(n: int) -> list[str]:
     return [B.depth_file(k, f) for k in range(1, n + 1) for f in (B.BACKBONE_INT8, B.HEAD_SYMBOL, B.HEAD_PARAMS)]
 
 
+def _answers_files(n: int) -> list[str]:
+    """The oracle's answers of every depth's prefix (oracle_answers.py), depth 0's included."""
+    return [B.depth_file(k, B.ORACLE) for k in range(n + 1)]
+
+
 # ------------------------------------------------------------------ creation
 
 
@@ -102,7 +107,7 @@ def test_manifest_lists_depth_0_to_n_in_order_with_their_files(deep):
     assert [(d.tensor, d.kind) for d in m.depths] == CUTS
     assert m.depths[0].feature_shape == m.feature_shape == (1280, 1, 1) and m.depths[0].tensor == m.split_tensor
     assert [d.feature_shape for d in m.depths[1:]] == [(112, 1, 1), (56, 1, 1), (56, 1, 1)]
-    assert sorted(m.files) == sorted([*B.REQUIRED_FILES, *_depth_files(DEPTHS)])
+    assert sorted(m.files) == sorted([*B.REQUIRED_FILES, *_depth_files(DEPTHS), *_answers_files(DEPTHS)])
     for fname in _depth_files(DEPTHS):  # on disk, and pinned by the manifest like every other file
         assert (deep.path / fname).stat().st_size == m.files[fname].size > 0
     # the raw JSON says the same, and reads back to the same bytes
@@ -187,11 +192,11 @@ def test_depths_0_keeps_the_head_only_layout(flat, deep):
     assert raw == (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
     assert B.parse_manifest(raw).to_bytes() == raw and flat.manifest.depths == []
     assert sorted(flat.manifest.files) == sorted([*B.REQUIRED_FILES, B.ORACLE])
-    # the deep bundle's manifest is the head-only one plus "depths" and the depth files, without
-    # the oracle's answers (a federated version changes weights inside its fp32 backbone)
+    # the deep bundle's manifest is the head-only one plus "depths", the depth files and each
+    # deeper prefix's answers
     other = _raw(deep)
     assert set(other) == HEAD_ONLY_KEYS | {"depths"}
-    assert set(other["files"]) == (set(obj["files"]) - {B.ORACLE}) | set(_depth_files(DEPTHS))
+    assert set(other["files"]) == set(obj["files"]) | set(_depth_files(DEPTHS)) | set(_answers_files(DEPTHS))
     for key in ("input", "labels", "split", "extra", "source"):
         assert other[key] == obj[key], key
     # depth 0 of the deep bundle is the head-only bundle: same backbone, same int8 model

@@ -18,6 +18,7 @@ and the kernel's ru_maxrss of the child (wait4; it misses what came before the l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -36,14 +37,18 @@ from edge_agent.int8 import engine_cost
 from edge_agent.int8.bundle import load_bundle
 from edge_agent.int8.engine_memory import (
     MEMORY_MARGIN,
+    ORACLE_BYTES,
     ORACLE_FIXED_MB,
+    TAIL_BYTES,
     PrefixShape,
     oracle_chunk,
     oracle_mb,
+    prefix_shape,
     selection_candidates,
     selection_mb,
 )
 from edge_agent.int8.engines import load_engine
+from edge_agent.int8.oracle_answers import SPOT_CHECK_SAMPLES
 from edge_agent.sim import scenario as demo
 from edge_agent.train.depth_plan import (
     DEFAULT_RATES,
@@ -278,6 +283,23 @@ def test_selection_skips_what_would_go_over_the_cap_and_chunks_its_oracle(bundle
     chunk = oracle_chunk(big, 80.0)  # the most that fits with the margin to spare
     assert 1 <= chunk < 32 and oracle_mb(big, chunk) * MEMORY_MARGIN <= 80.0 < oracle_mb(big, chunk + 1) * MEMORY_MARGIN
     assert oracle_chunk(big, ORACLE_FIXED_MB) == 1  # nothing fits: one sample at a time
+
+
+def test_a_prefix_whose_answers_ship_with_the_bundle_is_predicted_without_the_oracles_runs(bundle: Path) -> None:
+    """Every depth of a multi-depth bundle carries its prefix's answers (oracle_answers.py), so a
+    first job's oracle runs only the reference's spot check and the head's chunks: predicted so
+    (the camera MobileNetV2's first job at depth 4 measured 210 MB where computing them was
+    predicted at 304), and as before for a prefix without them."""
+    b = load_bundle(bundle)
+    assert all(prefix_shape(b.at_depth(d)).answers_stored for d in range(3))
+    computing = PrefixShape(activations=1_000_000, tail_activations=1_000, calibration_mb=10.0)
+    stored = dataclasses.replace(computing, answers_stored=True)
+    assert oracle_mb(computing, 32) == pytest.approx(ORACLE_FIXED_MB + 32 * 1e6 * ORACLE_BYTES / 2**20)
+    assert oracle_mb(stored, 32) == pytest.approx(ORACLE_FIXED_MB + SPOT_CHECK_SAMPLES * 1e6 * ORACLE_BYTES / 2**20)
+    tail_heavy = dataclasses.replace(stored, tail_activations=2_000_000)  # the head's chunks dominate
+    assert oracle_mb(tail_heavy, 32) == pytest.approx(ORACLE_FIXED_MB + 32 * 2e6 * TAIL_BYTES / 2**20)
+    engines = [("tflite", load_engine("tflite"))]
+    assert selection_mb(stored, engines, batch=32).peak_mb < selection_mb(computing, engines, batch=32).peak_mb
 
 
 def test_selection_candidates_follow_selections_order_and_its_dominance_rule() -> None:

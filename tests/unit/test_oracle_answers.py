@@ -1,6 +1,6 @@
-"""The oracle's answers made with the bundle (oracle.npz): the same verdicts as computing them
-on the device, used only where they are this bundle's and this reference's, and anything
-else -- another backbone, a depth view, a damaged or forged file -- computed on the device."""
+"""The oracle's answers made with the bundle (oracle.npz, and one per depth): the same verdicts
+as computing them on the device, used only where they are this prefix's and this reference's,
+and anything else -- another backbone, a damaged or forged file -- computed on the device."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from edge_agent.int8 import bundle_create as BC
 from edge_agent.int8 import selection as sel
 from edge_agent.int8.agreement import Oracle, check_batch_for
-from edge_agent.int8.bundle import ORACLE, load_bundle
+from edge_agent.int8.bundle import ORACLE, depth_file, load_bundle
 from edge_agent.int8.bundle_files import write_bundle_dir
 from edge_agent.int8.oracle_answers import load
 from edge_agent.sim import models
@@ -113,11 +113,24 @@ def test_not_a_zip_is_refused_too(made, caplog):
     assert "not used" in caplog.text
 
 
-def test_a_multi_depth_bundle_and_its_depth_views_carry_none(tmp_path):
+def test_each_depth_of_a_multi_depth_bundle_uses_its_own_prefixs_answers(tmp_path):
+    """A first job at any depth gets the answers made with the bundle (a federated version that
+    re-quantises a prefix drops that prefix's: test_requantize), the same as computing them,
+    and a depth's answers are refused for another depth's prefix."""
     x_train, y_train, _, _ = models.load_digits_split()
     net = models.digits_cnn()
     models.fit_classifier(net, x_train, y_train, epochs=1)
     deep = BC.create_bundle(net, tmp_path / "deep", calibration=x_train[:64], labels=[str(i) for i in range(10)],
                             name="digits", input_shape=(1, 8, 8), scale=1 / 16, version="1", depths=1)
-    assert ORACLE not in deep.manifest.files and ORACLE not in deep.at_depth(1).manifest.files
-    assert load(load_bundle(deep.path), 64) is None
+    assert {ORACLE, depth_file(1, ORACLE)} <= set(deep.manifest.files)
+    without = _rewrite(deep, tmp_path / "without", oracle_npz=None, **{depth_file(1, ORACLE): None})
+    for depth in (0, 1):
+        view, bare = load_bundle(deep.path).at_depth(depth), without.at_depth(depth)
+        assert load(view, 64) is not None and load(bare, 64) is None
+        stored, computed = Oracle(view, check_batch_for(view, 16)), Oracle(bare, check_batch_for(bare, 16))
+        assert stored.answers_stored and not computed.answers_stored
+        np.testing.assert_array_equal(stored.int8, computed.int8)
+        np.testing.assert_array_equal(stored.fp32_top1, computed.fp32_top1)
+        assert stored.rounding_sensitivity() == computed.rounding_sensitivity()
+    swapped = _rewrite(deep, tmp_path / "swapped", oracle_npz=deep.read(depth_file(1, ORACLE)))
+    assert load(swapped, 64) is None  # depth 1's answers, for depth 0's prefix: another backbone

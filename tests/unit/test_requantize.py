@@ -23,6 +23,7 @@ import pytest
 from edge_agent.int8.bundle import (
     BACKBONE_INT8,
     BACKBONE_ONNX,
+    ORACLE,
     BundleError,
     depth_file,
     load_bundle,
@@ -119,9 +120,11 @@ def test_exactly_the_prefixes_that_freeze_a_changed_weight_are_rebuilt_as_create
     params = {**head_from_bundle(root)[1], tensor: value}
     files = _files(root)
     assert refresh_prefixes(files, root.manifest, params) == rebuilt
-    for fname in PREFIXES:
+    for k, fname in enumerate(PREFIXES):
         assert files[fname] == want.read(fname), fname  # byte for byte what create_bundle makes
         assert (files[fname] != root.read(fname)) == (fname in rebuilt), fname
+        # the oracle's answers go with their prefix: a rebuilt one's are dropped, the others' kept
+        assert (depth_file(k, ORACLE) in files) == (fname not in rebuilt), k
     assert files[BACKBONE_ONNX] == root.read(BACKBONE_ONNX)  # the root's fp32 backbone is kept
 
 
@@ -171,6 +174,16 @@ def test_a_round_at_depth_builds_a_version_whose_prefixes_track_its_fp32_net(mak
             assert err_old > 10 * err_new
         else:  # depth 2's prefix does not hold conv2: it was right before and is the same file
             assert built.read(PREFIXES[2]) == root.read(PREFIXES[2])
+
+    # the answers of the prefix that was kept still hold; the rebuilt ones' are not shipped
+    from edge_agent.int8.oracle_answers import load
+
+    assert [built.at_depth(d).has(ORACLE) for d in (0, 1, 2)] == [False, False, True]
+    kept, fresh = load(built.at_depth(2), 64), load(root.at_depth(2), 64)
+    np.testing.assert_array_equal(kept.ref_int8, fresh.ref_int8)
+    np.testing.assert_allclose(kept.fp32, run_float(import_onnx(built.at_depth(2).onnx_bytes(),
+                                                                split=built.at_depth(2).manifest.split_tensor),
+                                                    built.calibration()[:64]), rtol=1e-5, atol=1e-5)
 
     # the patch a device already running version 1 fetches carries the rebuilt prefixes
     patch = arts.patch_for(v2)
