@@ -21,19 +21,22 @@ construction (same panels, batteries and weather).
 
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..agent.policy import DeviceLimits
-from ..keys import fingerprint, public_key_bytes
 from ..power.budget import Budget
 from .digits import apply_camera, camera_params, device_seed, load_digits_images
-from .poisoning import SERVER_SAMPLES, FleetData, _split_server, _through_cameras, texture_fleet
+from .poisoning import (
+    SERVER_SAMPLES,
+    FleetData,
+    _split_server,
+    _through_cameras,
+    seeded_device_keys,
+    texture_fleet,
+)
 from .solar_weather import STEP_S, Sites, Weather, make_sites, make_weather
 
 PER_DEVICE = 60
@@ -155,9 +158,7 @@ def device_keys(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     samples devices by id, so fresh random keys made two runs of one cell select different
     devices (a synchronous cell reached its final accuracy at 183 h in one run, 199 h in
     another). Simulation keys only: a real device generates its key."""
-    keys = [Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"solar-sim/{seed}/{i}".encode()).digest())
-            for i in range(n)]
-    return [fingerprint(k) for k in keys], [base64.b64encode(public_key_bytes(k)).decode() for k in keys]
+    return seeded_device_keys(f"solar-sim/{seed}", n)
 
 
 # ---------------------------------------------------------------- a fleet
