@@ -43,6 +43,7 @@ import io
 import json
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -339,19 +340,23 @@ class _ParsedGraphs:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._graphs: dict[str, tuple[Any, int]] = {}  # sha256 -> (graph, tflite bytes), oldest first
+        self._lock = threading.Lock()  # the agent's inference server prepares engines from its threads
 
     def get(self, sha256: str, data: bytes) -> Any:
         import copy
 
         from .tflite_reader import read_tflite
 
-        if sha256 in self._graphs:
-            return copy.deepcopy(self._graphs[sha256][0])
+        with self._lock:
+            kept = self._graphs.get(sha256)
+        if kept is not None:
+            return copy.deepcopy(kept[0])
         graph = read_tflite(data)
         if 4 * len(data) <= self.max_bytes:  # a large model's prefix is not held twice
-            self._graphs[sha256] = (copy.deepcopy(graph), len(data))
-            while sum(size for _, size in self._graphs.values()) > self.max_bytes:
-                del self._graphs[next(iter(self._graphs))]
+            with self._lock:
+                self._graphs[sha256] = (copy.deepcopy(graph), len(data))
+                while sum(size for _, size in self._graphs.values()) > self.max_bytes:
+                    del self._graphs[next(iter(self._graphs))]
         return graph
 
 

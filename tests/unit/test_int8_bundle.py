@@ -282,6 +282,26 @@ def test_a_file_swapped_after_loading_is_caught_on_read(copy):
         bundle.read(B.HEAD_PARAMS)
 
 
+def test_a_parsed_prefix_is_kept_but_every_caller_gets_its_own_and_the_bytes_are_still_checked(copy):
+    """Bundle.qgraph keeps the process's parse of a prefix (a job asked for it 14 times): a
+    caller that changes its graph changes nobody else's, and a prefix changed on disk after
+    the parse is still refused on read."""
+    bundle = B.load_bundle(copy)
+    first = bundle.qgraph()
+    name = next(n for n, t in first.tensors.items() if t.data is not None)
+    want = first.tensors[name].data.copy()
+    first.tensors[name].data[...] = 0  # what a caller may do to its copy
+    first.ops.clear()
+    again = B.load_bundle(copy).qgraph()
+    assert again is not first and again.ops and np.array_equal(again.tensors[name].data, want)
+    tfl = copy / B.BACKBONE_INT8
+    data = bytearray(tfl.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    tfl.write_bytes(bytes(data))
+    with pytest.raises(B.HashMismatchError):
+        bundle.qgraph()
+
+
 @pytest.mark.parametrize("field", ["format_version", "name", "version", "parent_version", "input",
                                    "labels", "split", "files"])
 def test_manifest_missing_a_field_names_it(copy, field):
