@@ -28,11 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from .bundle import BACKBONE_INT8, CALIBRATION, MAX_FILE_BYTES, ORACLE, depth_file
+from .bundle import BACKBONE_INT8, BACKBONE_ONNX, CALIBRATION, MAX_FILE_BYTES, ORACLE, depth_file
 
 _log = logging.getLogger(__name__)
 
 SPOT_CHECK_SAMPLES = 2
+# Each depth's fp32 answers patch and import the whole fp32 backbone once more while `model
+# create` runs: on a 31 MB all-weights net with 3 depths that took create from imports + 85 MB
+# to imports + 139 MB, over test_zoo_memory's bound; larger backbones' devices compute them
+MULTI_DEPTH_MAX_BYTES = 16 << 20
 _KEYS = {"ref", "ref_int8", "fp32", "sensitivity", "backbone_sha256", "calibration_sha256"}
 
 
@@ -46,7 +50,12 @@ class OracleAnswers:
 
 def compute_all(bundle: Any) -> dict[str, bytes]:
     """The answers files of a written bundle: oracle.npz, and one per depth of a multi-depth
-    bundle (none where they do not apply: float I/O)."""
+    bundle whose fp32 backbone is at most MULTI_DEPTH_MAX_BYTES (none where they do not
+    apply: float I/O)."""
+    if bundle.manifest.depths and bundle.manifest.files[BACKBONE_ONNX].size > MULTI_DEPTH_MAX_BYTES:
+        _log.info("%s: no oracle answers for a multi-depth bundle of a %d-byte backbone (over %d): its devices "
+                  "compute them", bundle.path, bundle.manifest.files[BACKBONE_ONNX].size, MULTI_DEPTH_MAX_BYTES)
+        return {}
     views = [bundle.at_depth(k) for k in range(len(bundle.manifest.depths))] if bundle.manifest.depths else [bundle]
     out = {}
     for k, view in enumerate(views):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from edge_agent.int8 import bundle_create as BC
+from edge_agent.int8 import oracle_answers
 from edge_agent.int8 import selection as sel
 from edge_agent.int8.agreement import Oracle, check_batch_for
 from edge_agent.int8.bundle import ORACLE, depth_file, load_bundle
@@ -113,7 +114,7 @@ def test_not_a_zip_is_refused_too(made, caplog):
     assert "not used" in caplog.text
 
 
-def test_each_depth_of_a_multi_depth_bundle_uses_its_own_prefixs_answers(tmp_path):
+def test_each_depth_of_a_multi_depth_bundle_uses_its_own_prefixs_answers(tmp_path, monkeypatch):
     """A first job at any depth gets the answers made with the bundle (a federated version that
     re-quantises a prefix drops that prefix's: test_requantize), the same as computing them,
     and a depth's answers are refused for another depth's prefix."""
@@ -134,3 +135,9 @@ def test_each_depth_of_a_multi_depth_bundle_uses_its_own_prefixs_answers(tmp_pat
         assert stored.rounding_sensitivity() == computed.rounding_sensitivity()
     swapped = _rewrite(deep, tmp_path / "swapped", oracle_npz=deep.read(depth_file(1, ORACLE)))
     assert load(swapped, 64) is None  # depth 1's answers, for depth 0's prefix: another backbone
+    # a backbone over the size for which create computes them: its devices do, as before
+    monkeypatch.setattr(oracle_answers, "MULTI_DEPTH_MAX_BYTES", deep.manifest.files["backbone.onnx"].size - 1)
+    big = BC.create_bundle(net, tmp_path / "big", calibration=x_train[:64], labels=[str(i) for i in range(10)],
+                           name="digits", input_shape=(1, 8, 8), scale=1 / 16, version="1", depths=1)
+    assert not {ORACLE, depth_file(1, ORACLE)} & set(big.manifest.files)
+    assert not Oracle(big.at_depth(1), check_batch_for(big.at_depth(1), 16)).answers_stored
