@@ -27,7 +27,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -427,17 +427,28 @@ def agreement_verdict(engine: float, reference: float, samples: int) -> tuple[bo
     return bool(engine >= floor), max(0.0, floor)
 
 
+class Recheck(NamedTuple):
+    """A re-timed choice: still within `factor` of its measured batch time by the clock, and
+    the median wall and CPU seconds per batch (the warm-up left out, as when it was measured:
+    its first-touch faults, and under qemu its code translation, are not the engine's work)."""
+
+    good: bool
+    wall_s: float
+    cpu_s: float
+
+
 def recheck(runner: Any, x: np.ndarray, cached_wall_s: float, *, batches: int = RECHECK_BATCHES,
-            factor: float = RECHECK_FACTOR, clocks: Clocks = SYSTEM_CLOCKS) -> tuple[bool, float]:
-    """Time a few batches of a cached choice: (still good, median wall s per batch)."""
+            factor: float = RECHECK_FACTOR, clocks: Clocks = SYSTEM_CLOCKS) -> Recheck:
+    """Time a few batches of a cached choice (see Recheck)."""
     runner.run(x)  # warm-up, as when it was measured
-    times = []
+    walls, cpus = [], []
     for _ in range(max(1, batches)):
-        t0 = clocks.wall()
+        c0, t0 = clocks.cpu(), clocks.wall()
         runner.run(x)
-        times.append(clocks.wall() - t0)
-    now = float(np.median(times))
-    return now <= factor * cached_wall_s, now
+        walls.append(clocks.wall() - t0)
+        cpus.append(clocks.cpu() - c0)
+    now = float(np.median(walls))
+    return Recheck(now <= factor * cached_wall_s, now, float(np.median(cpus)))
 
 
 def fp32_features(bundle: Any) -> Callable[[np.ndarray], np.ndarray]:

@@ -143,13 +143,23 @@ def select_engine(
                                                      recheck_cached=recheck_cached)
         if hit is not None:
             return hit
-    fleet = matching(shared, kind_of(ask.key)) if not ask.forced else None
+    kind = kind_of(ask.key)
+    fleet = matching(shared, kind) if not ask.forced else None
+    passed_over = ""
     if fleet is not None:
         adopted = adopt_shared(fleet, ask, keep_runner=keep_runner)
         if isinstance(adopted, tuple):
             return adopted
-        _log.info("fleet-shared int8 choice %s not taken (%s): measuring every engine", fleet.engine, adopted)
-    return measure(ask, keep_runner=keep_runner)
+        passed_over = f"the fleet's int8 choice {fleet.engine} for this kind of device not taken ({adopted})"
+    elif shared and not ask.forced:
+        passed_over = (f"none of the fleet's {len(shared)} int8 choice(s) was made on a device of this kind "
+                       f"({kind[:8]})")
+    if passed_over:
+        _log.info("%s: measuring every engine", passed_over)
+    selection, runner = measure(ask, keep_runner=keep_runner)
+    if passed_over:  # the job's report says why it paid for a full measurement
+        selection.notes.append(f"{passed_over}: every engine measured")
+    return selection, runner
 
 
 def _ask(bundle: Any, *, probe: dict[str, Any] | None, preference: list[str] | None, batch_size: int,

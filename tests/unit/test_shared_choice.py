@@ -90,6 +90,9 @@ def test_a_choice_that_fails_its_recheck_is_measured_here(bundle, tmp_path, capl
     assert second.source == "measured"
     assert sum(e.prepared for _, e in fresh) >= 2  # every engine measured again (the reference: oracle only)
     assert why in caplog.text
+    # the job's report says why it paid for a full measurement
+    assert any("not taken" in n and why in n and n.endswith("every engine measured") for n in second.notes), \
+        second.notes
     (mine,) = shared_choices(tmp_path / "second")  # and this device's own measurement is what it reports
     assert mine.engine == second.chosen and mine.kind == share.kind and mine != bad
 
@@ -116,6 +119,7 @@ def test_a_choice_for_another_kind_is_ignored(bundle, tmp_path):
     fresh = engines()
     second, _ = select(bundle, tmp_path / "second", fresh, shared=[other])
     assert second.source == "measured" and sum(e.prepared for _, e in fresh) >= 2
+    assert any("none of the fleet's 1 int8 choice(s) was made on a device of this kind" in n for n in second.notes)
 
 
 def test_a_damaged_cache_entry_is_not_shared(bundle, tmp_path):
