@@ -135,8 +135,11 @@ def _textures(tmp: Path, n_devices: int) -> dict[str, Any]:
     dest = _cache() / "textures-mobilenet-w0.5-s64-e8-d4"
     params = dest.with_name(dest.name + ".params")
     try:
-        if not load_bundle(dest).has(ORACLE):  # made before multi-depth bundles carried the oracle's answers
+        made = load_bundle(dest)
+        if not made.has(ORACLE):  # made before multi-depth bundles carried the oracle's answers
             raise FileNotFoundError(dest / ORACLE)
+        if "prefix_activations" not in made.manifest.depths[0].costs:  # or each prefix's activation count
+            raise FileNotFoundError(f"{dest}: no prefix_activations")
         if not params.is_file():
             raise FileNotFoundError(params)
     except Exception:  # build once, reuse while it verifies

@@ -156,7 +156,8 @@ def ensure_bundle(dest: str | os.PathLike[str], *, seed: int = 0, depths: int = 
 # the base devices' shares, each seen through its own camera.
 
 
-CAMERA_BUNDLE_FORMAT = 4  # 3: oracle.npz (the oracle's answers) in the bundle; 4: per depth too
+CAMERA_BUNDLE_FORMAT = 5  # 3: oracle.npz (the oracle's answers) in the bundle; 4: per depth too;
+# 5: each depth's prefix_activations in the manifest
 
 
 def upsample(images: np.ndarray, size: int) -> np.ndarray:

@@ -13,8 +13,9 @@ process. Everything it needs to continue lives in `state_dir`:
     state_dir/head.params      the trained head, MXNet ndarray format (as in a bundle)
     state_dir/report.json      the last report
 
-Checkpoints are written every `checkpoint_every` steps, at the end of every epoch, on
-every pause (before waiting) and on every stop, so a brown-out loses at most one interval.
+Checkpoints are written once `checkpoint_every` steps went unsaved (within an epoch, or at
+its end after the validation pass), after the last epoch, on every pause (before waiting)
+and on every stop, so a brown-out loses at most `checkpoint_every` steps.
 With `resume=True` the newest good checkpoint is loaded and the job continues exactly
 where it stopped (same batches, same optimiser state, energy already used counted against
 the budget). Without it, a state directory holding an unfinished job is an error, so a
@@ -212,6 +213,7 @@ class _Job(DepthPlanning, JobReport):
         self.last_loss: float | None = None
         self.last_val_acc: float | None = None
         self.last_watts: float | None = None
+        self.saved_step = 0  # the newest checkpoint's step
 
     # ------------------------------------------------------------------ helpers
 
@@ -454,6 +456,7 @@ class _Job(DepthPlanning, JobReport):
                     before = tuple(checkpoint.meta["before"])
                 self.emit("train", step=pos["step"], detail=f"resumed from {checkpoint.path.name} at step {pos['step']}")
             self.pos, self.trainer, self.store, self.before = pos, trainer, store, before
+            self.saved_step = int(pos["step"])  # a resumed checkpoint's
             if features is None:
                 stop_reason = gov.stop_reason.value if gov.stop_reason else "cancelled"
                 self.checkpoint("stop")
@@ -512,6 +515,7 @@ class _Job(DepthPlanning, JobReport):
         })
         self.emit("saving", step=int(self.pos["step"]), detail=why)  # a write is about to start
         self.store.save(ckpt)
+        self.saved_step = int(self.pos["step"])
         self.emit("checkpoint", step=int(self.pos["step"]), detail=why)
 
     def _train(self, x: np.ndarray, y: np.ndarray, x_val: np.ndarray, y_val: np.ndarray) -> str:
@@ -545,7 +549,7 @@ class _Job(DepthPlanning, JobReport):
                 pos["batch"] += 1
                 pos["step"] += 1
                 self.emit("train", step=pos["step"], total_steps=total, epoch=pos["epoch"], epochs=epochs)
-                if pos["step"] % a["checkpoint_every"] == 0 and pos["batch"] < per_epoch:
+                if pos["step"] - self.saved_step >= a["checkpoint_every"] and pos["batch"] < per_epoch:
                     self.checkpoint("interval")
             val_loss, self.last_val_acc = trainer.evaluate(x_val, y_val)
             stop = trainer.end_epoch(pos["epoch"], val_loss)
@@ -556,7 +560,11 @@ class _Job(DepthPlanning, JobReport):
                 gov.finish(StopReason.EARLY_STOPPED, f"validation loss did not improve for {trainer.config.patience} epochs")
                 self.checkpoint("early-stopped")
                 return StopReason.EARLY_STOPPED.value
-            self.checkpoint("epoch")
+            # an epoch's end is a checkpoint like any step (and after the last epoch): one at
+            # every epoch's end made a small job's 24 epochs 24 checkpoints, a fifth of its CPU
+            # time (camera MobileNetV2 tail, 92 steps) and 24 flash writes
+            if pos["step"] - self.saved_step >= a["checkpoint_every"] or pos["epoch"] >= epochs:
+                self.checkpoint("epoch")
         trainer.restore_best()
         gov.finish(StopReason.DONE)
         return StopReason.DONE.value

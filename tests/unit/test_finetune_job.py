@@ -103,6 +103,22 @@ def test_a_later_job_computes_features_only_for_new_samples(
     assert second["feature_cache"]["computed"] == second["data"]["loaded"] - first["data"]["loaded"] > 0
 
 
+def test_checkpoints_come_every_checkpoint_every_steps_not_every_epoch(
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+    """A brown-out loses at most `checkpoint_every` steps, and a job of many short epochs does
+    not write a checkpoint at each of them (CPU time and flash writes on the device)."""
+    events: list[Progress] = []
+    report = run_finetune(model=bundle, data=devices["dev-04"], state_dir=tmp_path / "s", cache_dir=cache_dir,
+                          epochs=10, patience=100, checkpoint_every=7, batch_size=64, profile="raspberry-pi-4",
+                          progress=events.append)
+    per_epoch = report["steps"] // 10
+    assert report["stop_reason"] == "done" and 1 <= per_epoch < 7  # epochs shorter than the interval
+    saved = [e.step for e in events if e.phase == "checkpoint"]
+    gaps = np.diff([0, *saved])
+    assert saved[-1] == report["steps"] and len(saved) < 10  # fewer than one an epoch, and the end
+    assert gaps.max() <= 7 and (gaps[:-1] >= 7).all(), saved  # none more than 7 steps apart, none sooner
+
+
 @pytest.mark.parametrize("adapt", ["bn", "none"])
 def test_cancel_checkpoint_and_resume_match_an_uninterrupted_run(
         bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path, adapt: str) -> None:
