@@ -82,11 +82,11 @@ LIVE_ACTIVATIONS = 2.5  # the largest activation's copies alive at once in the p
 
 def adapt_mb(view: Any, images: int) -> float:
     """The adapting pass's predicted peak above its start for bundle view `view` on `images`
-    images: measured on MobileNetV2 w0.5 96x96 (64 images) +81 MB, predicted 91."""
-    from math import prod
+    images: measured on MobileNetV2 w0.5 96x96 (64 images) +81 MB, predicted 91. The largest
+    activation comes from the manifest where recorded (the planner asks at every depth)."""
+    from .engine_memory import prefix_figures
 
-    graph = view.qgraph()
-    largest = max((prod(t.shape[1:]) for t in graph.tensors.values() if not t.is_constant), default=0)
+    largest = prefix_figures(view)["prefix_largest_activation"]
     return ADAPT_FIXED_MB + images * largest * 4 * LIVE_ACTIVATIONS / 2**20
 
 

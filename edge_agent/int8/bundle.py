@@ -66,7 +66,8 @@ REQUIRED_FILES = (BACKBONE_ONNX, BACKBONE_INT8, HEAD_SYMBOL, HEAD_PARAMS, CALIBR
 OPTIONAL_FILES = (BACKBONE_EDGETPU, ORACLE)
 MAX_DEPTH = 8
 _DEPTH_FILE_RE = re.compile(r"^depth([1-8])-(backbone_int8\.tflite|head-symbol\.json|head\.params|oracle\.npz)\Z")  # \Z: no "\n" after
-_COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements", "prefix_activations")
+_COST_KEYS = ("prefix_macs", "tail_macs", "tail_params", "tail_activations", "cut_elements", "prefix_activations",
+              "prefix_largest_activation")
 
 
 def depth_file(depth: int, fname: str) -> str:
@@ -136,8 +137,9 @@ class FileEntry:
 class Depth:
     """One trainable depth of a multi-depth bundle (int8/depth_cuts.py): the tail starts at
     `tensor`; `costs` are per-sample counts (prefix_macs, tail_macs, tail_params,
-    tail_activations, cut_elements; prefix_activations: the int8 prefix's activation
-    elements, engine_memory.prefix_shape) for the device's planner."""
+    tail_activations, cut_elements; prefix_activations and prefix_largest_activation: the
+    int8 prefix's activation elements in all and in its largest tensor, engine_memory's
+    prefix_figures) for the device's planner."""
 
     depth: int
     tensor: str

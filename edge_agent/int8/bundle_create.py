@@ -220,7 +220,7 @@ def create_bundle(
     import datetime
 
     from .depth_cuts import depth_costs
-    from .engine_memory import prefix_activations
+    from .engine_memory import count_activations
     from .graph import UnsupportedOpError
     from .onnx_import import import_onnx
     from .onnx_lean import LeanExtractor
@@ -265,7 +265,7 @@ def create_bundle(
         # and what is no longer needed is let go before the next step (resnet50 at 224:
         # ~0.4 GB of weights in their several forms)
         observed: dict[str, tuple[float, float]] = {}
-        activations: dict[str, int] = {}  # per int8 prefix file: the planner's prefix_activations
+        activations: dict[str, dict[str, int]] = {}  # per int8 prefix file: the planner's figures
         calibration_options = {"batch_size": CALIBRATION_BATCH, **({"method": method} if method else {})}
 
         def int8_prefix(graph: Any, what: str, fname: str) -> StagedFile:
@@ -280,7 +280,7 @@ def create_bundle(
                 ranges = {t: observed[t] for t in needed}
                 tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, **calibration_options))
                 # the reader's checks are what every device will run, and its graph what they count
-                activations[fname] = prefix_activations(read_tflite(tfl))
+                activations[fname] = count_activations(read_tflite(tfl))
             except (UnsupportedOpError, GraphError) as exc:
                 raise BundleError(f"{where}: cannot quantise the {what}: {exc}") from None
             return staging.put(fname, tfl)
@@ -316,7 +316,7 @@ def create_bundle(
             head_depth = Depth(0, tensor, "head", manifest.feature_shape, manifest.split_node, head_costs)
             manifest.depths = [head_depth, *deep_specs]
             for spec in manifest.depths:
-                spec.costs["prefix_activations"] = activations[depth_file(spec.depth, BACKBONE_INT8)]
+                spec.costs.update(activations[depth_file(spec.depth, BACKBONE_INT8)])
             arrays = {k: v.asnumpy() for k, v in {**params[0], **params[1]}.items()}
             kinds = {k: "arg" for k in params[0]} | {k: "aux" for k in params[1]}
             params = ({}, {})  # the NDArrays: their numpy copies are what is written

@@ -104,8 +104,7 @@ def prefix_shape(bundle: Any, graph: Any = None) -> PrefixShape:
     from .bundle import CALIBRATION, ORACLE
 
     depths = bundle.manifest.depths
-    stored = depths[bundle.depth].costs.get("prefix_activations") if depths and graph is None else None
-    activations = stored if stored else prefix_activations(bundle.qgraph() if graph is None else graph)
+    activations = prefix_figures(bundle, graph)["prefix_activations"]
     tail = int(depths[bundle.depth].costs.get("tail_activations", 0)) if depths else 0
     try:  # the array's size from the zip's directory: nothing decompressed
         with zipfile.ZipFile(io.BytesIO(bundle.read(CALIBRATION))) as zf:
@@ -115,9 +114,23 @@ def prefix_shape(bundle: Any, graph: Any = None) -> PrefixShape:
     return PrefixShape(int(activations), tail, calibration, bundle.has(ORACLE))
 
 
-def prefix_activations(graph: Any) -> int:
-    """The activation elements per sample of an int8 QGraph (its non-constant tensors)."""
-    return int(sum(math.prod(t.shape[1:]) for t in graph.tensors.values() if not t.is_constant))
+PREFIX_FIGURES = ("prefix_activations", "prefix_largest_activation")
+
+
+def count_activations(graph: Any) -> dict[str, int]:
+    """An int8 QGraph's activation elements per sample, in all and in its largest tensor."""
+    sizes = [math.prod(t.shape[1:]) for t in graph.tensors.values() if not t.is_constant]
+    return {"prefix_activations": int(sum(sizes)), "prefix_largest_activation": int(max(sizes, default=0))}
+
+
+def prefix_figures(bundle: Any, graph: Any = None) -> dict[str, int]:
+    """count_activations of the bundle view's prefix: from the manifest where `model create`
+    recorded them, else (an older bundle, or `graph` given) from its parsed graph."""
+    depths = bundle.manifest.depths
+    stored = depths[bundle.depth].costs if depths and graph is None else {}
+    if all(stored.get(k) for k in PREFIX_FIGURES):
+        return {k: int(stored[k]) for k in PREFIX_FIGURES}
+    return count_activations(bundle.qgraph() if graph is None else graph)
 
 
 def _per_sample_mb(shape: PrefixShape) -> float:

@@ -302,25 +302,32 @@ def test_a_prefix_whose_answers_ship_with_the_bundle_is_predicted_without_the_or
     assert selection_mb(stored, engines, batch=32).peak_mb < selection_mb(computing, engines, batch=32).peak_mb
 
 
-def test_each_depths_activation_count_comes_from_the_manifest_without_parsing_its_prefix(
+def test_each_depths_activation_counts_come_from_the_manifest_without_parsing_its_prefix(
         bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`model create` records each int8 prefix's activation count; planning a job reads it
-    instead of parsing every depth's prefix (~0.5 of a camera job's ~4 CPU-s), and a bundle
-    made before the count existed is still planned, from its parsed prefix."""
+    """`model create` records each int8 prefix's activation counts; planning a job (the
+    engine's phase and the adapting pass, at every depth) reads them instead of parsing every
+    depth's prefix (~0.5 of a camera job's ~4 CPU-s, twice on a first job), and a bundle made
+    before the counts existed is still planned, from its parsed prefixes."""
     from edge_agent.int8 import bundle as bundle_module
-    from edge_agent.int8.engine_memory import prefix_activations
+    from edge_agent.int8.adapt_norm import adapt_mb
+    from edge_agent.int8.engine_memory import PREFIX_FIGURES, count_activations
 
     b = load_bundle(bundle)
-    parsed = [prefix_activations(b.at_depth(d).qgraph()) for d in range(3)]
-    assert [d.costs["prefix_activations"] for d in b.manifest.depths] == parsed
-    assert parsed[0] < parsed[1] < parsed[2] or parsed[0] > parsed[1] > parsed[2]  # a count per depth
+    parsed = [count_activations(b.at_depth(d).qgraph()) for d in range(3)]
+    assert [{k: d.costs[k] for k in PREFIX_FIGURES} for d in b.manifest.depths] == parsed
+    totals = [p["prefix_activations"] for p in parsed]
+    assert len(set(totals)) == 3 and all(0 < p["prefix_largest_activation"] < p["prefix_activations"] for p in parsed)
+    adapting = [adapt_mb(b.at_depth(d), 64) for d in range(3)]
     monkeypatch.setattr(bundle_module.Bundle, "qgraph", lambda *_a, **_k: pytest.fail("parsed a prefix"))
-    assert [prefix_shape(b.at_depth(d)).activations for d in range(3)] == parsed
+    assert [prefix_shape(b.at_depth(d)).activations for d in range(3)] == totals
+    assert [adapt_mb(b.at_depth(d), 64) for d in range(3)] == adapting
     monkeypatch.undo()
     older = load_bundle(bundle)
     for d in older.manifest.depths:
-        del d.costs["prefix_activations"]
-    assert [prefix_shape(older.at_depth(d)).activations for d in range(3)] == parsed
+        for k in PREFIX_FIGURES:
+            del d.costs[k]
+    assert [prefix_shape(older.at_depth(d)).activations for d in range(3)] == totals
+    assert [adapt_mb(older.at_depth(d), 64) for d in range(3)] == adapting
 
 
 def test_selection_candidates_follow_selections_order_and_its_dominance_rule() -> None:
