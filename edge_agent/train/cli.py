@@ -330,7 +330,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="feature cache and engine choice (default: features in STATE_DIR/cache, the engine choice in "
                         "the directory `kernels --bench` shares: $EDGE_AGENT_STATE_DIR, else /var/lib/edge-agent if "
                         "writable, else ~/.local/state/edge-agent)")
-    s.add_argument("--checkpoint-every", type=_positive(int), default=50, metavar="N", help="steps (default 50)")
+    s.add_argument("--checkpoint-every", type=_positive(int), default=50, metavar="N",
+                   help="write a checkpoint once N steps went unsaved (also after the last epoch, on a pause and on a "
+                        "stop): a power cut loses at most N steps; fewer writes spare the CPU and the SD card "
+                        "(default 50)")
     o = p.add_argument_group("device")
     o.add_argument("--engine", help="force an int8 engine (tflite, native, mxnet-onednn, reference, edgetpu); "
                                     "one that disagrees with the reference is an error (exit 69)")
