@@ -160,7 +160,12 @@ def _ours(cfg: dict[str, Any]) -> dict[str, Any]:
             marks["hwm_before_train"] = vm_hwm_mb()  # last update: after the features, before MXNet
 
     c0 = _cpu_s()
-    report = run_finetune(**cfg["job"], progress=progress)
+    job = dict(cfg["job"])
+    if "engine_choices" in job:  # as a finetune command carries them: JSON, parsed on arrival
+        from edge_agent.protocol.engine_choice import parse_choices
+
+        job["engine_choices"] = parse_choices(job["engine_choices"])
+    report = run_finetune(**job, progress=progress)
     c1 = _cpu_s()
     feat_end = marks.get("last_features", c0)
     train_start = marks.get("first_train", feat_end)
