@@ -17,7 +17,6 @@ Each round the engine selects `per_round` of the eligible devices (all are eligi
 
 from __future__ import annotations
 
-import base64
 import shutil
 import tempfile
 import time
@@ -30,7 +29,6 @@ import numpy as np
 
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundEngine, RoundPolicy
-from ..keys import fingerprint, generate_private_key, public_key_bytes
 from ..updates.clip import clip_for_privacy
 from ..updates.wire import UpdateHeader, encode_update
 from .digits import apply_camera, camera_params, device_seed, load_digits_images
@@ -42,6 +40,7 @@ from .poisoning import (
     _through_cameras,
     mlp_init,
     mlp_symbol,
+    seeded_device_keys,
 )
 
 
@@ -108,8 +107,7 @@ def simulate_private(data: FleetData, *, rounds: int, per_round: int, params: di
     """One job through the real engine; `params`: its job params (dp_* for a private job)."""
     start = time.perf_counter()
     n = len(data.xs)
-    keys = [generate_private_key() for _ in range(n)]
-    ids = [fingerprint(k) for k in keys]
+    ids, pubs = seeded_device_keys(f"privacy-sim/{seed}", n)  # device order decides the sampling: reproducible
     index = {d: i for i, d in enumerate(ids)}
     model = SmallModel(data.features, len(data.labels), hidden)
     glob = mlp_init(data.features, len(data.labels), seed, hidden)
@@ -123,11 +121,11 @@ def simulate_private(data: FleetData, *, rounds: int, per_round: int, params: di
                              noise=lambda: noise)
         reg.add_model_version(name="sim", version="1", head=glob)
         for i in range(n):
-            reg.enrol_device(device_id=ids[i], public_key=base64.b64encode(public_key_bytes(keys[i])).decode(),
-                             fleet="f", approved=True)
+            reg.enrol_device(device_id=ids[i], public_key=pubs[i], fleet="f", approved=True)
             reg.record_state(ids[i], online=True, state={"battery_pct": 90, "data_samples": len(data.ys[i])})
         job = engine.start_job(model_name="sim", model_version="1", rounds=rounds, min_devices=1, deadline_s=100,
-                               params={"devices_per_round": per_round, **params})
+                               params={"devices_per_round": per_round, **params},
+                               job_id=f"privacy-sim-{seed}")  # it seeds the sampling: reproducible
         run, heads, norms = PrivateRun(), {"1": glob}, []
         opened = engine.tick().opened
         while opened:

@@ -335,3 +335,15 @@ def test_train_queues_a_private_job_and_predicts_its_epsilon(capsys, tmp_path):
         assert len(reg.list_jobs()) == 2
     assert main(["status", job.id, *sd]) == 0
     assert "private (DP-FedAvg, clip 0.5, noise x1.1): epsilon 0 of its budget 4" in capsys.readouterr().out
+
+
+def test_the_private_fleet_simulation_gives_the_same_result_twice() -> None:
+    """bench_privacy's fleet drew fresh device keys and a fresh job id each run, and the
+    coordinator orders devices by their key's id and seeds its sampling with the job's: two
+    runs of one configuration sampled other devices."""
+    from edge_agent.sim.privacy import digits_cameras, simulate_private
+
+    data = digits_cameras(12, per_device=16)
+    dp = {"dp_clip": 1.0, "dp_noise": 1.0, "dp_delta": 1e-5, "dp_epsilon": 8.0}
+    runs = [simulate_private(data, rounds=3, per_round=4, params=dp, hidden=8, seed=1) for _ in range(2)]
+    assert runs[0].rounds == 3 and runs[0].accuracy == runs[1].accuracy and runs[0].epsilon == runs[1].epsilon
