@@ -96,7 +96,11 @@ def _speed_here(choice: SharedChoice, engine: Int8Engine, runner: Runner, ask: A
     if t == 1:
         return why
     one = engine.prepare(ask.bundle, threads=1)
-    good1, now1, cpu1 = recheck(one, x, measured_s * t, clocks=ask.clocks)
+    try:
+        good1, now1, cpu1 = recheck(one, x, measured_s * t, clocks=ask.clocks)
+    except Exception:  # the caller closes the first runner and measures every engine
+        one.close()
+        raise
     if not (good1 or _same_work(cpu1 / len(x), choice.per_image_cpu_s)):
         one.close()
         return f"{why}; on 1 thread {now1 * 1e3:.1f} ms per batch, {cpu1 / len(x) * 1e3:.2f} CPU-ms per image"
