@@ -68,7 +68,7 @@ from .shared_choice import FINGERPRINT_SAMPLES, SharedChoice, kind_of, output_fi
 _log = logging.getLogger(__name__)
 
 PROBE_SAMPLES = 4  # priced after a warm-up call: one cold image cost ~200x a warm one
-PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose median CPU time prices a sample
+PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose least CPU time prices a sample
 # What the first probe phase (engine availability, the bundle's graph, one cold reference
 # image) is predicted to cost before anything is measured: ~0.08 CPU-s for the demo bundle on
 # a Zen 2 core and several times that on a Cortex-A72, so a budget below it is refused
@@ -291,11 +291,14 @@ def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float, Any]:
         probe_runner = (ask.by_name.get("reference") or ReferenceEngine()).prepare(ask.bundle)
         probe_runner.run(ask.x[:1])
     n_probe = min(len(ask.x), PROBE_SAMPLES)
-    # ... so the per-sample price comes from the runs after it: CPU-seconds (the median of
+    # ... so the per-sample price comes from the runs after it: CPU-seconds (the least of
     # PROBE_REPEATS runs) x watts per CPU. Not the meter's joules: a power source read around a
     # few milliseconds (a sensor, or /proc/stat's 10 ms jiffies with every process's load in
-    # them) predicted 0.0013-0.42 Wh for a selection that cost ~0.005 Wh. The phase itself is
-    # predicted at the cold image's CPU time, which buys ~200 warm ones.
+    # them) predicted 0.0013-0.42 Wh for a selection that cost ~0.005 Wh. Not their median
+    # either: a run of a few milliseconds on a core other processes share comes back from
+    # preemption to cold caches, and a CI run under CPU hogs priced a fresh job's selection
+    # 42 % above the one before it (the budget that one named was refused). The phase itself
+    # is predicted at the cold image's CPU time, which buys ~200 warm ones.
     with ledger.phase("probe", ask.wpc * ph.cpu_s):
         runs = []
         for _ in range(PROBE_REPEATS):
@@ -303,7 +306,7 @@ def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float, Any]:
             probe_runner.run(ask.x[:n_probe])
             runs.append(ask.clocks.cpu() - c0)
     probe_runner.close()
-    return rows, ask.wpc * max(float(np.median(runs)) / n_probe, 1e-9), getattr(probe_runner, "graph", None)
+    return rows, ask.wpc * max(min(runs) / n_probe, 1e-9), getattr(probe_runner, "graph", None)
 
 
 def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Prices, float]:
