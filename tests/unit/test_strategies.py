@@ -191,7 +191,7 @@ def test_trust_zeroes_a_flipped_update_and_rescales_a_scaled_one_to_the_server_n
     assert got.info["trust"] == {"d0": 1.0, "d1": 0.0, "d2": 1.0}
     assert got.shares["d1"] == 0.0 and got.info["echoes"] == {}
     # d0 kept (norm 1.12 inside [0.5, 2]); d2 moved to 2 x the server norm; the server takes part
-    # with its 20 root samples plus the 10 that d1 did not earn (its step stands in for d1's data)
+    # with its 20 root samples (more than the round's typical 10) plus the 10 d1 did not earn
     d2 = np.array([300.0, -150.0]) * 2.0 / np.linalg.norm([300.0, -150.0])
     want = (10 * np.array([1.0, 0.5]) + 10 * d2 + 30 * np.array([1.0, 0.0])) / 50
     np.testing.assert_allclose(got.vec, want)
@@ -200,7 +200,8 @@ def test_trust_zeroes_a_flipped_update_and_rescales_a_scaled_one_to_the_server_n
 
 def test_trust_counts_the_server_as_one_typical_device_and_in_place_of_what_trust_withheld():
     """A 2-device round whose devices hold 100 samples each, the server 20 root samples: the
-    server's step weighs like one device (100), plus the 50 that d1's half trust withheld."""
+    server's step weighs like one device (100), not like its 20 samples, plus the 50 that
+    d1's half trust withheld."""
     server = _server_towards([1.0, 0.0])  # 20 root samples
     # d1's cosine with the reference is 0.05: half of kappa 0.1
     d1 = np.array([0.05, np.sqrt(1 - 0.05**2)])
@@ -208,25 +209,26 @@ def test_trust_counts_the_server_as_one_typical_device_and_in_place_of_what_trus
     got, ref = _run("trust", layout, ups, server=server)
     assert got.info["trust"] == {"d0": 1.0, "d1": pytest.approx(0.5)}
     want = (100 * np.array([1.0, 0.5]) + 50 * d1 + 150 * np.array([1.0, 0.0])) / 300
-    np.testing.assert_allclose(got.vec, want, atol=1e-12)
-    np.testing.assert_allclose(ref.vec, want, atol=1e-12)
-    assert got.info["server_share"] == pytest.approx(150 / 300)
+    for agg in (got, ref):
+        np.testing.assert_allclose(agg.vec, want, atol=1e-12)
+        assert agg.info["server_share"] == round(150 / 300, 4)
 
 
-def test_a_distrusted_claim_of_more_data_hands_the_server_only_a_typical_devices_weight():
-    """Four honest updates of 10 samples and a flipped one claiming 1e9 (the round caps it at
-    2 x 10): the server's step weighs its 20 root samples plus 10, not plus 20."""
+def test_a_claim_of_more_data_does_not_raise_the_servers_weight():
+    """Four honest updates of 30 samples and a flipped one claiming 1e9 (the round caps it at
+    2 x 30): the server's step weighs the round's typical 30 plus the 30 the liar did not earn,
+    not plus its claim (nor its capped 60)."""
     e = np.eye(6)
     server = ServerEvidence(update=e[0], class_gradients=-np.stack([e[0], e[1]]), root_counts=np.array([10, 10]),
                             weight=20.0)
     honest = [0.5 * e[0] + e[i] for i in range(1, 5)]  # cosine 0.45 with the server, 0.2 with each other
-    layout, ups = _fleet([*honest, -e[0]], weights=[10, 10, 10, 10, 1e9], counts=[(1, 0)] * 5)
+    layout, ups = _fleet([*honest, -e[0]], weights=[30, 30, 30, 30, 1e9], counts=[(1, 0)] * 5)
     got, ref = _run("trust", layout, ups, server=server)
     assert got.info["trust"] == {"d0": 1.0, "d1": 1.0, "d2": 1.0, "d3": 1.0, "d4": 0.0}
-    want = (10 * sum(honest) + 30 * e[0]) / 70
+    want = (30 * sum(honest) + 60 * e[0]) / 180
     for agg in (got, ref):
         np.testing.assert_allclose(agg.vec, want, atol=1e-12)
-        assert agg.info["server_share"] == round(30 / 70, 4)
+        assert agg.info["server_share"] == round(60 / 180, 4)
 
 
 def test_trust_compares_each_update_with_what_its_own_classes_teach():
@@ -264,7 +266,10 @@ def test_median_trust_takes_the_median_again_without_the_updates_against_it():
     assert np.dot(vecs[1], first) / (np.linalg.norm(vecs[1]) * np.linalg.norm(first)) < 0.1
     assert got.info["median_cosines"]["d1"] == pytest.approx(0.283, abs=1e-3)
     assert all(got.info["trust"][f"d{i}"] == 1.0 for i in range(4)) and got.info["trust"]["d4"] == 0.0
-    assert got.shares["d4"] == 0.0 and got.shares["d1"] == pytest.approx(0.25)
+    # d1 echoes no one; d0, d2 and d3 partly echo each other (cosines 0.78, 0.85) and share votes
+    inverse = {d: 1.0 / got.info["echoes"].get(d, 1.0) for d in ("d0", "d1", "d2", "d3")}
+    assert set(got.info["echoes"]) == {"d0", "d2", "d3"}
+    assert got.shares["d4"] == 0.0 and got.shares["d1"] == pytest.approx(1.0 / sum(inverse.values()), abs=1e-3)
     np.testing.assert_allclose(got.vec, want.vec)
     # in a round without a majority (3 updates) the median is taken once
     layout, ups = _fleet(vecs[2:])
@@ -274,12 +279,13 @@ def test_median_trust_takes_the_median_again_without_the_updates_against_it():
 def _claiming_fleet(flip: float = -1.0):
     """Three devices of a 3-class head whose output bias moves towards the classes each reports
     holding (what training on them does), and d3 holding d0's classes but pushing them down
-    (`flip` x d0's update); every update points the median's way in the hidden layer."""
-    layout = Layout({"hidden": np.zeros(4, np.float32), "out_bias": np.zeros(3, np.float32)})
+    (`flip` x d0's update); every update points the median's way in the hidden layer, each
+    with a direction of its own there too (so no two echo: cosines <= 0.61)."""
+    layout = Layout({"hidden": np.zeros(5, np.float32), "out_bias": np.zeros(3, np.float32)})
     counts = [(30, 5, 5), (5, 30, 5), (5, 5, 30), (30, 5, 5)]
     biases = [[0.6, -0.3, -0.3], [-0.3, 0.6, -0.3], [-0.3, -0.3, 0.6]]
     biases.append([flip * b for b in biases[0]])
-    ups = [DenseUpdate(f"d{i}", np.array([1.0, 0.5, 0.2, 0.1] + b), 10.0, None, c)
+    ups = [DenseUpdate(f"d{i}", np.concatenate([np.eye(5)[0] + np.eye(5)[i + 1], b]), 10.0, None, c)
            for i, (b, c) in enumerate(zip(biases, counts, strict=True))]
     return layout, ups
 
@@ -338,10 +344,27 @@ def test_claims_find_the_output_bias_and_need_two_devices_that_differ():
     assert claims.against_claims({}, "ab") == set()
 
 
+def test_median_trust_gives_colluders_that_send_one_direction_one_vote():
+    """Four honest updates (each its own direction beside the common one) and two colluders
+    sending the same direction, close enough to the median to earn full trust: the two share
+    one vote, each counting half an honest device."""
+    e = np.eye(8)
+    honest = [e[0] + e[i + 1] for i in range(4)]
+    colluder = e[0] + 0.8 * e[7]
+    layout, ups = _fleet([*honest, colluder, colluder.copy()])
+    got, want = _run("median_trust", layout, ups)
+    for agg in (got, want):
+        assert all(t == 1.0 for t in agg.info["trust"].values())
+        assert agg.info["echoes"] == {"d4": 2.0, "d5": 2.0}
+        assert agg.shares["d4"] == pytest.approx(0.5 * agg.shares["d0"]) and agg.shares["d0"] == pytest.approx(0.2)
+    np.testing.assert_allclose(got.vec, want.vec)
+    assert set(got.sketches) == {f"d{i}" for i in range(6)}  # kept for the next round's echoes
+
+
 def test_median_trust_weighs_no_update_above_the_lower_median_weight():
     """Five agreeing updates, one claiming 1e9 samples: without a server set it counts like
     the lower-median device (30), not like 2x it as under fedavg."""
-    vecs = [[1.0, 0.0], [1.0, 0.2], [1.0, -0.2], [1.0, 0.1], [1.0, 0.3]]
+    vecs = [np.eye(6)[0] + np.eye(6)[i + 1] for i in range(5)]  # alike (cosine 0.5) but no echoes
     layout, ups = _fleet(vecs, weights=[10, 20, 30, 40, 1e9])
     got, _ = _run("median_trust", layout, ups)
     assert all(got.info["trust"][d] == 1.0 for d in got.shares)

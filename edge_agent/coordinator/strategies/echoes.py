@@ -10,7 +10,8 @@ the highest of 32,000 pairs was 0.93. A trust rule that weighs each update by it
 agreement with a reference cannot see this: each colluder earns trust on its own, and
 together they pull coherently while honest non-IID updates partly cancel.
 
-So each trusted update's weight is divided by its echo count
+So each trusted update's weight is divided by its echo count (in both trust rules: `trust`
+and `median_trust`)
 
     e_i = 1 + sum over j != i of ramp(cos(d_i, d_j))
     ramp(c) = clip((c - 0.7) / (0.95 - 0.7), 0, 1)
