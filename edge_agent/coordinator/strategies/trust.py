@@ -21,10 +21,15 @@ R = ||g_0||, the server's own update (the base trained on the root split with as
 as a typical device takes), and the server update takes part with weight w_0 = its root
 samples: so magnitude attacks (x100, x1e-6) are neutralised, a direction against the
 evidence counts for nothing, and a fleet that lost an attacker's data still learns what the
-server set teaches. A device that lies about its
-label counts only changes which honest direction it is compared with. Colluders that each earn trust on their own share one vote
-(e_i): measured in the solar fleet (async, 20 % IPM attackers), attackers' cosines with their
-references had a median of 0.11 and earned trust 59 % of the way, while their updates were
+server set teaches (a larger w_0 -- the server as one typical device, plus the weight the
+round's updates did not earn by trust -- lifted bench_poisoning's 2-device fleets from
+2.6-3.7 to 1.7-2.6 points under clean, but cost `make demo` 6 points after 3 rounds: its
+devices adapt their int8 prefixes to their cameras, so honest updates earn partial trust
+against a step computed on the bundle's own features, and that step took their weight). A
+device that lies about its label counts only changes which honest direction it is compared
+with. Colluders that each earn trust on their own share one vote (e_i): measured in the
+solar fleet (async, 20 % IPM attackers), attackers' cosines with their references had a
+median of 0.11 and earned trust 59 % of the way, while their updates were
 near-twins of each other (median cosine 0.93).
 
 `median_trust`: r_i is the round's coordinate-wise median (a minority cannot steer it; in a
@@ -93,6 +98,13 @@ def _echoed(agg: Aggregate, echo: dict[str, float], sketches: Mapping[str, np.nd
     return agg
 
 
+def _echo_counts(trusted: Mapping[str, np.ndarray | None], earlier: Mapping[str, np.ndarray] | None
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """(each trusted update's echo count, the counts above 1 rounded for the record)."""
+    echo = echoes.echo_counts({d: sk for d, sk in trusted.items() if sk is not None}, earlier)
+    return echo, {d: round(e, 3) for d, e in echo.items() if e > 1.0005}
+
+
 def _sketches(members: Mapping[str, Member]) -> dict[str, np.ndarray | None]:
     return {d: m.sketch for d, m in members.items()}
 
@@ -150,30 +162,20 @@ class TrustScored(Strategy):
         """(new (coef, mean weight) of the members whose weight moves at close, and the echo
         counts above 1): the round's weight cap, then the trusted updates' echoes."""
         cap = self.round_cap([m.weight for m in members.values()])
-        echo = echoes.echo_counts({d: m.sketch for d, m in members.items() if m.coef > 0 and m.sketch is not None},
-                                  self.evidence.earlier_sketches)
+        echo, recorded = _echo_counts({d: m.sketch for d, m in members.items() if m.coef > 0},
+                                      self.evidence.earlier_sketches)
         out = {}
         for d, m in members.items():
             factor = min(1.0, cap / m.weight) / echo.get(d, 1.0)
             if factor < 1.0:
                 out[d] = (m.coef * factor, m.mean_weight * factor)
-        return out, {d: round(e, 3) for d, e in echo.items() if e > 1.0005}
+        return out, recorded
 
-    def server_weight(self, members: Mapping[str, Member]) -> float:
-        """The server update's mean weight w_0: its root samples. Measured and left out: the
-        server as one typical device plus the weight the round's updates did not earn by
-        trust (standing in for a distrusted attacker's data) brought bench_poisoning's
-        2-device fleets from 2.6-3.7 to 1.7-2.6 points under clean, but cost `make demo` 6
-        points of global accuracy after 3 rounds (80.8 -> 74.6 %): there the devices adapt
-        their int8 prefixes to their cameras, honest updates earn partial trust against a
-        server step computed on the bundle's own features, and the stand-in handed their
-        weight to that step."""
-        return self.server.weight
-
-    def _aggregate(self, vec: np.ndarray, means: dict[str, float], trust: dict[str, float], w0: float) -> Aggregate:
+    def _aggregate(self, vec: np.ndarray, means: dict[str, float], trust: dict[str, float]) -> Aggregate:
         """With no update trusted the version is the server's own step (the gate still judges
         it): measured on the bench, 2-device fleets otherwise failed a third of their rounds,
         an honest device disagreeing with its classes' reference as often as a flipped one."""
+        w0 = self.server.weight
         info = {"trust": {d: round(t, 4) for d, t in trust.items()}, "zero_trust": sum(t == 0 for t in trust.values()),
                 "server_share": round(w0 / (sum(means.values()) + w0), 4), "reference_norm": self.server.norm}
         return Aggregate(vec, shares(means, w0), info=info)
@@ -183,10 +185,9 @@ class TrustScored(Strategy):
             raise ValueError("no updates to aggregate")
         changes, echo = self._adjusted(partial.members)
         decoded = partial.readjust(changes, load)
-        w0 = self.server_weight(partial.members)
-        agg = self._aggregate(partial.mean((self.server.update, w0)),
+        agg = self._aggregate(partial.mean((self.server.update, self.server.weight)),
                               {d: m.mean_weight for d, m in partial.members.items()},
-                              {d: m.trust or 0.0 for d, m in partial.members.items()}, w0)
+                              {d: m.trust or 0.0 for d, m in partial.members.items()})
         agg.info["decoded_at_close"] = decoded
         return _echoed(agg, echo, _sketches(partial.members), _coefs_of(partial.members))
 
@@ -201,12 +202,11 @@ class TrustScored(Strategy):
         changes, echo = self._adjusted(members)
         for d, (coef, mean) in changes.items():
             members[d].coef, members[d].mean_weight = coef, mean
-        w0 = self.server_weight(members)
         vec = dense_mean(updates, [members[u.device].coef for u in updates],
                          [members[u.device].mean_weight for u in updates], self.evidence.layout,
-                         (self.server.update, w0))
+                         (self.server.update, self.server.weight))
         agg = self._aggregate(vec, {d: m.mean_weight for d, m in members.items()},
-                              {d: m.trust or 0.0 for d, m in members.items()}, w0)
+                              {d: m.trust or 0.0 for d, m in members.items()})
         return _echoed(agg, echo, _sketches(members), _coefs_of(members))
 
 
@@ -229,10 +229,9 @@ class MedianTrust(Strategy):
         seeds), the colluders cost 2.1 points after 10 rounds, 1.2 with shared votes. (Giving
         echoes one entry in the median too gained 0.2 more there, but hands a lone attacker half
         the median whenever the honest updates agree closely: left out.)"""
-        echo = echoes.echo_counts({d: sk for d, sk in sketches.items() if sk is not None and trust.get(d, 0.0) > 0},
-                                  self.evidence.earlier_sketches)
-        out = {d: (c / echo.get(d, 1.0), m / echo.get(d, 1.0)) for d, (c, m) in coefs.items()}
-        return out, {d: round(e, 3) for d, e in echo.items() if e > 1.0005}
+        echo, recorded = _echo_counts({d: sk for d, sk in sketches.items() if trust.get(d, 0.0) > 0},
+                                      self.evidence.earlier_sketches)
+        return {d: (c / echo.get(d, 1.0), m / echo.get(d, 1.0)) for d, (c, m) in coefs.items()}, recorded
 
     def round_cap(self, weights: Sequence[float]) -> float:
         """No update weighs more than the round's lower-median weight: without a server set a
