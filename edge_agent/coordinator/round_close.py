@@ -5,6 +5,9 @@
     aggregate  the job's rule (strategies/) over its streaming partial: merged from serve
                workers' partials and completed from payloads (aggregation.py); too few
                updates, or a rule with nothing it can publish, fails the round with why
+    choose     a rule that offers a second candidate (trust: its server step standing in for
+               the data distrust withheld) has both scored on the server set's gate split,
+               and the one more samples favour goes on (a tie keeps the first)
     learn      the server optimiser's step and the plateau rule (server_opt.py, plateau.py),
                judged by the server set's accuracy of the base version when there is one
     gate       the candidate scored on the server set against the version it replaces
@@ -97,7 +100,7 @@ class RoundCloser:
         base, head = self.heads.head(job.model_name, rnd.base_version)
         c = Close(job, rnd, self.clock(), base, head, self.heads.layout(job.model_name, rnd.base_version))
         first = (self.secure_sum,) if is_secure(job.params) else (self.collect, self.aggregate)
-        for step in (*first, self.learn, self.judge):
+        for step in (*first, self.choose, self.learn, self.judge):
             step(c)
             if c.failed:
                 break
@@ -191,6 +194,29 @@ class RoundCloser:
             "secagg": True, "secagg_advertised": len(r.adverts), "secagg_survivors": n,
             "secagg_dropped": len(r.config.devices) - n, "secagg_threshold": r.config.threshold,
             "secagg_degree": r.config.degree})
+
+    def choose(self, c: Close) -> None:
+        """The step between the rule and the server optimiser (module doc). Two candidates
+        judged on the same samples that will judge the version: the kept one's score is biased
+        up by at most the better of two draws, not a search."""
+        assert c.aggregate is not None
+        alt = c.aggregate.alternative
+        if alt is None:
+            return
+        c.aggregate.alternative = None
+        tail = self.aggregation.tail(c.job, c.rnd.base_version)
+        if tail is None or not tail.data.can_gate:
+            return
+        try:
+            scores = [int(tail.correct(apply_delta(c.base_head, c.layout.unflatten(a.vec))).sum())
+                      for a in (c.aggregate, alt)]
+        except InputError as exc:  # an unusable candidate: the first goes on, and learn says why if it is too
+            log.warning("job %s round %d: the second candidate is unusable: %s", c.job.id, c.rnd.number, exc)
+            return
+        c.metrics["candidates_correct"] = scores
+        if scores[1] > scores[0]:
+            c.aggregate = dataclasses.replace(c.aggregate, vec=alt.vec, shares=alt.shares,
+                                              info=c.aggregate.info | alt.info)
 
     def learn(self, c: Close) -> None:
         assert c.aggregate is not None

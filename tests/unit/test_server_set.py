@@ -110,6 +110,10 @@ def test_a_flipped_update_counts_for_nothing_and_the_version_is_scored_on_the_se
     m = out.new_version.metrics
     assert m["aggregator"] == "trust" and m["accuracy_source"] == "server set" and m["zero_trust"] == 1
     assert 150 <= m["accuracy_samples"] <= 210 and m["accuracy"] > m["base_server_acc"]  # ~60 % of 300
+    # the flip's withheld weight made a second candidate (the server step standing in for it):
+    # both were scored on the gate split, and the record says which went on
+    first, second = m["candidates_correct"]
+    assert m.get("server_stands_in", False) == (second > first)
     reasons = {u.device_id: u.reason for u in reg.list_updates(job.id, 1)}
     assert reasons[ids[0]].startswith("counted for nothing")
     # the two honest devices hold neighbouring shares of one distribution: their updates may

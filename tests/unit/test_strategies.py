@@ -196,6 +196,57 @@ def test_trust_zeroes_a_flipped_update_and_rescales_a_scaled_one_to_the_server_n
     want = (10 * np.array([1.0, 0.5]) + 10 * d2 + 20 * np.array([1.0, 0.0])) / 40
     np.testing.assert_allclose(got.vec, want)
     assert got.info["server_share"] == pytest.approx(20 / 40)
+    # the second candidate, for the gate to choose: the server step also stands in for the 10
+    # samples d1 did not earn (its 20 root samples already outweigh a typical device's 10)
+    alt = got.alternative
+    assert alt is not None and alt.info["server_stands_in"] and alt.alternative is None
+    np.testing.assert_allclose(alt.vec, (10 * np.array([1.0, 0.5]) + 10 * d2 + 30 * np.array([1.0, 0.0])) / 50)
+    assert alt.info["server_share"] == pytest.approx(30 / 50) and alt.shares["d1"] == 0.0
+    assert alt.shares["d0"] == pytest.approx(10 / 50)
+
+
+def test_trusts_second_candidate_counts_the_server_as_one_typical_device_and_in_place_of_what_trust_withheld():
+    """A 2-device round whose devices hold 100 samples each, the server 20 root samples: in
+    the second candidate the server's step weighs like one device (100), plus the 50 that d1's
+    half trust withheld; the first keeps the root samples' 20. Streamed and reference agree."""
+    server = _server_towards([1.0, 0.0])  # 20 root samples
+    d1 = np.array([0.05, np.sqrt(1 - 0.05**2)])  # cosine 0.05 with the reference: half of kappa 0.1
+    layout, ups = _fleet([[1.0, 0.5], d1], weights=[100, 100], counts=[(1, 0), (1, 0)])
+    got, ref = _run("trust", layout, ups, server=server)
+    assert got.info["trust"] == {"d0": 1.0, "d1": pytest.approx(0.5)}
+    first = (100 * np.array([1.0, 0.5]) + 50 * d1 + 20 * np.array([1.0, 0.0])) / 170
+    second = (100 * np.array([1.0, 0.5]) + 50 * d1 + 150 * np.array([1.0, 0.0])) / 300
+    for agg in (got, ref):
+        np.testing.assert_allclose(agg.vec, first, atol=1e-12)
+        assert agg.alternative is not None
+        np.testing.assert_allclose(agg.alternative.vec, second, atol=1e-12)
+        assert agg.alternative.info["server_share"] == pytest.approx(150 / 300, abs=1e-4)
+
+
+def test_a_distrusted_claim_of_more_data_hands_the_server_only_a_typical_devices_weight():
+    """Four honest updates of 10 samples and a flipped one claiming 1e9 (the round caps it at
+    2 x 10): the second candidate's server step weighs its 20 root samples plus 10, not plus 20."""
+    e = np.eye(6)
+    server = ServerEvidence(update=e[0], class_gradients=-np.stack([e[0], e[1]]), root_counts=np.array([10, 10]),
+                            weight=20.0)
+    honest = [0.5 * e[0] + e[i] for i in range(1, 5)]  # cosine 0.45 with the server, 0.2 with each other
+    layout, ups = _fleet([*honest, -e[0]], weights=[10, 10, 10, 10, 1e9], counts=[(1, 0)] * 5)
+    got, ref = _run("trust", layout, ups, server=server)
+    assert got.info["trust"] == {"d0": 1.0, "d1": 1.0, "d2": 1.0, "d3": 1.0, "d4": 0.0}
+    for agg in (got, ref):
+        assert agg.alternative is not None
+        np.testing.assert_allclose(agg.alternative.vec, (10 * sum(honest) + 30 * e[0]) / 70, atol=1e-12)
+        assert agg.alternative.info["server_share"] == round(30 / 70, 4)
+
+
+def test_trust_offers_no_second_candidate_when_it_would_weigh_the_server_step_the_same():
+    """Every update fully trusted and the root samples outweigh a typical device: nothing
+    was withheld, so there is nothing for the server step to stand in for."""
+    server = _server_towards([1.0, 0.0])  # 20 root samples
+    layout, ups = _fleet([[1.0, 0.5], [1.0, -0.5]], weights=[10, 10], counts=[(1, 0), (1, 0)])
+    got, ref = _run("trust", layout, ups, server=server)
+    assert got.info["trust"] == {"d0": 1.0, "d1": 1.0}
+    assert got.alternative is None and ref.alternative is None
 
 
 def test_trust_compares_each_update_with_what_its_own_classes_teach():

@@ -228,6 +228,9 @@ class Aggregate:
     info: dict[str, Any] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # device -> a note on its accepted update's verdict
     sketches: dict[str, np.ndarray] = field(default_factory=dict)  # trusted updates' sketches, for the next round
+    # a second candidate the round's close may keep instead when its server set scores it higher
+    # (trust: the server step standing in for distrusted data)
+    alternative: Aggregate | None = None
 
 
 @dataclass(frozen=True)
