@@ -95,13 +95,13 @@ def _through_cameras(images: np.ndarray, cams: list[Any], apply: Any) -> np.ndar
 
 
 def digits_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, sizes: list[float] | None = None,
-                 per_device: int | None = None) -> FleetData:
-    """Digits: 449 test and SERVER_SAMPLES server samples held out, the rest split over the
+                 per_device: int | None = None, server_samples: int = SERVER_SAMPLES) -> FleetData:
+    """Digits: 449 test and `server_samples` server samples held out, the rest split over the
     devices (`sizes`: relative data sizes, e.g. [10, 1] for one device with 10x the other's;
     `per_device`: at most that many samples each, as the soak's small devices)."""
     images, labels = load_digits_images()
     perm = np.random.default_rng([seed, 0x7E57]).permutation(len(labels))
-    test_idx, srv_idx, train_idx = perm[:449], perm[449:449 + SERVER_SAMPLES], perm[449 + SERVER_SAMPLES:]
+    test_idx, srv_idx, train_idx = perm[:449], perm[449:449 + server_samples], perm[449 + server_samples:]
     parts = _parts(labels[train_idx], n_devices, alpha, seed, sizes)
     if per_device is not None:
         parts = [p[np.random.default_rng([seed, d]).permutation(len(p))[:per_device]] for d, p in enumerate(parts)]
@@ -149,7 +149,7 @@ def texture_features(images: np.ndarray) -> np.ndarray:
 
 
 def texture_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, per_device: int = 160,
-                  sizes: list[float] | None = None) -> FleetData:
+                  sizes: list[float] | None = None, server_samples: int = SERVER_SAMPLES) -> FleetData:
     """Textures: device patches from the right halves of the regions (Dirichlet class shares),
     test and server patches from the right halves too, through the fleet's cameras."""
     rng = np.random.default_rng([seed, 0xD1])
@@ -170,7 +170,7 @@ def texture_fleet(n_devices: int, *, alpha: float = 1.0, seed: int = 0, per_devi
         return feats, y[order]
 
     test_x, test_y = pool(60, seed * 100 + 77)
-    srv_x, srv_y = pool(SERVER_SAMPLES // len(tex.CLASSES), seed * 100 + 78)
+    srv_x, srv_y = pool(server_samples // len(tex.CLASSES), seed * 100 + 78)
     return FleetData("textures", list(tex.CLASSES), xs, ys, test_x, test_y,
                      _split_server(srv_x, srv_y, len(tex.CLASSES)))
 
