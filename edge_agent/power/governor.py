@@ -21,6 +21,9 @@ energy on them that a whole-device sensor counts into the job's. `inference_j` (
 service's running total, in J) lets the governor account it as inference: in the "device"
 scope the job's energy ("job" basis) leaves it out, the device's total keeps it, and the
 report says how much (the "process" scope never sees it: the service is another process).
+
+The governor is the step lifecycle, the duty cycle and the decision; what the job has spent
+is job_energy.py's JobEnergy, and what pauses it (battery, heat, window) conditions.py's.
 """
 
 from __future__ import annotations
@@ -31,23 +34,21 @@ import threading
 from collections.abc import Callable, Mapping
 from datetime import tzinfo
 
-from ..errors import ConfigError, InputError
-from .battery import BatteryState
+from ..errors import ConfigError
 from .budget import Budget, duty_cycle_sleep, ema, predict_step, suggest_threads, would_exceed
 from .clock import Clock, SystemClock
+from .conditions import Conditions
 from .decisions import (
     CONTINUE,
     Action,
     Decision,
     PauseReason,
-    ResumeCondition,
     StepAdvice,
     StopReason,
 )
-from .energy import EnergyMeter
+from .job_energy import ENERGY_KEYS, JobEnergy, checked_state
 from .monitor import PowerMonitor
-from .process_energy import ProcessEnergy, process_cpu_seconds
-from .thermal import ThermalMonitor, ThermalReading
+from .thermal import ThermalMonitor
 
 J_PER_WH = 3600.0
 
@@ -89,8 +90,6 @@ class BudgetGovernor:
                 f"power_cap_w: {budget.power_cap_w:g} W is at or below idle power {idle_w:g} W; no duty cycle can meet it"
             )
         self.budget = budget
-        self.monitor = sources
-        self.thermal = thermal
         self.clock: Clock = clock if clock is not None else SystemClock()
         self.max_threads = max(
             1, int(max_threads if max_threads is not None else (os.cpu_count() or 1))
@@ -99,15 +98,11 @@ class BudgetGovernor:
         self.stale_s = float(stale_s)
         self.max_sensor_failures = max(1, int(max_sensor_failures))
         self.tz = tz
-        self.meter = EnergyMeter(idle_w=idle_w, start_t=self.clock.monotonic())
-        self.process: ProcessEnergy | None = None
-        self.scope_note = ""
-        if budget.energy_scope == "process":
-            if watts_per_cpu is not None:
-                self.process = ProcessEnergy(watts_per_cpu=watts_per_cpu, cpu_seconds=cpu_seconds or process_cpu_seconds)
-            else:
-                self.scope_note = ("energy scope 'process' needs the board profile's watts per core (load_w - "
-                                   "idle_w); none known, so the device-wide figure is charged")
+        self.energy = JobEnergy(monitor=sources, idle_w=idle_w, start_t=self.clock.monotonic(),
+                                energy_scope=budget.energy_scope, watts_per_cpu=watts_per_cpu,
+                                cpu_seconds=cpu_seconds, inference_j=inference_j)
+        self.meter = self.energy.meter
+        self.conditions = Conditions(monitor=sources, thermal=thermal, stale_s=self.stale_s, now=self._now_mono)
         self._cancel = threading.Event()
         self._cancel_detail = ""
         self._stop: Decision | None = None
@@ -121,8 +116,6 @@ class BudgetGovernor:
         self._last_cycle_j: float | None = None
         self._ema_step_s: float | None = None
         self._last_step_s: float | None = None
-        self._battery: tuple[BatteryState, float] | None = None
-        self._temp: tuple[ThermalReading, float] | None = None
         self.steps = 0
         self.training_s = 0.0
         self.training_j = 0.0
@@ -131,16 +124,11 @@ class BudgetGovernor:
         self.pause_s = 0.0
         self.pauses_by_reason: dict[str, int] = {}
         self.battery_start: float | None = None
-        self.max_temp_c: float | None = None
-        self._offset_total_j = self._offset_job_j = 0.0
-        self._offset_device_total_j = self._offset_device_job_j = 0.0
-        self._inference = inference_j
-        self._inference_start = self._read_inference()
         if resume_from is not None:
             self._restore(resume_from)
         self._t0 = self.clock.monotonic()
         self._sample()  # anchors integration and primes counter sources
-        battery = self._read_battery()
+        battery = self.conditions.battery()
         self.battery_start = battery.capacity_pct if battery is not None else None
 
     # --- the trainer's API ----------------------------------------------------------
@@ -179,7 +167,7 @@ class BudgetGovernor:
         used_before = self._step_start[1]
         step_s, step_j = self._close_step(fallback_s=step_seconds)
         step_w = step_j / step_s if step_s > 0 else None
-        temp = self._read_thermal()
+        temp = self.conditions.temperature()
         self._threads = suggest_threads(
             current=self._threads,
             max_threads=self.max_threads,
@@ -260,12 +248,16 @@ class BudgetGovernor:
     @property
     def temp_c(self) -> float | None:
         """The latest hottest-zone temperature seen (C), or None."""
-        return self._temp[0].max_c if self._temp is not None else None
+        return self.conditions.temp_c
 
     @property
     def battery_pct(self) -> float | None:
         """The latest battery capacity seen (%), or None."""
-        return self._battery[0].capacity_pct if self._battery is not None else None
+        return self.conditions.battery_pct
+
+    @property
+    def max_temp_c(self) -> float | None:
+        return self.conditions.max_temp_c
 
     @property
     def stop_reason(self) -> StopReason | None:
@@ -274,22 +266,27 @@ class BudgetGovernor:
     @property
     def energy_scope(self) -> str:
         """What the budget is charged with: "process" or "device" (see the module docstring)."""
-        return "process" if self.process is not None else "device"
+        return self.energy.scope
+
+    def inference_j(self) -> float:
+        """Inference energy spent since this run started (J); 0 without a reader."""
+        return self.energy.inference_j()
 
     def report(self) -> dict[str, object]:
-        total_j, job_j = self._total_j(), self._job_j()
+        e = self.energy
+        total_j, job_j = e.total_j(), e.job_j()
         measured = self.meter.measured_s
         budget_j = self.budget.budget_j
         return {
             "energy_wh_total": total_j / J_PER_WH,
             "energy_wh_job": job_j / J_PER_WH,
             "energy_scope": self.energy_scope,
-            "energy_scope_note": self.scope_note,
+            "energy_scope_note": e.scope_note,
             # what the power source measured for the whole board, every process on it
-            "device_energy_wh_total": self._device_total_j() / J_PER_WH,
-            "device_energy_wh_job": self._device_job_j() / J_PER_WH,
-            "process_cpu_s": self.process.cpu_s if self.process is not None else None,
-            "inference_wh": self.inference_j() / J_PER_WH,
+            "device_energy_wh_total": e.device_total_j() / J_PER_WH,
+            "device_energy_wh_job": e.device_job_j() / J_PER_WH,
+            "process_cpu_s": e.process.cpu_s if e.process is not None else None,
+            "inference_wh": e.inference_j() / J_PER_WH,
             "budget_wh": self.budget.budget_wh,
             "budget_basis": self.budget.budget_basis,
             "budget_used_fraction": (self._used_j() / budget_j) if budget_j else None,
@@ -317,16 +314,13 @@ class BudgetGovernor:
             "battery_pct_end": self.battery_pct,
             "max_temp_c": self.max_temp_c,
             "sensor_failures": self.meter.failed_reads,
-            "problems": self._problems(),
+            "problems": self.conditions.problems(),
         }
 
     def state(self) -> dict[str, float]:
         """What must survive a reboot for the budget to stay per job: store it with the checkpoint."""
         return {
-            "energy_j_total": self._total_j(),
-            "energy_j_job": self._job_j(),
-            "device_energy_j_total": self._device_total_j(),
-            "device_energy_j_job": self._device_job_j(),
+            **self.energy.state(),
             "steps": float(self.steps),
             "training_s": self.training_s,
             "pause_count": float(self.pause_count),
@@ -347,51 +341,11 @@ class BudgetGovernor:
     def _last_t(self) -> float:
         return self.meter.last.t if self.meter.last is not None else self._now_mono()
 
-    def _total_j(self) -> float:
-        """The budget's "total" energy in its scope, earlier runs of the job included."""
-        if self.process is not None:
-            return self._offset_total_j + self.process.total_j(self.meter.idle_w)
-        return self._offset_total_j + self.meter.total_j
-
-    def _job_j(self) -> float:
-        """The budget's "job" (above idle) energy in its scope, earlier runs included; in the
-        device scope without what the inference service spent meanwhile."""
-        if self.process is not None:
-            return self._offset_job_j + self.process.job_j
-        return max(0.0, self._offset_job_j + self.meter.job_j - self.inference_j())
-
-    def _read_inference(self) -> float | None:
-        if self._inference is None:
-            return None
-        try:
-            value = self._inference()
-        except Exception:  # noqa: BLE001 - a reader that fails counts nothing, never stops the job
-            return None
-        return float(value) if value is not None and math.isfinite(value) else None
-
-    def inference_j(self) -> float:
-        """Inference energy spent since this run started (J); 0 without a reader."""
-        now = self._read_inference()
-        if now is None or self._inference_start is None:
-            if now is not None and self._inference_start is None:
-                self._inference_start = now  # the service started after the job did
-            return 0.0
-        return max(0.0, now - self._inference_start)
-
-    def _device_total_j(self) -> float:
-        return self._offset_device_total_j + self.meter.total_j
-
-    def _device_job_j(self) -> float:
-        return self._offset_device_job_j + self.meter.job_j
-
     def _used_j(self) -> float:
-        return self._job_j() if self.budget.budget_basis == "job" else self._total_j()
+        return self.energy.used_j(self.budget.budget_basis)
 
     def _sample(self, *, hold_end: bool = False) -> None:
-        t = self._now_mono()
-        self.meter.add(self.monitor.read(t), hold_end=hold_end)
-        if self.process is not None:
-            self.process.sample(t)
+        self.energy.sample(self._now_mono(), hold_end=hold_end)
 
     def _close_step(self, fallback_s: float | None = None) -> tuple[float, float]:
         """End the open step: (seconds, total joules). The closing reading reflects the step."""
@@ -443,71 +397,13 @@ class BudgetGovernor:
         if slept > 0 and self.meter.last is not last_before:
             self._gap_w = ema(self._gap_w, (self.meter.total_j - total_before) / slept)
 
-    def _read_battery(self) -> BatteryState | None:
-        state = self.monitor.battery()
-        now = self._now_mono()
-        if state is not None:
-            self._battery = (state, now)
-            return state
-        if self._battery is not None and now - self._battery[1] <= self.stale_s:
-            return self._battery[0]  # one glitch must not flip a pause decision
-        return None
-
-    def _read_thermal(self) -> ThermalReading | None:
-        if self.thermal is None:
-            return None
-        try:
-            reading = self.thermal.read()
-        except Exception:  # a bug in a sensor path must not stop training
-            reading = None
-        now = self._now_mono()
-        if reading is not None:
-            self._temp = (reading, now)
-            self.max_temp_c = (
-                reading.max_c if self.max_temp_c is None else max(self.max_temp_c, reading.max_c)
-            )
-            return reading
-        if self._temp is not None and now - self._temp[1] <= self.stale_s:
-            return self._temp[0]
-        return None
-
-    def _blocking(self, now: float) -> tuple[list[PauseReason], ResumeCondition, list[str]]:
-        b = self.budget
-        reasons: list[PauseReason] = []
-        details: list[str] = []
-        resume_pct = resume_temp = not_before = None
-        battery = self._read_battery()
-        if b.battery_floor_pct is not None and battery is not None:
-            pct = battery.capacity_pct
-            held = PauseReason.BATTERY_LOW in self._paused and pct < b.battery_resume_pct  # type: ignore[operator]
-            if pct <= b.battery_floor_pct or held:
-                reasons.append(PauseReason.BATTERY_LOW)
-                details.append(
-                    f"battery {pct:g} % ({battery.status or 'status unknown'}), floor {b.battery_floor_pct:g} %"
-                )
-                resume_pct = b.battery_resume_pct
-        temp = self._read_thermal()
-        if b.thermal_limit_c is not None and temp is not None:
-            cool = b.thermal_limit_c - b.thermal_margin_c
-            if temp.max_c >= b.thermal_limit_c or (
-                PauseReason.THERMAL in self._paused and temp.max_c > cool
-            ):
-                reasons.append(PauseReason.THERMAL)
-                details.append(f"{temp.zone} at {temp.max_c:.1f} C, limit {b.thermal_limit_c:g} C")
-                resume_temp = cool
-        if b.window is not None and not b.window.contains(now, self.tz):  # type: ignore[union-attr]
-            reasons.append(PauseReason.OUTSIDE_WINDOW)
-            details.append(f"outside window {b.window}")
-            not_before = now + b.window.seconds_until_open(now, self.tz)  # type: ignore[union-attr]
-        return reasons, ResumeCondition(resume_pct, resume_temp, not_before), details
-
     def _evaluate(self) -> Decision:
         if self._stop is not None:
             return self._stop
         if self._cancel.is_set():
             return self._halt(StopReason.CANCELLED, self._cancel_detail)
         b = self.budget
-        device_charged = self.process is None  # the process scope needs no sensor to hold the budget
+        device_charged = self.energy.process is None  # the process scope needs no sensor to hold the budget
         if device_charged and b.budget_j is not None and self.meter.last is None and self.meter.failed_reads >= 3:
             # Not one reading since the start (a counter's priming read and a read at the same
             # instant do not count): the job would go unmetered. A short job used to finish
@@ -520,7 +416,7 @@ class BudgetGovernor:
                 f"no power reading in {self.meter.consecutive_failures} consecutive samples; cannot enforce the energy budget",
             )
         now = self.clock.now()
-        reasons, resume, details = self._blocking(now)
+        reasons, resume, details = self.conditions.blocking(b, now, self._paused, self.tz)
         if b.deadline is not None and now >= b.deadline:
             if PauseReason.BATTERY_LOW in reasons:
                 return self._halt(
@@ -567,43 +463,10 @@ class BudgetGovernor:
         self._stop = Decision(Action.STOP, reason, detail)
         return self._stop
 
-    def _problems(self) -> dict[str, object]:
-        problems = dict(self.monitor.problems())
-        if self.thermal is not None and self.thermal.nodes.problem_count:
-            problems["thermal"] = {
-                "count": self.thermal.nodes.problem_count,
-                "recent": list(self.thermal.nodes.recent_problems),
-            }
-        return problems
-
     def _restore(self, state: Mapping[str, object]) -> None:
         """Carry energy and counters over from a previous run of the same job (untrusted data)."""
-        values: dict[str, float] = {}
-        for key in (
-            "energy_j_total",
-            "energy_j_job",
-            "device_energy_j_total",
-            "device_energy_j_job",
-            "steps",
-            "training_s",
-            "pause_count",
-            "pause_s",
-        ):
-            value = state.get(key, 0.0)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise InputError(
-                    f"governor state: {key} must be a finite number >= 0, got {value!r}"
-                )
-            values[key] = float(value)
-        self._offset_total_j = values["energy_j_total"]
-        self._offset_job_j = values["energy_j_job"]
-        self._offset_device_total_j = values["device_energy_j_total"]
-        self._offset_device_job_j = values["device_energy_j_job"]
+        values = checked_state(state, (*ENERGY_KEYS, "steps", "training_s", "pause_count", "pause_s"))
+        self.energy.restore(values)
         self.steps = int(values["steps"])
         self.training_s = values["training_s"]
         self.pause_count = int(values["pause_count"])
