@@ -222,7 +222,9 @@ def _version_accuracy(reg: Registry, job: Job, version: str) -> str:
     eps = f" (epsilon {m['dp_epsilon']:.3g})" if isinstance(m.get("dp_epsilon"), int | float) else ""
     if m.get("accuracy_source") == "server set" and isinstance(m.get("accuracy"), int | float):
         scaled = f", step x{m['step_scale']:g}" if m.get("step_scale", 1.0) != 1.0 else ""
-        return f" ({100 * m['accuracy']:.2f} % on the server set, {m.get('accuracy_samples')} samples{scaled}){eps}"
+        stood = ", the server's step standing in for distrusted data" if m.get("server_stands_in") else ""
+        return (f" ({100 * m['accuracy']:.2f} % on the server set, {m.get('accuracy_samples')} samples{scaled}{stood})"
+                f"{eps}")
     return eps
 
 

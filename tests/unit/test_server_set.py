@@ -125,6 +125,7 @@ def test_a_flipped_update_counts_for_nothing_and_the_version_is_scored_on_the_se
     text = capsys.readouterr().out
     assert "aggregator trust (the default: the model has a server set)" in text
     assert f"% on the server set, {m['accuracy_samples']} samples" in text
+    assert ("the server's step standing in for distrusted data" in text) == (second > first)
 
 
 def test_model_create_leaves_the_server_set_beside_the_bundle_for_register(
