@@ -75,7 +75,7 @@ def strategy_options(policy: Any, params: Mapping[str, Any]) -> StrategyOptions:
     return StrategyOptions(samples_mult=policy.samples_mult, clip_mult=float(params.get("clip_mult", policy.clip_mult)),
                            trim_fraction=float(params.get("trim_fraction", policy.trim_fraction)),
                            krum_fraction=float(params.get("krum_fraction", policy.krum_fraction)),
-                           trust_kappa=policy.trust_kappa)
+                           trust_kappa=policy.trust_kappa, median_kappa=policy.median_kappa)
 
 
 class RoundAggregation:

@@ -37,7 +37,8 @@ class RoundPolicy:
     samples_mult: float = 2.0  # weights capped at this x the round's lower-median weight
     samples_growth: float = 2.0  # ... and at this x the device's largest recent accepted count
     krum_fraction: float = 0.2  # Multi-Krum's assumed share of hostile updates
-    trust_kappa: float = 0.1  # trust rules: the cosine at which an update earns full trust
+    trust_kappa: float = 0.1  # trust: the cosine with the server's reference at which an update earns full trust
+    median_kappa: float = 0.3  # median_trust: the same against the round's median (strategies/trust.py)
     gate_z: float = 2.33  # the validation gate's one-sided significance (gate.py)
     gate_min_drop: float = 0.005  # ... and the smallest accuracy drop that stops a version
     max_abs_delta: float = 1e6  # any |value| above this: refused at arrival (a strike)
@@ -55,8 +56,10 @@ class RoundPolicy:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 1):
                 raise ValueError(f"{name} must be a finite number >= 1, got {value}")
-        if self.quarantine_after < 1 or not 0 <= self.krum_fraction < 0.5 or not 0 < self.trust_kappa <= 1:
-            raise ValueError("need quarantine_after >= 1, 0 <= krum_fraction < 0.5, 0 < trust_kappa <= 1")
+        if self.quarantine_after < 1 or not 0 <= self.krum_fraction < 0.5 or not 0 < self.trust_kappa <= 1 \
+                or not 0 < self.median_kappa <= 1:
+            raise ValueError("need quarantine_after >= 1, 0 <= krum_fraction < 0.5, 0 < trust_kappa <= 1, "
+                             "0 < median_kappa <= 1")
         if not (math.isfinite(self.gate_z) and self.gate_z >= 0) or not 0 <= self.gate_min_drop < 1:
             raise ValueError("need gate_z >= 0 and 0 <= gate_min_drop < 1")
         if self.max_wait_s is not None and not (math.isfinite(self.max_wait_s) and self.max_wait_s >= 0):

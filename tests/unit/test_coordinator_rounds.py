@@ -414,8 +414,8 @@ def test_bad_jobs_are_refused_at_start(h: Harness, kwargs: dict) -> None:
 
 
 def test_policy_is_validated_at_construction() -> None:
-    for bad in ({"aggregator": "mean"}, {"online_within_s": 0}, {"trust_kappa": 0}, {"max_wait_s": -5},
-                {"min_battery_pct": 101}, {"gate_min_drop": 1.0}):
+    for bad in ({"aggregator": "mean"}, {"online_within_s": 0}, {"trust_kappa": 0}, {"median_kappa": 1.5},
+                {"max_wait_s": -5}, {"min_battery_pct": 101}, {"gate_min_drop": 1.0}):
         with pytest.raises((ValueError, InputError)):
             RoundPolicy(**bad)
     with pytest.raises(TypeError):

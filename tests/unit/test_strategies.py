@@ -271,10 +271,26 @@ def test_median_trust_counts_a_disagreeing_update_for_nothing_without_rejecting_
     np.testing.assert_allclose(got.vec, [1.0, 0.0], atol=1e-12)
 
 
+def test_median_trust_gives_full_trust_only_above_its_own_pull_on_the_median():
+    """Full trust from cosine 0.3 with the median (median_kappa), not 0.1: among 5 updates a
+    random direction's own pull on the median gave it 0.15-0.18 on the bench. d4 here sits at
+    cosine ~0.2 with the median: two-thirds of a vote, not a whole one."""
+    honest = [[1.0, 0.2, 0.0], [1.0, -0.2, 0.0], [0.9, 0.0, 0.1], [1.1, 0.0, -0.1]]
+    layout, ups = _fleet([*honest, [0.2, 0.0, 0.98]])
+    got, want = _run("median_trust", layout, ups)
+    cos = got.info["median_cosines"]["d4"]
+    assert 0.1 < cos < 0.3
+    assert got.info["trust"]["d4"] == pytest.approx(cos / 0.3, abs=1e-3) == want.info["trust"]["d4"]
+    assert all(got.info["trust"][f"d{i}"] == 1.0 for i in range(4))
+    options = StrategyOptions(median_kappa=0.1)  # the trust rule's kappa would trust it fully
+    assert _run("median_trust", layout, ups, options=options)[0].info["trust"]["d4"] == 1.0
+
+
 def test_median_trust_takes_the_median_again_without_the_updates_against_it():
     """IPM (-1 x the honest mean) drags the coordinate-wise median of five off d1's way: d1's
-    cosine falls to 0.06 and it would earn only part of its trust. The second median, of the
-    updates that agree with the first, gives it back; the attacker still counts for nothing."""
+    cosine falls to 0.06 and it would earn a fifth of its trust (full from median_kappa 0.3).
+    The second median, of the updates that agree with the first, gives most of it back (cosine
+    0.283); the attacker still counts for nothing."""
     honest = [[-1.0, 4.0, -1.0], [3.0, -1.0, 2.0], [1.0, 4.0, 1.0], [4.0, 4.0, 3.0]]
     vecs = honest + [(-np.mean(honest, axis=0)).tolist()]
     layout, ups = _fleet(vecs)
@@ -283,11 +299,13 @@ def test_median_trust_takes_the_median_again_without_the_updates_against_it():
     first = np.median(np.array(vecs), axis=0)  # the one median a single pass would judge by
     assert np.dot(vecs[1], first) / (np.linalg.norm(vecs[1]) * np.linalg.norm(first)) < 0.1
     assert got.info["median_cosines"]["d1"] == pytest.approx(0.283, abs=1e-3)
-    assert all(got.info["trust"][f"d{i}"] == 1.0 for i in range(4)) and got.info["trust"]["d4"] == 0.0
+    t1 = got.info["median_cosines"]["d1"] / 0.3
+    assert got.info["trust"]["d1"] == pytest.approx(t1, abs=1e-3) and got.info["trust"]["d4"] == 0.0
+    assert all(got.info["trust"][d] == 1.0 for d in ("d0", "d2", "d3"))
     # d1 echoes no one; d0, d2 and d3 partly echo each other (cosines 0.78, 0.85) and share votes
-    inverse = {d: 1.0 / got.info["echoes"].get(d, 1.0) for d in ("d0", "d1", "d2", "d3")}
+    votes = {d: got.info["trust"][d] / got.info["echoes"].get(d, 1.0) for d in ("d0", "d1", "d2", "d3")}
     assert set(got.info["echoes"]) == {"d0", "d2", "d3"}
-    assert got.shares["d4"] == 0.0 and got.shares["d1"] == pytest.approx(1.0 / sum(inverse.values()), abs=1e-3)
+    assert got.shares["d4"] == 0.0 and got.shares["d1"] == pytest.approx(votes["d1"] / sum(votes.values()), abs=1e-3)
     np.testing.assert_allclose(got.vec, want.vec)
     # in a round without a majority (3 updates) the median is taken once
     layout, ups = _fleet(vecs[2:])

@@ -89,7 +89,8 @@ class StrategyOptions:
     clip_mult: float = 2.0  # fedavg_clipped: norms clipped at this x the round's reference norm
     trim_fraction: float = 0.2
     krum_fraction: float = 0.2
-    trust_kappa: float = 0.1  # cosine at which an update earns full trust (trust, median_trust)
+    trust_kappa: float = 0.1  # cosine with the server's reference at which an update earns full trust (trust)
+    median_kappa: float = 0.3  # ... with the round's median (median_trust: above its own pull on it, trust.py)
     band: tuple[float, float] = (0.5, 2.0)  # norms moved into [lo, hi] x the reference norm
     dp: Any = None  # dp_fedavg: the round's clip and noise (dp.GaussianSum); None for a job that is not private
 
