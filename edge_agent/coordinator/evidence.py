@@ -91,14 +91,27 @@ class TailEvidence:
             parts.append(np.zeros(size) if t is None else np.asarray(t, np.float64).ravel())
         return np.concatenate(parts) if parts else np.zeros(0)
 
+    def _gate_logits(self, head: Mapping[str, np.ndarray]) -> np.ndarray:
+        if not self.data.can_gate:
+            raise InputError(f"the server set's gate split has {len(self.data.gate_y)} samples, fewer than {MIN_GATE}")
+        return np.asarray(self._trainer(head).predict(self.data.gate_x), np.float64)
+
+    def scored(self, head: Mapping[str, np.ndarray]) -> tuple[np.ndarray, float]:
+        """(per gate sample: right or not, the mean cross-entropy) from one forward pass: the
+        loss tells apart heads whose counts of right answers tie or differ by noise."""
+        logits = self._gate_logits(head)
+        if not np.isfinite(logits).all():
+            raise InputError("the head's outputs on the server set are not finite")
+        y = self.data.gate_y
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted[np.arange(len(y)), y] - np.log(np.exp(shifted).sum(axis=1))
+        return logits.argmax(axis=1) == y, float(-log_p.mean())
+
     def correct(self, head: Mapping[str, np.ndarray], key: str | None = None) -> np.ndarray:
         """Per gate sample: does `head` classify it right (bool). Cached by `key` (a version)."""
         if key is not None and key in self._correct:
             return self._correct[key]
-        if not self.data.can_gate:
-            raise InputError(f"the server set's gate split has {len(self.data.gate_y)} samples, fewer than {MIN_GATE}")
-        logits = self._trainer(head).predict(self.data.gate_x)
-        out = np.asarray(logits).argmax(axis=1) == self.data.gate_y
+        out = self._gate_logits(head).argmax(axis=1) == self.data.gate_y
         if key is not None:
             if len(self._correct) > 64:
                 self._correct.clear()

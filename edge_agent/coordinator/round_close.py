@@ -6,8 +6,9 @@
                workers' partials and completed from payloads (aggregation.py); too few
                updates, or a rule with nothing it can publish, fails the round with why
     choose     a rule that offers a second candidate (trust: its server step standing in for
-               the data distrust withheld) has both scored on the server set's gate split,
-               and the one more samples favour goes on (a tie keeps the first)
+               the data distrust withheld) has both scored on the server set's gate split;
+               the second goes on when it gets at least as many samples right and its mean
+               loss is lower (else the first)
     learn      the server optimiser's step and the plateau rule (server_opt.py, plateau.py),
                judged by the server set's accuracy of the base version when there is one
     gate       the candidate scored on the server set against the version it replaces
@@ -208,13 +209,13 @@ class RoundCloser:
         if tail is None or not tail.data.can_gate:
             return
         try:
-            scores = [int(tail.correct(apply_delta(c.base_head, c.layout.unflatten(a.vec))).sum())
-                      for a in (c.aggregate, alt)]
+            scored = [tail.scored(apply_delta(c.base_head, c.layout.unflatten(a.vec))) for a in (c.aggregate, alt)]
         except InputError as exc:  # an unusable candidate: the first goes on, and learn says why if it is too
             log.warning("job %s round %d: the second candidate is unusable: %s", c.job.id, c.rnd.number, exc)
             return
-        c.metrics["candidates_correct"] = scores
-        if scores[1] > scores[0]:
+        right, loss = [int(ok.sum()) for ok, _ in scored], [lo for _, lo in scored]
+        c.metrics["candidates_correct"], c.metrics["candidates_loss"] = right, [round(lo, 5) for lo in loss]
+        if right[1] >= right[0] and loss[1] < loss[0]:
             c.aggregate = dataclasses.replace(c.aggregate, vec=alt.vec, shares=alt.shares,
                                               info=c.aggregate.info | alt.info)
 

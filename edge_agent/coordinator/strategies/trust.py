@@ -24,8 +24,11 @@ samples: so magnitude attacks (x100, x1e-6) are neutralised, a direction against
 evidence counts for nothing, and a fleet that lost an attacker's data still learns what the
 server set teaches. The rule also offers a second candidate, the server's step standing in
 for the data distrust withheld (w_0 = max(root samples, m) + sum_i min(w_i, m) (1 - t_i), m
-the round's lower-median weight), and the round's close keeps whichever the gate split
-scores higher (round_close.py): always taking the stand-in lifted bench_poisoning's 2-device
+the round's lower-median weight), and the round's close keeps the stand-in when the gate
+split gets as many samples right with it at a lower mean loss (round_close.py: the loss
+resolves what 300 right-or-wrong answers cannot; by counts alone the bench's 2-device digits
+fleets ended 2.1 points under clean after 10 rounds, by loss alone an honest round failed the
+gate, which counts): always taking the stand-in lifted bench_poisoning's 2-device
 fleets from 2.6-3.7 to 1.7-2.6 points under clean but cost `make demo` 6 points after 3
 rounds (its devices adapt their int8 prefixes to their cameras, so honest updates earn
 partial trust against a step computed on the bundle's own features, and the stand-in took
