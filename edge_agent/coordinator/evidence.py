@@ -99,13 +99,13 @@ class TailEvidence:
     def scored(self, head: Mapping[str, np.ndarray]) -> tuple[np.ndarray, float]:
         """(per gate sample: right or not, the mean cross-entropy) from one forward pass: the
         loss tells apart heads whose counts of right answers tie or differ by noise."""
+        from ..train.dense_head import log_softmax
+
         logits = self._gate_logits(head)
         if not np.isfinite(logits).all():
             raise InputError("the head's outputs on the server set are not finite")
         y = self.data.gate_y
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted[np.arange(len(y)), y] - np.log(np.exp(shifted).sum(axis=1))
-        return logits.argmax(axis=1) == y, float(-log_p.mean())
+        return logits.argmax(axis=1) == y, float(-log_softmax(logits)[np.arange(len(y)), y].mean())
 
     def correct(self, head: Mapping[str, np.ndarray], key: str | None = None) -> np.ndarray:
         """Per gate sample: does `head` classify it right (bool). Cached by `key` (a version)."""

@@ -44,11 +44,17 @@ BACKENDS = ("auto", "numpy", "mxnet")
 ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8  # MXNet 1.9 Adam defaults
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Per row, log of the softmax of (N, classes) logits, shifted by the row's maximum so
+    that large logits cannot overflow."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
 def softmax_loss(logits: np.ndarray, y: np.ndarray, class_weight: np.ndarray) -> tuple[float, np.ndarray]:
     """(mean weighted cross-entropy, its gradient d(sum of weighted losses)/d logits rescaled
     by 1/batch as Gluon's Trainer.step(batch) does)."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    log_p = log_softmax(logits)
     sample_w = class_weight[y].astype(np.float32)
     rows = np.arange(len(y))
     value = float((-log_p[rows, y] * sample_w).mean())
