@@ -87,6 +87,7 @@ def build_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, *, 
     net = digits_cnn()
     fit_classifier(net, x, y, epochs=epochs, seed=seed)
     if save_params is not None:
+        Path(save_params).parent.mkdir(parents=True, exist_ok=True)  # a clean checkout has no build/ yet
         net.save_parameters(str(save_params))
     # stored data is raw pixels (0..255); the bundle normalises them to what the net saw
     calib = to_pixels(x[:256]).astype(np.float32) * np.float32(PIXEL_SCALE)
@@ -252,6 +253,7 @@ def build_mobilenet_bundle(dest: str | os.PathLike[str], x: np.ndarray, y: np.nd
 
     net = train_mobilenet(x, y, width=width, epochs=epochs, seed=seed, lr=lr, num_classes=len(labels))
     if save_params is not None:
+        Path(save_params).parent.mkdir(parents=True, exist_ok=True)
         net.save_parameters(str(save_params))
     spread = np.linspace(0, len(x) - 1, min(calibration_samples, len(x))).astype(np.int64)  # every camera
     calib = to_pixels(x[spread]).astype(np.float32) * np.float32(PIXEL_SCALE)
