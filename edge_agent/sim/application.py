@@ -20,6 +20,7 @@ import io
 import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,12 +132,24 @@ def accuracy(client: LocalClient, x: np.ndarray, y: list[str]) -> tuple[float, s
     return right / max(1, len(x)), ",".join(sorted(versions))
 
 
-def wait_for_finetune(client: LocalClient, *, timeout_s: float = 900.0, poll_s: float = 0.5) -> dict[str, Any]:
-    """Until the local fine-tune has finished and the device has judged its result."""
-    deadline = time.monotonic() + timeout_s
+SLOW_FINETUNE_S = 60.0  # the demo's local fine-tune takes a few CPU-seconds on an idle machine
+
+
+def wait_for_finetune(client: LocalClient, *, timeout_s: float = 900.0, poll_s: float = 0.5,
+                      say: Callable[[str], None] | None = None, notice_after_s: float = SLOW_FINETUNE_S) -> dict[str, Any]:
+    """Until the local fine-tune has finished and the device has judged its result; `say`
+    hears once, after `notice_after_s`, that it is still running and why it may be slow."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    noticed = say is None
     while time.monotonic() < deadline:
         info = client.model()
         ft = info.get("finetune") or {}
+        if not noticed and ft.get("running") and time.monotonic() - start >= notice_after_s:
+            noticed = True
+            say(f"the local fine-tune is still running after {notice_after_s:.0f} s: it trains at idle priority "
+                "([serve] training_priority = \"idle\"), so that predictions come first, and other busy processes on this "
+                "machine take its CPU; it goes on when they let it")
         if not ft.get("running") and ft.get("last"):
             last = ft["last"]
             personal = info.get("personal") or {}
@@ -148,8 +161,10 @@ def wait_for_finetune(client: LocalClient, *, timeout_s: float = 900.0, poll_s: 
 
 
 def feedback_round(client: LocalClient, device: str, feedback: tuple[np.ndarray, list[str]],
-                   next_samples: tuple[np.ndarray, list[str]]) -> RoundResult:
-    """One pass of the loop in the module doc; raw pixels in, labels as names."""
+                   next_samples: tuple[np.ndarray, list[str]],
+                   say: Callable[[str], None] | None = None) -> RoundResult:
+    """One pass of the loop in the module doc; raw pixels in, labels as names; `say` hears
+    why, if the fine-tune is slow (wait_for_finetune)."""
     fx, fy = feedback
     nx, ny = next_samples
     before, served_before = accuracy(client, nx, ny)
@@ -160,7 +175,7 @@ def feedback_round(client: LocalClient, device: str, feedback: tuple[np.ndarray,
         stored = client.correct(pred["id"], fy[i]) if pred["label"] != fy[i] else client.post_sample(fx[i], fy[i])
         held += bool(stored.get("held_out"))
     client.finetune()
-    info = wait_for_finetune(client)
+    info = wait_for_finetune(client, say=say)
     after, served_after = accuracy(client, nx, ny)
     fleet, personal = info.get("fleet") or {}, info.get("personal") or {}
     return RoundResult(device, len(fx), held, before, after, served_before, served_after,
@@ -203,7 +218,7 @@ def demo_loop(out: Path, devices: dict[str, dict[str, Any]], say: Any, *, count:
             x = demo.to_pixels(dev.images).astype(np.float32)
             y = [demo.LABELS[v] for v in dev.labels]
             n = len(x) // 2
-            result = feedback_round(client, name, (x[:n], y[:n]), (x[n:], y[n:]))
+            result = feedback_round(client, name, (x[:n], y[:n]), (x[n:], y[n:]), say=say)
         finally:
             client.close()
             server.stop()
