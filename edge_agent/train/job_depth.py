@@ -107,7 +107,7 @@ class DepthPlanning:
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
                           watts_per_cpu=wpc, base_rss_mb=base, rates=self.rates, numpy_tail=numpy_tail,
-                          adapt_images=adapt_images,
+                          shifted=self.shift.far, adapt_images=adapt_images,
                           selection_cached=lambda depth: cached(depth) is not None,
                           engine_memory=engine_memory if bundle.manifest.depths else None)
         release_freed_memory()  # the graphs parsed to predict it (13 MB of a MobileNetV2's five depths)

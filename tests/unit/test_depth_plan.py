@@ -264,3 +264,14 @@ def test_the_agent_refuses_bad_depth_bn_and_tail(tmp_path, params):
     with pytest.raises(BadParams, match=next(iter(params))):
         parse_finetune(body, now=1_800_000_000.0)
 
+
+def test_a_device_far_from_the_bundles_images_trains_as_deep_as_fits(deep, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(DP, "AUTO_MAX_DEPTH", 1)  # this bundle's deepest is 2: put the usual limit below it
+    near = plan(deep)
+    assert near.depth == 1 and "auto stops at depth 1" in near.reason
+    far = plan(deep, shifted=True)
+    assert far.depth == 2 and "far from the bundle's" in far.reason
+    rss = [o.predicted_rss_mb for o in far.options]
+    capped = plan(deep, shifted=True, mem_cap_mb=(_needs(rss[1]) + _needs(rss[2])) / 2)  # the cap still holds
+    assert capped.depth == 1 and "training cap" in capped.reason
+    assert plan(deep, request=1, shifted=True).depth == 1  # an explicit depth is what is asked
