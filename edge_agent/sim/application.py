@@ -148,8 +148,8 @@ def wait_for_finetune(client: LocalClient, *, timeout_s: float = 900.0, poll_s: 
         if not noticed and ft.get("running") and time.monotonic() - start >= notice_after_s:
             noticed = True
             say(f"the local fine-tune is still running after {notice_after_s:.0f} s: it trains at idle priority "
-                "([serve] training_priority = \"idle\"), so that predictions come first, and other busy processes on this "
-                "machine take its CPU; it goes on when they let it")
+                "([serve] training_priority = \"idle\"), so that predictions come first, and any other process keeping "
+                "this machine busy gets the CPU before it")
         if not ft.get("running") and ft.get("last"):
             last = ft["last"]
             personal = info.get("personal") or {}
