@@ -26,28 +26,35 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-WEIGHTED = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED")
-
-
 def int8_activation(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = (hi - lo) / 255 or 1e-8
-    zero = np.round(-128 - lo / scale)
-    return ((np.clip(np.round(v / scale) + zero, -128, 127) - zero) * scale).astype(np.float32)
+    """`v` through the project's own int8 QUANTIZE / DEQUANTIZE on the range (lo, hi)."""
+    from edge_agent.int8.quant_math import asymmetric_params, dequantize, quantize
+
+    scale, zero_point = asymmetric_params(lo, hi)
+    return dequantize(quantize(v, scale, zero_point), scale, zero_point)
 
 
 def int16_activation(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """`v` rounded to TFLite's 16x8 activations: symmetric, zero point 0 (the project has no
+    16-bit quantisation of its own)."""
+    from edge_agent.int8.quant_math import round_half_away
+
     scale = max(abs(lo), abs(hi)) / 32767 or 1e-8
-    return (np.clip(np.round(v / scale), -32767, 32767) * scale).astype(np.float32)
+    return (np.clip(round_half_away(v / scale), -32767, 32767) * scale).astype(np.float32)
 
 
 def int8_weight(op: Any) -> np.ndarray | None:
-    if op.weight is None or op.kind not in WEIGHTED:
+    """`op`'s weights as quantize.py writes them (symmetric per output channel), dequantised."""
+    from edge_agent.int8.quant_math import symmetric_per_channel
+    from edge_agent.int8.quantize import _WEIGHT_AXIS
+
+    if op.kind not in _WEIGHT_AXIS:
         return op.weight
-    axis = 3 if op.kind == "DEPTHWISE_CONV_2D" else 0
-    scale = np.abs(op.weight).max(axis=tuple(i for i in range(op.weight.ndim) if i != axis), keepdims=True) / 127
-    scale[scale == 0] = 1.0
-    return (np.clip(np.round(op.weight / scale), -127, 127) * scale).astype(np.float32)
+    axis = _WEIGHT_AXIS[op.kind]
+    q, scales = symmetric_per_channel(op.weight, axis)
+    shape = [1] * op.weight.ndim
+    shape[axis] = -1
+    return (q.astype(np.float32) * scales.reshape(shape)).astype(np.float32)
 
 
 def fake_quantised(graph: Any, ranges: dict[str, tuple[float, float]], *, wide_ops: int,
