@@ -28,9 +28,11 @@ BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
 job's head.params (edge_agent.inference.predictor). Energy above idle: the raspberry-pi-4 profile's
 CPU model on each process's own CPU seconds (as in bench_finetune); peak RSS: VmHWM;
 update bytes: the job's delta through the default codec (what the agent would send).
-Each depth's one-time engine selection (made on the first device) and each device's learnt
-planner rates come from warm-up jobs, one per depth on that device's own data with another
-batch order (its earlier jobs), so the measured jobs are those of a device in service.
+Each depth's one-time engine selection (made on the first device), each device's learnt
+planner rates and its verdicts on adapting each prefix (train/job_adapt.py: a rejected
+adaptation is not re-estimated on every job, a kept one is reused) come from warm-up jobs,
+one per depth on that device's own data with another batch order (its earlier jobs), so the
+measured jobs are those of a device in service.
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ def _run_scenario(sc: dict[str, Any], tmp: Path, seeds: list[int], threads: int)
     from edge_agent.inference.predictor import DepthPredictor, tail_params
     from edge_agent.int8.bundle import load_bundle
     from edge_agent.int8.shared_choice import shared_choices
+    from edge_agent.train.job_adapt import ADAPTED_DIR
 
     bundle = load_bundle(sc["bundle"])
     depths = sorted({v.get("depth") for _, v in VARIANTS if isinstance(v.get("depth"), int)} | {0})
@@ -205,9 +208,11 @@ def _run_scenario(sc: dict[str, Any], tmp: Path, seeds: list[int], threads: int)
                 extra = dict(extra)
                 if extra.pop("fleet", False):  # the choice the first device measured, as a command relays it
                     extra["engine_choices"] = [c.to_json() for c in shared_choices(first_warm)]
-                if not extra.pop("fresh", False):  # a device in service: its earlier jobs' choice and rates
-                    shutil.copytree(warm / "int8-selection", cache / "int8-selection")
+                if not extra.pop("fresh", False):  # a device in service: its earlier jobs' choice, rates
+                    shutil.copytree(warm / "int8-selection", cache / "int8-selection")  # and adaptation verdicts
                     shutil.copy(warm / "planner-rates.json", cache / "planner-rates.json")
+                    if (warm / ADAPTED_DIR).is_dir():
+                        shutil.copytree(warm / ADAPTED_DIR, cache / ADAPTED_DIR)
                 job = {**JOB, "model": str(sc["bundle"]), "data": str(dev["data"]), "seed": seed, **extra,
                        "state_dir": str(tmp / f"state-{len(rows)}"), "cache_dir": str(cache)}
                 r = measure("ours", {"job": job}, threads=threads)

@@ -160,11 +160,23 @@ def load_cached(path: Path, key: dict[str, Any]) -> Selection | None:
         return None
 
 
+def _plain_key(bundle: Any, probe: dict[str, Any], preference: list[str] | None, batch_size: int,
+               threads: int | None) -> dict[str, Any]:
+    """The cache key a selection without a forced engine uses (selection._ask's)."""
+    return cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=thread_count(threads),
+                     preference=registry.candidates(preference))
+
+
 def cached_selection(bundle: Any, *, probe: dict[str, Any], preference: list[str] | None = None,
                      batch_size: int = 32, threads: int | None = None,
                      state_dir: str | os.PathLike[str]) -> Selection | None:
     """The cached decision for this bundle and device, without preparing anything."""
-    names = registry.candidates(preference)
-    key = cache_key(bundle, hardware_fingerprint(probe), batch_size=batch_size, threads=thread_count(threads),
-                    preference=names)
+    key = _plain_key(bundle, probe, preference, batch_size, threads)
     return load_cached(cache_path(state_dir, key), key)
+
+
+def selection_kind(bundle: Any, *, probe: dict[str, Any], preference: list[str] | None = None,
+                   batch_size: int = 32, threads: int | None = None) -> str:
+    """The kind of device and prefix a fleet's engine choice must match to be re-checked here
+    instead of measured (shared_choice.matching)."""
+    return kind_of(_plain_key(bundle, probe, preference, batch_size, threads))

@@ -272,10 +272,10 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
                has_mxnet: bool | None = None, selection_cached: Any = None,
                numpy_tail: Callable[[int], bool] | None = None,
                engine_memory: Callable[[int], EngineMemory] | None = None, shifted: bool = False,
-               adapt_images: int = 0) -> DepthPlan:
+               adapt_images: int | Callable[[int], int] = 0) -> DepthPlan:
     """Choose the training depth (module doc); `shifted`: the device's images are far from
     the bundle's (train/job_adapt.py): auto goes past AUTO_MAX_DEPTH; `adapt_images`: the
-    prefix will be adapted on that many images; `dense_head`: depth 0 trains in numpy;
+    prefix will be adapted on that many images (or `adapt_images(depth)` there); `dense_head`: depth 0 trains in numpy;
     `numpy_tail(depth) -> bool`: that depth's tail trains in numpy (numpy_tail.py);
     `selection_cached(depth) -> bool`: this device has an engine choice for that prefix;
     `engine_memory(depth)`: what the int8 engine's phase adds there (none: not counted)."""
@@ -295,7 +295,8 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
         cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else (
             SELECTION_FIXED_S + costs.get("prefix_macs", 0) * rates["selection_s_per_mac"])
         cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
-        cpu += adapt_images * costs.get("prefix_macs", 0) * rates["adapt_s_per_mac"]
+        adapting = adapt_images(d.depth) if callable(adapt_images) else adapt_images
+        cpu += adapting * costs.get("prefix_macs", 0) * rates["adapt_s_per_mac"]
         cpu += (rates["mxnet_import_s"] if mx else 0.0)
         run_epochs = epochs * epoch_fraction(rates, d.depth)
         cpu += run_epochs * (3 * train + val) * costs.get("tail_macs", 0) * rates[rate_key("s_per_fp32_mac", backend)]

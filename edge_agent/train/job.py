@@ -405,6 +405,9 @@ class _Job(DepthPlanning, JobReport):
                                            numpy_head_logits(bundle), threads)
             adapt_s += time.process_time() - cpu_start
         self.adaptation.cpu_s = adapt_s
+        from .job_adapt import remember
+
+        remember(cache_root, bundle, self.adaptation, len(train))  # what the next job on this camera takes
         self.selection_j = gov.charge_overhead() - used_before
         self.selection_cached = bool(selection.cached)
         self.selection_source = selection.source

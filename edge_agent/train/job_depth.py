@@ -61,6 +61,7 @@ class DepthPlanning:
     memory: dict[str, Any]  # the job's measured memory figures (job.py), for the report and the scales
     plan_base_mb: float  # the process's RSS the plan started from
     engine_mb_raw: dict[int, float]  # depth -> the engine phase's prediction before this device's scale
+    recheck_predicted: dict[int, bool]  # depth -> that prediction was a re-check of one engine
 
     emit: Any  # _Job.emit
     def _plan_depth(self, bundle: Any, checkpoint: Checkpoint | None, dataset: Any, train: Any, val: Any,
@@ -71,6 +72,8 @@ class DepthPlanning:
         from ..int8.cli import default_state_dir
         from ..int8.head_form import dense_head_form
         from ..int8.selection import cached_selection
+        from ..int8.selection_cache import selection_kind
+        from ..int8.shared_choice import matching
         from .depth_plan import load_rates, plan_depth, trains_in_numpy
 
         request = self.args["depth"]
@@ -91,24 +94,40 @@ class DepthPlanning:
                                     batch_size=config.batch_size, threads=threads,
                                     state_dir=Path(self.args["cache_dir"]) if self.args["cache_dir"]
                                     else default_state_dir())
+
+        @functools.cache
+        def fleet(depth: int) -> Any:  # the fleet's choice this device will re-check there, if any
+            if self.args["engine"] or not self.args["engine_choices"] or cached(depth) is not None:
+                return None
+            kind = selection_kind(bundle.at_depth(depth), probe=probe_report, preference=prof["backends"],
+                                  batch_size=config.batch_size, threads=threads)
+            return matching(self.args["engine_choices"], kind)
         self.plan_base_mb = base = _rss_mb()
         self.engine_mb_raw: dict[int, float] = {}  # the unscaled predictions, to learn the scale from
+        self.recheck_predicted: dict[int, bool] = {}  # depth -> predicted a re-check (else a selection)
         pixels_mb = dataset.x.nbytes / 2**20 if getattr(dataset, "x", None) is not None else 0.0
 
-        adapt_images = self._adapt_images(len(train))
+        from .job_adapt import will_walk
+
+        @functools.cache
+        def adapt_images(depth: int) -> int:  # images the prefix's statistics are re-estimated on there
+            walks = will_walk(cache_root, bundle.at_depth(depth), self.shift, self.args["adapt"], len(train),
+                              train.hashes)
+            return self._adapt_images(len(train)) if walks else 0
 
         def engine_memory(depth: int) -> EngineMemory:
-            engine = self._engine_memory(bundle.at_depth(depth), cached(depth), prof=prof, probe_report=probe_report,
+            engine = self._engine_memory(bundle.at_depth(depth), cached(depth), fleet(depth), prof=prof,
+                                         probe_report=probe_report,
                                          batch_size=config.batch_size, threads=threads, images=len(dataset),
                                          base_mb=base, pixels_mb=pixels_mb)
-            return self._with_adaptation(engine, bundle.at_depth(depth), adapt_images, cache_root, train.hashes)
+            return self._with_adaptation(engine, bundle.at_depth(depth), adapt_images(depth))
         plan = plan_depth(bundle, request=request, images=len(dataset), train=len(train), val=len(val),
                           epochs=config.epochs, batch_size=config.batch_size, dense_head=dense,
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
                           watts_per_cpu=wpc, base_rss_mb=base, rates=self.rates, numpy_tail=numpy_tail,
                           shifted=self.shift.far, adapt_images=adapt_images,
-                          selection_cached=lambda depth: cached(depth) is not None,
+                          selection_cached=lambda depth: cached(depth) is not None or fleet(depth) is not None,
                           engine_memory=engine_memory if bundle.manifest.depths else None)
         release_freed_memory()  # the graphs parsed to predict it (13 MB of a MobileNetV2's five depths)
         if bundle.manifest.depths:
@@ -116,14 +135,13 @@ class DepthPlanning:
         return plan
 
     @staticmethod
-    def _with_adaptation(engine: EngineMemory, view: Any, images: int, cache_root: Path, hashes: Any) -> EngineMemory:
-        """The engine phase, or adapting the prefix before it where that peaks higher (both are
-        transient: the larger is the phase's peak); an adapted prefix already cached costs nothing."""
+    def _with_adaptation(engine: EngineMemory, view: Any, images: int) -> EngineMemory:
+        """The engine phase, or adapting the prefix on `images` images before it where that
+        peaks higher (both are transient: the larger is the phase's peak); 0: no adapting."""
         from ..int8.adapt_norm import adapt_mb
         from .depth_plan import EngineMemory
-        from .job_adapt import cached_prefix
 
-        if not images or cached_prefix(cache_root, view, hashes).is_file():
+        if not images:
             return engine
         need = adapt_mb(view, images)
         if need <= engine.peak_mb:
@@ -138,10 +156,12 @@ class DepthPlanning:
         will = self.shift.report is not None and (self.shift.far or self.args["adapt"] == "bn")
         return min(ADAPT_MAX_IMAGES, n_train) if will else 0
 
-    def _engine_memory(self, view: Any, cached: Any, *, prof: dict[str, Any], probe_report: dict[str, Any],
-                       batch_size: int, threads: int, images: int, base_mb: float, pixels_mb: float) -> EngineMemory:
+    def _engine_memory(self, view: Any, cached: Any, fleet: Any, *, prof: dict[str, Any],
+                       probe_report: dict[str, Any], batch_size: int, threads: int, images: int, base_mb: float,
+                       pixels_mb: float) -> EngineMemory:
         """What the int8 engine's phase adds at bundle view `view` (int8/engine_memory.py), at
-        this device's learnt scale: the cached choice's re-check and features, else a selection."""
+        this device's learnt scale: the re-check and features of the cached choice or of the
+        fleet's (`fleet`, a SharedChoice), else a selection."""
         from ..int8 import engines as registry
         from ..int8.engine_cost import choose
         from ..int8.engine_memory import (
@@ -162,8 +182,18 @@ class DepthPlanning:
             engine = registry.load_engine(best.name if best is not None else str(cached.chosen))
             raw = cached_mb(shape, engine, batch_size, (best.threads if best is not None else None) or threads)
             self.engine_mb_raw[view.depth] = raw
+            self.recheck_predicted[view.depth] = True
             return EngineMemory(raw * self.rates["engine_mb_scale"], float(engine.prepare_mb_hint) - pixels_mb,
                                 what=f"the cached int8 engine {engine.name}")
+        if fleet is not None and fleet.engine in registry.engine_names():
+            # re-checked like a cached choice; should this device refuse it, the selection that
+            # follows still runs under the engine cap (only this prediction is then short)
+            engine = registry.load_engine(fleet.engine)
+            raw = cached_mb(shape, engine, batch_size, fleet.threads or threads)
+            self.engine_mb_raw[view.depth] = raw
+            self.recheck_predicted[view.depth] = True
+            return EngineMemory(raw * self.rates["engine_mb_scale"], float(engine.prepare_mb_hint) - pixels_mb,
+                                what=f"the fleet's int8 engine {engine.name}, re-checked")
         forced = self.args["engine"]
         rows = availability_report([forced] if forced else prof["backends"], probe_report)
         engines = [(r.name, registry.load_engine(r.name)) for r in rows if r.available]
@@ -172,6 +202,7 @@ class DepthPlanning:
             engines = selection_candidates(engines, job_cpu_s=images * macs * self.rates["s_per_int8_mac"])
         predicted = selection_mb(shape, engines, batch=batch_size, threads=threads, start_mb=base_mb, cap_mb=cap)
         self.engine_mb_raw[view.depth] = predicted.peak_mb
+        self.recheck_predicted[view.depth] = False
         return EngineMemory(predicted.peak_mb * self.rates["selection_mb_scale"], SELECTION_RESIDUAL_MB - pixels_mb,
                             predicted.imports_mxnet, what="a first job's int8 engine selection")
 
@@ -197,7 +228,8 @@ class DepthPlanning:
             measured["adapt_s_per_mac"] = self.cpu["adapt_s"] / (self._adapt_images(n_train) * costs["prefix_macs"])
         if self.trainer.backend == "mxnet" and self.cpu.get("setup_s"):
             measured["mxnet_import_s"] = self.cpu["setup_s"]
-        if not self.selection_cached and self.cpu.get("selection_s") and costs.get("prefix_macs"):
+        measured_all = not self.selection_cached and getattr(self, "selection_source", "measured") != "fleet"
+        if measured_all and self.cpu.get("selection_s") and costs.get("prefix_macs"):
             from .depth_plan import SELECTION_FIXED_S
 
             spent = max(self.cpu["selection_s"] - SELECTION_FIXED_S, 0.05 * self.cpu["selection_s"])
@@ -222,10 +254,12 @@ class DepthPlanning:
         out: dict[str, float] = {}
         raw = getattr(self, "engine_mb_raw", {}).get(self.plan.depth)
         peak, base = memory.get("engine_peak_mb"), memory.get("base_mb")
-        # a fleet-shared choice re-checks one engine where a whole selection was predicted
-        fleet = not self.selection_cached and getattr(self, "selection_source", "measured") == "fleet"
-        if raw and peak is not None and base is not None and peak > base and not fleet:
-            out["engine_mb_scale" if self.selection_cached else "selection_mb_scale"] = (peak - base) / raw
+        # the phase as predicted (a re-check of the cached or the fleet's choice, else a
+        # selection) against the one that ran: a refused fleet choice is measured in full
+        rechecked = self.selection_cached or getattr(self, "selection_source", "measured") == "fleet"
+        predicted_recheck = getattr(self, "recheck_predicted", {}).get(self.plan.depth, self.selection_cached)
+        if raw and peak is not None and base is not None and peak > base and rechecked == predicted_recheck:
+            out["engine_mb_scale" if rechecked else "selection_mb_scale"] = (peak - base) / raw
         if memory.get("mxnet_mb", 0.0) > 0:
             out["mxnet_mb"] = float(memory["mxnet_mb"])
         return out

@@ -154,7 +154,7 @@ class JobReport:
                       "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
             "adaptation": self.adaptation.to_json(),
             "data": dataset.report.to_json(),
-            "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached),
+            "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached), "source": selection.source,
                        "threads": selection.threads, "images": selection.images,
                        "selection_wh": round(getattr(self, "selection_j", 0.0) / 3600.0, 9),
                        "agreement": _agreement_record(selection),

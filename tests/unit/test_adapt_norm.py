@@ -136,3 +136,57 @@ def test_the_service_runs_the_devices_engine_on_an_adapted_prefix(bundle, device
     same = (served.logits(seen).argmax(axis=1) == reference.logits(seen).argmax(axis=1)).mean()
     assert same >= 0.97, same
     served.close()
+
+
+def test_a_later_job_on_the_same_camera_takes_the_earlier_verdict(bundle, devices, tmp_path: Path) -> None:
+    """auto's verdict is remembered per prefix: the next job at about the same shift serves
+    the prefix kept before without re-estimating or judging it, and does not pay again for
+    an adaptation rejected before; an unreadable verdict, or one used VERDICT_USES times,
+    is judged again and rewritten."""
+    import json
+
+    from edge_agent.train.job_adapt import VERDICT_USES
+
+    dev = next(d for d in devices if d.device_id == "dev-03")  # its camera: shift 0.84, loss 2.57 -> 1.59 adapted
+    data = demo.write_data(tmp_path / "data", shift_images(dev.images, CAMERA), dev.labels, "npz")
+    cache = tmp_path / "cache"
+
+    def job(n: int) -> dict:
+        return run_finetune(model=bundle.path, data=data, state_dir=tmp_path / f"state-{n}", cache_dir=cache,
+                            **FAST)["adaptation"]
+
+    first, again = job(1), job(2)
+    assert first["kind"] == "bn" and not first["remembered"] and first["validation"] is not None, first
+    assert again["kind"] == "bn" and again["remembered"] and again["validation"] is None, again
+    assert again["prefix_sha256"] == first["prefix_sha256"] and "kept" in again["reason"]
+    assert again["cpu_s"] < first["cpu_s"]  # no statistics pass, no judgement
+    [path] = (cache / "adapted-prefixes").glob("*.verdict.json")
+    verdict = json.loads(path.read_text())
+    assert verdict["kept"] and verdict["uses"] == 1 and verdict["prefix"] == Path(first["prefix"]).name
+
+    path.write_text(json.dumps({**verdict, "kept": False, "prefix": None}))  # as an earlier rejection left it
+    rejected = job(3)
+    assert rejected["kind"] == "none" and rejected["prefix"] is None and rejected["remembered"], rejected
+    assert "validation rejected adapting on an earlier job" in rejected["reason"]
+
+    path.write_text("{not json")  # unreadable: ignored, judged again, rewritten
+    judged = job(4)
+    assert judged["kind"] == "bn" and not judged["remembered"] and judged["validation"] is not None, judged
+    assert json.loads(path.read_text())["uses"] == 0
+
+    path.write_text(json.dumps({**json.loads(path.read_text()), "uses": VERDICT_USES}))  # worn out: judged again
+    assert job(5)["validation"] is not None
+
+
+def test_a_verdict_covers_the_shift_it_was_judged_at_and_about_the_same_data() -> None:
+    from edge_agent.train.job_adapt import VERDICT_SHIFT_TOLERANCE, Verdict
+
+    v = Verdict.from_json({"shift": 0.5, "kept": False, "images": 100, "prefix": None,
+                           "validation": {"loss": [0.7, 0.8]}, "uses": 2})
+    assert v.covers(0.5 + VERDICT_SHIFT_TOLERANCE * 0.9, 140) and v.covers(0.45, 70)
+    assert not v.covers(0.5 + VERDICT_SHIFT_TOLERANCE * 1.1, 100)  # another camera
+    assert not v.covers(0.5, 151) and not v.covers(0.5, 66)  # the data grew (or shrank) by half
+    for bad in ({"prefix": "../../etc/passwd.tflite"}, {"prefix": "x.bin"}, {"kept": "yes"}, {"uses": -1},
+                {"validation": {"loss": "low"}}, {"images": None}):
+        with pytest.raises(ValueError):
+            Verdict.from_json({**v.to_json(), **bad})

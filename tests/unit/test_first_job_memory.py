@@ -116,7 +116,7 @@ backends = ["tflite", "native", "mxnet-onednn", "reference"]
 
 
 def _finetune(work: Path, bundle: Path, data: Path, *, cap_mb: float, depth: str, cache: Path | None = None,
-              refused: bool = False) -> Job:
+              refused: bool = False, extra: tuple[str, ...] = ()) -> Job:
     """One `edge-agent finetune` in a child process, under a profile with `cap_mb`; `cache`:
     its feature, engine-choice and planner-rates directory (default: a fresh one); `refused`:
     the job is expected to refuse to start (EXIT_CONFIG; its report is then {"stderr": ...})."""
@@ -127,7 +127,7 @@ def _finetune(work: Path, bundle: Path, data: Path, *, cap_mb: float, depth: str
     env["EDGE_AGENT_PROFILES_DIR"] = str(_profiles(work / "profiles", cap_mb))
     argv = [sys.executable, "-c", WAIT4, sys.executable, "-m", "edge_agent.cli", "finetune", "--model", str(bundle), "--data", str(data), "--state-dir", str(work / "state"),
              "--cache-dir", str(cache), "--profile", PROFILE, "--depth", depth, "--epochs", "3",
-             "--report", str(work / "report.json"), "-q"]
+             "--report", str(work / "report.json"), "-q", *extra]
     with open(work / "stderr", "w") as err:  # cwd: this tree's edge_agent, whatever is installed
         done = subprocess.run(argv, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                               text=True, timeout=300)
@@ -181,6 +181,25 @@ def test_a_first_and_a_later_job_are_predicted_within_25_percent(first: Job, bun
     assert later.depth["options"][0]["predicted_engine_mb"] < first.depth["options"][0]["predicted_engine_mb"]
     _within(later)
     assert "engine_mb_scale" in json.loads((later.cache / RATES_FILE).read_text())
+
+
+def test_a_first_job_given_the_fleets_choice_is_predicted_as_its_re_check(first: Job, bundle: Path, data: Path,
+                                                                          tmp_path: Path) -> None:
+    """A fresh cache with the engine choice a device of this kind measured (what a finetune
+    command relays): the planner predicts the re-check of that one engine, not a selection,
+    within 25 %, and the device learns the re-check's scale from it, not selection's."""
+    from edge_agent.int8.shared_choice import shared_choices
+
+    choices = tmp_path / "choices.json"
+    choices.write_text(json.dumps([c.to_json() for c in shared_choices(first.cache)]))
+    job = _finetune(tmp_path / "job", bundle, data, cap_mb=BIG_CAP, depth="0", extra=("--engine-choices", str(choices)))
+    assert job.report["engine"]["source"] == "fleet", _summary(job)
+    assert job.depth["options"][0]["predicted_engine_mb"] < first.depth["options"][0]["predicted_engine_mb"]
+    _within(job)
+    rates = json.loads((job.cache / RATES_FILE).read_text())
+    for untouched in ("selection_mb_scale", "selection_s_per_mac"):  # no selection ran to learn them from
+        assert rates[untouched] == DEFAULT_RATES[untouched], rates
+    assert rates["engine_mb_scale"] != DEFAULT_RATES["engine_mb_scale"], rates
 
 
 def test_a_depth_whose_first_job_would_go_over_the_cap_does_not_fit(first: Job, bundle: Path, data: Path,
