@@ -6,7 +6,8 @@ activations its backward pass keeps, and the size of the activation at the cut. 
 job's data size, epochs and batch, and this device's measured rates, each depth gets a
 predicted CPU time (so energy, on the profile's power model) and peak memory:
 
-    cpu_s  = [engine selection, if this device has no cached choice for the depth's prefix:
+    cpu_s  = [what the job spent before planning: measuring the device's shift]
+           + [engine selection, if this device has no cached choice for the depth's prefix:
               SELECTION_FIXED_S + prefix_macs x selection_s_per_mac]
            + [adapting the prefix to the device's camera (train/job_adapt.py), if it will:
               adapt_images x prefix_macs x adapt_s_per_mac]
@@ -272,10 +273,11 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
                has_mxnet: bool | None = None, selection_cached: Any = None,
                numpy_tail: Callable[[int], bool] | None = None,
                engine_memory: Callable[[int], EngineMemory] | None = None, shifted: bool = False,
-               adapt_images: int | Callable[[int], int] = 0) -> DepthPlan:
+               adapt_images: int | Callable[[int], int] = 0, spent_cpu_s: float = 0.0) -> DepthPlan:
     """Choose the training depth (module doc); `shifted`: the device's images are far from
     the bundle's (train/job_adapt.py): auto goes past AUTO_MAX_DEPTH; `adapt_images`: the
-    prefix will be adapted on that many images (or `adapt_images(depth)` there); `dense_head`: depth 0 trains in numpy;
+    prefix will be adapted on that many images (or `adapt_images(depth)` there); `spent_cpu_s`:
+    what the job spent before planning (measuring the device's shift), part of every option's; `dense_head`: depth 0 trains in numpy;
     `numpy_tail(depth) -> bool`: that depth's tail trains in numpy (numpy_tail.py);
     `selection_cached(depth) -> bool`: this device has an engine choice for that prefix;
     `engine_memory(depth)`: what the int8 engine's phase adds there (none: not counted)."""
@@ -292,7 +294,7 @@ def plan_depth(bundle: Any, *, request: str | int, images: int, train: int, val:
         costs = d.costs
         mx = not ((d.depth == 0 and dense_head) or (numpy_tail is not None and numpy_tail(d.depth)))
         backend = "mxnet" if mx else "numpy"
-        cpu = 0.0 if selection_cached is None or selection_cached(d.depth) else (
+        cpu = spent_cpu_s if selection_cached is None or selection_cached(d.depth) else spent_cpu_s + (
             SELECTION_FIXED_S + costs.get("prefix_macs", 0) * rates["selection_s_per_mac"])
         cpu += images * costs.get("prefix_macs", 0) * rates["s_per_int8_mac"]
         adapting = adapt_images(d.depth) if callable(adapt_images) else adapt_images

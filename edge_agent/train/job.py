@@ -322,7 +322,7 @@ class _Job(DepthPlanning, JobReport):
 
         cpu_start = time.process_time()
         self.shift = device_shift(bundle, train.x, a["adapt"])  # the planner trains a shifted device deeper
-        shift_s = time.process_time() - cpu_start
+        self.shift_s = shift_s = time.process_time() - cpu_start
         self.plan = self._plan_depth(bundle, checkpoint, dataset, train, val, config, prof, wpc, cache_root,
                                      probe_report, threads)
         bundle = self.bundle = bundle.at_depth(self.plan.depth)  # from here on, the bundle as seen at that depth

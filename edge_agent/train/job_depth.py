@@ -58,6 +58,7 @@ class DepthPlanning:
     selection_source: str
     stop_reason: str | None
     shift: Any  # job_adapt.DeviceShift
+    shift_s: float  # the CPU seconds measuring it took (before the plan)
     memory: dict[str, Any]  # the job's measured memory figures (job.py), for the report and the scales
     plan_base_mb: float  # the process's RSS the plan started from
     engine_mb_raw: dict[int, float]  # depth -> the engine phase's prediction before this device's scale
@@ -126,7 +127,7 @@ class DepthPlanning:
                           mem_cap_mb=prof["memory_cap_mb"],
                           budget_wh=self.budget.budget_wh if self.budget.budget_basis == "job" else None,
                           watts_per_cpu=wpc, base_rss_mb=base, rates=self.rates, numpy_tail=numpy_tail,
-                          shifted=self.shift.far, adapt_images=adapt_images,
+                          shifted=self.shift.far, adapt_images=adapt_images, spent_cpu_s=self.shift_s,
                           selection_cached=lambda depth: cached(depth) is not None or fleet(depth) is not None,
                           engine_memory=engine_memory if bundle.manifest.depths else None)
         release_freed_memory()  # the graphs parsed to predict it (13 MB of a MobileNetV2's five depths)
