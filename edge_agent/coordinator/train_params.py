@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import InputError, UsageError
 
 DEVICE_OPTIONS = ("epochs", "batch_size", "lr", "update_bytes", "power_cap_w", "aggregator", "devices_per_round",
-                  "depth", "bn", "tail", "augment")
+                  "depth", "bn", "tail", "augment", "distill")
 
 
 def job_params(args: argparse.Namespace) -> dict[str, Any]:

@@ -31,6 +31,7 @@ TRAIN_PARAMS: dict[str, tuple[type, float, float]] = {
     "seed": (int, 0, 2**31 - 1),
     "update_bytes": (int, 256, MAX_UPDATE_BYTES),
     "augment": (int, 0, 8),
+    "distill": (float, 0.0, 100.0),  # train/trainer.MAX_DISTILL
 }
 # A private job's (coordinator/privacy.py): the L2 norm the device clips what it sends to
 # (updates/clip.py). Set with --dp-clip, with --dp-noise: not a training setting of its own.

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from .trainer import DISTILL_DEFAULT
+
 DESCRIPTION = """\
 Fine-tune the head of a model bundle on this device's own data, within a power budget.
 
@@ -184,7 +186,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         battery_floor_pct=args.battery_floor, battery_resume_pct=args.battery_resume,
         thermal_limit_c=args.thermal_limit, window=args.window, deadline=args.deadline,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
-        weight_decay=args.weight_decay, patience=args.patience, balance=args.balance,
+        weight_decay=args.weight_decay, patience=args.patience, balance=args.balance, distill=args.distill,
         train_last=args.train_last, trainer=args.trainer, depth=args.depth, bn=args.bn, tail=args.tail,
         adapt=args.adapt, augment=args.augment, augment_kinds=args.augment_kinds,
         val_fraction=args.val_fraction, seed=args.seed,
@@ -229,6 +231,18 @@ def _positive(kind: type) -> Any:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return value
     return parse
+
+
+def _distill(text: str) -> float:
+    from .trainer import MAX_DISTILL
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= MAX_DISTILL:  # rejects NaN too
+        raise argparse.ArgumentTypeError(f"must be within 0..{MAX_DISTILL:g} (0: off), got {text!r}")
+    return value
 
 
 def _percent(text: str) -> float:
@@ -282,6 +296,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--patience", type=_positive(int), default=3, metavar="N",
                    help="early stopping: epochs without validation-loss improvement (default 3)")
     t.add_argument("--balance", action="store_true", help="weight classes by inverse frequency")
+    t.add_argument("--distill", type=_distill, default=DISTILL_DEFAULT, metavar="W",
+                   help="weight of the pull towards what the bundle's own tail answers, on the classes other "
+                        "than each sample's true one and the samples it answers right (not-true distillation, "
+                        f"FedNTD): it keeps what the fleet's model knew of the classes this device seldom sees. "
+                        f"0 turns it off (default {DISTILL_DEFAULT:g}; camera digits held-out 0.694 -> 0.745)")
     t.add_argument("--train-last", type=_positive(int), metavar="N", help="train only the head's last N layers")
     t.add_argument("--trainer", choices=("auto", "numpy", "mxnet"), default="auto",
                    help="auto (default): a head that is one dense layer trains in numpy with Gluon's exact "

@@ -58,6 +58,7 @@ from .job_support import (
     _read_job,
     _Stopped,
 )
+from .trainer import DISTILL_DEFAULT
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def run_finetune(
     weight_decay: float = 1e-4,
     patience: int = 3,
     balance: bool = False,
+    distill: float = DISTILL_DEFAULT,
     train_last: int | None = None,
     trainer: str = "auto",
     depth: str | int = "auto",
@@ -183,7 +185,7 @@ def run_finetune(
         job = _Job(state=state, budget=budget, progress=progress, clock=clock, args=dict(
             model=str(model), data=str(data), cache_dir=str(cache_dir) if cache_dir else None,
             epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, weight_decay=weight_decay,
-            patience=patience, balance=balance, train_last=train_last, trainer=trainer, depth=depth, bn=bn, tail=tail,
+            patience=patience, balance=balance, distill=distill, train_last=train_last, trainer=trainer, depth=depth, bn=bn, tail=tail,
             adapt=adapt, augment=augment, augment_kinds=augment_kinds,
             val_fraction=val_fraction, seed=seed,
             checkpoint_every=checkpoint_every, resume=resume, engine=engine, label_column=label_column,
@@ -214,6 +216,7 @@ class _Job(DepthPlanning, JobReport):
         self.last_val_acc: float | None = None
         self.last_watts: float | None = None
         self.saved_step = 0  # the newest checkpoint's step
+        self.teacher: np.ndarray | None = None  # the bundle's own logits per training sample (distill)
 
     # ------------------------------------------------------------------ helpers
 
@@ -311,7 +314,7 @@ class _Job(DepthPlanning, JobReport):
         def train_config(lr: float) -> TrainConfig:
             return TrainConfig(optimizer=a["optimizer"], lr=lr, weight_decay=a["weight_decay"],
                                batch_size=batch_size, epochs=a["epochs"], patience=a["patience"],
-                               balance=a["balance"], seed=a["seed"], train_last=a["train_last"], bn=a["bn"],
+                               balance=a["balance"], distill=a["distill"], seed=a["seed"], train_last=a["train_last"], bn=a["bn"],
                                tail=a["tail"])
 
         config = train_config(a["lr"] or HEAD_LR)  # validated before any planning
@@ -451,6 +454,9 @@ class _Job(DepthPlanning, JobReport):
             index = {h: i for i, h in enumerate(dataset.hashes)}
             f_val = features[[index[h] for h in val.hashes]] if features is not None else None
             before = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
+            f_train = features[[index[h] for h in train.hashes]] if features is not None else None
+            # the bundle's own answers, before any step (a resumed job's too): what distill pulls towards
+            self.teacher = trainer.predict(f_train) if f_train is not None and config.distill else None
             pos = {"epoch": 0, "batch": 0, "step": 0, "elapsed_s": 0.0}
             if checkpoint is not None:
                 trainer.load_state(checkpoint.meta["trainer"], checkpoint.arrays)
@@ -464,7 +470,6 @@ class _Job(DepthPlanning, JobReport):
                 stop_reason = gov.stop_reason.value if gov.stop_reason else "cancelled"
                 self.checkpoint("stop")
             else:
-                f_train = features[[index[h] for h in train.hashes]]
                 stop_reason = self._train(f_train, train.y, f_val, val.y)
             self.cpu["train_s"] = time.process_time() - cpu_start
             self.stop_reason = stop_reason
@@ -544,7 +549,7 @@ class _Job(DepthPlanning, JobReport):
                     return decision.reason.value if decision.reason else StopReason.CANCELLED.value
                 idx = trainer.batch_indices(n, pos["epoch"], pos["batch"])
                 start = time.perf_counter()
-                self.last_loss = trainer.step(x[idx], y[idx])
+                self.last_loss = trainer.step(x[idx], y[idx], None if self.teacher is None else self.teacher[idx])
                 self._work_done()
                 advice = gov.after_step(time.perf_counter() - start)
                 self.last_watts = advice.step_w

@@ -67,6 +67,27 @@ def test_numpy_head_matches_gluon_step_for_step(form: str, optimizer: str) -> No
     assert gluon.params()[next(iter(gluon.params()))].tolist() != head[1][next(iter(head[1]))].tolist()  # it moved
 
 
+def test_not_true_distillation_is_the_same_in_numpy_and_gluon() -> None:
+    """A teacher (the head's own starting logits, as the job gives it) and a weight: both
+    trainers take the same steps, and the pull moves them elsewhere than plain training."""
+    head = linear_head(D, K, input_name="feat", seed=3)
+    x, y = _data()
+    config = TrainConfig(lr=0.05, batch_size=16, seed=7, distill=3.0)
+    gluon, ours = _both(head, config, y)
+    teacher = ours.predict(x)
+    assert 0 < (teacher.argmax(axis=1) == y).mean() < 1  # both kinds of sample: distilled and not
+    plain = make_head_trainer(symbol_json=head[0], params=head[1], input_name="feat", num_classes=K,
+                              config=TrainConfig(lr=0.05, batch_size=16, seed=7), train_labels=y)
+    for step in range(2 * gluon.batches_per_epoch(N)):
+        idx = gluon.batch_indices(N, step // 6, step % 6)
+        assert ours.step(x[idx], y[idx], teacher[idx]) == pytest.approx(gluon.step(x[idx], y[idx], teacher[idx]),
+                                                                        rel=1e-4)
+        plain.step(x[idx], y[idx], teacher[idx])  # distill 0: the teacher is not used
+    for name, value in gluon.params().items():
+        np.testing.assert_allclose(ours.params()[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert np.abs(plain.params()[name] - value).max() > 1e-3, name
+
+
 def test_numpy_checkpoints_resume_bit_for_bit_and_refuse_the_other_backend() -> None:
     x, y = _data()
     config = TrainConfig(batch_size=16, lr=0.02)

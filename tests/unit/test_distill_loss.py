@@ -1,0 +1,66 @@
+"""Not-true distillation (train/dense_head.training_loss): its gradient is the derivative of
+its loss, and it pulls only where FedNTD says -- the classes other than each sample's true
+one, on the samples the teacher answers right. Property-based (hypothesis)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edge_agent.errors import ConfigError
+from edge_agent.train.dense_head import softmax_loss, training_loss
+from edge_agent.train.trainer import TrainConfig
+
+K = 5
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    n = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, K, n)
+    teacher = rng.normal(0, 2, (n, K))
+    right = rng.random(n) < 0.6
+    teacher[right, y[right]] += 6.0  # some answered right, the rest as the draw fell
+    return rng.normal(0, 2, (n, K)), y, teacher, draw(st.sampled_from([0.5, 1.0, 3.0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_the_gradient_is_the_losss_derivative(batch) -> None:
+    logits, y, teacher, weight = batch
+    ones = np.ones(K, np.float32)
+    value, grad = training_loss(logits, y, ones, teacher, weight)
+    numeric = np.zeros_like(logits)
+    for i, j in np.ndindex(*logits.shape):
+        step = np.zeros_like(logits)
+        step[i, j] = 1e-5
+        numeric[i, j] = (training_loss(logits + step, y, ones, teacher, weight)[0]
+                         - training_loss(logits - step, y, ones, teacher, weight)[0]) / 2e-5
+    np.testing.assert_allclose(grad, numeric, atol=2e-5 * max(1.0, weight))
+    assert value >= softmax_loss(logits, y, ones)[0] - 1e-9  # a KL is never negative
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_it_pulls_only_on_the_not_true_classes_of_samples_the_teacher_gets_right(batch) -> None:
+    logits, y, teacher, weight = batch
+    ones = np.ones(K, np.float32)
+    plain = softmax_loss(logits, y, ones)[1]
+    pulled = training_loss(logits, y, ones, teacher, weight)[1] - plain
+    rows = np.arange(len(y))
+    np.testing.assert_allclose(pulled[rows, y], 0.0, atol=1e-6)  # the true class learns freely
+    wrong = teacher.argmax(axis=1) != y
+    np.testing.assert_allclose(pulled[wrong], 0.0, atol=1e-6)  # the teacher's mistakes are not taught
+    same = training_loss(teacher, y, ones, teacher, weight)  # the model answers as the teacher: no pull
+    np.testing.assert_allclose(same[1], softmax_loss(teacher, y, ones)[1], atol=1e-6)
+    assert training_loss(logits, y, ones, None, weight)[0] == softmax_loss(logits, y, ones)[0]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 101.0, float("nan"), True, "3"])
+def test_a_bad_weight_is_refused(bad) -> None:
+    with pytest.raises(ConfigError, match="distill"):
+        TrainConfig(distill=bad)
