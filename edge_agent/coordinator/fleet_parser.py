@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from ..protocol.facts import parse_broker
+from ..protocol.finetune import MAX_DISTILL
 from .fleet_cli import (
     cmd_approve,
     cmd_cancel,
@@ -325,7 +326,7 @@ def add_fleet_commands(sub: Any) -> None:
                         "a depth N. A fleet at one fixed depth aggregates like-for-like updates")
     t.add_argument("--augment", type=_number(int, 0, 8), default=None, metavar="K",
                    help="K augmented views of each training image on the devices (crop, brightness)")
-    t.add_argument("--distill", type=_number(float, 0, 100), default=None, metavar="W",
+    t.add_argument("--distill", type=_number(float, 0, MAX_DISTILL), default=None, metavar="W",
                    help="weight of each device's pull towards the version it was sent, on the classes other "
                         "than each sample's own (not-true distillation; device default 3, 0 off): label-skewed "
                         "devices then keep what the fleet knew of the classes they seldom see")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from .trainer import DISTILL_DEFAULT
+from ..protocol.finetune import DISTILL_DEFAULT, MAX_DISTILL
 
 DESCRIPTION = """\
 Fine-tune the head of a model bundle on this device's own data, within a power budget.
@@ -234,8 +234,6 @@ def _positive(kind: type) -> Any:
 
 
 def _distill(text: str) -> float:
-    from .trainer import MAX_DISTILL
-
     try:
         value = float(text)
     except ValueError:

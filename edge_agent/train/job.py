@@ -43,6 +43,7 @@ from ..atomic import atomic_write_json
 from ..errors import ConfigError, InputError, UsageError
 from ..heap import release_freed_memory
 from ..protocol.engine_choice import SharedChoice
+from ..protocol.finetune import DISTILL_DEFAULT
 from .checkpoints import Checkpoint, CheckpointStore
 from .job_depth import DepthPlanning, _output_grid
 from .job_report import JOB_FILE, REPORT_FILE, REPORT_SCHEMA, JobReport  # noqa: F401 - the file names, for callers
@@ -58,7 +59,6 @@ from .job_support import (
     _read_job,
     _Stopped,
 )
-from .trainer import DISTILL_DEFAULT
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InputError
+from ..protocol.finetune import MAX_DISTILL
 
 OPTIMIZERS = ("adam", "sgd")
 BN_MODES = ("frozen", "update")
@@ -53,8 +54,6 @@ def freeze_batchnorm(symbol_json: str) -> str:
 
 
 DISTILL_TEMPERATURE = 1.0  # FedNTD's: the bundle's answers as they are
-DISTILL_DEFAULT = 3.0  # camera digits, 2 seeds: 1 -> 0.748 / 3 -> 0.758 / 6 -> 0.739 held-out (seed 0 / 0 / 1)
-MAX_DISTILL = 100.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -191,7 +191,7 @@ def test_every_training_parameter_of_the_command_reaches_the_training_child(rig:
     """Issue 35 #24: `trainer` was accepted by the coordinator but dropped by the agent."""
     params = {"epochs": 3, "batch_size": 8, "lr": 0.01, "patience": 2, "checkpoint_every": 5, "seed": 7,
               "update_bytes": 4096, "augment": 1, "depth": 1, "bn": "update", "tail": "bias", "trainer": "mxnet",
-              "dp_clip": 0.5}
+              "dp_clip": 0.5, "distill": 1.5}
     assert set(params) == set(TRAIN_KEYS)  # (a new key gets a value here too)
     verdict, job = rig.driver.submit({"cmd_id": "j-r1", "action": "finetune", "job": "j", "round": 1,
                                       "model": "digits", "version": "1", "params": params}, "j-r1")

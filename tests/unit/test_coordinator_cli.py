@@ -239,6 +239,18 @@ def test_an_async_job_is_queued_with_its_buffer_and_staleness_and_status_says_so
     assert exit_.value.code == 64 and "argument --buffer: must be within 1..100000" in capsys.readouterr().err
 
 
+def test_a_jobs_distillation_weight_goes_to_the_devices_and_a_bad_one_is_refused(capsys, fleet_dir):
+    state, _ = fleet_dir
+    sd = ("--state-dir", str(state))
+    rc, _, _ = run(capsys, "train", "--model", "digits", "--distill", "0", "--detach", *sd)
+    assert rc == 0
+    with Registry(state_dir=state) as reg:
+        assert [j.params.get("distill") for j in reg.list_jobs()].count(0.0) == 1  # "off" is sent, not dropped
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, "train", "--model", "digits", "--distill", "101", "--detach", *sd)
+    assert exit_.value.code == 64 and "argument --distill: must be within 0..100" in capsys.readouterr().err
+
+
 def test_key_is_created_once_private_and_printed(capsys, tmp_path):
     rc, out, _ = run(capsys, "key", "--state-dir", str(tmp_path / "c"))
     assert rc == 0

@@ -280,7 +280,7 @@ def test_a_device_far_from_the_bundles_images_trains_as_deep_as_fits(deep, monke
 def test_what_the_job_spent_before_planning_is_in_every_depths_cost_and_a_cached_walk_is_not(deep):
     base = plan(deep)
     spent = plan(deep, spent_cpu_s=0.5)  # measuring the device's shift, before the plan
-    assert [round(o.predicted_cpu_s - b.predicted_cpu_s, 3) for o, b in zip(spent.options, base.options)] == [0.5] * 3
+    assert [round(o.predicted_cpu_s - b.predicted_cpu_s, 3) for o, b in zip(spent.options, base.options, strict=True)] == [0.5] * 3
     walks = plan(deep, adapt_images=64)
     only_deepest = plan(deep, adapt_images=lambda depth: 64 if depth == 2 else 0)  # the others' verdicts are known
     assert [o.predicted_cpu_s for o in only_deepest.options[:2]] == [o.predicted_cpu_s for o in base.options[:2]]
