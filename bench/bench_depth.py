@@ -17,8 +17,9 @@ Per device and seed (the job's batch order; the baseline's too), in fresh proces
 measured the same way (bench/_procs.py): `run_finetune` at each depth -- head, last 1x1
 conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm statistics
 frozen over 1 block (the default updates them), `--depth auto` (its prefix adapted to the
-device's camera where the shift and the validation split say so: train/job_adapt.py), auto
-with `--adapt none`, auto as the device's first job (no cached engine choice, default
+device's camera where the shift and the validation split say so: train/job_adapt.py; its
+tail pulled towards the bundle's own answers on the not-true classes, `--distill 3`), auto
+with `--adapt none`, auto with `--distill 0`, auto as the device's first job (no cached engine choice, default
 planner rates), the same given the engine choice a device of its kind measured (what a
 finetune command relays to every device but the first of its kind), auto with 2 augmented views
 per image (crop + brightness, cached), and auto with the tail trained in MXNet Gluon
@@ -64,6 +65,7 @@ VARIANTS = [("head", {"depth": "head"}), ("last 1x1", {"depth": 1}), ("last 1 bl
             ("last 2 blocks", {"depth": 3}), ("last 3 blocks", {"depth": 4}),
             ("bias-only, 2 blocks", {"depth": 3, "tail": "bias"}), ("BN frozen, 1 block", {"depth": 2, "bn": "frozen"}),
             ("auto", {"depth": "auto"}), ("auto, prefix not adapted", {"depth": "auto", "adapt": "none"}),
+            ("auto, no distillation", {"depth": "auto", "distill": 0.0}),
             ("auto, the device's first job", {"depth": "auto", "fresh": True}),
             ("auto, a first job with the fleet's engine choice", {"depth": "auto", "fresh": True, "fleet": True}),
             ("auto + 2 augmented views", {"depth": "auto", "augment": 2}),
