@@ -64,3 +64,17 @@ def test_it_pulls_only_on_the_not_true_classes_of_samples_the_teacher_gets_right
 def test_a_bad_weight_is_refused(bad) -> None:
     with pytest.raises(ConfigError, match="distill"):
         TrainConfig(distill=bad)
+
+
+def test_early_stopping_counts_a_gain_under_one_percent_as_none() -> None:
+    from edge_agent.train.trainer import TrainerCommon
+
+    common = TrainerCommon(TrainConfig(patience=2), 3, None)
+    common.params = lambda: {}  # what a trainer keeps as its best: nothing to keep here
+    assert not common.end_epoch(0, 1.0) and common.best_epoch == 0
+    assert not common.end_epoch(1, 0.995)  # -0.5 %: no gain
+    assert common.end_epoch(2, 0.992) and common.best_epoch == 0  # -0.8 %: patience spent
+    fresh = TrainerCommon(TrainConfig(patience=2), 3, None)
+    fresh.params = lambda: {}
+    fresh.end_epoch(0, 1.0)
+    assert not fresh.end_epoch(1, 0.98) and fresh.best_epoch == 1  # -2 %: a gain
