@@ -18,7 +18,8 @@ measured the same way (bench/_procs.py): `run_finetune` at each depth -- head, l
 conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm statistics
 frozen over 1 block (the default updates them), `--depth auto` (its prefix adapted to the
 device's camera where the shift and the validation split say so: train/job_adapt.py; its
-tail pulled towards the bundle's own answers on the not-true classes, `--distill 3`), auto
+tail pulled towards the bundle's own answers on the not-true classes: every job here runs with
+`--distill 3`, off by default), auto
 with `--adapt none`, auto with `--distill 0`, auto as the device's first job (no cached engine choice, default
 planner rates), the same given the engine choice a device of its kind measured (what a
 finetune command relays to every device but the first of its kind), auto with 2 augmented views
@@ -58,7 +59,7 @@ from bench._procs import measure  # noqa: E402
 
 PROFILE = "raspberry-pi-4"
 WIDTH = 0.5
-JOB = {"epochs": 30, "patience": 5, "batch_size": 32, "val_fraction": 0.3, "profile": PROFILE}
+JOB = {"epochs": 30, "patience": 5, "batch_size": 32, "val_fraction": 0.3, "profile": PROFILE, "distill": 3.0}
 BASELINE_EPOCHS, BASELINE_LR = 5, 1e-3
 WARMUP_SEED = 1000  # the warm-up jobs' batch order differs from every measured seed's
 VARIANTS = [("head", {"depth": "head"}), ("last 1x1", {"depth": 1}), ("last 1 block", {"depth": 2}),

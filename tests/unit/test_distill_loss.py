@@ -78,3 +78,26 @@ def test_early_stopping_counts_a_gain_under_one_percent_as_none() -> None:
     fresh.params = lambda: {}
     fresh.end_epoch(0, 1.0)
     assert not fresh.end_epoch(1, 0.98) and fresh.best_epoch == 1  # -2 %: a gain
+
+
+def test_a_job_pulls_its_tail_towards_the_bundles_own_answers_only_when_asked(tmp_path) -> None:
+    """run_finetune computes the bundle's answers once and trains with them: a label-skewed
+    device (dev-05: one 0 and one 5 in 158) ends with another head under --distill 3 than
+    without, and its report says which."""
+    from edge_agent.inference.predictor import tail_params
+    from edge_agent.int8.bundle import load_bundle
+    from edge_agent.sim import scenario as demo
+    from edge_agent.train.job import run_finetune
+
+    bundle = load_bundle(demo.ensure_bundle(tmp_path / "bundle"))
+    dev = next(d for d in demo.scenario().devices if d.device_id == "dev-05")
+    data = demo.write_data(tmp_path / "data", dev.images, dev.labels, "npz")
+    job = {"epochs": 4, "val_fraction": 0.3, "profile": "raspberry-pi-4", "batch_size": 32, "seed": 3,
+           "cache_dir": tmp_path / "cache"}
+    heads = {}
+    for weight in (0.0, 3.0):
+        report = run_finetune(model=bundle.path, data=data, state_dir=tmp_path / f"state-{weight}", distill=weight,
+                              **job)
+        assert report["depth"]["distill"] == weight and report["steps"] > 0
+        heads[weight] = tail_params(bundle, report["head"]["file"])
+    assert any(not np.allclose(heads[0.0][k], heads[3.0][k]) for k in heads[0.0])
