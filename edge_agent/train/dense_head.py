@@ -44,6 +44,7 @@ from .trainer import (
     TrainConfig,
     TrainerCommon,
     freeze_batchnorm,
+    not_true_teacher,
     select_trainable,
 )
 
@@ -87,15 +88,15 @@ def training_loss(logits: np.ndarray, y: np.ndarray, class_weight: np.ndarray, t
     value, g = softmax_loss(logits, y, class_weight)
     if teacher is None or not distill:
         return value, g
-    t, rows = DISTILL_TEMPERATURE, np.arange(len(y))
-    right = (np.asarray(teacher).argmax(axis=1) == y).astype(np.float64)[:, None]
-    zt, zs = np.asarray(teacher, np.float64) / t, np.asarray(logits, np.float64) / t
-    zt[rows, y] = zs[rows, y] = -np.inf  # the true class takes no part
-    log_q, log_p = log_softmax(zt), log_softmax(zs)
-    q, other = np.exp(log_q), np.isfinite(log_q)
+    t = DISTILL_TEMPERATURE
+    log_q, q, right = not_true_teacher(teacher, y)
+    other = np.isfinite(log_q)
+    zs = np.asarray(logits, np.float64) / t
+    zs[~other] = -np.inf  # the true class takes no part
+    log_p = log_softmax(zs)
     kl = (q * (np.where(other, log_q, 0.0) - np.where(other, log_p, 0.0))).sum(axis=1)
-    value += float(distill) * t * t * float((kl * right[:, 0]).mean())
-    g_kd = (np.exp(log_p) - q) * right * (float(distill) * t / len(y))  # d(weight T^2 KL)/d logits, per batch
+    value += float(distill) * t * t * float((kl * right).mean())
+    g_kd = (np.exp(log_p) - q) * right[:, None] * (float(distill) * t / len(y))  # d(weight T^2 KL)/d logits
     return value, (g + g_kd).astype(np.float32)
 
 

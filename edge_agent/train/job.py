@@ -216,7 +216,6 @@ class _Job(DepthPlanning, JobReport):
         self.last_val_acc: float | None = None
         self.last_watts: float | None = None
         self.saved_step = 0  # the newest checkpoint's step
-        self.teacher: np.ndarray | None = None  # the bundle's own logits per training sample (distill)
 
     # ------------------------------------------------------------------ helpers
 
@@ -456,7 +455,7 @@ class _Job(DepthPlanning, JobReport):
             before = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
             f_train = features[[index[h] for h in train.hashes]] if features is not None else None
             # the bundle's own answers, before any step (a resumed job's too): what distill pulls towards
-            self.teacher = trainer.predict(f_train) if f_train is not None and config.distill else None
+            teacher = trainer.predict(f_train) if f_train is not None and config.distill else None
             pos = {"epoch": 0, "batch": 0, "step": 0, "elapsed_s": 0.0}
             if checkpoint is not None:
                 trainer.load_state(checkpoint.meta["trainer"], checkpoint.arrays)
@@ -470,7 +469,7 @@ class _Job(DepthPlanning, JobReport):
                 stop_reason = gov.stop_reason.value if gov.stop_reason else "cancelled"
                 self.checkpoint("stop")
             else:
-                stop_reason = self._train(f_train, train.y, f_val, val.y)
+                stop_reason = self._train(f_train, train.y, f_val, val.y, teacher)
             self.cpu["train_s"] = time.process_time() - cpu_start
             self.stop_reason = stop_reason
         after = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
@@ -526,7 +525,10 @@ class _Job(DepthPlanning, JobReport):
         self.saved_step = int(self.pos["step"])
         self.emit("checkpoint", step=int(self.pos["step"]), detail=why)
 
-    def _train(self, x: np.ndarray, y: np.ndarray, x_val: np.ndarray, y_val: np.ndarray) -> str:
+    def _train(self, x: np.ndarray, y: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
+               teacher: np.ndarray | None) -> str:
+        """Train from the checkpointed position; `teacher`: the bundle's own logits per
+        sample of `x`, for distillation (None: none)."""
         from ..power import StopReason
 
         gov, trainer, pos, a = self.gov, self.trainer, self.pos, self.args
@@ -549,7 +551,7 @@ class _Job(DepthPlanning, JobReport):
                     return decision.reason.value if decision.reason else StopReason.CANCELLED.value
                 idx = trainer.batch_indices(n, pos["epoch"], pos["batch"])
                 start = time.perf_counter()
-                self.last_loss = trainer.step(x[idx], y[idx], None if self.teacher is None else self.teacher[idx])
+                self.last_loss = trainer.step(x[idx], y[idx], None if teacher is None else teacher[idx])
                 self._work_done()
                 advice = gov.after_step(time.perf_counter() - start)
                 self.last_watts = advice.step_w

@@ -56,6 +56,18 @@ def freeze_batchnorm(symbol_json: str) -> str:
 DISTILL_TEMPERATURE = 1.0  # FedNTD's: the bundle's answers as they are
 
 
+def not_true_teacher(teacher: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What not-true distillation pulls towards (dense_head.training_loss): per sample, the
+    teacher's log-probabilities at DISTILL_TEMPERATURE over the classes but the true one (-inf
+    at it), the same as probabilities, and 1.0 where the teacher answers right, else 0.0."""
+    z = np.asarray(teacher, np.float64) / DISTILL_TEMPERATURE
+    right = (z.argmax(axis=1) == y).astype(np.float64)
+    z[np.arange(len(y)), y] = -np.inf
+    z -= z.max(axis=1, keepdims=True)
+    log_q = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return log_q, np.exp(log_q), right
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Hyper-parameters, validated at construction."""
@@ -371,15 +383,9 @@ class HeadTrainer(TrainerCommon):
         """Per sample, KL(teacher || model) over the classes but the true one, on the samples
         the teacher answers right, else 0 (dense_head.training_loss)."""
         mx, t = self.mx, DISTILL_TEMPERATURE
-        z = np.asarray(teacher, np.float64) / t
-        true = np.zeros(z.shape, np.float32)
-        true[np.arange(len(y)), y] = 1.0
-        z[true > 0] = -np.inf
-        z -= z.max(axis=1, keepdims=True)
-        log_q = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        q = np.exp(log_q)
-        right = (np.asarray(teacher).argmax(axis=1) == y).astype(np.float32)
+        log_q, q, right = not_true_teacher(teacher, y)
         q_log_q = (q * np.where(np.isfinite(log_q), log_q, 0.0)).sum(axis=1)
+        true = np.isneginf(log_q).astype(np.float32)
         log_p = mx.nd.log_softmax(out / t - mx.nd.array(true) * 1e9)  # the true class left out
         cross = (mx.nd.array(q.astype(np.float32)) * log_p).sum(axis=1)
         return (mx.nd.array(q_log_q.astype(np.float32)) - cross) * mx.nd.array(right)
