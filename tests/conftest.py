@@ -61,7 +61,7 @@ def new_head_version(base_dir: Path, dest: Path, *, version: str, shift: float):
 
 def reference_head(reg, job_id: str, number: int, *, accepted_only: bool = True):
     """What the round's rule must publish, from its dense reference (strategies/) over the
-    stored updates decoded, with the label counts each device reported (its claims,
+    stored updates decoded, with the label counts and predictions each device reported (its claims,
     strategies/claims.py, read as aggregation.contribution reads them): base + reference
     aggregate. For checking an engine's streaming close end to end (no server set: the rules
     that need none; a job's first round: no earlier standing)."""
@@ -69,11 +69,11 @@ def reference_head(reg, job_id: str, number: int, *, accepted_only: bool = True)
 
     from edge_agent.coordinator.aggregate import apply_delta
     from edge_agent.coordinator.aggregation import strategy_options
-    from edge_agent.coordinator.evidence import label_counts
     from edge_agent.coordinator.rounds import RoundPolicy
     from edge_agent.coordinator.strategies import DenseUpdate, RoundEvidence, make_strategy
     from edge_agent.coordinator.strategies.claims import output_classes
     from edge_agent.coordinator.streaming import Layout
+    from edge_agent.protocol.label_claims import decode_counts, decode_predicted
 
     job, rnd = reg.get_job(job_id), reg.get_round(job_id, number)
     base = reg.load_head(reg.get_model(job.model_name, rnd.base_version))
@@ -87,9 +87,11 @@ def reference_head(reg, job_id: str, number: int, *, accepted_only: bool = True)
         present = None if set(d) == set(layout.names) else tuple(t for t, k in enumerate(layout.names) if k in d)
         vec = np.concatenate([np.asarray(d[k], np.float64).ravel() if k in d else np.zeros(base[k].size)
                               for k in layout.names])
-        counts = label_counts((u.metrics or {}).get("label_counts"), classes) if classes else None
+        metrics = u.metrics or {}
+        counts = decode_counts(metrics.get("label_counts"), classes) if classes else None
+        predicted = decode_predicted(metrics.get("label_predicted"), classes) if classes else None
         ups.append(DenseUpdate(u.device_id, vec, u.weight if u.weight is not None else float(u.num_samples),
-                               present, counts))
+                               present, counts, predicted))
     norms = reg.lineage_norm_history(job.model_name, before=(job_id, number))
     evidence = RoundEvidence(layout, history_norm=float(np.median(norms)) if norms else None)
     rule = make_strategy(job.params["aggregator"], strategy_options(RoundPolicy(), job.params), evidence)

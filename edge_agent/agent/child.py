@@ -57,6 +57,7 @@ from ..errors import (
 )
 from ..int8.mxnet_import import MXNetUnavailableError
 from ..protocol.finetune import TRAIN_KEYS
+from ..protocol.label_claims import LabelClaims
 from .runner import (
     EXIT_BUSY,
     EXIT_STOPPED,
@@ -251,9 +252,8 @@ def train(spec: dict[str, Any], events: Events) -> int:
     summary["adaptation"] = str(adaptation.get("reason") or "")[:250]
     if (adaptation.get("shift") or {}).get("distance") is not None:
         summary["shift"] = float(adaptation["shift"]["distance"])
-    counts = ",".join(str(int(n)) for n in (report["data"].get("per_class") or {}).values())
-    if 0 < len(counts) <= 256:  # the coordinator's trust rule compares the update with what these classes teach
-        summary["label_counts"] = counts
+    if report.get("label_claims"):  # the coordinator's trust rules compare the update with what they teach
+        summary.update(LabelClaims.from_json(report["label_claims"]).metrics())
     failure = report.get("failure")
     if failure:  # trained no step (or the governor's error): the job fails, saying why
         summary["failure"] = str(failure.get("message") or "")[:400]

@@ -30,7 +30,8 @@ import numpy as np
 
 from ..atomic import CorruptFileError, read_checked, write_checked
 from ..errors import InputError
-from .evidence import TailEvidence, label_counts
+from ..protocol.label_claims import decode_counts, decode_predicted
+from .evidence import TailEvidence
 from .heads import HeadCache
 from .partials import PartialStore
 from .privacy import DpParams, NoiseSource, PrivacyLedger, csprng_noise
@@ -263,8 +264,10 @@ class RoundAggregation:
         """An update as its rule sees it; its label counts are read when the server set or the
         head's output layer says how many classes there are (strategies/claims.py)."""
         classes = self.tail_classes(job) or output_classes(rule.evidence.layout)
-        counts = label_counts(metrics.get("label_counts"), classes) if classes else None
-        return Contribution(device, sp, weight, counts)
+        if not classes:
+            return Contribution(device, sp, weight)
+        return Contribution(device, sp, weight, decode_counts(metrics.get("label_counts"), classes),
+                            decode_predicted(metrics.get("label_predicted"), classes))
 
     def tail_classes(self, job: Job) -> int | None:
         server = next((e.server for (j, _), e in self._evidence.items() if j == job.id and e.server is not None), None)

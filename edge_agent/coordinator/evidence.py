@@ -149,17 +149,3 @@ class TailEvidence:
         if not (np.isfinite(update).all() and np.isfinite(grads).all()):
             raise InputError("the server update on the root split is not finite (learning rate too high?)")
         return ServerEvidence(update=update, class_gradients=grads, root_counts=counts, weight=float(len(d.root_y)))
-
-
-def label_counts(raw: Any, num_classes: int) -> tuple[int, ...] | None:
-    """A device's reported per-class counts ("12,0,5,..." in its update metrics), validated:
-    None when absent or unusable (then the trust rule compares with the whole root split)."""
-    if not isinstance(raw, str) or len(raw) > 16 * num_classes + 16:
-        return None
-    try:
-        counts = tuple(int(v) for v in raw.split(","))
-    except ValueError:
-        return None
-    if len(counts) != num_classes or any(c < 0 or c > 10**9 for c in counts) or not any(counts):
-        return None
-    return counts

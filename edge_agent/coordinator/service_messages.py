@@ -41,7 +41,7 @@ STATE_KEYS = ("battery_pct", "charging", "on_power", "energy_wh", "power_w", "te
               "job", "job_state", "outbox", "profile", "name")
 RESULT_METRICS = ("accuracy_before", "accuracy_after", "num_samples", "energy_wh", "steps", "engine", "depth",
                   "trainer", "stop_reason", "duration_s", "update_ratio", "update_wire_bytes", "update_k", "update_bits",
-                  "label_counts", "adapted", "shift", "adaptation")
+                  "label_counts", "label_predicted", "adapted", "shift", "adaptation")
 # Refusals of the message, not of the job; except local_fault: that device cannot take the job
 # now (disk full...), a dropout rather than a wait until the round's deadline.
 _PROTOCOL_REASONS = frozenset(r.value for r in Reason) - {Reason.LOCAL_FAULT.value}

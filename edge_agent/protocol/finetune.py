@@ -26,7 +26,7 @@ DAY_S = 86400.0
 # pulled towards the bundle's answers moves its output biases less, and the coordinator's
 # label-claim check (coordinator/strategies/claims.py) then took an honest device's first
 # update for one against its claims (test_fleet_round, test_fleet_restart).
-DISTILL_DEFAULT = 0.0
+DISTILL_DEFAULT = 3.0
 DISTILL_SUGGESTED = 3.0
 MAX_DISTILL = 100.0
 MAX_UPDATE_BYTES = 64 << 20

@@ -51,6 +51,7 @@ from ..coordinator.evidence import SplitData, TailEvidence, split_by_hash
 from ..coordinator.registry import Registry
 from ..coordinator.rounds import RoundEngine, RoundPolicy
 from ..keys import fingerprint, public_key_bytes
+from ..protocol.label_claims import LabelClaims
 from ..updates.codec import encode_tensors
 from ..updates.wire import UpdateHeader, encode_update, pack_update
 from . import textures as tex
@@ -236,6 +237,10 @@ class Model:
     def accuracy(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
         return float((self.trainer(params, 0).predict(x).argmax(axis=1) == y).mean())
 
+    def claims(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, str]:
+        """The label claims a device training on (x, y) from `params` sends (agent/child.py)."""
+        return LabelClaims.of(self.trainer(params, 0).predict(x), y).metrics()
+
 
 class SimEvidence:
     """The engine's evidence source for a simulated fleet: its server set's features and the
@@ -385,9 +390,8 @@ def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, 
                                                rnd, n, attackers)
                 else:
                     payload, samples = encode_update(header, honest[i], density=1.0, bits=8), len(data.ys[i])
-                counts = np.bincount(data.ys[i], minlength=len(data.labels))
                 engine.receive_update(payload, sender=did, num_samples=samples,
-                                      metrics={"label_counts": ",".join(str(int(c)) for c in counts)})
+                                      metrics=model.claims(base, data.xs[i], data.ys[i]))
             clock[0] += 1
             result = engine.tick()
             if not result.closed:  # someone stayed silent: the deadline closes the round

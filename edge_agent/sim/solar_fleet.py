@@ -112,7 +112,6 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
     extra_w = dev.train_w - dev.load_w
     planning = mode == "async"
     planner = Planner(dev, weather, steps, forecasts) if planning else None
-    label_counts = [",".join(str(int(c)) for c in np.bincount(y, minlength=len(data.labels))) for y in data.ys]
     try:
         reg = Registry(state_dir=state, clock=lambda: clock[0])
         policy = RoundPolicy(online_within_s=400 * 86400.0, offline_grace_s=0.0)
@@ -151,7 +150,8 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
         run.params["aggregator"] = job.params.get("aggregator")
         heads: dict[str, dict[str, np.ndarray]] = {"1": glob}
         run.base_accuracy = model.accuracy(glob, data.test_x, data.test_y)
-        arrivals: list[tuple[float, int, int, bytes, int]] = []  # (time, seq, device, payload, samples)
+        # (time, seq, device, payload, samples, label claims)
+        arrivals: list[tuple[float, int, int, bytes, int, dict[str, str]]] = []
         seq = 0
         honest_recent: deque[dict[str, np.ndarray]] = deque(maxlen=20)
         train_s_total = 0.0
@@ -220,9 +220,10 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
             else:
                 honest_recent.append(delta)
                 payload = encode_update(header, delta, density=1.0, bits=8)
+            claims = model.claims(heads[job_base[i]], data.xs[i], data.ys[i])
             timer.add("encode", t)
             seq += 1
-            heapq.heappush(arrivals, (t_done + latency_s(rng), seq, i, payload, samples))
+            heapq.heappush(arrivals, (t_done + latency_s(rng), seq, i, payload, samples, claims))
 
         handle(engine.tick())
         for step in range(steps):
@@ -282,11 +283,11 @@ def simulate(fleet: SolarFleet, *, mode: str = "sync", buffer: int = 10, max_sta
             t = timer.add("battery", t)
             # the step's uploads, in time order
             while arrivals and arrivals[0][0] < t1:
-                when, _, i, payload, samples = heapq.heappop(arrivals)
+                when, _, i, payload, samples, claims = heapq.heappop(arrivals)
                 clock[0] = max(clock[0], when)
                 run.updates_sent += 1
                 receipt = engine.receive_update(payload, sender=ids[i], num_samples=samples,
-                                                metrics={"label_counts": label_counts[i]})
+                                                metrics=claims)
                 t = timer.add("receive", t)
                 if receipt.status == "rejected":
                     key = receipt.reason.split(":")[0]

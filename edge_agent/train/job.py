@@ -44,6 +44,7 @@ from ..errors import ConfigError, InputError, UsageError
 from ..heap import release_freed_memory
 from ..protocol.engine_choice import SharedChoice
 from ..protocol.finetune import DISTILL_DEFAULT
+from ..protocol.label_claims import LabelClaims
 from .checkpoints import Checkpoint, CheckpointStore
 from .job_depth import DepthPlanning, _output_grid
 from .job_report import JOB_FILE, REPORT_FILE, REPORT_SCHEMA, JobReport  # noqa: F401 - the file names, for callers
@@ -216,6 +217,7 @@ class _Job(DepthPlanning, JobReport):
         self.last_val_acc: float | None = None
         self.last_watts: float | None = None
         self.saved_step = 0  # the newest checkpoint's step
+        self.label_claims: LabelClaims | None = None  # set once the base has answered on the training split
 
     # ------------------------------------------------------------------ helpers
 
@@ -454,8 +456,11 @@ class _Job(DepthPlanning, JobReport):
             f_val = features[[index[h] for h in val.hashes]] if features is not None else None
             before = trainer.evaluate(f_val, val.y) if f_val is not None else (math.nan, math.nan)
             f_train = features[[index[h] for h in train.hashes]] if features is not None else None
-            # the bundle's own answers, before any step (a resumed job's too): what distill pulls towards
-            teacher = trainer.predict(f_train) if f_train is not None and config.distill else None
+            # the bundle's own answers, before any step (a resumed job's too): what distill pulls
+            # towards, and what the update's label claims say it predicted (protocol/label_claims.py)
+            base_logits = trainer.predict(f_train) if f_train is not None else None
+            teacher = base_logits if config.distill else None
+            self.label_claims = None if base_logits is None else LabelClaims.of(base_logits, train.y)
             pos = {"epoch": 0, "batch": 0, "step": 0, "elapsed_s": 0.0}
             if checkpoint is not None:
                 trainer.load_state(checkpoint.meta["trainer"], checkpoint.arrays)

@@ -156,6 +156,8 @@ class JobReport:
                       "cpu_s": {k: round(v, 3) for k, v in self.cpu.items()}},
             "adaptation": self.adaptation.to_json(),
             "data": dataset.report.to_json(),
+            # per class over the training split: samples, and the base's mean probability on them
+            "label_claims": None if self.label_claims is None else self.label_claims.to_json(),
             "engine": {"name": selection.chosen, "cached_decision": bool(selection.cached), "source": selection.source,
                        "threads": selection.threads, "images": selection.images,
                        "selection_wh": round(getattr(self, "selection_j", 0.0) / 3600.0, 9),

@@ -46,6 +46,8 @@ class Contribution:
     update: Sparse
     weight: float  # the sample count after the device's and the job's caps (FedAvg's weight)
     label_counts: tuple[int, ...] | None = None  # per class, what the device trained on (if reported)
+    # per class, the round's base model's mean probability on those samples (if reported)
+    label_predicted: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class Member:
     kept: int
     present: tuple[int, ...] | None  # the layout's tensors it carries (None: all)
     label_counts: tuple[int, ...] | None = None
+    label_predicted: tuple[float, ...] | None = None
     coef: float = 0.0  # what its delta was folded with
     mean_weight: float = 0.0  # what it adds to its tensors' denominators
     trust: float | None = None  # the rule's trust in it (trust rules), for the record
@@ -113,6 +116,7 @@ class Member:
         return {"weight": self.weight, "norm": self.norm, "kept": self.kept,
                 "present": None if self.present is None else list(self.present),
                 "label_counts": None if self.label_counts is None else list(self.label_counts),
+                "label_predicted": None if self.label_predicted is None else list(self.label_predicted),
                 "coef": self.coef, "mean_weight": self.mean_weight, "trust": self.trust}
 
     @classmethod
@@ -120,6 +124,8 @@ class Member:
         return cls(weight=float(d["weight"]), norm=float(d["norm"]), kept=int(d["kept"]),
                    present=None if d.get("present") is None else tuple(int(t) for t in d["present"]),
                    label_counts=None if d.get("label_counts") is None else tuple(int(c) for c in d["label_counts"]),
+                   label_predicted=(None if d.get("label_predicted") is None
+                                    else tuple(float(c) for c in d["label_predicted"])),
                    coef=float(d.get("coef", 0.0)), mean_weight=float(d.get("mean_weight", 0.0)),
                    trust=None if d.get("trust") is None else float(d["trust"]))
 
@@ -243,6 +249,7 @@ class DenseUpdate:
     weight: float
     present: tuple[int, ...] | None = None
     label_counts: tuple[int, ...] | None = None
+    label_predicted: tuple[float, ...] | None = None
 
 
 class NothingToAggregate(ValueError):
@@ -267,7 +274,8 @@ class Strategy(ABC):
     def member(self, c: Contribution) -> Member:
         """The record (and coefficient) an update is folded with; rules override."""
         return Member(weight=c.weight, norm=c.update.norm, kept=c.update.kept, present=c.update.present,
-                      label_counts=c.label_counts, coef=c.weight, mean_weight=c.weight)
+                      label_counts=c.label_counts, label_predicted=c.label_predicted, coef=c.weight,
+                      mean_weight=c.weight)
 
     def accumulate(self, partial: Partial, c: Contribution) -> None:
         partial.add(c.device, c.update, self.member(c))

@@ -40,6 +40,7 @@ from ..streaming import Layout, Sparse
 
 CLAIM_FLOOR = -0.15
 NEUTRAL_ROUNDS = 1  # rounds of c = 0 every standing starts with
+MIN_REFERENCE = 1e-3  # a reference shorter than this (L2 of proportions) says nothing: no judgement
 
 
 @dataclass(frozen=True)
@@ -73,20 +74,32 @@ def _proportions(counts: Sequence[int]) -> np.ndarray | None:
     return c / total if total > 0 else None
 
 
-def consistencies(bias_deltas: Mapping[str, np.ndarray], counts: Mapping[str, Sequence[int]]) -> dict[str, float]:
-    """c_i for every device with a bias delta and label counts (module doc); a device whose
-    proportions equal the round's mean (or with no bias movement) has none."""
+def consistencies(bias_deltas: Mapping[str, np.ndarray], counts: Mapping[str, Sequence[int]],
+                  predicted: Mapping[str, Sequence[float]] | None = None) -> dict[str, float]:
+    """c_i for every device with a bias delta and label counts (module doc): against its own
+    proportions minus what the round's base predicted on its samples when it reported that,
+    else minus the round's mean proportions. A device whose reference is (nearly) zero --
+    its samples already predicted as they are labelled, or proportions equal to the mean --
+    or with no bias movement has none."""
+    predicted = predicted or {}
     props = {d: p for d, c in counts.items() if d in bias_deltas and (p := _proportions(c)) is not None}
-    if len(props) < 2:
-        return {}
-    mean = np.mean(list(props.values()), axis=0)
+    mean = np.mean(list(props.values()), axis=0) if len(props) >= 2 else None
     out = {}
     for d, p in props.items():
-        ref, b = p - mean, np.asarray(bias_deltas[d], np.float64)
+        q = _predicted(predicted.get(d), len(p))
+        if q is None and mean is None:
+            continue
+        ref, b = p - (mean if q is None else q), np.asarray(bias_deltas[d], np.float64)
         nr, nb = float(np.linalg.norm(ref)), float(np.linalg.norm(b))
-        if nr > 1e-9 and nb > 0 and np.isfinite(nb):
+        if nr > MIN_REFERENCE and nb > 0 and np.isfinite(nb):
             out[d] = float(b @ ref / (nr * nb))
     return out
+
+
+def _predicted(q: Sequence[float] | None, classes: int) -> np.ndarray | None:
+    if q is None or len(q) != classes:
+        return None
+    return np.asarray(q, np.float64)
 
 
 def sparse_slice(sp: Sparse, where: slice) -> np.ndarray:

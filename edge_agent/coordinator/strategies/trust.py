@@ -280,10 +280,10 @@ class MedianTrust(Strategy):
         lo, hi = self.options.band
         return (lo, 1.0) if n <= self.options.small_round else (lo, hi)
 
-    def _claims(self, bias_deltas: dict[str, np.ndarray], counts: dict[str, tuple[int, ...]]
-                ) -> tuple[dict[str, float], dict[str, float]]:
+    def _claims(self, bias_deltas: dict[str, np.ndarray], counts: dict[str, tuple[int, ...]],
+                predicted: dict[str, tuple[float, ...]]) -> tuple[dict[str, float], dict[str, float]]:
         """(this round's label consistency of each update, each device's standing over the job)."""
-        now = claims.consistencies(bias_deltas, counts)
+        now = claims.consistencies(bias_deltas, counts, predicted)
         return now, claims.standings(now, self.evidence.claims)
 
     def _output_bias(self, counts: dict[str, tuple[int, ...]]) -> slice | None:
@@ -340,8 +340,10 @@ class MedianTrust(Strategy):
         if not partial.members:
             raise ValueError("no updates to aggregate")
         counts = {d: m.label_counts for d, m in partial.members.items() if m.label_counts}
+        predicted = {d: m.label_predicted for d, m in partial.members.items() if m.label_predicted}
         where = self._output_bias(counts)
-        now, standing = self._claims({d: claims.sparse_slice(load(d), where) for d in counts} if where else {}, counts)
+        now, standing = self._claims({d: claims.sparse_slice(load(d), where) for d in counts} if where else {}, counts,
+                                     predicted)
         against = claims.against_claims(standing, partial.members)
 
         def median(devices: list[str]) -> np.ndarray:
@@ -374,9 +376,10 @@ class MedianTrust(Strategy):
         layout = self.evidence.layout
         stack = {u.device: np.where(present_mask(u.present, layout), u.vec, 0.0) for u in updates}
         counts = {u.device: u.label_counts for u in updates if u.label_counts}
+        predicted = {u.device: u.label_predicted for u in updates if u.label_predicted}
         where = self._output_bias(counts)
         now, standing = self._claims({d: np.asarray(stack[d][where], np.float64) for d in counts} if where else {},
-                                     counts)
+                                     counts, predicted)
         against = claims.against_claims(standing, stack)
         norms = {d: float(np.linalg.norm(v)) for d, v in stack.items()}
 
