@@ -22,6 +22,7 @@ from edge_agent import keys
 from edge_agent.agent.jobs import JobState, JobStore
 from edge_agent.coordinator.records import JobStatus, RoundState, UpdateStatus
 from edge_agent.protocol import Kind
+from edge_agent.protocol.label_claims import decode_predicted
 from edge_agent.transport import Outbox, OutboxKey
 from tests.integration.agents import job_id_of
 from tests.integration.conftest import (
@@ -97,7 +98,10 @@ def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
         updates = reg.list_updates(job_id)
         assert sorted(u.device_id for u in updates) == sorted(a.id for a in agents_)  # one row per device
         assert all(u.status is UpdateStatus.ACCEPTED for u in updates)
+        # every update counts: each device's label claims reached the close, and the one whose
+        # samples the base already predicted well is judged by them (claims.py), not flagged
         assert reg.get_model("digits", rnd.aggregated_version).metrics["updates"] == 3
+        assert all(decode_predicted(u.metrics.get("label_predicted"), 10) for u in updates), [u.metrics for u in updates]
         late = sorted(u.device_id for u in updates if u.received_at > killed_at)  # in flight, then delivered
         assert late == sorted(a.id for a in agents_[1:])
     # every agent got its ack: jobs done, outboxes empty

@@ -94,10 +94,19 @@ def test_a_job_pulls_its_tail_towards_the_bundles_own_answers_only_when_asked(tm
     data = demo.write_data(tmp_path / "data", dev.images, dev.labels, "npz")
     job = {"epochs": 4, "val_fraction": 0.3, "profile": "raspberry-pi-4", "batch_size": 32, "seed": 3,
            "cache_dir": tmp_path / "cache"}
-    heads = {}
+    heads, claims = {}, {}
     for weight in (0.0, 3.0):
         report = run_finetune(model=bundle.path, data=data, state_dir=tmp_path / f"state-{weight}", distill=weight,
                               **job)
         assert report["depth"]["distill"] == weight and report["steps"] > 0
         heads[weight] = tail_params(bundle, report["head"]["file"])
+        claims[weight] = report["label_claims"]
     assert any(not np.allclose(heads[0.0][k], heads[3.0][k]) for k in heads[0.0])
+    # the label claims its update is sent with: the training split's counts, and what the
+    # bundle (not the trained tail: the same under either weight) predicted on those samples
+    assert claims[0.0] == claims[3.0]
+    counts, predicted = np.array(claims[0.0]["counts"]), np.array(claims[0.0]["predicted"])
+    assert counts.sum() == report["data"]["loaded"] - report["accuracy"]["validation_samples"]
+    assert counts[0] <= 1 and counts[5] <= 1 and predicted.sum() == pytest.approx(1.0, abs=1e-5)
+    # in label order: the bundle answers this device's commonest digit (7: 48 of 116) most
+    assert predicted.argmax() == counts.argmax() == 7 and 0 < np.abs(counts / counts.sum() - predicted).max() < 0.1

@@ -63,7 +63,8 @@ def fleets(draw):
             vec = np.where(mask, vec, 0.0)
         vec = vec.astype(np.float32).astype(np.float64)  # updates travel as float32
         counts = tuple(int(c) for c in rng.integers(0, 20, CLASSES)) if draw(st.booleans()) else None
-        updates.append(DenseUpdate(f"dev-{i}", vec, float(rng.integers(1, 1000)), present, counts))
+        predicted = tuple(rng.dirichlet(np.ones(CLASSES)).tolist()) if counts and draw(st.booleans()) else None
+        updates.append(DenseUpdate(f"dev-{i}", vec, float(rng.integers(1, 1000)), present, counts, predicted))
     history = draw(st.one_of(st.none(), st.floats(0.01, 50.0)))
     standing = {u.device: Standing(float(rng.uniform(-3, 3)), int(rng.integers(1, 6))) for u in updates
                 if draw(st.booleans())}  # earlier rounds' label consistency (claims.py)
@@ -82,7 +83,7 @@ def _stream(rule, updates, layout, order, split, *, via_bytes=False):
     for k, i in enumerate(order):
         u = updates[i]
         rule.accumulate(parts[k % 2 if split else 0],
-                        Contribution(u.device, sparse[u.device], u.weight, u.label_counts))
+                        Contribution(u.device, sparse[u.device], u.weight, u.label_counts, u.label_predicted))
     if via_bytes:  # workers keep their partials on disk
         parts = [partial_from_bytes(partial_to_bytes(p), layout) for p in parts]
     merged = rule.merge(parts[0], parts[1])
@@ -433,3 +434,42 @@ def test_partials_of_two_workers_cannot_count_one_update_twice():
 def test_trust_refuses_to_start_without_a_server_set():
     with pytest.raises(ValueError, match="server set"):
         make_strategy("trust", StrategyOptions(), RoundEvidence(_layout()))
+
+
+def test_claims_compare_with_what_the_base_predicted_when_a_device_reports_it():
+    """Measured in test_fleet_restart with distillation: an honest device whose samples the base
+    already predicted close to their labels moved its bias against p - mean (c = -0.43, and
+    counted for nothing) but along p - q (c = +0.51): the reference is the cross-entropy's own
+    bias direction, not the fleet's average."""
+    b = {"a": np.array([0.01, -0.02, 0.01]), "b": np.array([-0.03, 0.06, -0.03])}
+    counts = {"a": (60, 20, 20), "b": (20, 60, 20)}
+    # against the round's mean, a looks like it pushes its own class 0 down ...
+    without = claims.consistencies({"a": np.array([-0.01, 0.02, -0.01]), "b": b["b"]}, counts)
+    assert without["a"] < -0.5
+    # ... but its base already predicted class 0 above its share: its honest delta follows p - q
+    predicted = {"a": (0.65, 0.20, 0.15), "b": (0.34, 0.33, 0.33)}
+    got = claims.consistencies({"a": np.array([-0.01, 0.0, 0.01]), "b": b["b"]}, counts, predicted)
+    assert got["a"] == pytest.approx(1.0) and got["b"] > 0.9
+    # one device alone is judged against its own predictions; with none, there is no reference
+    lone = {"a": np.array([0.02, -0.01, -0.01])}
+    assert claims.consistencies(lone, {"a": (60, 20, 20)}, {"a": (0.2, 0.4, 0.4)})["a"] == pytest.approx(1.0)
+    assert claims.consistencies(lone, {"a": (60, 20, 20)}) == {}
+    # a base that predicts exactly what the device holds gives no direction: no judgement
+    assert claims.consistencies(b, counts, {"a": (0.6, 0.2, 0.2), "b": (0.34, 0.33, 0.33)}).keys() == {"b"}
+    # a report of the wrong length is ignored: that device falls back to the round's mean
+    mixed = claims.consistencies(b, counts, {"a": (0.5, 0.5), "b": (0.34, 0.33, 0.33)})
+    assert mixed["a"] == pytest.approx(claims.consistencies(b, counts)["a"])
+
+
+def test_median_trust_keeps_an_honest_device_the_round_mean_would_have_flagged():
+    """The fleet of _claiming_fleet, with d3 honest but already fitted to classes the base
+    over-predicts: its bias moves against p - mean. With no prediction reported it counts for
+    nothing; with its base's predictions it counts, in the streaming close as in the reference."""
+    layout, ups = _claiming_fleet(flip=-0.2)
+    got, want = _run("median_trust", layout, ups)
+    assert got.info["against_claims"] == ["d3"] == want.info["against_claims"]
+    over = (0.8, 0.1, 0.1)  # its base already gives class 0 more than the 0.75 it holds
+    ups = [dataclasses.replace(u, label_predicted=over if u.device == "d3" else (0.34, 0.33, 0.33)) for u in ups]
+    got, want = _run("median_trust", layout, ups)
+    assert got.info["claims"]["d3"] > 0.5
+    assert got.info["against_claims"] == [] == want.info["against_claims"] and got.shares["d3"] > 0.1

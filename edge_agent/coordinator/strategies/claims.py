@@ -1,31 +1,40 @@
 """Does a device's update do what the device says it trained on? Evidence without a server set.
 
-A device reports its per-class sample counts with every update (`label_counts`). Training on
-data with label proportions p_i moves the output layer's bias towards the classes the device
-holds more of than the fleet: its bias delta points along p_i - p_mean, where p_mean is the
-mean of the round's reported proportions. A sign-flipped update (or one that unlearns the
-device's own classes) points the other way. Its consistency is
+A device reports with every update its per-class training sample counts (`label_counts`) and
+the mean class probabilities the version it was sent gave those samples before training
+(`label_predicted`; protocol/label_claims.py). The cross-entropy's gradient on the output
+layer's bias is the mean of (predicted - one-hot), so training moves the bias along p_i - q_i:
+its label proportions minus what the version predicted on them. A sign-flipped update (or one
+that unlearns the device's own classes) points the other way. Its consistency is
 
-    c_i = cos(bias delta of update i, p_i - p_mean)
+    c_i = cos(bias delta of update i, p_i - q_i)
 
 and a device's standing is the mean of its c over every round of the job so far, this one
 included, with one neutral round (c = 0) added so that one unlucky first round does not
 decide. An update whose device's standing is below CLAIM_FLOOR counts for nothing: its
 updates push down the classes it reports holding; and it takes no part in the round's
-median, weight cap or reference norm.
+median, weight cap or reference norm. A device whose samples the version already predicts
+as labelled (|p - q| under MIN_REFERENCE) carries no evidence that round.
 
-Measured on the bench's non-IID fleets without a server set (bench_poisoning, 30 rounds): a
-flipped update's c sits at -0.5 to -0.95 in early rounds and drifts towards 0 as the model
-fits (its delta shrinks to noise), which is why the standing is the whole job's mean and not
-a recent window; honest devices' c ranged from -0.68 to +0.97 round by round. The median's
-cosine cannot tell these apart: late in a job a flipped update of a device whose data
-disagrees with the fleet points with the median (cosine +0.1 to +0.4) while honest ones sit
-at 0.05 to 0.5. The floor and the neutral round were chosen on that bench (2 seeds, 5 and 10
-devices): at -0.1 with no neutral round a textures fleet of 8 honest devices lost 1.2 points
-(a device whose bias moved against its classes for 18 of 30 rounds: the model already
-over-predicted them); at -0.15 with one, it lost none, and every flip was still caught.
+A device that reports no predictions (an older agent) is compared with p_i - p_mean, the
+mean of the round's reported proportions: that assumes the version predicts the fleet's mix
+on every device, which is wrong exactly where it has learnt a device's data. In
+test_fleet_restart, with the devices' training pulled towards the version's answers
+(--distill), an honest device's c was -0.43 against p - p_mean (it counted for nothing) and
++0.51 against p - q; on bench_poisoning's honest textures fleets without a server set the
+honest updates counted for nothing fell from 39 / 92 / 170 to 10 / 35 / 118 (2 / 5 / 10
+devices, 4 seeds, 30 rounds), every attack cell still met.
 
-A device that lies about its label counts only changes what it is compared with; this rule
+The floor and the neutral round were chosen on that bench with p - p_mean (2 seeds, 5 and 10
+devices): a flipped update's c sat at -0.5 to -0.95 in early rounds and drifted towards 0 as
+the model fitted (its delta shrinks to noise), which is why the standing is the whole job's
+mean and not a recent window; at -0.1 with no neutral round a textures fleet of 8 honest
+devices lost 1.2 points; at -0.15 with one, it lost none, and every flip was still caught.
+The median's cosine cannot tell these apart: late in a job a flipped update of a device
+whose data disagrees with the fleet points with the median (cosine +0.1 to +0.4) while
+honest ones sit at 0.05 to 0.5.
+
+A device that lies about its claims only changes what it is compared with; this rule
 catches updates that contradict their own claims, not an attacker that shapes both.
 """
 
