@@ -18,8 +18,8 @@ measured the same way (bench/_procs.py): `run_finetune` at each depth -- head, l
 conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm statistics
 frozen over 1 block (the default updates them), `--depth auto` (its prefix adapted to the
 device's camera where the shift and the validation split say so: train/job_adapt.py; its
-tail pulled towards the bundle's own answers on the not-true classes: every job here runs with
-`--distill 3`, off by default), auto
+tail pulled towards the bundle's own answers on the not-true classes, `--distill 3`, the
+default, which every job here sets), auto
 with `--adapt none`, auto with `--distill 0`, auto as the device's first job (no cached engine choice, default
 planner rates), the same given the engine choice a device of its kind measured (what a
 finetune command relays to every device but the first of its kind), auto with 2 augmented views

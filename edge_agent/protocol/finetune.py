@@ -22,12 +22,11 @@ from .engine_choice import SharedChoice, parse_choices
 DAY_S = 86400.0
 # A device's not-true distillation weight when a command sets none, and the most it accepts
 # (train/dense_head.training_loss). Camera digits, depth 4, held-out: weight 1 -> 0.748,
-# 3 -> 0.758, 6 -> 0.739 (seed 0, 0, 1 of bench_depth's auto job). Off by default: a tail
-# pulled towards the bundle's answers moves its output biases less, and the coordinator's
-# label-claim check (coordinator/strategies/claims.py) then took an honest device's first
-# update for one against its claims (test_fleet_round, test_fleet_restart).
+# 3 -> 0.758, 6 -> 0.739 (seed 0, 0, 1 of bench_depth's auto job). A tail pulled that way
+# moves its output biases less; the coordinator's label-claim check compares them with what the
+# base predicted on the device's samples (protocol/label_claims.py), so that is no evidence
+# against the device (with the round's mean proportions instead, it flagged honest devices).
 DISTILL_DEFAULT = 3.0
-DISTILL_SUGGESTED = 3.0
 MAX_DISTILL = 100.0
 MAX_UPDATE_BYTES = 64 << 20
 # Training parameters a command may set: name -> (type, minimum, maximum).
