@@ -8,7 +8,10 @@ device -- the reference is integer arithmetic, and the fp32 features only feed a
 bundle (the int8 backbone's and the calibration file's sha256 are inside, and the manifest
 pins the file's own hash), re-runs the reference on SPOT_CHECK_SAMPLES samples to confirm
 they are this reference's answers, and uses them. Anything that does not hold -- another
-backbone, a malformed file -- means the device computes them itself, as before.
+backbone, a malformed file -- means the device computes them itself, as before. The file
+holds the reference's int8 output, not its float features as well: those are exactly the int8
+output dequantised, and were 27 % of each depth's file (the demo's first round sent every
+device 1.5 MB of answers).
 
 A multi-depth bundle carries answers for each depth's prefix (`depth<k>-oracle.npz`; the
 first job at a depth paid ~4.8 of its ~8 CPU-s of selection for them on the camera
@@ -37,13 +40,15 @@ SPOT_CHECK_SAMPLES = 2
 # create` runs: on a 31 MB all-weights net with 3 depths that took create from imports + 85 MB
 # to imports + 139 MB, over test_zoo_memory's bound; larger backbones' devices compute them
 MULTI_DEPTH_MAX_BYTES = 16 << 20
-_KEYS = {"ref", "ref_int8", "fp32", "sensitivity", "backbone_sha256", "calibration_sha256"}
+_KEYS = {"ref_int8", "fp32", "sensitivity", "backbone_sha256", "calibration_sha256"}
+# bundles made before 2026-12-07 also hold the reference's float features, `ref`: exactly its
+# int8 output dequantised (QGraphRunner.float_output), 27 % of a depth's file; read and ignored
+_LEGACY_KEYS = _KEYS | {"ref"}
 
 
 @dataclass(frozen=True)
 class OracleAnswers:
-    ref: np.ndarray  # the reference's features (float32) on calibration[:n]
-    ref_int8: np.ndarray  # its int8 output on the same samples
+    ref_int8: np.ndarray  # the reference's int8 output (NHWC) on calibration[:n]
     fp32: np.ndarray  # the fp32 backbone's features on the same samples
     sensitivity: float  # agreement.rounding_sensitivity of the int8 graph
 
@@ -78,7 +83,6 @@ def compute(bundle: Any) -> bytes | None:
     q = quantized_input(runner, samples)
     ref_int8 = in_chunks(runner.run_int8, q)
     arrays = {
-        "ref": in_chunks(runner.run, samples).astype(np.float32),
         "ref_int8": ref_int8,
         "fp32": in_chunks(fp32_features(bundle), samples).astype(np.float32),
         "sensitivity": np.float64(rounding_sensitivity(runner.graph, q, ref_int8)),
@@ -109,20 +113,20 @@ def _parse(bundle: Any, data: bytes, n: int) -> OracleAnswers:
         if total > MAX_FILE_BYTES:
             raise ValueError(f"{total} bytes uncompressed")
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-        if set(npz.files) != _KEYS:
+        if set(npz.files) not in (_KEYS, _LEGACY_KEYS):
             raise ValueError(f"arrays {sorted(npz.files)[:8]}, expected {sorted(_KEYS)}")
         arrays = {k: npz[k] for k in _KEYS}
     files = bundle.manifest.files
     if str(arrays["backbone_sha256"]) != files[BACKBONE_INT8].sha256 or \
             str(arrays["calibration_sha256"]) != files[CALIBRATION].sha256:
         raise ValueError("made for another backbone or calibration set")
-    ref, ref_int8, fp32 = arrays["ref"], arrays["ref_int8"], arrays["fp32"]
-    if ref.dtype != np.float32 or fp32.dtype != np.float32 or ref_int8.dtype != np.int8:
-        raise ValueError(f"dtypes {ref.dtype}, {ref_int8.dtype}, {fp32.dtype}")
-    if not n <= len(ref) == len(ref_int8) == len(fp32) or ref.size != ref_int8.size or fp32.ndim < 2:
-        raise ValueError(f"shapes {ref.shape}, {ref_int8.shape}, {fp32.shape} for {n} samples")
-    ref, ref_int8, fp32 = ref[:n], ref_int8[:n], fp32[:n]  # the same samples (the calibration's sha256)
+    ref_int8, fp32 = arrays["ref_int8"], arrays["fp32"]
+    if fp32.dtype != np.float32 or ref_int8.dtype != np.int8:
+        raise ValueError(f"dtypes {ref_int8.dtype}, {fp32.dtype}")
+    if not n <= len(ref_int8) == len(fp32) or ref_int8.ndim < 2 or fp32.ndim < 2:
+        raise ValueError(f"shapes {ref_int8.shape}, {fp32.shape} for {n} samples")
+    ref_int8, fp32 = ref_int8[:n], fp32[:n]  # the same samples (the calibration's sha256)
     sensitivity = float(arrays["sensitivity"])
-    if not (np.isfinite(ref).all() and np.isfinite(fp32).all() and np.isfinite(sensitivity) and sensitivity >= 0):
+    if not (np.isfinite(fp32).all() and np.isfinite(sensitivity) and sensitivity >= 0):
         raise ValueError("non-finite values")
-    return OracleAnswers(ref, ref_int8, fp32, sensitivity)
+    return OracleAnswers(ref_int8, fp32, sensitivity)

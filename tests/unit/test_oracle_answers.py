@@ -92,7 +92,7 @@ def test_answers_that_are_not_this_references_are_not_used(made, caplog):
     (dict(backbone_sha256=np.str_("0" * 64)), "another backbone"),
     (dict(extra=np.zeros(3)), "expected"),
     (dict(fp32=np.zeros((3, 2), np.float32)), "shapes"),
-    (dict(ref=np.full((64, 32, 1, 1), np.nan, np.float32)), "non-finite"),
+    (dict(fp32=np.full((64, 32), np.nan, np.float32)), "non-finite"),
     (dict(ref_int8=np.zeros((64, 1, 1, 32), np.int16)), "dtypes"),
 ])
 def test_an_unusable_answers_file_is_computed_on_the_device_with_a_warning(made, caplog, change, why):
@@ -104,6 +104,21 @@ def test_an_unusable_answers_file_is_computed_on_the_device_with_a_warning(made,
         assert load(bad, 64) is None
     assert why in caplog.text
     assert not Oracle(bad, check_batch_for(bad, 16)).answers_stored
+
+
+def test_answers_hold_the_int8_output_once_and_an_older_file_with_float_features_is_still_used(made):
+    """The reference's float features are its int8 output dequantised, so the file no longer
+    holds them; a bundle made before still carries them (`ref`), and is read as it was."""
+    root, bundle = made
+    with np.load(io.BytesIO(bundle.read(ORACLE))) as z:
+        arrays = {k: z[k] for k in z.files}
+    assert "ref" not in arrays
+    oracle = Oracle(bundle, check_batch_for(bundle, 16))
+    legacy = _rewrite(bundle, root / "legacy", oracle_npz=_npz(**arrays, ref=oracle.ref_samples))
+    old = Oracle(legacy, check_batch_for(legacy, 16))
+    assert old.answers_stored and oracle.answers_stored
+    np.testing.assert_array_equal(old.ref_samples, oracle.ref_samples)
+    assert old.ref_samples.dtype == np.float32 and old.ref_samples.shape[0] == 64
 
 
 def test_not_a_zip_is_refused_too(made, caplog):

@@ -37,7 +37,10 @@ class QGraphRunner(Runner):
         x = nchw_to_nhwc(check_batch(batch, self._in_shape, "reference"))
         if self._in_q is not None:
             x = quantize(x, *self._in_q)
-        y = self._invoke(x)
+        return self.float_output(self._invoke(x))
+
+    def float_output(self, y: np.ndarray) -> np.ndarray:
+        """The graph's raw output (int8 NHWC for an int8 graph) as `run` returns it: float32 NCHW."""
         if self._out_q is not None:
             y = dequantize(y, *self._out_q)
         return nhwc_to_nchw(np.asarray(y, np.float32))
