@@ -58,6 +58,11 @@ def test_claims_are_the_base_s_mean_probabilities_and_the_label_counts():
     want = (np.array([e2, 1, 1]) / (e2 + 2) + np.ones(3) / 3 + np.array([1, e5, 1]) / (e5 + 2)) / 3
     np.testing.assert_allclose(claims.predicted, want)
     assert LabelClaims.from_json(claims.to_json()) == LabelClaims(claims.counts, tuple(round(p, 6) for p in want))
+    # --balance: each class weighs 1 / its count, so the gradient mixes the classes evenly
+    balanced = LabelClaims.of(logits, np.array([0, 0, 1]), np.array([0.5, 1.0, 1.0]))
+    assert balanced.counts == (2, 2, 0)  # 1.5 of the 3 samples each, rounded half to even
+    want_b = ((np.array([e2, 1, 1]) / (e2 + 2) + np.ones(3) / 3) * 0.5 + np.array([1, e5, 1]) / (e5 + 2)) / 2
+    np.testing.assert_allclose(balanced.predicted, want_b)
     metrics = claims.metrics()
     assert metrics["label_counts"] == "2,1,0"
     assert decode_predicted(metrics["label_predicted"], 3) == pytest.approx(tuple(want), abs=2 / PREDICTED_SCALE)
