@@ -69,15 +69,21 @@ def encode_counts(counts: Sequence[int]) -> str | None:
 
 def decode_counts(raw: Any, num_classes: int) -> tuple[int, ...] | None:
     """A device's reported per-class counts, validated: None when absent or unusable."""
-    if not isinstance(raw, str) or len(raw) > 16 * num_classes + 16:
+    counts = _integers(raw, num_classes, 16, MAX_COUNT)
+    return counts if counts is not None and any(counts) else None
+
+
+def _integers(raw: Any, num_classes: int, max_chars: int, most: int) -> tuple[int, ...] | None:
+    """One comma-separated integer in [0, most] per class, or None."""
+    if not isinstance(raw, str) or len(raw) > max_chars * num_classes + 16:
         return None
     try:
-        counts = tuple(int(v) for v in raw.split(","))
+        values = tuple(int(v) for v in raw.split(","))
     except ValueError:
         return None
-    if len(counts) != num_classes or any(c < 0 or c > MAX_COUNT for c in counts) or not any(counts):
+    if len(values) != num_classes or any(v < 0 or v > most for v in values):
         return None
-    return counts
+    return values
 
 
 def encode_predicted(probabilities: Sequence[float]) -> str | None:
@@ -91,13 +97,8 @@ def encode_predicted(probabilities: Sequence[float]) -> str | None:
 def decode_predicted(raw: Any, num_classes: int) -> tuple[float, ...] | None:
     """A device's reported mean predicted probabilities, validated and renormalised: None when
     absent, of the wrong length, out of range or not summing to one."""
-    if not isinstance(raw, str) or len(raw) > 8 * num_classes + 16:
-        return None
-    try:
-        parts = tuple(int(v) for v in raw.split(","))
-    except ValueError:
-        return None
-    if len(parts) != num_classes or any(p < 0 or p > PREDICTED_SCALE for p in parts):
+    parts = _integers(raw, num_classes, 8, PREDICTED_SCALE)
+    if parts is None:
         return None
     total = sum(parts)
     if abs(total - PREDICTED_SCALE) > SUM_TOLERANCE * PREDICTED_SCALE:
