@@ -124,8 +124,10 @@ def test_with_a_label_map_the_texture_model_learns_the_device(texture_bundle: Pa
     shown = [e.detail for e in events if e.phase == "data"]
     assert any("skipped 10 (unknown-label: 10)" in line for line in shown)
     assert any("'5', '6', '7', '8', '9'" in line for line in shown)
-    acc = report["accuracy"]
-    assert acc["after"] > acc["before"] + 0.1, acc  # held-out (validation split) accuracy rises
+    # the validation split's loss falls by over a third and its accuracy rises: 0.84 -> 0.91-0.94
+    # with the default pull towards the bundle's own answers (--distill 3), 0.95 without (seeds 0-2)
+    acc, loss = report["accuracy"], report["loss"]
+    assert loss["after"] < 0.65 * loss["before"] and acc["after"] >= acc["before"] + 0.04, (acc, loss)
 
     # The same data with the mapping shuffled is trained on the wrong names: the map is obeyed.
     wrong = ",".join(f"{i}={TEXTURES[(i + 1) % 5]}" for i in range(5))
