@@ -47,7 +47,7 @@ from ..errors import InputError, TransientError
 from ..heap import release_freed_memory
 from ..power.forecast import TrainingWindow
 from ..protocol.engine_choice import parse_choices
-from ..protocol.finetune import TRAIN_KEYS, BadParams, parse_finetune
+from ..protocol.finetune import FLEET_DISTILL_DEFAULT, TRAIN_KEYS, BadParams, parse_finetune
 from ..transport.outbox import Outbox, OutboxKey
 from .jobs import Job, JobState, JobStore
 from .models import ModelStore
@@ -402,6 +402,7 @@ class JobDriver:
         for key in TRAIN_KEYS:
             if p.get(key) is not None:
                 spec[key] = p[key]
+        spec.setdefault("distill", FLEET_DISTILL_DEFAULT)
         if p.get("engine_choices"):
             spec["engine_choices"] = p["engine_choices"]
         if p.get("secagg"):  # a secure job: the child leaves the dense delta, not an update (secure.py)

@@ -328,8 +328,9 @@ def add_fleet_commands(sub: Any) -> None:
                    help="K augmented views of each training image on the devices (crop, brightness)")
     t.add_argument("--distill", type=_number(float, 0, MAX_DISTILL), default=None, metavar="W",
                    help="weight of each device's pull towards the version it was sent, on the classes other "
-                        "than each sample's own (not-true distillation; device default 3, 0 off): "
-                        "label-skewed devices then keep what the fleet knew of the classes they seldom see")
+                        "than each sample's own (not-true distillation; default 0, off, in a job): label-skewed "
+                        "devices then keep what the fleet knew of the classes they seldom see, but in simulated "
+                        "fleets it cost accuracy (README, 'Not forgetting what the fleet knew')")
     t.add_argument("--bn", choices=("frozen", "update"), default=None,
                    help="BatchNorm statistics in the trained tail (device default: update)")
     t.add_argument("--tail", choices=("full", "bias"), default=None,

@@ -86,7 +86,8 @@ def test_coordinator_killed_mid_round_resumes_and_counts_each_update_once(
         mosquitto, fleet, agents, serve, tmp_path, digits_bundle):
     coordinator, agents_, hold = _three_agents_two_held(mosquitto, agents, serve, tmp_path, digits_bundle)
     out = coordinator.cli("train", "--model", "digits", "--devices", "all", "--rounds", "1", "--min-devices", "3",
-                          "--deadline", "60m", "--epochs", "1", "--batch-size", "16", "--detach").stdout
+                          "--deadline", "60m", "--epochs", "1", "--batch-size", "16", "--distill", "3",
+                          "--detach").stdout  # distilled updates: the label-claim check must not flag them
     job_id = job_id_of(out)
     killed_at = _kill_serve_while_two_finish(coordinator, agents_, hold, job_id)
     with coordinator.registry() as reg:

@@ -24,7 +24,7 @@ from edge_agent.agent.policy import DeviceLimits
 from edge_agent.agent.runner import SPEC_FILE
 from edge_agent.agent.state import Readings
 from edge_agent.protocol import Topics
-from edge_agent.protocol.finetune import TRAIN_KEYS
+from edge_agent.protocol.finetune import DISTILL_DEFAULT, FLEET_DISTILL_DEFAULT, TRAIN_KEYS
 from edge_agent.train.job import run_finetune
 from edge_agent.transport import Outbox, OutboxKey
 
@@ -200,6 +200,15 @@ def test_every_training_parameter_of_the_command_reaches_the_training_child(rig:
     spec = json.loads((rig.driver.job_dir(job) / SPEC_FILE).read_text())
     assert {k: spec.get(k) for k in params} == params
     assert set(FINETUNE_KEYS) <= set(inspect.signature(run_finetune).parameters)  # what the child passes on
+
+
+def test_a_fleet_job_that_sets_no_distillation_trains_without_it(rig: Rig) -> None:
+    """protocol/finetune.FLEET_DISTILL_DEFAULT: off in a coordinator's job, whatever the local
+    `edge-agent finetune` default is (simulated fleets lost accuracy with the pull)."""
+    job = rig.submit()
+    rig.run_until(lambda: rig.job().state is S.UPLOADING)
+    spec = json.loads((rig.driver.job_dir(job) / SPEC_FILE).read_text())
+    assert spec["distill"] == FLEET_DISTILL_DEFAULT == 0.0 != DISTILL_DEFAULT
 
 
 def test_a_job_no_power_source_can_meter_is_refused_or_failed_before_any_work(rig: Rig) -> None:
