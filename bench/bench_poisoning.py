@@ -9,7 +9,10 @@ reference -- clean (no attackers) with a server set, attackers-silent without --
 targets: with a server set every cell >= clean - 2 points; without one >= silent - 2 at >= 5
 devices, and at 2-3 devices every round publishes or names why, never more than 2 rounds in a
 row publishing nothing. Then honest fleets (data sizes differing 10x, devices stopping early):
-failed rounds and rejected honest updates in 30 rounds with the defaults.
+failed rounds and rejected honest updates in 30 rounds with the defaults. Last, clean fleets
+whose every device distils (`--distill 1` and `3`: the pull towards the version's own answers
+a device's own fine-tunes use by default) against the same fleets without: why a coordinator's
+job leaves it off unless it sets it.
 
 Four seeds, not two: one seed's fleet differs from another's by up to 13 points at 2 devices,
 and a harmless change (x1e-6, which the trust rule's band scales back up) moved single seeds
@@ -35,6 +38,9 @@ from edge_agent.sim.poisoning import ATTACKS, FLEETS, simulate
 SIZES = (2, 3, 5, 10)
 SCENARIOS = (None, "silent", *ATTACKS)
 SEEDS = (0, 1, 2, 3)
+# every device's not-true distillation weight (`--distill`) in clean fleets: what the pull does
+# to a fleet (a coordinator's job leaves it off unless it sets it: protocol/finetune.py)
+DISTILLED = ("distill1", "distill3")
 # the top of the 100-500: at 300 (~120 root samples) the 2-device digits fleets that
 # lost their attacker's data ended 2.5-3.1 points under clean, the server step too weak a stand-in
 SERVER_SAMPLES = 500
@@ -56,8 +62,9 @@ def _one(task: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         sizes = tuple(10.0 if i % 2 == 0 else 1.0 for i in range(n))
     if variant == "early":
         early = {i: 5 for i in range(0, n, 2)}
+    distill = float(variant.removeprefix("distill")) if variant.startswith("distill") else 0.0
     run = simulate(_fleet(name, n, seed, sizes), attack=attack, attackers=attackers(n) if attack else 0,
-                   rounds=rounds, server_set=server, seed=seed, early_stop=early)
+                   rounds=rounds, server_set=server, seed=seed, early_stop=early, distill=distill)
     return task, {"acc10": run.at(10), "acc": run.at(rounds), "failed": run.failed, "silence": run.longest_silence,
                   "rejected": run.rejected_honest, "uncounted": run.uncounted_honest, "rule": run.aggregator,
                   "reasons": run.reasons[:3]}
@@ -76,7 +83,7 @@ def run(quick: bool = False) -> str:
              for name in FLEETS for n in SIZES for seed in seeds for server in (True, False) for attack in SCENARIOS]
     honest = [(name, n, seed, server, None, rounds, variant)
               for name in FLEETS for n in SIZES for seed in seeds for server in (True, False)
-              for variant in ("sizes10x", "early")]
+              for variant in ("sizes10x", "early", *DISTILLED)]
     res = _matrix(tasks + honest)
 
     def mean(name: str, n: int, server: bool, attack: str | None, key: str) -> float:
@@ -131,6 +138,20 @@ def run(quick: bool = False) -> str:
                     checks.append((f"honest {name} {variant} {'server' if server else 'no server'} {n} dev",
                                    failed == 0 and rejected == 0))
                 lines.append(f"| {name} | {variant} | {'yes' if server else 'no'} | " + " | ".join(cells) + " |")
+    lines += ["", "### Every device distilling (`--distill W`): accuracy after "
+              f"{min(10, rounds)} / {rounds} rounds minus the same clean fleet without (points, mean of seeds)", "",
+              "| data | server set | W | 2 | 3 | 5 | 10 |", "|---|---|---:|---|---|---|---|"]
+    for name in FLEETS:
+        for server in (True, False):
+            for variant in DISTILLED:
+                cells = []
+                for n in SIZES:
+                    got = [res[(name, n, s, server, None, rounds, variant)] for s in seeds]
+                    d10 = 100 * (np.mean([r["acc10"] for r in got]) - mean(name, n, server, None, "acc10"))
+                    d30 = 100 * (np.mean([r["acc"] for r in got]) - mean(name, n, server, None, "acc"))
+                    cells.append(f"{d10:+.1f} / {d30:+.1f}")
+                lines.append(f"| {name} | {'yes' if server else 'no'} | {variant.removeprefix('distill')} | "
+                             + " | ".join(cells) + " |")
     missed = [what for what, ok in checks if not ok]
     lines += ["", f"Targets: {len(checks) - len(missed)} of {len(checks)} cells met."]
     if missed:

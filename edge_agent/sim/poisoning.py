@@ -204,10 +204,10 @@ def mlp_init(features: int, classes: int, seed: int, hidden: int = HIDDEN) -> di
             "fc2_bias": np.zeros(classes, np.float32)}
 
 
-def train_config(seed: int) -> Any:
+def train_config(seed: int, distill: float = 0.0) -> Any:
     from ..train.trainer import TrainConfig
 
-    return TrainConfig(optimizer="sgd", momentum=0.0, weight_decay=0.0, seed=seed, **LOCAL)
+    return TrainConfig(optimizer="sgd", momentum=0.0, weight_decay=0.0, seed=seed, distill=distill, **LOCAL)
 
 
 class Model:
@@ -217,20 +217,23 @@ class Model:
         self.features, self.classes = features, classes
         self.symbol = mlp_symbol(features, classes)
 
-    def trainer(self, params: Mapping[str, np.ndarray], seed: int) -> Any:
+    def trainer(self, params: Mapping[str, np.ndarray], seed: int, distill: float = 0.0) -> Any:
         from ..train.dense_head import make_head_trainer
 
         return make_head_trainer(symbol_json=self.symbol, params=params, input_name="features",
-                                 num_classes=self.classes, config=train_config(seed), backend="numpy",
+                                 num_classes=self.classes, config=train_config(seed, distill), backend="numpy",
                                  input_shape=(self.features,))
 
-    def local_update(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, seed: int
-                     ) -> dict[str, np.ndarray]:
-        t = self.trainer(params, seed)
+    def local_update(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, seed: int,
+                     distill: float = 0.0) -> dict[str, np.ndarray]:
+        """A device's delta; `distill` > 0 pulls it towards `params`' own answers as a real
+        device's job does (train/job.py: the teacher is the base's logits on the samples)."""
+        t = self.trainer(params, seed, distill)
+        teacher = t.predict(x) if distill else None
         for epoch in range(t.config.epochs):
             for b in range(t.batches_per_epoch(len(y))):
                 idx = t.batch_indices(len(y), epoch, b)
-                t.step(x[idx], y[idx])
+                t.step(x[idx], y[idx], None if teacher is None else teacher[idx])
         new = t.params()
         return {k: (new[k] - params[k]).astype(np.float32) for k in params}
 
@@ -343,10 +346,11 @@ IDS, PUBS = seeded_device_keys("poisoning-sim", 16)
 def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, rounds: int = 30,
              server_set: bool = True, aggregator: str | None = None, seed: int = 0,
              policy: RoundPolicy | None = None, early_stop: dict[int, int] | None = None,
-             params: dict[str, Any] | None = None) -> Run:
+             params: dict[str, Any] | None = None, distill: float = 0.0) -> Run:
     """One federated job through the real engine. `early_stop`: device -> the round from
     which it sends half its update (a device stopped early by its budget); `params`: more
-    job params (the plateau rule's, the server optimiser's)."""
+    job params (the plateau rule's, the server optimiser's); `distill`: every device's
+    not-true distillation weight (`--distill`)."""
     n = len(data.xs)
     if n > len(IDS):
         raise ValueError(f"at most {len(IDS)} simulated devices")
@@ -376,7 +380,7 @@ def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, 
             for did in plan.devices:
                 i = IDS.index(did)
                 x, y = data.xs[i], data.ys[i]
-                delta = model.local_update(base, x, y, seed * 1000 + rnd * 16 + i)
+                delta = model.local_update(base, x, y, seed * 1000 + rnd * 16 + i, distill)
                 if early_stop and i in early_stop and rnd >= early_stop[i]:
                     delta = {k: 0.5 * v for k, v in delta.items()}
                 honest[i] = delta

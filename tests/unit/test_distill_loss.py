@@ -110,3 +110,26 @@ def test_a_job_pulls_its_tail_towards_the_bundles_own_answers_only_when_asked(tm
     assert counts[0] <= 1 and counts[5] <= 1 and predicted.sum() == pytest.approx(1.0, abs=1e-5)
     # in label order: the bundle answers this device's commonest digit (7: 48 of 116) most
     assert predicted.argmax() == counts.argmax() == 7 and 0 < np.abs(counts / counts.sum() - predicted).max() < 0.1
+
+
+def test_the_fleet_simulation_s_devices_distil_as_a_job_does() -> None:
+    """sim/poisoning.Model.local_update(distill=W) (bench_poisoning's distilled fleets): the
+    updated head's answers stay closer to the base's on the classes other than each sample's."""
+    from edge_agent.sim.poisoning import Model, digits_fleet, mlp_init
+    from edge_agent.train.trainer import not_true_teacher
+
+    data = digits_fleet(2, seed=0, server_samples=100)
+    model = Model(data.features, len(data.labels))
+    base = mlp_init(data.features, len(data.labels), 0)
+    x, y = data.xs[0], data.ys[0]
+    log_q, q, right = not_true_teacher(model.trainer(base, 0).predict(x), y)
+
+    def not_true_kl(distill: float) -> float:
+        delta = model.local_update(base, x, y, 5, distill)
+        new = {k: base[k] + delta[k] for k in base}
+        log_p, _, _ = not_true_teacher(model.trainer(new, 0).predict(x), y)
+        finite = np.isfinite(log_q)
+        return float((np.where(finite, q * (log_q - np.where(finite, log_p, 0.0)), 0.0).sum(axis=1) * right).mean())
+
+    pulled, free = not_true_kl(10.0), not_true_kl(0.0)
+    assert pulled < 0.5 * free
