@@ -131,12 +131,11 @@ class TailEvidence:
             want = cfg.epochs * max(1, -(-int(device_samples) // cfg.batch_size))
             cfg = replace(cfg, epochs=int(min(cfg.epochs * MAX_EPOCH_SCALE, max(cfg.epochs, -(-want // per_epoch)))))
         trainer = self._trainer(head, cfg)
-        teacher = trainer.predict(d.root_x) if cfg.distill else None  # the base's answers, as a device's job
         for epoch in range(cfg.epochs):
             for b in range(per_epoch):
                 idx = trainer.batch_indices(len(d.root_y), epoch, b)
                 if len(idx):
-                    trainer.step(d.root_x[idx], d.root_y[idx], None if teacher is None else teacher[idx])
+                    trainer.step(d.root_x[idx], d.root_y[idx])
         trained = trainer.params()
         update = self._flat({n: np.asarray(trained[n], np.float64) - np.asarray(head[n], np.float64)
                              for n in trained if n in head})

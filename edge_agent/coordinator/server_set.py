@@ -118,12 +118,10 @@ def attach(registry: Any, version: ModelVersion, path: str | Path, *, label_map:
 
 
 def server_train_config(params: Mapping[str, Any]) -> Any:
-    """How devices train for this job (the agent's defaults, overridden by job params), their
-    pull towards the version's own answers included (`distill`: the server's step compared
-    with distilled updates is trained the same way)."""
+    """How devices train for this job (the agent's defaults, overridden by job params)."""
     from ..train.trainer import TrainConfig
 
-    keys = {"epochs": int, "batch_size": int, "lr": float, "seed": int, "distill": float}
+    keys = {"epochs": int, "batch_size": int, "lr": float, "seed": int}
     given = {k: cast(params[k]) for k, cast in keys.items() if isinstance(params.get(k), int | float)
              and not isinstance(params.get(k), bool)}
     for k in ("bn", "tail"):

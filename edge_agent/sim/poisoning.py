@@ -260,9 +260,8 @@ class SimEvidence:
 
         if not self.enabled:
             return None
-        distill = float(job.params.get("distill") or 0.0)  # the server trains as the job's devices do
         return TailEvidence(data=self.data.server, symbol_json=self.model.symbol, input_name="features",
-                            layout=Layout(head), config=train_config(seed=7, distill=distill), backend="numpy")
+                            layout=Layout(head), config=train_config(seed=7), backend="numpy")
 
 
 # ---------------------------------------------------------------- attacks
@@ -367,8 +366,7 @@ def simulate(data: FleetData, *, attack: str | None = None, attackers: int = 0, 
         for i in range(n):
             reg.enrol_device(device_id=IDS[i], public_key=PUBS[i], fleet="f", approved=True)
             reg.record_state(IDS[i], online=True, state={"battery_pct": 90, "data_samples": len(data.ys[i])})
-        params = {**({"aggregator": aggregator} if aggregator else {}), **({"distill": distill} if distill else {}),
-                  **(params or {})}
+        params = {**({"aggregator": aggregator} if aggregator else {}), **(params or {})}
         job = engine.start_job(model_name="sim", model_version="1", rounds=rounds, min_devices=1, deadline_s=100,
                                params=params)
         run, heads, silence = Run(aggregator=str(reg.get_job(job.id).params.get("aggregator"))), {"1": glob}, 0

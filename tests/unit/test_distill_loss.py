@@ -133,30 +133,3 @@ def test_the_fleet_simulation_s_devices_distil_as_a_job_does() -> None:
 
     pulled, free = not_true_kl(10.0), not_true_kl(0.0)
     assert pulled < 0.5 * free
-
-
-def test_the_server_s_step_trains_with_the_job_s_distillation() -> None:
-    """coordinator/server_set.server_train_config takes the job's `distill`, and the trust rule's
-    server update (evidence.server_evidence) is then trained with the base's own answers as a
-    distilled device's: the same seeded steps, another update."""
-    from edge_agent.coordinator.evidence import TailEvidence
-    from edge_agent.coordinator.server_set import server_train_config
-    from edge_agent.coordinator.streaming import Layout
-    from edge_agent.sim.poisoning import Model, digits_fleet, mlp_init
-
-    assert server_train_config({"distill": 3.0, "lr": 0.1}).distill == 3.0
-    assert server_train_config({}).distill == 0.0  # a job that sets none: devices train without it
-    data = digits_fleet(2, seed=0, server_samples=300)
-    model = Model(data.features, len(data.labels))
-    base = mlp_init(data.features, len(data.labels), 0)
-
-    def server_update(distill: float) -> np.ndarray:
-        config = TrainConfig(optimizer="sgd", momentum=0.0, weight_decay=0.0, lr=0.2, epochs=2, seed=7,
-                             distill=distill)
-        evidence = TailEvidence(data=data.server, symbol_json=model.symbol, input_name="features",
-                                layout=Layout(base), config=config, backend="numpy")
-        return evidence.server_evidence(base).update
-
-    free, pulled = server_update(0.0), server_update(3.0)
-    assert np.isfinite(pulled).all() and not np.allclose(free, pulled)
-    assert np.array_equal(free, server_update(0.0))  # deterministic: the difference is the pull
