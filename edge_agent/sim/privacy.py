@@ -75,11 +75,11 @@ class SmallModel(Model):
         self.hidden = hidden
         self.symbol = mlp_symbol(features, classes, hidden)
 
-    def trainer(self, params: Mapping[str, np.ndarray], seed: int) -> Any:
+    def trainer(self, params: Mapping[str, np.ndarray], seed: int, distill: float = 0.0) -> Any:
         from ..train.dense_head import make_head_trainer
         from ..train.trainer import TrainConfig
 
-        config = TrainConfig(optimizer="sgd", momentum=0.0, weight_decay=0.0, seed=seed, **LOCAL)
+        config = TrainConfig(optimizer="sgd", momentum=0.0, weight_decay=0.0, seed=seed, distill=distill, **LOCAL)
         return make_head_trainer(symbol_json=self.symbol, params=params, input_name="features",
                                  num_classes=self.classes, config=config, backend="numpy",
                                  input_shape=(self.features,))
