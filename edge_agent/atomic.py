@@ -9,6 +9,7 @@ with its length and sha256 and `read_checked` refuses anything that does not mat
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -40,8 +41,11 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
-    """Replace `path` with `data` atomically and durably."""
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644,
+                       exclusive: bool = False) -> None:
+    """Replace `path` with `data` atomically and durably. `exclusive`: create it only if it
+    does not exist (FileExistsError otherwise), as atomically: the whole file is linked into
+    place or nothing is, so two processes creating it at once cannot both win."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -51,12 +55,31 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int =
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        if exclusive:
+            _link_new(tmp, target)
+        else:
+            os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     fsync_dir(target.parent)
+
+
+def _link_new(tmp: str, target: Path) -> None:
+    """Put the written `tmp` at `target` only if nothing is there: FileExistsError otherwise."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise
+    except OSError as exc:  # a filesystem without hard links (vfat): the check and the rename, not atomic
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+            raise
+        if target.exists():
+            raise FileExistsError(errno.EEXIST, "file exists", str(target)) from exc
+        os.replace(tmp, target)
+        return
+    os.unlink(tmp)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int = 0o644) -> None:

@@ -90,14 +90,15 @@ def enrolment_code_of(public_key: str) -> str:
     return enrolment_code(public_key_from_bytes(raw))
 
 
-def save_private_key(path: str | os.PathLike[str], key: Ed25519PrivateKey) -> None:
-    """Write the key as unencrypted PKCS#8 PEM, mode 0600 from the first byte on disk."""
+def save_private_key(path: str | os.PathLike[str], key: Ed25519PrivateKey, *, exclusive: bool = False) -> None:
+    """Write the key as unencrypted PKCS#8 PEM, mode 0600 from the first byte on disk;
+    `exclusive`: only if there is none yet (FileExistsError otherwise)."""
     pem = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    atomic_write_bytes(path, pem, mode=0o600)
+    atomic_write_bytes(path, pem, mode=0o600, exclusive=exclusive)
 
 
 def save_public_key(path: str | os.PathLike[str], key: Ed25519PublicKey | Ed25519PrivateKey) -> None:
@@ -146,9 +147,16 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
 
 
 def load_or_create_private_key(path: str | os.PathLike[str]) -> tuple[Ed25519PrivateKey, bool]:
-    """Load the key at `path`, creating it first if absent. Returns (key, created)."""
+    """Load the key at `path`, creating it first if absent. Returns (key, created). Two
+    processes starting at once (`edge-coordinator serve` and `edge-coordinator key` on a fresh
+    state dir) both find it absent; the first to create it wins and the other loads that one,
+    so the key a process holds is always the one on disk (the deployment walk once gave
+    devices one coordinator key while serve signed with another)."""
     if Path(path).exists():
         return load_private_key(path), False
     key = generate_private_key()
-    save_private_key(path, key)
+    try:
+        save_private_key(path, key, exclusive=True)
+    except FileExistsError:
+        return load_private_key(path), False
     return key, True

@@ -104,3 +104,42 @@ def test_load_or_create_creates_once(tmp_path):
 def test_raw_public_key_of_wrong_length_is_an_input_error():
     with pytest.raises(InputError, match="32 bytes"):
         keys.public_key_from_bytes(b"\x01" * 31)
+
+
+def test_two_processes_creating_the_key_at_once_end_with_the_one_on_disk(tmp_path, monkeypatch):
+    """`edge-coordinator serve` and `edge-coordinator key` on a fresh state dir both find no
+    key; whichever links its file in second loads the first's instead of replacing it (before,
+    the last writer won on disk while the other process kept signing with its own key)."""
+    path = tmp_path / "keys" / "coordinator.key"
+    theirs = keys.generate_private_key()
+    real_generate = keys.generate_private_key
+
+    def generate_while_the_other_process_writes() -> object:
+        mine = real_generate()
+        keys.save_private_key(path, theirs)  # the other process, between our check and our write
+        return mine
+
+    monkeypatch.setattr(keys, "generate_private_key", generate_while_the_other_process_writes)
+    got, created = keys.load_or_create_private_key(path)
+    assert not created and keys.public_key_bytes(got) == keys.public_key_bytes(theirs)
+    assert keys.public_key_bytes(keys.load_private_key(path)) == keys.public_key_bytes(theirs)
+    assert [p.name for p in path.parent.iterdir()] == ["coordinator.key"]  # no temp file left behind
+    with pytest.raises(FileExistsError):
+        keys.save_private_key(path, real_generate(), exclusive=True)
+    assert keys.public_key_bytes(keys.load_private_key(path)) == keys.public_key_bytes(theirs)
+
+
+def test_a_filesystem_without_hard_links_still_creates_the_key_once(tmp_path, monkeypatch):
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    path = tmp_path / "device.key"
+    first, created = keys.load_or_create_private_key(path)
+    assert created and stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(FileExistsError):
+        keys.save_private_key(path, keys.generate_private_key(), exclusive=True)
+    assert keys.fingerprint(keys.load_private_key(path)) == keys.fingerprint(first)
+    assert [p.name for p in tmp_path.iterdir()] == ["device.key"]
