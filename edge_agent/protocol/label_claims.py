@@ -39,7 +39,7 @@ class LabelClaims:
         With per-class loss weights (--balance) the gradient mixes the classes by weight x
         count, so the counts are those shares of N and the predictions are weighted the same."""
         z = np.asarray(logits, np.float64)
-        y = np.asarray(labels, np.int64)
+        y = np.asarray(labels, np.intp)  # bincount takes the platform int (int32 on armhf)
         w = np.ones(len(y)) if class_weight is None else np.asarray(class_weight, np.float64)[y]
         if not len(y) or w.sum() <= 0:
             return cls(tuple([0] * z.shape[1]), tuple([0.0] * z.shape[1]))
