@@ -34,18 +34,19 @@ class LabelClaims:
     predicted: tuple[float, ...]
 
     @classmethod
-    def of(cls, logits: np.ndarray, labels: np.ndarray, class_weight: np.ndarray | None = None) -> LabelClaims:
-        """From the base model's logits (N, classes) on the training samples and their labels.
-        With per-class loss weights (--balance) the gradient mixes the classes by weight x
-        count, so the counts are those shares of N and the predictions are weighted the same."""
-        z = np.asarray(logits, np.float64)
+    def of(cls, probabilities: np.ndarray, labels: np.ndarray, class_weight: np.ndarray | None = None
+           ) -> LabelClaims:
+        """From the base model's class probabilities (N, classes) on the training samples (the
+        trainer's softmax: train/dense_head.log_softmax) and their labels. With per-class loss
+        weights (--balance) the gradient mixes the classes by weight x count, so the counts are
+        those shares of N and the predictions are weighted the same."""
+        p = np.asarray(probabilities, np.float64)
         y = np.asarray(labels, np.intp)  # bincount takes the platform int (int32 on armhf)
         w = np.ones(len(y)) if class_weight is None else np.asarray(class_weight, np.float64)[y]
         if not len(y) or w.sum() <= 0:
-            return cls(tuple([0] * z.shape[1]), tuple([0.0] * z.shape[1]))
-        z = np.exp(z - z.max(axis=1, keepdims=True))
-        probs = (w[:, None] * z / z.sum(axis=1, keepdims=True)).sum(axis=0) / w.sum()
-        counts = np.bincount(y, weights=w, minlength=z.shape[1]) * (len(y) / w.sum())
+            return cls(tuple([0] * p.shape[1]), tuple([0.0] * p.shape[1]))
+        probs = (w[:, None] * p).sum(axis=0) / w.sum()
+        counts = np.bincount(y, weights=w, minlength=p.shape[1]) * (len(y) / w.sum())
         return cls(tuple(int(round(c)) for c in counts), tuple(float(p) for p in probs))
 
     def to_json(self) -> dict[str, list[Any]]:

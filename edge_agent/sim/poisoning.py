@@ -242,7 +242,9 @@ class Model:
 
     def claims(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, str]:
         """The label claims a device training on (x, y) from `params` sends (agent/child.py)."""
-        return LabelClaims.of(self.trainer(params, 0).predict(x), y).metrics()
+        from ..train.dense_head import log_softmax
+
+        return LabelClaims.of(np.exp(log_softmax(self.trainer(params, 0).predict(x))), y).metrics()
 
 
 class SimEvidence:

@@ -460,7 +460,10 @@ class _Job(DepthPlanning, JobReport):
             # towards, and what the update's label claims say it predicted (protocol/label_claims.py)
             base_logits = trainer.predict(f_train) if f_train is not None else None
             teacher = base_logits if config.distill else None
-            self.label_claims = None if base_logits is None else LabelClaims.of(base_logits, train.y, trainer.class_weight)
+            if base_logits is not None:
+                from .dense_head import log_softmax
+
+                self.label_claims = LabelClaims.of(np.exp(log_softmax(base_logits)), train.y, trainer.class_weight)
             pos = {"epoch": 0, "batch": 0, "step": 0, "elapsed_s": 0.0}
             if checkpoint is not None:
                 trainer.load_state(checkpoint.meta["trainer"], checkpoint.arrays)

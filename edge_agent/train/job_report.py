@@ -52,6 +52,7 @@ class JobReport:
     trainer: Any
     plan: Any
     adaptation: Any  # job_adapt.Adaptation
+    label_claims: Any  # protocol.label_claims.LabelClaims | None: set by _Job._run
     store: Any
     pos: dict[str, Any]
     cpu: dict[str, float]

@@ -50,16 +50,22 @@ def test_a_report_that_does_not_fit_a_metric_is_left_out():
     assert many.metrics() == {}  # neither fits: the coordinator compares with the round's mean
 
 
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    from edge_agent.train.dense_head import log_softmax
+
+    return np.exp(log_softmax(logits))
+
+
 def test_claims_are_the_base_s_mean_probabilities_and_the_label_counts():
     logits = np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
-    claims = LabelClaims.of(logits, np.array([0, 0, 1]))
+    claims = LabelClaims.of(_softmax(logits), np.array([0, 0, 1]))
     assert claims.counts == (2, 1, 0)
     e2, e5 = np.exp(2.0), np.exp(5.0)
     want = (np.array([e2, 1, 1]) / (e2 + 2) + np.ones(3) / 3 + np.array([1, e5, 1]) / (e5 + 2)) / 3
     np.testing.assert_allclose(claims.predicted, want)
     assert LabelClaims.from_json(claims.to_json()) == LabelClaims(claims.counts, tuple(round(p, 6) for p in want))
     # --balance: each class weighs 1 / its count, so the gradient mixes the classes evenly
-    balanced = LabelClaims.of(logits, np.array([0, 0, 1]), np.array([0.5, 1.0, 1.0]))
+    balanced = LabelClaims.of(_softmax(logits), np.array([0, 0, 1]), np.array([0.5, 1.0, 1.0]))
     assert balanced.counts == (2, 2, 0)  # 1.5 of the 3 samples each, rounded half to even
     want_b = ((np.array([e2, 1, 1]) / (e2 + 2) + np.ones(3) / 3) * 0.5 + np.array([1, e5, 1]) / (e5 + 2)) / 2
     np.testing.assert_allclose(balanced.predicted, want_b)
