@@ -26,14 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-def int8_activation(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    """`v` through the project's own int8 QUANTIZE / DEQUANTIZE on the range (lo, hi)."""
-    from edge_agent.int8.quant_math import asymmetric_params, dequantize, quantize
-
-    scale, zero_point = asymmetric_params(lo, hi)
-    return dequantize(quantize(v, scale, zero_point), scale, zero_point)
-
-
 def int16_activation(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
     """`v` rounded to TFLite's 16x8 activations: symmetric, zero point 0 (the project has no
     16-bit quantisation of its own)."""
@@ -43,28 +35,16 @@ def int16_activation(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return (np.clip(round_half_away(v / scale), -32767, 32767) * scale).astype(np.float32)
 
 
-def int8_weight(op: Any) -> np.ndarray | None:
-    """`op`'s weights as quantize.py writes them (symmetric per output channel), dequantised."""
-    from edge_agent.int8.quant_math import symmetric_per_channel
-    from edge_agent.int8.quantize import _WEIGHT_AXIS
-
-    if op.kind not in _WEIGHT_AXIS:
-        return op.weight
-    axis = _WEIGHT_AXIS[op.kind]
-    q, scales = symmetric_per_channel(op.weight, axis)
-    shape = [1] * op.weight.ndim
-    shape[axis] = -1
-    return (q.astype(np.float32) * scales.reshape(shape)).astype(np.float32)
-
-
 def fake_quantised(graph: Any, ranges: dict[str, tuple[float, float]], *, wide_ops: int,
                    float_weights: Callable[[int], bool]) -> Callable[[np.ndarray], np.ndarray]:
     """The graph's features with the first `wide_ops` op outputs 16-bit, the rest int8, and
     op k's weights in float where `float_weights(k)`, else int8."""
+    from edge_agent.int8.bias_correction import dequantised_weight
+    from edge_agent.int8.bias_correction import int8_rounded as int8_activation
     from edge_agent.int8.float_graph import to_model_layout
     from edge_agent.int8.float_ops import run_op
 
-    weights = {op.name: int8_weight(op) for op in graph.ops}
+    weights = {op.name: dequantised_weight(op) for op in graph.ops}
 
     def run(x: np.ndarray) -> np.ndarray:
         values = {graph.input: int8_activation(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), *ranges[graph.input])}

@@ -239,11 +239,15 @@ def quantised_prefix(graph: FloatGraph, x: np.ndarray, *, method: str = "minmax"
 
     ranges: dict[str, tuple[float, float]] = {}
     adapted, _ = adapt_graph(graph, x, ranges=ranges)
+    # no bias correction here: its two passes (float and int8) over the images would cost a
+    # device's adapting job more than the statistics pass itself
     if method == "minmax":
-        qgraph = quantize_graph(adapted, np.empty((0, *graph.input_shape[1:]), np.float32), ranges=ranges)
+        qgraph = quantize_graph(adapted, np.empty((0, *graph.input_shape[1:]), np.float32), ranges=ranges,
+                                bias_correction=False)
     else:  # histogram methods observe a larger sample in their own passes
         take = np.linspace(0, len(x) - 1, min(CALIBRATION_MAX_IMAGES, len(x))).astype(np.int64)
-        qgraph = quantize_graph(adapted, np.asarray(x, np.float32)[take], method=method, batch_size=RUN_CHUNK)
+        qgraph = quantize_graph(adapted, np.asarray(x, np.float32)[take], method=method, batch_size=RUN_CHUNK,
+                                bias_correction=False)
     tflite = write_tflite(qgraph)
     read_tflite(tflite)  # what a reader refuses must not be served
     return tflite

@@ -219,12 +219,13 @@ def create_bundle(
     """
     import datetime
 
+    from .bias_correction import bias_corrections
     from .depth_cuts import depth_costs
     from .engine_memory import count_activations
     from .graph import UnsupportedOpError
     from .onnx_import import import_onnx
     from .onnx_lean import LeanExtractor
-    from .quantize import calibrate, quantize_graph
+    from .quantize import calibrate, constrain_ranges, quantize_graph
     from .reference import GraphError
     from .tflite_reader import read_tflite
     from .tflite_writer import write_tflite
@@ -265,6 +266,7 @@ def create_bundle(
         # and what is no longer needed is let go before the next step (resnet50 at 224:
         # ~0.4 GB of weights in their several forms)
         observed: dict[str, tuple[float, float]] = {}
+        corrections: dict[str, Any] = {}  # the backbone's bias corrections (bias_correction.py)
         activations: dict[str, dict[str, int]] = {}  # per int8 prefix file: the planner's figures
         calibration_options = {"batch_size": CALIBRATION_BATCH, **({"method": method} if method else {})}
 
@@ -278,7 +280,11 @@ def create_bundle(
                 if not needed <= observed.keys():
                     observed.update(calibrate(graph, calib, **calibration_options))
                 ranges = {t: observed[t] for t in needed}
-                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, **calibration_options))
+                if not corrections:  # the backbone comes first, and its prefixes' ops are its own
+                    corrections.update(bias_corrections(graph, calib, constrain_ranges(graph, ranges),
+                                                        batch_size=CALIBRATION_BATCH))
+                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, corrections=corrections,
+                                                  **calibration_options))
                 # the reader's checks are what every device will run, and its graph what they count
                 activations[fname] = count_activations(read_tflite(tfl))
             except (UnsupportedOpError, GraphError) as exc:

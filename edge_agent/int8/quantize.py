@@ -2,8 +2,9 @@
 
 Activations: int8 asymmetric per tensor, ranges observed by running the float graph on the
 calibration batch (min/max, a percentile, or TensorRT's entropy/KL threshold). Weights: int8
-symmetric per output channel (or per tensor); biases int32 at input_scale * weight_scale.
-Batch norm is already folded by the importer.
+symmetric per output channel (or per tensor); biases int32 at input_scale * weight_scale,
+each first corrected for its layer's mean int8 error on the calibration data
+(bias_correction.py). Batch norm is already folded by the importer.
 
 TFLite's constraints, applied after observation:
 - ops with a fused RELU / RELU6 clamp their output range to [0, inf) / [0, 6];
@@ -18,12 +19,14 @@ TFLite's constraints, applied after observation:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
+from .bias_correction import WEIGHT_AXIS as _WEIGHT_AXIS
+from .bias_correction import bias_corrections, with_corrected_biases
 from .float_graph import FloatGraph, run_float
 from .graph import QGraph, QOp, QTensor
 from .quant_math import (
@@ -37,7 +40,6 @@ from .quant_math import (
 METHODS = ("minmax", "percentile", "entropy")
 HIST_BINS = 2048
 SAME_SCALE_OPS = ("MAX_POOL_2D", "AVERAGE_POOL_2D", "RESHAPE", "PAD", "PADV2", "GATHER")
-_WEIGHT_AXIS = {"CONV_2D": 0, "DEPTHWISE_CONV_2D": 3, "FULLY_CONNECTED": 0}
 
 
 class CalibrationError(InputError):
@@ -252,17 +254,26 @@ def quantize_graph(
     float_io: bool = False,
     batch_size: int = 32,
     ranges: dict[str, tuple[float, float]] | None = None,
+    bias_correction: bool = True,
+    corrections: Mapping[str, np.ndarray] | None = None,
 ) -> QGraph:
     """Quantise `float_graph` to a fully-int8 QGraph (NHWC int8 input and output).
 
     `calibration`: NCHW float32 samples as the model takes them (or `ranges`: every tensor's
     observed (lo, hi), when the caller has run the graph already). `float_io` adds a float32
-    QUANTIZE input edge and DEQUANTIZE output edge.
+    QUANTIZE input edge and DEQUANTIZE output edge. `bias_correction`: the weighted ops'
+    biases absorb their mean int8 error on the calibration samples (bias_correction.py;
+    nothing to correct on when there are none), or `corrections` measured already (on a
+    graph this one is a prefix of, like `ranges`).
     """
     g = float_graph
     if ranges is None:
         ranges = calibrate(g, calibration, method=method, percentile=percentile, batch_size=batch_size)
     ranges = constrain_ranges(g, ranges)
+    if bias_correction:
+        if corrections is None:
+            corrections = bias_corrections(g, calibration, ranges, per_channel=per_channel, batch_size=batch_size)
+        g = with_corrected_biases(g, corrections)
     tensors: dict[str, QTensor] = {}
     for name, shape in g.shapes.items():
         if name in ranges:

@@ -268,7 +268,7 @@ def test_an_agreement_check_with_no_decided_sample_is_inconclusive_never_ok(bund
     top-1 for any features. Now the check says it is inconclusive and units decide."""
     from edge_agent.int8.cli import render
 
-    off_by_5 = FakeEngine("off-by-5", shift=5)  # 5 int8 units: more than this graph's rounding (2)
+    off_by_5 = FakeEngine("off-by-5", shift=5)  # 5 int8 units: more than this graph's rounding (2-3)
     exact = FakeEngine("exact")
     selection = _select(bundle, [("off-by-5", off_by_5), ("exact", exact)], tmp_path, logits=_tied)
     rows = {c.name: c for c in selection.candidates}
@@ -276,7 +276,9 @@ def test_an_agreement_check_with_no_decided_sample_is_inconclusive_never_ok(bund
         assert row.basis == "units" and row.agreement_decided == 0
         assert row.inconclusive.startswith("0 of 64 calibration samples have a top-1")
         assert row.top1_checked == 0 and row.top1_match is None and row.top1_fp32 is None
-    assert rows["off-by-5"].correct is False and rows["off-by-5"].max_diff == 5 and rows["off-by-5"].tolerance == 2
+    tolerance = rows["off-by-5"].tolerance  # the graph's own rounding sensitivity, measured
+    assert 1 <= tolerance < 5 and rows["exact"].tolerance == tolerance
+    assert rows["off-by-5"].correct is False and rows["off-by-5"].max_diff == 5
     assert rows["exact"].correct is True and selection.chosen == "exact"
     assert any("task-level agreement inconclusive" in note for note in selection.notes)  # the job's report
     with open(selection.cache_file) as f:
@@ -286,7 +288,7 @@ def test_an_agreement_check_with_no_decided_sample_is_inconclusive_never_ok(bund
             "batch_size": 16, "threads": 1}
     text = render(info, selection.candidates, selection, None)
     line = next(t for t in text.splitlines() if t.startswith("* exact"))
-    assert "inconclusive -> units ok: int8 max 0/2 unit, top-1 inconclusive (0 decided)" in line
+    assert f"inconclusive -> units ok: int8 max 0/{tolerance:g} unit, top-1 inconclusive (0 decided)" in line
     assert "note:     task-level agreement inconclusive (0 of 64 calibration samples" in text
     assert " ok " not in text.replace("units ok", "")  # no task-level "ok" anywhere
 
