@@ -100,13 +100,15 @@ def bias_corrections(graph: FloatGraph, calibration: np.ndarray, ranges: Mapping
                 linear = {**op.options, "activation": "NONE"}
                 f_pre = run_op(op.kind, f_in, linear, op.weight, op.bias)
                 q_pre = run_op(op.kind, q_in, linear, dequantised_weight(op, per_channel), op.bias)
-                error = (q_pre - f_pre).reshape(-1, q_pre.shape[-1])
+                error = np.subtract(q_pre, f_pre).reshape(-1, q_pre.shape[-1])
                 sums[op.name] += error.sum(axis=0, dtype=np.float64)
-                squares[op.name] += np.square(error, dtype=np.float64).sum(axis=0)
+                squares[op.name] += np.einsum("ij,ij->j", error, error)
                 counts[op.name] += len(error)
+                del error
                 exact[op.output] = apply_activation(f_pre, act)
-                q_out = apply_activation(q_pre - (sums[op.name] / counts[op.name]).astype(np.float32), act)
-                del f_pre, q_pre, error
+                q_pre -= (sums[op.name] / counts[op.name]).astype(np.float32)
+                q_out = apply_activation(q_pre, act)
+                del f_pre, q_pre
             else:
                 exact[op.output] = run_op(op.kind, f_in, op.options, op.weight, op.bias)
                 weight = _int8_constant(op.weight) if op.kind in ("ADD", "MUL") else op.weight
