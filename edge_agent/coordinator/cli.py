@@ -163,7 +163,8 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
         source, args.output, calibration=args.calib, labels=_labels(args.labels), name=args.name,
         version=args.version, split=args.split, input_shape=args.input_shape, scale=args.scale,
         mean=args.mean or (), std=args.std or (), parent_version=args.parent_version,
-        method=args.method, edgetpu_model=args.edgetpu_model, overwrite=args.overwrite, depths=args.depths)
+        method=args.method, edgetpu_model=args.edgetpu_model, overwrite=args.overwrite, depths=args.depths,
+        bias_correction=args.bias_correction)
     print(f"bundle {bundle.path}: {bundle.manifest.name} {bundle.manifest.version} "
           f"(sha256 {bundle.sha256[:16]}...), split at {bundle.manifest.split_tensor!r}, "
           f"features {tuple(bundle.manifest.feature_shape)}")
@@ -338,6 +339,10 @@ def add_model_commands(sub: Any) -> None:
                              "tail, and a device's `finetune --depth auto` picks how deep it can afford")
     create.add_argument("--method", choices=("minmax", "percentile", "entropy"), default=None,
                         help="activation range calibration (default: the quantiser's, min/max)")
+    create.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
+                        help="quantise without bias correction (by default each int8 layer's bias absorbs its "
+                             "mean int8 error on the calibration samples: closer to the fp32 net, and model "
+                             "create runs the backbone twice more)")
     create.add_argument("--edgetpu-model", metavar="FILE", default=None,
                         help="the int8 model compiled by edgetpu_compiler, for Coral devices")
     create.add_argument("--validation", metavar="DIR|NPZ", default=None,

@@ -208,6 +208,7 @@ def create_bundle(
     edgetpu_model: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     depths: int = 0,
+    bias_correction: bool = True,
 ) -> Bundle:
     """Build a bundle from a Gluon HybridBlock or an ONNX model (path or bytes).
 
@@ -218,7 +219,10 @@ def create_bundle(
     bundle is written to a temp directory, verified, then renamed to `dest`.
     `depths` > 0 also records up to that many deeper training depths (int8/depth_cuts.py):
     for each, the int8 prefix up to its cut and the fp32 tail from it; head.params then
-    holds the deepest tail's parameters.
+    holds the deepest tail's parameters. `bias_correction` (the default): every int8 prefix's
+    biases absorb their layers' mean int8 error on the calibration samples
+    (bias_correction.py), measured once on the backbone; recorded in the manifest so that
+    a coordinator re-quantising a prefix does the same.
     """
     import datetime
 
@@ -283,11 +287,11 @@ def create_bundle(
                 if not needed <= observed.keys():
                     observed.update(calibrate(graph, calib, **calibration_options))
                 ranges = {t: observed[t] for t in needed}
-                if not corrections:  # the backbone comes first, and its prefixes' ops are its own
+                if bias_correction and not corrections:  # the backbone comes first; its prefixes' ops are its own
                     corrections.update(bias_corrections(graph, calib, constrain_ranges(graph, ranges),
                                                         batch_size=CORRECTION_BATCH))
-                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, corrections=corrections,
-                                                  **calibration_options))
+                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, bias_correction=bias_correction,
+                                                  corrections=corrections, **calibration_options))
                 # the reader's checks are what every device will run, and its graph what they count
                 activations[fname] = count_activations(read_tflite(tfl))
             except (UnsupportedOpError, GraphError) as exc:
@@ -320,7 +324,8 @@ def create_bundle(
             files[BACKBONE_EDGETPU] = read_limited(edgetpu_model, MAX_FILE_BYTES)
             if files[BACKBONE_EDGETPU][4:8] != b"TFL3":
                 raise BundleError(f"{edgetpu_model}: not a TFLite flatbuffer (no TFL3 identifier)")
-        manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib))}
+        manifest.extra = {"quantisation": method or "minmax", "calibration_samples": int(len(calib)),
+                          "bias_correction": bool(bias_correction)}
         if deep_specs:
             head_depth = Depth(0, tensor, "head", manifest.feature_shape, manifest.split_node, head_costs)
             manifest.depths = [head_depth, *deep_specs]

@@ -78,7 +78,8 @@ def refresh_prefixes(files: dict[str, bytes], manifest: Manifest, params: Mappin
     rewritten = []
     calib = np.load(io.BytesIO(files[CALIBRATION]), allow_pickle=False)["x"]
     method = str(manifest.extra.get("quantisation", "minmax"))
-    corrections = None
+    correct = manifest.extra.get("bias_correction") is True  # as the root was made (none before 2026-12-07)
+    corrections = None if correct else {}
     for depth in manifest.depths:
         trained_here = symbol_variables(files[depth_file(depth.depth, HEAD_SYMBOL)])
         if not changed - trained_here:
@@ -90,7 +91,8 @@ def refresh_prefixes(files: dict[str, bytes], manifest: Manifest, params: Mappin
                                            batch_size=CORRECTION_BATCH)
             del backbone
         graph = import_onnx(onnx_bytes, split=depth.tensor)
-        tflite = write_tflite(quantize_graph(graph, calib, method=method, corrections=corrections))
+        tflite = write_tflite(quantize_graph(graph, calib, method=method, bias_correction=correct,
+                                             corrections=corrections))
         read_tflite(tflite)
         name = depth_file(depth.depth, BACKBONE_INT8)
         files[name] = tflite

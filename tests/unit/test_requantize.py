@@ -14,6 +14,7 @@ rebuilt int8 prefix must track and the old one does not.
 
 from __future__ import annotations
 
+import dataclasses
 import tarfile
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def make(calib, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("requantize")
     built: dict[str, object] = {}
 
-    def build(name: str, changes: dict[str, np.ndarray] | None = None, depths: int = 2):
+    def build(name: str, changes: dict[str, np.ndarray] | None = None, depths: int = 2, bias_correction: bool = True):
         if name not in built:
             import mxnet as mx
 
@@ -65,7 +66,8 @@ def make(calib, tmp_path_factory: pytest.TempPathFactory):
                 params[n].set_data(mx.nd.array(v))
             try:
                 built[name] = create_bundle(net, root / name, calibration=calib, labels=LABELS, name="digits",
-                                            version="1", input_shape=(1, 8, 8), depths=depths)
+                                            version="1", input_shape=(1, 8, 8), depths=depths,
+                                            bias_correction=bias_correction)
             finally:
                 for n in changes or {}:
                     params[n].set_data(mx.nd.array(original[n]))
@@ -126,6 +128,23 @@ def test_exactly_the_prefixes_that_freeze_a_changed_weight_are_rebuilt_as_create
         # the oracle's answers go with their prefix: a rebuilt one's are dropped, the others' kept
         assert (depth_file(k, ORACLE) in files) == (fname not in rebuilt), k
     assert files[BACKBONE_ONNX] == root.read(BACKBONE_ONNX)  # the root's fp32 backbone is kept
+
+
+def test_a_prefix_is_re_quantised_with_bias_correction_only_if_its_root_was(make):
+    root = make("plain-root", bias_correction=False)
+    assert root.manifest.extra["bias_correction"] is False and make("root").manifest.extra["bias_correction"] is True
+    assert root.read(PREFIXES[0]) != make("root").read(PREFIXES[0])  # the corrections move some biases
+    value = _changed(make.original, CONV3)
+    want = make(f"plain-with-{CONV3}", {CONV3: value}, bias_correction=False)
+    files = _files(root)
+    assert refresh_prefixes(files, root.manifest, {**head_from_bundle(root)[1], CONV3: value}) == [PREFIXES[0]]
+    assert files[PREFIXES[0]] == want.read(PREFIXES[0])
+    # a root made before bias correction existed records nothing: its prefixes stay uncorrected
+    legacy = dataclasses.replace(root.manifest, extra={k: v for k, v in root.manifest.extra.items()
+                                                       if k != "bias_correction"})
+    files = _files(root)
+    refresh_prefixes(files, legacy, {**head_from_bundle(root)[1], CONV3: value})
+    assert files[PREFIXES[0]] == want.read(PREFIXES[0])
 
 
 def test_a_parameter_of_the_wrong_shape_is_refused(make):
