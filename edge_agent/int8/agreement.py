@@ -71,7 +71,7 @@ INT8_TOLERANCE_UNITS = 1
 # measured on the graph itself: the reference re-run with a 1-unit flip in ROUNDING_FLIP_RATE
 # of every int8 op output (ROUNDING_SEEDS patterns); the int8 tolerance is the largest
 # output change seen, at least INT8_TOLERANCE_UNITS. Shallow nets stay at 1-3 units (the
-# digits CNN: 3; MXNet MobileNetV2 0.35: 2); a random-init torchvision mobilenet_v2 at
+# digits CNN: 2; MXNet MobileNetV2 0.35: 2); a random-init torchvision mobilenet_v2 at
 # 32x32 moves by ~50 units, where tflite/XNNPACK was 31-44 units off a reference that
 # TFLite's own reference kernels match bit for bit.
 # mxnet-onednn's float tolerance scales the same way: FLOAT_TOLERANCE_STEPS * sensitivity / 2
@@ -81,7 +81,7 @@ ROUNDING_SEEDS = 3
 ROUNDING_SAMPLES = 8
 FLOAT_TOLERANCE_STEPS = 12.0
 # The most rounding sensitivity a unit-level tolerance follows (int8: 8 units; float:
-# 12 x 8 / 2 = 48 steps). Shallow nets measure 1-3 (the digits CNN 3); the deep test graph of
+# 12 x 8 / 2 = 48 steps). Shallow nets measure 1-3 (the digits CNN 2); the deep test graph of
 # test_int8_import_ux 7 (12 blocks) to 18 (40 blocks); the trained zoo nets torchvision
 # squeezenet1_1 8, mobilenet_v2 14, efficientnet_b0 18 -- above the cap, where their 63-64
 # decided calibration samples let the task level decide alone -- and random-init ones 50-94.

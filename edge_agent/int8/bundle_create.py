@@ -208,7 +208,7 @@ def create_bundle(
     edgetpu_model: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     depths: int = 0,
-    bias_correction: bool = True,
+    bias_correction: bool = False,
 ) -> Bundle:
     """Build a bundle from a Gluon HybridBlock or an ONNX model (path or bytes).
 
@@ -219,7 +219,7 @@ def create_bundle(
     bundle is written to a temp directory, verified, then renamed to `dest`.
     `depths` > 0 also records up to that many deeper training depths (int8/depth_cuts.py):
     for each, the int8 prefix up to its cut and the fp32 tail from it; head.params then
-    holds the deepest tail's parameters. `bias_correction` (the default): every int8 prefix's
+    holds the deepest tail's parameters. `bias_correction`: every int8 prefix's
     biases absorb their layers' mean int8 error on the calibration samples
     (bias_correction.py), measured once on the backbone; recorded in the manifest so that
     a coordinator re-quantising a prefix does the same.

@@ -2,9 +2,9 @@
 
 Activations: int8 asymmetric per tensor, ranges observed by running the float graph on the
 calibration batch (min/max, a percentile, or TensorRT's entropy/KL threshold). Weights: int8
-symmetric per output channel (or per tensor); biases int32 at input_scale * weight_scale,
-each first corrected for its layer's mean int8 error on the calibration data
-(bias_correction.py). Batch norm is already folded by the importer.
+symmetric per output channel (or per tensor); biases int32 at input_scale * weight_scale
+(optionally first corrected for their layer's mean int8 error on the calibration data:
+bias_correction.py). Batch norm is already folded by the importer.
 
 TFLite's constraints, applied after observation:
 - ops with a fused RELU / RELU6 clamp their output range to [0, inf) / [0, 6];
@@ -254,7 +254,7 @@ def quantize_graph(
     float_io: bool = False,
     batch_size: int = 32,
     ranges: dict[str, tuple[float, float]] | None = None,
-    bias_correction: bool = True,
+    bias_correction: bool = False,
     corrections: Mapping[str, np.ndarray] | None = None,
 ) -> QGraph:
     """Quantise `float_graph` to a fully-int8 QGraph (NHWC int8 input and output).
@@ -263,16 +263,17 @@ def quantize_graph(
     observed (lo, hi), when the caller has run the graph already). `float_io` adds a float32
     QUANTIZE input edge and DEQUANTIZE output edge. `bias_correction`: the weighted ops'
     biases absorb their mean int8 error on the calibration samples (bias_correction.py;
-    nothing to correct on when there are none), or `corrections` measured already (on a
-    graph this one is a prefix of, like `ranges`).
+    nothing to correct on when there are none); `corrections`: those measured already (on a
+    graph this one is a prefix of, like `ranges`), applied whatever `bias_correction` says. Off by default: see bias_correction.py
+    for what it gains and what it does not.
     """
     g = float_graph
     if ranges is None:
         ranges = calibrate(g, calibration, method=method, percentile=percentile, batch_size=batch_size)
     ranges = constrain_ranges(g, ranges)
-    if bias_correction:
-        if corrections is None:
-            corrections = bias_corrections(g, calibration, ranges, per_channel=per_channel, batch_size=batch_size)
+    if corrections is None and bias_correction:
+        corrections = bias_corrections(g, calibration, ranges, per_channel=per_channel, batch_size=batch_size)
+    if corrections:
         g = with_corrected_biases(g, corrections)
     tensors: dict[str, QTensor] = {}
     for name, shape in g.shapes.items():

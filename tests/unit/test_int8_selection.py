@@ -268,7 +268,7 @@ def test_an_agreement_check_with_no_decided_sample_is_inconclusive_never_ok(bund
     top-1 for any features. Now the check says it is inconclusive and units decide."""
     from edge_agent.int8.cli import render
 
-    off_by_5 = FakeEngine("off-by-5", shift=5)  # 5 int8 units: more than this graph's rounding (2-3)
+    off_by_5 = FakeEngine("off-by-5", shift=5)  # 5 int8 units: more than this graph's rounding (2)
     exact = FakeEngine("exact")
     selection = _select(bundle, [("off-by-5", off_by_5), ("exact", exact)], tmp_path, logits=_tied)
     rows = {c.name: c for c in selection.candidates}

@@ -58,7 +58,7 @@ def make(calib, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("requantize")
     built: dict[str, object] = {}
 
-    def build(name: str, changes: dict[str, np.ndarray] | None = None, depths: int = 2, bias_correction: bool = True):
+    def build(name: str, changes: dict[str, np.ndarray] | None = None, depths: int = 2, bias_correction: bool = False):
         if name not in built:
             import mxnet as mx
 
@@ -131,11 +131,17 @@ def test_exactly_the_prefixes_that_freeze_a_changed_weight_are_rebuilt_as_create
 
 
 def test_a_prefix_is_re_quantised_with_bias_correction_only_if_its_root_was(make):
-    root = make("plain-root", bias_correction=False)
-    assert root.manifest.extra["bias_correction"] is False and make("root").manifest.extra["bias_correction"] is True
-    assert root.read(PREFIXES[0]) != make("root").read(PREFIXES[0])  # the corrections move some biases
+    corrected = make("corrected-root", bias_correction=True)
+    assert corrected.manifest.extra["bias_correction"] is True
     value = _changed(make.original, CONV3)
-    want = make(f"plain-with-{CONV3}", {CONV3: value}, bias_correction=False)
+    want = make(f"corrected-with-{CONV3}", {CONV3: value}, bias_correction=True)
+    files = _files(corrected)
+    assert refresh_prefixes(files, corrected.manifest, {**head_from_bundle(corrected)[1], CONV3: value}) == [PREFIXES[0]]
+    assert files[PREFIXES[0]] == want.read(PREFIXES[0])  # byte for byte, corrections and all
+    root = make("root")
+    assert root.manifest.extra["bias_correction"] is False
+    assert root.read(PREFIXES[0]) != corrected.read(PREFIXES[0])  # the corrections move some biases
+    want = make(f"with-{CONV3}", {CONV3: value})
     files = _files(root)
     assert refresh_prefixes(files, root.manifest, {**head_from_bundle(root)[1], CONV3: value}) == [PREFIXES[0]]
     assert files[PREFIXES[0]] == want.read(PREFIXES[0])
