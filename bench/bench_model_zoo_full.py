@@ -9,10 +9,13 @@ build/zoo-full (make_torch_fixtures.py --full). The Gluon nets are built here (z
     make zoo-fixtures                                        # once: ~15 min
     python -m bench.run --only bench_model_zoo_full          # the section in BENCHMARKS.md
     python -m bench.bench_model_zoo_full build/zoo-full torch-resnet   # some rows, printed
+    ZOO_BIAS_CORRECTION=1 python -m bench.bench_model_zoo_full build/zoo-full torch-mnasnet
+                                     # the same, bundled with `model create --bias-correction`
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,8 @@ def full_one(where: Path, arch_id: str) -> dict[str, Any]:
     row: dict[str, Any] = {"id": arch_id}
     with tempfile.TemporaryDirectory(prefix="bench-zoo-full-") as tmp_name:
         tmp = Path(tmp_name)
-        built = zoo.build(arch, tmp / "bundle", depths=FULL_DEPTHS)
+        built = zoo.build(arch, tmp / "bundle", depths=FULL_DEPTHS,
+                          bias_correction=os.environ.get("ZOO_BIAS_CORRECTION") == "1")
         row["create_s"] = built.create_s
         row["depths"] = [d.depth for d in built.bundle.manifest.depths]
         row["onnx_mb"] = len(built.bundle.onnx_bytes()) / 2**20  # the fp32 backbone the bundle keeps
