@@ -55,6 +55,7 @@ def _kernels(workdir, *args) -> int:
 
 def test_model_create_writes_bundle_and_archive(bundle_dir, workdir, capsys):
     bundle = B.load_bundle(bundle_dir)
+    assert bundle.manifest.extra["bias_correction"] is False  # an option, off unless asked for
     assert bundle.manifest.labels[3] == "digit-3" and bundle.manifest.parent_version == "2"
     assert B.unpack_bundle(workdir / "digits-3.tar.gz", workdir / "unpacked").sha256 == bundle.sha256
     assert coordinator_main(["model", "inspect", str(workdir / "digits-3.tar.gz")]) == 0
@@ -69,9 +70,10 @@ def test_model_create_from_an_exported_mxnet_block(workdir, capsys):
     rc = coordinator_main([
         "model", "create", "--mxnet", str(workdir / "digits"), "--input-shape", "1,8,8",
         "--split", "features_gap_fwd", "--calib", str(workdir / "calib.npz"), "--labels", "a,b,c,d,e,f,g,h,i,j",
-        "--name", "digits", "--version", "4", "--output", str(workdir / "from-mxnet")])
+        "--name", "digits", "--version", "4", "--output", str(workdir / "from-mxnet"), "--bias-correction"])
     assert rc == 0, capsys.readouterr().err
-    assert B.load_bundle(workdir / "from-mxnet").manifest.source == "gluon"
+    manifest = B.load_bundle(workdir / "from-mxnet").manifest
+    assert manifest.source == "gluon" and manifest.extra["bias_correction"] is True
 
 
 @pytest.mark.parametrize(("args", "message"), [
