@@ -341,7 +341,7 @@ def add_model_commands(sub: Any) -> None:
                         help="activation range calibration (default: the quantiser's, min/max)")
     create.add_argument("--bias-correction", action="store_true",
                         help="each int8 layer's bias absorbs its mean int8 error on the calibration samples: "
-                             "features closer to the fp32 net's (+0.3 to +1.3 dB), top-1 agreement within its "
+                             "features closer to the fp32 net's (up to +1.3 dB), top-1 agreement within its "
                              "noise either way; model create runs the backbone twice more")
     create.add_argument("--edgetpu-model", metavar="FILE", default=None,
                         help="the int8 model compiled by edgetpu_compiler, for Coral devices")
