@@ -55,7 +55,8 @@ WEIGHT_AXIS = {"CONV_2D": 0, "DEPTHWISE_CONV_2D": 3, "FULLY_CONNECTED": 0}
 # noise (a FULLY_CONNECTED op on 16 samples): such an op keeps its bias
 MIN_POSITIONS = 64
 # standard errors a channel's mean error must stand out by to be corrected (_significant):
-# without it the committed mobilenet_v3_small / shufflenet fixtures' held-out error grew
+# without it the committed mobilenet_v3_small / shufflenet fixtures' held-out per-channel
+# mean error grew by a third (0.0050 -> 0.0066 / 0.0069); with it 0.0053 / 0.0047
 SIGNIFICANCE = 3.0
 
 
