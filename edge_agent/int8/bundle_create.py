@@ -58,6 +58,16 @@ CALIBRATION_BATCH = 8
 CORRECTION_BATCH = 2
 
 
+def backbone_corrections(backbone: Any, calib: np.ndarray, ranges: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """The bias corrections of a bundle's backbone (bias_correction.py) on its calibration
+    samples and observed `ranges`: every prefix's ops are the backbone's, so create and the
+    coordinator's re-quantisation (requantize.py) measure them once, the same way."""
+    from .bias_correction import bias_corrections
+    from .quantize import constrain_ranges
+
+    return bias_corrections(backbone, calib, constrain_ranges(backbone, ranges), batch_size=CORRECTION_BATCH)
+
+
 def _resolve_split(model: Any, split: str | None, default: str | None, where: str) -> tuple[str, str]:
     """Split node or tensor name -> (tensor, node name)."""
     from .onnx_import import node_name, split_hint
@@ -226,13 +236,12 @@ def create_bundle(
     """
     import datetime
 
-    from .bias_correction import bias_corrections
     from .depth_cuts import depth_costs
     from .engine_memory import count_activations
     from .graph import UnsupportedOpError
     from .onnx_import import import_onnx
     from .onnx_lean import LeanExtractor
-    from .quantize import calibrate, constrain_ranges, quantize_graph
+    from .quantize import calibrate, quantize_graph
     from .reference import GraphError
     from .tflite_reader import read_tflite
     from .tflite_writer import write_tflite
@@ -273,7 +282,7 @@ def create_bundle(
         # and what is no longer needed is let go before the next step (resnet50 at 224:
         # ~0.4 GB of weights in their several forms)
         observed: dict[str, tuple[float, float]] = {}
-        corrections: dict[str, Any] = {}  # the backbone's bias corrections (bias_correction.py)
+        corrections: dict[str, Any] | None = None if bias_correction else {}  # the backbone's, once measured
         activations: dict[str, dict[str, int]] = {}  # per int8 prefix file: the planner's figures
         calibration_options = {"batch_size": CALIBRATION_BATCH, **({"method": method} if method else {})}
 
@@ -282,16 +291,16 @@ def create_bundle(
             its cut, run on the same calibration batches, so the ranges observed on the backbone
             are its own: one calibration pass in all instead of one per depth (resnet50 at 224:
             ~22 s each, and the pass's activations)."""
+            nonlocal corrections
             try:
                 needed = {graph.input, *(op.output for op in graph.ops)}  # what calibrate observes
                 if not needed <= observed.keys():
                     observed.update(calibrate(graph, calib, **calibration_options))
                 ranges = {t: observed[t] for t in needed}
-                if bias_correction and not corrections:  # the backbone comes first; its prefixes' ops are its own
-                    corrections.update(bias_corrections(graph, calib, constrain_ranges(graph, ranges),
-                                                        batch_size=CORRECTION_BATCH))
-                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, bias_correction=bias_correction,
-                                                  corrections=corrections, **calibration_options))
+                if corrections is None:  # the backbone comes first; its prefixes' ops are its own
+                    corrections = backbone_corrections(graph, calib, ranges)
+                tfl = write_tflite(quantize_graph(graph, calib, ranges=ranges, corrections=corrections,
+                                                  **calibration_options))
                 # the reader's checks are what every device will run, and its graph what they count
                 activations[fname] = count_activations(read_tflite(tfl))
             except (UnsupportedOpError, GraphError) as exc:

@@ -263,9 +263,9 @@ def quantize_graph(
     observed (lo, hi), when the caller has run the graph already). `float_io` adds a float32
     QUANTIZE input edge and DEQUANTIZE output edge. `bias_correction`: the weighted ops'
     biases absorb their mean int8 error on the calibration samples (bias_correction.py;
-    nothing to correct on when there are none); `corrections`: those measured already (on a
-    graph this one is a prefix of, like `ranges`), applied whatever `bias_correction` says. Off by default: see bias_correction.py
-    for what it gains and what it does not.
+    nothing to correct on when there are none; off by default: bias_correction.py says what
+    it gains and what it does not); `corrections`: those measured already (on a graph this
+    one is a prefix of, like `ranges`), applied whatever `bias_correction` says.
     """
     g = float_graph
     if ranges is None:

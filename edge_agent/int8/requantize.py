@@ -68,31 +68,28 @@ def refresh_prefixes(files: dict[str, bytes], manifest: Manifest, params: Mappin
     onnx_bytes, changed = with_parameters(files[BACKBONE_ONNX], params)
     if not changed:
         return []
-    from .bias_correction import bias_corrections
-    from .bundle_create import CALIBRATION_BATCH, CORRECTION_BATCH
+    from .bundle_create import CALIBRATION_BATCH, backbone_corrections
     from .onnx_import import import_onnx
-    from .quantize import calibrate, constrain_ranges, quantize_graph
+    from .quantize import calibrate, quantize_graph
     from .tflite_reader import read_tflite
     from .tflite_writer import write_tflite
 
     rewritten = []
     calib = np.load(io.BytesIO(files[CALIBRATION]), allow_pickle=False)["x"]
     method = str(manifest.extra.get("quantisation", "minmax"))
-    correct = manifest.extra.get("bias_correction") is True  # as the root was made (none before 2026-12-07)
-    corrections = None if correct else {}
+    # corrected as the root was made (a root from before 2026-12-07 records nothing: uncorrected)
+    corrections = None if manifest.extra.get("bias_correction") is True else {}
     for depth in manifest.depths:
         trained_here = symbol_variables(files[depth_file(depth.depth, HEAD_SYMBOL)])
         if not changed - trained_here:
             continue  # every changed weight is in this depth's fp32 tail: its prefix is as it was
         if corrections is None:  # measured on the whole backbone, as create_bundle does
             backbone = import_onnx(onnx_bytes, split=manifest.split_tensor)
-            ranges = calibrate(backbone, calib, method=method, batch_size=CALIBRATION_BATCH)
-            corrections = bias_corrections(backbone, calib, constrain_ranges(backbone, ranges),
-                                           batch_size=CORRECTION_BATCH)
+            corrections = backbone_corrections(
+                backbone, calib, calibrate(backbone, calib, method=method, batch_size=CALIBRATION_BATCH))
             del backbone
         graph = import_onnx(onnx_bytes, split=depth.tensor)
-        tflite = write_tflite(quantize_graph(graph, calib, method=method, bias_correction=correct,
-                                             corrections=corrections))
+        tflite = write_tflite(quantize_graph(graph, calib, method=method, corrections=corrections))
         read_tflite(tflite)
         name = depth_file(depth.depth, BACKBONE_INT8)
         files[name] = tflite
