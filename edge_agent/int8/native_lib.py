@@ -18,7 +18,7 @@ from ..errors import EXIT_UNAVAILABLE, EdgeAgentError
 from ..hardware.cpu import kernels_library_path
 
 ENV_VARIANT = "EDGE_AGENT_NATIVE_VARIANT"
-ABI_VERSION = 6
+ABI_VERSION = 7
 MAX_K = 1 << 15  # the library's limit: int32 sums of (a - za)(b - zb) stay exact below it
 
 _ERRORS = {-1: "invalid argument", -2: "out of memory"}
@@ -113,6 +113,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ea_run_ops": (ctypes.c_int, [vp, vp, i32, vp, i32]),
         "ea_pool_size": (ctypes.c_int, []),
         "ea_op_size": (ctypes.c_int, []),
+        "ea_f32_depthwise_fwd": (ctypes.c_int, [ctypes.POINTER(ConvParams), vp, vp, vp]),
+        "ea_f32_depthwise_bwd": (ctypes.c_int, [ctypes.POINTER(ConvParams), vp, vp, vp, vp, vp]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

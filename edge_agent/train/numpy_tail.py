@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from . import tail_native
 
 ADD_OPS = ("elemwise_add", "_plus", "_Plus", "_add", "broadcast_add", "broadcast_plus")
 SCALAR_OPS = {"_mul_scalar": "mul", "_plus_scalar": "add", "_minus_scalar": "sub", "_div_scalar": "div"}
@@ -131,30 +132,62 @@ def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
     return np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=value) if ph or pw else x
 
 
+def _depthwise_fwd(x: np.ndarray, w: np.ndarray, geometry: tuple[int, ...]) -> tuple[np.ndarray, Any]:
+    """In C where the native library is built (tail_native), else one shifted multiply-add
+    per tap, channels vectorised; the cache says which (the backward pass follows it)."""
+    lib = tail_native.native_library()
+    if lib is not None:
+        return tail_native.depthwise_forward(lib, x, w, geometry), ("native", x)
+    kh, kw, sh, sw, ph, pw, _, ho, wo = geometry
+    xp = _pad(x, ph, pw)
+    taps = _taps(kh, kw, sh, sw, ho, wo)
+    wk = w.reshape(w.shape[0], kh * kw).T.copy()
+    out = xp[:, taps[0][0], taps[0][1], :] * wk[0]
+    for k, (a, b) in enumerate(taps[1:], 1):
+        out += xp[:, a, b, :] * wk[k]
+    return out, ("numpy", xp)
+
+
+def _depthwise_bwd(x: np.ndarray, w: np.ndarray, cache: Any, g: np.ndarray, geometry: tuple[int, ...],
+                   need: list[bool]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    kind, saved = cache
+    if kind == "native":
+        lib = tail_native.native_library()
+        assert lib is not None
+        return tail_native.depthwise_backward(lib, saved, w, g, geometry, need[0], need[1])
+    kh, kw, sh, sw, ph, pw, _, ho, wo = geometry
+    taps, xp, gw = _taps(kh, kw, sh, sw, ho, wo), saved, None
+    if need[1]:
+        gw = np.stack([np.einsum("nhwc,nhwc->c", xp[:, a, b, :], g) for a, b in taps], 1).reshape(w.shape)
+    if not need[0]:
+        return None, gw
+    wk = w.reshape(w.shape[0], kh * kw).T
+    gxp = np.zeros(xp.shape, np.float32)
+    for k, (a, b) in enumerate(taps):
+        gxp[:, a, b, :] += g * wk[k]
+    return gxp[:, ph:ph + x.shape[1], pw:pw + x.shape[2], :], gw
+
+
 def _conv_fwd(node: _Node, ins: Arrays, train: bool) -> tuple[np.ndarray, Any]:
     x, w = ins[0], ins[1]
-    kh, kw, sh, sw, ph, pw, groups, ho, wo = _conv_geometry(node, x, w)
+    geometry = _conv_geometry(node, x, w)
+    kh, kw, sh, sw, ph, pw, groups, ho, wo = geometry
     n, o, c = x.shape[0], w.shape[0], x.shape[3]
     if kh == kw == 1 and ph == pw == 0 and groups == 1:  # one matrix product over every pixel
         xs = np.ascontiguousarray(x[:, ::sh, ::sw, :]).reshape(-1, c)
         out, cache = xs @ w.reshape(o, c).T, xs
-    else:
+    elif groups == c == o:
+        out, cache = _depthwise_fwd(x, w, geometry)
+    else:  # im2col: (pixels, taps x channels)
         xp = _pad(x, ph, pw)
         taps = _taps(kh, kw, sh, sw, ho, wo)
-        if groups == c == o:  # depthwise: nine shifted multiply-adds, channels vectorised
-            wk = w.reshape(o, kh * kw).T.copy()
-            out = xp[:, taps[0][0], taps[0][1], :] * wk[0]
-            for k, (a, b) in enumerate(taps[1:], 1):
-                out += xp[:, a, b, :] * wk[k]
-            cache = xp
-        else:  # im2col: (pixels, taps x channels)
-            cols = np.stack([xp[:, a, b, :] for a, b in taps], axis=3).reshape(-1, kh * kw, groups, c // groups)
-            wg = w.reshape(groups, o // groups, c // groups, kh * kw)
-            if groups == 1:
-                out = cols.reshape(len(cols), -1) @ wg[0].transpose(0, 2, 1).reshape(o, -1).T
-            else:
-                out = np.einsum("mkgc,gock->mgo", cols, wg, optimize=True).reshape(-1, o)
-            cache = (xp, cols)
+        cols = np.stack([xp[:, a, b, :] for a, b in taps], axis=3).reshape(-1, kh * kw, groups, c // groups)
+        wg = w.reshape(groups, o // groups, c // groups, kh * kw)
+        if groups == 1:
+            out = cols.reshape(len(cols), -1) @ wg[0].transpose(0, 2, 1).reshape(o, -1).T
+        else:
+            out = np.einsum("mkgc,gock->mgo", cols, wg, optimize=True).reshape(-1, o)
+        cache = (xp, cols)
     out = out.reshape(n, ho, wo, o)
     if len(ins) > 2:
         out = out + ins[2]
@@ -163,11 +196,12 @@ def _conv_fwd(node: _Node, ins: Arrays, train: bool) -> tuple[np.ndarray, Any]:
 
 def _conv_bwd(node: _Node, ins: Arrays, out: np.ndarray, cache: Any, g: np.ndarray, need: list[bool]) -> Grads:
     x, w = ins[0], ins[1]
-    kh, kw, sh, sw, ph, pw, groups, ho, wo = _conv_geometry(node, x, w)
+    geometry = _conv_geometry(node, x, w)
+    kh, kw, sh, sw, ph, pw, groups, ho, wo = geometry
     o, c = w.shape[0], x.shape[3]
     g2 = g.reshape(-1, o)
     gx = gw = None
-    if kh == kw == 1 and ph == pw == 0 and groups == 1:
+    if kh == kw == 1 and ph == pw == 0 and groups == 1:  # the branches _conv_fwd took
         if need[1]:
             gw = (g2.T @ cache).reshape(w.shape)
         if need[0]:
@@ -177,34 +211,25 @@ def _conv_bwd(node: _Node, ins: Arrays, out: np.ndarray, cache: Any, g: np.ndarr
             else:
                 gx = np.zeros_like(x)
                 gx[:, ::sh, ::sw, :] = gxs
+    elif groups == c == o:
+        gx, gw = _depthwise_bwd(x, w, cache, g, geometry, need)
     else:
-        taps = _taps(kh, kw, sh, sw, ho, wo)
-        xp = cache if groups == c == o else cache[0]
-        gxp = np.zeros(xp.shape, np.float32) if need[0] else None
-        if groups == c == o:
-            wk = w.reshape(o, kh * kw).T
-            if need[1]:
-                gw = np.stack([np.einsum("nhwc,nhwc->c", xp[:, a, b, :], g) for a, b in taps], 1).reshape(w.shape)
-            if gxp is not None:
-                for k, (a, b) in enumerate(taps):
-                    gxp[:, a, b, :] += g * wk[k]
-        else:
-            cols = cache[1]
-            wg = w.reshape(groups, o // groups, c // groups, kh * kw)
-            gg = g2.reshape(-1, groups, o // groups)
-            if need[1] and groups == 1:
-                gw = (g2.T @ cols.reshape(len(cols), -1)).reshape(o, kh * kw, c).transpose(0, 2, 1).reshape(w.shape)
-            elif need[1]:
-                gw = np.einsum("mgo,mkgc->gock", gg, cols, optimize=True).reshape(w.shape)
-            if gxp is not None:
-                if groups == 1:
-                    gcols = g2 @ wg[0].transpose(0, 2, 1).reshape(o, -1)
-                else:
-                    gcols = np.einsum("mgo,gock->mkgc", gg, wg, optimize=True)
-                gcols = gcols.reshape(g.shape[:3] + (kh * kw, c))
-                for k, (a, b) in enumerate(taps):
-                    gxp[:, a, b, :] += gcols[:, :, :, k, :]
-        if gxp is not None:
+        xp, cols = cache
+        wg = w.reshape(groups, o // groups, c // groups, kh * kw)
+        gg = g2.reshape(-1, groups, o // groups)
+        if need[1] and groups == 1:
+            gw = (g2.T @ cols.reshape(len(cols), -1)).reshape(o, kh * kw, c).transpose(0, 2, 1).reshape(w.shape)
+        elif need[1]:
+            gw = np.einsum("mgo,mkgc->gock", gg, cols, optimize=True).reshape(w.shape)
+        if need[0]:
+            if groups == 1:
+                gcols = g2 @ wg[0].transpose(0, 2, 1).reshape(o, -1)
+            else:
+                gcols = np.einsum("mgo,gock->mkgc", gg, wg, optimize=True)
+            gcols = gcols.reshape(g.shape[:3] + (kh * kw, c))
+            gxp = np.zeros(xp.shape, np.float32)
+            for k, (a, b) in enumerate(_taps(kh, kw, sh, sw, ho, wo)):
+                gxp[:, a, b, :] += gcols[:, :, :, k, :]
             gx = gxp[:, ph:ph + x.shape[1], pw:pw + x.shape[2], :]
     grads = [gx, gw]
     if len(ins) > 2:
