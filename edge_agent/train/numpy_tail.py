@@ -14,7 +14,8 @@ refused, and it then trains with MXNet Gluon -- in float32, as MXNet 1.9 compute
   first maximum of a window, average pooling counts padding.
 
 Activations are NHWC inside, so a 1x1 convolution is one BLAS product over every pixel of
-the batch; parameters keep MXNet's names and layouts. No randomness and a fixed reduction
+the batch, and a depthwise one runs in C where the native library is built (tail_native.py);
+parameters keep MXNet's names and layouts. No randomness and a fixed reduction
 order: the same inputs give the same bits.
 """
 
