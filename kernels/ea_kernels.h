@@ -171,10 +171,11 @@ EA_API int ea_pool_size(void);
 /* sizeof(ea_op), so a binding can check its mirror of the struct. */
 EA_API int ea_op_size(void);
 
-/* ---- float32 training kernels (float_train.c) -------------------------------------------
- * DEPTHWISE convolution of NHWC float32 tensors for the numpy tail trainer: p's geometry
- * fields only (in_c == out_c, depth_multiplier 1, dilation 1; zero points unused); the filter
- * is tap-major [k_h * k_w][c]. The backward pass writes gx [batch][in_h][in_w][c] and/or
+/* ---- float32 kernels (float_train.c) ----------------------------------------------------
+ * DEPTHWISE convolution of NHWC float32 tensors (the numpy tail trainer, the float prefix's
+ * passes): p's geometry fields only (in_c == out_c, depth_multiplier 1; zero points unused;
+ * padding before from pad_top/pad_left, after implied by out_h/out_w); the filter is
+ * tap-major [k_h * k_w][c]; no bias. The backward pass writes gx [batch][in_h][in_w][c] and/or
  * gw_taps [k_h * k_w][c] (either may be NULL, not both), overwriting them. */
 EA_API int ea_f32_depthwise_fwd(const ea_conv_params *p, const float *x, const float *w_taps, float *out);
 EA_API int ea_f32_depthwise_bwd(const ea_conv_params *p, const float *x, const float *w_taps, const float *g,

@@ -1,11 +1,18 @@
-/* float32 kernels for training a small tail on the device (edge_agent/train/numpy_tail.py):
- * the depthwise convolution's forward and backward passes, which numpy can only write as a
- * few shifted whole-array multiply-adds per kernel tap -- ~5x slower than this loop on the
- * 3x3 feature maps a MobileNet tail sees, and a third of a tail job's training time.
+/* float32 depthwise convolution, forward and backward: for training a small tail on the
+ * device (edge_agent/train/numpy_tail.py) and for the float prefix's passes over a device's
+ * images (int8/float_ops.py: normalisation statistics, calibration). numpy can only write it
+ * as one shifted whole-array multiply-add per kernel tap -- ~5x slower than this loop on a
+ * MobileNet's maps, a third of a tail job's training time.
  *
  * Plain C the compiler vectorises over channels (NHWC: channels are contiguous); one thread,
- * a fixed summation order, so the same inputs give the same bits. The forward pass adds the
- * taps in the order numpy_tail's fallback does. */
+ * a fixed summation order and no fused multiply-add, so the same inputs give the same bits on
+ * every CPU. The forward pass adds the taps in the order numpy's fallbacks do, so it gives
+ * their bits too. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include <string.h>
 
 #include "ea_kernels.h"
@@ -13,7 +20,7 @@
 static int dw_params_ok(const ea_conv_params *p) {
     return p && p->batch > 0 && p->in_h > 0 && p->in_w > 0 && p->in_c > 0 && p->out_h > 0 && p->out_w > 0 &&
            p->out_c == p->in_c && p->k_h > 0 && p->k_w > 0 && p->stride_h > 0 && p->stride_w > 0 &&
-           p->dilation_h == 1 && p->dilation_w == 1 && p->pad_top >= 0 && p->pad_left >= 0 &&
+           p->dilation_h > 0 && p->dilation_w > 0 && p->pad_top >= 0 && p->pad_left >= 0 &&
            p->depth_multiplier == 1 && (int64_t)(p->out_h - 1) * p->stride_h - p->pad_top < p->in_h &&
            (int64_t)(p->out_w - 1) * p->stride_w - p->pad_left < p->in_w;
 }
@@ -31,10 +38,10 @@ EA_API int ea_f32_depthwise_fwd(const ea_conv_params *p, const float *x, const f
                 float *o = out + (((size_t)b * p->out_h + oy) * p->out_w + ox) * c;
                 memset(o, 0, sizeof(float) * (size_t)c);
                 for (int32_t i = 0; i < p->k_h; i++) {
-                    const int32_t iy = oy * p->stride_h + i - p->pad_top;
+                    const int32_t iy = oy * p->stride_h + i * p->dilation_h - p->pad_top;
                     if (iy < 0 || iy >= p->in_h) continue;
                     for (int32_t j = 0; j < p->k_w; j++) {
-                        const int32_t ix = ox * p->stride_w + j - p->pad_left;
+                        const int32_t ix = ox * p->stride_w + j * p->dilation_w - p->pad_left;
                         if (ix < 0 || ix >= p->in_w) continue;
                         fma_row(o, x + (((size_t)b * p->in_h + iy) * p->in_w + ix) * c,
                                 w_taps + (size_t)(i * p->k_w + j) * c, c);
@@ -55,10 +62,10 @@ EA_API int ea_f32_depthwise_bwd(const ea_conv_params *p, const float *x, const f
             for (int32_t ox = 0; ox < p->out_w; ox++) {
                 const float *go = g + (((size_t)b * p->out_h + oy) * p->out_w + ox) * c;
                 for (int32_t i = 0; i < p->k_h; i++) {
-                    const int32_t iy = oy * p->stride_h + i - p->pad_top;
+                    const int32_t iy = oy * p->stride_h + i * p->dilation_h - p->pad_top;
                     if (iy < 0 || iy >= p->in_h) continue;
                     for (int32_t j = 0; j < p->k_w; j++) {
-                        const int32_t ix = ox * p->stride_w + j - p->pad_left;
+                        const int32_t ix = ox * p->stride_w + j * p->dilation_w - p->pad_left;
                         if (ix < 0 || ix >= p->in_w) continue;
                         const size_t at = (((size_t)b * p->in_h + iy) * p->in_w + ix) * c;
                         const size_t tap = (size_t)(i * p->k_w + j) * c;

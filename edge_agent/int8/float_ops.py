@@ -1,4 +1,5 @@
-"""The float graph's numpy kernels (NHWC, float32) with TFLite's padding rules.
+"""The float graph's numpy kernels (NHWC, float32) with TFLite's padding rules; depthwise
+convolutions in C where the native library is built (native_float.py: numpy's bits).
 
 They run the float graph for calibration (quantize.py) and for checks against MXNet's own
 forward; the padding arithmetic is the int8 reference's, so both graphs agree on shapes.
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import native_float
 from .reference_ops import compute_padding
 
 
@@ -53,11 +55,25 @@ def apply_activation(y: np.ndarray, act: str) -> np.ndarray:
     return _activation(y, act)
 
 
+def _depthwise_native(lib: Any, x: np.ndarray, o: dict[str, Any], w: np.ndarray) -> np.ndarray:
+    """The depthwise convolution in C (native_float.py): the taps added in run_op's order."""
+    (_, kh, kw, c), h, wd = w.shape, x.shape[1], x.shape[2]
+    s, d = (o["stride_h"], o["stride_w"]), (o["dilation_h"], o["dilation_w"])
+    same = o["padding"] == "SAME"
+    before = (same_pads(h, kh, s[0], d[0])[0] if same else 0, same_pads(wd, kw, s[1], d[1])[0] if same else 0)
+    out = (out_size(h, kh, s[0], d[0], o["padding"]), out_size(wd, kw, s[1], d[1], o["padding"]))
+    geometry = native_float.DepthwiseGeometry((kh, kw), s, before, out, d)
+    return native_float.depthwise_forward(lib, x, w.reshape(kh * kw, c), geometry)
+
+
 def run_op(kind: str, xs: list[np.ndarray], o: dict[str, Any], w: np.ndarray | None,
            b: np.ndarray | None) -> np.ndarray:
     """One float op on NHWC inputs."""
     x = xs[0]
-    if kind in ("CONV_2D", "DEPTHWISE_CONV_2D"):
+    if kind == "DEPTHWISE_CONV_2D" and o["depth_multiplier"] == 1 and (lib := native_float.native_library()) is not None:
+        y = _depthwise_native(lib, x, o, w)
+        y += b
+    elif kind in ("CONV_2D", "DEPTHWISE_CONV_2D"):
         k, s, d = w.shape[1:3], (o["stride_h"], o["stride_w"]), (o["dilation_h"], o["dilation_w"])
         _, taps = _taps(x, k, s, d, o["padding"], 0.0)
         y = np.zeros(taps[0][2].shape[:3] + (w.shape[0] if kind == "CONV_2D" else w.shape[3],), np.float32)

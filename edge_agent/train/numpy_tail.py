@@ -14,7 +14,7 @@ refused, and it then trains with MXNet Gluon -- in float32, as MXNet 1.9 compute
   first maximum of a window, average pooling counts padding.
 
 Activations are NHWC inside, so a 1x1 convolution is one BLAS product over every pixel of
-the batch, and a depthwise one runs in C where the native library is built (tail_native.py);
+the batch, and a depthwise one runs in C where the native library is built (int8/native_float.py);
 parameters keep MXNet's names and layouts. No randomness and a fixed reduction
 order: the same inputs give the same bits.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from . import tail_native
+from ..int8 import native_float
 
 ADD_OPS = ("elemwise_add", "_plus", "_Plus", "_add", "broadcast_add", "broadcast_plus")
 SCALAR_OPS = {"_mul_scalar": "mul", "_plus_scalar": "add", "_minus_scalar": "sub", "_div_scalar": "div"}
@@ -134,29 +134,32 @@ def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
 
 
 def _depthwise_fwd(x: np.ndarray, w: np.ndarray, geometry: tuple[int, ...]) -> tuple[np.ndarray, Any]:
-    """In C where the native library is built (tail_native), else one shifted multiply-add
-    per tap, channels vectorised; the cache says which (the backward pass follows it)."""
-    lib = tail_native.native_library()
-    if lib is not None:
-        return tail_native.depthwise_forward(lib, x, w, geometry), ("native", x)
+    """In C where the native library is built (int8/native_float.py), else one shifted
+    multiply-add per tap, channels vectorised; the cache says which (the backward pass follows it)."""
     kh, kw, sh, sw, ph, pw, _, ho, wo = geometry
+    lib = native_float.native_library()
+    if lib is not None:
+        shape = native_float.DepthwiseGeometry((kh, kw), (sh, sw), (ph, pw), (ho, wo))
+        return native_float.depthwise_forward(lib, x, w.reshape(w.shape[0], kh * kw).T, shape), ("native", x, shape)
     xp = _pad(x, ph, pw)
     taps = _taps(kh, kw, sh, sw, ho, wo)
     wk = w.reshape(w.shape[0], kh * kw).T.copy()
     out = xp[:, taps[0][0], taps[0][1], :] * wk[0]
     for k, (a, b) in enumerate(taps[1:], 1):
         out += xp[:, a, b, :] * wk[k]
-    return out, ("numpy", xp)
+    return out, ("numpy", xp, None)
 
 
 def _depthwise_bwd(x: np.ndarray, w: np.ndarray, cache: Any, g: np.ndarray, geometry: tuple[int, ...],
                    need: list[bool]) -> tuple[np.ndarray | None, np.ndarray | None]:
-    kind, saved = cache
-    if kind == "native":
-        lib = tail_native.native_library()
-        assert lib is not None
-        return tail_native.depthwise_backward(lib, saved, w, g, geometry, need[0], need[1])
+    kind, saved, shape = cache
     kh, kw, sh, sw, ph, pw, _, ho, wo = geometry
+    if kind == "native":
+        lib = native_float.native_library()
+        assert lib is not None
+        gx, gtaps = native_float.depthwise_backward(lib, saved, w.reshape(w.shape[0], kh * kw).T, g, shape,
+                                                    need[0], need[1])
+        return gx, None if gtaps is None else gtaps.T.reshape(w.shape)
     taps, xp, gw = _taps(kh, kw, sh, sw, ho, wo), saved, None
     if need[1]:
         gw = np.stack([np.einsum("nhwc,nhwc->c", xp[:, a, b, :], g) for a, b in taps], 1).reshape(w.shape)

@@ -1,4 +1,4 @@
-"""The numpy tail's depthwise convolution in C (kernels/float_train.c via train/tail_native.py)
+"""The numpy tail's depthwise convolution in C (kernels/float_train.c via train/native_float.py)
 against the numpy path it replaces when the library is built: hypothesis draws the geometry
 (kernel, stride, padding, map and channel sizes, which gradients are needed), and both give
 the same forward bits (taps added in the same order; allclose where a compiler contracts
@@ -15,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from edge_agent.train import numpy_tail, tail_native
+from edge_agent.int8 import native_float
+from edge_agent.train import numpy_tail
 from edge_agent.train.dense_head import NumpyTailTrainer
 from edge_agent.train.trainer import TrainConfig
 
-LIB = tail_native.native_library()
+LIB = native_float.native_library()
 needs_lib = pytest.mark.skipif(LIB is None, reason="the native library is not built here (no C compiler at install)")
 
 
@@ -28,7 +29,7 @@ def _node(k: tuple[int, int], s: tuple[int, int], p: tuple[int, int], c: int) ->
 
 
 def _numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tail_native, "native_library", lambda: None)
+    monkeypatch.setattr(native_float, "native_library", lambda: None)
 
 
 @st.composite
@@ -77,11 +78,12 @@ def test_the_library_refuses_what_it_does_not_compute() -> None:
     ok = dict(batch=1, in_h=3, in_w=3, in_c=4, out_h=3, out_w=3, out_c=4, k_h=3, k_w=3, stride_h=1, stride_w=1,
               dilation_h=1, dilation_w=1, pad_top=1, pad_left=1, depth_multiplier=1)
     fwd = LIB.ea_f32_depthwise_fwd
-    assert fwd(ctypes.byref(tail_native.ConvParams(**ok)), x.ctypes.data, taps.ctypes.data, out.ctypes.data) == 0
-    for bad in ({"dilation_h": 2}, {"out_c": 8}, {"depth_multiplier": 2}, {"stride_w": 0}, {"out_h": 9}):
-        p = tail_native.ConvParams(**{**ok, **bad})
+    assert fwd(ctypes.byref(native_float.ConvParams(**ok)), x.ctypes.data, taps.ctypes.data, out.ctypes.data) == 0
+    for bad in ({"dilation_h": 0}, {"out_c": 8}, {"depth_multiplier": 2}, {"stride_w": 0}, {"out_h": 9},
+                {"pad_left": -1}):
+        p = native_float.ConvParams(**{**ok, **bad})
         assert fwd(ctypes.byref(p), x.ctypes.data, taps.ctypes.data, out.ctypes.data) == -1, bad
-    assert LIB.ea_f32_depthwise_bwd(ctypes.byref(tail_native.ConvParams(**ok)), x.ctypes.data, taps.ctypes.data,
+    assert LIB.ea_f32_depthwise_bwd(ctypes.byref(native_float.ConvParams(**ok)), x.ctypes.data, taps.ctypes.data,
                                     out.ctypes.data, None, None) == -1  # no gradient asked for
 
 
@@ -132,3 +134,43 @@ def test_a_tail_trains_to_the_same_parameters_with_or_without_the_library(monkey
     assert not np.allclose(native["dw_weight"], params["dw_weight"])  # it trained
     for k in native:
         np.testing.assert_allclose(native[k], fallback[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@needs_lib
+def test_a_real_float_prefix_runs_to_numpys_bits(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """MobileNetV2's float prefix (SAME padding, stride 2, 3x3 depthwise at every block) on
+    images: the C depthwise gives exactly numpy's outputs at every tensor, so calibration
+    ranges, statistics and bundles do not depend on whether the library was built."""
+    from edge_agent.int8.bundle import load_bundle
+    from edge_agent.int8.bundle_create import create_bundle
+    from edge_agent.int8.float_graph import run_float
+    from edge_agent.int8.onnx_import import import_onnx
+    from edge_agent.sim import models
+
+    shape = (3, 32, 32)
+    net = models.initialize(models.mobilenet_v2(0.35, 4, shape[-1]), seed=0, randomize_bn=True)
+    calib = np.random.default_rng(0).normal(0, 1, (8, *shape)).astype(np.float32)
+    create_bundle(net, tmp_path / "b", calibration=calib, labels=list("abcd"), name="b", version="1", input_shape=shape)
+    bundle = load_bundle(tmp_path / "b")
+    graph = import_onnx(bundle.onnx_bytes(), split=bundle.manifest.split_tensor)
+    assert sum(op.kind == "DEPTHWISE_CONV_2D" for op in graph.ops) >= 5
+    x = np.random.default_rng(1).normal(0, 1, (5, *shape)).astype(np.float32)
+
+    calls = []
+    forward = native_float.depthwise_forward
+    monkeypatch.setattr(native_float, "depthwise_forward", lambda *a: calls.append(1) or forward(*a))
+
+    def tensors() -> dict[str, np.ndarray]:
+        seen: dict[str, np.ndarray] = {}
+        run_float(graph, x, on_tensor=lambda name, v: seen.__setitem__(name, v.copy()))
+        return seen
+
+    native = tensors()
+    ran_in_c = len(calls)
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        fallback = tensors()
+    assert ran_in_c == sum(op.kind == "DEPTHWISE_CONV_2D" for op in graph.ops) and len(calls) == ran_in_c
+    assert native.keys() == fallback.keys()
+    for name in native:
+        assert np.array_equal(native[name], fallback[name]), name
