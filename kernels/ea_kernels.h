@@ -171,7 +171,7 @@ EA_API int ea_pool_size(void);
 /* sizeof(ea_op), so a binding can check its mirror of the struct. */
 EA_API int ea_op_size(void);
 
-/* ---- float32 kernels (float_train.c) ----------------------------------------------------
+/* ---- float32 kernels (float_depthwise.c) ----------------------------------------------------
  * DEPTHWISE convolution of NHWC float32 tensors (the numpy tail trainer, the float prefix's
  * passes): p's geometry fields only (in_c == out_c, depth_multiplier 1; zero points unused;
  * padding before from pad_top/pad_left, after implied by out_h/out_w); the filter is

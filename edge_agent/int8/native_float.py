@@ -1,5 +1,5 @@
 """Float32 depthwise convolution in C, when the package's native library is built
-(kernels/float_train.c, in edge_agent/_kernels*.so with the int8 kernels): the numpy tail
+(kernels/float_depthwise.c, in edge_agent/_kernels*.so with the int8 kernels): the numpy tail
 trainer's forward and backward passes (train/numpy_tail.py) and the float prefix's passes
 over a device's images (float_ops.py: normalisation statistics, calibration, shift).
 

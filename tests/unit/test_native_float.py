@@ -1,4 +1,4 @@
-"""The numpy tail's depthwise convolution in C (kernels/float_train.c via train/native_float.py)
+"""The numpy tail's depthwise convolution in C (kernels/float_depthwise.c via train/native_float.py)
 against the numpy path it replaces when the library is built: hypothesis draws the geometry
 (kernel, stride, padding, map and channel sizes, which gradients are needed), and both give
 the same forward bits (taps added in the same order; allclose where a compiler contracts
