@@ -26,13 +26,21 @@ def out_size(size: int, k: int, stride: int, dilation: int, padding: str) -> int
     return compute_padding(size, k, stride, dilation, padding)[0]
 
 
+def _window(x: np.ndarray, k: tuple[int, int], s: tuple[int, int], d: tuple[int, int],
+            padding: str) -> tuple[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]]:
+    """The output's (oh, ow) and the (before, after) padding of each spatial axis of x (N, H, W, C)."""
+    _, h, w, _ = x.shape
+    out = out_size(h, k[0], s[0], d[0], padding), out_size(w, k[1], s[1], d[1], padding)
+    if padding != "SAME":
+        return out, ((0, 0), (0, 0))
+    return out, (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
+
+
 def _taps(x: np.ndarray, k: tuple[int, int], s: tuple[int, int], d: tuple[int, int],
           padding: str, fill: float) -> tuple[np.ndarray, list[tuple[int, int, np.ndarray]]]:
     """Pad x (N, H, W, C) and yield every kernel tap's strided view (oh, ow)."""
-    _, h, w, _ = x.shape
-    oh, ow = out_size(h, k[0], s[0], d[0], padding), out_size(w, k[1], s[1], d[1], padding)
+    (oh, ow), (ph, pw) = _window(x, k, s, d, padding)
     if padding == "SAME":
-        ph, pw = same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1])
         x = np.pad(x, ((0, 0), ph, pw, (0, 0)), constant_values=fill)
     taps = []
     for i in range(k[0]):
@@ -57,12 +65,10 @@ def apply_activation(y: np.ndarray, act: str) -> np.ndarray:
 
 def _depthwise_native(lib: Any, x: np.ndarray, o: dict[str, Any], w: np.ndarray) -> np.ndarray:
     """The depthwise convolution in C (native_float.py): the taps added in run_op's order."""
-    (_, kh, kw, c), h, wd = w.shape, x.shape[1], x.shape[2]
+    _, kh, kw, c = w.shape
     s, d = (o["stride_h"], o["stride_w"]), (o["dilation_h"], o["dilation_w"])
-    same = o["padding"] == "SAME"
-    before = (same_pads(h, kh, s[0], d[0])[0] if same else 0, same_pads(wd, kw, s[1], d[1])[0] if same else 0)
-    out = (out_size(h, kh, s[0], d[0], o["padding"]), out_size(wd, kw, s[1], d[1], o["padding"]))
-    geometry = native_float.DepthwiseGeometry((kh, kw), s, before, out, d)
+    out, (ph, pw) = _window(x, (kh, kw), s, d, o["padding"])
+    geometry = native_float.DepthwiseGeometry((kh, kw), s, (ph[0], pw[0]), out, d)
     return native_float.depthwise_forward(lib, x, w.reshape(kh * kw, c), geometry)
 
 

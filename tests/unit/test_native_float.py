@@ -174,3 +174,27 @@ def test_a_real_float_prefix_runs_to_numpys_bits(monkeypatch: pytest.MonkeyPatch
     assert native.keys() == fallback.keys()
     for name in native:
         assert np.array_equal(native[name], fallback[name]), name
+
+
+@needs_lib
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["SAME", "VALID"]), st.integers(1, 2), st.integers(1, 2), st.sampled_from([1, 3, 5]),
+       st.integers(5, 9), st.integers(1, 13))
+def test_float_ops_depthwise_gives_numpys_bits(monkeypatch: pytest.MonkeyPatch, padding: str, stride: int,
+                                               dilation: int, k: int, size: int, c: int) -> None:
+    """The float prefix's DEPTHWISE_CONV_2D (TFLite layout, SAME's extra cell after, strides,
+    dilation) in C and in numpy: the same bits."""
+    from edge_agent.int8.float_ops import run_op
+
+    assume(padding == "SAME" or (k - 1) * dilation + 1 <= size)  # else no output: the importer refuses it
+    rng = np.random.default_rng([k, size, c, stride, dilation])
+    x = rng.normal(size=(2, size, size + 1, c)).astype(np.float32)
+    w, b = rng.normal(size=(1, k, k, c)).astype(np.float32), rng.normal(size=c).astype(np.float32)
+    options = {"stride_h": stride, "stride_w": stride, "dilation_h": dilation, "dilation_w": dilation,
+               "padding": padding, "depth_multiplier": 1, "activation": "NONE"}
+    native = run_op("DEPTHWISE_CONV_2D", [x], options, w, b)
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        fallback = run_op("DEPTHWISE_CONV_2D", [x], options, w, b)
+    assert native.shape == fallback.shape and native.dtype == fallback.dtype == np.float32
+    assert np.array_equal(native, fallback)
