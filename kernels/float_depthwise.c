@@ -1,8 +1,8 @@
 /* float32 depthwise convolution, forward and backward: for training a small tail on the
  * device (edge_agent/train/numpy_tail.py) and for the float prefix's passes over a device's
  * images (int8/float_ops.py: normalisation statistics, calibration). numpy can only write it
- * as one shifted whole-array multiply-add per kernel tap -- ~5x slower than this loop on a
- * MobileNet's maps, a third of a tail job's training time.
+ * as one shifted whole-array multiply-add per kernel tap -- 3-6x slower than this loop on a
+ * MobileNetV2's maps (bench/bench_float_depthwise.py), a third of a tail job's training time.
  *
  * Plain C the compiler vectorises over channels (NHWC: channels are contiguous); one thread,
  * a fixed summation order and no fused multiply-add, so the same inputs give the same bits on
