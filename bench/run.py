@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "make bench" if not (args.quick or args.only) else "python -m bench.run " + " ".join(given)
     sections: dict[str, str] = {}
     failures: dict[str, str] = {}
+    from bench._procs import compile_project
+
+    compile_project()  # every bench's children import compiled modules, as an installed agent does
     for name in names:
         print(f"[bench] {name} ...", flush=True)
         load_before = _load()
