@@ -363,6 +363,7 @@ class _Job(DepthPlanning, JobReport):
         # the prefix adapted to the device's images: before the selection, paid from the budget like it
         cpu_start = time.process_time()
         served, self.adaptation = adapt_prefix(bundle, train.x, train.hashes, a["adapt"], cache_root, self.shift)
+        self.shift = self.shift.without_backbone()  # not held through the features and training
         adapt_s = shift_s + time.process_time() - cpu_start
         if served is not bundle:
             self.emit("data", detail=f"prefix adapted to the device's images ({self.adaptation.reason})")

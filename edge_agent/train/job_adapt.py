@@ -204,6 +204,14 @@ class DeviceShift:
 
     report: Any  # adapt_norm.ShiftReport | None
     note: str = ""  # why adaptation is not possible ("" when it is)
+    # the parsed fp32 backbone the shift was measured on (onnx.ModelProto, the same for every
+    # depth view), for adapt_prefix to cut its depth's prefix from instead of reading and
+    # checking the file again (textures: ~0.1 of a first job's 2.4 CPU-s); the job drops it
+    # once the prefix is adapted
+    backbone: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def without_backbone(self) -> DeviceShift:
+        return dataclasses.replace(self, backbone=None)
 
     @property
     def far(self) -> bool:
@@ -220,8 +228,10 @@ def device_shift(bundle: Any, images: np.ndarray, request: str) -> DeviceShift:
         return DeviceShift(None, "not asked (--adapt none)")
     try:
         from ..int8.onnx_import import import_onnx
+        from ..int8.onnx_load import load_onnx
 
-        graph = import_onnx(bundle.onnx_bytes(), split=bundle.manifest.split_tensor)
+        backbone = load_onnx(bundle.onnx_bytes())
+        graph = import_onnx(backbone, split=bundle.manifest.split_tensor)
     except ImportError as exc:  # 32-bit Raspberry Pi OS has no onnx wheel
         if request == "bn":
             raise UsageError(f"--adapt bn: needs the onnx package ({exc})") from None
@@ -230,7 +240,7 @@ def device_shift(bundle: Any, images: np.ndarray, request: str) -> DeviceShift:
         if request == "bn":
             raise UsageError("--adapt bn: the bundle's int8 prefix has no BatchNorm to re-estimate")
         return DeviceShift(None, "the prefix has no BatchNorm")
-    return DeviceShift(measure_shift(graph, images))
+    return DeviceShift(measure_shift(graph, images), backbone=backbone)
 
 
 def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: str, cache_root: Path,
@@ -261,7 +271,9 @@ def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: 
     if not cached:
         from ..int8.onnx_import import import_onnx
 
-        graph = import_onnx(view.onnx_bytes(), split=view.manifest.split_tensor)
+        # every depth view's backbone is the bundle's (its file with head.params' values)
+        graph = import_onnx(shift.backbone if shift.backbone is not None else view.onnx_bytes(),
+                            split=view.manifest.split_tensor)
         tflite = quantised_prefix(graph, images, method=str(view.manifest.extra.get("quantisation", "minmax")))
         atomic_write_bytes(path, tflite)
         _prune(path.parent, path)

@@ -387,3 +387,24 @@ def test_the_update_at_depth_decodes_to_the_trained_tensors(job, bundle, base, t
     got = np.concatenate([(new[n] - base[n]).ravel() for n in sorted(moved)])
     assert np.linalg.norm(got - true) <= 0.02 * np.linalg.norm(true)  # int8 quantisation of the delta
     assert summary["energy_kept"] > 0.99 and summary["wire_bytes"] < summary["dense_bytes"]
+
+
+def test_each_depths_adapted_prefix_is_cut_from_the_backbone_the_shift_parsed(bundle, sc, tmp_path):
+    """A job parses the fp32 backbone once, to measure the device's shift, and cuts the
+    adapted prefix of whichever depth it plans from that parse: the same prefix, to the
+    byte, as one cut from the depth view's own file."""
+    from edge_agent.sim.camera_shift import ShiftedCamera, shift_images
+    from edge_agent.train.job_adapt import adapt_prefix, device_shift
+
+    b = load_bundle(bundle)
+    seen = demo.to_pixels(shift_images(sc.devices[0].images, ShiftedCamera(blur_sigma=0.6))).astype(np.float32)
+    x = b.manifest.input.normalise(seen)
+    shift = device_shift(b, x, "bn")
+    assert shift.backbone is not None and shift.without_backbone().backbone is None
+    for depth in range(len(b.manifest.depths)):
+        view = b.at_depth(depth)
+        _, reused = adapt_prefix(view, x, ["device"], "bn", tmp_path / "reused", shift)
+        _, read = adapt_prefix(view, x, ["device"], "bn", tmp_path / "read", shift.without_backbone())
+        assert reused.kind == read.kind == "bn" and not reused.cached and not read.cached
+        assert reused.prefix.read_bytes() == read.prefix.read_bytes(), depth
+        assert reused.prefix_sha256 != b.manifest.files[BACKBONE_INT8].sha256  # adapted, not the bundle's own
