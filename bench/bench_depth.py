@@ -28,7 +28,8 @@ per image (crop + brightness, cached), and auto with the tail trained in MXNet G
 importing MXNet) -- and the baseline, every layer of the fp32 net trained with Gluon Adam for
 BASELINE_EPOCHS. Held-out accuracy is computed in the parent from the
 job's head.params (edge_agent.inference.predictor). Energy above idle: the raspberry-pi-4 profile's
-CPU model on each process's own CPU seconds (as in bench_finetune); peak RSS: VmHWM;
+CPU model on each process's own CPU seconds (as in bench_finetune; every process imports the
+project byte-compiled, as an installed agent does: bench/_procs.compile_project); peak RSS: VmHWM;
 update bytes: the job's delta through the default codec (what the agent would send).
 Each depth's one-time engine selection (made on the first device), each device's learnt
 planner rates and its verdicts on adapting each prefix (train/job_adapt.py: a rejected
