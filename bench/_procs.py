@@ -66,8 +66,8 @@ def compile_project() -> None:
     """The project's bytecode written once, as a device has it: pip compiles a wheel's modules
     when it installs them (the .deb's build-venv), so an installed agent never compiles at
     import. A child of a source tree without it (PYTHONDONTWRITEBYTECODE set, as on some CI
-    and dev machines) compiled every module it imported, in every process: 0.2-0.3 CPU-s of
-    a 2.5 CPU-s fine-tune (textures, measured), charged to the job but not to a device."""
+    and dev machines) compiled every module it imported, in every process: 0.1-0.45 CPU-s of
+    a ~2.5 CPU-s fine-tune (textures, 3 runs each way), charged to the job, never to a device."""
     for package in ("edge_agent", "bench"):
         compileall.compile_dir(ROOT / package, quiet=2)
 

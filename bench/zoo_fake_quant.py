@@ -61,43 +61,58 @@ def _gptq_rows(w: np.ndarray, scale: np.ndarray, h: np.ndarray) -> np.ndarray:
     return q
 
 
-def gptq_weights(graph: Any, ranges: dict[str, tuple[float, float]], calibration: np.ndarray) -> dict[str, np.ndarray]:
-    """Every CONV_2D (ungrouped), DEPTHWISE_CONV_2D and FULLY_CONNECTED op's weights on
-    quantize.py's per-channel int8 grid, rounded by GPTQ on the int8 path's inputs over
-    `calibration` (layers in order, each on the outputs of the rounded ones before it);
-    returned in float (what the grid values are)."""
-    from edge_agent.int8.bias_correction import _int8_constant, dequantised_weight, int8_rounded
-    from edge_agent.int8.float_ops import _taps, run_op
+def _gptq_weight(op: Any, x: np.ndarray) -> np.ndarray | None:
+    """`op`'s weights on quantize.py's per-channel int8 grid, rounded by GPTQ on its input `x`
+    (NHWC), in float; None for an op without weights or one GPTQ is not applied to here
+    (grouped convolutions, depth multipliers)."""
+    from edge_agent.int8.float_ops import _taps
     from edge_agent.int8.quant_math import symmetric_per_channel
+
+    w, o = op.weight, op.options
+    if op.kind == "FULLY_CONNECTED":
+        cols = x.reshape(len(x), -1).astype(np.float64)
+        return _gptq_rows(w, symmetric_per_channel(w, 0)[1], cols.T @ cols).astype(np.float32)
+    grouped = op.kind == "CONV_2D" and x.shape[3] != w.shape[3]
+    multiplied = op.kind == "DEPTHWISE_CONV_2D" and o["depth_multiplier"] != 1
+    if op.kind not in ("CONV_2D", "DEPTHWISE_CONV_2D") or grouped or multiplied:
+        return None
+    _, taps = _taps(x, w.shape[1:3], (o["stride_h"], o["stride_w"]), (o["dilation_h"], o["dilation_w"]),
+                    o["padding"], 0.0)
+    patches = np.stack([v for _, _, v in taps], axis=-2).astype(np.float64)  # N, oh, ow, taps, C
+    if op.kind == "CONV_2D":
+        cols = patches.reshape(-1, patches.shape[-2] * patches.shape[-1])
+        q = _gptq_rows(w.reshape(len(w), -1), symmetric_per_channel(w, 0)[1], cols.T @ cols)
+        return q.reshape(w.shape).astype(np.float32)
+    cols = patches.reshape(-1, *patches.shape[-2:])
+    q = _gptq_rows(w.reshape(-1, w.shape[3]).T, symmetric_per_channel(w, 3)[1], np.einsum("ntc,nuc->ctu", cols, cols))
+    return q.T.reshape(w.shape).astype(np.float32)
+
+
+def _int8_weight(op: Any, rounded: dict[str, np.ndarray]) -> np.ndarray | None:
+    """What `op` runs with on the simulated int8 path: its weights as `rounded` has them, else
+    max-abs rounded to nearest (quantize.py); ADD / MUL constants int8 per tensor."""
+    from edge_agent.int8.bias_correction import dequantised_weight, int8_constant
+
+    if op.kind in ("ADD", "MUL"):
+        return int8_constant(op.weight)
+    return rounded[op.name] if op.name in rounded else dequantised_weight(op)
+
+
+def gptq_weights(graph: Any, ranges: dict[str, tuple[float, float]], calibration: np.ndarray) -> dict[str, np.ndarray]:
+    """Every CONV_2D (ungrouped), DEPTHWISE_CONV_2D and FULLY_CONNECTED op's weights rounded
+    by GPTQ (`_gptq_weight`) on the int8 path's inputs over `calibration`: layers in order,
+    each on the outputs of the rounded ones before it, through the path `fake_quantised` runs."""
+    from edge_agent.int8.bias_correction import int8_rounded
+    from edge_agent.int8.float_ops import run_op
 
     x = np.ascontiguousarray(calibration.transpose(0, 2, 3, 1))
     values, rounded = {graph.input: int8_rounded(x, *ranges[graph.input])}, {}
     for op in graph.ops:
         inputs = [values[n] for n in op.inputs]
-        w = op.weight
-        if op.kind == "FULLY_CONNECTED":
-            cols = inputs[0].reshape(len(inputs[0]), -1).astype(np.float64)
-            rounded[op.name] = _gptq_rows(w, symmetric_per_channel(w, 0)[1], cols.T @ cols).astype(np.float32)
-        elif op.kind in ("CONV_2D", "DEPTHWISE_CONV_2D"):
-            o = op.options
-            _, taps = _taps(inputs[0], w.shape[1:3], (o["stride_h"], o["stride_w"]),
-                            (o["dilation_h"], o["dilation_w"]), o["padding"], 0.0)
-            patches = np.stack([v for _, _, v in taps], axis=-2).astype(np.float64)  # N, oh, ow, taps, C
-            if op.kind == "CONV_2D" and inputs[0].shape[3] == w.shape[3]:
-                cols = patches.reshape(-1, patches.shape[-2] * patches.shape[-1])
-                q = _gptq_rows(w.reshape(len(w), -1), symmetric_per_channel(w, 0)[1], cols.T @ cols)
-                rounded[op.name] = q.reshape(w.shape).astype(np.float32)
-            elif op.kind == "DEPTHWISE_CONV_2D" and o["depth_multiplier"] == 1:
-                cols = patches.reshape(-1, *patches.shape[-2:])
-                q = _gptq_rows(w.reshape(-1, w.shape[3]).T, symmetric_per_channel(w, 3)[1],
-                               np.einsum("ntc,nuc->ctu", cols, cols))
-                rounded[op.name] = q.T.reshape(w.shape).astype(np.float32)
-            del patches
-        if op.kind in ("ADD", "MUL"):
-            w = _int8_constant(w)
-        else:
-            w = rounded.get(op.name, dequantised_weight(op))
-        values[op.output] = int8_rounded(run_op(op.kind, inputs, op.options, w, op.bias), *ranges[op.output])
+        if (q := _gptq_weight(op, inputs[0])) is not None:
+            rounded[op.name] = q
+        y = run_op(op.kind, inputs, op.options, _int8_weight(op, rounded), op.bias)
+        values[op.output] = int8_rounded(y, *ranges[op.output])
     return rounded
 
 
@@ -105,14 +120,13 @@ def fake_quantised(graph: Any, ranges: dict[str, tuple[float, float]], *, wide_o
                    float_weights: Callable[[int], bool],
                    rounded: dict[str, np.ndarray] | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """The graph's features with the first `wide_ops` op outputs 16-bit, the rest int8, and
-    op k's weights in float where `float_weights(k)`, else int8 (`rounded`'s where given,
-    else max-abs rounding to nearest)."""
-    from edge_agent.int8.bias_correction import dequantised_weight
+    op k's weights in float where `float_weights(k)`, else int8 (`_int8_weight`: `rounded`'s
+    where given, else max-abs rounding to nearest)."""
     from edge_agent.int8.bias_correction import int8_rounded as int8_activation
     from edge_agent.int8.float_graph import to_model_layout
     from edge_agent.int8.float_ops import run_op
 
-    weights = {op.name: dequantised_weight(op) for op in graph.ops} | (rounded or {})
+    weights = {op.name: _int8_weight(op, rounded or {}) for op in graph.ops}
 
     def run(x: np.ndarray) -> np.ndarray:
         values = {graph.input: int8_activation(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), *ranges[graph.input])}

@@ -80,7 +80,7 @@ def int8_rounded(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return dequantize(quantize(v, scale, zero_point), scale, zero_point)
 
 
-def _int8_constant(c: np.ndarray | None) -> np.ndarray | None:
+def int8_constant(c: np.ndarray | None) -> np.ndarray | None:
     """An ADD / MUL constant operand as quantize.py writes it (int8 per tensor, asymmetric)."""
     if c is None:
         return None
@@ -129,7 +129,7 @@ def bias_corrections(graph: FloatGraph, calibration: np.ndarray, ranges: Mapping
                 del f_pre, q_pre
             else:
                 exact[op.output] = run_op(op.kind, f_in, op.options, op.weight, op.bias)
-                weight = _int8_constant(op.weight) if op.kind in ("ADD", "MUL") else op.weight
+                weight = int8_constant(op.weight) if op.kind in ("ADD", "MUL") else op.weight
                 q_out = run_op(op.kind, q_in, op.options, weight, op.bias)
             rounded[op.output] = int8_rounded(q_out, *ranges[op.output])
             del f_in, q_in, q_out
