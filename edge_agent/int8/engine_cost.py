@@ -65,6 +65,9 @@ NOISE_FLOOR = 0.12
 # whatever the profile's watts; 50 ms of one core is 0.1 J at 2 W, 1.3e-4 Wh at the x86
 # profile's 9.5 W: nothing a device should choose an engine by.
 NOISE_FLOOR_CPU_S = 0.05
+# Rounds every timed runner gets before the race may leave it out (time_rounds): three give
+# relative_spread its quartiles, and the median a round's hiccup cannot move alone.
+RACE_MIN_ROUNDS = 3
 # Memory is compared in buckets: RSS growth moves by a few MB between runs (allocator, imports).
 MEMORY_BUCKET_MB = 16.0
 # The interface's default prepare hint (Int8Engine.prepare_cpu_s_hint), for a name no
@@ -237,17 +240,28 @@ def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
     """Median (wall s, CPU s) per `run(x)` for each runner, rounds interleaved (every runner
     once per round) so that load drifting on a shared machine hits all alike. `spread`, when
     given, is filled with each runner's relative spread of its CPU times (`relative_spread`):
-    the noise `choose` allows that runner."""
+    the noise `choose` allows that runner.
+
+    A race, not a fixed schedule: from RACE_MIN_ROUNDS rounds on, a runner whose cheapest
+    round cost more CPU than the dearest round of the current leader (the least median) is
+    out -- their rounds do not overlap, so more of them would not reorder the two unless the
+    load changed -- and is not run again; the others run up to `repeats` rounds. A job's selection timed every engine and thread
+    variant for all its rounds (0.5-0.7 CPU-s of a digits first job, more than the job's own
+    feature extraction), where 2 of the 4 were out after 3."""
     for runner in runners.values():
         runner.run(x)
     wall: dict[Any, list[float]] = {k: [] for k in runners}
     cpu: dict[Any, list[float]] = {k: [] for k in runners}
-    for _ in range(max(1, repeats)):
-        for key, runner in runners.items():
+    racing = dict(runners)
+    for done in range(max(1, repeats)):
+        for key, runner in racing.items():
             c0, w0 = clocks.cpu(), clocks.wall()
             runner.run(x)
             wall[key].append(clocks.wall() - w0)
             cpu[key].append(clocks.cpu() - c0)
+        if done + 1 >= RACE_MIN_ROUNDS and len(racing) > 1:
+            leader = min(racing, key=lambda k: float(np.median(cpu[k])))
+            racing = {k: r for k, r in racing.items() if k == leader or min(cpu[k]) <= max(cpu[leader])}
     if spread is not None:
         spread.update({k: relative_spread(cpu[k]) for k in runners})
     return {k: (float(np.median(wall[k])), float(np.median(cpu[k]))) for k in runners}

@@ -525,6 +525,28 @@ def test_time_rounds_reports_each_runners_spread() -> None:
     assert ec.time_rounds({"a": again}, np.zeros(1), repeats=2, clocks=virtual.clocks) == {"a": (2.0, 1.0)}
 
 
+def test_time_rounds_stops_running_an_engine_once_it_is_out_of_the_race() -> None:
+    """From RACE_MIN_ROUNDS on, a runner whose cheapest round costs more than the leader's
+    dearest is not run again; one whose rounds overlap the leader's runs every round."""
+    virtual = VirtualTime()
+    leader = Rounds(virtual, [9.0, 1.0, 1.2, 1.0, 1.0, 1.0])
+    close = Rounds(virtual, [9.0, 1.1, 1.3, 1.15, 1.1, 1.2])  # overlaps the leader's 1.0-1.2: races on
+    far = Rounds(virtual, [9.0, 2.0, 3.0, 2.5])  # out after 3 rounds: a 4th run would pop an empty list
+    seconds = ec.time_rounds({"leader": leader, "close": close, "far": far}, np.zeros(1), repeats=5,
+                             clocks=virtual.clocks)
+    assert seconds == {"leader": pytest.approx((2.0, 1.0)), "close": pytest.approx((2.3, 1.15)),
+                       "far": pytest.approx((5.0, 2.5))}
+    assert leader.cpu_s == [] and close.cpu_s == [] and far.cpu_s == []
+    # the race starts at RACE_MIN_ROUNDS: with fewer rounds asked for, every runner runs them all
+    short = {k: Rounds(virtual, [9.0, c, c]) for k, c in (("a", 1.0), ("b", 5.0))}
+    assert ec.time_rounds(short, np.zeros(1), repeats=2, clocks=virtual.clocks) == {
+        "a": pytest.approx((2.0, 1.0)), "b": pytest.approx((10.0, 5.0))}
+    # a single runner has no one to race: it runs every round
+    alone = Rounds(virtual, [9.0] + [1.0] * 5)
+    ec.time_rounds({"alone": alone}, np.zeros(1), repeats=5, clocks=virtual.clocks)
+    assert alone.cpu_s == []
+
+
 def test_the_recheck_leaves_the_warm_up_out_of_its_cpu_time() -> None:
     """A first run that costs 9x (first-touch faults; under qemu, translating the kernels'
     code: a CI run of `make test-arm` measured an arm64 device's choice in full for it) is not
