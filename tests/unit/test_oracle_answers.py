@@ -156,3 +156,31 @@ def test_each_depth_of_a_multi_depth_bundle_uses_its_own_prefixs_answers(tmp_pat
                            name="digits", input_shape=(1, 8, 8), scale=1 / 16, version="1", depths=1)
     assert not {ORACLE, depth_file(1, ORACLE)} & set(big.manifest.files)
     assert not Oracle(big.at_depth(1), check_batch_for(big.at_depth(1), 16)).answers_stored
+
+
+def test_the_check_batchs_logits_and_decided_samples_are_the_task_levels_computed_once(made):
+    """The check batch is the first calibration samples: its logits, and which of its samples
+    a one-step move cannot flip, are the task level's first ones, not computed again; a
+    larger step is measured once, however many engines are judged at it."""
+    from edge_agent.train.dense_head import numpy_head_logits
+
+    _, bundle = made
+    head, calls = numpy_head_logits(bundle), []
+
+    def counted(features):
+        calls.append(len(features))
+        return head(features)
+
+    oracle = Oracle(bundle, check_batch_for(bundle, 16), logits=counted)
+    assert oracle.task_level and oracle.answers_stored
+    n = len(oracle.samples)
+    assert sum(calls) == n + 4 * n + n  # the samples' logits, 4 moved copies (decided), the fp32 features'
+    np.testing.assert_allclose(oracle.ref_logits, head(oracle.float), rtol=1e-5, atol=1e-5)  # batch shape: BLAS rounding
+    calls.clear()
+    at_one = oracle.decided(1.0)
+    assert calls == []
+    np.testing.assert_array_equal(at_one, oracle._decided(oracle.ref_samples, oracle._logits(oracle.ref_samples), 1.0)[:16])
+    calls.clear()
+    at_three = oracle.decided(3.0)
+    assert sum(calls) == 4 * 16
+    assert oracle.decided(3.0) is at_three and sum(calls) == 4 * 16
