@@ -88,9 +88,10 @@ FLOAT_TOLERANCE_STEPS = 12.0
 ROUNDING_SENSITIVITY_CAP = 8.0
 
 
-def check_batch_for(bundle: Any, batch_size: int) -> np.ndarray:
-    """The bundle's first calibration samples, repeated up to `batch_size`."""
-    calib = bundle.calibration()
+def check_batch_for(bundle: Any, batch_size: int, calibration: np.ndarray | None = None) -> np.ndarray:
+    """The bundle's first calibration samples (`calibration`, if already read), repeated up
+    to `batch_size`."""
+    calib = bundle.calibration() if calibration is None else calibration
     reps = -(-batch_size // len(calib))
     return np.ascontiguousarray(np.concatenate([calib] * reps)[:batch_size])
 
@@ -150,7 +151,7 @@ class Oracle:
 
     def __init__(self, bundle: Any, x: np.ndarray, *,
                  logits: Callable[[np.ndarray], np.ndarray] | None = None, chunk: int = ORACLE_CHUNK,
-                 graph: Any = None) -> None:
+                 graph: Any = None, calibration: np.ndarray | None = None) -> None:
         from .engines.reference import QGraphRunner
 
         self.chunk = max(1, chunk)  # samples per run of the reference and the fp32 model (their peak memory)
@@ -161,7 +162,7 @@ class Oracle:
         self.q = quantized_input(self.runner, x) if self.runner.int8_io else None
         self.out_scale = float(tout.scale[0]) if tout.scale is not None else 1.0
         # task level: top-1 vs the fp32 model on the bundle's calibration samples
-        calib = bundle.calibration()
+        calib = bundle.calibration() if calibration is None else calibration  # `calibration`: already read
         self.samples = np.ascontiguousarray(calib[:AGREEMENT_MAX_SAMPLES])
         self.ref_samples: np.ndarray | None = None
         self._fp32: np.ndarray | None = None

@@ -141,10 +141,17 @@ class Ask:
     logits: Callable[[np.ndarray], np.ndarray] | None
 
     @functools.cached_property
+    def calibration(self) -> np.ndarray:
+        """The bundle's calibration samples, read and decoded once per selection (~0.07 CPU-s
+        each time on the camera bundle, and every step wants them); `measure` lets go of them
+        before the engines are timed."""
+        return self.bundle.calibration()
+
+    @functools.cached_property
     def x(self) -> np.ndarray:
         """The check batch: the bundle's first calibration samples at the job's batch size
         (read only when something is measured: a cached choice needs none)."""
-        return check_batch_for(self.bundle, self.batch_size)
+        return check_batch_for(self.bundle, self.batch_size, self.calibration)
 
 
 class _Ledger:
@@ -189,7 +196,7 @@ def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
     now = rss_mb()
     chunk = oracle_chunk(shape, None if ask.mem_cap_mb is None or now is None else ask.mem_cap_mb - now)
     with ledger.phase("agreement", prices.oracle):
-        oracle = Oracle(ask.bundle, ask.x, logits=ask.logits, chunk=chunk, graph=graph)
+        oracle = Oracle(ask.bundle, ask.x, logits=ask.logits, chunk=chunk, graph=graph, calibration=ask.calibration)
         if oracle.q is not None:  # every check reads it: paid here, not by the first engine's check
             oracle.rounding_sensitivity()
     release_freed_memory()  # the oracle's chunks: glibc kept up to 30 MB of them, which the engines' checks would sit on
@@ -208,7 +215,7 @@ def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
     # engines are timed (14 MB of samples alone on the camera MobileNetV2); the fingerprint
     # (_record) reads the first calibration samples from what it keeps of them
     fingerprint_x = np.ascontiguousarray(oracle.samples[:FINGERPRINT_SAMPLES])
-    del oracle
+    del oracle, ask.calibration
     release_freed_memory()
     if chunk < ORACLE_CHUNK and ask.mem_cap_mb is not None:
         prepared.notes.insert(0, f"the oracle ran {chunk} samples at a time (not {ORACLE_CHUNK}) to stay under "
@@ -316,7 +323,7 @@ def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Price
     x, bundle = ask.x, ask.bundle
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
-    n_agree = min(len(bundle.calibration()), AGREEMENT_MAX_SAMPLES)
+    n_agree = min(len(ask.calibration), AGREEMENT_MAX_SAMPLES)
     stored = bundle.has(ORACLE)  # then only a spot check runs (oracle_answers.load may still refuse them)
     oracle = per_sample * (SPOT_CHECK_SAMPLES if stored else len(x) + 2 * n_agree + ROUNDING_SEEDS * ROUNDING_SAMPLES)
     hints = {r.name: float(getattr(ask.by_name[r.name], "prepare_cpu_s_hint", 1.0)) for r in todo}

@@ -64,7 +64,7 @@ def adopt_shared(choice: SharedChoice, ask: Ask, *, keep_runner: bool) -> tuple[
             c0 = ask.clocks.cpu()
             runner = engine.prepare(ask.bundle, threads=choice.threads)
             prepare_cpu_s = ask.clocks.cpu() - c0
-            if output_fingerprint(runner, ask.bundle.calibration()) != choice.fingerprint:
+            if output_fingerprint(runner, ask.calibration) != choice.fingerprint:
                 speed = "its outputs here differ from the measuring device's"
             else:
                 speed = _speed_here(choice, engine, runner, ask)

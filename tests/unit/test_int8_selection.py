@@ -292,3 +292,14 @@ def test_an_agreement_check_with_no_decided_sample_is_inconclusive_never_ok(bund
     assert "note:     task-level agreement inconclusive (0 of 64 calibration samples" in text
     assert " ok " not in text.replace("units ok", "")  # no task-level "ok" anywhere
 
+
+
+def test_a_measured_selection_reads_the_calibration_samples_once(bundle, tmp_path, monkeypatch):
+    """The check batch, the phase prices and the oracle all come from one decode of
+    calibration.npz (each was a decode of its own: ~0.07 CPU-s on the camera bundle)."""
+    reads = []
+    real = type(bundle).calibration
+    monkeypatch.setattr(type(bundle), "calibration", lambda self: reads.append(1) or real(self))
+    selection, _ = sel.select_engine(bundle, probe=PROBE, preference=["tflite", "native"], state_dir=tmp_path,
+                                     use_cache=False, repeats=2, batch_size=16, threads=1, env={})
+    assert selection.chosen in ("tflite", "native") and len(reads) == 1
