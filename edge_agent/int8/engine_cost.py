@@ -119,7 +119,10 @@ class Phase:
 
 class Meter(Protocol):
     """Selection's energy meter: `before(phase, predicted_j)` may refuse (raise), `after`
-    returns the phase's joules. The job's meter is the budget governor."""
+    returns the phase's joules. The job's meter is the budget governor. `refuses`: whether
+    `before` can refuse at all (a budget is set); selection prices its phases only then."""
+
+    refuses: bool
 
     def before(self, phase: str, predicted_j: float) -> None: ...
 
@@ -128,6 +131,8 @@ class Meter(Protocol):
 
 class CpuMeter:
     """Joules = CPU-seconds x watts_per_cpu; never refuses (`kernels --bench`)."""
+
+    refuses = False
 
     def __init__(self, watts_per_cpu: float = DEFAULT_WATTS_PER_CPU) -> None:
         self.watts_per_cpu = watts_per_cpu
@@ -245,9 +250,9 @@ def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
     A race, not a fixed schedule: from RACE_MIN_ROUNDS rounds on, a runner whose cheapest
     round cost more CPU than the dearest round of the current leader (the least median) is
     out -- their rounds do not overlap, so more of them would not reorder the two unless the
-    load changed -- and is not run again; the others run up to `repeats` rounds. A job's selection timed every engine and thread
-    variant for all its rounds (0.5-0.7 CPU-s of a digits first job, more than the job's own
-    feature extraction), where 2 of the 4 were out after 3."""
+    load changed -- and is not run again; the others run up to `repeats` rounds. A job's
+    selection timed every engine and thread variant for all its rounds (0.5-0.7 CPU-s of a
+    digits first job, more than the job's own feature extraction)."""
     for runner in runners.values():
         runner.run(x)
     wall: dict[Any, list[float]] = {k: [] for k in runners}

@@ -65,6 +65,10 @@ class _GovernorMeter:
         self.job, self.gov = job, gov
         self._start = 0.0
 
+    @property
+    def refuses(self) -> bool:
+        return self.job.budget.budget_j is not None
+
     def before(self, phase: str, predicted_j: float) -> None:
         from ..int8.engine_cost import BudgetTooSmallError, SelectionStopped
 

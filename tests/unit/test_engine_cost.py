@@ -265,6 +265,8 @@ class NoisyMeter:
     """A meter whose joules are noise, as a power source read around a few milliseconds under
     background load gave them (0.0013-0.42 Wh for one probe); it records every prediction."""
 
+    refuses = True  # as a budgeted job's: the selection prices its phases
+
     def __init__(self, joules: list[float]) -> None:
         self.joules, self.predicted = list(joules), []
 
@@ -328,6 +330,21 @@ def test_the_selection_cost_is_predicted_from_the_probes_cpu_time_not_the_meters
                 + per_sample * batch * (repeats + 1)  # timing it
                 + per_sample * batch)  # and one batch of the job
     assert predictions == [pytest.approx(expected)] * 2  # whatever the meter said
+
+
+def test_a_selection_no_budget_can_refuse_does_not_price_itself(bundle_dir: Path, tmp_path: Path) -> None:
+    """Pricing exists to refuse a budget too small before it is spent: with a meter that
+    refuses nothing (no budget), the probe runs no reference image at all."""
+    bundle = load_bundle(bundle_dir)
+    for meter in (None, NoisyMeter([0.0] * 20)):
+        virtual = VirtualTime()
+        reference = PricedReference(virtual)
+        engines = [("costly", CostlyEngine(0.04, virtual)), ("reference", reference)]
+        selection, _ = sel.select_engine(bundle, engines=engines, state_dir=tmp_path / str(meter is None), repeats=2,
+                                         batch_size=4, probe=PROBE, env={}, threads=1, meter=meter,
+                                         clocks=virtual.clocks, use_cache=False)
+        assert selection.chosen == "costly"
+        assert reference.calls == (0 if meter is None else 1 + selection_measure.PROBE_REPEATS), meter
 
 
 # ---------------------------------------------------------------- decisions on evidence, not noise (issue 37)
