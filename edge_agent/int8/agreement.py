@@ -284,7 +284,20 @@ class Oracle:
 
     def images_per_check(self) -> int:
         """How many images `check` runs through an engine (its per-image cost is priced by it)."""
+        if self._reuses_samples():
+            return (len(self.x) if self.q is not None else 0) + len(self.samples)
         return len(self.x) * (2 if self.q is not None else 1) + (len(self.samples) if self.task_level else 0)
+
+    def _reuses_samples(self) -> bool:
+        """Whether an engine's check batch output is the first of its task-level samples' (the
+        check batch is the first calibration samples, and the task level decides)."""
+        return self.task_level and self._samples_logits is not None
+
+    def _engine_samples(self, runner: Runner) -> np.ndarray:
+        out = in_chunks(runner.run, self.samples, self.chunk)  # the engine's buffers sized for a chunk, not 128 samples
+        if out.shape != self.ref_samples.shape:
+            raise EdgeAgentError(f"output shape {out.shape}, reference {self.ref_samples.shape}")
+        return out
 
     def check(self, runner: Runner, cand: Candidate) -> None:
         """Fill the candidate's agreement fields."""
@@ -294,7 +307,13 @@ class Oracle:
                 out_int8 = runner.run_int8(self.q)
             except NotImplementedError:
                 out_int8 = None
-        features = runner.run(self.x)
+        out = None
+        if self._reuses_samples():  # the check batch is the samples' first: run once, not twice
+            out = self._engine_samples(runner)
+            features, logits = out[:len(self.x)], self._logits(out)
+        else:
+            features = runner.run(self.x)
+            logits = self._logits(features)
         if features.shape != self.float.shape:
             raise EdgeAgentError(f"output shape {features.shape}, reference {self.float.shape}")
         cand.inconclusive, cand.agreement_decided = self.inconclusive, self.decided_samples
@@ -309,19 +328,19 @@ class Oracle:
             cand.agreement, cand.tolerance = "float", self.float_tolerance()
             cand.max_diff = float(np.max(np.abs(features - self.float)) / self.out_scale)
         mask = self.decided(max(cand.max_diff, 1.0))
-        same = self._logits(features).argmax(axis=1) == self.top1
+        same = logits[:len(self.x)].argmax(axis=1) == self.top1
         cand.top1_checked = int(mask.sum())
         cand.top1_match = float(same[mask].mean()) if mask.any() else None  # nothing decided: no evidence
         if not self.task_level:  # inconclusive at the task level: the unit-level rule decides
             cand.correct = bool(cand.max_diff <= cand.tolerance and cand.top1_match in (None, 1.0))
             return
-        out = in_chunks(runner.run, self.samples, self.chunk)  # the engine's buffers sized for a chunk, not 128 samples
-        if out.shape != self.ref_samples.shape:
-            raise EdgeAgentError(f"output shape {out.shape}, reference {self.ref_samples.shape}")
+        if out is None:
+            out = self._engine_samples(runner)
+            logits = self._logits(out)
         cand.mean_steps = float(np.mean(np.abs(out - self.ref_samples)) / self.out_scale)
         cand.agreement_samples = len(self.samples)
         cand.reference_top1_fp32 = self.ref_agreement
-        cand.top1_fp32 = top1_agreement(self._logits(out).argmax(axis=1), self.fp32_top1)
+        cand.top1_fp32 = top1_agreement(logits.argmax(axis=1), self.fp32_top1)
         ok, _ = agreement_verdict(cand.top1_fp32, self.ref_agreement, len(self.samples))
         cand.correct = bool(ok and np.isfinite(out).all() and cand.mean_steps <= SANITY_MEAN_STEPS)
 

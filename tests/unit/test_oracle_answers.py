@@ -184,3 +184,30 @@ def test_the_check_batchs_logits_and_decided_samples_are_the_task_levels_compute
     at_three = oracle.decided(3.0)
     assert sum(calls) == 4 * 16
     assert oracle.decided(3.0) is at_three and sum(calls) == 4 * 16
+
+
+def test_an_engines_check_runs_each_calibration_sample_once(made):
+    """The check batch is the first calibration samples, so an engine's float outputs on it
+    are the first of its task-level run over the samples, not a run of their own; its int8
+    outputs (compared with the reference's unit for unit) are the one other run."""
+    from edge_agent.int8.engines.reference import QGraphRunner
+    from edge_agent.int8.selection_cache import Candidate
+
+    _, bundle = made
+    oracle = Oracle(bundle, check_batch_for(bundle, 16))
+    runs = {"float": 0, "int8": 0}
+
+    class Counted(QGraphRunner):
+        def run(self, batch):
+            runs["float"] += len(batch)
+            return super().run(batch)
+
+        def run_int8(self, batch):
+            runs["int8"] += len(batch)
+            return super().run_int8(batch)
+
+    row = Candidate("counted", True, "")
+    oracle.check(Counted(bundle.qgraph()), row)
+    assert row.correct and row.basis == "task" and row.max_diff == 0 and row.top1_match == 1.0
+    assert runs == {"float": len(oracle.samples), "int8": 16}
+    assert oracle.images_per_check() == len(oracle.samples) + 16
