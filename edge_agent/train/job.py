@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_json
+from ..blas import one_blas_thread
 from ..errors import ConfigError, InputError, UsageError
 from ..heap import release_freed_memory
 from ..protocol.engine_choice import SharedChoice
@@ -193,7 +194,8 @@ def run_finetune(
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
             threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s,
             inference_energy=str(inference_energy) if inference_energy else None, engine_choices=engine_choices))
-        return job.run()
+        with one_blas_thread():  # small matrix products: a second BLAS thread only spins (blas.py)
+            return job.run()
 
 
 def _inference_reader(path: str | None) -> Any:

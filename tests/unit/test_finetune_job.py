@@ -262,3 +262,21 @@ def test_mxnet_import_hides_sklearn_only_while_mxnet_imports() -> None:
               "import sklearn.base; print('ok', mx.model.BASE_ESTIMATOR is object)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split() == ["ok", "True"]  # hidden during the import, importable after it
+
+
+def test_the_job_runs_numpys_blas_on_one_thread_and_gives_the_count_back(
+        bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
+    """A job's matrix products are small: a second OpenBLAS thread spins instead of helping
+    (edge_agent/blas.py). Inside the job BLAS runs one thread; after it, what it ran before."""
+    from threadpoolctl import threadpool_info
+
+    def blas_threads() -> list[int]:
+        return [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+
+    before, during = blas_threads(), []
+    assert before  # numpy's OpenBLAS is loaded
+    report = run_finetune(model=bundle, data=next(iter(devices.values())), state_dir=tmp_path / "blas",
+                          cache_dir=cache_dir, progress=lambda event: during.append(blas_threads()), **FAST)
+    assert report["steps"] > 0 and during
+    assert all(counts and set(counts) == {1} for counts in during)
+    assert blas_threads() == before
