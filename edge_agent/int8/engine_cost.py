@@ -122,7 +122,8 @@ class Meter(Protocol):
     returns the phase's joules. The job's meter is the budget governor. `refuses`: whether
     `before` can refuse at all (a budget is set); selection prices its phases only then."""
 
-    refuses: bool
+    @property
+    def refuses(self) -> bool: ...
 
     def before(self, phase: str, predicted_j: float) -> None: ...
 

@@ -194,7 +194,7 @@ def run_finetune(
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
             threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s,
             inference_energy=str(inference_energy) if inference_energy else None, engine_choices=engine_choices))
-        with one_blas_thread():  # small matrix products: a second BLAS thread only spins (blas.py)
+        with one_blas_thread():  # small matrix products, and OpenBLAS's idle threads spin between them (blas.py)
             return job.run()
 
 
