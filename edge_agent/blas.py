@@ -24,10 +24,8 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def one_blas_thread() -> Iterator[None]:
     """numpy's (and any other loaded) BLAS on one thread inside the block."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # an install without it still runs, at the default thread count
-        yield
-        return
+    # a dependency, imported when a job starts rather than with the module
+    from threadpoolctl import threadpool_limits
+
     with threadpool_limits(limits=1, user_api="blas"):
         yield
