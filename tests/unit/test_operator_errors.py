@@ -77,7 +77,9 @@ def test_the_project_metadata_needs_no_deprecated_form() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dist = apply_configuration(Distribution(), REPO / "pyproject.toml")
-    assert [str(w.message).splitlines()[0] for w in caught] == []
+    # a ResourceWarning is another test's object collected meanwhile (random order: an unclosed
+    # socket of an inference-service test), never the metadata's
+    assert [str(w.message).splitlines()[0] for w in caught if not issubclass(w.category, ResourceWarning)] == []
     assert dist.metadata.license_expression == "Apache-2.0"
 
 
