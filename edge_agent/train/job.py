@@ -42,7 +42,7 @@ import numpy as np
 from ..atomic import atomic_write_json
 from ..blas import one_blas_thread
 from ..errors import ConfigError, InputError, UsageError
-from ..heap import release_freed_memory
+from ..heap import new_objects_only, release_freed_memory
 from ..protocol.engine_choice import SharedChoice
 from ..protocol.finetune import DISTILL_DEFAULT
 from ..protocol.label_claims import LabelClaims
@@ -194,7 +194,9 @@ def run_finetune(
             label_map=label_map, skip_unknown=skip_unknown, power_root=str(power_root), profile=profile,
             threads=threads, cache_max_mb=cache_max_mb, poll_s=poll_s,
             inference_energy=str(inference_energy) if inference_energy else None, engine_choices=engine_choices))
-        with one_blas_thread():  # small matrix products, and OpenBLAS's idle threads spin between them (blas.py)
+        # small matrix products, and OpenBLAS's idle threads spin between them (blas.py); the
+        # phases' collections walk the job's own objects, not the imports' (heap.py)
+        with one_blas_thread(), new_objects_only():
             return job.run()
 
 
