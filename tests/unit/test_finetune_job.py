@@ -264,19 +264,29 @@ def test_mxnet_import_hides_sklearn_only_while_mxnet_imports() -> None:
     assert out.stdout.split() == ["ok", "True"]  # hidden during the import, importable after it
 
 
-def test_the_job_runs_numpys_blas_on_one_thread_and_gives_the_count_back(
+def test_the_job_runs_numpys_blas_on_one_thread_and_collects_only_its_own_objects(
         bundle: Path, devices: dict[str, Path], cache_dir: Path, tmp_path: Path) -> None:
     """A job's matrix products are small: a second OpenBLAS thread spins instead of helping
-    (edge_agent/blas.py). Inside the job BLAS runs one thread; after it, what it ran before."""
+    (edge_agent/blas.py). Inside the job BLAS runs one thread, and cycle collections leave
+    out the objects that existed before it (edge_agent/heap.py); after it, both as before."""
+    import gc
+
     from threadpoolctl import threadpool_info
 
     def blas_threads() -> list[int]:
         return [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
 
-    before, during = blas_threads(), []
+    before, during, frozen = blas_threads(), [], []
     assert before  # numpy's OpenBLAS is loaded
+    assert gc.get_freeze_count() == 0
+
+    def progress(event: Progress) -> None:
+        during.append(blas_threads())
+        frozen.append(gc.get_freeze_count())
+
     report = run_finetune(model=bundle, data=next(iter(devices.values())), state_dir=tmp_path / "blas",
-                          cache_dir=cache_dir, progress=lambda event: during.append(blas_threads()), **FAST)
+                          cache_dir=cache_dir, progress=progress, **FAST)
     assert report["steps"] > 0 and during
     assert all(counts and set(counts) == {1} for counts in during)
     assert blas_threads() == before
+    assert min(frozen) > 1000 and gc.get_freeze_count() == 0  # the imports' objects, frozen for the job only
