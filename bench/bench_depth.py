@@ -16,8 +16,8 @@ Data sets, both non-IID across 3 devices, each device with its own camera:
 Per device and seed (the job's batch order; the baseline's too), in fresh processes
 measured the same way (bench/_procs.py): `run_finetune` at each depth -- head, last 1x1
 conv, last 1 / 2 / 3 blocks (+ 1x1 + head), bias-only over 2 blocks, BatchNorm statistics
-frozen over 1 block (the default updates them), `--depth auto` (its prefix adapted to the
-device's camera where the shift and the validation split say so: train/job_adapt.py; its
+frozen over 1 block (the default updates them), `--depth auto` (its prefix's first 4
+normalised layers adapted to the device's camera where the shift says so: train/job_adapt.py; its
 tail pulled towards the bundle's own answers on the not-true classes, `--distill 3`, the
 default, which every job here sets), auto
 with `--adapt none`, auto with `--distill 0`, auto as the device's first job (no cached engine choice, default
@@ -32,8 +32,8 @@ CPU model on each process's own CPU seconds (as in bench_finetune; every process
 project byte-compiled, as an installed agent does: bench/_procs.compile_project); peak RSS: VmHWM;
 update bytes: the job's delta through the default codec (what the agent would send).
 Each depth's one-time engine selection (made on the first device), each device's learnt
-planner rates and its verdicts on adapting each prefix (train/job_adapt.py: a rejected
-adaptation is not re-estimated on every job, a kept one is reused) come from warm-up jobs,
+planner rates and the prefixes it adapted (train/job_adapt.py: a later job serves the one
+an earlier job adapted) come from warm-up jobs,
 one per depth on that device's own data with another batch order (its earlier jobs), so the
 measured jobs are those of a device in service.
 """
@@ -213,7 +213,7 @@ def _run_scenario(sc: dict[str, Any], tmp: Path, seeds: list[int], threads: int)
                 if extra.pop("fleet", False):  # the choice the first device measured, as a command relays it
                     extra["engine_choices"] = [c.to_json() for c in shared_choices(first_warm)]
                 if not extra.pop("fresh", False):  # a device in service: its earlier jobs' choice, rates
-                    shutil.copytree(warm / "int8-selection", cache / "int8-selection")  # and adaptation verdicts
+                    shutil.copytree(warm / "int8-selection", cache / "int8-selection")  # and adapted prefixes
                     shutil.copy(warm / "planner-rates.json", cache / "planner-rates.json")
                     if (warm / ADAPTED_DIR).is_dir():
                         shutil.copytree(warm / ADAPTED_DIR, cache / ADAPTED_DIR)

@@ -410,8 +410,7 @@ class _Job(DepthPlanning, JobReport):
             from .job_adapt import choose_runner
 
             cpu_start = time.process_time()
-            served, runner = choose_runner(self.adaptation, bundle, served, runner, selection, train, val,
-                                           numpy_head_logits(bundle), threads)
+            served, runner = choose_runner(self.adaptation, bundle, served, runner, selection, train.x, threads)
             adapt_s += time.process_time() - cpu_start
         self.adaptation.cpu_s = adapt_s
         from .job_adapt import remember
