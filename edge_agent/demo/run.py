@@ -305,7 +305,7 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
     for name, ad in report["adaptation"].items():  # what each device's last job did below the cut
         shift = "" if ad["shift"] is None else f"shift {ad['shift']:.2f} from the base model's images; "
         say(f"{name} (camera: {ad['camera']}): {shift}its int8 prefix "
-            f"{'adapted to its camera (--adapt: BatchNorm statistics re-estimated, re-quantised)' if ad['adapted'] else 'as the bundle has it'}"
+            f"{'adapted to its camera (--adapt: its first BatchNorm layers re-estimated, re-quantised)' if ad['adapted'] else 'as the bundle has it'}"
             f", trained at depth {ad['depth']} ({ad['adaptation']})")
     (out / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "demo-plot.png")
