@@ -89,14 +89,25 @@ class Service:
         deadline = time.monotonic() + 120  # bounds a hang only: progress is the socket answering
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.root / "serve.log").read_text()[-2000:]
-            if self.sock.exists():
+            if self.sock.exists() and self._accepting():
                 try:
-                    if self.client().get("/v1/health").status_code == 200:
-                        return self
+                    with self.client() as c:  # closed: an unclosed one is another test's ResourceWarning
+                        if c.get("/v1/health").status_code == 200:
+                            return self
                 except httpx.TransportError:
                     pass
             time.sleep(0.1)
         raise AssertionError("the service did not come up")
+
+    def _accepting(self) -> bool:
+        """Whether something listens on the socket: a stale one (after kill -9) refuses, and
+        httpx's failed connect would leave its socket unclosed (a ResourceWarning later)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(self.sock))
+            except OSError:
+                return False
+        return True
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.sock)), base_url="http://edge", timeout=timeout)
@@ -235,8 +246,10 @@ def test_kill_9_during_a_sample_upload_loses_no_acknowledged_sample(tmp_path: Pa
         body = _npy(x[20])
         cut = _raw_request(svc.sock, (f"POST /v1/samples?label={y[20]} HTTP/1.1\r\nHost: edge\r\n"
                                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body[:len(body) // 2])
-        svc.stop(signal.SIGKILL)
-        cut.close()
+        try:
+            svc.stop(signal.SIGKILL)
+        finally:
+            cut.close()
     finally:
         svc.stop()
     spec = load_bundle(bundle_dir).manifest.input
