@@ -302,8 +302,10 @@ def run(args: argparse.Namespace, out: Path, procs: Processes, batteries: list[A
         registry.close()
     report.update(wall_time_s=round(time.monotonic() - T0, 1), battery_wh=BATTERY_WH, load_w=LOAD_W)
     print_table(report)
+    from ..train.job_adapt import shift_text
+
     for name, ad in report["adaptation"].items():  # what each device's last job did below the cut
-        shift = "" if ad["shift"] is None else f"shift {ad['shift']:.2f} from the base model's images; "
+        shift = "" if ad["shift"] is None else f"shift {shift_text(ad['shift'])} from the base model's images; "
         say(f"{name} (camera: {ad['camera']}): {shift}its int8 prefix "
             f"{'adapted to its camera (--adapt: its first BatchNorm layers re-estimated, re-quantised)' if ad['adapted'] else 'as the bundle has it'}"
             f", trained at depth {ad['depth']} ({ad['adaptation']})")

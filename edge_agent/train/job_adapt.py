@@ -239,7 +239,7 @@ def device_shift(bundle: Any, images: np.ndarray, request: str) -> DeviceShift:
     return DeviceShift(measure_shift(graph, images), backbone=backbone)
 
 
-def _shift_text(distance: float) -> str:
+def shift_text(distance: float) -> str:
     """Two decimals, or four where two would read as the threshold itself (0.2497 < 0.25)."""
     return f"{distance:.4f}" if round(distance, 2) == ADAPT_SHIFT else f"{distance:.2f}"
 
@@ -258,7 +258,7 @@ def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: 
     summary = shift.report.to_json()
     if request == "auto" and not shift.far:
         return view, Adaptation("none", request, f"the device's images are close to the bundle's (shift "
-                                f"{_shift_text(shift.report.distance)} < {ADAPT_SHIFT})", summary)
+                                f"{shift_text(shift.report.distance)} < {ADAPT_SHIFT})", summary)
     earlier = remembered(cache_root, view, shift, len(images)) if request == "auto" else None
     path = cache_root / ADAPTED_DIR / earlier.prefix if earlier is not None else (
         cached_prefix(cache_root, view, hashes))
@@ -273,7 +273,7 @@ def adapt_prefix(view: Any, images: np.ndarray, hashes: Sequence[str], request: 
         atomic_write_bytes(path, tflite)
         _prune(path.parent, path)
     adapted = adapted_view(view, path)
-    why = "asked for (--adapt bn)" if request == "bn" else f"shift {_shift_text(shift.report.distance)} >= {ADAPT_SHIFT}"
+    why = "asked for (--adapt bn)" if request == "bn" else f"shift {shift_text(shift.report.distance)} >= {ADAPT_SHIFT}"
     why += f"; the first {ADAPT_LAYERS} normalised layers' statistics re-estimated"
     if earlier is not None:
         why += f" by an earlier job (at shift {earlier.shift:.2f}, on {earlier.images} images), served again"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from edge_agent.train.job_adapt import ADAPT_SHIFT
+from edge_agent.train.job_adapt import ADAPT_SHIFT, shift_text
 from tests.integration.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~60 s: base model, 2 agents, 2 rounds
@@ -60,7 +60,7 @@ def test_the_shortened_demo_reports_every_round(tmp_path):
         assert ad["shift"] is not None and ad["shift"] >= 0 and isinstance(ad["adapted"], bool), (name, ad)
         assert ad["adapted"] == (ad["shift"] >= ADAPT_SHIFT), (name, ad)  # a far camera adapts (job_adapt.py)
         assert ("normalised layers' statistics re-estimated" in ad["adaptation"]) == ad["adapted"], (name, ad)
-        assert f"{name} (camera: {ad['camera']}): shift {ad['shift']:.2f}" in done.stdout
+        assert f"{name} (camera: {ad['camera']}): shift {shift_text(ad['shift'])} from" in done.stdout
     assert adaptation["pi-2"]["shift"] >= ADAPT_SHIFT  # far from the base model's images
 
     png = out / "demo-plot.png"

@@ -213,7 +213,7 @@ def test_an_earlier_adaptation_covers_the_shift_it_was_made_at_and_about_the_sam
 
 
 def test_a_shift_next_to_the_threshold_is_not_printed_as_the_threshold() -> None:
-    from edge_agent.train.job_adapt import _shift_text
+    from edge_agent.train.job_adapt import shift_text
 
-    assert _shift_text(0.2497) == "0.2497" and _shift_text(0.2503) == "0.2503"  # not "0.25 < 0.25"
-    assert _shift_text(0.67) == "0.67" and _shift_text(0.24) == "0.24"
+    assert shift_text(0.2497) == "0.2497" and shift_text(0.2503) == "0.2503"  # not "0.25 < 0.25"
+    assert shift_text(0.67) == "0.67" and shift_text(0.24) == "0.24"
