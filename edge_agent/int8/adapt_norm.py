@@ -29,8 +29,8 @@ classes it holds. Held-out accuracy after a depth-4 fine-tune on bench_depth's e
 devices (camera digits and textures, each with a strongly shifted camera; 4 seeds, mean):
 every layer adapted 0.751 / 0.617 (digits / textures), the first 4 0.775 / 0.616, the first
 8 0.762 / 0.619, none 0.744 / 0.591. Every layer did best only on the strongly
-shifted digits camera (0.735 against 0.706 for the first 4) and cost the three field
-cameras 2-7 points there.
+shifted digits camera (0.735 against 0.706 for the first 4) and cost the three digits field
+cameras 2-7 points against the first 4.
 
 `measure_shift` is the cheap half: the same statistics at the first few normalised layers
 on a few images, as a distance from the statistics the bundle was built with (0 on the
@@ -233,13 +233,17 @@ def adapt_graph(graph: FloatGraph, x: np.ndarray, *, max_images: int | None = No
                 ranges: dict[str, tuple[float, float]] | None = None) -> tuple[FloatGraph, ShiftReport]:
     """The float prefix with its first `layers` normalised layers' statistics re-estimated
     on `x` (the device's images, NCHW float32 as the model takes them), and the shift it met
-    at each normalised layer (after the layers before it were adapted); `ranges` receives
-    every tensor's (min, max) on those images through the adapted graph."""
+    at each normalised layer it ran (after the layers before it were adapted). With `ranges`
+    the whole prefix runs and they receive every tensor's (min, max) on those images through
+    the adapted graph; without, the pass ends at the last adapted layer (the ops after it
+    are the graph's own)."""
     take = np.linspace(0, len(x) - 1, min(max_images or ADAPT_MAX_IMAGES, len(x))).astype(np.int64)
     if len(take) < 2:
         raise ValueError("re-estimating normalisation statistics needs at least 2 images")
-    ops, shifts = _walk(graph, np.asarray(x)[take], adapt=max(0, layers), ranges=ranges)
-    return dataclasses.replace(graph, ops=ops), ShiftReport(tuple(shifts), len(take))
+    layers = max(0, layers)
+    ops, shifts = _walk(graph, np.asarray(x)[take], adapt=layers, ranges=ranges,
+                        stop_after=None if ranges is not None else layers)
+    return dataclasses.replace(graph, ops=[*ops, *graph.ops[len(ops):]]), ShiftReport(tuple(shifts), len(take))
 
 
 def quantised_prefix(graph: FloatGraph, x: np.ndarray, *, method: str = "minmax", layers: int = ADAPT_LAYERS) -> bytes:
@@ -251,11 +255,13 @@ def quantised_prefix(graph: FloatGraph, x: np.ndarray, *, method: str = "minmax"
     from .tflite_reader import read_tflite
     from .tflite_writer import write_tflite
 
-    ranges: dict[str, tuple[float, float]] = {}
+    # min/max: the ranges from the adapting pass over the whole prefix; the histogram methods
+    # run their own passes, so the adapting one ends at the last adapted layer
+    ranges: dict[str, tuple[float, float]] | None = {} if method == "minmax" else None
     adapted, _ = adapt_graph(graph, x, layers=layers, ranges=ranges)
     # no bias correction here: its two passes (float and int8) over the images would cost a
     # device's adapting job more than the statistics pass itself
-    if method == "minmax":
+    if ranges is not None:
         qgraph = quantize_graph(adapted, np.empty((0, *graph.input_shape[1:]), np.float32), ranges=ranges,
                                 bias_correction=False)
     else:  # histogram methods observe a larger sample in their own passes

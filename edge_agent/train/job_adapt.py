@@ -170,15 +170,11 @@ def remember(root: Path, view: Any, adaptation: Adaptation, images: int) -> None
     earlier one it served; a record that cannot be written only costs the next job a pass."""
     from ..atomic import atomic_write_json
 
-    if adaptation.requested != "auto" or adaptation.kind != "bn" or adaptation.prefix is None:
+    if adaptation.requested != "auto" or adaptation.kind != "bn" or adaptation.prefix is None or not adaptation.shift:
         return
     earlier = adaptation.earlier
-    if earlier is not None:
-        record = dataclasses.replace(earlier, uses=earlier.uses + 1)
-    elif adaptation.shift is not None:
-        record = EarlierAdaptation(float(adaptation.shift["distance"]), images, adaptation.prefix.name)
-    else:
-        return
+    record = (dataclasses.replace(earlier, uses=earlier.uses + 1) if earlier is not None else
+              EarlierAdaptation(float(adaptation.shift["distance"]), images, adaptation.prefix.name))
     path = reuse_path(root, view)
     try:
         atomic_write_json(path, record.to_json())

@@ -61,8 +61,14 @@ def test_only_the_first_layers_are_adapted_the_later_ones_keep_the_bundles_stati
     x = bundle.manifest.input.normalise(_pixels(shift_images(devices[0].images, CAMERA)))
     norm = [i for i, op in enumerate(graph.ops) if op.norm is not None]
     assert len(norm) >= 2
-    adapted, report = an.adapt_graph(graph, x, max_images=len(x), layers=1)
-    assert len(report.layers) == len(norm)  # every normalised layer's shift is still reported
+    ranges: dict = {}
+    adapted, report = an.adapt_graph(graph, x, max_images=len(x), layers=1, ranges=ranges)
+    assert len(report.layers) == len(norm)  # the whole prefix ran: every normalised layer's shift
+    assert {op.output for op in graph.ops} <= set(ranges)  # and every tensor's range, for re-quantising
+    bare, bare_report = an.adapt_graph(graph, x, max_images=len(x), layers=1)  # no ranges asked for:
+    assert len(bare_report.layers) == 1  # the pass ends at the adapted layer ...
+    assert all(b is g for b, g in zip(bare.ops[norm[0] + 1:], graph.ops[norm[0] + 1:], strict=True))  # ... the rest as is
+    assert np.array_equal(bare.ops[norm[0]].bias, adapted.ops[norm[0]].bias)
     first = norm[0]
     assert not np.array_equal(adapted.ops[first].bias, graph.ops[first].bias)
     for i in norm[1:]:  # same weights, bias and recorded statistics as the bundle's
@@ -217,3 +223,19 @@ def test_a_shift_next_to_the_threshold_is_not_printed_as_the_threshold() -> None
 
     assert shift_text(0.2497) == "0.2497" and shift_text(0.2503) == "0.2503"  # not "0.25 < 0.25"
     assert shift_text(0.67) == "0.67" and shift_text(0.24) == "0.24"
+
+
+def test_a_histogram_calibrated_prefix_is_adapted_too(bundle, devices) -> None:
+    """With a histogram method the adapting pass ends at the adapted layers (the calibration
+    runs its own passes): the prefix it writes still carries the device's statistics."""
+    from edge_agent.int8.tflite_reader import read_tflite
+
+    graph = import_onnx(bundle.onnx_bytes(), split=bundle.manifest.split_tensor)
+    x = bundle.manifest.input.normalise(_pixels(shift_images(devices[0].images, CAMERA)))
+    for method in ("minmax", "percentile"):
+        adapted, plain = (read_tflite(an.quantised_prefix(graph, x, method=method, layers=n)) for n in (1, 0))
+        assert [op.kind for op in adapted.ops] == [op.kind for op in plain.ops], method
+        # the first convolution's int32 bias carries the device's statistics: the same
+        # calibration without them (layers=0) quantises another
+        bias = [q.tensor(q.ops[0].inputs[2]).data for q in (adapted, plain)]
+        assert not np.array_equal(*bias), method
