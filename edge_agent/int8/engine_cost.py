@@ -240,13 +240,40 @@ def measured(meter: Meter, phase: str, predicted_j: float = 0.0, *, clocks: Cloc
         out.joules = meter.after(phase, out.cpu_s)
 
 
+class TimedRuns:
+    """A runner whose `run` calls on batches of `batch` images are timed as they happen (wall
+    s, CPU s): an engine's agreement check runs it over the calibration samples at the job's
+    batch size, and those runs are timing rounds `time_rounds` need not repeat (`rounds`:
+    the first, which warms the engine up, left out)."""
+
+    def __init__(self, runner: Any, batch: int, clocks: Clocks = SYSTEM_CLOCKS) -> None:
+        self.runner, self.batch, self.clocks = runner, batch, clocks
+        self.samples: list[tuple[float, float]] = []
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        c0, w0 = self.clocks.cpu(), self.clocks.wall()
+        out = self.runner.run(x)
+        if len(x) == self.batch:
+            self.samples.append((self.clocks.wall() - w0, self.clocks.cpu() - c0))
+        return out
+
+    def run_int8(self, x: np.ndarray) -> np.ndarray:
+        return self.runner.run_int8(x)
+
+    def rounds(self) -> list[tuple[float, float]]:
+        return self.samples[1:]
+
+
 def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
                 clocks: Clocks = SYSTEM_CLOCKS,
-                spread: dict[Any, float] | None = None) -> dict[Any, tuple[float, float]]:
+                spread: dict[Any, float] | None = None,
+                earlier: Mapping[Any, list[tuple[float, float]]] | None = None) -> dict[Any, tuple[float, float]]:
     """Median (wall s, CPU s) per `run(x)` for each runner, rounds interleaved (every runner
     once per round) so that load drifting on a shared machine hits all alike. `spread`, when
     given, is filled with each runner's relative spread of its CPU times (`relative_spread`):
-    the noise `choose` allows that runner.
+    the noise `choose` allows that runner. `earlier`: (wall, CPU) rounds a runner already ran
+    on batches of this size (its agreement check's, TimedRuns), counted as its first rounds:
+    it is not warmed up again and runs only the rounds after them.
 
     A race, not a fixed schedule: from RACE_MIN_ROUNDS rounds on, a runner whose cheapest
     round cost more CPU than the dearest round of the current leader (the least median) is
@@ -254,13 +281,17 @@ def time_rounds(runners: dict[Any, Any], x: np.ndarray, *, repeats: int,
     load changed -- and is not run again; the others run up to `repeats` rounds. A job's
     selection timed every engine and thread variant for all its rounds (0.5-0.7 CPU-s of a
     digits first job, more than the job's own feature extraction)."""
-    for runner in runners.values():
-        runner.run(x)
-    wall: dict[Any, list[float]] = {k: [] for k in runners}
-    cpu: dict[Any, list[float]] = {k: [] for k in runners}
+    earlier = earlier or {}
+    wall: dict[Any, list[float]] = {k: [w for w, _ in earlier.get(k, [])] for k in runners}
+    cpu: dict[Any, list[float]] = {k: [c for _, c in earlier.get(k, [])] for k in runners}
+    for key, runner in runners.items():
+        if not cpu[key]:
+            runner.run(x)
     racing = dict(runners)
     for done in range(max(1, repeats)):
         for key, runner in racing.items():
+            if len(cpu[key]) > done:  # this round came with it
+                continue
             c0, w0 = clocks.cpu(), clocks.wall()
             runner.run(x)
             wall[key].append(clocks.wall() - w0)

@@ -49,10 +49,12 @@ from .bundle import ORACLE
 from .engine import ENV_FORCE_BACKEND, ENV_FORCE_WRONG, Int8Engine, Runner
 from .engine_cost import (
     AGREEMENT_MAX_SAMPLES,
+    RACE_MIN_ROUNDS,
     Clocks,
     EngineUnavailableError,
     Meter,
     SelectionStopped,
+    TimedRuns,
     choice_margin_note,
     choose,
     measured,
@@ -184,6 +186,9 @@ class _Prepared:
     check_rate: dict[str, float] = field(default_factory=dict)  # CPU-s per image of each engine's check runs
     notes: list[str] = field(default_factory=list)  # what the memory cap changed, for Selection.notes
     measured: set[str] = field(default_factory=set)  # engines prepared (kernels --bench closes each after)
+    # each runner's agreement-check runs at the job's batch size (engine_cost.TimedRuns): its
+    # first timing rounds, not run again (a digits first job's 2-thread runners: ~0.15 CPU-s)
+    check_rounds: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
 
 
 def measure(ask: Ask, *, keep_runner: bool) -> tuple[Selection, Runner | None]:
@@ -375,8 +380,11 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
                 out.runners[(row.name, ask.threads)] = runner
                 out.measured.add(row.name)
                 c1 = ask.clocks.cpu()
-                oracle.check(runner, row)
+                timed = TimedRuns(runner, len(ask.x), ask.clocks)
+                oracle.check(timed, row)
                 out.check_rate[row.name] = (ask.clocks.cpu() - c1) / oracle.images_per_check()
+                if len(timed.rounds()) >= RACE_MIN_ROUNDS:
+                    out.check_rounds[(row.name, ask.threads)] = timed.rounds()
             except Exception as exc:  # one failing engine is a row in the table, not a crash
                 row.error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
                 row.correct = False
@@ -459,7 +467,8 @@ def _time(ask: Ask, rows: list[Candidate], prepared: _Prepared, prices: _Prices,
     spreads: dict[tuple[str, int], float] = {}
     try:
         with ledger.phase("timing", prices.timing):
-            seconds = time_rounds(timed, ask.x, repeats=ask.repeats, clocks=ask.clocks, spread=spreads)
+            seconds = time_rounds(timed, ask.x, repeats=ask.repeats, clocks=ask.clocks, spread=spreads,
+                                  earlier={k: prepared.check_rounds[k] for k in timed if k in prepared.check_rounds})
     except EdgeAgentError:
         raise
     except Exception as exc:  # a runner that checked fine but fails when timed

@@ -564,6 +564,28 @@ def test_time_rounds_stops_running_an_engine_once_it_is_out_of_the_race() -> Non
     assert alone.cpu_s == []
 
 
+def test_the_rounds_an_agreement_check_ran_are_not_timed_again() -> None:
+    """An engine's check runs it over the calibration samples at the job's batch size
+    (TimedRuns records them, the first left out as its warm-up): those are its first rounds.
+    It is not warmed up again, runs only the rounds after them while it races, and none once
+    it is out."""
+    virtual = VirtualTime()
+    checked = ec.TimedRuns(Rounds(virtual, [9.0, 3.0, 2.5, 3.5, 4.0]), batch=1, clocks=virtual.clocks)
+    for _ in range(4):
+        checked.run(np.zeros(1))
+    checked.run(np.zeros(2))  # another batch size: not a round
+    assert checked.rounds() == [(6.0, 3.0), (5.0, 2.5), (7.0, 3.5)]
+    leader = Rounds(virtual, [9.0, 1.0, 1.1, 1.0, 1.0, 1.0])
+    close = Rounds(virtual, [1.05, 1.1])  # its check ran 3 rounds: it runs rounds 4 and 5 only
+    seconds = ec.time_rounds({"leader": leader, "checked": checked.runner, "close": close}, np.zeros(1), repeats=5,
+                             clocks=virtual.clocks,
+                             earlier={"checked": checked.rounds(), "close": [(2.0, 1.0), (2.2, 1.1), (2.0, 1.0)]})
+    assert checked.runner.cpu_s == []  # out after its 3 earlier rounds: never run by the race
+    assert leader.cpu_s == [] and close.cpu_s == []
+    assert seconds == {"leader": pytest.approx((2.0, 1.0)), "checked": pytest.approx((6.0, 3.0)),
+                       "close": pytest.approx((2.1, 1.05))}
+
+
 def test_the_recheck_leaves_the_warm_up_out_of_its_cpu_time() -> None:
     """A first run that costs 9x (first-touch faults; under qemu, translating the kernels'
     code: a CI run of `make test-arm` measured an arm64 device's choice in full for it) is not
