@@ -3,7 +3,8 @@
 Candidates come from the board profile's preference list (default: every registered engine)
 and are filtered by availability on the probe report. Each available one is prepared on the
 actual bundle and checked (agreement.py says what correct means); the correct ones are timed
-side by side at the job's batch size and at each thread count (interleaved rounds, median).
+side by side at the job's batch size and at each thread count (interleaved rounds, median; the
+runs of an engine's check at that batch size are its first rounds, engine_cost.TimedRuns).
 The winner is the correct engine with the least predicted energy for the job's size
 (engine_cost: prepare + images x per-image, within the profile's memory cap). The reference
 is prepared and timed only when no other engine is correct (its answers are the oracle's

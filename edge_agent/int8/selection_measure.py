@@ -13,7 +13,8 @@ fewer samples at a time when a whole chunk would not fit.
 each is prepared, checked, timed (its thread variants side by side) and closed before the
 next is prepared, so the process holds one engine, never all of them: a ResNet-50 at 224
 held tflite and native together, 1.7 GB at batch 32. A job's selection keeps timing the
-correct engines side by side (interleaved rounds, fairer on a busy machine).
+correct engines side by side (interleaved rounds, fairer on a busy machine), the runs of an
+engine's agreement check at the job's batch size counted as its first rounds.
 
 Each step is a function over one `Ask` (the inputs, never written by a step) and a
 `_Ledger` (the joules each metered phase cost); `measure` runs them in order.
