@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ..errors import EXIT_UNAVAILABLE, EdgeAgentError, UsageError
+from .engine import Runner
 
 # An engine may agree with fp32 on this many fewer samples, as a fraction, than the
 # reference (0.5 points, the issue's figure), but always on one sample fewer: with the
@@ -240,13 +241,13 @@ def measured(meter: Meter, phase: str, predicted_j: float = 0.0, *, clocks: Cloc
         out.joules = meter.after(phase, out.cpu_s)
 
 
-class TimedRuns:
+class TimedRuns(Runner):
     """A runner whose `run` calls on batches of `batch` images are timed as they happen (wall
     s, CPU s): an engine's agreement check runs it over the calibration samples at the job's
     batch size, and those runs are timing rounds `time_rounds` need not repeat (`rounds`:
     the first, which warms the engine up, left out)."""
 
-    def __init__(self, runner: Any, batch: int, clocks: Clocks = SYSTEM_CLOCKS) -> None:
+    def __init__(self, runner: Runner, batch: int, clocks: Clocks = SYSTEM_CLOCKS) -> None:
         self.runner, self.batch, self.clocks = runner, batch, clocks
         self.samples: list[tuple[float, float]] = []
 

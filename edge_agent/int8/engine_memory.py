@@ -221,20 +221,3 @@ def cached_mb(shape: PrefixShape, engine: Any, batch: int, threads: int = 1) -> 
     """A cached choice's re-check and the features through it: its engine at the job's batch
     and its threads."""
     return CACHED_CALIBRATION_COPIES * shape.calibration_mb + engine_mb(engine, shape, batch, threads=threads)
-
-
-def selection_candidates(engines: Sequence[tuple[str, Any]], *, job_cpu_s: float) -> list[tuple[str, Any]]:
-    """Which of the available `engines` a fresh selection prepares, in its order: cheapest to
-    prepare first; one expensive to prepare only when the job's int8 features (`job_cpu_s`
-    on a cheap engine) cost more than its prepare, or no cheap one is there
-    (selection_measure._dominated); the reference only when it is the only one."""
-    from .selection_measure import EXPENSIVE_PREPARE_S, PREPARE_HINT_LOW
-
-    def hint(engine: Any) -> float:
-        return float(getattr(engine, "prepare_cpu_s_hint", 1.0))
-
-    others = sorted(((n, e) for n, e in engines if n != "reference"), key=lambda ne: hint(ne[1]))
-    if not others:
-        return [(n, e) for n, e in engines if n == "reference"]
-    cheap = [(n, e) for n, e in others if hint(e) < EXPENSIVE_PREPARE_S]
-    return [(n, e) for n, e in others if (n, e) in cheap or not cheap or hint(e) * PREPARE_HINT_LOW <= job_cpu_s]

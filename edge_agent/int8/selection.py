@@ -67,7 +67,6 @@ from .selection_cache import (
     load_cached,
 )
 from .selection_measure import (
-    EXPENSIVE_PREPARE_S,
     PREDICT_IMAGES,
     PROBE_PREDICT_CPU_S,
     PROBE_REPEATS,
@@ -79,6 +78,7 @@ from .selection_measure import (
     measure,
 )
 from .selection_reuse import adopt_shared, use_cached
+from .selection_worth import EXPENSIVE_PREPARE_S
 from .shared_choice import SharedChoice, kind_of, matching
 
 __all__ = [

@@ -54,7 +54,6 @@ from .engine_cost import (
     Clocks,
     EngineUnavailableError,
     Meter,
-    SelectionStopped,
     TimedRuns,
     choice_margin_note,
     choose,
@@ -66,6 +65,7 @@ from .engine_cost import (
 from .engine_memory import PrefixShape, engine_mb, oracle_chunk, over_cap, prefix_shape
 from .oracle_answers import SPOT_CHECK_SAMPLES
 from .selection_cache import Candidate, Selection
+from .selection_worth import EXPENSIVE_PREPARE_S, dominated, unaffordable
 from .shared_choice import FINGERPRINT_SAMPLES, SharedChoice, kind_of, output_fingerprint
 
 _log = logging.getLogger(__name__)
@@ -78,14 +78,6 @@ PROBE_REPEATS = 3  # runs of PROBE_SAMPLES images whose least CPU time prices a 
 # before it is spent instead of overrun by the probe
 PROBE_PREDICT_CPU_S = 0.5
 VARIANT_PREPARE_MAX_S = 2.0  # other thread counts are tried for engines this cheap to prepare
-# An engine whose class says it costs at least this many CPU-seconds to prepare (its
-# prepare_cpu_s_hint: mxnet-onednn, 6 s) is prepared last, and only when the job could pay for
-# it: not when preparing it alone would cost more than the whole job on an engine already
-# checked. Its prepare is taken at PREPARE_HINT_LOW x the hint (measured 2.9-3.3 CPU-s on an
-# EPYC core, half its hint; a faster core may do better), the checked engine's job at the
-# per-image CPU of its check runs (cold, so an over-estimate): both err towards preparing.
-EXPENSIVE_PREPARE_S = 2.0
-PREPARE_HINT_LOW = 0.25
 PREDICT_IMAGES = (100, 1000, 10000)
 
 
@@ -329,7 +321,7 @@ def _probe(ask: Ask, ledger: _Ledger) -> tuple[list[Candidate], float, Any]:
 def _predict(ask: Ask, rows: list[Candidate], per_sample: float) -> tuple[_Prices, float]:
     """Each phase's predicted joules, and what is sure to be spent (+ one batch of the job):
     engines expensive to prepare are priced when they come up (and skipped when the job is too
-    small for them or the budget cannot pay: _dominated, _unaffordable)."""
+    small for them or the budget cannot pay: selection_worth)."""
     x, bundle = ask.x, ask.bundle
     todo = [r for r in rows if r.available]
     others = [r for r in todo if r.name != "reference"]
@@ -403,8 +395,8 @@ def _prepare_and_check(ask: Ask, rows: list[Candidate], oracle: Oracle, prices: 
         if too_big(row):
             continue
         hint = prices.hints[row.name]
-        why = None if ask.measure_all else (_dominated(row, hint, rows, out.check_rate, ask.images)
-                                            or _unaffordable(ask.meter, row.name, hint, prices.prepare[row.name]))
+        why = None if ask.measure_all else (dominated(row, hint, rows, out.check_rate, ask.images)
+                                            or unaffordable(ask.meter, row.name, hint, prices.prepare[row.name]))
         if why:
             row.reason += f"; not prepared: {why}"
             continue
@@ -571,33 +563,3 @@ def _record(ask: Ask, selection: Selection, prepared: _Prepared, calibration: np
     for runner in prepared.runners.values():
         runner.close()
     return selection, keep
-
-
-def _dominated(row: Candidate, hint_s: float, rows: list[Candidate], check_rate: Mapping[str, float],
-               images: int) -> str | None:
-    """Why an engine expensive to prepare need not be prepared for a job of `images` images
-    (see EXPENSIVE_PREPARE_S), or None. CPU-seconds on both sides: the same watts multiply them."""
-    if hint_s < EXPENSIVE_PREPARE_S:
-        return None
-    jobs = [((r.prepare_cpu_s or 0.0) + images * check_rate[r.name], r.name)
-            for r in rows if r.correct and r.name in check_rate]
-    if not jobs:
-        return None
-    best_s, best = min(jobs)
-    low = hint_s * PREPARE_HINT_LOW
-    if low <= best_s:
-        return None
-    return (f"its prepare alone (~{low:.2g} CPU-s or more) costs more than a {images:,}-image job on {best} "
-            f"(~{best_s:.2g} CPU-s)")
-
-
-def _unaffordable(meter: Meter, name: str, hint_s: float, predicted_j: float) -> str | None:
-    """Why an engine expensive to prepare is skipped because the job's budget cannot pay for
-    it (the meter refuses its prepare), or None: a cheaper engine was checked already."""
-    if hint_s < EXPENSIVE_PREPARE_S:
-        return None
-    try:
-        meter.before(f"prepare:{name}", predicted_j)
-    except SelectionStopped:
-        return f"the job's energy budget cannot pay for its prepare (~{predicted_j:.3g} J predicted)"
-    return None

@@ -169,11 +169,11 @@ class DepthPlanning:
             SELECTION_RESIDUAL_MB,
             cached_mb,
             prefix_shape,
-            selection_candidates,
             selection_mb,
         )
         from ..int8.engines._common import thread_count
         from ..int8.selection import availability_report
+        from ..int8.selection_worth import selection_candidates
         from .depth_plan import EngineMemory, engine_cap_mb
 
         shape, threads = prefix_shape(view), thread_count(threads)  # as selection's

@@ -165,6 +165,31 @@ def test_a_shared_choice_whose_pool_spins_here_is_taken_on_one_thread(bundle_dir
     assert any("costly (1 thread(s)) as measured by a device of this kind" in n for n in second.notes)
 
 
+def test_a_selection_times_an_engine_from_its_checks_runs(bundle_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the job's batch size, the check's runs of the engine it prepared at the job's
+    threads are handed to the race as that runner's first rounds; the thread variant prepared
+    after the check has none and is timed from scratch."""
+    monkeypatch.setattr(sel, "thread_count", lambda _t: 2)
+    bundle = load_bundle(bundle_dir)
+    batch = agreement.ORACLE_CHUNK  # the check runs the calibration samples in chunks of this size
+    assert len(bundle.calibration()) >= 4 * batch
+    handed: list[dict] = []
+    real = selection_measure.time_rounds
+    monkeypatch.setattr(selection_measure, "time_rounds",
+                        lambda *a, earlier=None, **kw: handed.append(dict(earlier or {})) or real(*a, earlier=earlier, **kw))
+    virtual = VirtualTime()
+    engine = CostlyEngine(0.04, virtual)
+    chosen, _ = sel.select_engine(bundle, engines=[("costly", engine)], state_dir=tmp_path, repeats=5, batch_size=batch,
+                                  probe=PROBE, env={}, clocks=virtual.clocks)
+    assert chosen.chosen == "costly" and engine.prepared == [2, 1]
+    (earlier,) = handed
+    assert set(earlier) == {("costly", 2)}  # the 1-thread variant was prepared after the check
+    rounds = earlier[("costly", 2)]
+    assert len(rounds) >= ec.RACE_MIN_ROUNDS
+    assert all(cpu == pytest.approx(0.02) and wall == pytest.approx(0.08) for wall, cpu in rounds)  # 0.04 CPU-s / 2 threads
+
+
 def _job(bundle_dir: Path, data: Path, tmp_path: Path, clock: BoardClock, budget_wh: float) -> dict:
     # "device": the budget is charged what the simulated board's INA219 shows (STEP_J per phase)
     return run_finetune(model=bundle_dir, data=data, state_dir=tmp_path / "state", cache_dir=tmp_path / "cache",

@@ -44,11 +44,11 @@ from edge_agent.int8.engine_memory import (
     oracle_chunk,
     oracle_mb,
     prefix_shape,
-    selection_candidates,
     selection_mb,
 )
 from edge_agent.int8.engines import load_engine
 from edge_agent.int8.oracle_answers import SPOT_CHECK_SAMPLES
+from edge_agent.int8.selection_worth import selection_candidates
 from edge_agent.sim import scenario as demo
 from edge_agent.train.depth_plan import (
     DEFAULT_RATES,
